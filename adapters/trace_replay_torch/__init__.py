@@ -1,0 +1,20 @@
+"""trace_replay_torch: trace replay for PyTorch decode loops.
+
+Example (runs on the CPU; use ``device="cuda"`` on a GPU)::
+
+    import torch
+    from trace_replay_torch import TraceReplayState
+
+    total_len = torch.tensor([4, 0, 11, 0], dtype=torch.int32)   # per slot: prompt + outputs
+    prompt_len = torch.tensor([4, 0, 10, 0], dtype=torch.int32)
+    with TraceReplayState(4, 8, device="cpu", total_len=total_len, prompt_len=prompt_len) as state:
+        state.add_request(2, [5, 6, 7])        # slot 2 replays this trace
+        state.apply_staged_writes()
+        sampled = torch.tensor([9, 9])         # what the sampler drew, rows -> slots [2, 0]
+        state.replay(sampled, torch.tensor([2, 0], dtype=torch.int32))
+        assert sampled.tolist() == [6, 9]      # slot 2 is at step 1 of its trace
+"""
+
+from .state import TraceReplayState
+
+__all__ = ["TraceReplayState"]

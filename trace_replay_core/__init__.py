@@ -1,0 +1,45 @@
+"""trace_replay_core: replay recorded token traces inside any decode loop, on the GPU.
+
+Framework-neutral: arrays arrive over DLPack, streams as explicit handles, memory and events
+through NVIDIA's cuda-bindings/cuda-core, kernels are Triton kernels launched compiled. A numpy
+backend with identical semantics runs everything on a machine without a GPU.
+
+Example (CPU backend; on a GPU pass ``device="cuda"`` and device arrays)::
+
+    import numpy as np
+    from trace_replay_core import TraceTable
+
+    with TraceTable(max_slots=4, max_trace_len=8, device="cpu") as table:
+        table.stage(2, [5, 6, 7])
+        table.commit(stream=0)
+        sampled = np.array([9, 9], dtype=np.int64)           # the sampler's draw
+        idx_mapping = np.array([2, 0], dtype=np.int32)       # batch row -> slot
+        total_len = np.array([4, 0, 11, 0], dtype=np.int32)  # per slot: prompt + outputs so far
+        prompt_len = np.array([4, 0, 10, 0], dtype=np.int32)
+        table.replay(sampled, idx_mapping, total_len, prompt_len, stream=0)
+        assert sampled.tolist() == [6, 9]                    # slot 2 is at step 1 of its trace
+
+Importing this package loads neither torch nor jax.
+"""
+
+from .dlpack import ArrayView, as_view, check_view
+from .reference import replay_reference, token_logprob_rank_reference
+from .streams import stream_handle
+from .table import INDEX_DTYPES, PLACEMENTS, TOKEN_DTYPES, TraceTable, default_device, parse_device
+
+__all__ = [
+    "TraceTable",
+    "ArrayView",
+    "as_view",
+    "check_view",
+    "stream_handle",
+    "default_device",
+    "parse_device",
+    "replay_reference",
+    "token_logprob_rank_reference",
+    "PLACEMENTS",
+    "TOKEN_DTYPES",
+    "INDEX_DTYPES",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,274 @@
+"""DLPack intake: any object with ``__dlpack__`` becomes a validated :class:`ArrayView`.
+
+The core never sees framework types. It asks the producer for a DLPack capsule (a versioned
+1.x capsule when the producer offers one, else the older unversioned kind), reads the
+``DLTensor`` it describes and keeps the capsule alive for as long as the view lives: while a
+view exists, the producer's memory cannot be freed under it.
+
+A view records the data pointer (``data + byte_offset``, in bytes), shape and strides (in
+elements), the dtype as a name (``"int32"``, ``"bfloat16"`` ...), the device and whether the
+producer marked the memory read-only.
+
+Consuming a capsule is host-only and never blocks on the device. The ``stream`` handed to the
+producer is the consumer stream of the DLPack handshake: the producer makes that stream wait
+for its pending writes (``-1`` asks for no ordering at all).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Iterable, Optional, Tuple
+
+__all__ = [
+    "ArrayView",
+    "as_view",
+    "check_view",
+    "CPU",
+    "CUDA",
+]
+
+CPU = "cpu"
+CUDA = "cuda"
+
+# DLDeviceType values (dlpack.h).
+_KDL_CPU = 1
+_KDL_CUDA = 2
+_KDL_CUDA_HOST = 3
+_DEVICE_NAMES = {
+    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
+    11: "rocm_host", 13: "cuda_managed", 14: "oneapi",
+}
+
+# (code, bits) -> dtype name. DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
+_DTYPES = {
+    (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
+    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
+    (4, 16): "bfloat16", (6, 8): "bool",
+}
+ITEMSIZE = {name: bits // 8 for (_, bits), name in _DTYPES.items()}
+
+_FLAG_READ_ONLY = 1 << 0
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+_VERSIONED = b"dltensor_versioned"
+_UNVERSIONED = b"dltensor"
+_MAX_VERSION = (1, 1)
+
+
+class ArrayView:
+    """A validated description of someone else's array memory.
+
+    Attributes: ``ptr`` (int, bytes, already ``data + byte_offset``), ``shape`` and ``strides``
+    (tuples; strides in elements), ``dtype`` (name), ``itemsize`` (bytes), ``device_type``
+    (``"cpu"`` or ``"cuda"``), ``device_id`` (int), ``readonly`` (bool).
+
+    The view does not own the memory; it holds the DLPack capsule (``keepalive``), which keeps
+    the producer's buffer alive until the view is dropped. Building one by hand (``keepalive``
+    ``None``) is for callers that keep the memory alive themselves.
+    """
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id",
+                 "readonly", "keepalive")
+
+    def __init__(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...], dtype: str,
+                 device_type: str, device_id: int, readonly: bool = False, keepalive: Any = None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.strides = tuple(int(s) for s in strides)
+        self.dtype = dtype
+        self.itemsize = ITEMSIZE[dtype]
+        self.device_type = device_type
+        self.device_id = int(device_id)
+        self.readonly = bool(readonly)
+        self.keepalive = keepalive
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+        return "cpu" if self.device_type == CPU else f"{self.device_type}:{self.device_id}"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def is_c_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def describe(self) -> str:
+        ro = ", read-only" if self.readonly else ""
+        return f"{self.dtype}{list(self.shape)} on {self.device}{ro}"
+
+    def __repr__(self) -> str:
+        return (f"ArrayView(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, "
+                f"dtype={self.dtype}, device={self.device}, readonly={self.readonly})")
+
+
+def _dlpack_stream_arg(device_type: int, stream: Optional[int]) -> Optional[int]:
+    """The ``stream`` argument of the DLPack handshake for a producer on ``device_type``.
+
+    CPU producers take ``None``. For CUDA, handle 0 (the legacy default stream) is spelled 1
+    in DLPack, 0 being reserved; -1 means "no ordering".
+    """
+    if device_type != _KDL_CUDA or stream is None:
+        return None
+    return 1 if stream == 0 else stream
+
+
+def _capsule_of(obj: Any, name: str, stream: Optional[int]):
+    try:
+        dev_type, _ = obj.__dlpack_device__()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the argument named
+        raise TypeError(f"{name}: __dlpack_device__() failed on {type(obj).__name__}: {exc}") from exc
+    dev_type = int(dev_type)
+    kwargs = {}
+    s = _dlpack_stream_arg(dev_type, stream)
+    if s is not None:
+        kwargs["stream"] = s
+    try:
+        return obj.__dlpack__(max_version=_MAX_VERSION, **kwargs)
+    except TypeError:
+        # A producer from before DLPack 1.0 does not know max_version.
+        return obj.__dlpack__(**kwargs)
+
+
+def as_view(obj: Any, *, name: str, stream: Optional[int] = None) -> ArrayView:
+    """Return an :class:`ArrayView` of ``obj`` (host-only; never blocks on the device).
+
+    ``obj`` is an :class:`ArrayView` (returned as is) or any object implementing
+    ``__dlpack__`` and ``__dlpack_device__``. ``name`` is the argument name used in error
+    messages. ``stream`` (int handle, optional) is the consumer stream passed to the producer
+    so that it orders its pending writes before work on that stream; ``-1`` asks for none.
+    """
+    if isinstance(obj, ArrayView):
+        return obj
+    if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
+        raise TypeError(f"{name} must be an array supporting DLPack (__dlpack__ and __dlpack_device__); "
+                        f"got {type(obj).__name__}")
+    try:
+        capsule = _capsule_of(obj, name, stream)
+    except BufferError as exc:
+        raise ValueError(f"{name} could not be exported over DLPack ({exc})") from exc
+    if _capsule_is_valid(capsule, _VERSIONED):
+        managed = _DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, _VERSIONED))
+        if managed.version.major > 1:
+            raise ValueError(f"{name} came as a DLPack {managed.version.major}.{managed.version.minor} "
+                             f"capsule; this library reads DLPack 1.x")
+        readonly = bool(managed.flags & _FLAG_READ_ONLY)
+    elif _capsule_is_valid(capsule, _UNVERSIONED):
+        managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, _UNVERSIONED))
+        readonly = False
+    else:
+        raise TypeError(f"{name}.__dlpack__() returned {capsule!r}, not an unconsumed DLPack capsule")
+    t = managed.dl_tensor
+    code, bits, lanes = t.dtype.code, t.dtype.bits, t.dtype.lanes
+    dtype = _DTYPES.get((code, bits))
+    if dtype is None or lanes != 1:
+        raise TypeError(f"{name} has a DLPack dtype this library does not handle "
+                        f"(code={code}, bits={bits}, lanes={lanes})")
+    ndim = t.ndim
+    shape = tuple(t.shape[i] for i in range(ndim))
+    if t.strides:
+        strides = tuple(t.strides[i] for i in range(ndim))
+    else:  # NULL strides: compact row-major
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= s
+        strides = tuple(reversed(strides))
+    dev_type = t.device.device_type
+    if dev_type in (_KDL_CPU, _KDL_CUDA_HOST):
+        device_type, device_id = CPU, 0
+    elif dev_type == _KDL_CUDA:
+        device_type, device_id = CUDA, t.device.device_id
+    else:
+        device_type, device_id = _DEVICE_NAMES.get(dev_type, f"dldevice{dev_type}"), t.device.device_id
+    ptr = (t.data or 0) + t.byte_offset
+    return ArrayView(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive=capsule)
+
+
+def check_view(view: ArrayView, *, name: str, dtypes: Iterable[str], device: Optional[str] = None,
+               ndim: Optional[int] = None, length: Optional[int] = None, min_length: Optional[int] = None,
+               writable: bool = False, contiguous: bool = True) -> ArrayView:
+    """Validate ``view`` and raise with ``name`` and what was received; return it unchanged.
+
+    ``device`` is ``"cpu"`` or ``"cuda:N"``; ``length``/``min_length`` apply to dimension 0.
+    """
+    dtypes = tuple(dtypes)
+    if view.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)} (got {view.dtype})")
+    if device is not None and view.device != device:
+        raise ValueError(f"{name} must be on {device} (got {view.device})")
+    if ndim is not None and view.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D (got shape {list(view.shape)})")
+    if length is not None and view.shape[0] != length:
+        raise ValueError(f"{name} must have {length} rows (got shape {list(view.shape)})")
+    if min_length is not None and view.shape[0] < min_length:
+        raise ValueError(f"{name} must have at least {min_length} entries (got shape {list(view.shape)})")
+    if contiguous and not view.is_c_contiguous:
+        raise ValueError(f"{name} must be contiguous (got shape {list(view.shape)} with element "
+                         f"strides {list(view.strides)})")
+    if writable and view.readonly:
+        raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
+    if view.size and view.ptr % view.itemsize:
+        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements "
+                         f"(got address 0x{view.ptr:x})")
+    return view

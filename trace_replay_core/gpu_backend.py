@@ -1,0 +1,217 @@
+"""The GPU backend: trace table, per-slot lengths and a ring of staging buffers on one device.
+
+Memory (all owned here, freed by :meth:`GpuBackend.close`):
+
+- ``table``: ``[max_slots, max_trace_len]`` int32, either device memory (``placement="device"``)
+  or pinned host memory mapped into the device's address space (``"host_mapped"``: no GPU
+  memory, every replay read crosses PCIe).
+- ``trace_len``: ``[max_slots]`` int32 in device memory, 0 = untraced.
+- a ring of ``staging_depth`` staging pairs (pinned host buffer, device buffer, event).
+
+Staging and its guard: ``stage`` writes tokens straight into the open pair's pinned buffer.
+``commit(stream)`` appends the entry table, queues one host-to-device copy of the used bytes
+and one scatter launch on ``stream``, records the pair's event and opens the next pair. A
+pair is written again only after its event has completed: the first ``stage`` into a reused
+pair waits for it (host-blocking, and only when ``staging_depth`` commits are still in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+
+from . import _cuda
+from .dlpack import ArrayView
+from .kernels.launch import compiled
+
+__all__ = ["GpuBackend"]
+
+_META_FIELDS = 3          # slot, length, offset (int64 each)
+_ALIGN_TOKENS = 4         # each trace starts on a 16-byte boundary
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class _StagingPair:
+    def __init__(self, nbytes: int):
+        self.host = _cuda.PinnedAllocation(nbytes)
+        self.device = _cuda.DeviceAllocation(nbytes)
+        self.event = _cuda.Event()
+        self.tokens = self.host.numpy(np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.nbytes
+
+    def grow(self, nbytes: int, keep_tokens: int) -> None:
+        """Replace both buffers with ``nbytes`` ones, keeping the first ``keep_tokens`` tokens.
+
+        Only called on the open pair, whose last copy and scatter have completed.
+        """
+        host = _cuda.PinnedAllocation(nbytes)
+        tokens = host.numpy(np.int32)
+        tokens[:keep_tokens] = self.tokens[:keep_tokens]
+        device = _cuda.DeviceAllocation(nbytes)
+        self.host.close()
+        self.device.close()
+        self.host, self.device, self.tokens = host, device, tokens
+
+    def close(self) -> None:
+        self.host.close()
+        self.device.close()
+        self.event.close()
+
+
+class GpuBackend:
+    def __init__(self, max_slots: int, max_trace_len: int, *, device_id: int, placement: str,
+                 staging_depth: int, staging_bytes: int):
+        self.device_id = device_id
+        self.max_slots = max_slots
+        self.max_trace_len = max_trace_len
+        self.placement = placement
+        _cuda.activate(device_id)
+        self._closed = False
+        self._table_dev = self._table_host = None
+        self._pairs = []
+        self._trace_len = None
+        init_stream = _cuda.create_stream()
+        try:
+            table_bytes = max_slots * max_trace_len * 4
+            if placement == "device":
+                self._table_dev = _cuda.DeviceAllocation(table_bytes)
+                self.table_ptr = self._table_dev.ptr
+            else:
+                self._table_host = _cuda.PinnedAllocation(table_bytes)
+                self.table_ptr = self._table_host.device_ptr
+            self._trace_len = _cuda.DeviceAllocation(max_slots * 4)
+            self.trace_len_ptr = self._trace_len.ptr
+            _cuda.memset_d8_async(self.trace_len_ptr, 0, max_slots * 4, init_stream)
+            _cuda.memset_d8_async(self.table_ptr, 0, table_bytes, init_stream)
+            self._pairs = [_StagingPair(staging_bytes) for _ in range(staging_depth)]
+            _cuda.synchronize_stream(init_stream)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            _cuda.destroy_stream(init_stream)
+        self._open = 0
+        self._prepared = False
+        self._entries: Dict[int, Tuple[int, int]] = {}   # slot -> (length, token offset)
+        self._fill = 0                                   # tokens written into the open pair
+        self._kernels: Dict[tuple, object] = {}
+        self.guard_waits = 0                              # times stage/commit waited on a pair
+
+    # staging -------------------------------------------------------------------------------
+    def _prepare_open(self) -> _StagingPair:
+        pair = self._pairs[self._open]
+        if not self._prepared:
+            if not pair.event.done():
+                self.guard_waits += 1
+                pair.event.synchronize()
+            self._prepared = True
+        return pair
+
+    def _reserve(self, pair: _StagingPair, tokens_needed: int) -> None:
+        meta_bytes = (len(self._entries) + 1) * _META_FIELDS * 8 + 16
+        need = _round_up(tokens_needed * 4, 16) + meta_bytes
+        if need > pair.nbytes:
+            pair.grow(max(need, 2 * pair.nbytes), self._fill)
+
+    def stage(self, slot: int, tokens: np.ndarray) -> None:
+        pair = self._prepare_open()
+        n = int(tokens.shape[0])
+        start = self._fill
+        self._reserve(pair, start + n)
+        pair.tokens[start:start + n] = tokens
+        self._entries[slot] = (n, start)
+        self._fill = _round_up(start + n, _ALIGN_TOKENS)
+
+    def clear(self, slot: int) -> None:
+        self._entries[slot] = (0, 0)
+
+    def pending(self) -> int:
+        return len(self._entries)
+
+    def commit(self, stream: int) -> None:
+        if not self._entries:
+            return
+        if _cuda.stream_is_capturing(stream):
+            raise RuntimeError("commit() cannot be captured into a CUDA graph: its staging data changes "
+                               "every time; commit outside the graph, between replays")
+        pair = self._prepare_open()
+        self._reserve(pair, self._fill)
+        meta_off = _round_up(self._fill * 4, 16)
+        n = len(self._entries)
+        meta = np.empty((n, _META_FIELDS), dtype=np.int64)
+        longest = 0
+        for i, (slot, (length, offset)) in enumerate(self._entries.items()):
+            meta[i] = (slot, length, offset)
+            longest = max(longest, length)
+        pair.tokens.view(np.uint8)[meta_off:meta_off + meta.nbytes] = meta.view(np.uint8).reshape(-1)
+        nbytes = meta_off + meta.nbytes
+        _cuda.memcpy_htod_async(pair.device.ptr, pair.host.ptr, nbytes, stream)
+        from .kernels.scatter import SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS, SCATTER_NUM_WARPS, scatter_kernel
+        chunks = max(1, min(-(-longest // SCATTER_BLOCK), SCATTER_MAX_CHUNK_PROGRAMS))
+        kernel = self._kernels.get("scatter")
+        if kernel is None:
+            kernel = compiled(scatter_kernel, self.device_id, ("int64", "int32", "int32", "int32"), 2,
+                              {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
+            self._kernels["scatter"] = kernel
+        kernel.launch((n, chunks, 1), stream, pair.device.ptr + meta_off, pair.device.ptr,
+                      self.table_ptr, self.trace_len_ptr, self.max_trace_len, chunks)
+        pair.event.record(stream)
+        self._entries = {}
+        self._fill = 0
+        self._open = (self._open + 1) % len(self._pairs)
+        self._prepared = False
+
+    # replay --------------------------------------------------------------------------------
+    def replay_kernel(self, dtypes: Tuple[str, str, str, str], per_row_step: bool):
+        key = (dtypes, per_row_step)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            from .kernels.replay import REPLAY_BLOCK, REPLAY_NUM_WARPS, replay_kernel
+            kernel = compiled(replay_kernel, self.device_id, dtypes + ("int32", "int32"), 3,
+                              {"PER_ROW_STEP": per_row_step, "BLOCK": REPLAY_BLOCK}, REPLAY_NUM_WARPS)
+            self._kernels[key] = kernel
+        return kernel
+
+    def replay(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool,
+               stream: int) -> None:
+        from .kernels.replay import REPLAY_BLOCK
+        second = first if second is None else second
+        kernel = self.replay_kernel((sampled.dtype, idx.dtype, first.dtype, second.dtype), per_row_step)
+        rows = sampled.shape[0]
+        if rows == 0:
+            return
+        kernel.launch(((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1), stream, sampled.ptr, idx.ptr,
+                      first.ptr, second.ptr, self.table_ptr, self.trace_len_ptr, rows, self.max_slots,
+                      self.max_trace_len)
+
+    # inspection ----------------------------------------------------------------------------
+    def snapshot(self):
+        """Host-blocking copy of (table, trace_len) after all queued work on the device."""
+        from cuda.bindings import driver as cu
+        _cuda.synchronize_device()
+        table = np.empty((self.max_slots, self.max_trace_len), dtype=np.int32)
+        lengths = np.empty(self.max_slots, dtype=np.int32)
+        _cuda._check(cu.cuMemcpyDtoH(table.ctypes.data, self.table_ptr, table.nbytes), "cuMemcpyDtoH")
+        _cuda._check(cu.cuMemcpyDtoH(lengths.ctypes.data, self.trace_len_ptr, lengths.nbytes), "cuMemcpyDtoH")
+        return table, lengths
+
+    def close(self) -> None:
+        """Host-blocking: waits for all queued device work, then frees everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _cuda.activate(self.device_id)
+        _cuda.synchronize_device()
+        for pair in self._pairs:
+            pair.close()
+        self._pairs = []
+        for alloc in (self._table_dev, self._table_host, self._trace_len):
+            if alloc is not None:
+                alloc.close()

@@ -1,0 +1,245 @@
+"""``TraceTable``: the framework-neutral trace replay state.
+
+A table of ``max_slots`` rows of up to ``max_trace_len`` int32 tokens, one row per request
+slot of a decode loop, plus the trace length of each slot. Traces are staged on the host and
+committed in one stream-ordered batch; replay then overwrites sampled tokens on the device.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .dlpack import ArrayView, as_view, check_view
+from .streams import stream_handle
+from .validate import check_positive_int, check_slot, check_trace
+
+__all__ = ["TraceTable", "PLACEMENTS", "INDEX_DTYPES", "TOKEN_DTYPES", "parse_device", "default_device"]
+
+PLACEMENTS = ("device", "host_mapped")
+TOKEN_DTYPES = ("int32", "int64")
+INDEX_DTYPES = ("int32", "int64")
+
+
+def default_device() -> str:
+    """``"cuda:0"`` when a CUDA device is visible, else ``"cpu"``. Host-only."""
+    from ._cuda import gpu_count
+    return "cuda:0" if gpu_count() > 0 else "cpu"
+
+
+def parse_device(device: Any) -> str:
+    """Normalise ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or an int N to ``"cpu"`` / ``"cuda:N"``."""
+    if isinstance(device, bool):
+        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or an int (got bool {device!r})")
+    if isinstance(device, int):
+        device = f"cuda:{device}"
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or an int (got {type(device).__name__})")
+    if device == "cpu":
+        return device
+    if device == "cuda":
+        device = "cuda:0"
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or an int (got {device!r})")
+    from ._cuda import gpu_count
+    count = gpu_count()
+    if int(index) >= count:
+        raise ValueError(f"device {device!r} is not available: this process sees {count} CUDA device(s); "
+                         f"use device='cpu' for the CPU backend")
+    return device
+
+
+class TraceTable:
+    """Trace storage and replay for one device.
+
+    Parameters
+    ----------
+    max_slots, max_trace_len:
+        Table shape: request slots, and tokens per trace (a trace may fill its row).
+    device:
+        ``"cpu"`` (numpy backend), ``"cuda"``, ``"cuda:N"`` or an int. Keyword-only, required.
+    placement:
+        ``"device"``: table in device memory (``4 * max_slots * max_trace_len`` bytes of GPU
+        memory). ``"host_mapped"``: table in pinned host memory mapped into the device's address
+        space; no GPU memory, every replay read crosses PCIe. Ignored on the CPU backend.
+    vocab_size:
+        When given, staged tokens must be below it.
+    staging_depth, staging_bytes:
+        Ring of staging buffers (commits that may be in flight before ``stage`` waits) and the
+        initial size of each (grown on demand).
+
+    Ownership and blocking: the table owns all its memory. Construction and :meth:`close` are
+    host-blocking; :meth:`stage` and :meth:`clear` are host-only; :meth:`commit` and
+    :meth:`replay` are stream-ordered and never synchronise with the device (``stage`` may wait
+    for a staging buffer when ``staging_depth`` commits are still in flight). Staging methods
+    are thread-safe (one lock); replay reads no host state that staging changes.
+    """
+
+    def __init__(self, max_slots: int, max_trace_len: int, *, device: Any, placement: str = "device",
+                 vocab_size: Optional[int] = None, staging_depth: int = 4, staging_bytes: int = 1 << 20):
+        self.max_slots = check_positive_int(max_slots, name="max_slots")
+        self.max_trace_len = check_positive_int(max_trace_len, name="max_trace_len")
+        if vocab_size is not None:
+            vocab_size = check_positive_int(vocab_size, name="vocab_size")
+        self.vocab_size = vocab_size
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS} (got {placement!r})")
+        staging_depth = check_positive_int(staging_depth, name="staging_depth", maximum=1024)
+        staging_bytes = check_positive_int(staging_bytes, name="staging_bytes", maximum=2**40)
+        if self.max_slots * self.max_trace_len >= 2**40:
+            raise ValueError(f"max_slots * max_trace_len must be below 2**40 tokens "
+                             f"(got {self.max_slots} * {self.max_trace_len})")
+        self.device = parse_device(device)
+        self.placement = placement
+        self._lock = threading.Lock()
+        self._closed = False
+        self._backend = None
+        if self.device == "cpu":
+            from .cpu_backend import CpuBackend
+            self._backend = CpuBackend(self.max_slots, self.max_trace_len)
+        else:
+            from .gpu_backend import GpuBackend
+            self._backend = GpuBackend(self.max_slots, self.max_trace_len, device_id=int(self.device[5:]),
+                                       placement=placement, staging_depth=staging_depth,
+                                       staging_bytes=max(64, staging_bytes + 15) // 16 * 16)
+
+    # lifetime --------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _live(self):
+        if self._closed:
+            raise RuntimeError("this TraceTable is closed")
+        return self._backend
+
+    def close(self) -> None:
+        """Free all memory. Host-blocking (waits for queued device work first); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._backend is not None:
+                self._backend.close()
+
+    def __enter__(self) -> "TraceTable":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may already be gone
+            pass
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of table memory (device memory, or pinned host memory when host-mapped)."""
+        return self.max_slots * self.max_trace_len * 4
+
+    # staging ---------------------------------------------------------------------------------
+    def stage(self, slot: int, tokens: Any) -> None:
+        """Stage ``tokens`` as the trace of ``slot`` for the next :meth:`commit`. Host-only.
+
+        ``tokens``: 1-D integer host data (list, numpy array, CPU tensor), non-empty,
+        non-negative, at most ``max_trace_len`` long, below ``vocab_size`` when set; it is
+        copied, so the caller may reuse it at once. Staging a slot again before the commit
+        replaces the earlier trace. A rejected call changes nothing.
+        """
+        backend = self._live()
+        slot = check_slot(slot, self.max_slots)
+        arr = check_trace(tokens, max_trace_len=self.max_trace_len, vocab_size=self.vocab_size)
+        with self._lock:
+            self._live()
+            backend.stage(slot, arr)
+
+    def clear(self, slot: int) -> None:
+        """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only."""
+        backend = self._live()
+        slot = check_slot(slot, self.max_slots)
+        with self._lock:
+            backend.clear(slot)
+
+    @property
+    def pending(self) -> int:
+        """Number of slots staged since the last commit."""
+        return self._live().pending()
+
+    def commit(self, *, stream: Any) -> None:
+        """Apply everything staged since the last commit, ordered on ``stream``.
+
+        One host-to-device copy and one scatter launch; no host synchronisation. Replays queued
+        on ``stream`` after this call see the new traces; earlier ones see the old. Not
+        capturable in a CUDA graph (call it between graph replays).
+        """
+        handle = stream_handle(stream)
+        backend = self._live()
+        with self._lock:
+            backend.commit(handle)
+
+    # replay ----------------------------------------------------------------------------------
+    def _sampled(self, sampled: Any, handle: int) -> ArrayView:
+        v = as_view(sampled, name="sampled", stream=handle)
+        if v.ndim == 2 and v.shape[1] != 1:
+            raise ValueError(f"sampled has {v.shape[1]} tokens per row (shape {list(v.shape)}): speculative "
+                             f"decoding is not supported; replay takes exactly one token per request per step")
+        if v.ndim not in (1, 2):
+            raise ValueError(f"sampled must be 1-D [batch] or [batch, 1] (got shape {list(v.shape)})")
+        return check_view(v, name="sampled", dtypes=TOKEN_DTYPES, device=self.device, writable=True)
+
+    def views(self, sampled: Any, idx_mapping: Any, total_len: Any = None, prompt_len: Any = None,
+              step: Any = None, *, stream: Any) -> Tuple[ArrayView, ...]:
+        """Validate replay arguments and return their views (host-only). Raises on bad input."""
+        handle = stream_handle(stream)
+        s = self._sampled(sampled, handle)
+        rows = s.shape[0]
+        idx = check_view(as_view(idx_mapping, name="idx_mapping", stream=handle), name="idx_mapping",
+                         dtypes=INDEX_DTYPES, device=self.device, ndim=1, length=rows)
+        if step is not None:
+            st = check_view(as_view(step, name="step", stream=handle), name="step", dtypes=INDEX_DTYPES,
+                            device=self.device, ndim=1, length=rows)
+            return s, idx, st
+        tl = check_view(as_view(total_len, name="total_len", stream=handle), name="total_len",
+                        dtypes=INDEX_DTYPES, device=self.device, ndim=1, min_length=self.max_slots)
+        pl = check_view(as_view(prompt_len, name="prompt_len", stream=handle), name="prompt_len",
+                        dtypes=INDEX_DTYPES, device=self.device, ndim=1, min_length=self.max_slots)
+        return s, idx, tl, pl
+
+    def replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
+        """Overwrite traced rows of ``sampled`` in place, ordered on ``stream``; never blocks.
+
+        ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64, writable. ``idx_mapping``:
+        ``[batch]`` int32/int64 slot per row (-1: no request). ``total_len``, ``prompt_len``:
+        per-slot int32/int64 arrays of at least ``max_slots`` entries, read on the device; the
+        step of a row is ``total_len[slot] - prompt_len[slot]``. Arrays are DLPack objects or
+        :class:`ArrayView`; they must stay alive until the queued work has run (as for any
+        stream-ordered call).
+        """
+        handle = stream_handle(stream)
+        s, idx, tl, pl = self.views(sampled, idx_mapping, total_len, prompt_len, stream=handle)
+        self._live().replay(s, idx, tl, pl, False, handle)
+
+    def replay_at_step(self, sampled: Any, idx_mapping: Any, step: Any, *, stream: Any) -> None:
+        """As :meth:`replay`, with the step of each row given directly: ``step[b]`` (``[batch]``
+        int32/int64, outputs already produced by row ``b``'s request)."""
+        handle = stream_handle(stream)
+        s, idx, st = self.views(sampled, idx_mapping, step=step, stream=handle)
+        self._live().replay(s, idx, st, None, True, handle)
+
+    def replay_views(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second: Optional[ArrayView],
+                     *, stream: int) -> None:
+        """Replay on views already checked by :meth:`views` (``second`` ``None`` = per-row step).
+
+        The fast path for adapters that cache views; ``stream`` is a raw handle.
+        """
+        self._live().replay(sampled, idx, first, second, second is None, stream)
+
+    # inspection ------------------------------------------------------------------------------
+    def snapshot(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Host copies of (table, trace_len) as committed. Host-blocking (synchronises the device)."""
+        return self._live().snapshot()
