@@ -25,10 +25,12 @@ Importing this package loads neither torch nor jax.
 from .dlpack import ArrayView, as_view, check_view
 from .reference import replay_reference, token_logprob_rank_reference
 from .streams import stream_handle
-from .table import INDEX_DTYPES, PLACEMENTS, TOKEN_DTYPES, TraceTable, default_device, parse_device
+from .table import (INDEX_DTYPES, PLACEMENTS, TOKEN_DTYPES, BoundReplay, TraceTable, default_device,
+                    parse_device)
 
 __all__ = [
     "TraceTable",
+    "BoundReplay",
     "ArrayView",
     "as_view",
     "check_view",

@@ -52,6 +52,12 @@ class CpuBackend:
         self._staged.clear()
 
     # replay --------------------------------------------------------------------------------
+    def bind(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second: Optional[ArrayView],
+             per_row_step: bool):
+        def launch(stream: int) -> None:
+            self.replay(sampled, idx, first, second, per_row_step, stream)
+        return launch
+
     def replay(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second: Optional[ArrayView],
                per_row_step: bool, stream: int) -> None:
         out = numpy_of(sampled).reshape(-1)

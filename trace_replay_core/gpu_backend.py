@@ -31,6 +31,10 @@ _META_FIELDS = 3          # slot, length, offset (int64 each)
 _ALIGN_TOKENS = 4         # each trace starts on a 16-byte boundary
 
 
+def _no_launch(stream: int) -> None:
+    return None
+
+
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -179,17 +183,21 @@ class GpuBackend:
             self._kernels[key] = kernel
         return kernel
 
-    def replay(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool,
-               stream: int) -> None:
+    def bind(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool):
+        """Return ``launch(stream)`` replaying onto exactly these arrays (pointers fixed)."""
         from .kernels.replay import REPLAY_BLOCK
         second = first if second is None else second
         kernel = self.replay_kernel((sampled.dtype, idx.dtype, first.dtype, second.dtype), per_row_step)
         rows = sampled.shape[0]
         if rows == 0:
-            return
-        kernel.launch(((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1), stream, sampled.ptr, idx.ptr,
-                      first.ptr, second.ptr, self.table_ptr, self.trace_len_ptr, rows, self.max_slots,
-                      self.max_trace_len)
+            return _no_launch
+        return kernel.bind(((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1), sampled.ptr, idx.ptr,
+                           first.ptr, second.ptr, self.table_ptr, self.trace_len_ptr, rows, self.max_slots,
+                           self.max_trace_len)
+
+    def replay(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool,
+               stream: int) -> None:
+        self.bind(sampled, idx, first, second, per_row_step)(stream)
 
     # inspection ----------------------------------------------------------------------------
     def snapshot(self):

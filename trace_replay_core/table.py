@@ -16,7 +16,7 @@ from .dlpack import ArrayView, as_view, check_view
 from .streams import stream_handle
 from .validate import check_positive_int, check_slot, check_trace
 
-__all__ = ["TraceTable", "PLACEMENTS", "INDEX_DTYPES", "TOKEN_DTYPES", "parse_device", "default_device"]
+__all__ = ["TraceTable", "BoundReplay", "PLACEMENTS", "INDEX_DTYPES", "TOKEN_DTYPES", "parse_device", "default_device"]
 
 PLACEMENTS = ("device", "host_mapped")
 TOKEN_DTYPES = ("int32", "int64")
@@ -231,15 +231,43 @@ class TraceTable:
         s, idx, st = self.views(sampled, idx_mapping, step=step, stream=handle)
         self._live().replay(s, idx, st, None, True, handle)
 
-    def replay_views(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second: Optional[ArrayView],
-                     *, stream: int) -> None:
-        """Replay on views already checked by :meth:`views` (``second`` ``None`` = per-row step).
+    def bind_replay(self, sampled: Any, idx_mapping: Any, total_len: Any = None, prompt_len: Any = None,
+                    step: Any = None, *, stream: Any) -> "BoundReplay":
+        """Validate the arrays once and return a :class:`BoundReplay` that replays onto them.
 
-        The fast path for adapters that cache views; ``stream`` is a raw handle.
+        For loops that reuse the same buffers every step (persistent input buffers, CUDA graphs):
+        each call of the result only queues the kernel. Give ``total_len`` and ``prompt_len``, or
+        ``step``. The bound replay holds the arrays' DLPack capsules, keeping them alive.
+        ``stream`` is used for the DLPack handshake here; each call names its own stream.
         """
-        self._live().replay(sampled, idx, first, second, second is None, stream)
+        handle = stream_handle(stream)
+        views = self.views(sampled, idx_mapping, total_len, prompt_len, step, stream=handle)
+        backend = self._live()
+        if step is not None:
+            return BoundReplay(self, backend.bind(views[0], views[1], views[2], None, True), views)
+        return BoundReplay(self, backend.bind(views[0], views[1], views[2], views[3], False), views)
 
     # inspection ------------------------------------------------------------------------------
     def snapshot(self) -> Tuple[np.ndarray, np.ndarray]:
         """Host copies of (table, trace_len) as committed. Host-blocking (synchronises the device)."""
         return self._live().snapshot()
+
+
+class BoundReplay:
+    """A replay whose arrays were validated and fixed by :meth:`TraceTable.bind_replay`.
+
+    ``bound(stream=s)`` queues the replay on stream ``s`` (stream-ordered, never blocks): the
+    cheapest way to replay, a single kernel launch. ``views`` holds the validated arrays.
+    """
+
+    __slots__ = ("_table", "_launch", "views")
+
+    def __init__(self, table: TraceTable, launch, views):
+        self._table = table
+        self._launch = launch
+        self.views = views
+
+    def __call__(self, *, stream: Any) -> None:
+        if self._table._closed:
+            raise RuntimeError("this TraceTable is closed")
+        self._launch(stream if type(stream) is int and stream >= 0 else stream_handle(stream))

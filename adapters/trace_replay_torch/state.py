@@ -131,17 +131,23 @@ class TraceReplayState:
         self._views.clear()
 
     # replay ----------------------------------------------------------------------------------
-    def _cached(self, key, make):
-        views = self._views.get(key)
-        if views is None:
-            views = make()
+    def _bound(self, key, bind):
+        """The cached bound replay for this exact layout of arrays, binding on a miss.
+
+        The key is (data pointer, dtype, shape, strides) of every array: equal keys describe the
+        same memory, so a cached launch is exactly what binding again would give. A cached
+        entry keeps only pointers, never the tensors (old tensors must be free to go).
+        """
+        bound = self._views.get(key)
+        if bound is None:
+            bound = bind()
             if len(self._views) >= _VIEW_CACHE_SIZE:
                 self._views.pop(next(iter(self._views)))
-            # Keep the layout only: a cached view must not keep an old tensor alive.
-            for v in views:
+            for v in bound.views:
                 v.keepalive = None
-            self._views[key] = views
-        return views
+            bound.views = ()
+            self._views[key] = bound
+        return bound
 
     def replay(self, sampled: torch.Tensor, idx_mapping: torch.Tensor,
                total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -149,32 +155,29 @@ class TraceReplayState:
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
+        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up.
         """
         stream = self._stream()
         if total_len is None and prompt_len is None:
             if self._lengths is None:
                 raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
-            total_len, prompt_len, tl_view, pl_view = self._lengths
-            key = ("L", _key(sampled), _key(idx_mapping))
-
-            def make():
-                s, idx, _, _ = self.table.views(sampled, idx_mapping, tl_view, pl_view, stream=stream)
-                return s, idx
-            s, idx = self._cached(key, make)
-            self.table.replay_views(s, idx, tl_view, pl_view, stream=stream)
-            return sampled
-        if total_len is None or prompt_len is None:
-            raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
-        key = ("T", _key(sampled), _key(idx_mapping), _key(total_len), _key(prompt_len))
-        views = self._cached(key, lambda: self.table.views(sampled, idx_mapping, total_len, prompt_len,
-                                                           stream=stream))
-        self.table.replay_views(*views, stream=stream)
+            _, _, tl_view, pl_view = self._lengths
+            key = (_key(sampled), _key(idx_mapping))
+            bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, tl_view, pl_view,
+                                                                    stream=stream))
+        else:
+            if total_len is None or prompt_len is None:
+                raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
+            key = (_key(sampled), _key(idx_mapping), _key(total_len), _key(prompt_len))
+            bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, total_len, prompt_len,
+                                                                    stream=stream))
+        bound(stream=stream)
         return sampled
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row."""
         stream = self._stream()
-        key = ("S", _key(sampled), _key(idx_mapping), _key(step))
-        s, idx, st = self._cached(key, lambda: self.table.views(sampled, idx_mapping, step=step, stream=stream))
-        self.table.replay_views(s, idx, st, None, stream=stream)
+        key = ("step", _key(sampled), _key(idx_mapping), _key(step))
+        bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, step=step, stream=stream))
+        bound(stream=stream)
         return sampled
