@@ -146,6 +146,8 @@ class ArrayView:
 
     @property
     def is_c_contiguous(self) -> bool:
+        if self.size == 0:
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.strides)):
             if size != 1 and stride != expected:

@@ -1,0 +1,116 @@
+"""Shared benchmark harness: provenance, timing helpers, result files.
+
+- :func:`provenance` records the machine and versions a result came from.
+- :func:`time_cuda` times device work with CUDA events (``triton.testing.do_bench``), after
+  warm-up, and reports p20/p50/p80 in microseconds.
+- :func:`time_host` times host-side cost per call (wall clock over back-to-back calls, no
+  synchronisation inside the loop; the device is synchronised before and after), repeated in
+  several rounds so that the spread is visible.
+- :func:`write_results` writes ``bench/results/<name>.json``: rows, each with its provenance.
+
+Benchmarks report figures; they never assert. Correctness lives in ``tests/``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+__all__ = ["provenance", "time_cuda", "time_host", "percentiles", "write_results", "table", "RESULTS_DIR"]
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _version(module: str) -> Optional[str]:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:  # noqa: BLE001 - absent or broken: recorded as such
+        return None
+
+
+def provenance() -> Dict[str, object]:
+    """GPU name, driver, library versions, date (UTC) and the command line of this run."""
+    gpu = driver = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        if out:
+            gpu, driver = [x.strip() for x in out[0].split(",")]
+    except Exception:  # noqa: BLE001 - no nvidia-smi: CPU machine
+        pass
+    versions = {m: _version(m) for m in ("numpy", "torch", "triton", "jax", "jaxlib", "cuda.core",
+                                         "cuda.bindings")}
+    versions["python"] = platform.python_version()
+    return {
+        "gpu": gpu,
+        "driver": driver,
+        "versions": versions,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "host": platform.node(),
+    }
+
+
+def percentiles(samples_us) -> Dict[str, float]:
+    a = np.asarray(samples_us, dtype=np.float64)
+    p20, p50, p80 = np.percentile(a, [20, 50, 80])
+    return {"us_p20": float(p20), "us_p50": float(p50), "us_p80": float(p80), "n": int(a.size)}
+
+
+def time_cuda(fn: Callable[[], None], *, warmup_ms: float = 50, rep_ms: float = 300) -> Dict[str, float]:
+    """Device time of ``fn`` per call from CUDA events (``do_bench``): p20/p50/p80 in us."""
+    from triton.testing import do_bench
+    times_ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+    return percentiles(np.asarray(times_ms) * 1e3)
+
+
+def time_host(fn: Callable[[], None], *, sync: Callable[[], None], calls: int = 2000, rounds: int = 15,
+              warmup: int = 200) -> Dict[str, float]:
+    """Host time per call of ``fn``: ``rounds`` rounds of ``calls`` back-to-back calls.
+
+    The device is synchronised (``sync``) before each round, not inside it, so a GPU-bound call
+    shows GPU time. Returns p20/p50/p80 over the per-round means, in us.
+    """
+    for _ in range(warmup):
+        fn()
+    sync()
+    per_round = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        per_round.append((t1 - t0) / calls * 1e6)
+    sync()
+    return percentiles(per_round)
+
+
+def write_results(name: str, rows: List[dict]) -> str:
+    """Write ``results/<name>.json``: a list of ``rows``, each carrying its provenance (GPU,
+    driver, versions, date, command). Return the path."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    prov = provenance()
+    keep = {k: prov[k] for k in ("gpu", "driver", "versions", "date", "command")}
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump([dict(r, **keep) for r in rows], f, indent=1)
+    return path
+
+
+def table(rows: List[dict], columns: List[str]) -> str:
+    """A Markdown table of ``rows`` restricted to ``columns``."""
+    def fmt(v):
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""Host time per replay step: this library's torch path vs other ways to launch the same work.
+
+Question: what does one replay step cost the decode loop's host thread, at batch 1, 256, 1024?
+Setup: 1024 slots, 8192 tokens per slot, every slot traced, steps spread before/inside/past the
+traces. Each provider runs 2000 back-to-back calls per round, 15 rounds, no synchronisation
+inside a round (so a GPU-bound provider shows GPU time); reported p20/p50/p80 over rounds.
+
+Providers:
+- ``trace_replay_torch``: ``TraceReplayState.replay(sampled, idx_mapping)`` (lengths bound),
+  for both table placements.
+- ``core_bound``: a :class:`trace_replay_core.BoundReplay` called directly (no adapter).
+- ``core_dlpack_every_call``: ``TraceTable.replay`` with torch tensors, re-reading all four
+  arrays over DLPack every call (what a cache-less adapter would pay).
+- ``triton_jit_launcher``: the same kernel launched as ``kernel[grid](torch tensors)`` (the
+  reference implementation's launch style).
+- ``torch_native``: gather + where in torch ops (several kernels).
+- ``cuda_graph``: a CUDA graph holding one replay launch, replayed (the floor).
+
+Does not measure: device time of the kernel (see ``bench/`` scaling scripts), commits.
+Run: ``python bench/launch.py`` on a GPU; writes ``bench/results/launch.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import provenance, table, time_host, write_results  # noqa: E402
+
+MAX_SLOTS = 1024
+MAX_TRACE_LEN = 8192
+BATCHES = (1, 256, 1024)
+
+
+def main() -> None:
+    import torch
+    import triton
+
+    from trace_replay_core import TraceTable
+    from trace_replay_core.kernels.replay import REPLAY_BLOCK, replay_kernel
+    from trace_replay_torch import TraceReplayState
+
+    dev = torch.device("cuda", 0)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, MAX_TRACE_LEN + 1, MAX_SLOTS)
+    traces = [rng.integers(0, 150_000, n) for n in lengths]
+    prompt = rng.integers(1, 2000, MAX_SLOTS)
+    total = prompt + rng.integers(-2, MAX_TRACE_LEN + 2, MAX_SLOTS)
+    total_len = torch.tensor(total, dtype=torch.int32, device=dev)
+    prompt_len = torch.tensor(prompt, dtype=torch.int32, device=dev)
+    sync = torch.cuda.synchronize
+    rows = []
+
+    def record(provider, batch, placement, stats):
+        rows.append(dict(provider=provider, batch=batch, placement=placement, **stats))
+        print(f"{provider:26s} B={batch:5d} {placement:12s} p50 {stats['us_p50']:8.2f} us "
+              f"(p20 {stats['us_p20']:.2f}, p80 {stats['us_p80']:.2f})", flush=True)
+
+    states = {}
+    for placement in ("device", "host_mapped"):
+        st = TraceReplayState(MAX_SLOTS, MAX_TRACE_LEN, device=dev, total_len=total_len,
+                              prompt_len=prompt_len, placement=placement)
+        for slot, tr in enumerate(traces):
+            st.add_request(slot, tr)
+        st.apply_staged_writes()
+        states[placement] = st
+    sync()
+    table_np, len_np = states["device"].table.snapshot()
+    table_t = torch.from_numpy(table_np).to(dev)
+    len_t = torch.from_numpy(len_np).to(dev)
+
+    for batch in BATCHES:
+        idx = torch.tensor(rng.permutation(MAX_SLOTS)[:batch], dtype=torch.int32, device=dev)
+        base = torch.tensor(rng.integers(0, 150_000, batch), dtype=torch.int64, device=dev)
+        outs = {}
+        for placement, st in states.items():
+            sampled = base.clone()
+            record("trace_replay_torch", batch, placement, time_host(lambda: st.replay(sampled, idx), sync=sync))
+            outs[placement] = sampled
+        st = states["device"]
+        stream = torch.cuda.current_stream().cuda_stream
+        sampled = base.clone()
+        bound = st.table.bind_replay(sampled, idx, total_len, prompt_len, stream=stream)
+        record("core_bound", batch, "device", time_host(lambda: bound(stream=stream), sync=sync))
+        sampled = base.clone()
+        record("core_dlpack_every_call", batch, "device",
+               time_host(lambda: st.table.replay(sampled, idx, total_len, prompt_len, stream=stream), sync=sync,
+                         calls=300, rounds=7, warmup=20))
+
+        sampled = base.clone()
+        grid = (triton.cdiv(batch, REPLAY_BLOCK),)
+
+        def jit_launch():
+            replay_kernel[grid](sampled, idx, total_len, prompt_len, table_t, len_t, batch, MAX_SLOTS,
+                                MAX_TRACE_LEN, PER_ROW_STEP=False, BLOCK=REPLAY_BLOCK, num_warps=4)
+        record("triton_jit_launcher", batch, "device", time_host(jit_launch, sync=sync))
+        outs["jit"] = sampled
+
+        sampled = base.clone()
+
+        def native():
+            slot = idx.long()
+            valid = slot >= 0
+            s = slot.clamp(min=0)
+            n = len_t[s]
+            step = (total_len[s] - prompt_len[s]).long()
+            valid = valid & (n > 0) & (step >= 0) & (step < n)
+            tok = table_t[s, step.clamp(0, MAX_TRACE_LEN - 1)]
+            sampled.copy_(torch.where(valid, tok.to(sampled.dtype), sampled))
+        record("torch_native", batch, "device", time_host(native, sync=sync))
+        outs["native"] = sampled
+
+        sampled = base.clone()
+        st.replay(sampled, idx)  # warm (compiled, bound) before capture
+        sync()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(graph):
+                st.replay(sampled, idx)
+        torch.cuda.current_stream().wait_stream(side)
+        record("cuda_graph", batch, "device", time_host(graph.replay, sync=sync))
+        outs["graph"] = sampled
+        sync()
+        ref = outs["device"].cpu()
+        same = all(torch.equal(ref, o.cpu()) for o in outs.values())
+        print(f"B={batch}: all providers produced identical tokens: {same}", flush=True)
+
+    for st in states.values():
+        st.close()
+    path = write_results("launch", rows)
+    prov = provenance()
+    print(f"\nwrote {path}\n{prov['gpu']}, driver {prov['driver']}, {prov['versions']}, {prov['date']}\n")
+    print(table(rows, ["provider", "batch", "placement", "us_p50", "us_p20", "us_p80"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Test helpers: random replay scenarios and mismatch reports."""
+
+from __future__ import annotations
+
+import numpy as np
+
+POISON = -7  # written into outputs beforehand: a row the code forgot stays visibly wrong
+
+
+def random_scenario(rng, *, max_slots: int, max_trace_len: int, batch: int, sampled_dtype=np.int64,
+                    index_dtype=np.int32, vocab: int = 50_000):
+    """A committed table state plus one step's inputs covering every row category.
+
+    Rows hit: slot -1, slots with no trace, steps before (< 0), inside and past the trace, and
+    out-of-range slots. Returns a dict of numpy arrays.
+    """
+    table = np.full((max_slots, max_trace_len), -1, dtype=np.int32)
+    trace_len = np.zeros(max_slots, dtype=np.int32)
+    traces = {}
+    for slot in range(max_slots):
+        if rng.random() < 0.75:
+            n = int(rng.integers(1, max_trace_len + 1))
+            tr = rng.integers(0, vocab, n).astype(np.int32)
+            table[slot, :n] = tr
+            trace_len[slot] = n
+            traces[slot] = tr
+    prompt_len = rng.integers(0, 100, max_slots)
+    step = rng.integers(-3, max_trace_len + 3, max_slots)
+    total_len = prompt_len + step
+    idx = rng.integers(0, max_slots, batch)
+    special = rng.random(batch)
+    idx[special < 0.1] = -1
+    idx[(special >= 0.1) & (special < 0.13)] = max_slots + 3  # out of range: left alone
+    sampled = rng.integers(0, vocab, batch)
+    per_row_step = rng.integers(-3, max_trace_len + 3, batch)
+    return dict(
+        traces=traces, table=table, trace_len=trace_len,
+        prompt_len=prompt_len.astype(index_dtype), total_len=total_len.astype(index_dtype),
+        idx=idx.astype(index_dtype), sampled=sampled.astype(sampled_dtype),
+        step=per_row_step.astype(index_dtype),
+    )
+
+
+def assert_tokens_equal(got, expected, what: str = "tokens") -> None:
+    got = np.asarray(got)
+    expected = np.asarray(expected)
+    assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
+    bad = np.nonzero(got.reshape(-1) != expected.reshape(-1))[0]
+    assert bad.size == 0, (f"{what}: {bad.size} mismatching rows, first {bad[:10].tolist()}: got "
+                           f"{got.reshape(-1)[bad[:10]].tolist()} expected {expected.reshape(-1)[bad[:10]].tolist()}")

@@ -1,0 +1,124 @@
+"""CPU tier: DLPack intake from numpy, torch CPU and JAX CPU arrays, and every refusal."""
+
+import numpy as np
+import pytest
+
+from trace_replay_core import ArrayView, as_view, check_view
+
+
+class LegacyProducer:
+    """A producer from before DLPack 1.0: ``__dlpack__`` knows no ``max_version``."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __dlpack__(self, stream=None):
+        return self.arr.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+
+def test_numpy_view_fields():
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    v = as_view(a, name="a")
+    assert v.ptr == a.ctypes.data
+    assert v.shape == (3, 4) and v.strides == (4, 1)
+    assert v.dtype == "int32" and v.itemsize == 4
+    assert v.device == "cpu" and not v.readonly and v.is_c_contiguous
+
+
+def test_byte_offset_is_included():
+    a = np.arange(100, dtype=np.int64)
+    v = as_view(a[17:40], name="a")
+    assert v.ptr == a.ctypes.data + 17 * 8
+    assert v.shape == (23,)
+
+
+def test_strided_view_is_seen_and_refused():
+    a = np.arange(100, dtype=np.int64)
+    v = as_view(a[::3], name="a")
+    assert v.strides == (3,) and not v.is_c_contiguous
+    with pytest.raises(ValueError, match=r"^a must be contiguous \(got shape \[34\] with element strides \[3\]\)$"):
+        check_view(v, name="a", dtypes=["int64"])
+
+
+def test_read_only_numpy_is_flagged_by_versioned_capsule():
+    a = np.arange(8, dtype=np.int32)
+    a.flags.writeable = False
+    v = as_view(a, name="sampled")
+    assert v.readonly
+    with pytest.raises(ValueError, match=r"^sampled is written in place and must be writable \(got a read-only array\)$"):
+        check_view(v, name="sampled", dtypes=["int32"], writable=True)
+    check_view(v, name="sampled", dtypes=["int32"])  # reading is fine
+
+
+def test_unversioned_capsule_fallback():
+    a = np.arange(5, dtype=np.int64)
+    v = as_view(LegacyProducer(a), name="x")
+    assert v.ptr == a.ctypes.data and v.shape == (5,) and v.dtype == "int64"
+
+
+def test_view_keeps_producer_memory_alive():
+    v = as_view(np.arange(1000, dtype=np.int64) * 3, name="x")  # the array has no other owner
+    from trace_replay_core.cpu_backend import numpy_of
+    assert numpy_of(v)[999] == 2997
+
+
+def test_torch_cpu_views():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(40, dtype=torch.int64).reshape(8, 5)
+    v = as_view(t[2:, 1], name="col")
+    assert v.ptr == t.data_ptr() + (2 * 5 + 1) * 8
+    assert v.shape == (6,) and v.strides == (5,)
+    assert v.dtype == "int64" and v.device == "cpu"
+    v2 = as_view(torch.zeros(3, dtype=torch.bfloat16), name="b")
+    assert v2.dtype == "bfloat16" and v2.itemsize == 2
+
+
+def test_jax_cpu_views():
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(10, dtype=jnp.int32)
+    v = as_view(x, name="x")
+    assert v.shape == (10,) and v.dtype == "int32" and v.device == "cpu"
+    assert v.ptr == x.unsafe_buffer_pointer()
+
+
+def test_array_view_passes_through():
+    v = ArrayView(0x1000, (4,), (1,), "int32", "cuda", 0)
+    assert as_view(v, name="x") is v
+    assert v.device == "cuda:0"
+
+
+REFUSALS = {
+    "not-an-array": (lambda: as_view([1, 2], name="sampled"),
+                     TypeError, r"^sampled must be an array supporting DLPack \(__dlpack__ and __dlpack_device__\); got list$"),
+    "wrong-dtype": (lambda: check_view(as_view(np.zeros(3, np.float32), name="idx_mapping"), name="idx_mapping",
+                                       dtypes=["int32", "int64"]),
+                    TypeError, r"^idx_mapping must have dtype int32 or int64 \(got float32\)$"),
+    "wrong-device": (lambda: check_view(as_view(np.zeros(3, np.int32), name="sampled"), name="sampled",
+                                        dtypes=["int32"], device="cuda:0"),
+                     ValueError, r"^sampled must be on cuda:0 \(got cpu\)$"),
+    "wrong-rank": (lambda: check_view(as_view(np.zeros((2, 2), np.int32), name="idx_mapping"), name="idx_mapping",
+                                      dtypes=["int32"], ndim=1),
+                   ValueError, r"^idx_mapping must be 1-D \(got shape \[2, 2\]\)$"),
+    "wrong-length": (lambda: check_view(as_view(np.zeros(3, np.int32), name="idx_mapping"), name="idx_mapping",
+                                        dtypes=["int32"], length=4),
+                     ValueError, r"^idx_mapping must have 4 rows \(got shape \[3\]\)$"),
+    "too-short": (lambda: check_view(as_view(np.zeros(3, np.int32), name="total_len"), name="total_len",
+                                     dtypes=["int32"], min_length=8),
+                  ValueError, r"^total_len must have at least 8 entries \(got shape \[3\]\)$"),
+    "unsupported-dtype": (lambda: as_view(np.zeros(3, np.complex64), name="x"),
+                          (TypeError, ValueError), r"^x "),
+    "misaligned": (lambda: check_view(ArrayView(0x1002, (4,), (1,), "int32", "cpu", 0), name="sampled",
+                                      dtypes=["int32"]),
+                   ValueError, r"^sampled must be aligned to its 4-byte elements \(got address 0x1002\)$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refusals(case):
+    call, exc, pattern = REFUSALS[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+

@@ -1,0 +1,125 @@
+"""CPU tier: the numpy backend of TraceTable against the row-by-row numpy reference."""
+
+import numpy as np
+import pytest
+
+from trace_replay_core import TraceTable, replay_reference
+
+from helpers import POISON, assert_tokens_equal, random_scenario
+
+BATCHES = [1, 5, 100, 1024]
+INT_DTYPES = [np.int32, np.int64]
+
+
+def _table_from(sc, max_slots, max_trace_len, **kw):
+    t = TraceTable(max_slots, max_trace_len, device="cpu", **kw)
+    for slot, tr in sc["traces"].items():
+        t.stage(slot, tr)
+    t.commit(stream=0)
+    return t
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("sampled_dtype", INT_DTYPES)
+@pytest.mark.parametrize("index_dtype", INT_DTYPES)
+@pytest.mark.parametrize("mode", ["lengths", "step"])
+def test_replay_matches_reference(rng, batch, sampled_dtype, index_dtype, mode):
+    max_slots, max_trace_len = 37, 29
+    sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_trace_len, batch=batch,
+                         sampled_dtype=sampled_dtype, index_dtype=index_dtype)
+    with _table_from(sc, max_slots, max_trace_len) as t:
+        sampled = sc["sampled"].copy()
+        if mode == "lengths":
+            expected = replay_reference(sampled, sc["idx"], sc["table"], sc["trace_len"],
+                                        sc["total_len"], sc["prompt_len"])
+            t.replay(sampled, sc["idx"], sc["total_len"], sc["prompt_len"], stream=0)
+        else:
+            expected = replay_reference(sampled, sc["idx"], sc["table"], sc["trace_len"], step=sc["step"])
+            t.replay_at_step(sampled, sc["idx"], sc["step"], stream=0)
+    assert sampled.dtype == sampled_dtype
+    assert_tokens_equal(sampled, expected)
+    # The scenario must exercise both outcomes, or the comparison proves little.
+    if batch >= 100:
+        assert (expected != sc["sampled"]).any() and (expected == sc["sampled"]).any()
+
+
+def test_sampled_2d_single_column(rng):
+    sc = random_scenario(rng, max_slots=8, max_trace_len=6, batch=50)
+    with _table_from(sc, 8, 6) as t:
+        sampled = sc["sampled"].reshape(-1, 1).copy()
+        t.replay(sampled, sc["idx"], sc["total_len"], sc["prompt_len"], stream=0)
+    expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
+                                sc["prompt_len"])
+    assert_tokens_equal(sampled.reshape(-1), expected)
+
+
+def test_clear_and_reuse_slots(rng):
+    max_slots, max_trace_len, batch = 16, 12, 64
+    t = TraceTable(max_slots, max_trace_len, device="cpu")
+    state = {}
+    for rnd in range(6):
+        for slot in rng.choice(max_slots, size=6, replace=False):
+            slot = int(slot)
+            if rng.random() < 0.4:
+                t.clear(slot)
+                state.pop(slot, None)
+            else:
+                tr = rng.integers(0, 1000, int(rng.integers(1, max_trace_len + 1)))
+                t.stage(slot, tr)
+                state[slot] = tr
+        # staging the same slot twice before a commit: the last one wins
+        t.stage(3, [1, 2, 3])
+        state[3] = np.array([1, 2, 3])
+        t.commit(stream=0)
+        table = np.zeros((max_slots, max_trace_len), np.int32)
+        lens = np.zeros(max_slots, np.int32)
+        for slot, tr in state.items():
+            table[slot, : len(tr)] = tr
+            lens[slot] = len(tr)
+        idx = rng.integers(-1, max_slots, batch).astype(np.int64)
+        step = rng.integers(-1, max_trace_len + 1, batch).astype(np.int64)
+        sampled = np.full(batch, POISON, np.int64)
+        t.replay_at_step(sampled, idx, step, stream=0)
+        assert_tokens_equal(sampled, replay_reference(np.full(batch, POISON), idx, table, lens, step=step),
+                            f"round {rnd}")
+    t.close()
+
+
+def test_uncommitted_traces_are_not_visible():
+    with TraceTable(4, 4, device="cpu") as t:
+        t.stage(1, [7, 8])
+        sampled = np.array([0], np.int64)
+        t.replay_at_step(sampled, np.array([1], np.int32), np.array([0], np.int32), stream=0)
+        assert sampled.tolist() == [0]
+        assert t.pending == 1
+        t.commit(stream=0)
+        assert t.pending == 0
+        t.replay_at_step(sampled, np.array([1], np.int32), np.array([1], np.int32), stream=0)
+        assert sampled.tolist() == [8]
+
+
+def test_empty_batch_is_a_no_op():
+    with TraceTable(4, 4, device="cpu") as t:
+        t.stage(0, [1])
+        t.commit(stream=0)
+        sampled = np.zeros(0, np.int64)
+        t.replay(sampled, np.zeros(0, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), stream=0)
+        assert sampled.shape == (0,)
+
+
+def test_trace_may_fill_its_row():
+    with TraceTable(2, 5, device="cpu") as t:
+        t.stage(1, [1, 2, 3, 4, 5])
+        t.commit(stream=0)
+        out = np.zeros(5, np.int32)
+        t.replay_at_step(out, np.ones(5, np.int32), np.arange(5, dtype=np.int32), stream=0)
+        assert out.tolist() == [1, 2, 3, 4, 5]
+
+
+def test_close_is_idempotent_and_blocks_use():
+    t = TraceTable(2, 2, device="cpu")
+    t.close()
+    t.close()
+    assert t.closed
+    with pytest.raises(RuntimeError, match="^this TraceTable is closed$"):
+        t.stage(0, [1])
