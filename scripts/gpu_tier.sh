@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Run the GPU test tier and the GPU benchmarks on a machine with a CUDA GPU, using the
+# packages already installed there (no install step). Logs and results go to $OUT (default
+# ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [bench-launch] [bench-logprob] [bench-jax] ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/adapters${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench-launch)
+status=0
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import sys, torch, triton, jax, numpy, cuda.core, cuda.bindings; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "jax", jax.__version__, "numpy", numpy.__version__, "cuda-core", cuda.core.__version__, "cuda-bindings", cuda.bindings.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+for part in "${parts[@]}"; do
+  case "$part" in
+    tests)
+      python3 -m pytest tests -m gpu -q -rfEs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    tests-all)
+      python3 -m pytest tests -q -rfEs -p no:cacheprovider --junitxml="$OUT/all_tests.xml" 2>&1 | tee "$OUT/all_tests.log" || status=1 ;;
+    bench-*)
+      script="bench/${part#bench-}.py"
+      script="${script//-/_}"
+      python3 "$script" 2>&1 | tee "$OUT/${part}.log" || status=1 ;;
+    *) echo "unknown part $part"; status=2 ;;
+  esac
+done
+cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null || true
+exit $status
