@@ -11,8 +11,11 @@ Providers:
 - ``core_bound``: a :class:`trace_replay_core.BoundReplay` called directly (no adapter).
 - ``core_dlpack_every_call``: ``TraceTable.replay`` with torch tensors, re-reading all four
   arrays over DLPack every call (what a cache-less adapter would pay).
-- ``triton_jit_launcher``: the same kernel launched as ``kernel[grid](torch tensors)`` (the
-  reference implementation's launch style).
+- ``triton_jit_launcher``: the same kernel source as a plain ``@triton.jit`` function launched
+  as ``kernel[grid](torch tensors)`` (the reference implementation's launch style, with
+  Triton's default argument specialisation).
+- ``triton_jit_launcher_hinted``: the library's kernel object (no specialisation of sizes or
+  alignment) through the same JIT launcher: how much of the gap the hints alone close.
 - ``torch_native``: gather + where in torch ops (several kernels).
 - ``cuda_graph``: a CUDA graph holding one replay launch, replayed (the floor).
 
@@ -43,6 +46,7 @@ def main() -> None:
     from trace_replay_core.kernels.replay import REPLAY_BLOCK, replay_kernel
     from trace_replay_torch import TraceReplayState
 
+    plain_kernel = triton.jit(replay_kernel.fn)  # same source, Triton's default specialisation
     dev = torch.device("cuda", 0)
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, MAX_TRACE_LEN + 1, MAX_SLOTS)
@@ -90,14 +94,15 @@ def main() -> None:
                time_host(lambda: st.table.replay(sampled, idx, total_len, prompt_len, stream=stream), sync=sync,
                          calls=300, rounds=7, warmup=20))
 
-        sampled = base.clone()
         grid = (triton.cdiv(batch, REPLAY_BLOCK),)
+        for name, kernel in (("triton_jit_launcher", plain_kernel), ("triton_jit_launcher_hinted", replay_kernel)):
+            sampled = base.clone()
 
-        def jit_launch():
-            replay_kernel[grid](sampled, idx, total_len, prompt_len, table_t, len_t, batch, MAX_SLOTS,
-                                MAX_TRACE_LEN, PER_ROW_STEP=False, BLOCK=REPLAY_BLOCK, num_warps=4)
-        record("triton_jit_launcher", batch, "device", time_host(jit_launch, sync=sync))
-        outs["jit"] = sampled
+            def jit_launch():
+                kernel[grid](sampled, idx, total_len, prompt_len, table_t, len_t, batch, MAX_SLOTS,
+                             MAX_TRACE_LEN, PER_ROW_STEP=False, BLOCK=REPLAY_BLOCK, num_warps=4)
+            record(name, batch, "device", time_host(jit_launch, sync=sync))
+            outs[name] = sampled
 
         sampled = base.clone()
 

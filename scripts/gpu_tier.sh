@@ -22,6 +22,14 @@ for part in "${parts[@]}"; do
       python3 -m pytest tests -m gpu -q -rfEs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     tests-all)
       python3 -m pytest tests -q -rfEs -p no:cacheprovider --junitxml="$OUT/all_tests.xml" 2>&1 | tee "$OUT/all_tests.log" || status=1 ;;
+    sanitizer)
+      # memcheck and racecheck over the GPU tier (soak shortened: the sanitizer slows kernels ~100x)
+      for tool in memcheck racecheck; do
+        TRACE_REPLAY_SOAK_STEPS=2000 TRACE_REPLAY_LIFETIME_CYCLES=200 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+          compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
+          python3 -m pytest tests/test_gpu_torch.py tests/test_gpu_reliability.py -m gpu -q -p no:cacheprovider \
+          -k "not without_guard" 2>&1 | tee "$OUT/sanitizer_${tool}.log" | tail -n 25 || status=1
+      done ;;
     bench-*)
       script="bench/${part#bench-}.py"
       script="${script//-/_}"

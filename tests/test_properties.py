@@ -1,0 +1,131 @@
+"""CPU tier: random sequences of stage / clear / commit / replay against a plain-Python model.
+
+Hypothesis drives a state machine through the numpy backend and, separately, through the Triton
+kernels under the interpreter (scatter for commits, replay for steps). Each replay is checked
+step by step against the model; failures shrink to a short, readable sequence of calls.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from trace_replay_core import TraceTable
+
+MAX_SLOTS, MAX_LEN, VOCAB = 6, 9, 1000
+SETTINGS = settings(max_examples=1000, stateful_step_count=12, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_LEN)
+slot_st = st.integers(0, MAX_SLOTS - 1)
+rows_st = st.lists(st.integers(-1, MAX_SLOTS + 1), min_size=0, max_size=12)
+
+
+class Model:
+    """The semantics, spelled out: committed traces per slot, and what is staged."""
+
+    def __init__(self):
+        self.committed = {}
+        self.staged = {}
+
+    def stage(self, slot, tokens):
+        self.staged[slot] = list(tokens)
+
+    def clear(self, slot):
+        self.staged[slot] = None
+
+    def commit(self):
+        for slot, tokens in self.staged.items():
+            if tokens is None:
+                self.committed.pop(slot, None)
+            else:
+                self.committed[slot] = tokens
+        self.staged = {}
+
+    def replay(self, sampled, rows, steps):
+        out = list(sampled)
+        for b, (slot, step) in enumerate(zip(rows, steps)):
+            trace = self.committed.get(slot) if 0 <= slot < MAX_SLOTS else None
+            if trace and 0 <= step < len(trace):
+                out[b] = trace[step]
+        return out
+
+
+class CpuBackendMachine(RuleBasedStateMachine):
+    """The numpy backend of TraceTable."""
+
+    @initialize()
+    def setup(self):
+        self.model = Model()
+        self.table = TraceTable(MAX_SLOTS, MAX_LEN, device="cpu", vocab_size=VOCAB)
+
+    def teardown(self):
+        self.table.close()
+
+    @rule(slot=slot_st, tokens=tokens_st)
+    def stage(self, slot, tokens):
+        self.table.stage(slot, tokens)
+        self.model.stage(slot, tokens)
+
+    @rule(slot=slot_st, tokens=st.lists(st.integers(-5, VOCAB + 5), min_size=0, max_size=MAX_LEN + 2))
+    def stage_maybe_invalid(self, slot, tokens):
+        valid = 0 < len(tokens) <= MAX_LEN and all(0 <= t < VOCAB for t in tokens)
+        try:
+            self.table.stage(slot, np.asarray(tokens, dtype=np.int64))
+        except (ValueError, TypeError):
+            assert not valid, f"valid trace {tokens} refused"
+        else:
+            assert valid, f"invalid trace {tokens} accepted"
+            self.model.stage(slot, tokens)
+
+    @rule(slot=slot_st)
+    def clear(self, slot):
+        self.table.clear(slot)
+        self.model.clear(slot)
+
+    @rule()
+    def commit(self):
+        self.table.commit(stream=0)
+        self.model.commit()
+
+    @rule(rows=rows_st, data=st.data(), per_row=st.booleans(), wide=st.booleans())
+    def replay(self, rows, data, per_row, wide):
+        steps = data.draw(st.lists(st.integers(-2, MAX_LEN + 1), min_size=len(rows), max_size=len(rows)))
+        sampled = np.array(data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(rows), max_size=len(rows))),
+                           dtype=np.int64 if wide else np.int32)
+        idx = np.array(rows, dtype=np.int64 if wide else np.int32)
+        expected = self.model.replay(sampled.tolist(), rows, steps)
+        if per_row:
+            self.table.replay_at_step(sampled, idx, np.array(steps, np.int32), stream=0)
+        else:
+            prompt = np.arange(MAX_SLOTS + 2, dtype=np.int64) * 3
+            total = prompt.copy()
+            for slot, step in zip(rows, steps):  # a per-slot step must agree across rows
+                if 0 <= slot < MAX_SLOTS:
+                    total[slot] = prompt[slot] + step
+            steps = [int(total[s] - prompt[s]) if 0 <= s < MAX_SLOTS else 0 for s in rows]
+            expected = self.model.replay(sampled.tolist(), rows, steps)
+            self.table.replay(sampled, idx, total, prompt, stream=0)
+        assert sampled.tolist() == expected
+
+    @invariant()
+    def pending_matches(self):
+        if hasattr(self, "table"):
+            assert self.table.pending == len(self.model.staged)
+
+
+class InterpretedKernelsMachine(CpuBackendMachine):
+    """The same sequences, with commits and replays done by the Triton kernels (interpreted)."""
+
+    @initialize()
+    def setup(self):
+        from kernel_double import InterpretedTable
+        self.model = Model()
+        self.table = InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)
+
+
+TestCpuBackend = CpuBackendMachine.TestCase
+TestCpuBackend.settings = SETTINGS
+TestInterpretedKernels = InterpretedKernelsMachine.TestCase
+TestInterpretedKernels.settings = SETTINGS
