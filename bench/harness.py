@@ -7,6 +7,11 @@
   synchronisation inside the loop; the device is synchronised before and after), repeated in
   several rounds so that the spread is visible.
 - :func:`write_results` writes ``bench/results/<name>.json``: rows, each with its provenance.
+- :func:`rotating` cycles through prebuilt calls (different arrays, different table addresses),
+  so that a timed loop does not measure the same cache lines over and over.
+- :func:`copy_bandwidth` measures the copy ceilings of this machine in this run: device to
+  device, pinned host to device, device to pinned host, and a host memcpy into pinned memory.
+- :func:`bandwidth` turns time percentiles into GB/s percentiles for a byte count.
 
 Benchmarks report figures; they never assert. Correctness lives in ``tests/``.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import itertools
 import json
 import os
 import platform
@@ -25,7 +31,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-__all__ = ["provenance", "time_cuda", "time_host", "percentiles", "write_results", "table", "RESULTS_DIR"]
+__all__ = ["provenance", "time_cuda", "time_host", "percentiles", "write_results", "table", "RESULTS_DIR",
+           "rotating", "bandwidth", "copy_bandwidth"]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -114,3 +121,77 @@ def table(rows: List[dict], columns: List[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def rotating(fns: List[Callable[[], None]]) -> Callable[[], None]:
+    """One callable that calls ``fns[0]``, ``fns[1]``, ... in turn, wrapping around."""
+    it = itertools.cycle(list(fns))
+    return lambda: next(it)()
+
+
+def bandwidth(nbytes: int, stats: Dict[str, float]) -> Dict[str, float]:
+    """GB/s (1 GB = 1e9 bytes) percentiles for ``nbytes`` moved in the time ``stats`` (us).
+
+    Bandwidth falls as time rises: ``gbps_p20`` (the slow end) comes from ``us_p80``.
+    """
+    return {"gbps_p20": nbytes / stats["us_p80"] / 1e3, "gbps_p50": nbytes / stats["us_p50"] / 1e3,
+            "gbps_p80": nbytes / stats["us_p20"] / 1e3}
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) -> Dict[str, Dict[str, float]]:
+    """The copy ceilings of this machine, measured now with torch: ``{name: stats}``.
+
+    - ``d2d``: device-to-device ``copy_`` of ``nbytes``; GB/s counts bytes read plus bytes
+      written (``2 * nbytes``), the usual way to state memory bandwidth from a copy.
+    - ``h2d_pinned``: pinned host to device, ``copy_(non_blocking=True)``; ``nbytes``.
+    - ``d2h_pinned``: device to pinned host, the same way; ``nbytes``.
+    - ``host_memcpy``: numpy ``copyto`` from ordinary (already touched) host memory into a
+      numpy view of pinned memory, one thread; ``nbytes``.
+
+    Device copies are timed with CUDA events on the current stream, the host copy with the wall
+    clock; each after one warm-up copy, ``reps`` times. Each stats dict holds p20/p50/p80 in us,
+    the bytes counted (``bytes``) and GB/s percentiles. Buffers are never zeros (a zero page can
+    be cheaper to read).
+    """
+    import torch
+    dev = torch.device("cuda", device)
+    n_words = nbytes // 4
+    src_host = np.arange(n_words, dtype=np.int32)
+    src_host ^= 0x5A5A5A5A
+    pinned = torch.empty(n_words, dtype=torch.int32, pin_memory=True)
+    pinned_np = pinned.numpy()
+    a = torch.from_numpy(src_host).to(dev)
+    b = torch.empty_like(a)
+    out: Dict[str, Dict[str, float]] = {}
+
+    def events(copy) -> Dict[str, float]:
+        copy()
+        torch.cuda.synchronize(dev)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return percentiles(times)
+
+    np.copyto(pinned_np, src_host)
+    for name, copy, moved in (("d2d", lambda: b.copy_(a), 2 * nbytes),
+                              ("h2d_pinned", lambda: b.copy_(pinned, non_blocking=True), nbytes),
+                              ("d2h_pinned", lambda: pinned.copy_(a, non_blocking=True), nbytes)):
+        stats = events(copy)
+        out[name] = dict(stats, bytes=moved, **bandwidth(moved, stats))
+
+    np.copyto(pinned_np, src_host)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(pinned_np, src_host)
+        times.append((time.perf_counter() - t0) * 1e6)
+    stats = percentiles(times)
+    out["host_memcpy"] = dict(stats, bytes=nbytes, **bandwidth(nbytes, stats))
+    del a, b, pinned, pinned_np
+    torch.cuda.synchronize(dev)
+    return out

@@ -42,7 +42,6 @@ def main() -> None:
     import torch
     import triton
 
-    from trace_replay_core import TraceTable
     from trace_replay_core.kernels.replay import REPLAY_BLOCK, replay_kernel
     from trace_replay_torch import TraceReplayState
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from trace_replay_core import TraceTable, replay_reference  # noqa: E402
 from trace_replay_torch import TraceReplayState  # noqa: E402
 
-from helpers import POISON, assert_tokens_equal, random_scenario  # noqa: E402
+from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 PLACEMENTS = ["device", "host_mapped"]

@@ -6,7 +6,6 @@ step by step against the model; failures shrink to a short, readable sequence of
 """
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule

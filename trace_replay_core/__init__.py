@@ -23,6 +23,7 @@ Importing this package loads neither torch nor jax.
 """
 
 from .dlpack import ArrayView, as_view, check_view
+from .logprob import token_logprob_rank
 from .reference import replay_reference, token_logprob_rank_reference
 from .streams import stream_handle
 from .table import (INDEX_DTYPES, PLACEMENTS, TOKEN_DTYPES, BoundReplay, TraceTable, default_device,
@@ -38,6 +39,7 @@ __all__ = [
     "default_device",
     "parse_device",
     "replay_reference",
+    "token_logprob_rank",
     "token_logprob_rank_reference",
     "PLACEMENTS",
     "TOKEN_DTYPES",

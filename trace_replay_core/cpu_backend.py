@@ -75,6 +75,12 @@ class CpuBackend:
         out[rows] = self.table[s[rows], step[rows]].astype(out.dtype)
 
     # inspection ----------------------------------------------------------------------------
+    def device_views(self):
+        def view(a):
+            return ArrayView(a.ctypes.data, a.shape, tuple(x // a.itemsize for x in a.strides), "int32", "cpu", 0,
+                             keepalive=a)
+        return view(self.table), view(self.trace_len)
+
     def snapshot(self):
         return self.table.copy(), self.trace_len.copy()
 

@@ -96,6 +96,17 @@ _capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_get_pointer.restype = ctypes.c_void_p
 _capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
+_libc = ctypes.CDLL(None)
+_malloc = _libc.malloc
+_malloc.restype = ctypes.c_void_p
+_malloc.argtypes = [ctypes.c_size_t]
+_FREE = ctypes.cast(_libc.free, ctypes.c_void_p).value
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_EXPORT_NAME = ctypes.create_string_buffer(b"dltensor")  # lives as long as the module
+_DTYPE_CODES = {name: key for key, name in _DTYPES.items()}
+
 _VERSIONED = b"dltensor_versioned"
 _UNVERSIONED = b"dltensor"
 _MAX_VERSION = (1, 1)
@@ -158,6 +169,48 @@ class ArrayView:
     def describe(self) -> str:
         ro = ", read-only" if self.readonly else ""
         return f"{self.dtype}{list(self.shape)} on {self.device}{ro}"
+
+    # DLPack producer ---------------------------------------------------------------------
+    def __dlpack_device__(self):
+        if self.device_type == CPU:
+            return (_KDL_CPU, 0)
+        if self.device_type == CUDA:
+            return (_KDL_CUDA, self.device_id)
+        raise BufferError(f"cannot export a view on {self.device} over DLPack")
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """Export the described memory as an unversioned DLPack capsule (zero-copy).
+
+        The capsule's deleter frees only its own small descriptor: the memory stays owned by
+        whoever owns it now (for :meth:`TraceTable.device_views`, the table), which must outlive
+        every consumer. ``stream`` is accepted and ignored: the owner orders its own writes.
+        """
+        if copy:
+            raise BufferError("an ArrayView exports its memory in place; import it with copy=False")
+        self.__dlpack_device__()
+        ndim = self.ndim
+        dims = max(ndim, 1)
+        head = ctypes.sizeof(_DLManagedTensor)
+        block = _malloc(head + 16 * dims)
+        if not block:
+            raise MemoryError("malloc failed for a DLPack descriptor")
+        shape = (ctypes.c_int64 * dims).from_address(block + head)
+        strides = (ctypes.c_int64 * dims).from_address(block + head + 8 * dims)
+        for i in range(ndim):
+            shape[i] = self.shape[i]
+            strides[i] = self.strides[i]
+        managed = _DLManagedTensor.from_address(block)
+        t = managed.dl_tensor
+        t.data = self.ptr
+        t.device = _DLDevice(*self.__dlpack_device__())
+        t.ndim = ndim
+        t.dtype = _DLDataType(*_DTYPE_CODES[self.dtype], 1)
+        t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = 0
+        managed.manager_ctx = None
+        managed.deleter = _FREE
+        return _capsule_new(block, _EXPORT_NAME, None)
 
     def __repr__(self) -> str:
         return (f"ArrayView(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, "

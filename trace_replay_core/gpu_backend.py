@@ -200,9 +200,16 @@ class GpuBackend:
         self.bind(sampled, idx, first, second, per_row_step)(stream)
 
     # inspection ----------------------------------------------------------------------------
+    def device_views(self):
+        table = ArrayView(self.table_ptr, (self.max_slots, self.max_trace_len), (self.max_trace_len, 1), "int32",
+                          "cuda", self.device_id)
+        lengths = ArrayView(self.trace_len_ptr, (self.max_slots,), (1,), "int32", "cuda", self.device_id)
+        return table, lengths
+
     def snapshot(self):
         """Host-blocking copy of (table, trace_len) after all queued work on the device."""
         from cuda.bindings import driver as cu
+        _cuda.activate(self.device_id)
         _cuda.synchronize_device()
         table = np.empty((self.max_slots, self.max_trace_len), dtype=np.int32)
         lengths = np.empty(self.max_slots, dtype=np.int32)

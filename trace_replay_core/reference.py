@@ -44,13 +44,23 @@ def replay_reference(sampled: np.ndarray, idx_mapping: np.ndarray, table: np.nda
 def token_logprob_rank_reference(logits: np.ndarray, token_ids: np.ndarray):
     """float64 log-softmax value and rank of ``token_ids[b]`` in row ``b`` of ``logits``.
 
-    The rank counts the vocabulary entries whose logit is greater than or equal to the token's
-    own (so a unique argmax has rank 1 and ties count against the token).
+    Returns ``(logprobs, ranks)``: float64 and int64 arrays of ``[batch]``. The rank counts the
+    vocabulary entries whose logit is greater than or equal to the token's own (so a unique
+    argmax has rank 1 and ties count against the token).
+
+    Special values, as in :func:`trace_replay_core.token_logprob_rank`: a row holding a NaN or
+    a ``+inf``, or only ``-inf`` entries, has logprob NaN; ranks are IEEE counts (NaN entries
+    never count); a token id outside ``[0, vocab)`` gives logprob NaN and rank -1.
     """
     x = np.asarray(logits, dtype=np.float64)
-    ids = np.asarray(token_ids).astype(np.int64)
-    m = x.max(axis=1, keepdims=True)
-    lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
-    chosen = x[np.arange(x.shape[0]), ids]
-    ranks = (x >= chosen[:, None]).sum(axis=1)
-    return chosen - lse, ranks.astype(np.int64)
+    ids = np.asarray(token_ids).reshape(-1).astype(np.int64)
+    vocab = x.shape[1]
+    valid = (ids >= 0) & (ids < vocab)
+    chosen = x[np.arange(x.shape[0]), np.where(valid, ids, 0)]
+    chosen = np.where(valid, chosen, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = x.max(axis=1, keepdims=True)
+        lse = (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+        logprobs = chosen - lse
+        ranks = (x >= chosen[:, None]).sum(axis=1)
+    return np.where(valid, logprobs, np.nan), np.where(valid, ranks, -1).astype(np.int64)

@@ -248,6 +248,17 @@ class TraceTable:
         return BoundReplay(self, backend.bind(views[0], views[1], views[2], views[3], False), views)
 
     # inspection ------------------------------------------------------------------------------
+    def device_views(self) -> Tuple[ArrayView, ArrayView]:
+        """Views of the table (``[max_slots, max_trace_len]`` int32) and trace lengths
+        (``[max_slots]`` int32) where replay reads them, for adapters that read them inside
+        their own programs (e.g. JAX, through DLPack: the views export themselves zero-copy).
+
+        The table owns the memory: the views are valid until :meth:`close`, and a
+        :meth:`commit` changes their contents in its stream order. A host-mapped table is
+        described by its device address. Host-only.
+        """
+        return self._live().device_views()
+
     def snapshot(self) -> Tuple[np.ndarray, np.ndarray]:
         """Host copies of (table, trace_len) as committed. Host-blocking (synchronises the device)."""
         return self._live().snapshot()

@@ -1,7 +1,39 @@
-"""trace_replay_jax: trace replay for JAX decode loops.
+"""trace_replay_jax: trace replay for JAX decode loops, eager or inside ``jax.jit``.
 
-Not implemented yet: this package currently exports nothing. Until it lands, a JAX loop can
-use :class:`trace_replay_core.TraceTable` directly on CPU arrays.
+Example (runs on the CPU; on a GPU leave ``device`` out or pass ``"cuda"``)::
+
+    import jax
+    import jax.numpy as jnp
+    import trace_replay_jax
+    from trace_replay_jax import TraceReplayState
+
+    total_len = jnp.array([4, 0, 11, 0], dtype=jnp.int32)    # per slot: prompt + outputs
+    prompt_len = jnp.array([4, 0, 10, 0], dtype=jnp.int32)
+    idx_mapping = jnp.array([2, 0], dtype=jnp.int32)         # batch row -> slot
+    sampled = jnp.array([9, 9], dtype=jnp.int32)             # what the sampler drew
+
+    with TraceReplayState(4, 8, device="cpu") as state:
+        state.add_request(2, [5, 6, 7])                      # slot 2 replays this trace
+        state.apply_staged_writes()
+        out = state.replay(sampled, idx_mapping, total_len, prompt_len)
+        assert out.tolist() == [6, 9]                        # slot 2 is at step 1 of its trace
+        assert sampled.tolist() == [9, 9]                    # a new array: the input is unchanged
+
+        @jax.jit
+        def step(tables, sampled, total_len):                # inside jit: pass the tables in
+            return trace_replay_jax.replay(tables, sampled, idx_mapping, total_len, prompt_len)
+
+        assert step(state.tables, sampled, total_len + 1).tolist() == [7, 9]
+
+Public names: :class:`TraceReplayState` (the state: requests, staged writes, eager replay),
+:func:`replay` and :func:`replay_at_step` (replay given the tables; eager or traced),
+:class:`ReplayTables` (the committed table as JAX arrays, a pytree).
+
+Importing this package loads neither torch nor jax-triton, and changes no environment
+variable.
 """
 
-__all__: list = []
+from .jnp_replay import ReplayTables, replay, replay_at_step
+from .state import TraceReplayState
+
+__all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step"]

@@ -15,6 +15,7 @@ Example (runs on the CPU; use ``device="cuda"`` on a GPU)::
         assert sampled.tolist() == [6, 9]      # slot 2 is at step 1 of its trace
 """
 
+from .logprob import token_logprob_rank
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState"]
+__all__ = ["TraceReplayState", "token_logprob_rank"]

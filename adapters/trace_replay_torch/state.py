@@ -6,7 +6,7 @@ synchronises with the device, and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 

@@ -1,0 +1,52 @@
+"""Zero-copy JAX views of memory the trace table owns, through DLPack.
+
+The core's :class:`~trace_replay_core.ArrayView` exports itself as a DLPack capsule whose
+deleter frees only the small descriptor: when JAX drops the view, nothing else is freed. The
+data stays owned by the :class:`~trace_replay_core.TraceTable`, which must outlive the view;
+:class:`~trace_replay_jax.TraceReplayState` deletes its views before it frees the table.
+
+Ordering: the table has finished every write to the memory before the view is made (it is
+built and cleared host-blocking), so the DLPack ``stream=`` JAX passes needs no wait. Later
+writes happen on XLA's own stream (see ``commit.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from trace_replay_core import ArrayView
+
+__all__ = ["external_view", "jax_view"]
+
+
+def jax_view(view: ArrayView) -> jax.Array:
+    """A ``jax.Array`` over the memory ``view`` describes (not a copy); host-only.
+
+    Raises when JAX would have copied instead of viewing (JAX needs compact, aligned memory).
+    """
+    array = jax.dlpack.from_dlpack(view, copy=False)
+    if array.unsafe_buffer_pointer() != view.ptr:
+        raise RuntimeError(f"JAX copied the memory instead of viewing it (0x{view.ptr:x} -> "
+                           f"0x{array.unsafe_buffer_pointer():x}); it must be compact and aligned")
+    return array
+
+
+def external_view(ptr: int, shape: Sequence[int], dtype, device: jax.Device) -> jax.Array:
+    """A ``jax.Array`` over compact row-major ``dtype`` data at ``ptr`` on ``device``.
+
+    ``ptr`` is a device pointer on a GPU, or a host pointer aligned to 64 bytes on the CPU; the
+    caller keeps the memory alive and unwritten by others for as long as the view exists.
+    """
+    shape = tuple(int(s) for s in shape)
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    if device.platform == "cpu":
+        kind, index = "cpu", 0
+    else:
+        kind, index = "cuda", int(device.local_hardware_id)
+    return jax_view(ArrayView(ptr, shape, tuple(reversed(strides)), np.dtype(dtype).name, kind, index))

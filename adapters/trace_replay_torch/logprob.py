@@ -1,0 +1,106 @@
+"""``token_logprob_rank`` for torch tensors: logprob and rank of one token per row, one read of the logits.
+
+Runs :func:`trace_replay_core.token_logprob_rank` on torch's current stream of the logits'
+device (or in numpy for CPU tensors); no host synchronisation, capturable in a CUDA graph
+once warmed up.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from trace_replay_core import ArrayView
+from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
+from trace_replay_core.logprob import logprob_rank_workspace_bytes
+
+__all__ = ["token_logprob_rank"]
+
+try:  # ~0.2 us instead of ~2 us for torch.cuda.current_stream(...).cuda_stream
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - older or CPU-only builds
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+_DTYPE_NAMES = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
+    torch.int32: "int32", torch.int64: "int64", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+
+
+def _view(t: torch.Tensor):
+    """The tensor itself as an :class:`ArrayView`, built from its metadata.
+
+    Equivalent to what DLPack would describe (same pointer, shape, strides, dtype, device), at
+    a fraction of the host cost. The caller holds ``t`` for the whole call; work is queued on
+    torch's current stream, the stream every tensor here was produced on, so no handshake is
+    needed. Dtypes and devices outside the table go through DLPack and its error messages.
+    """
+    dtype = _DTYPE_NAMES.get(t.dtype)
+    device = t.device
+    kind = device.type
+    if dtype is None or kind not in ("cpu", "cuda"):
+        return t
+    return ArrayView(t.data_ptr(), t.shape, t.stride(), dtype, kind, device.index if kind == "cuda" else 0)
+
+
+def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
+                       out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``.
+
+    ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, rows may be strided (element
+    stride 1 along the vocabulary), never modified. ``token_ids``: ``[batch]`` or
+    ``[batch, 1]`` int32/int64 on the same device (e.g. ``sampled`` after replay).
+
+    Returns ``(logprobs, ranks)``: ``logprobs`` float32 ``[batch]`` (natural log of the softmax
+    probability, accumulated in float32), ``ranks`` ``[batch]`` = the number of vocabulary
+    entries whose logit is greater than or equal to the token's own (vLLM's definition: a
+    unique argmax has rank 1; ties count against the token). New tensors (``ranks`` int64)
+    unless ``out=(logprobs, ranks)`` gives caller-owned ones (float32 and int32/int64, ``[batch]``,
+    contiguous), which are written and returned.
+
+    Special values: a row holding a NaN or ``+inf``, or only ``-inf`` logits, has logprob NaN
+    (ranks are IEEE counts: NaN entries never count); ``-inf`` logits are otherwise fine; a
+    token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (no error: that check would
+    need a host sync).
+
+    Blocking: ordered on torch's current stream of the logits' device, never synchronises. For
+    batches below 256 it allocates a workspace of at most 6 KiB with torch (so it is
+    capture-safe through torch's graph memory pool). The first call per device and dtype
+    combination compiles the kernels: run one eager call before capturing a CUDA graph.
+    On CPU tensors it computes in numpy before returning.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor (got {type(logits).__name__})")
+    if not isinstance(token_ids, torch.Tensor):
+        raise TypeError(f"token_ids must be a torch.Tensor (got {type(token_ids).__name__})")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
+    device = logits.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"logits must be on a cpu or cuda device (got {device})")
+    batch, vocab = logits.shape
+    if out is None:
+        logprobs = torch.empty(batch, dtype=torch.float32, device=device)
+        ranks = torch.empty(batch, dtype=torch.int64, device=device)
+    else:
+        if (not isinstance(out, (tuple, list)) or len(out) != 2
+                or not all(isinstance(t, torch.Tensor) for t in out)):
+            got = ([type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__)
+            raise TypeError(f"out must be a (logprobs, ranks) pair of torch.Tensor (got {got})")
+        logprobs, ranks = out
+    workspace = None
+    if device.type == "cuda":
+        stream = _raw_stream(device.index)
+        nbytes = logprob_rank_workspace_bytes(batch, vocab) if vocab >= 1 else 0
+        if nbytes:
+            # Freed when this call returns: torch reuses it only for work queued after ours.
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    else:
+        stream = 0
+    _core_token_logprob_rank(_view(logits), _view(token_ids), out_logprobs=_view(logprobs),
+                             out_ranks=_view(ranks), stream=stream,
+                             workspace=None if workspace is None else _view(workspace))
+    return logprobs, ranks

@@ -1,0 +1,198 @@
+"""Logprob and rank of one token per row: this library's one-pass kernel vs torch vs jnp in jit.
+
+Question: how close does ``token_logprob_rank`` come to the memory bandwidth, and how much
+faster is it than the naive way, at vocab 151,936 and batch 1, 64, 256, 1024, for bfloat16
+and float32 logits? Target (issue 5): at batch 256 the kernel reads the logits at >= 75% of the
+measured device-to-device copy bandwidth and is >= 3x faster than the torch version.
+
+Providers:
+- ``trace_replay``: ``trace_replay_torch.token_logprob_rank(logits, ids, out=...)`` (one
+  kernel; below batch 256 two: rows split over several programs, then a tiny combine).
+- ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
+- ``jax_jit``: ``jax.jit`` of ``log_softmax`` (float32) + ``take_along_axis`` + count. Timed
+  differently: wall clock per call over back-to-back calls, ``block_until_ready`` at the end
+  of each round, so it INCLUDES host dispatch. Calls cycle through copies of the logits
+  (256 MiB in all, at most 64 copies) so that small batches are not served from L2.
+
+``trace_replay`` and ``torch`` are timed with CUDA events (``harness.time_cuda``:
+``triton.testing.do_bench``, which flushes L2 before every call). Reported: p20/p50/p80 in us and
+GB/s of logits read (``batch * vocab * itemsize / p50``; each logit is read once by the kernel,
+several times by the others). The ceiling next to it: ``harness.copy_bandwidth()["d2d"]``, a
+256 MiB device-to-device copy, as bytes moved (read + written) per second.
+
+Before timing, each provider's result is compared with the kernel's (ranks equal, largest
+logprob difference) and the comparison is recorded in the rows.
+
+Run: ``python bench/logprob_rank.py`` on a GPU; writes ``bench/results/logprob_rank.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (bandwidth, copy_bandwidth, percentiles, provenance, rotating, table,  # noqa: E402
+                     time_cuda, write_results)
+
+VOCAB = 151_936
+BATCHES = (1, 64, 256, 1024)
+DTYPES = ("bfloat16", "float32")
+JAX_ROTATE_BYTES = 256 << 20      # jax_jit cycles through copies of the logits this large in all
+TARGET_BATCH = 256
+TARGET_FRACTION = 0.75
+TARGET_SPEEDUP = 3.0
+
+
+def torch_logprob_rank(logits, ids):
+    """The naive torch version: float32 log-softmax over the vocabulary, gather, count."""
+    import torch
+    col = ids[:, None]
+    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, col)[:, 0]
+    ranks = (logits >= logits.gather(1, col)).sum(dim=-1)
+    return logprobs, ranks
+
+
+def make_jax_fn():
+    """The jnp version inside ``jax.jit``, or None (with the reason) when JAX has no GPU."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+    try:
+        import jax
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            return None, "jax sees no GPU"
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal: the other providers still run
+        return None, f"jax unavailable: {exc}"
+
+    return jax.jit(jnp_logprob_rank), None
+
+
+def jnp_logprob_rank(logits, ids):
+    """The jnp version: float32 log-softmax, take_along_axis, count."""
+    import jax
+    import jax.numpy as jnp
+    col = ids[:, None]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), col, axis=1)[:, 0]
+    chosen = jnp.take_along_axis(logits, col, axis=1)
+    ranks = jnp.sum(logits >= chosen, axis=-1)
+    return logprobs, ranks
+
+
+def time_wall(fn, *, rounds: int = 15, budget_s: float = 0.05):
+    """Wall-clock us per call: back-to-back calls, the last result blocked on per round."""
+    import jax
+    for _ in range(5):
+        jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    one = max(time.perf_counter() - t0, 1e-6)
+    calls = int(min(2000, max(10, budget_s / one)))
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        per_round.append((time.perf_counter() - t0) / calls * 1e6)
+    return percentiles(per_round)
+
+
+def compare(ref, got):
+    """(ranks equal, largest |logprob difference|) between two (logprobs, ranks) results on host."""
+    ref_lp, ref_rk = (np.asarray(a, dtype=np.float64) for a in ref)
+    lp, rk = (np.asarray(a, dtype=np.float64) for a in got)
+    return bool(np.array_equal(ref_rk, rk)), float(np.max(np.abs(ref_lp - lp)))
+
+
+def main() -> None:
+    import torch
+
+    from trace_replay_torch import token_logprob_rank
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/logprob_rank.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    rows = []
+
+    copy = copy_bandwidth()["d2d"]
+    copy_gbps = copy["gbps_p50"]
+    rows.append(dict(copy, provider="d2d_copy", batch=None, vocab=None, dtype=None, gbps=copy_gbps,
+                     timing="cuda events; GB/s counts bytes read + written"))
+    print(f"device-to-device copy: p50 {copy['us_p50']:.1f} us = {copy_gbps:.0f} GB/s (read + write)", flush=True)
+
+    jax_fn, jax_why = make_jax_fn()
+    if jax_fn is None:
+        print(f"jax_jit skipped: {jax_why}", flush=True)
+
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        for batch in BATCHES:
+            logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(dtype)
+            ids = torch.randint(0, VOCAB, (batch,), device=dev)
+            nbytes = logits.numel() * logits.element_size()
+            out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
+            token_logprob_rank(logits, ids, out=out)                  # compiles the kernels
+            ours = tuple(t.cpu().numpy() for t in out)
+            providers = [
+                ("trace_replay", lambda: token_logprob_rank(logits, ids, out=out), None),
+                ("torch", lambda: torch_logprob_rank(logits, ids),
+                 tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))),
+            ]
+            for name, fn, result in providers:
+                stats = time_cuda(fn)
+                same, diff = compare(ours, result) if result is not None else (True, 0.0)
+                rows.append(dict(provider=name, batch=batch, vocab=VOCAB, dtype=dtype_name, bytes=nbytes,
+                                 gbps=bandwidth(nbytes, stats)["gbps_p50"], copy_gbps=copy_gbps,
+                                 timing="cuda events (do_bench, L2 flushed)", ranks_equal_to_kernel=same,
+                                 max_abs_logprob_diff_to_kernel=diff, **stats, **bandwidth(nbytes, stats)))
+            if jax_fn is not None:
+                import jax
+                n_copies = min(64, max(1, -(-JAX_ROTATE_BYTES // nbytes)))
+                copies = [logits] + [logits.clone() for _ in range(n_copies - 1)]
+                ids32 = ids.to(torch.int32)                   # JAX's default integer width
+                torch.cuda.synchronize()
+                xs_j = [jax.dlpack.from_dlpack(c) for c in copies]
+                ids_j = jax.dlpack.from_dlpack(ids32)
+                result = tuple(np.asarray(a) for a in jax_fn(xs_j[0], ids_j))
+                stats = time_wall(rotating([lambda x_j=x_j: jax_fn(x_j, ids_j) for x_j in xs_j]))
+                same, diff = compare(ours, result)
+                rows.append(dict(provider="jax_jit", batch=batch, vocab=VOCAB, dtype=dtype_name, bytes=nbytes,
+                                 gbps=bandwidth(nbytes, stats)["gbps_p50"], copy_gbps=copy_gbps,
+                                 timing=f"wall clock per call incl. dispatch, {n_copies} logits copies rotated",
+                                 ranks_equal_to_kernel=same, max_abs_logprob_diff_to_kernel=diff, **stats,
+                                 **bandwidth(nbytes, stats)))
+                del xs_j, ids_j, ids32, copies
+            for r in rows[-3:]:
+                if r.get("batch") == batch and r.get("dtype") == dtype_name:
+                    print(f"{r['provider']:13s} {dtype_name:9s} B={batch:5d} p50 {r['us_p50']:9.2f} us "
+                          f"{r['gbps']:7.0f} GB/s  ranks equal: {r['ranks_equal_to_kernel']}, "
+                          f"max |dlogprob| {r['max_abs_logprob_diff_to_kernel']:.2e}", flush=True)
+            del logits, ids, out
+
+    for dtype_name in DTYPES:
+        ours = next(r for r in rows if r["provider"] == "trace_replay" and r["batch"] == TARGET_BATCH
+                    and r["dtype"] == dtype_name)
+        naive = next(r for r in rows if r["provider"] == "torch" and r["batch"] == TARGET_BATCH
+                     and r["dtype"] == dtype_name)
+        fraction = ours["gbps"] / copy_gbps
+        speedup = naive["us_p50"] / ours["us_p50"]
+        rows.append(dict(provider="target", batch=TARGET_BATCH, vocab=VOCAB, dtype=dtype_name,
+                         fraction_of_copy=fraction, speedup_vs_torch=speedup,
+                         met=bool(fraction >= TARGET_FRACTION and speedup >= TARGET_SPEEDUP)))
+
+    path = write_results("logprob_rank", rows)
+    prov = provenance()
+    print(f"\nwrote {path}\n{prov['gpu']}, driver {prov['driver']}, {prov['versions']}, {prov['date']}\n")
+    print(table([r for r in rows if r["provider"] not in ("target",)],
+                ["provider", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps"]))
+    print(f"\ncopy ceiling: {copy_gbps:.0f} GB/s (read + write); jax_jit is wall clock incl. dispatch\n")
+    print(table([r for r in rows if r["provider"] == "target"],
+                ["dtype", "batch", "fraction_of_copy", "speedup_vs_torch", "met"]))
+
+
+if __name__ == "__main__":
+    main()

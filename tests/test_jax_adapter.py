@@ -1,0 +1,644 @@
+"""The JAX adapter: semantics, ownership, ordering, refusals; CPU tier and GPU tier.
+
+Cross-framework parity over long randomised scenarios lives in ``test_parity.py``; here each
+property is checked on its own, with poisoned inputs (rows the code forgot stay visibly
+wrong) and fresh random data every run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import trace_replay_jax as trj  # noqa: E402
+from trace_replay_core import replay_reference  # noqa: E402
+from trace_replay_jax import TraceReplayState  # noqa: E402
+
+POISON = 2**30 + 7          # never a trace token (traces are below vocab_size)
+VOCAB = 50_000
+CPU = jax.devices("cpu")[0]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def x64(enabled: bool = True):
+    """Scoped x64 mode (int64 token ids); restores the previous setting."""
+    scoped = getattr(jax, "enable_x64", None)
+    if scoped is None:
+        from jax.experimental import enable_x64 as scoped
+    return scoped(enabled)
+
+
+def jax_gpu():
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        pytest.skip(f"no CUDA device visible to JAX ({exc})")
+
+
+def _random_state(rng, device, max_slots=16, max_len=32):
+    """A state with random committed traces on most slots; returns (state, traces)."""
+    state = TraceReplayState(max_slots, max_len, device=device, vocab_size=VOCAB)
+    traces = {}
+    for slot in range(max_slots):
+        if rng.random() < 0.75:
+            traces[slot] = rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1)))
+            state.add_request(slot, traces[slot])
+    state.apply_staged_writes()
+    return state, traces
+
+
+def _reference(traces, max_slots, max_len, sampled, idx, total=None, prompt=None, step=None):
+    table = np.zeros((max_slots, max_len), np.int32)
+    lens = np.zeros(max_slots, np.int32)
+    for slot, tr in traces.items():
+        table[slot, :len(tr)] = tr
+        lens[slot] = len(tr)
+    return replay_reference(np.asarray(sampled), np.asarray(idx), table, lens,
+                            None if total is None else np.asarray(total),
+                            None if prompt is None else np.asarray(prompt),
+                            None if step is None else np.asarray(step))
+
+
+def _inputs(rng, batch, max_slots, max_len, device, sampled_dtype=np.int32, index_dtype=np.int32):
+    idx = rng.integers(0, max_slots, batch)
+    special = rng.random(batch)
+    idx[special < 0.15] = -1
+    idx[(special >= 0.15) & (special < 0.2)] = max_slots + 2
+    prompt = rng.integers(0, 100, max_slots + 2)
+    total = prompt + rng.integers(-3, max_len + 3, max_slots + 2)
+    sampled = np.full(batch, POISON)
+    step = rng.integers(-3, max_len + 3, batch)
+    put = lambda x, dt: jax.device_put(np.asarray(x, dt), device)  # noqa: E731
+    return (put(sampled, sampled_dtype), put(idx, index_dtype), put(total, index_dtype),
+            put(prompt, index_dtype), put(step, index_dtype))
+
+
+# -- semantics ------------------------------------------------------------------------------------
+def test_package_example_runs():
+    doc = trj.__doc__
+    code = textwrap.dedent(doc.split("::\n", 1)[1].split("\nPublic names")[0])
+    exec(compile(code, "trace_replay_jax example", "exec"), {})
+
+
+@pytest.mark.parametrize("batch", [0, 1, 5, 100, 1024])
+def test_replay_matches_reference_and_returns_a_new_array(rng, batch):
+    state, traces = _random_state(rng, CPU)
+    s, i, tl, pl, st = _inputs(rng, batch, state.max_slots, state.max_trace_len, CPU)
+    before = np.asarray(s).copy()
+    out = state.replay(s, i, tl, pl)
+    want = _reference(traces, state.max_slots, state.max_trace_len, s, i, tl, pl)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    assert out.dtype == s.dtype and out.shape == s.shape
+    np.testing.assert_array_equal(np.asarray(s), before)          # the input is untouched
+    if batch:
+        assert out.unsafe_buffer_pointer() != s.unsafe_buffer_pointer()
+        assert (want != POISON).any() or batch < 100     # some rows replaced (certain at 100+ rows)
+    out = state.replay_at_step(s, i, st)
+    np.testing.assert_array_equal(np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len,
+                                                              s, i, step=st))
+    jitted = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl))
+    np.testing.assert_array_equal(np.asarray(jitted(state.tables, s, i, tl, pl)), want)
+    state.close()
+
+
+def test_sampled_as_batch_by_one(rng):
+    state, traces = _random_state(rng, CPU)
+    s, i, tl, pl, _ = _inputs(rng, 64, state.max_slots, state.max_trace_len, CPU)
+    out = state.replay(s.reshape(64, 1), i, tl, pl)
+    assert out.shape == (64, 1)
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], _reference(traces, state.max_slots,
+                                                                    state.max_trace_len, s, i, tl, pl))
+
+
+@pytest.mark.parametrize("sampled_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_int64_under_x64(rng, sampled_dtype, index_dtype):
+    with x64(True):
+        state, traces = _random_state(rng, CPU)
+        s, i, tl, pl, st = _inputs(rng, 77, state.max_slots, state.max_trace_len, CPU, sampled_dtype, index_dtype)
+        out = state.replay(s, i, tl, pl)
+        assert out.dtype == np.dtype(sampled_dtype)
+        np.testing.assert_array_equal(np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len,
+                                                                  s, i, tl, pl))
+        out = jax.jit(trj.replay_at_step)(state.tables, s, i, st)
+        np.testing.assert_array_equal(np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len,
+                                                                  s, i, step=st))
+        state.close()
+
+
+def test_default_token_dtype_is_int32():
+    assert jnp.argmax(jnp.ones((2, 3)), axis=-1).dtype == np.int32    # JAX's default, without x64
+    with TraceReplayState(2, 2, device="cpu") as state:
+        out = state.replay(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
+                           jnp.zeros(2, jnp.int32))
+        assert out.dtype == np.int32
+
+
+@pytest.mark.parametrize("use_x64", [False, True])
+def test_extreme_lengths_never_wrap_into_a_valid_step(use_x64):
+    """total_len - prompt_len far outside int range must be skipped, as in the reference."""
+    with x64(use_x64):
+        dt = np.int64 if use_x64 else np.int32
+        info = np.iinfo(dt)
+        with TraceReplayState(4, 8, device="cpu") as state:
+            state.add_request(1, [11, 12, 13, 14, 15, 16, 17, 18])
+            state.apply_staged_writes()
+            total = np.array([0, info.min + 3, 0, 0], dt)          # true difference: about -2**bits,
+            prompt = np.array([0, info.max - 1, 0, 0], dt)          # a small step once wrapped
+            sampled = jnp.full(3, POISON, jnp.int32)
+            idx = jnp.array([1, 1, -1], jnp.int32)
+            out = state.replay(sampled, idx, jnp.asarray(total), jnp.asarray(prompt))
+            assert np.asarray(out).tolist() == [POISON] * 3
+            total[1], prompt[1] = info.max, info.max - 5               # a real step 5
+            out = state.replay(sampled, idx, jnp.asarray(total), jnp.asarray(prompt))
+            assert np.asarray(out).tolist() == [16, 16, POISON]
+
+
+def test_inside_fori_loop_and_while_loop(rng):
+    state, traces = _random_state(rng, CPU)
+    s, i, tl, pl, _ = _inputs(rng, 40, state.max_slots, state.max_trace_len, CPU)
+
+    @jax.jit
+    def loops(tables, s, i, tl, pl):
+        def body(k, acc):
+            return acc.at[k].set(trj.replay(tables, s, i, tl + k, pl))
+        fori = jax.lax.fori_loop(0, 5, body, jnp.zeros((5,) + s.shape, s.dtype))
+
+        def wbody(c):
+            k, out = c
+            return k + 1, trj.replay(tables, s, i, tl + k, pl)
+        _, last = jax.lax.while_loop(lambda c: c[0] < 3, wbody, (0, s))
+        return fori, last
+
+    fori, last = loops(state.tables, s, i, tl, pl)
+    for k in range(5):
+        np.testing.assert_array_equal(np.asarray(fori[k]), _reference(
+            traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + k, pl))
+    np.testing.assert_array_equal(np.asarray(last), _reference(
+        traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + 2, pl))
+
+
+# -- state operations and ordering ----------------------------------------------------------------
+def _one_row_step(state, slot, step, device=CPU):
+    put = lambda x: jax.device_put(np.asarray(x, np.int32), device)  # noqa: E731
+    total = np.zeros(state.max_slots, np.int32)
+    total[slot] = step
+    return put([POISON]), put([slot]), put(total), put(np.zeros(state.max_slots))
+
+
+def test_staged_writes_seen_by_the_next_jitted_call_only_after_apply(rng):
+    a = rng.integers(0, VOCAB, 6)
+    b = rng.integers(0, VOCAB, 3)
+    step = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl))
+    with TraceReplayState(4, 8, device="cpu", vocab_size=VOCAB) as state:
+        args = _one_row_step(state, 2, 2)
+        assert int(step(state.tables, *args)[0]) == POISON
+        state.add_request(2, a)
+        assert state.pending == 1
+        assert int(step(state.tables, *args)[0]) == POISON           # staged, not applied
+        state.apply_staged_writes()
+        assert state.pending == 0
+        assert int(step(state.tables, *args)[0]) == a[2]
+        state.add_request(2, b)                                      # slot reused, shorter trace
+        state.apply_staged_writes()
+        assert int(step(state.tables, *args)[0]) == b[2]
+        assert int(step(state.tables, *_one_row_step(state, 2, 4))[0]) == POISON   # old tail gone
+        state.remove_request(2)
+        state.apply_staged_writes()
+        assert int(step(state.tables, *args)[0]) == POISON
+        state.add_request(2, a)
+        state.add_request(2, None)                                   # untraced request wins
+        state.apply_staged_writes()
+        assert int(step(state.tables, *args)[0]) == POISON
+
+
+def test_cpu_apply_leaves_tables_already_handed_out_unchanged(rng):
+    """On the CPU each apply makes new arrays, so programs queued earlier keep the old table."""
+    a, b = rng.integers(0, VOCAB, 5), rng.integers(0, VOCAB, 5)
+    with TraceReplayState(4, 8, device="cpu") as state:
+        state.add_request(1, a)
+        state.apply_staged_writes()
+        old = state.tables
+        state.add_request(1, b)
+        state.apply_staged_writes()
+        args = _one_row_step(state, 1, 3)
+        assert int(trj.replay(old, *args)[0]) == a[3]
+        assert int(trj.replay(state.tables, *args)[0]) == b[3]
+        state.apply_staged_writes()                                   # nothing staged: same arrays
+        assert state.tables.table is state.tables.table
+
+
+def test_trace_may_be_a_cpu_jax_array(rng):
+    tr = rng.integers(0, VOCAB, 4)
+    with TraceReplayState(2, 4, device="cpu") as state:
+        state.add_request(0, jnp.asarray(tr, jnp.int32))
+        state.apply_staged_writes()
+        assert int(state.replay(*_one_row_step(state, 0, 3))[0]) == tr[3]
+
+
+def test_gradient_through_replayed_tokens_is_that_of_constant_tokens():
+    """Tokens are integers: a float loss indexed by replayed tokens differentiates as if the
+    tokens were constants; differentiating with respect to the ids themselves is refused."""
+    with TraceReplayState(4, 8, device="cpu") as state:
+        state.add_request(0, [3, 1, 4])
+        state.apply_staged_writes()
+        idx, tl, pl = jnp.array([0, -1], jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32), jnp.zeros(4, jnp.int32)
+
+        def loss(x):
+            tokens = state.replay(jnp.argmax(x, axis=-1).astype(jnp.int32), idx, tl, pl)
+            return jnp.take_along_axis(x, tokens[:, None], axis=1).sum()
+
+        x = jnp.arange(12.0).reshape(2, 6)
+        g = jax.grad(loss)(x)
+        assert np.asarray(g).tolist() == [[0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]]
+        with pytest.raises(TypeError, match=r"grad requires real- or complex-valued inputs"):
+            jax.grad(lambda s: state.replay(s, idx, tl, pl).sum())(jnp.zeros(2, jnp.int32))
+
+
+def test_close_is_idempotent_and_final():
+    state = TraceReplayState(2, 2, device="cpu")
+    state.close()
+    state.close()
+    assert state.closed
+    for call in (lambda: state.tables, lambda: state.add_request(0, [1]), state.apply_staged_writes,
+                 lambda: state.replay(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                                      jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))):
+        with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
+            call()
+
+
+# -- refusals -------------------------------------------------------------------------------------
+I32 = jnp.int32
+
+
+def _args(n=4):
+    return (jnp.full(n, POISON, I32), jnp.array([1, 2, -1, 1][:n], I32), jnp.arange(8, dtype=I32),
+            jnp.zeros(8, I32))
+
+
+# Errors raised while JAX traces the caller's function (jit, vmap) carry JAX's traceback note
+# after the message, so those patterns are anchored at the start only.
+REFUSALS = {
+    "sampled-float": (lambda st: st.replay(_args()[0].astype(jnp.float32), *_args()[1:]), TypeError,
+                      r"^sampled must have dtype int32 or int64 \(got float32\); replay overwrites integer token ids "
+                      r"and has no gradient: apply it to the sampler's token ids, outside jax\.grad$"),
+    "sampled-speculative": (lambda st: st.replay(jnp.zeros((4, 2), I32), *_args()[1:]), ValueError,
+                            r"^sampled has 2 tokens per row \(shape \[4, 2\]\): speculative decoding is not "
+                            r"supported; replay takes exactly one token per request per step$"),
+    "sampled-3d": (lambda st: st.replay(jnp.zeros((4, 1, 1), I32), *_args()[1:]), ValueError,
+                   r"^sampled must be 1-D \[batch\] or \[batch, 1\] \(got shape \[4, 1, 1\]\)$"),
+    "sampled-list": (lambda st: st.replay([1, 2, 3, 4], *_args()[1:]), TypeError,
+                     r"^sampled must be a JAX or numpy array \(got list\)$"),
+    "idx-float": (lambda st: st.replay(_args()[0], _args()[1].astype(jnp.float32), *_args()[2:]), TypeError,
+                  r"^idx_mapping must have dtype int32 or int64 \(got float32\)$"),
+    "idx-length": (lambda st: st.replay(_args()[0], _args()[1][:3], *_args()[2:]), ValueError,
+                   r"^idx_mapping must be 1-D with 4 rows like sampled \(got shape \[3\]\)$"),
+    "total-short": (lambda st: st.replay(*_args()[:2], jnp.zeros(5, I32), _args()[3]), ValueError,
+                    r"^total_len must be 1-D with at least max_slots=8 entries \(got shape \[5\]\)$"),
+    "prompt-int16": (lambda st: st.replay(*_args()[:3], jnp.zeros(8, jnp.int16)), TypeError,
+                     r"^prompt_len must have dtype int32 or int64 \(got int16\)$"),
+    "step-length": (lambda st: st.replay_at_step(*_args()[:2], jnp.zeros(2, I32)), ValueError,
+                    r"^step must be 1-D with 4 rows like sampled \(got shape \[2\]\)$"),
+    "tables-type": (lambda st: trj.replay((st.tables.table, st.tables.trace_len), *_args()), TypeError,
+                    r"^tables must be a ReplayTables \(state\.tables\) \(got tuple\)$"),
+    "vmap-state": (lambda st: jax.vmap(lambda s: st.replay(s, *_args()[1:]))(_args()[0][None]), ValueError,
+                   r"^trace_replay_jax\.replay does not support jax\.vmap: it already replays a whole batch\. Call "
+                   r"it on the batched arrays instead .*without vmap"),
+    "vmap-function": (lambda st: jax.jit(jax.vmap(trj.replay, in_axes=(None, 0, 0, None, None)))(
+        st.tables, _args()[0][None], _args()[1][None], *_args()[2:]), ValueError,
+        r"^trace_replay_jax\.replay does not support jax\.vmap"),
+    "state-replay-in-jit": (lambda st: jax.jit(lambda s: st.replay(s, *_args()[1:]))(_args()[0]), ValueError,
+                            r"^state\.replay\(\) cannot be used inside jax\.jit, lax loops or other transformations "
+                            r"\(got traced arrays\): pass state\.tables into the jitted function as an argument and "
+                            r"call trace_replay_jax\.replay\(tables, \.\.\.\) there"),
+    "tables-closed-over-in-jit": (lambda st: jax.jit(lambda s: trj.replay(st.tables, s, *_args()[1:]))(_args()[0]),
+                                  ValueError, r"^tables must be passed into the jitted function as an argument "
+                                  r"\(got a concrete array while sampled/idx_mapping are traced\)"),
+    "trace-too-long": (lambda st: st.add_request(0, list(range(9))), ValueError,
+                       r"^tokens has 9 tokens; the table holds at most max_trace_len=8$"),
+    "trace-above-vocab": (lambda st: st.add_request(0, [VOCAB]), ValueError,
+                          r"^tokens must be below vocab_size=50000 \(got 50000 at index 0\)$"),
+    "trace-negative": (lambda st: st.add_request(0, [1, -2]), ValueError,
+                       r"^tokens must be non-negative \(got -2 at index 1\)$"),
+    "trace-traced": (lambda st: jax.jit(lambda tr: st.add_request(0, tr))(jnp.ones(2, I32)), TypeError,
+                     r"^trace must be concrete host data; add_request\(\) is host-only"),
+    "slot-out-of-range": (lambda st: st.add_request(8, [1]), ValueError, r"^slot must be in \[0, 8\) \(got 8\)$"),
+    "device-string": (lambda st: TraceReplayState(2, 2, device="tpu"), ValueError,
+                      r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got 'tpu'\)$"),
+    "device-type": (lambda st: TraceReplayState(2, 2, device=3.0), TypeError,
+                    r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got float\)$"),
+    "max-slots": (lambda st: TraceReplayState(0, 2, device="cpu"), ValueError,
+                  r"^max_slots must be between 1 and \d+ \(got 0\)$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refusals_change_nothing(case):
+    call, exc, pattern = REFUSALS[case]
+    with TraceReplayState(8, 8, device="cpu", vocab_size=VOCAB) as state:
+        state.add_request(1, [5, 6, 7])
+        state.apply_staged_writes()
+        state.add_request(2, [8, 9, 10])                 # staged, not applied
+        tables = state.tables
+        before = [np.asarray(x).copy() for x in (tables.table, tables.trace_len)]
+        with pytest.raises(exc, match=pattern):
+            call(state)
+        assert state.pending == 1
+        assert state.tables is tables
+        for x, b in zip((tables.table, tables.trace_len), before):
+            np.testing.assert_array_equal(np.asarray(x), b)
+        out = state.replay(*_args())
+        assert np.asarray(out).tolist() == [6, POISON, POISON, 6]   # slot 1 at step 1; slot 2 not applied
+        state.apply_staged_writes()
+        assert np.asarray(state.replay(*_args())).tolist() == [6, 10, POISON, 6]
+
+
+def test_cuda_device_without_a_gpu_is_refused_with_the_fix():
+    try:
+        jax.devices("gpu")
+        pytest.skip("this machine has a GPU")
+    except RuntimeError:
+        pass
+    with pytest.raises(ValueError, match=r"^device 'cuda' is not available: JAX has no gpu backend here .*; "
+                                         r"use device='cpu'$"):
+        TraceReplayState(2, 2, device="cuda")
+
+
+# -- building blocks, testable on the CPU ---------------------------------------------------------
+def test_external_view_is_zero_copy_and_frees_only_its_descriptor(rng):
+    from trace_replay_jax.views import external_view
+
+    raw = np.zeros(16 * 64 * 4 + 128, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    mem = raw[off:off + 16 * 64 * 4].view(np.int32).reshape(16, 64)
+    mem[:] = rng.integers(0, 1000, (16, 64))
+    for _ in range(200):           # descriptors are freed by JAX through libc free; no leak, no crash
+        view = external_view(mem.ctypes.data, (16, 64), np.int32, CPU)
+        assert view.unsafe_buffer_pointer() == mem.ctypes.data
+        del view
+    view = external_view(mem.ctypes.data, (16, 64), np.int32, CPU)
+    r, c = int(rng.integers(16)), int(rng.integers(64))
+    mem[r, c] = -5                                      # the view sees writes to the owner's memory
+    assert int(jax.jit(lambda v: v[r, c])(view)) == -5
+    del view
+    assert mem[r, c] == -5
+
+
+def test_external_view_refuses_memory_jax_would_copy():
+    from trace_replay_jax.views import external_view
+
+    raw = np.zeros(1024, np.uint8)
+    off = (-raw.ctypes.data) % 64 + 4                   # 4-byte aligned, not 64
+    with pytest.raises((RuntimeError, ValueError)):
+        external_view(raw.ctypes.data + off, (8,), np.int32, CPU)
+
+
+class _FakeTable:
+    def __init__(self, fail=False):
+        self.streams, self.fail = [], fail
+
+    def commit(self, *, stream):
+        self.streams.append(stream)
+        if self.fail:
+            raise RuntimeError("scatter launch failed")
+
+
+def test_xla_commit_runs_inside_a_jitted_op_and_reports_errors_later():
+    """The commit op's plumbing (buffer_callback, in-flight guard, error hand-off) on the CPU;
+    on a GPU the same op passes XLA's stream (see test_gpu_commit_runs_on_xlas_stream)."""
+    from trace_replay_jax.commit import XlaCommit
+
+    table = _FakeTable()
+    op = XlaCommit(table, stream_of=lambda ctx: 12345)
+    anchor = jnp.zeros((), I32)
+    op(anchor)
+    op(anchor)
+    op.wait()
+    assert table.streams == [12345, 12345]
+    bad = XlaCommit(_FakeTable(fail=True), stream_of=lambda ctx: 0)
+    bad(anchor)
+    with pytest.raises(RuntimeError,
+                       match=r"^applying staged writes failed on the device stream: scatter launch failed$"):
+        bad.wait()
+    bad.wait()                                          # reported once
+
+
+def test_import_loads_neither_torch_nor_jax_triton_and_changes_no_environment():
+    code = ("import os, sys; env = dict(os.environ); import trace_replay_jax; "
+            "s = trace_replay_jax.TraceReplayState(2, 2, device='cpu'); s.add_request(0, [1]); "
+            "s.apply_staged_writes(); s.close(); "
+            "bad = [m for m in ('torch', 'jax_triton') if m in sys.modules]; "
+            "changed = dict(os.environ) != env; print('loaded', bad, 'env changed', changed); "
+            "sys.exit(1 if bad or changed else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -- GPU tier -------------------------------------------------------------------------------------
+def _slow_gpu_fn(device, seconds=0.5):
+    """A jitted fn(x) -> x-dependent int32 zeros that keeps the GPU busy for about ``seconds``.
+
+    Python-unrolled matmuls (no loop: a device-side loop might sync inside XLA)."""
+    x = jax.device_put(jnp.ones((8192, 8192), jnp.float32) / 8192, device)
+
+    def make(k):
+        def f(x):
+            for _ in range(k):
+                x = jnp.tanh(jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
+            return x
+        return jax.jit(f)
+
+    probe = make(4)
+    probe(x).block_until_ready()
+    t0 = time.perf_counter()
+    probe(x).block_until_ready()
+    per = (time.perf_counter() - t0) / 4
+    k = int(min(400, max(4, seconds / max(per, 1e-6))))
+    slow = make(k)
+    slow(x).block_until_ready()
+    t0 = time.perf_counter()
+    slow(x).block_until_ready()
+    return slow, x, time.perf_counter() - t0
+
+
+@jax.jit
+def _dep_zero(slow_out):
+    return (slow_out[0, :1] * 0).astype(jnp.int32)
+
+
+def _dep_tokens(slow_out, values, device):
+    """int32 tokens equal to ``values`` that JAX can only compute after ``slow_out`` (one program)."""
+    return _dep_zero(slow_out) + jax.device_put(np.asarray(values, np.int32), device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["device", "host_mapped"])
+def test_gpu_tables_are_zero_copy_views_of_the_core_table(placement, rng):
+    gpu = jax_gpu()
+    with TraceReplayState(16, 64, device=gpu, placement=placement) as state:
+        table_view, lengths_view = state.table.device_views()
+        assert state.tables.table.unsafe_buffer_pointer() == table_view.ptr
+        assert state.tables.trace_len.unsafe_buffer_pointer() == lengths_view.ptr
+        assert state.tables.table.devices() == {gpu}
+        tr = rng.integers(0, VOCAB, 64)
+        state.add_request(5, tr)
+        state.apply_staged_writes()
+        table, lens = state.snapshot()
+        np.testing.assert_array_equal(np.asarray(state.tables.table), table)
+        np.testing.assert_array_equal(np.asarray(state.tables.trace_len), lens)
+        assert lens[5] == 64 and (table[5] == tr).all()
+        views = state.tables
+    assert views.table.is_deleted() and views.trace_len.is_deleted()
+
+
+@pytest.mark.gpu
+def test_gpu_apply_is_ordered_behind_queued_programs_without_host_sync(rng):
+    """Write-after-read and read-after-write across apply_staged_writes(), all queued behind
+    a slow kernel: a commit that ran early (another stream, or the host) would make the first
+    replay read the new trace; a host sync would make the slow kernel finish first."""
+    gpu = jax_gpu()
+    slow, x, seconds = _slow_gpu_fn(gpu)
+    a, b = rng.integers(0, VOCAB, 16), rng.integers(0, VOCAB, 16)
+    step = int(rng.integers(0, 16))
+    jitted = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl))
+    with TraceReplayState(8, 16, device=gpu) as state:
+        state.add_request(3, a)
+        state.apply_staged_writes()
+        idx = jax.device_put(np.array([3, -1, 3], np.int32), gpu)
+        total = np.zeros(8, np.int32)
+        total[3] = step
+        tl, pl = jax.device_put(total, gpu), jax.device_put(np.zeros(8, np.int32), gpu)
+        warm = _dep_tokens(x, [0, 0, 0], gpu)                  # compile everything first
+        jax.block_until_ready((state.replay(warm, idx, tl, pl), jitted(state.tables, warm, idx, tl, pl)))
+        t0 = time.perf_counter()
+        busy = slow(x)
+        sampled = _dep_tokens(busy, [POISON] * 3, gpu)
+        first = state.replay(sampled, idx, tl, pl)            # reads the table after the slow kernel
+        first_jit = jitted(state.tables, sampled, idx, tl, pl)
+        state.add_request(3, b)
+        state.apply_staged_writes()                          # must land after the two replays
+        second = state.replay(sampled, idx, tl, pl)
+        second_jit = jitted(state.tables, sampled, idx, tl, pl)
+        queued = time.perf_counter() - t0
+        assert not busy.is_ready(), f"something waited for the device ({queued:.3f} s vs {seconds:.3f} s)"
+        assert np.asarray(first).tolist() == [a[step], POISON, a[step]]
+        assert np.asarray(first_jit).tolist() == [a[step], POISON, a[step]]
+        assert np.asarray(second).tolist() == [b[step], POISON, b[step]]
+        assert np.asarray(second_jit).tolist() == [b[step], POISON, b[step]]
+
+
+@pytest.mark.gpu
+def test_gpu_many_steps_queue_behind_a_slow_kernel(rng):
+    """Steps (eager and jitted, fresh buffers each) and an apply, all queued behind a slow
+    kernel, return before it finishes. JAX itself lets at most 32 programs per device run
+    ahead of the GPU (XLA's max_inflight_computations), so the test stays below that."""
+    gpu = jax_gpu()
+    slow, x, seconds = _slow_gpu_fn(gpu, seconds=1.0)
+    tr = rng.integers(0, VOCAB, 300)
+    steps = 12                                   # 2 programs per step + 4 others < 32
+    with TraceReplayState(4, 300, device=gpu) as state:
+        state.add_request(2, tr)
+        state.apply_staged_writes()
+
+        @jax.jit
+        def step(tables, sampled, idx, total, prompt):
+            out = trj.replay(tables, sampled, idx, total, prompt)
+            return out, total.at[jnp.where(idx >= 0, idx, total.shape[0])].add(1, mode="drop")
+
+        idx = jax.device_put(np.array([2, -1], np.int32), gpu)
+        total = jax.device_put(np.zeros(4, np.int32), gpu)
+        prompt = jax.device_put(np.zeros(4, np.int32), gpu)
+        warm = _dep_tokens(x, [0, 0], gpu)                                   # compile everything first
+        jax.block_until_ready((state.replay(warm, idx, total, prompt), step(state.tables, warm, idx, total, prompt)))
+        t0 = time.perf_counter()
+        busy = slow(x)
+        sampled = _dep_tokens(busy, [POISON, POISON], gpu)
+        outs = []
+        for k in range(steps):
+            outs.append(state.replay(sampled, idx, total, prompt))
+            out, total = step(state.tables, sampled, idx, total, prompt)      # a new total buffer each step
+            outs.append(out)
+            if k == steps // 2:
+                state.add_request(1, [7])        # an apply in the middle, queued as well
+                state.apply_staged_writes()
+        queued = time.perf_counter() - t0
+        assert not busy.is_ready(), f"a step waited for the device ({queued:.3f} s vs {seconds:.3f} s)"
+        got = np.stack([np.asarray(o) for o in outs])
+        want = np.array([[tr[k // 2], POISON] for k in range(2 * steps)])
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_commit_runs_on_xlas_stream():
+    from jax.experimental.buffer_callback import buffer_callback
+
+    gpu = jax_gpu()
+    seen = []
+    probe = jax.jit(buffer_callback(lambda ctx, out, x: seen.append(int(ctx.stream)),
+                                    jax.ShapeDtypeStruct((), np.int32), has_side_effect=True))
+    with TraceReplayState(4, 4, device=gpu) as state:
+        probe(state.tables.trace_len).block_until_ready()
+        streams = []
+        original = state.table.commit
+
+        def recording(*, stream):
+            streams.append(stream)
+            original(stream=stream)
+
+        state.table.commit = recording
+        state.add_request(0, [1, 2])
+        state.apply_staged_writes()
+        state.add_request(1, [3])                 # waits until the commit op has run
+        assert streams == seen and seen[0] != 0
+
+
+@pytest.mark.gpu
+def test_gpu_torch_adapter_in_the_same_process(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from trace_replay_torch import TraceReplayState as TorchState
+
+    gpu = jax_gpu()
+    env = dict(os.environ)
+    tr = rng.integers(0, VOCAB, 8)
+    with TraceReplayState(4, 8, device=gpu) as jstate:
+        jstate.add_request(1, tr)
+        jstate.apply_staged_writes()
+        jout = jstate.replay(*_one_row_step(jstate, 1, 5, gpu))
+        dev = f"cuda:{gpu.local_hardware_id}"
+        with TorchState(4, 8, device=dev) as tstate:
+            tstate.add_request(1, tr)
+            tstate.apply_staged_writes()
+            s = torch.full((1,), POISON, dtype=torch.int64, device=dev)
+            total = torch.zeros(4, dtype=torch.int32, device=dev)
+            total[1] = 5
+            tstate.replay(s, torch.tensor([1], dtype=torch.int32, device=dev), total,
+                          torch.zeros(4, dtype=torch.int32, device=dev))
+            assert s.item() == tr[5]
+        assert int(jout[0]) == tr[5]
+    assert "jax_triton" not in sys.modules
+    assert dict(os.environ) == env
+
+
+@pytest.mark.gpu
+def test_gpu_parity_with_command_buffers_in_a_subprocess():
+    """XLA command buffers for custom calls, loops and conditionals: replay still reads the
+    table as committed between calls (the fori loop is one recorded graph)."""
+    jax_gpu()
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
+                        "CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1").strip()
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "test_parity.py"), "gpu"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "parity ok" in proc.stdout

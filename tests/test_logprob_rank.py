@@ -1,0 +1,566 @@
+"""token_logprob_rank: numpy backend, Triton kernels in the interpreter, and (marked ``gpu``) the GPU.
+
+Every result is checked against ``token_logprob_rank_reference`` (float64 numpy) on random
+logits that are never zero, with ties planted on purpose, ``-inf`` entries, NaN/``+inf`` rows and
+out-of-range token ids. Ranks must match exactly.
+
+Logprob tolerance (the same for every logits dtype, on purpose): bfloat16 and float16 logits
+convert exactly to float32, so the only error is float32 arithmetic. ``lse = max + log(sum)``
+with ``sum`` of at most 2**18 terms in ``[0, 1]`` accumulated per lane (at most 64 terms) and
+then by a tree: relative error of ``sum`` <= ~(64 + 18) * 2**-24 ~ 5e-6, which is the absolute
+error of ``log(sum)``; the exp2/log approximations add <= 2**-21 relative per term; the two
+float32 roundings of ``max + log(sum)`` and ``chosen - lse`` add <= 2**-24 * |value| each. Hence
+``|logprob - ref| <= 2e-5 + 3e-7 * (|chosen| + |lse|)``. A wrongly converted bfloat16 or float16
+logit would miss this by orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trace_replay_core import ArrayView, as_view, token_logprob_rank, token_logprob_rank_reference  # noqa: E402
+from trace_replay_core.logprob import (SPLIT_TARGET_PROGRAMS, logprob_rank_workspace_bytes,  # noqa: E402
+                                       plan_logprob_rank)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BATCHES = (1, 7, 256, 1024)
+VOCABS = (1, 1000, 32000, 151936, 262144)
+POISON_LOGPROB = 777.0
+POISON_RANK = -999
+
+
+# -- data --------------------------------------------------------------------------------------
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to ``dtype`` (returned as float32; exact in both)."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(TORCH_DTYPES[dtype]).float().numpy()
+
+
+def make_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str, *, neg_inf: bool = True):
+    """Random logits (never zero) in ``dtype`` as exact float32, planted ties, and token ids.
+
+    Row ``r`` by ``r % 4``: 0 = the token is the unique argmax (rank 1); 1 = the token ties the
+    row maximum with one or more other entries; 2 = a few other entries equal the token's logit;
+    3 = untouched random token. Rows ``r % 3 == 0`` get ~1% ``-inf`` entries (never the planted
+    ones); in a batch of 5 or more, row 4's token itself is ``-inf``.
+    """
+    x = rng.standard_normal((batch, vocab), dtype=np.float32) * 4.0
+    x = round_to(x, dtype)
+    x[x == 0] = 0.5
+    ids = rng.integers(0, vocab, size=batch).astype(np.int64)
+    for r in range(batch):
+        t = ids[r]
+        if neg_inf and r % 3 == 0 and vocab > 8:
+            holes = rng.integers(0, vocab, size=max(1, vocab // 100))
+            holes = holes[holes != t]
+            x[r, holes] = -np.inf
+        others = np.flatnonzero(np.arange(vocab) != t)
+        kind = r % 4
+        if kind == 0:
+            x[r, t] = np.max(x[r]) + 1.0
+        elif kind == 1 and others.size:
+            k = rng.choice(others, size=min(others.size, int(rng.integers(1, 4))), replace=False)
+            x[r, t] = np.max(x[r])
+            x[r, k] = x[r, t]
+        elif kind == 2 and others.size:
+            k = rng.choice(others, size=min(others.size, int(rng.integers(1, 6))), replace=False)
+            x[r, k] = x[r, t]
+    if batch >= 5 and vocab > 1:
+        x[4, ids[4]] = -np.inf
+    return round_to(x, dtype), ids
+
+
+def reference(x: np.ndarray, ids: np.ndarray):
+    """The float64 reference, by chunks of rows (bounded memory)."""
+    rows = max(1, (1 << 22) // max(1, x.shape[1]))
+    parts = [token_logprob_rank_reference(x[r:r + rows], ids[r:r + rows]) for r in range(0, x.shape[0], rows)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def assert_matches_reference(x: np.ndarray, ids: np.ndarray, logprobs, ranks, what: str) -> None:
+    """Ranks exact; logprobs within the documented float32 bound; NaN/inf exactly where expected."""
+    ref_lp, ref_rank = reference(x, ids)
+    logprobs = np.asarray(logprobs, dtype=np.float64)
+    ranks = np.asarray(ranks).astype(np.int64)
+    bad = np.flatnonzero(ranks != ref_rank)
+    assert bad.size == 0, (f"{what}: {bad.size} rank mismatches, rows {bad[:10].tolist()}: "
+                           f"got {ranks[bad[:10]].tolist()}, want {ref_rank[bad[:10]].tolist()}")
+    nan_got, nan_ref = np.isnan(logprobs), np.isnan(ref_lp)
+    bad = np.flatnonzero(nan_got != nan_ref)
+    assert bad.size == 0, f"{what}: NaN mismatch at rows {bad[:10].tolist()}: got {logprobs[bad[:10]].tolist()}"
+    inf_ref = np.isinf(ref_lp)
+    bad = np.flatnonzero(inf_ref & (logprobs != ref_lp))
+    assert bad.size == 0, f"{what}: -inf expected at rows {bad[:10].tolist()}, got {logprobs[bad[:10]].tolist()}"
+    fin = np.isfinite(ref_lp)
+    rows = np.arange(x.shape[0])
+    chosen = np.where(fin, x[rows, np.clip(ids, 0, x.shape[1] - 1)], 0.0).astype(np.float64)
+    lse = np.where(fin, chosen - np.where(fin, ref_lp, 0.0), 0.0)    # the reference's log-sum-exp
+    tol = 2e-5 + 3e-7 * (np.abs(chosen) + np.abs(lse))
+    with np.errstate(invalid="ignore"):
+        err = np.where(fin, np.abs(logprobs - ref_lp), 0.0)
+    bad = np.flatnonzero(err > tol)
+    assert bad.size == 0, (f"{what}: logprob error above bound at rows {bad[:10].tolist()}: "
+                           f"err {err[bad[:10]].tolist()}, tol {tol[bad[:10]].tolist()}")
+
+
+def assert_planted(x: np.ndarray, ids: np.ndarray, ranks) -> None:
+    """The planting did what it says (so the exact-rank check really covers ties)."""
+    ranks = np.asarray(ranks).astype(np.int64)
+    batch, vocab = x.shape
+    if vocab < 8:
+        return
+    for r in range(batch):
+        if r == 4:
+            continue
+        if r % 4 == 0:
+            assert ranks[r] == 1, f"row {r}: planted unique argmax has rank {ranks[r]}"
+        elif r % 4 == 1:
+            assert ranks[r] >= 2, f"row {r}: planted tie at the maximum has rank {ranks[r]}"
+
+
+# -- the numpy backend ------------------------------------------------------------------------
+
+def run_core_cpu(x_f32: np.ndarray, ids: np.ndarray, dtype: str, *, rank_dtype=np.int64):
+    logits = torch.from_numpy(x_f32).to(TORCH_DTYPES[dtype]) if dtype != "float32" else x_f32
+    lp = np.full(x_f32.shape[0], POISON_LOGPROB, dtype=np.float32)
+    rk = np.full(x_f32.shape[0], POISON_RANK, dtype=rank_dtype)
+    token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0)
+    return lp, rk
+
+
+CPU_GRID = [(b, v, d) for d in TORCH_DTYPES for b in BATCHES for v in VOCABS if b * v <= 1 << 25]
+
+
+@pytest.mark.parametrize("batch,vocab,dtype", CPU_GRID, ids=[f"b{b}-v{v}-{d}" for b, v, d in CPU_GRID])
+def test_cpu_backend_matches_reference(batch, vocab, dtype):
+    # Sizes above 2**25 logits (e.g. 1024 x 262,144) run in the GPU tier; the numpy backend
+    # processes rows in fixed-size chunks, so larger batches exercise nothing new here.
+    rng = np.random.default_rng(batch * 1_000_003 + vocab)
+    x, ids = make_case(rng, batch, vocab, dtype)
+    lp, rk = run_core_cpu(x, ids, dtype)
+    assert_matches_reference(x, ids, lp, rk, f"cpu {batch}x{vocab} {dtype}")
+    assert_planted(x, ids, rk)
+
+
+def test_cpu_backend_hand_computed():
+    x = np.array([[1.0, 3.0, 3.0, 2.0],
+                  [5.0, -np.inf, 4.0, -1.5]], dtype=np.float32)
+    lp = np.full(8, POISON_LOGPROB, dtype=np.float32)
+    rk = np.full(8, POISON_RANK, dtype=np.int64)
+    logits = np.repeat(x, 4, axis=0)
+    ids = np.array([1, 2, 0, 3, 0, 2, 1, 3], dtype=np.int32)
+    token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0)
+    lse0 = np.log(np.exp(1.0) + 2 * np.exp(3.0) + np.exp(2.0))
+    lse1 = np.log(np.exp(5.0) + np.exp(4.0) + np.exp(-1.5))
+    # Ties count against the token: both 3.0 entries have rank 2; the unique argmax has rank 1.
+    assert rk.tolist() == [2, 2, 4, 3, 1, 2, 4, 3]
+    want = [3 - lse0, 3 - lse0, 1 - lse0, 2 - lse0, 5 - lse1, 4 - lse1, -np.inf, -1.5 - lse1]
+    np.testing.assert_allclose(lp, np.array(want, dtype=np.float32), rtol=0, atol=2e-6)
+
+
+def special_case(vocab: int = 300, *, rng_seed: int = 7):
+    """Rows with special values, and what the contract says about each (None: use reference).
+
+    0 NaN somewhere in the row, 1 +inf in the row, 2 only -inf, 3 the token's logit is -inf,
+    4 the token's own logit is NaN, 5 id -1, 6 id == vocab, 7 id huge, 8 plain row, 9 the
+    token's logit is -inf in a row of only -inf except one entry.
+    """
+    rng = np.random.default_rng(rng_seed)
+    x = rng.standard_normal((10, vocab), dtype=np.float32) * 3.0
+    x[x == 0] = 0.5
+    ids = rng.integers(0, vocab, size=10).astype(np.int64)
+    x[0, (ids[0] + 7) % vocab] = np.nan
+    x[1, (ids[1] + 11) % vocab] = np.inf
+    x[2, :] = -np.inf
+    x[3, ids[3]] = -np.inf
+    x[4, ids[4]] = np.nan
+    ids[5], ids[6], ids[7] = -1, vocab, 2**40
+    x[9, :] = -np.inf
+    x[9, (ids[9] + 1) % vocab] = 2.0
+    expect = {
+        0: (np.nan, None), 1: (np.nan, None), 2: (np.nan, vocab), 3: (-np.inf, vocab), 4: (np.nan, 0),
+        5: (np.nan, -1), 6: (np.nan, -1), 7: (np.nan, -1), 9: (-np.inf, vocab),
+    }
+    return x, ids, expect
+
+
+def assert_special(x, ids, lp, rk, expect, what):
+    lp = np.asarray(lp, dtype=np.float64)
+    rk = np.asarray(rk).astype(np.int64)
+    for row, (want_lp, want_rank) in expect.items():
+        if np.isnan(want_lp):
+            assert np.isnan(lp[row]), f"{what}: row {row} logprob {lp[row]}, want NaN"
+        else:
+            assert lp[row] == want_lp, f"{what}: row {row} logprob {lp[row]}, want {want_lp}"
+        if want_rank is not None:
+            assert rk[row] == want_rank, f"{what}: row {row} rank {rk[row]}, want {want_rank}"
+    # NaN entries never count: row 0's rank is the count over its non-NaN entries.
+    assert rk[0] == np.sum(x[0] >= x[0, ids[0]])
+    assert_matches_reference(x, ids, lp, rk, what)
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_cpu_backend_special_values(dtype):
+    x, ids, expect = special_case()
+    x = round_to(x, dtype)
+    lp, rk = run_core_cpu(x, ids, dtype, rank_dtype=np.int32)
+    assert_special(x, ids, lp, rk, expect, f"cpu special {dtype}")
+
+
+def test_reference_special_values():
+    x, ids, expect = special_case()
+    lp, rk = token_logprob_rank_reference(x, ids)
+    for row, (want_lp, want_rank) in expect.items():
+        assert (np.isnan(lp[row]) if np.isnan(want_lp) else lp[row] == want_lp), (row, lp[row])
+        if want_rank is not None:
+            assert rk[row] == want_rank, (row, rk[row])
+
+
+def test_cpu_backend_strided_rows_and_column_ids():
+    rng = np.random.default_rng(3)
+    x, ids = make_case(rng, 9, 1000, "bfloat16")
+    wide = torch.full((9, 1013), float("nan"), dtype=torch.bfloat16)     # padding would poison a misread
+    wide[:, 5:1005] = torch.from_numpy(x).to(torch.bfloat16)
+    logits = wide[:, 5:1005]
+    assert logits.stride() == (1013, 1)
+    lp = torch.full((9,), POISON_LOGPROB)
+    rk = torch.full((9,), POISON_RANK, dtype=torch.int64)
+    token_logprob_rank(logits, torch.from_numpy(ids)[:, None], out_logprobs=lp, out_ranks=rk, stream=0)
+    assert_matches_reference(x, ids, lp.numpy(), rk.numpy(), "cpu strided")
+    # Broadcast rows (row stride 0) are fine too.
+    row = torch.from_numpy(x[:1]).expand(4, 1000)
+    lp4, rk4 = torch.empty(4), torch.empty(4, dtype=torch.int32)
+    ids4 = torch.tensor([0, 1, 2, 999])
+    token_logprob_rank(row, ids4, out_logprobs=lp4, out_ranks=rk4, stream=0)
+    assert_matches_reference(np.repeat(x[:1], 4, axis=0), ids4.numpy(), lp4.numpy(), rk4.numpy(), "cpu broadcast")
+
+
+def test_cpu_backend_empty_batch_and_read_only_logits():
+    lp, rk = np.empty(0, np.float32), np.empty(0, np.int64)
+    token_logprob_rank(np.ones((0, 5), np.float32), np.empty(0, np.int64), out_logprobs=lp, out_ranks=rk, stream=0)
+    x = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+    x.flags.writeable = False
+    lp, rk = np.empty(2, np.float32), np.empty(2, np.int64)
+    token_logprob_rank(x, np.array([2, 0]), out_logprobs=lp, out_ranks=rk, stream=0)
+    assert rk.tolist() == [1, 3]
+
+
+def _bad_inputs():
+    good = dict(logits=np.ones((3, 10), np.float32) * 0.5, token_ids=np.zeros(3, np.int64))
+    ro = np.empty(3, np.int64)
+    ro.flags.writeable = False
+    shared = np.zeros(16, np.float32)
+    return {
+        "stream-none": (dict(stream=None), TypeError, r"^stream must be given explicitly"),
+        "logits-1d": (dict(logits=np.ones(10, np.float32)), ValueError, r"^logits must be 2-D \(got shape \[10\]\)"),
+        "logits-f64": (dict(logits=np.ones((3, 10))), TypeError,
+                       r"^logits must have dtype float32 or bfloat16 or float16 \(got float64\)"),
+        "logits-int": (dict(logits=np.ones((3, 10), np.int32)), TypeError,
+                       r"^logits must have dtype .*\(got int32\)"),
+        "logits-empty-vocab": (dict(logits=np.ones((3, 0), np.float32)), ValueError,
+                               r"^logits must have between 1 and 1073741824 columns .*got shape \[3, 0\]"),
+        "logits-column-stride": (dict(logits=np.ones((3, 20), np.float32)[:, ::2]), ValueError,
+                                 r"^logits must be contiguous along the vocabulary .*strides \[20, 2\]"),
+        "logits-not-array": (dict(logits=[[1.0, 2.0]] * 3), TypeError, r"^logits must be an array supporting DLPack"),
+        "ids-length": (dict(token_ids=np.zeros(4, np.int64)), ValueError,
+                       r"^token_ids must have 3 rows \(got shape \[4\]\)"),
+        "ids-float": (dict(token_ids=np.zeros(3, np.float32)), TypeError,
+                      r"^token_ids must have dtype int32 or int64 \(got float32\)"),
+        "ids-two-per-row": (dict(token_ids=np.zeros((3, 2), np.int64)), ValueError,
+                            r"^token_ids must be 1-D \[batch\] or \[batch, 1\], one token per row "
+                            r"\(got shape \[3, 2\]\)"),
+        "out-lp-dtype": (dict(out_logprobs=np.empty(3, np.float64)), TypeError,
+                         r"^out_logprobs must have dtype float32 \(got float64\)"),
+        "out-lp-length": (dict(out_logprobs=np.empty(2, np.float32)), ValueError,
+                          r"^out_logprobs must have 3 rows \(got shape \[2\]\)"),
+        "out-rank-dtype": (dict(out_ranks=np.empty(3, np.float32)), TypeError,
+                           r"^out_ranks must have dtype int32 or int64 \(got float32\)"),
+        "out-rank-strided": (dict(out_ranks=np.empty(6, np.int64)[::2]), ValueError,
+                             r"^out_ranks must be contiguous"),
+        "out-rank-read-only": (dict(out_ranks=ro), ValueError,
+                               r"^out_ranks is written in place and must be writable"),
+        "out-aliases-logits": (dict(logits=shared[:12].reshape(3, 4), out_logprobs=shared[9:12]), ValueError,
+                               r"^out_logprobs and logits overlap in memory"),
+        "workspace-2d": (dict(workspace=np.empty((2, 8), np.uint8)), ValueError, r"^workspace must be 1-D"),
+    }, good
+
+
+BAD, _GOOD = _bad_inputs()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_errors_name_the_argument_and_change_nothing(case):
+    override, exc, pattern = BAD[case]
+    kwargs = dict(_GOOD, out_logprobs=np.full(3, POISON_LOGPROB, np.float32),
+                  out_ranks=np.full(3, POISON_RANK, np.int64), stream=0)
+    kwargs.update(override)
+    lp, rk = kwargs["out_logprobs"], kwargs["out_ranks"]
+    before_lp, before_rk = np.array(lp, copy=True), np.array(rk, copy=True)
+    with pytest.raises(exc, match=pattern):
+        token_logprob_rank(kwargs.pop("logits"), kwargs.pop("token_ids"), **kwargs)
+    np.testing.assert_array_equal(lp, before_lp)
+    np.testing.assert_array_equal(rk, before_rk)
+
+
+def test_plan_and_workspace_size():
+    # One program per row from SPLIT_TARGET_PROGRAMS rows on: no workspace needed.
+    assert logprob_rank_workspace_bytes(SPLIT_TARGET_PROGRAMS, 151936) == 0
+    assert logprob_rank_workspace_bytes(1024, 262144) == 0
+    assert logprob_rank_workspace_bytes(1, 1000) == 0                  # a single block: nothing to split
+    worst = max(logprob_rank_workspace_bytes(b, v) for b in range(1, SPLIT_TARGET_PROGRAMS) for v in (4097, 262144))
+    assert 0 < worst <= 12 * 2 * SPLIT_TARGET_PROGRAMS
+    for batch in (1, 7, 64, 255):
+        for vocab in (4097, 32000, 151936, 262144, 2**30):
+            p = plan_logprob_rank(batch, vocab, split=True)
+            nblocks = -(-vocab // p.block)
+            assert p.n_split >= 2
+            assert (p.n_split - 1) * p.chunk_blocks < nblocks <= p.n_split * p.chunk_blocks  # no empty piece
+            assert batch * p.n_split <= 2 * SPLIT_TARGET_PROGRAMS
+    assert plan_logprob_rank(7, 1000, split=True, logits_ptr=32, row_stride=1003, itemsize=2).aligned is False
+    assert plan_logprob_rank(7, 1000, split=True, logits_ptr=32, row_stride=1000, itemsize=2).aligned is True
+    assert plan_logprob_rank(1, 1000, split=True, logits_ptr=8, row_stride=0, itemsize=4).aligned is False
+
+
+def test_core_imports_no_framework():
+    code = ("import sys, trace_replay_core, trace_replay_core.logprob, trace_replay_core.kernels.logprob_rank; "
+            "print('torch' in sys.modules, 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+# -- the Triton kernels, in Triton's interpreter ---------------------------------------------
+#
+# The interpreter must be switched on before Triton is imported (TRITON_INTERPRET=1), so the
+# kernels run in a child process with that variable set for the child only. The child receives
+# the cases (float32 values exact in their dtype), builds torch CPU tensors (poisoned outputs
+# and workspace), launches exactly the kernel launches the GPU path would make
+# (``_launch_specs``), and returns the outputs.
+
+def _interpreter_cases():
+    """(name, x float32, ids, dtype, row_pad, block, split, ids dtype, rank dtype)."""
+    rng = np.random.default_rng(11)
+    cases = []
+
+    def add(name, batch, vocab, dtype, *, pad=0, block=None, split=True, ids_dtype="int64",
+            rank_dtype="int64", data=None):
+        x, ids = data if data is not None else make_case(rng, batch, vocab, dtype)
+        cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, pad=pad, block=block,
+                          split=split, ids_dtype=ids_dtype, rank_dtype=rank_dtype, special=data is not None))
+
+    # The kernel's real block (4096): vocab 32,000 is 8 blocks (split 8 ways for 5 rows).
+    add("f32-5x32000-split", 5, 32000, "float32")
+    add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, split=False, ids_dtype="int32", rank_dtype="int32")
+    add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3)
+    add("bf16-1x1", 1, 1, "bfloat16")
+    add("bf16-2x4097-split", 2, 4097, "bfloat16")
+    # A small block, to run the unrolled loop, tails and uneven splits on small rows.
+    add("f32-40x1000-b64-split", 40, 1000, "float32", block=64)     # 16 blocks -> 6 pieces of 3 (last: 1)
+    add("bf16-6x1000-b64", 6, 1000, "bfloat16", block=64, split=False, pad=5)
+    add("f16-7x999-b64-split", 7, 999, "float16", block=64, rank_dtype="int32")
+    for dtype in TORCH_DTYPES:
+        for split in (False, True):
+            x, ids, _ = special_case()
+            add(f"special-{dtype}-{'split' if split else 'whole'}", 10, 300, dtype, block=64, split=split,
+                data=(x, ids))
+    return cases
+
+
+def _interpreter_child(in_path: str, out_path: str) -> None:
+    """Runs in the child (TRITON_INTERPRET=1): launch every case, save the outputs."""
+    from trace_replay_core.logprob import _launch_specs
+    meta = json.loads(open(in_path + ".json").read())
+    arrays = np.load(in_path + ".npz")
+    results = {}
+    for i, case in enumerate(meta):
+        x = arrays[f"x{i}"]
+        batch, vocab = x.shape
+        wide = torch.full((batch, vocab + case["pad"]), float("nan"), dtype=TORCH_DTYPES[case["dtype"]])
+        wide[:, :vocab] = torch.from_numpy(x).to(TORCH_DTYPES[case["dtype"]])
+        logits = wide[:, :vocab]
+        ids = torch.from_numpy(arrays[f"ids{i}"]).to(getattr(torch, case["ids_dtype"]))
+        lp = torch.full((batch,), POISON_LOGPROB, dtype=torch.float32)
+        rk = torch.full((batch,), POISON_RANK, dtype=getattr(torch, case["rank_dtype"]))
+        views = [as_view(t, name=n) for t, n in ((logits, "logits"), (ids, "token_ids"), (lp, "lp"), (rk, "rk"))]
+        plan = plan_logprob_rank(batch, vocab, split=case["split"], block=case["block"], logits_ptr=views[0].ptr,
+                                 row_stride=logits.stride(0), itemsize=logits.element_size())
+        parts = batch * plan.n_split
+        ws = torch.full((12 * parts + 16,), 0xFF, dtype=torch.uint8)        # poisoned scratch
+        ws_view = ArrayView(ws.data_ptr(), ws.shape, ws.stride(), "uint8", "cpu", 0)
+        tensors = {t.data_ptr(): t for t in (logits, ids, lp, rk)}
+        tensors[ws.data_ptr()] = ws[:8 * parts].view(torch.float32)
+        tensors[ws.data_ptr() + 8 * parts] = ws[8 * parts:12 * parts].view(torch.int32)
+        launches = []
+        for kernel, grid, pointers, ints, constexprs, _, _ in _launch_specs(*views, ws_view, plan):
+            kernel[grid](*[tensors[p] for p in pointers], *ints, **constexprs)
+            launches.append([kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), list(grid)])
+        results[f"lp{i}"] = lp.numpy()
+        results[f"rk{i}"] = rk.numpy().astype(np.int64)
+        results[f"plan{i}"] = np.array([plan.n_split, plan.chunk_blocks, plan.block, int(plan.aligned),
+                                        len(launches)])
+    np.savez(out_path, **results)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    cases = _interpreter_cases()
+    d = tmp_path_factory.mktemp("interp")
+    in_path, out_path = str(d / "cases"), str(d / "out.npz")
+    meta = [{k: v for k, v in c.items() if k not in ("x", "ids")} for c in cases]
+    with open(in_path + ".json", "w") as f:
+        json.dump(meta, f)
+    np.savez(in_path + ".npz", **{f"x{i}": c["x"] for i, c in enumerate(cases)},
+             **{f"ids{i}": c["ids"] for i, c in enumerate(cases)})
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), in_path, out_path], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = np.load(out_path)
+    return {c["name"]: (c, out[f"lp{i}"], out[f"rk{i}"], out[f"plan{i}"]) for i, c in enumerate(cases)}
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in _interpreter_cases()])
+def test_kernel_in_interpreter(interpreted, name):
+    case, lp, rk, plan = interpreted[name]
+    n_split, chunk_blocks, block, aligned, n_launches = plan.tolist()
+    assert n_launches == (2 if n_split > 1 else 1)
+    if case["split"] and case["x"].shape[0] < SPLIT_TARGET_PROGRAMS and -(-case["x"].shape[1] // block) > 1:
+        assert n_split > 1, f"{name}: expected a split launch, got plan {plan.tolist()}"
+    if name == "f16-3x1000-unaligned":
+        assert not aligned
+    if case["special"]:
+        _, _, expect = special_case()
+        assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")
+    else:
+        assert_matches_reference(case["x"], case["ids"], lp, rk, f"interpreter {name}")
+        assert_planted(case["x"], case["ids"], rk)
+
+
+# -- the GPU --------------------------------------------------------------------------------------
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+needs_gpu = pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+def _gpu_logits(x: np.ndarray, dtype: str, pad: int = 0):
+    batch, vocab = x.shape
+    wide = torch.full((batch, vocab + pad), float("nan"), dtype=TORCH_DTYPES[dtype], device="cuda")
+    wide[:, :vocab] = torch.from_numpy(x).to("cuda").to(TORCH_DTYPES[dtype])
+    return wide[:, :vocab]
+
+
+GPU_GRID = [(b, v, d) for d in TORCH_DTYPES for b in BATCHES for v in VOCABS]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch,vocab,dtype", GPU_GRID, ids=[f"b{b}-v{v}-{d}" for b, v, d in GPU_GRID])
+def test_gpu_matches_reference(batch, vocab, dtype):
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    rng = np.random.default_rng(batch * 7919 + vocab)
+    x, ids = make_case(rng, batch, vocab, dtype)
+    logits = _gpu_logits(x, dtype)
+    lp, rk = torch_logprob_rank(logits, torch.from_numpy(ids).cuda())
+    assert lp.dtype == torch.float32 and rk.dtype == torch.int64
+    assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), f"gpu {batch}x{vocab} {dtype}")
+    assert_planted(x, ids, rk.cpu().numpy())
+
+
+STRIDED = [(b, v, d, pad) for d in TORCH_DTYPES for b in (1, 7, 256) for v in (1000, 151936) for pad in (8, 3)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch,vocab,dtype,pad", STRIDED, ids=[f"b{b}-v{v}-{d}-pad{p}" for b, v, d, p in STRIDED])
+def test_gpu_row_strided(batch, vocab, dtype, pad):
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    rng = np.random.default_rng(vocab + pad)
+    x, ids = make_case(rng, batch, vocab, dtype)
+    logits = _gpu_logits(x, dtype, pad)       # pad 3: rows not 16-byte aligned (scalar loads)
+    assert logits.stride(0) == vocab + pad
+    lp = torch.full((batch,), POISON_LOGPROB, device="cuda")
+    rk = torch.full((batch,), POISON_RANK, dtype=torch.int32, device="cuda")
+    ids_t = torch.from_numpy(ids).to(torch.int32).cuda()
+    out = torch_logprob_rank(logits, ids_t, out=(lp, rk))
+    assert out[0] is lp and out[1] is rk
+    assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), f"gpu strided {batch}x{vocab}+{pad}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("vocab", [300, 151936])
+def test_gpu_special_values_split_and_whole(dtype, vocab):
+    x, ids, expect = special_case(vocab)
+    x = round_to(x, dtype)
+    logits = _gpu_logits(x, dtype)
+    ids_t = torch.from_numpy(ids).cuda()
+    stream = torch.cuda.current_stream().cuda_stream
+    for split in (False, True):
+        lp = torch.full((10,), POISON_LOGPROB, device="cuda")
+        rk = torch.full((10,), POISON_RANK, dtype=torch.int64, device="cuda")
+        ws = torch.full((max(16, logprob_rank_workspace_bytes(10, vocab)),), 0xFF, dtype=torch.uint8, device="cuda")
+        token_logprob_rank(logits, ids_t, out_logprobs=lp, out_ranks=rk, stream=stream,
+                           workspace=ws if split else None)
+        assert_special(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), expect, f"gpu special {dtype} split={split}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_workspace_errors_change_nothing():
+    logits = torch.randn(4, 151936, device="cuda")
+    ids = torch.zeros(4, dtype=torch.int64, device="cuda")
+    lp = torch.full((4,), POISON_LOGPROB, device="cuda")
+    rk = torch.full((4,), POISON_RANK, dtype=torch.int64, device="cuda")
+    need = logprob_rank_workspace_bytes(4, 151936)
+    assert need > 0
+    small = torch.empty(need - 1, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match=rf"^workspace must hold at least {need} bytes"):
+        token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0, workspace=small)
+    with pytest.raises(ValueError, match=r"^out_ranks must be on cuda:0 \(got cpu\)"):
+        token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=torch.empty(4, dtype=torch.int64), stream=0)
+    torch.cuda.synchronize()
+    assert (lp == POISON_LOGPROB).all() and (rk == POISON_RANK).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_side_stream_and_cuda_graph():
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    rng = np.random.default_rng(5)
+    x, ids = make_case(rng, 7, 32000, "bfloat16")
+    logits = _gpu_logits(x, "bfloat16").contiguous()
+    ids_t = torch.from_numpy(ids).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                       # runs on the side stream, as torch's current one
+        lp, rk = torch_logprob_rank(logits, ids_t)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), "gpu side stream")
+    # Capture (after the warm-up above compiled the kernels), then replay on new logits.
+    static_out = (torch.empty(7, device="cuda"), torch.empty(7, dtype=torch.int64, device="cuda"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch_logprob_rank(logits, ids_t, out=static_out)
+    x2, ids2 = make_case(np.random.default_rng(6), 7, 32000, "bfloat16")
+    logits.copy_(torch.from_numpy(x2).to(torch.bfloat16).cuda())
+    ids_t.copy_(torch.from_numpy(ids2).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(x2, ids2, static_out[0].cpu().numpy(), static_out[1].cpu().numpy(), "gpu graph")
+
+
+if __name__ == "__main__":
+    _interpreter_child(sys.argv[1], sys.argv[2])
