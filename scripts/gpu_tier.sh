@@ -8,6 +8,10 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/adapters${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried pure-Python wheels (benchmarks only)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench-launch)
 status=0
@@ -30,6 +34,10 @@ for part in "${parts[@]}"; do
           python3 -m pytest tests/test_gpu_torch.py tests/test_gpu_reliability.py -m gpu -q -p no:cacheprovider \
           -k "not without_guard" 2>&1 | tee "$OUT/sanitizer_${tool}.log" | tail -n 25 || status=1
       done ;;
+    demo)
+      python3 -m trace_replay_torch.demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;
+    bench-all)
+      BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-400}" BENCH_LOG_DIR="$OUT/logs" bash bench/run_all.sh 2>&1 | tee "$OUT/bench_all.log" || status=1 ;;
     bench-*)
       script="bench/${part#bench-}.py"
       script="${script//-/_}"
@@ -37,5 +45,9 @@ for part in "${parts[@]}"; do
     *) echo "unknown part $part"; status=2 ;;
   esac
 done
-cp bench/results/*.json bench/results/*.png "$OUT"/ 2>/dev/null || true
+mkdir -p "$OUT/results" && cp bench/results/* "$OUT/results/" 2>/dev/null || true
+# Pack everything into one archive (the caller may fetch only a few files).
+if [ -n "${PACK_OUT:-}" ]; then
+  tar czf /tmp/gpu_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_out.tgz "$OUT/"
+fi
 exit $status

@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence, TextIO
 
 import torch
 
+from .logprob import token_logprob_rank
 from .state import TraceReplayState
 
 __all__ = ["TinyModel", "Request", "Engine", "make_requests", "run_demo", "check", "main"]
@@ -93,15 +94,10 @@ def sample(logits: torch.Tensor, generator: torch.Generator, temperature: float 
 def _logprob_rank(logits: torch.Tensor, tokens: torch.Tensor):
     """float32 logprob and int64 rank of ``tokens[b]`` under row ``b`` of the unmodified ``logits``.
 
-    The rank counts vocabulary entries whose logit is >= the token's own (a unique argmax has
-    rank 1). Kept in one place so that a fused kernel can replace it.
+    The library's fused kernel (one read of the logits; numpy on the CPU). The rank counts
+    vocabulary entries whose logit is >= the token's own (a unique argmax has rank 1).
     """
-    logits = logits.float()
-    ids = tokens.reshape(-1, 1).long()
-    logprob = torch.log_softmax(logits, dim=-1).gather(1, ids)[:, 0]
-    chosen = logits.gather(1, ids)
-    rank = (logits >= chosen).sum(dim=1)
-    return logprob, rank
+    return token_logprob_rank(logits, tokens)
 
 
 # requests --------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from trace_replay_core import ArrayView
 from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
 from trace_replay_core.logprob import logprob_rank_workspace_bytes
+
+from .views import LayoutCache
 
 __all__ = ["token_logprob_rank"]
 
@@ -23,27 +24,7 @@ except ImportError:  # pragma: no cover - older or CPU-only builds
     def _raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
-_DTYPE_NAMES = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64",
-    torch.int32: "int32", torch.int64: "int64", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
-    torch.bool: "bool",
-}
-
-
-def _view(t: torch.Tensor):
-    """The tensor itself as an :class:`ArrayView`, built from its metadata.
-
-    Equivalent to what DLPack would describe (same pointer, shape, strides, dtype, device), at
-    a fraction of the host cost. The caller holds ``t`` for the whole call; work is queued on
-    torch's current stream, the stream every tensor here was produced on, so no handshake is
-    needed. Dtypes and devices outside the table go through DLPack and its error messages.
-    """
-    dtype = _DTYPE_NAMES.get(t.dtype)
-    device = t.device
-    kind = device.type
-    if dtype is None or kind not in ("cpu", "cuda"):
-        return t
-    return ArrayView(t.data_ptr(), t.shape, t.stride(), dtype, kind, device.index if kind == "cuda" else 0)
+_VIEWS = LayoutCache()
 
 
 def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
@@ -100,7 +81,11 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
     else:
         stream = 0
-    _core_token_logprob_rank(_view(logits), _view(token_ids), out_logprobs=_view(logprobs),
-                             out_ranks=_view(ranks), stream=stream,
-                             workspace=None if workspace is None else _view(workspace))
+    view = _VIEWS.view
+    _core_token_logprob_rank(view(logits, name="logits", stream=stream),
+                             view(token_ids, name="token_ids", stream=stream),
+                             out_logprobs=view(logprobs, name="out_logprobs", stream=stream),
+                             out_ranks=view(ranks, name="out_ranks", stream=stream), stream=stream,
+                             workspace=None if workspace is None else view(workspace, name="workspace",
+                                                                            stream=stream))
     return logprobs, ranks
