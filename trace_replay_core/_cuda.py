@@ -6,13 +6,16 @@ machine without a GPU (or without a driver) costs nothing and fails nowhere.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import Optional
 
 __all__ = [
     "CudaError",
     "gpu_count",
     "activate",
+    "on_device",
     "DeviceAllocation",
     "PinnedAllocation",
     "Event",
@@ -64,6 +67,44 @@ def activate(device_id: int) -> None:
     """Make ``device_id``'s primary context current in this thread (through cuda-core)."""
     from cuda.core import Device
     Device(device_id).set_current()
+
+
+_primary_contexts = {}
+_context_lock = threading.Lock()
+
+
+def _primary_context(device_id: int):
+    ctx = _primary_contexts.get(device_id)
+    if ctx is None:
+        cu = _driver()
+        with _context_lock:
+            ctx = _primary_contexts.get(device_id)
+            if ctx is None:
+                _check(cu.cuInit(0), "cuInit")
+                device = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
+                ctx = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+                _primary_contexts[device_id] = ctx
+    return ctx
+
+
+@contextlib.contextmanager
+def on_device(device_id: int):
+    """Run the body with ``device_id``'s primary context current, then restore the caller's.
+
+    Host-only. The common case (that context already current in this thread) costs one driver
+    query; otherwise the primary context is pushed and popped, so the calling thread's current
+    context (and what frameworks read from it as "the current device") is left as it was.
+    """
+    cu = _driver()
+    err, dev = cu.cuCtxGetDevice()
+    if err == cu.CUresult.CUDA_SUCCESS and int(dev) == device_id:
+        yield
+        return
+    _check(cu.cuCtxPushCurrent(_primary_context(device_id)), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        _check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 class DeviceAllocation:

@@ -76,11 +76,21 @@ class GpuBackend:
         self.max_slots = max_slots
         self.max_trace_len = max_trace_len
         self.placement = placement
-        _cuda.activate(device_id)
         self._closed = False
         self._table_dev = self._table_host = None
         self._pairs = []
         self._trace_len = None
+        with _cuda.on_device(device_id):
+            self._allocate(staging_depth, staging_bytes)
+        self._open = 0
+        self._prepared = False
+        self._entries: Dict[int, Tuple[int, int]] = {}   # slot -> (length, token offset)
+        self._fill = 0                                   # tokens written into the open pair
+        self._kernels: Dict[tuple, object] = {}
+        self.guard_waits = 0                              # times stage/commit waited on a pair
+
+    def _allocate(self, staging_depth: int, staging_bytes: int) -> None:
+        max_slots, max_trace_len, placement = self.max_slots, self.max_trace_len, self.placement
         init_stream = _cuda.create_stream()
         try:
             table_bytes = max_slots * max_trace_len * 4
@@ -101,12 +111,6 @@ class GpuBackend:
             raise
         finally:
             _cuda.destroy_stream(init_stream)
-        self._open = 0
-        self._prepared = False
-        self._entries: Dict[int, Tuple[int, int]] = {}   # slot -> (length, token offset)
-        self._fill = 0                                   # tokens written into the open pair
-        self._kernels: Dict[tuple, object] = {}
-        self.guard_waits = 0                              # times stage/commit waited on a pair
 
     # staging -------------------------------------------------------------------------------
     def _prepare_open(self) -> _StagingPair:
@@ -125,13 +129,14 @@ class GpuBackend:
             pair.grow(max(need, 2 * pair.nbytes), self._fill)
 
     def stage(self, slot: int, tokens: np.ndarray) -> None:
-        pair = self._prepare_open()
-        n = int(tokens.shape[0])
-        start = self._fill
-        self._reserve(pair, start + n)
-        pair.tokens[start:start + n] = tokens
-        self._entries[slot] = (n, start)
-        self._fill = _round_up(start + n, _ALIGN_TOKENS)
+        with _cuda.on_device(self.device_id):  # any thread, any current device
+            pair = self._prepare_open()
+            n = int(tokens.shape[0])
+            start = self._fill
+            self._reserve(pair, start + n)
+            pair.tokens[start:start + n] = tokens
+            self._entries[slot] = (n, start)
+            self._fill = _round_up(start + n, _ALIGN_TOKENS)
 
     def clear(self, slot: int) -> None:
         self._entries[slot] = (0, 0)
@@ -142,35 +147,36 @@ class GpuBackend:
     def commit(self, stream: int) -> None:
         if not self._entries:
             return
-        if _cuda.stream_is_capturing(stream):
-            raise RuntimeError("commit() cannot be captured into a CUDA graph: its staging data changes "
-                               "every time; commit outside the graph, between replays")
-        pair = self._prepare_open()
-        self._reserve(pair, self._fill)
-        meta_off = _round_up(self._fill * 4, 16)
-        n = len(self._entries)
-        meta = np.empty((n, _META_FIELDS), dtype=np.int64)
-        longest = 0
-        for i, (slot, (length, offset)) in enumerate(self._entries.items()):
-            meta[i] = (slot, length, offset)
-            longest = max(longest, length)
-        pair.tokens.view(np.uint8)[meta_off:meta_off + meta.nbytes] = meta.view(np.uint8).reshape(-1)
-        nbytes = meta_off + meta.nbytes
-        _cuda.memcpy_htod_async(pair.device.ptr, pair.host.ptr, nbytes, stream)
-        from .kernels.scatter import SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS, SCATTER_NUM_WARPS, scatter_kernel
-        chunks = max(1, min(-(-longest // SCATTER_BLOCK), SCATTER_MAX_CHUNK_PROGRAMS))
-        kernel = self._kernels.get("scatter")
-        if kernel is None:
-            kernel = compiled(scatter_kernel, self.device_id, ("int64", "int32", "int32", "int32"), 2,
-                              {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
-            self._kernels["scatter"] = kernel
-        kernel.launch((n, chunks, 1), stream, pair.device.ptr + meta_off, pair.device.ptr,
-                      self.table_ptr, self.trace_len_ptr, self.max_trace_len, chunks)
-        pair.event.record(stream)
-        self._entries = {}
-        self._fill = 0
-        self._open = (self._open + 1) % len(self._pairs)
-        self._prepared = False
+        with _cuda.on_device(self.device_id):  # any thread, any current device
+            if _cuda.stream_is_capturing(stream):
+                raise RuntimeError("commit() cannot be captured into a CUDA graph: its staging data changes "
+                                   "every time; commit outside the graph, between replays")
+            pair = self._prepare_open()
+            self._reserve(pair, self._fill)
+            meta_off = _round_up(self._fill * 4, 16)
+            n = len(self._entries)
+            meta = np.empty((n, _META_FIELDS), dtype=np.int64)
+            longest = 0
+            for i, (slot, (length, offset)) in enumerate(self._entries.items()):
+                meta[i] = (slot, length, offset)
+                longest = max(longest, length)
+            pair.tokens.view(np.uint8)[meta_off:meta_off + meta.nbytes] = meta.view(np.uint8).reshape(-1)
+            nbytes = meta_off + meta.nbytes
+            _cuda.memcpy_htod_async(pair.device.ptr, pair.host.ptr, nbytes, stream)
+            from .kernels.scatter import SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS, SCATTER_NUM_WARPS, scatter_kernel
+            chunks = max(1, min(-(-longest // SCATTER_BLOCK), SCATTER_MAX_CHUNK_PROGRAMS))
+            kernel = self._kernels.get("scatter")
+            if kernel is None:
+                kernel = compiled(scatter_kernel, self.device_id, ("int64", "int32", "int32", "int32"), 2,
+                                  {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
+                self._kernels["scatter"] = kernel
+            kernel.launch((n, chunks, 1), stream, pair.device.ptr + meta_off, pair.device.ptr,
+                          self.table_ptr, self.trace_len_ptr, self.max_trace_len, chunks)
+            pair.event.record(stream)
+            self._entries = {}
+            self._fill = 0
+            self._open = (self._open + 1) % len(self._pairs)
+            self._prepared = False
 
     # replay --------------------------------------------------------------------------------
     def replay_kernel(self, dtypes: Tuple[str, str, str, str], per_row_step: bool):
@@ -209,12 +215,13 @@ class GpuBackend:
     def snapshot(self):
         """Host-blocking copy of (table, trace_len) after all queued work on the device."""
         from cuda.bindings import driver as cu
-        _cuda.activate(self.device_id)
-        _cuda.synchronize_device()
         table = np.empty((self.max_slots, self.max_trace_len), dtype=np.int32)
         lengths = np.empty(self.max_slots, dtype=np.int32)
-        _cuda._check(cu.cuMemcpyDtoH(table.ctypes.data, self.table_ptr, table.nbytes), "cuMemcpyDtoH")
-        _cuda._check(cu.cuMemcpyDtoH(lengths.ctypes.data, self.trace_len_ptr, lengths.nbytes), "cuMemcpyDtoH")
+        with _cuda.on_device(self.device_id):
+            _cuda.synchronize_device()
+            _cuda._check(cu.cuMemcpyDtoH(table.ctypes.data, self.table_ptr, table.nbytes), "cuMemcpyDtoH")
+            _cuda._check(cu.cuMemcpyDtoH(lengths.ctypes.data, self.trace_len_ptr, lengths.nbytes),
+                         "cuMemcpyDtoH")
         return table, lengths
 
     def close(self) -> None:
@@ -222,11 +229,11 @@ class GpuBackend:
         if self._closed:
             return
         self._closed = True
-        _cuda.activate(self.device_id)
-        _cuda.synchronize_device()
-        for pair in self._pairs:
-            pair.close()
-        self._pairs = []
-        for alloc in (self._table_dev, self._table_host, self._trace_len):
-            if alloc is not None:
-                alloc.close()
+        with _cuda.on_device(self.device_id):
+            _cuda.synchronize_device()
+            for pair in self._pairs:
+                pair.close()
+            self._pairs = []
+            for alloc in (self._table_dev, self._table_host, self._trace_len):
+                if alloc is not None:
+                    alloc.close()

@@ -21,8 +21,7 @@ Example (CPU backend; on a GPU pass device arrays and a stream handle)::
 from __future__ import annotations
 
 import ctypes
-import threading
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -208,35 +207,11 @@ def _cpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_
 
 # -- GPU backend -------------------------------------------------------------------------------
 
-_primary_contexts: Dict[int, Any] = {}
-_context_lock = threading.Lock()
-
-
 def _run_on_device(device_id: int, fn) -> None:
-    """Run ``fn`` with ``device_id``'s primary context current, restoring the caller's context.
-
-    Host-only. The common case (that context already current) costs one driver query.
-    """
+    """Run ``fn`` with ``device_id``'s primary context current, restoring the caller's context."""
     from . import _cuda
-    cu = _cuda._driver()
-    err, dev = cu.cuCtxGetDevice()
-    if err == cu.CUresult.CUDA_SUCCESS and int(dev) == device_id:
+    with _cuda.on_device(device_id):
         fn()
-        return
-    ctx = _primary_contexts.get(device_id)
-    if ctx is None:
-        with _context_lock:
-            ctx = _primary_contexts.get(device_id)
-            if ctx is None:
-                _cuda._check(cu.cuInit(0), "cuInit")
-                device = _cuda._check(cu.cuDeviceGet(device_id), "cuDeviceGet")
-                ctx = _cuda._check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-                _primary_contexts[device_id] = ctx
-    _cuda._check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        fn()
-    finally:
-        _cuda._check(cu.cuCtxPopCurrent(), "cuCtxPopCurrent")
 
 
 def _launch_specs(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView,

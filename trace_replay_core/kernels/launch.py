@@ -88,8 +88,14 @@ def compiled(jit_fn, device_id: int, pointer_dtypes: Sequence[str], n_ints: int,
             kernel = _cache.get(key)
             if kernel is None:
                 from triton.runtime import driver
-                driver.active.set_current_device(device_id)
-                args = [Pointer(d) for d in pointer_dtypes] + [1] * n_ints
-                kernel = CompiledKernel(jit_fn, args, constexprs, num_warps)
+                previous = driver.active.get_current_device()
+                if previous != device_id:
+                    driver.active.set_current_device(device_id)
+                try:
+                    args = [Pointer(d) for d in pointer_dtypes] + [1] * n_ints
+                    kernel = CompiledKernel(jit_fn, args, constexprs, num_warps)
+                finally:
+                    if previous != device_id:  # leave the caller's current device as it was
+                        driver.active.set_current_device(previous)
                 _cache[key] = kernel
     return kernel
