@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
         files="tests/test_gpu_torch.py"
         [ "$tool" = memcheck ] && files="$files tests/test_gpu_reliability.py"
         TRACE_REPLAY_SOAK_STEPS=2000 TRACE_REPLAY_LIFETIME_CYCLES=100 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-          compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
+          compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all --report-api-errors no \
           python3 -m pytest $files -m gpu -q -p no:cacheprovider -k "not without_guard" \
           > "$OUT/sanitizer_${tool}.log" 2>&1
         rc=$?

@@ -96,11 +96,11 @@ def on_device(device_id: int):
     context (and what frameworks read from it as "the current device") is left as it was.
     """
     cu = _driver()
-    err, dev = cu.cuCtxGetDevice()
-    if err == cu.CUresult.CUDA_SUCCESS and int(dev) == device_id:
+    primary = _primary_context(device_id)
+    if int(_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == int(primary):
         yield
         return
-    _check(cu.cuCtxPushCurrent(_primary_context(device_id)), "cuCtxPushCurrent")
+    _check(cu.cuCtxPushCurrent(primary), "cuCtxPushCurrent")
     try:
         yield
     finally:
