@@ -8,7 +8,10 @@ inside a round (so a GPU-bound provider shows GPU time); reported p20/p50/p80 ov
 Providers:
 - ``trace_replay_torch``: ``TraceReplayState.replay(sampled, idx_mapping)`` (lengths bound),
   for both table placements.
-- ``core_bound``: a :class:`trace_replay_core.BoundReplay` called directly (no adapter).
+- ``core_bound``: a :class:`trace_replay_core.BoundReplay` called directly (no adapter): one
+  ``cuLaunchKernel`` through cuda-bindings with a parameter block packed at bind time.
+- ``core_bound_triton_launcher``: the same bound launch through the compiled kernel's Triton
+  launcher (the path ``commit`` and unbound launches take).
 - ``core_dlpack_every_call``: ``TraceTable.replay`` with torch tensors, re-reading all four
   arrays over DLPack every call (what a cache-less adapter would pay).
 - ``triton_jit_launcher``: the same kernel source as a plain ``@triton.jit`` function launched
@@ -88,6 +91,14 @@ def main() -> None:
         sampled = base.clone()
         bound = st.table.bind_replay(sampled, idx, total_len, prompt_len, stream=stream)
         record("core_bound", batch, "device", time_host(lambda: bound(stream=stream), sync=sync))
+        sampled = base.clone()
+        kernel = st.table._backend.replay_kernel(("int64", "int32", "int32", "int32"), False)
+        table_view, lengths_view = st.table.device_views()
+        via_triton = kernel.bind((triton.cdiv(batch, REPLAY_BLOCK), 1, 1), sampled.data_ptr(), idx.data_ptr(),
+                                 total_len.data_ptr(), prompt_len.data_ptr(), table_view.ptr, lengths_view.ptr,
+                                 batch, MAX_SLOTS, MAX_TRACE_LEN, driver=False)
+        record("core_bound_triton_launcher", batch, "device", time_host(lambda: via_triton(stream), sync=sync))
+        outs["triton_launcher"] = sampled
         sampled = base.clone()
         record("core_dlpack_every_call", batch, "device",
                time_host(lambda: st.table.replay(sampled, idx, total_len, prompt_len, stream=stream), sync=sync,

@@ -75,6 +75,9 @@ class CpuBackend:
         out[rows] = self.table[s[rows], step[rows]].astype(out.dtype)
 
     # inspection ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        return None
+
     def device_views(self):
         def view(a):
             return ArrayView(a.ctypes.data, a.shape, tuple(x // a.itemsize for x in a.strides), "int32", "cpu", 0,

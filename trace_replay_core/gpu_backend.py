@@ -206,6 +206,10 @@ class GpuBackend:
         self.bind(sampled, idx, first, second, per_row_step)(stream)
 
     # inspection ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        with _cuda.on_device(self.device_id):
+            _cuda.synchronize_device()
+
     def device_views(self):
         table = ArrayView(self.table_ptr, (self.max_slots, self.max_trace_len), (self.max_trace_len, 1), "int32",
                           "cuda", self.device_id)

@@ -248,6 +248,10 @@ class TraceTable:
         return BoundReplay(self, backend.bind(views[0], views[1], views[2], views[3], False), views)
 
     # inspection ------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Host-blocking: wait until all work queued on the table's device has finished."""
+        self._live().synchronize()
+
     def device_views(self) -> Tuple[ArrayView, ArrayView]:
         """Views of the table (``[max_slots, max_trace_len]`` int32) and trace lengths
         (``[max_slots]`` int32) where replay reads them, for adapters that read them inside

@@ -133,15 +133,13 @@ class TraceReplayState:
 
     # construction ----------------------------------------------------------------------------
     def _gpu_views(self) -> ReplayTables:
-        from cuda.core import Device
-
         from .commit import XlaCommit
         from .views import jax_view
         # Compile the scatter kernel now (a no-op commit that clears slot 0, already clear), so
         # that the first commit inside XLA does not compile; then let every write land.
         self.table.clear(0)
         self.table.commit(stream=0)
-        Device(self.device.local_hardware_id).sync()
+        self.table.synchronize()
         table_view, lengths_view = self.table.device_views()
         try:
             table = jax_view(table_view)
@@ -151,8 +149,7 @@ class TraceReplayState:
             raise ValueError(f"placement='host_mapped' is not usable with this JAX: it could not view the "
                              f"host-mapped table ({exc}); use placement='device'") from exc
         tables = ReplayTables(table, jax_view(lengths_view))
-        device = Device(self.device.local_hardware_id)
-        self._commit = XlaCommit(self.table, activate=device.set_current)
+        self._commit = XlaCommit(self.table)   # the core makes its context current itself
         return tables
 
     def _cpu_copy(self) -> ReplayTables:

@@ -157,14 +157,22 @@ class TraceReplayState:
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
         Stream-ordered, no host sync; capturable in a CUDA graph once warmed up.
         """
-        stream = self._stream()
+        stream = _raw_stream(self._index) if self._index is not None else 0
         if total_len is None and prompt_len is None:
-            if self._lengths is None:
-                raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
-            _, _, tl_view, pl_view = self._lengths
-            key = (_key(sampled), _key(idx_mapping))
-            bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, tl_view, pl_view,
-                                                                    stream=stream))
+            # The hot path of a decode loop: one flat key, one dict lookup, one launch.
+            try:
+                key = (sampled.data_ptr(), sampled.dtype, sampled.shape, sampled.stride(),
+                       idx_mapping.data_ptr(), idx_mapping.dtype, idx_mapping.shape, idx_mapping.stride())
+            except AttributeError:
+                raise TypeError(f"sampled and idx_mapping must be torch tensors (got {type(sampled).__name__} "
+                                f"and {type(idx_mapping).__name__})") from None
+            bound = self._views.get(key)
+            if bound is None:
+                if self._lengths is None:
+                    raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
+                _, _, tl_view, pl_view = self._lengths
+                bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, tl_view, pl_view,
+                                                                        stream=stream))
         else:
             if total_len is None or prompt_len is None:
                 raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")

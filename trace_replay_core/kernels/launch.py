@@ -7,6 +7,13 @@ every launch calls the compiled kernel's launcher directly: grid, an explicit st
 then raw pointers and sizes. On the H200 that is 7.4 us vs 78.6 us of host time per call
 (FACTS.md, B = 256).
 
+A *bound* launch (:meth:`CompiledKernel.bind`, all arguments fixed) goes one step further: its
+parameter block is packed once, from the parameter list of the kernel's own PTX entry (which
+also names the scratch pointers Triton appends), and every call is a single ``cuLaunchKernel``
+through cuda-bindings on the loaded ``CUfunction``. Kernels that need what only Triton's
+launcher does (several CTAs per cluster, cooperative or programmatic-dependent launches) keep
+Triton's launcher.
+
 Kernels here mark every pointer ``do_not_specialize_on_alignment`` and every size
 ``do_not_specialize``, so one binary serves any pointer alignment and any size: the cache key
 is only (kernel, device, dtypes, constexprs).
@@ -14,8 +21,11 @@ is only (kernel, device, dtypes, constexprs).
 
 from __future__ import annotations
 
+import re
 import threading
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 __all__ = ["Pointer", "CompiledKernel", "compiled"]
 
@@ -39,7 +49,8 @@ class Pointer:
 class CompiledKernel:
     """A loaded Triton binary and its launcher. :meth:`launch` is stream-ordered, never blocks."""
 
-    __slots__ = ("name", "_run", "_function", "_metadata", "_constexprs")
+    __slots__ = ("name", "_run", "_function", "_metadata", "_constexprs", "_params", "_threads", "_shared",
+                 "driver_launch")
 
     def __init__(self, jit_fn, args: Sequence[Any], constexprs: Dict[str, Any], num_warps: int):
         kernel = jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
@@ -48,17 +59,31 @@ class CompiledKernel:
         self._function = kernel.function
         self._metadata = kernel.packed_metadata
         self._constexprs = tuple(constexprs.values())
+        md = kernel.metadata
+        self._threads = int(md.num_warps) * int(getattr(md, "warp_size", 32))
+        self._shared = int(md.shared)
+        self._params = _ptx_params(kernel.asm.get("ptx", ""), kernel.name)
+        simple = (int(getattr(md, "num_ctas", 1)) == 1 and not getattr(md, "launch_cooperative_grid", False)
+                  and not getattr(md, "launch_pdl", False))
+        #: whether :meth:`bind` launches through cuLaunchKernel (else through Triton's launcher)
+        self.driver_launch = simple and self._params is not None and len(self._params) >= len(args)
 
     def launch(self, grid: Tuple[int, int, int], stream: int, *args: int) -> None:
         """Queue one launch on ``stream``; ``args`` are the runtime arguments in order."""
         self._run(grid[0], grid[1], grid[2], stream, self._function, self._metadata, None, None, None,
                   *args, *self._constexprs)
 
-    def bind(self, grid: Tuple[int, int, int], *args: int):
+    def bind(self, grid: Tuple[int, int, int], *args: int, driver: Optional[bool] = None):
         """Return ``launch(stream)`` that queues this kernel with ``grid`` and ``args`` fixed.
 
         Binding once and launching many times saves the argument handling of every call.
+        ``driver`` picks the launch path (default: :attr:`driver_launch`); ``False`` forces
+        Triton's launcher.
         """
+        if driver is None:
+            driver = self.driver_launch
+        if driver:
+            return self._bind_driver(grid, args)
         run, function, metadata = self._run, self._function, self._metadata
         g0, g1, g2 = grid
         full = tuple(args) + self._constexprs
@@ -67,6 +92,49 @@ class CompiledKernel:
             run(g0, g1, g2, stream, function, metadata, None, None, None, *full)
 
         return launch
+
+
+    def _bind_driver(self, grid: Tuple[int, int, int], args: Sequence[int]):
+        from cuda.bindings import driver as cu
+        sizes = self._params
+        # One 8-byte slot per parameter (our arguments, then zeros for Triton's scratch pointers),
+        # and the array of their addresses that cuLaunchKernel reads at launch time.
+        values = np.zeros(len(sizes), dtype=np.uint64)
+        slots = values.view(np.uint8)
+        for i, (value, size) in enumerate(zip(args, sizes)):
+            slots[8 * i: 8 * i + size] = np.frombuffer(int(value).to_bytes(size, "little", signed=value < 0),
+                                                       dtype=np.uint8)
+        addresses = np.array([values.ctypes.data + 8 * i for i in range(len(sizes))], dtype=np.uint64)
+        params = addresses.ctypes.data
+        function = cu.CUfunction(self._function)
+        g0, g1, g2 = (int(g) for g in grid)
+        threads, shared = self._threads, self._shared
+        launch_kernel, ok = cu.cuLaunchKernel, cu.CUresult.CUDA_SUCCESS
+        keep = (values, addresses)
+
+        def launch(stream: int) -> None:
+            err = launch_kernel(function, g0, g1, g2, threads, 1, 1, shared, stream, params, 0)[0]
+            if err != ok:
+                from .._cuda import _check
+                _check((err,), f"cuLaunchKernel({name})")
+
+        name = self.name
+        launch.params = keep  # the parameter block lives as long as the launch
+        return launch
+
+
+def _ptx_params(ptx: str, name: str) -> Optional[List[int]]:
+    """Byte sizes of the parameters of PTX entry ``name``, or ``None`` if they cannot be read."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if not m:
+        return None
+    sizes = []
+    for decl in m.group(1).split(","):
+        t = re.search(r"\.param\s+\.[usbf](8|16|32|64)\b", decl)
+        if t is None:
+            return None
+        sizes.append(int(t.group(1)) // 8)
+    return sizes
 
 
 _cache: Dict[tuple, CompiledKernel] = {}
