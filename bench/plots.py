@@ -84,8 +84,8 @@ def cost_vs_batch(results, scaling, placement, jax_step) -> None:
         rows = [r for r in scaling if r.get("kind") == "timing"] + [
             dict(r, kind="timing") for r in (jax_step or []) if "us_p50" in r and isinstance(r.get("batch"), int)]
         providers = [p for p in PATH_LABELS if any(r.get("provider") == p for r in rows)]
-        providers += sorted({r["provider"] for r in rows if r.get("provider") not in PATH_LABELS
-                             and r.get("provider") != "event_floor" and isinstance(r.get("batch"), int)})
+        providers += sorted({r["provider"] for r in rows if "provider" in r and r["provider"] not in PATH_LABELS
+                             and r["provider"] != "event_floor" and isinstance(r.get("batch"), int)})
         colors = {}
         for p in providers:
             for placement_name in ("device", "host_mapped", None):
