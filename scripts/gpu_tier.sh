@@ -27,18 +27,23 @@ for part in "${parts[@]}"; do
     tests-all)
       python3 -m pytest tests -q -rfEs -p no:cacheprovider --junitxml="$OUT/all_tests.xml" 2>&1 | tee "$OUT/all_tests.log" || status=1 ;;
     sanitizer)
-      # memcheck and racecheck over the torch GPU tier (soak and lifetime shortened: the sanitizer
-      # slows every launch down by orders of magnitude)
-      for tool in memcheck racecheck; do
-        files="tests/test_gpu_torch.py"
-        [ "$tool" = memcheck ] && files="$files tests/test_gpu_reliability.py"
-        TRACE_REPLAY_SOAK_STEPS=2000 TRACE_REPLAY_LIFETIME_CYCLES=100 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-          compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all --report-api-errors no \
-          python3 -m pytest $files -m gpu -q -p no:cacheprovider -k "not without_guard" \
-          > "$OUT/sanitizer_${tool}.log" 2>&1
-        rc=$?
-        echo "compute-sanitizer --tool $tool: exit $rc"; tail -n 6 "$OUT/sanitizer_${tool}.log"
+      # memcheck and racecheck (kernel errors only) over the replay/staging tier and the logprob
+      # tier. Soak and lifetime are shortened: the sanitizer slows every launch a lot. The logprob
+      # tier keeps torch's caching allocator (its CUDA-graph test allocates from the graph pool)
+      # and skips the two largest vocabularies for time.
+      san() {  # san <tool> <log name> <pytest args...>
+        local tool="$1" name="$2"; shift 2
+        compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all --report-api-errors no \
+          python3 -m pytest "$@" -m gpu -q -p no:cacheprovider > "$OUT/sanitizer_${name}.log" 2>&1
+        local rc=$?
+        echo "compute-sanitizer --tool $tool ($name): exit $rc"; grep -E "passed|failed|SUMMARY" "$OUT/sanitizer_${name}.log" | tail -n 3
         [ $rc -eq 0 ] || status=1
+      }
+      TRACE_REPLAY_SOAK_STEPS=2000 TRACE_REPLAY_LIFETIME_CYCLES=100 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        san memcheck memcheck_replay tests/test_gpu_torch.py tests/test_gpu_reliability.py -k "not without_guard"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 san racecheck racecheck_replay tests/test_gpu_torch.py -k "not without_guard"
+      for tool in memcheck racecheck; do
+        san "$tool" "${tool}_logprob" tests/test_logprob_rank.py -k "not 262144 and not 151936"
       done ;;
     demo)
       python3 -m trace_replay_torch.demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;

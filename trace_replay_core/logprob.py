@@ -44,11 +44,12 @@ LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_ID_DTYPES = ("int32", "int64")
 RANK_DTYPES = ("int32", "int64")
 MAX_VOCAB = 2**30
-# A batch smaller than this is split so that about this many programs run (about eight per SM
-# on a 132-SM H200); a larger batch gets one program per row and needs no workspace. With 256
-# (one program per row at batch 256) bf16 logits of 151,936 entries were read at 1.3-2.2 TB/s
-# against 3.46 TB/s at batch 1024: two waves of long rows leave the tail of the GPU idle.
-SPLIT_TARGET_PROGRAMS = 1024
+# A batch smaller than this is split so that about this many programs run (two per SM on a
+# 132-SM H200); a larger batch gets one program per row and needs no workspace. Tried 1024 on
+# the H200 (2026-11-30): bf16 at batch 256 went from 59 to 81 us per call, because the call is
+# bound by its host cost there (about 40 us: validation, views, launches) and splitting adds a
+# workspace allocation and a second launch.
+SPLIT_TARGET_PROGRAMS = 256
 _PARTIAL_BYTES = 12           # per (row, split): float32 max, float32 sum, int32 count
 _INT32_MAX = 2**31 - 1
 
@@ -91,7 +92,7 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int) -> int:
     """Bytes of device workspace with which a ``[batch, vocab]`` call splits its rows; 0 when
     it would not split (``batch >= SPLIT_TARGET_PROGRAMS``, or a row of one block). Host-only.
 
-    The result is at most ``12 * (2 * SPLIT_TARGET_PROGRAMS)`` bytes (24 KiB).
+    The result is at most ``12 * (2 * SPLIT_TARGET_PROGRAMS)`` bytes (6 KiB).
     """
     p = plan_logprob_rank(batch, vocab, split=True)
     return 0 if p.n_split == 1 else batch * p.n_split * _PARTIAL_BYTES
@@ -302,7 +303,7 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
         the stream is only validated.
     workspace:
         Optional caller-owned device scratch, 1-D, contiguous, writable, 16-byte aligned, of
-        at least :func:`logprob_rank_workspace_bytes` ``(batch, vocab)`` bytes (at most 24 KiB).
+        at least :func:`logprob_rank_workspace_bytes` ``(batch, vocab)`` bytes (at most 6 KiB).
         With it, a small batch (``batch < SPLIT_TARGET_PROGRAMS``) spreads each row over
         several programs and merges their partial results with a second, tiny kernel; without
         it (or when that size is 0) each row is one program. Its contents are scratch; it must
