@@ -48,3 +48,43 @@ def assert_tokens_equal(got, expected, what: str = "tokens") -> None:
     bad = np.nonzero(got.reshape(-1) != expected.reshape(-1))[0]
     assert bad.size == 0, (f"{what}: {bad.size} mismatching rows, first {bad[:10].tolist()}: got "
                            f"{got.reshape(-1)[bad[:10]].tolist()} expected {expected.reshape(-1)[bad[:10]].tolist()}")
+
+
+def admit_requests(rng, add_request, table, lens, step_of, *, count: int, vocab: int) -> None:
+    """Soak helper: ``count`` random slots get a new request (30% untraced), mirrored on the host.
+
+    ``table``/``lens`` mirror what the library will hold after the next commit; ``step_of`` is
+    each slot's step, reset to -2 (the new request's prompt is still being read).
+    """
+    max_slots, max_len = table.shape
+    for slot in rng.choice(max_slots, size=count, replace=False):
+        slot = int(slot)
+        if rng.random() < 0.3:
+            add_request(slot, None)
+            lens[slot] = 0
+        else:
+            tr = rng.integers(0, vocab, int(rng.integers(1, max_len + 1)))
+            add_request(slot, tr)
+            table[slot, : len(tr)] = tr
+            lens[slot] = len(tr)
+        step_of[slot] = -2
+
+
+def check_soak(got, base_all, idx_all, total_all, prompt, tables):
+    """Compare every soak step with the reference; return (mismatching rows, forced tokens, first).
+
+    ``tables`` lists ``(first step, table, lens)`` whenever the committed state changed.
+    """
+    from trace_replay_core import replay_reference
+    mismatches, forced, t_i, first = 0, 0, 0, None
+    for k in range(len(got)):
+        while t_i + 1 < len(tables) and tables[t_i + 1][0] <= k:
+            t_i += 1
+        _, tab, ln = tables[t_i]
+        exp = replay_reference(base_all[k], idx_all[k], tab, ln, total_all[k], prompt)
+        bad = int((np.asarray(got[k]) != exp).sum())
+        if bad and first is None:
+            first = (k, np.asarray(got[k]).tolist(), exp.tolist())
+        mismatches += bad
+        forced += int((exp != base_all[k]).sum())
+    return mismatches, forced, first

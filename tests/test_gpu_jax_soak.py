@@ -14,8 +14,9 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import trace_replay_jax as trj  # noqa: E402
-from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
+
+from helpers import admit_requests, check_soak  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -44,17 +45,8 @@ def test_jax_soak(rng):
     outs = []
     with TraceReplayState(max_slots, max_len, device=gpu, vocab_size=vocab) as state:
         for k in range(steps):
-            if k % 4 == 0:
-                for slot in rng.choice(max_slots, size=3, replace=False):
-                    if rng.random() < 0.3:
-                        state.add_request(int(slot), None)
-                        lens[slot] = 0
-                    else:
-                        tr = rng.integers(0, vocab, int(rng.integers(1, max_len + 1)))
-                        state.add_request(int(slot), tr)
-                        table[slot, : len(tr)] = tr
-                        lens[slot] = len(tr)
-                    step_of[slot] = -2
+            if k % 4 == 0:  # requests finish and new ones take their slots
+                admit_requests(rng, state.add_request, table, lens, step_of, count=3, vocab=vocab)
                 state.apply_staged_writes()
                 tables.append((k, table.copy(), lens.copy()))
             step_of += 1
@@ -63,17 +55,7 @@ def test_jax_soak(rng):
                        jax.device_put(total_all[k], gpu), prompt_dev)
             outs.append(out)
         got = np.stack([np.asarray(o) for o in outs])
-    mismatches, forced, t_i, first = 0, 0, 0, None
-    for k in range(steps):
-        while t_i + 1 < len(tables) and tables[t_i + 1][0] <= k:
-            t_i += 1
-        _, tab, ln = tables[t_i]
-        exp = replay_reference(base_all[k], idx_all[k], tab, ln, total_all[k], prompt)
-        bad = int((got[k] != exp).sum())
-        if bad and first is None:
-            first = (k, got[k].tolist(), exp.tolist())
-        mismatches += bad
-        forced += int((exp != base_all[k]).sum())
+    mismatches, forced, first = check_soak(got, base_all, idx_all, total_all, prompt, tables)
     assert mismatches == 0, f"{mismatches} mismatching rows over {steps} steps; first at {first}"
     assert forced > steps
     print(f"jax soak: {steps} steps, {forced} forced tokens, 0 mismatches")

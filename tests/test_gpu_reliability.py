@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_core import TraceTable, replay_reference  # noqa: E402
+from trace_replay_core import TraceTable  # noqa: E402
 from trace_replay_torch import TraceReplayState  # noqa: E402
 
-from helpers import POISON, assert_tokens_equal  # noqa: E402
+from helpers import POISON, admit_requests, assert_tokens_equal, check_soak  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -50,16 +50,7 @@ def test_soak(rng, placement):
                           prompt_len=prompt_dev, staging_depth=3) as st:
         for k in range(steps):
             if k % 4 == 0:  # requests finish and new ones take their slots
-                for slot in rng.choice(max_slots, size=3, replace=False):
-                    if rng.random() < 0.3:
-                        st.add_request(int(slot), None)
-                        lens[slot] = 0
-                    else:
-                        tr = rng.integers(0, vocab, int(rng.integers(1, max_len + 1)))
-                        st.add_request(int(slot), tr)
-                        table[slot, : len(tr)] = tr
-                        lens[slot] = len(tr)
-                    step_of[slot] = -2
+                admit_requests(rng, st.add_request, table, lens, step_of, count=3, vocab=vocab)
                 st.apply_staged_writes()
                 tables.append((k, table.copy(), lens.copy()))
             step_of += 1
@@ -72,19 +63,7 @@ def test_soak(rng, placement):
             st.replay(sampled, idx)
             out_dev[k].copy_(sampled)
         out = out_dev.cpu().numpy()
-    mismatches = 0
-    forced = 0
-    t_i = 0
-    for k in range(steps):
-        while t_i + 1 < len(tables) and tables[t_i + 1][0] <= k:
-            t_i += 1
-        _, tab, ln = tables[t_i]
-        exp = replay_reference(base_all[k], idx_all[k], tab, ln, total_all[k], prompt)
-        bad = int((out[k] != exp).sum())
-        mismatches += bad
-        forced += int((exp != base_all[k]).sum())
-        if bad and mismatches == bad:
-            first = (k, out[k].tolist(), exp.tolist())
+    mismatches, forced, first = check_soak(out, base_all, idx_all, total_all, prompt, tables)
     assert mismatches == 0, f"{mismatches} mismatching rows over {steps} steps; first at {first}"
     assert forced > steps  # most steps really replayed something
     print(f"soak {placement}: {steps} steps, {forced} forced tokens, 0 mismatches")
