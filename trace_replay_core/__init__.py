@@ -1,7 +1,7 @@
 """trace_replay_core: replay recorded token traces inside any decode loop, on the GPU.
 
 Framework-neutral: arrays arrive over DLPack, streams as explicit handles, memory and events
-through NVIDIA's cuda-bindings/cuda-core, kernels are Triton kernels launched compiled. A numpy
+through NVIDIA's cuda-bindings, kernels are Triton kernels launched compiled. A numpy
 backend with identical semantics runs everything on a machine without a GPU.
 
 Example (CPU backend; on a GPU pass ``device="cuda"`` and device arrays)::

@@ -1,4 +1,4 @@
-"""Thin, checked wrappers over NVIDIA's driver bindings (cuda-bindings) and cuda-core.
+"""Thin, checked wrappers over NVIDIA's CUDA driver bindings (cuda-bindings).
 
 Everything here is imported lazily by the GPU backend, so that importing the core on a
 machine without a GPU (or without a driver) costs nothing and fails nowhere.
@@ -14,7 +14,6 @@ from typing import Optional
 __all__ = [
     "CudaError",
     "gpu_count",
-    "activate",
     "on_device",
     "DeviceAllocation",
     "PinnedAllocation",
@@ -61,12 +60,6 @@ def gpu_count() -> int:
         return int(n) if err == cu.CUresult.CUDA_SUCCESS else 0
     except Exception:  # noqa: BLE001 - no driver library, no device: no GPU
         return 0
-
-
-def activate(device_id: int) -> None:
-    """Make ``device_id``'s primary context current in this thread (through cuda-core)."""
-    from cuda.core import Device
-    Device(device_id).set_current()
 
 
 _primary_contexts = {}
