@@ -189,21 +189,33 @@ class GpuBackend:
             self._kernels[key] = kernel
         return kernel
 
-    def bind(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool):
-        """Return ``launch(stream)`` replaying onto exactly these arrays (pointers fixed)."""
+    def _replay_launch(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool):
+        """(kernel, grid, args) of a replay onto these arrays; ``None`` for an empty batch."""
         from .kernels.replay import REPLAY_BLOCK
         second = first if second is None else second
         kernel = self.replay_kernel((sampled.dtype, idx.dtype, first.dtype, second.dtype), per_row_step)
         rows = sampled.shape[0]
         if rows == 0:
+            return None
+        return kernel, ((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1), (
+            sampled.ptr, idx.ptr, first.ptr, second.ptr, self.table_ptr, self.trace_len_ptr, rows,
+            self.max_slots, self.max_trace_len)
+
+    def bind(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool):
+        """Return ``launch(stream)`` replaying onto exactly these arrays (pointers fixed)."""
+        spec = self._replay_launch(sampled, idx, first, second, per_row_step)
+        if spec is None:
             return _no_launch
-        return kernel.bind(((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1), sampled.ptr, idx.ptr,
-                           first.ptr, second.ptr, self.table_ptr, self.trace_len_ptr, rows, self.max_slots,
-                           self.max_trace_len)
+        kernel, grid, args = spec
+        return kernel.bind(grid, *args)
 
     def replay(self, sampled: ArrayView, idx: ArrayView, first: ArrayView, second, per_row_step: bool,
                stream: int) -> None:
-        self.bind(sampled, idx, first, second, per_row_step)(stream)
+        # One launch: no parameter block to pack, unlike a bound replay.
+        spec = self._replay_launch(sampled, idx, first, second, per_row_step)
+        if spec is not None:
+            kernel, grid, args = spec
+            kernel.launch(grid, stream, *args)
 
     # inspection ----------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .cpu_backend import numpy_of
 from .dlpack import CPU, ArrayView, as_view, check_view
 from .streams import stream_handle
 
@@ -170,13 +171,6 @@ def _numpy_strided(v: ArrayView) -> np.ndarray:
     return out
 
 
-def _numpy_out(v: ArrayView) -> np.ndarray:
-    if v.size == 0:
-        return np.empty(v.shape, dtype=v.dtype)
-    buf = (ctypes.c_char * (v.size * v.itemsize)).from_address(v.ptr)
-    return np.frombuffer(buf, dtype=v.dtype).reshape(v.shape)
-
-
 def _as_float32(block: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (block.astype(np.uint32) << 16).view(np.float32)
@@ -186,9 +180,9 @@ def _as_float32(block: np.ndarray, dtype: str) -> np.ndarray:
 def _cpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView) -> None:
     """The numpy backend: same contract as the kernel, computed in float32 by row chunks."""
     x_all = _numpy_strided(logits)
-    ids_all = _numpy_out(ids).reshape(-1)
-    lp_all = _numpy_out(out_lp)
-    rank_all = _numpy_out(out_rank)
+    ids_all = numpy_of(ids).reshape(-1)
+    lp_all = numpy_of(out_lp)
+    rank_all = numpy_of(out_rank)
     batch, vocab = logits.shape
     rows = max(1, _CPU_ROWS_ELEMENTS // vocab)
     for r0 in range(0, batch, rows):
@@ -209,13 +203,6 @@ def _cpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_
 
 
 # -- GPU backend -------------------------------------------------------------------------------
-
-def _run_on_device(device_id: int, fn) -> None:
-    """Run ``fn`` with ``device_id``'s primary context current, restoring the caller's context."""
-    from . import _cuda
-    with _cuda.on_device(device_id):
-        fn()
-
 
 def _launch_specs(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView,
                   workspace: Optional[ArrayView], plan: LogprobRankPlan):
@@ -248,16 +235,14 @@ def _launch_specs(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank
 
 def _gpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView,
                       workspace: Optional[ArrayView], plan: LogprobRankPlan, stream: int) -> None:
+    from . import _cuda
     from .kernels.launch import compiled
-    specs = _launch_specs(logits, ids, out_lp, out_rank, workspace, plan)
     device_id = logits.device_id
-
-    def launch() -> None:
-        for kernel, grid, pointers, ints, constexprs, num_warps, dtypes in specs:
+    with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
+        for kernel, grid, pointers, ints, constexprs, num_warps, dtypes in _launch_specs(
+                logits, ids, out_lp, out_rank, workspace, plan):
             compiled(kernel, device_id, dtypes, len(ints), constexprs, num_warps).launch(
                 grid, stream, *pointers, *ints)
-
-    _run_on_device(device_id, launch)
 
 
 # -- public ------------------------------------------------------------------------------------

@@ -93,7 +93,6 @@ class CompiledKernel:
 
         return launch
 
-
     def _bind_driver(self, grid: Tuple[int, int, int], args: Sequence[int]):
         from cuda.bindings import driver as cu
         sizes = self._params
@@ -110,7 +109,7 @@ class CompiledKernel:
         g0, g1, g2 = (int(g) for g in grid)
         threads, shared = self._threads, self._shared
         launch_kernel, ok = cu.cuLaunchKernel, cu.CUresult.CUDA_SUCCESS
-        keep = (values, addresses)
+        name = self.name
 
         def launch(stream: int) -> None:
             err = launch_kernel(function, g0, g1, g2, threads, 1, 1, shared, stream, params, 0)[0]
@@ -118,8 +117,7 @@ class CompiledKernel:
                 from .._cuda import _check
                 _check((err,), f"cuLaunchKernel({name})")
 
-        name = self.name
-        launch.params = keep  # the parameter block lives as long as the launch
+        launch.params = (values, addresses)  # the parameter block lives as long as the launch
         return launch
 
 
