@@ -12,19 +12,12 @@ import torch
 
 from trace_replay_core import TraceTable
 
+from .views import layout_key, raw_stream
+
 __all__ = ["TraceReplayState"]
 
-try:  # ~0.2 us instead of ~2 us for torch.cuda.current_stream(...).cuda_stream
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
-except ImportError:  # pragma: no cover - older or CPU-only builds
-    def _raw_stream(index: int) -> int:
-        return torch.cuda.current_stream(index).cuda_stream
 
 _VIEW_CACHE_SIZE = 32
-
-
-def _key(t: torch.Tensor):
-    return (t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 class TraceReplayState:
@@ -78,7 +71,7 @@ class TraceReplayState:
 
     # streams ---------------------------------------------------------------------------------
     def _stream(self) -> int:
-        return _raw_stream(self._index) if self._index is not None else 0
+        return raw_stream(self._index) if self._index is not None else 0
 
     # lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -157,7 +150,7 @@ class TraceReplayState:
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
         Stream-ordered, no host sync; capturable in a CUDA graph once warmed up.
         """
-        stream = _raw_stream(self._index) if self._index is not None else 0
+        stream = raw_stream(self._index) if self._index is not None else 0  # self._stream(), inlined
         if total_len is None and prompt_len is None:
             # The hot path of a decode loop: one flat key, one dict lookup, one launch.
             try:
@@ -176,7 +169,8 @@ class TraceReplayState:
         else:
             if total_len is None or prompt_len is None:
                 raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
-            key = (_key(sampled), _key(idx_mapping), _key(total_len), _key(prompt_len))
+            key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len),
+                   layout_key(prompt_len))
             bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, total_len, prompt_len,
                                                                     stream=stream))
         bound(stream=stream)
@@ -185,7 +179,7 @@ class TraceReplayState:
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row."""
         stream = self._stream()
-        key = ("step", _key(sampled), _key(idx_mapping), _key(step))
+        key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
         bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, step=step, stream=stream))
         bound(stream=stream)
         return sampled
