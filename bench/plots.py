@@ -133,8 +133,14 @@ def cost_vs_batch(results, scaling, placement, jax_step) -> None:
     src = scaling or placement
     if src:
         fig.suptitle(machine(src), fontsize=9)
+    save(fig, results, "cost_vs_batch.png")
+
+
+def save(fig, results, name: str) -> None:
+    """Lay out ``fig``, write it to ``results/name`` and close it."""
+    import matplotlib.pyplot as plt
     fig.tight_layout()
-    out = os.path.join(results, "cost_vs_batch.png")
+    out = os.path.join(results, name)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     print(f"wrote {out}")
@@ -173,11 +179,7 @@ def staging_bandwidth(results, staging) -> None:
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.suptitle(machine(staging), fontsize=9)
-    fig.tight_layout()
-    out = os.path.join(results, "staging_bandwidth.png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    print(f"wrote {out}")
+    save(fig, results, "staging_bandwidth.png")
 
 
 def summary(results, launch, staging, placement, scaling) -> None:

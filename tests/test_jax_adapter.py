@@ -20,6 +20,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import trace_replay_jax as trj  # noqa: E402
+from jax_helpers import jax_gpu, x64  # noqa: E402
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
 
@@ -27,21 +28,6 @@ POISON = 2**30 + 7          # never a trace token (traces are below vocab_size)
 VOCAB = 50_000
 CPU = jax.devices("cpu")[0]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def x64(enabled: bool = True):
-    """Scoped x64 mode (int64 token ids); restores the previous setting."""
-    scoped = getattr(jax, "enable_x64", None)
-    if scoped is None:
-        from jax.experimental import enable_x64 as scoped
-    return scoped(enabled)
-
-
-def jax_gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError as exc:
-        pytest.skip(f"no CUDA device visible to JAX ({exc})")
 
 
 def _random_state(rng, device, max_slots=16, max_len=32):

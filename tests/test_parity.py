@@ -8,7 +8,6 @@ printed on failure. The CPU tier runs everything on the CPU; the GPU tier on the
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import List
 
@@ -24,6 +23,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import trace_replay_jax as trj  # noqa: E402
+from jax_helpers import jax_gpu, x64  # noqa: E402
 
 LOOP_STEPS = 6     # steps per lax.fori_loop call (shorter runs end early: a dynamic trip count)
 
@@ -34,23 +34,6 @@ def _seed(rng) -> int:
     if rng is None:
         return int(os.environ.get("TRACE_REPLAY_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     return int(rng.integers(2**32))
-
-
-def x64(enabled: bool):
-    """Scoped x64 mode (int64 token ids in JAX); restores the previous setting."""
-    if not enabled:
-        return contextlib.nullcontext()
-    scoped = getattr(jax, "enable_x64", None)
-    if scoped is None:
-        from jax.experimental import enable_x64 as scoped
-    return scoped(True)
-
-
-def jax_gpu():
-    try:
-        return jax.devices("gpu")[0]
-    except RuntimeError as exc:
-        pytest.skip(f"no CUDA device visible to JAX ({exc})")
 
 
 def _apply_ops(state, step: Step) -> None:
