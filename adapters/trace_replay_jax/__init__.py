@@ -27,13 +27,15 @@ Example (runs on the CPU; on a GPU leave ``device`` out or pass ``"cuda"``)::
 
 Public names: :class:`TraceReplayState` (the state: requests, staged writes, eager replay),
 :func:`replay` and :func:`replay_at_step` (replay given the tables; eager or traced),
-:class:`ReplayTables` (the committed table as JAX arrays, a pytree).
+:class:`ReplayTables` (the committed table as JAX arrays, a pytree), :func:`token_logprob_rank`
+(logprob and rank of the chosen token from the unmodified logits, one read of the logits).
 
 Importing this package loads neither torch nor jax-triton, and changes no environment
 variable.
 """
 
 from .jnp_replay import ReplayTables, replay, replay_at_step
+from .logprob import token_logprob_rank
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step"]
+__all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step", "token_logprob_rank"]

@@ -1,0 +1,120 @@
+"""GPT-2-style model description shared by the torch and JAX reference decode loops.
+
+Parameters use the Hugging Face GPT-2 names without the ``transformer.`` prefix, with
+Hugging Face's ``Conv1D`` layout (a projection is ``x @ weight + bias``, weight
+``[in, out]``). The output projection is tied to ``wte.weight``. All weights are float32
+numpy arrays owned by the caller; the loops copy them to their framework and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Tuple
+
+import numpy as np
+
+__all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Sizes of a GPT-2-style decoder (defaults: the tiny model of the demo and the tests).
+
+    ``n_positions`` bounds prompt + generated tokens of one request. ``n_embd`` must be a
+    multiple of ``n_head``.
+    """
+
+    vocab_size: int = 512
+    n_positions: int = 128
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"GPT2Config.{name} must be a positive int (got {value!r})")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config.n_embd must be a multiple of n_head "
+                             f"(got n_embd={self.n_embd}, n_head={self.n_head})")
+        eps = self.layer_norm_epsilon
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+            raise ValueError(f"GPT2Config.layer_norm_epsilon must be a positive float (got {eps!r})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> "GPT2Config":
+        """From a Hugging Face GPT-2 ``config.json`` mapping (``n_ctx`` accepted for
+        ``n_positions``); other keys are ignored."""
+        fields = {"vocab_size": config.get("vocab_size"),
+                  "n_positions": config.get("n_positions", config.get("n_ctx")),
+                  "n_embd": config.get("n_embd"), "n_layer": config.get("n_layer"),
+                  "n_head": config.get("n_head")}
+        missing = [k for k, v in fields.items() if v is None]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        return cls(**fields, layer_norm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)))
+
+    def to_hf(self) -> Dict[str, Any]:
+        """The Hugging Face ``config.json`` mapping of this model."""
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": self.vocab_size, "n_positions": self.n_positions, "n_ctx": self.n_positions,
+                "n_embd": self.n_embd, "n_layer": self.n_layer, "n_head": self.n_head,
+                "layer_norm_epsilon": self.layer_norm_epsilon, "activation_function": "gelu_new",
+                "tie_word_embeddings": True}
+
+
+def param_shapes(config: GPT2Config) -> Dict[str, Tuple[int, ...]]:
+    """Every parameter name -> shape, in a fixed order."""
+    e, shapes = config.n_embd, {"wte.weight": (config.vocab_size, config.n_embd),
+                                "wpe.weight": (config.n_positions, config.n_embd)}
+    for i in range(config.n_layer):
+        p = f"h.{i}."
+        shapes.update({
+            p + "ln_1.weight": (e,), p + "ln_1.bias": (e,),
+            p + "attn.c_attn.weight": (e, 3 * e), p + "attn.c_attn.bias": (3 * e,),
+            p + "attn.c_proj.weight": (e, e), p + "attn.c_proj.bias": (e,),
+            p + "ln_2.weight": (e,), p + "ln_2.bias": (e,),
+            p + "mlp.c_fc.weight": (e, 4 * e), p + "mlp.c_fc.bias": (4 * e,),
+            p + "mlp.c_proj.weight": (4 * e, e), p + "mlp.c_proj.bias": (e,),
+        })
+    shapes.update({"ln_f.weight": (e,), "ln_f.bias": (e,)})
+    return shapes
+
+
+def seeded_weights(config: GPT2Config, seed: int = 0) -> Dict[str, np.ndarray]:
+    """Deterministic float32 weights for ``config`` from ``seed`` (identical on every machine:
+    numpy's PCG64 stream). Matrices ~ N(0, 0.02^2) with residual projections scaled by
+    1/sqrt(2 n_layer) as in GPT-2; LayerNorm gains near 1 and every bias small but non-zero,
+    so that no parameter is trivially zero in a test."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            w = 1.0 + 0.05 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            w = 0.01 * rng.standard_normal(shape)
+        else:
+            scale = 0.02 / np.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+            w = scale * rng.standard_normal(shape)
+        out[name] = np.ascontiguousarray(w, dtype=np.float32)
+    return out
+
+
+def check_weights(config: GPT2Config, weights: Mapping[str, np.ndarray]) -> None:
+    """Raise ``ValueError`` naming the first missing, unexpected or mis-shaped parameter."""
+    shapes = param_shapes(config)
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise ValueError(f"weights lack parameter {name!r} (shape {shape})")
+        got = tuple(np.shape(weights[name]))
+        if got != shape:
+            raise ValueError(f"weights[{name!r}] must have shape {shape} (got {got})")
+    extra = sorted(set(weights) - set(shapes))
+    if extra:
+        raise ValueError(f"weights hold unexpected parameters {extra[:5]}")

@@ -1,0 +1,45 @@
+"""Requests in and results out of a reference decode loop (numpy only)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import numpy as np
+
+__all__ = ["TraceRequest", "RequestResult"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    """One request: its ``prompt`` token ids (at least one) and either a ``trace`` (the tokens
+    to force, one per decode step; the request decodes exactly ``len(trace)`` tokens) or, with
+    ``trace=None``, ``max_new_tokens`` freely decoded tokens."""
+
+    id: str
+    prompt: Tuple[int, ...]
+    trace: Optional[Tuple[int, ...]] = None
+    max_new_tokens: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        """How many tokens the request decodes."""
+        return len(self.trace) if self.trace is not None else self.max_new_tokens
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What a decode loop produced for one request, one entry per decoded token.
+
+    ``tokens``: the token that ended up in the sequence (int64); ``forced``: True where the
+    token came from the trace; ``logprobs`` (float32) and ``ranks`` (int64) of that token under
+    the loop's own, unmodified logits (rank 1 = unique argmax, ties count against the token);
+    ``argmax``: the token the model itself would have chosen greedily at that step (int64).
+    """
+
+    id: str
+    tokens: np.ndarray
+    forced: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    argmax: np.ndarray
