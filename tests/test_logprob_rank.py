@@ -26,7 +26,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_core import ArrayView, as_view, token_logprob_rank, token_logprob_rank_reference  # noqa: E402
+from trace_replay_core import (ArrayView, as_view, bind_logprob_rank, token_logprob_rank,  # noqa: E402
+                               token_logprob_rank_reference)
 from trace_replay_core.logprob import (SPLIT_TARGET_PROGRAMS, logprob_rank_workspace_bytes,  # noqa: E402
                                        plan_logprob_rank)
 
@@ -251,6 +252,27 @@ def test_cpu_backend_empty_batch_and_read_only_logits():
     lp, rk = np.empty(2, np.float32), np.empty(2, np.int64)
     token_logprob_rank(x, np.array([2, 0]), out_logprobs=lp, out_ranks=rk, stream=0)
     assert rk.tolist() == [1, 3]
+
+
+def test_bound_call_repeats_the_call_on_new_contents():
+    """bind_logprob_rank validates once; each call recomputes from the arrays' current contents."""
+    rng = np.random.default_rng(12)
+    x, ids = make_case(rng, 6, 700, "float32")
+    logits, ids_buf = x.copy(), ids.copy()
+    lp = np.full(6, POISON_LOGPROB, np.float32)
+    rk = np.full(6, POISON_RANK, np.int64)
+    bound = bind_logprob_rank(logits, ids_buf, out_logprobs=lp, out_ranks=rk, stream=0)
+    assert np.all(lp == POISON_LOGPROB)                    # binding computes nothing
+    for k in range(3):
+        x, ids = make_case(np.random.default_rng(100 + k), 6, 700, "float32")
+        logits[...] = x
+        ids_buf[...] = ids
+        bound(stream=0)
+        assert_matches_reference(x, ids, lp, rk, f"bound call {k}")
+    with pytest.raises(TypeError, match=r"^stream must be given explicitly"):
+        bound(stream=None)
+    with pytest.raises(ValueError, match=r"^out_logprobs must have 6 rows"):
+        bind_logprob_rank(logits, ids_buf, out_logprobs=lp[:5], out_ranks=rk, stream=0)
 
 
 def _bad_inputs():
@@ -560,6 +582,47 @@ def test_gpu_side_stream_and_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(x2, ids2, static_out[0].cpu().numpy(), static_out[1].cpu().numpy(), "gpu graph")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_bound_calls_and_adapter_cache_follow_the_buffers():
+    """The adapter binds once per tensor layout: a hit must read the tensors' current contents,
+    and new tensors (new addresses) must never be served a launch bound to old ones."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    rng = np.random.default_rng(41)
+    for batch in (3, 300):                                   # split rows (workspace) and whole rows
+        logits = torch.empty(batch, 5000, dtype=torch.bfloat16, device="cuda")
+        ids_t = torch.empty(batch, dtype=torch.int64, device="cuda")
+        out = (torch.empty(batch, device="cuda"), torch.empty(batch, dtype=torch.int64, device="cuda"))
+        for k in range(4):                                   # same buffers, new contents
+            x, ids = make_case(rng, batch, 5000, "bfloat16")
+            logits.copy_(torch.from_numpy(x).to(torch.bfloat16))
+            ids_t.copy_(torch.from_numpy(ids))
+            out[0].fill_(POISON_LOGPROB)
+            out[1].fill_(POISON_RANK)
+            torch_logprob_rank(logits, ids_t, out=out)
+            assert_matches_reference(x, ids, out[0].cpu().numpy(), out[1].cpu().numpy(), f"hit {batch} {k}")
+        kept = []
+        for k in range(4):                                   # new buffers every call
+            x, ids = make_case(rng, batch, 5000, "bfloat16")
+            lg = _gpu_logits(x, "bfloat16", pad=8 * k)
+            lp, rk = torch_logprob_rank(lg, torch.from_numpy(ids).cuda())
+            kept.append(lg)                                  # keep addresses distinct
+            assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), f"miss {batch} {k}")
+    # The core's bound call on its own, on a side stream.
+    x, ids = make_case(rng, 5, 151936, "float32")
+    logits = _gpu_logits(x, "float32")
+    lp = torch.full((5,), POISON_LOGPROB, device="cuda")
+    rk = torch.full((5,), POISON_RANK, dtype=torch.int32, device="cuda")
+    ws = torch.empty(logprob_rank_workspace_bytes(5, 151936), dtype=torch.uint8, device="cuda")
+    ids_t = torch.from_numpy(ids).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    bound = bind_logprob_rank(logits, ids_t, out_logprobs=lp, out_ranks=rk, workspace=ws, stream=side.cuda_stream)
+    bound(stream=side.cuda_stream)
+    side.synchronize()
+    assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), "bound side stream")
 
 
 if __name__ == "__main__":

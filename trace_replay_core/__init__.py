@@ -23,7 +23,7 @@ Importing this package loads neither torch nor jax.
 """
 
 from .dlpack import ArrayView, as_view, check_view
-from .logprob import token_logprob_rank
+from .logprob import BoundLogprobRank, bind_logprob_rank, token_logprob_rank
 from .reference import replay_reference, token_logprob_rank_reference
 from .streams import stream_handle
 from .table import (INDEX_DTYPES, PLACEMENTS, TOKEN_DTYPES, BoundReplay, TraceTable, default_device,
@@ -40,6 +40,8 @@ __all__ = [
     "parse_device",
     "replay_reference",
     "token_logprob_rank",
+    "bind_logprob_rank",
+    "BoundLogprobRank",
     "token_logprob_rank_reference",
     "PLACEMENTS",
     "TOKEN_DTYPES",

@@ -2,24 +2,52 @@
 
 Runs :func:`trace_replay_core.token_logprob_rank` on torch's current stream of the logits'
 device (or in numpy for CPU tensors); no host synchronisation, capturable in a CUDA graph
-once warmed up.
+once warmed up. Calls are bound once per layout of their tensors (data pointers, dtypes,
+shapes, strides; torch's caching allocator hands a decode loop the same few addresses step
+after step), so a repeated call only launches the kernels.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 
-from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
+from trace_replay_core import bind_logprob_rank
+from trace_replay_core import token_logprob_rank as core_token_logprob_rank
 from trace_replay_core.logprob import logprob_rank_workspace_bytes
 
-from .views import LayoutCache, raw_stream
+from .views import raw_stream
 
 __all__ = ["token_logprob_rank"]
 
 
-_VIEWS = LayoutCache()
+_workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
+_BOUND_CACHE_SIZE = 64
+_BOUND = {}
+
+
+def _bound(logits, token_ids, logprobs, ranks, workspace, stream):
+    """The bound call for this exact layout of tensors, binding (over DLPack) on a miss.
+
+    Equal keys describe the same memory, so a cached launch is exactly what binding again
+    would give; an entry keeps only pointers, never the tensors."""
+    tensors = (logits, token_ids, logprobs, ranks) if workspace is None else (
+        logits, token_ids, logprobs, ranks, workspace)
+    key = tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
+    bound = _BOUND.get(key)
+    if bound is None:
+        tensors = tuple(t.detach() for t in tensors)    # logits may require grad: read-only use
+        bound = bind_logprob_rank(tensors[0], tensors[1], out_logprobs=tensors[2], out_ranks=tensors[3],
+                                  stream=stream, workspace=None if workspace is None else tensors[4])
+        for v in bound.views:
+            v.keepalive = None
+        bound.views = ()
+        if len(_BOUND) >= _BOUND_CACHE_SIZE:
+            _BOUND.pop(next(iter(_BOUND)))
+        _BOUND[key] = bound
+    return bound
 
 
 def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
@@ -70,17 +98,15 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
     workspace = None
     if device.type == "cuda":
         stream = raw_stream(device.index)
-        nbytes = logprob_rank_workspace_bytes(batch, vocab) if vocab >= 1 else 0
+        nbytes = _workspace_bytes(batch, vocab) if vocab >= 1 else 0
         if nbytes:
             # Freed when this call returns: torch reuses it only for work queued after ours.
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
     else:
         stream = 0
-    view = _VIEWS.view
-    _core_token_logprob_rank(view(logits, name="logits", stream=stream),
-                             view(token_ids, name="token_ids", stream=stream),
-                             out_logprobs=view(logprobs, name="out_logprobs", stream=stream),
-                             out_ranks=view(ranks, name="out_ranks", stream=stream), stream=stream,
-                             workspace=None if workspace is None else view(workspace, name="workspace",
-                                                                            stream=stream))
+    if device.type == "cpu":
+        # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
+        core_token_logprob_rank(logits.detach(), token_ids, out_logprobs=logprobs, out_ranks=ranks, stream=0)
+        return logprobs, ranks
+    _bound(logits, token_ids, logprobs, ranks, workspace, stream)(stream=stream)
     return logprobs, ranks
