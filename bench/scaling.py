@@ -23,12 +23,13 @@ Providers, per (placement, batch):
   ``triton.testing.do_bench`` (L2 flushed before each call), of a ``BoundReplay`` rotating
   among the 16 sets.
 - ``event_floor``: ``do_bench`` of an empty call (two adjacent events, no work).
-- ``jax_jit``: JAX inside ``jax.jit``: NOT MEASURED YET; see :func:`jax_rows`, the hook where
-  those rows go.
+- ``jax_jit``: JAX inside ``jax.jit``: what one replay adds to a step of a compiled
+  ``lax.fori_loop`` (``trace_replay_jax.replay`` on the adapter's zero-copy table views),
+  next to ``jax_jit_baseline``, the same loop step without replay; see :func:`jax_rows`.
 
 Summary rows:
 
-- ``crossover``: per placement and path, the smallest batch whose ``kernel_device`` p50 exceeds
+- ``crossover``: per placement and torch path, the smallest batch whose ``kernel_device`` p50 exceeds
   that path's host time per step at the same batch (``None``: none up to 4096).
 - ``floor``: at batch 4096, the memory-traffic floor of the kernel. Bytes it must touch per
   row: idx 4 + trace_len 4 + total_len 4 + prompt_len 4 + one table token 4 + the sampled
@@ -48,11 +49,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import copy_bandwidth, provenance, rotating, table, time_cuda, time_host, write_results  # noqa: E402
+from harness import (copy_bandwidth, percentiles, provenance, rotating, table, time_cuda,  # noqa: E402
+                     time_host, write_results)
 
 MAX_SLOTS = 4096
 MAX_TRACE_LEN = 8192
@@ -65,20 +68,97 @@ FILL_TOKENS = 200_000          # tokens per fill commit (fits the default 1 MiB 
 BENCH_MS = dict(warmup_ms=25, rep_ms=100)
 HOST_CALLS = dict(calls=1000, rounds=15, warmup=200)
 SECTOR = 32
+JAX_LOOP_STEPS = 64
+JAX_CALLS = 20
+JAX_ROUNDS = 11
 # bytes per row: (name, bytes, scattered per-slot read)
 ROW_BYTES = (("idx_mapping", 4, False), ("trace_len", 4, True), ("total_len", 4, True),
              ("prompt_len", 4, True), ("table token", 4, True), ("sampled write", 8, False))
 
 
-def jax_rows(batches, placements):
-    """JAX HOOK (issue 4, JAX rows: later). Not measured yet: returns no rows.
+def jax_rows(batches, placements, traces, prompt, rng):
+    """Rows for JAX inside ``jax.jit``: per (placement, batch), the cost of one replay step in a
+    compiled ``lax.fori_loop`` (``provider="jax_jit"``) and the same loop without replay
+    (``provider="jax_jit_baseline"``).
 
-    When the JAX adapter exists, return one row per (placement, batch) with
-    ``kind="timing"``, ``provider="jax_jit"``, ``placement``, ``batch`` and the p20/p50/p80 (us)
-    of one replay inside a ``jax.jit`` step (same setup as the torch rows), so that the summary,
-    the plots and the README pick it up like the other paths.
+    A JAX :class:`trace_replay_jax.TraceReplayState` holds the same traces as the torch rows.
+    One jitted call runs ``JAX_LOOP_STEPS`` steps; step ``k`` replays
+    ``sampled + k`` for rows mapped to distinct slots at ``total_len + k`` (so every step
+    reads other table cells) and folds the result into the carry (so nothing is optimised
+    away); the baseline folds ``sampled + k`` unreplayed. Timed by wall clock over
+    back-to-back calls, blocking at the end of each round: device time per step when the loop
+    is device-bound. ``jax_jit`` reports the loop's time per step minus the baseline's (what
+    replay adds to a step in a compiled loop); ``us_total_p50`` keeps the absolute time.
+    Returns error rows instead when JAX has no GPU or a placement cannot be viewed by JAX.
     """
-    return []
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        import trace_replay_jax
+        gpu = jax.devices("gpu")[0]
+    except Exception as exc:  # noqa: BLE001 - reported as a row: the torch rows still count
+        return [dict(kind="error", provider="jax_jit", error=f"{type(exc).__name__}: {exc}")]
+    rows = []
+    steps = JAX_LOOP_STEPS
+
+    def loop(replay: bool):
+        def run(tables, sampled, idx, total_len, prompt_len):
+            def body(k, acc):
+                tok = sampled + k
+                if replay:
+                    tok = trace_replay_jax.replay(tables, tok, idx, total_len + k, prompt_len)
+                return acc ^ tok
+            return jax.lax.fori_loop(0, steps, body, jnp.zeros_like(sampled))
+        return jax.jit(run)
+
+    fns = {"jax_jit": loop(True), "jax_jit_baseline": loop(False)}
+    prompt_j = jax.device_put(jnp.asarray(prompt, jnp.int32), gpu)
+    total_j = jax.device_put(jnp.asarray(prompt + rng.integers(-2, MAX_TRACE_LEN + 2, MAX_SLOTS), jnp.int32), gpu)
+    for placement in placements:
+        try:
+            st = trace_replay_jax.TraceReplayState(MAX_SLOTS, MAX_TRACE_LEN, device=gpu, placement=placement)
+        except Exception as exc:  # noqa: BLE001 - e.g. a JAX that cannot view host-mapped memory
+            rows.append(dict(kind="error", provider="jax_jit", placement=placement,
+                             error=f"{type(exc).__name__}: {exc}"))
+            continue
+        fill = 0
+        for slot, tr in enumerate(traces):
+            st.add_request(slot, tr)
+            fill += tr.shape[0]
+            if fill >= FILL_TOKENS:
+                st.apply_staged_writes()
+                fill = 0
+        st.apply_staged_writes()
+        for batch in batches:
+            sampled = jax.device_put(jnp.asarray(rng.integers(0, VOCAB, batch), jnp.int32), gpu)
+            idx = jax.device_put(jnp.asarray(rng.permutation(MAX_SLOTS)[:batch], jnp.int32), gpu)
+            per_step = {}
+            for provider, fn in fns.items():
+                args = (st.tables, sampled, idx, total_j, prompt_j)
+                for _ in range(3):
+                    jax.block_until_ready(fn(*args))
+                per_round = []
+                for _ in range(JAX_ROUNDS):
+                    t0 = time.perf_counter()
+                    out = None
+                    for _ in range(JAX_CALLS):
+                        out = fn(*args)
+                    jax.block_until_ready(out)
+                    per_round.append((time.perf_counter() - t0) / (JAX_CALLS * steps) * 1e6)
+                per_step[provider] = np.asarray(per_round)
+            base = per_step["jax_jit_baseline"]
+            rows.append(dict(kind="timing", provider="jax_jit_baseline", placement=placement, batch=batch,
+                             loop_steps=steps, **percentiles(base)))
+            added = percentiles(per_step["jax_jit"] - np.median(base))
+            rows.append(dict(kind="timing", provider="jax_jit", placement=placement, batch=batch, loop_steps=steps,
+                             us_total_p50=float(np.median(per_step["jax_jit"])), **added))
+            print(f"{'jax_jit':17s} {placement:11s} B={batch:5d} adds p50 {added['us_p50']:8.2f} us per step "
+                  f"(loop step {np.median(per_step['jax_jit']):.2f} us, without replay {np.median(base):.2f} us)",
+                  flush=True)
+        st.close()
+    return rows
 
 
 def main() -> None:
@@ -160,15 +240,15 @@ def main() -> None:
             sync()
         st.close()
 
-    for row in jax_rows(BATCHES, PLACEMENTS):
+    for row in jax_rows(BATCHES, PLACEMENTS, traces, prompt, rng):
         rows.append(row)
-    if not any(r.get("provider") == "jax_jit" for r in rows):
-        print("jax_jit: not measured yet (hook: jax_rows in bench/scaling.py)", flush=True)
+        if row["kind"] == "error":
+            print(f"jax_jit {row.get('placement', '')}: not measured: {row['error']}", flush=True)
 
     timing = {(r["provider"], r["placement"], r["batch"]): r for r in rows if r["kind"] == "timing"}
     paths = [p for p in PATHS + ("jax_jit",) if any(k[0] == p for k in timing)]
     for placement in PLACEMENTS:
-        for path in paths:
+        for path in PATHS:      # jax_jit launches nothing per step inside its loop: no crossover
             cross = None
             for batch in BATCHES:
                 k, h = timing.get(("kernel_device", placement, batch)), timing.get((path, placement, batch))
@@ -193,7 +273,8 @@ def main() -> None:
             floor_us = batch * hbm / d2d / 1e3 + batch * pcie / h2d / 1e3
             rows.append(dict(kind="floor", placement=placement, batch=batch, model=model,
                              bytes_per_row=hbm + pcie, hbm_bytes=batch * hbm, pcie_bytes=batch * pcie,
-                             d2d_gbps=d2d, h2d_gbps=h2d, floor_us=floor_us, floor_ns=floor_us * 1e3, kernel_us_p50=kernel_us,
+                             d2d_gbps=d2d, h2d_gbps=h2d, floor_us=floor_us, floor_ns=floor_us * 1e3,
+                             kernel_us_p50=kernel_us,
                              kernel_over_floor=kernel_us / floor_us,
                              kernel_minus_event_floor_us=kernel_us - floor_stats["us_p50"]))
             print(f"{placement:11s} B={batch} floor ({model}, {hbm + pcie} B/row): {floor_us * 1e3:.1f} ns; "
