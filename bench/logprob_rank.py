@@ -9,6 +9,9 @@ Providers:
 - ``trace_replay``: ``trace_replay_torch.token_logprob_rank(logits, ids, out=...)`` (one
   kernel; below batch 256 two: rows split over several programs, then a tiny combine; the
   adapter binds each tensor layout once, so a repeated call only launches).
+- ``core_split256`` (batches below the current ``SPLIT_TARGET_PROGRAMS``): the same kernels bound through the core with the
+  previous row-splitting setting (``SPLIT_TARGET_PROGRAMS = 256``: one program per row at
+  batch 256), to show what the current setting changed.
 - ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
 - ``jax_jit``: ``jax.jit`` of ``log_softmax`` (float32) + ``take_along_axis`` + count.
 - ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of
@@ -19,7 +22,7 @@ Timings (the ``timing`` field of every row):
 - ``cuda events, queued behind a busy kernel`` (``harness.time_cuda_queued``; torch providers):
   20 back-to-back calls queued while a sleep kernel holds the device, so the host's enqueue
   cost is hidden, as in a decode loop whose host runs ahead; inputs rotate through copies of
-  the logits (256 MiB in all, at most 256 copies) so that small batches are not served from
+  the logits (256 MiB in all, at most 32 copies, so that the adapter's cache of bound calls keeps them all) so that small batches are not served from
   L2. The targets use this timing for both sides.
 - ``cuda events (do_bench, L2 flushed)`` (``harness.time_cuda``): one call at a time after an
   L2 flush; a call whose host cost exceeds its device time shows the host cost here.
@@ -41,6 +44,7 @@ Run: ``python bench/logprob_rank.py`` on a GPU; writes ``bench/results/logprob_r
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -55,11 +59,12 @@ VOCAB = 151_936
 BATCHES = (1, 64, 256, 1024)
 DTYPES = ("bfloat16", "float32")
 ROTATE_BYTES = 256 << 20          # timed loops cycle through copies of the logits this large in all
-MAX_COPIES = 256
+MAX_COPIES = 32                   # below the torch adapter's cache of bound calls (64 layouts)
 QUEUED = "cuda events, queued behind a busy kernel"
 DO_BENCH = "cuda events (do_bench, L2 flushed)"
 HOST = "host time per call"
 TARGET_BATCH = 256
+SPLIT_BEFORE = 256                # the previous SPLIT_TARGET_PROGRAMS, measured next to the current one
 TARGET_FRACTION = 0.75
 TARGET_SPEEDUP = 3.0
 
@@ -101,6 +106,25 @@ def jnp_logprob_rank(logits, ids):
     return logprobs, ranks
 
 
+def split_target_bound(target, logits, ids, out):
+    """A bound core call planned as if ``SPLIT_TARGET_PROGRAMS`` were ``target`` (bench only),
+    with its own workspace; returns (bound call, workspace)."""
+    import torch
+
+    import trace_replay_core.logprob as core_logprob
+    saved = core_logprob.SPLIT_TARGET_PROGRAMS
+    core_logprob.SPLIT_TARGET_PROGRAMS = target
+    try:
+        nbytes = core_logprob.logprob_rank_workspace_bytes(*logits.shape)
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=logits.device) if nbytes else None
+        stream = torch.cuda.current_stream().cuda_stream
+        bound = core_logprob.bind_logprob_rank(logits, ids, out_logprobs=out[0], out_ranks=out[1], workspace=ws,
+                                               stream=stream)
+    finally:
+        core_logprob.SPLIT_TARGET_PROGRAMS = saved
+    return bound, ws
+
+
 def time_wall(fn, *, rounds: int = 15, budget_s: float = 0.05):
     """Wall-clock us per call: back-to-back calls, the last result blocked on per round."""
     import jax
@@ -131,6 +155,8 @@ def compare(ref, got):
 def main() -> None:
     import torch
 
+    from trace_replay_core.logprob import SPLIT_TARGET_PROGRAMS
+
     from trace_replay_torch import token_logprob_rank
 
     if not torch.cuda.is_available():
@@ -139,6 +165,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
 
+    stream = torch.cuda.current_stream().cuda_stream
     copy = copy_bandwidth()["d2d"]
     copy_gbps = copy["gbps_p50"]
     rows.append(dict(copy, provider="d2d_copy", batch=None, vocab=None, dtype=None, gbps=copy_gbps,
@@ -179,6 +206,12 @@ def main() -> None:
             for name, fn, result in torch_providers:
                 record(name, QUEUED, time_cuda_queued(rotating([lambda x=x: fn(x) for x in copies])), result)
                 record(name, DO_BENCH, time_cuda(lambda: fn(logits)), result)
+            if batch < SPLIT_TARGET_PROGRAMS:
+                # The previous split setting, for comparison: bound core calls, one per copy.
+                bounds = [split_target_bound(SPLIT_BEFORE, x, ids, out) for x in copies]
+                record(f"core_split{SPLIT_BEFORE}", QUEUED,
+                       time_cuda_queued(rotating([functools.partial(b, stream=stream) for b, _ in bounds])), None)
+                del bounds
             host = time_host(lambda: token_logprob_rank(logits, ids, out=out), sync=torch.cuda.synchronize,
                              calls=200, rounds=9, warmup=50)
             rows.append(dict(base, provider="trace_replay", timing=HOST, **host))
