@@ -350,8 +350,12 @@ def eager_rows(cfg, setup, device):
     args = (sampled, setup.idx, setup.total0, setup.prompt)
     st = setup.state
     want = np.asarray(st.replay(*args))
+    # The floor of an eager call: one jitted dispatch of the same six arrays that only copies
+    # ``sampled`` (one tiny kernel); it replays nothing, so its tokens are not compared.
+    floor = jax.jit(lambda table, trace_len, s, i, t, p: s ^ jnp.int32(0) + (i[:1] * 0).sum())
     candidates = {"trace_replay_jax": lambda: st.replay(*args),
-                  "trace_replay_jax_at_step": lambda: st.replay_at_step(sampled, setup.idx, step)}
+                  "trace_replay_jax_at_step": lambda: st.replay_at_step(sampled, setup.idx, step),
+                  "jit_dispatch_floor": lambda: floor(st.tables.table, st.tables.trace_len, *args)}
     if device.platform == "gpu":
         factories = (("dlpack_core_kernel", lambda: _DLPackCoreReplay(setup)),
                      ("buffer_callback", lambda: jax.jit(buffer_callback_replay(setup, command_buffer=False))))
@@ -384,8 +388,9 @@ def eager_rows(cfg, setup, device):
             jax.block_until_ready(out)
             samples[name].append((t1 - t0) / c["eager_calls"] * 1e6)
     for name, s in samples.items():
+        match = None if name == "jit_dispatch_floor" else bool(np.array_equal(results[name], want))
         rows.append(dict(config="default", mechanism=name, mode="eager_host", steps_per_call=1,
-                         tokens_match=bool(np.array_equal(results[name], want)), **percentiles(s)))
+                         tokens_match=match, **percentiles(s)))
     del jnp
     return rows
 
