@@ -13,6 +13,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from .dlpack import ArrayView
+from .validate import copy_trace
 
 __all__ = ["CpuBackend", "numpy_of"]
 
@@ -33,8 +34,12 @@ class CpuBackend:
         self._staged: Dict[int, Optional[np.ndarray]] = {}
 
     # staging -------------------------------------------------------------------------------
-    def stage(self, slot: int, tokens: np.ndarray) -> None:
-        self._staged[slot] = np.array(tokens, dtype=np.int32, copy=True)
+    def stage(self, slot: int, tokens: np.ndarray, vocab_size: int | None) -> None:
+        """Copy ``tokens`` (a :func:`~.validate.trace_array` result) and check its ids in one pass;
+        the copy becomes the staged trace of ``slot`` only if they pass (else this raises)."""
+        staged = np.empty(tokens.shape[0], dtype=np.uint32)
+        copy_trace(tokens, staged, vocab_size=vocab_size)
+        self._staged[slot] = staged.view(np.int32)
 
     def clear(self, slot: int) -> None:
         self._staged[slot] = None

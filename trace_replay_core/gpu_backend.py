@@ -8,15 +8,20 @@ Memory (all owned here, freed by :meth:`GpuBackend.close`):
 - ``trace_len``: ``[max_slots]`` int32 in device memory, 0 = untraced.
 - a ring of ``staging_depth`` staging pairs (pinned host buffer, device buffer, event).
 
-Staging and its guard: ``stage`` writes tokens straight into the open pair's pinned buffer.
+Staging and its guard: ``stage`` copies tokens straight into the open pair's pinned buffer,
+checking the token ids in the same pass (:func:`~.validate.copy_trace`), and records the entry
+only once they pass: a refused trace leaves bytes past the fill mark that nothing refers to.
 ``commit(stream)`` appends the entry table, queues one host-to-device copy of the used bytes
 and one scatter launch on ``stream``, records the pair's event and opens the next pair. A
 pair is written again only after its event has completed: the first ``stage`` into a reused
 pair waits for it (host-blocking, and only when ``staging_depth`` commits are still in flight).
+Once the open pair is known to be free, ``stage`` makes no driver call at all.
 """
 
 from __future__ import annotations
 
+import struct
+from itertools import chain
 from typing import Dict, Tuple
 
 import numpy as np
@@ -24,10 +29,12 @@ import numpy as np
 from . import _cuda
 from .dlpack import ArrayView
 from .kernels.launch import compiled
+from .validate import copy_trace
 
 __all__ = ["GpuBackend"]
 
 _META_FIELDS = 3          # slot, length, offset (int64 each)
+_META_BYTES = _META_FIELDS * 8
 _ALIGN_TOKENS = 4         # each trace starts on a 16-byte boundary
 
 
@@ -44,11 +51,12 @@ class _StagingPair:
         self.host = _cuda.PinnedAllocation(nbytes)
         self.device = _cuda.DeviceAllocation(nbytes)
         self.event = _cuda.Event()
-        self.tokens = self.host.numpy(np.int32)
+        self._views()
 
-    @property
-    def nbytes(self) -> int:
-        return self.host.nbytes
+    def _views(self) -> None:
+        self.nbytes = self.host.nbytes
+        self.tokens = self.host.numpy(np.uint32)         # where stage copies tokens (int32 ids, as uint32)
+        self.bytes = memoryview(self.tokens).cast("B")   # where commit packs the entry table
 
     def grow(self, nbytes: int, keep_tokens: int) -> None:
         """Replace both buffers with ``nbytes`` ones, keeping the first ``keep_tokens`` tokens.
@@ -56,12 +64,13 @@ class _StagingPair:
         Only called on the open pair, whose last copy and scatter have completed.
         """
         host = _cuda.PinnedAllocation(nbytes)
-        tokens = host.numpy(np.int32)
-        tokens[:keep_tokens] = self.tokens[:keep_tokens]
+        host.numpy(np.uint32)[:keep_tokens] = self.tokens[:keep_tokens]
         device = _cuda.DeviceAllocation(nbytes)
+        self.bytes.release()
         self.host.close()
         self.device.close()
-        self.host, self.device, self.tokens = host, device, tokens
+        self.host, self.device = host, device
+        self._views()
 
     def close(self) -> None:
         self.host.close()
@@ -83,10 +92,12 @@ class GpuBackend:
         with _cuda.on_device(device_id):
             self._allocate(staging_depth, staging_bytes)
         self._open = 0
-        self._prepared = False
-        self._entries: Dict[int, Tuple[int, int]] = {}   # slot -> (length, token offset)
+        self._prepared = False                           # the open pair's last commit has completed
+        self._entries: Dict[int, Tuple[int, int, int]] = {}   # slot -> (slot, length, token offset)
         self._fill = 0                                   # tokens written into the open pair
+        self._longest = 0                                # longest trace staged since the last commit
         self._kernels: Dict[tuple, object] = {}
+        self._scatter = None                             # (kernel, block, max chunk programs)
         self.guard_waits = 0                              # times stage/commit waited on a pair
 
     def _allocate(self, staging_depth: int, staging_bytes: int) -> None:
@@ -114,67 +125,79 @@ class GpuBackend:
 
     # staging -------------------------------------------------------------------------------
     def _prepare_open(self) -> _StagingPair:
+        """The open pair, once the commit that last read it has completed (the staging guard)."""
         pair = self._pairs[self._open]
         if not self._prepared:
-            if not pair.event.done():
-                self.guard_waits += 1
-                pair.event.synchronize()
+            with _cuda.on_device(self.device_id):  # any thread, any current device
+                if not pair.event.done():
+                    self.guard_waits += 1
+                    pair.event.synchronize()
             self._prepared = True
         return pair
 
     def _reserve(self, pair: _StagingPair, tokens_needed: int) -> None:
-        meta_bytes = (len(self._entries) + 1) * _META_FIELDS * 8 + 16
-        need = _round_up(tokens_needed * 4, 16) + meta_bytes
+        """Grow the open pair, if need be, to hold ``tokens_needed`` tokens and the entry table
+        with one more entry than now."""
+        need = _round_up(tokens_needed * 4, 16) + (len(self._entries) + 1) * _META_BYTES + 16
         if need > pair.nbytes:
-            pair.grow(max(need, 2 * pair.nbytes), self._fill)
+            with _cuda.on_device(self.device_id):
+                pair.grow(max(need, 2 * pair.nbytes), self._fill)
 
-    def stage(self, slot: int, tokens: np.ndarray) -> None:
-        with _cuda.on_device(self.device_id):  # any thread, any current device
-            pair = self._prepare_open()
-            n = int(tokens.shape[0])
-            start = self._fill
-            self._reserve(pair, start + n)
-            pair.tokens[start:start + n] = tokens
-            self._entries[slot] = (n, start)
-            self._fill = _round_up(start + n, _ALIGN_TOKENS)
+    def stage(self, slot: int, tokens: np.ndarray, vocab_size: int | None) -> None:
+        """Copy ``tokens`` (a :func:`~.validate.trace_array` result) into the open pair and check
+        its ids in the same pass; record the entry only if they pass (else raise, changing no
+        entry, no fill mark and no ring position). The caller holds the table's lock."""
+        pair = self._pairs[self._open] if self._prepared else self._prepare_open()
+        n = tokens.shape[0]
+        start = self._fill
+        end = start + n
+        if 4 * end + _META_BYTES * len(self._entries) + 52 > pair.nbytes:   # an upper bound of _reserve's need
+            self._reserve(pair, end)
+        copy_trace(tokens, pair.tokens[start:end], vocab_size=vocab_size)
+        self._entries[slot] = (slot, n, start)
+        self._fill = (end + _ALIGN_TOKENS - 1) & -_ALIGN_TOKENS
+        self._longest = max(self._longest, n)   # an upper bound (a restaged slot may shrink): sizes the grid
 
     def clear(self, slot: int) -> None:
-        self._entries[slot] = (0, 0)
+        self._entries[slot] = (slot, 0, 0)
 
     def pending(self) -> int:
         return len(self._entries)
 
+    def _scatter_kernel(self):
+        """(compiled scatter kernel, its block, most programs per entry); compiled on first use."""
+        if self._scatter is None:
+            from .kernels.scatter import SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS, SCATTER_NUM_WARPS, scatter_kernel
+            kernel = compiled(scatter_kernel, self.device_id, ("int64", "int32", "int32", "int32"), 2,
+                              {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
+            self._scatter = (kernel, SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS)
+        return self._scatter
+
     def commit(self, stream: int) -> None:
-        if not self._entries:
+        entries = self._entries
+        if not entries:
             return
         with _cuda.on_device(self.device_id):  # any thread, any current device
             if _cuda.stream_is_capturing(stream):
                 raise RuntimeError("commit() cannot be captured into a CUDA graph: its staging data changes "
                                    "every time; commit outside the graph, between replays")
+            kernel, block, max_chunks = self._scatter_kernel()
             pair = self._prepare_open()
             self._reserve(pair, self._fill)
             meta_off = _round_up(self._fill * 4, 16)
-            n = len(self._entries)
-            meta = np.empty((n, _META_FIELDS), dtype=np.int64)
-            longest = 0
-            for i, (slot, (length, offset)) in enumerate(self._entries.items()):
-                meta[i] = (slot, length, offset)
-                longest = max(longest, length)
-            pair.tokens.view(np.uint8)[meta_off:meta_off + meta.nbytes] = meta.view(np.uint8).reshape(-1)
-            nbytes = meta_off + meta.nbytes
+            n = len(entries)
+            # The entry table, packed straight into pinned memory: (slot, length, offset) int64 each.
+            # One pack_into for all entries: 64 entries cost ~7 us against ~60 us row by row in numpy.
+            struct.pack_into(f"<{n * _META_FIELDS}q", pair.bytes, meta_off, *chain.from_iterable(entries.values()))
+            nbytes = meta_off + n * _META_BYTES
             _cuda.memcpy_htod_async(pair.device.ptr, pair.host.ptr, nbytes, stream)
-            from .kernels.scatter import SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS, SCATTER_NUM_WARPS, scatter_kernel
-            chunks = max(1, min(-(-longest // SCATTER_BLOCK), SCATTER_MAX_CHUNK_PROGRAMS))
-            kernel = self._kernels.get("scatter")
-            if kernel is None:
-                kernel = compiled(scatter_kernel, self.device_id, ("int64", "int32", "int32", "int32"), 2,
-                                  {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
-                self._kernels["scatter"] = kernel
+            chunks = max(1, min(-(-self._longest // block), max_chunks))
             kernel.launch((n, chunks, 1), stream, pair.device.ptr + meta_off, pair.device.ptr,
                           self.table_ptr, self.trace_len_ptr, self.max_trace_len, chunks)
             pair.event.record(stream)
             self._entries = {}
             self._fill = 0
+            self._longest = 0
             self._open = (self._open + 1) % len(self._pairs)
             self._prepared = False
 

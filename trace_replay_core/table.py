@@ -14,7 +14,7 @@ import numpy as np
 
 from .dlpack import ArrayView, as_view, check_view
 from .streams import stream_handle
-from .validate import check_positive_int, check_slot, check_trace
+from .validate import check_positive_int, check_slot, trace_array
 
 __all__ = ["TraceTable", "BoundReplay", "PLACEMENTS", "INDEX_DTYPES", "TOKEN_DTYPES", "parse_device", "default_device"]
 
@@ -151,18 +151,25 @@ class TraceTable:
         copied, so the caller may reuse it at once. Staging a slot again before the commit
         replaces the earlier trace. A rejected call changes nothing.
         """
-        backend = self._live()
-        slot = check_slot(slot, self.max_slots)
-        arr = check_trace(tokens, max_trace_len=self.max_trace_len, vocab_size=self.vocab_size)
+        if self._closed:
+            self._live()                              # raises
+        if type(slot) is not int or not 0 <= slot < self.max_slots:
+            slot = check_slot(slot, self.max_slots)
+        arr = trace_array(tokens, max_trace_len=self.max_trace_len)
+        # The backend copies the trace into its staging memory and checks the token ids in the
+        # same pass (validate.copy_trace); it records the entry only once they pass.
         with self._lock:
-            self._live()
-            backend.stage(slot, arr)
+            if self._closed:
+                self._live()
+            self._backend.stage(slot, arr, self.vocab_size)
 
     def clear(self, slot: int) -> None:
         """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only."""
         backend = self._live()
-        slot = check_slot(slot, self.max_slots)
+        if type(slot) is not int or not 0 <= slot < self.max_slots:
+            slot = check_slot(slot, self.max_slots)
         with self._lock:
+            self._live()
             backend.clear(slot)
 
     @property
