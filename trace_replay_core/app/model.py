@@ -13,7 +13,7 @@ from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 
-__all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights"]
+__all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +118,53 @@ def check_weights(config: GPT2Config, weights: Mapping[str, np.ndarray]) -> None
     extra = sorted(set(weights) - set(shapes))
     if extra:
         raise ValueError(f"weights hold unexpected parameters {extra[:5]}")
+
+
+def _layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * gain + bias
+
+
+def _gelu_new(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def reference_logits(config: GPT2Config, weights: Mapping[str, np.ndarray], tokens) -> np.ndarray:
+    """Logits ``[len(tokens), vocab_size]`` (float64) of the model over ``tokens``: row ``i``
+    scores the token that follows ``tokens[: i + 1]``.
+
+    The plain reference the decode loops are tested against: a full causal forward over the
+    whole sequence in float64 numpy, no KV cache, no batching, written straight from the model
+    description (pre-LayerNorm blocks, ``gelu_new``, learned positions, final ``ln_f``, logits
+    ``= h @ wte.T``). ``tokens``: 1-D integer ids in ``[0, vocab_size)``, at least one, at most
+    ``n_positions``. Host-only; slow by design (recompute everything): for tests and checks.
+    """
+    check_weights(config, weights)
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be a non-empty 1-D sequence of ints (got {ids.dtype}{list(ids.shape)})")
+    if ids.size > config.n_positions:
+        raise ValueError(f"tokens hold {ids.size} ids, more than config.n_positions={config.n_positions}")
+    bad = np.nonzero((ids < 0) | (ids >= config.vocab_size))[0]
+    if bad.size:
+        raise ValueError(f"tokens[{bad[0]}]={ids[bad[0]]} is outside [0, vocab_size={config.vocab_size})")
+    w = {name: np.asarray(value, dtype=np.float64) for name, value in weights.items()}
+    n, e, heads, d = ids.size, config.n_embd, config.n_head, config.head_dim
+    eps = config.layer_norm_epsilon
+    causal = np.tril(np.ones((n, n), dtype=bool))
+    x = w["wte.weight"][ids] + w["wpe.weight"][:n]
+    for layer in range(config.n_layer):
+        p = f"h.{layer}."
+        h = _layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
+        qkv = h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        q, k, v = (qkv[:, i * e:(i + 1) * e].reshape(n, heads, d).transpose(1, 0, 2) for i in range(3))
+        scores = np.where(causal, q @ k.transpose(0, 2, 1) / np.sqrt(d), -np.inf)   # [heads, n, n]
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = (probs @ v).transpose(1, 0, 2).reshape(n, e)
+        x = x + attn @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        h = _layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
+        x = x + _gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"]) @ w[p + "mlp.c_proj.weight"] \
+            + w[p + "mlp.c_proj.bias"]
+    return _layer_norm(x, w["ln_f.weight"], w["ln_f.bias"], eps) @ w["wte.weight"].T

@@ -1,0 +1,276 @@
+"""A reference decode loop of a small GPT-2-style model in JAX, replaying traces inside ``jax.jit``.
+
+:func:`run_decode` decodes a list of :class:`~trace_replay_core.app.records.TraceRequest` with
+a KV cache and continuous batching through slots, greedily, and forces traced requests onto
+their traces with :func:`trace_replay_jax.replay` inside the jitted decode step; logprob and
+rank of every output token come from the unmodified logits through
+:func:`trace_replay_jax.token_logprob_rank`, in the same program. The PyTorch twin,
+``trace_replay_torch.gpt2.run_decode``, runs the same model on the same schedule
+(:mod:`trace_replay_core.app.schedule`), so the two can be compared token by token.
+
+Example (CPU; ``device="cuda"`` on a GPU)::
+
+    from trace_replay_core.app.model import GPT2Config, seeded_weights
+    from trace_replay_core.app.records import TraceRequest
+    from trace_replay_jax.gpt2 import run_decode
+
+    config = GPT2Config()
+    requests = [TraceRequest("a", prompt=(1, 2, 3), trace=(7, 8, 9)),
+                TraceRequest("b", prompt=(4,), max_new_tokens=5)]
+    a, b = run_decode(config, seeded_weights(config), requests)
+    assert a.tokens.tolist() == [7, 8, 9] and a.forced.all()
+
+Compilation: two jitted programs, the decode step (one per ``config``, ``max_batch``, KV
+length bucket and trace length bucket) and the admission of one request (one per prompt length bucket besides those);
+buckets are powers of two, so a run compiles a handful of programs and later runs of similar
+sizes reuse them, whatever their number of steps (outputs are kept in fixed chunks of steps). Matrix products run at full float32 precision
+(``precision="highest"``: no TF32 on GPUs), as in the PyTorch loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_replay_core.app.model import GPT2Config
+from trace_replay_core.app.records import RequestResult, TraceRequest
+from trace_replay_core.app.schedule import check_device, check_run, collect_results, plan, request_arrays
+
+from .jnp_replay import ReplayTables, replay
+from .logprob import token_logprob_rank
+from .state import TraceReplayState, _jax_device
+
+__all__ = ["run_decode"]
+
+_MIN_BUCKET = 8
+_CHUNK = 256         # decode steps per chunk of on-device outputs (a fixed shape: no recompiling per run)
+
+
+def _bucket(n: int, limit: int) -> int:
+    """The power of two >= ``n`` (at least ``_MIN_BUCKET``), capped at ``limit``."""
+    return min(limit, max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length()))
+
+
+class _Carry(NamedTuple):
+    """Decode state that lives on the device between steps (donated to each step).
+
+    ``cache``: ``[n_layer, 2 (keys, values), max_batch (slots), kv_len, n_head, head_dim]``
+    float32. ``prompt_len``/``total_len``: per slot, int32 (``total_len`` = prompt + tokens
+    decoded so far). ``last``: the token each row feeds next. ``step``: the next step's index
+    within the current chunk of ``_CHUNK`` steps. ``tokens``, ``argmax``, ``logprobs``,
+    ``ranks``: that chunk's per-step outputs ``[_CHUNK, max_batch]``.
+    """
+
+    cache: jax.Array
+    prompt_len: jax.Array
+    total_len: jax.Array
+    last: jax.Array
+    step: jax.Array
+    tokens: jax.Array
+    argmax: jax.Array
+    logprobs: jax.Array
+    ranks: jax.Array
+
+
+# -- the model ----------------------------------------------------------------------------------
+_mm = functools.partial(jnp.matmul, precision="highest")
+_einsum = functools.partial(jnp.einsum, precision="highest")
+
+
+def _ln(p, x, name: str, eps: float):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = jnp.square(x - mean).mean(axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * p[name + ".weight"] + p[name + ".bias"]
+
+
+def _linear(p, x, name: str):
+    return _mm(x, p[name + ".weight"]) + p[name + ".bias"]          # Conv1D: x @ W + b
+
+
+def _layers(p, config: GPT2Config, x, attend, state):
+    """The transformer blocks over ``x`` ``[tokens, n_embd]``. ``attend(layer, q, k, v, state)``
+    (each of q, k, v ``[tokens, n_head, head_dim]``) returns the attention output and ``state``
+    with this layer's keys and values stored; returns ``(x, state)``."""
+    eps = config.layer_norm_epsilon
+    for layer in range(config.n_layer):
+        pre = f"h.{layer}."
+        qkv = _linear(p, _ln(p, x, pre + "ln_1", eps), pre + "attn.c_attn")
+        q, k, v = _split_heads(qkv, config)
+        a, state = attend(layer, q, k, v, state)
+        x = x + _linear(p, a.reshape(-1, config.n_embd), pre + "attn.c_proj")
+        h = jax.nn.gelu(_linear(p, _ln(p, x, pre + "ln_2", eps), pre + "mlp.c_fc"), approximate=True)  # gelu_new
+        x = x + _linear(p, h, pre + "mlp.c_proj")
+    return x, state
+
+
+def _split_heads(qkv, config: GPT2Config):
+    """``[tokens, 3 * n_embd]`` -> q, k, v, each ``[tokens, n_head, head_dim]``."""
+    q, k, v = jnp.split(qkv.reshape(-1, 3, config.n_head, config.head_dim), 3, axis=1)
+    return q[:, 0], k[:, 0], v[:, 0]
+
+
+def _embed(p, tokens, positions):
+    return p["wte.weight"][tokens] + p["wpe.weight"][positions]
+
+
+def _prefill(p, config: GPT2Config, cache, slot, tokens):
+    """``cache`` with the keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``) in ``slot``.
+
+    Positions past the real prompt hold padding; each is overwritten by a decode step before
+    any row reads it (a step writes its own position first, and attends to no later one).
+    """
+    n = tokens.shape[0]
+    causal = jnp.tril(jnp.ones((n, n), dtype=bool))
+    scale = 1.0 / math.sqrt(config.head_dim)
+
+    def attend(layer, q, k, v, kv):
+        scores = jnp.where(causal, _einsum("qhd,khd->hqk", q, k) * scale, -jnp.inf)
+        return _einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v), kv + [jnp.stack([k, v])]
+
+    _, kv = _layers(p, config, _embed(p, tokens, jnp.arange(n)), attend, [])
+    update = jnp.stack(kv)[:, :, None]                         # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
+    return jax.lax.dynamic_update_slice(cache, update, (0, 0, slot, 0, 0, 0))
+
+
+def _decode(p, config: GPT2Config, cache, tokens, positions):
+    """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache.
+
+    Returns ``(logits [max_batch, vocab] float32, cache)``. Rows attend to cache positions
+    ``<= positions[b]``; an empty row computes garbage that no one reads.
+    """
+    rows = jnp.arange(tokens.shape[0])
+    visible = (jnp.arange(cache.shape[3]) <= positions[:, None])[:, None, :]   # [rows, 1, kv_len]
+    scale = 1.0 / math.sqrt(config.head_dim)
+
+    def attend(layer, q, k, v, cache):
+        cache = cache.at[layer, 0, rows, positions].set(k).at[layer, 1, rows, positions].set(v)
+        scores = jnp.where(visible, _einsum("bhd,bthd->bht", q, cache[layer, 0]) * scale, -jnp.inf)
+        return _einsum("bht,bthd->bhd", jax.nn.softmax(scores, axis=-1), cache[layer, 1]), cache
+
+    h, cache = _layers(p, config, _embed(p, tokens, positions), attend, cache)
+    return _mm(_ln(p, h, "ln_f", config.layer_norm_epsilon), p["wte.weight"].T), cache
+
+
+# -- the two jitted programs --------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("carry",))
+def _admit(params, carry: _Carry, slot, prefix, prompt_len, last, *, config: GPT2Config) -> _Carry:
+    """A request joins ``slot``: prefill ``prefix`` (its prompt but the last token, padded to a
+    bucket), set its lengths and the token it feeds first."""
+    return carry._replace(cache=_prefill(params, config, carry.cache, slot, prefix),
+                          prompt_len=carry.prompt_len.at[slot].set(prompt_len),
+                          total_len=carry.total_len.at[slot].set(prompt_len),
+                          last=carry.last.at[slot].set(last))
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("carry",))
+def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, *, config: GPT2Config) -> _Carry:
+    """One decode step of every row: logits, greedy argmax, replay, logprob/rank, append."""
+    k = carry.step
+    idx_mapping = idx_chunk[k]                             # row -> slot, -1: empty row (this chunk's schedule)
+    active = idx_mapping >= 0
+    positions = jnp.where(active, carry.total_len - 1, 0)           # empty rows: anywhere in range
+    logits, cache = _decode(params, config, carry.cache, carry.last, positions)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)           # ties: the lowest id
+    sampled = replay(tables, argmax, idx_mapping, carry.total_len, carry.prompt_len)
+    logprobs, ranks = token_logprob_rank(logits, sampled)
+    return _Carry(cache=cache, prompt_len=carry.prompt_len,
+                  total_len=carry.total_len + active.astype(jnp.int32),
+                  last=jnp.where(active, sampled, carry.last), step=k + 1,
+                  tokens=carry.tokens.at[k].set(sampled), argmax=carry.argmax.at[k].set(argmax),
+                  logprobs=carry.logprobs.at[k].set(logprobs),
+                  ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)))
+
+
+# -- the loop -----------------------------------------------------------------------------------
+def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
+               device: str = "cpu", max_batch: int = 8,
+               on_step: Optional[Callable[[int], None]] = None) -> List[RequestResult]:
+    """Decode ``requests`` greedily with the model ``config``/``weights``, replaying their traces.
+
+    ``weights``: float numpy arrays named as in :func:`~trace_replay_core.app.model.param_shapes`
+    (copied to ``device`` as float32; the caller's arrays are not changed). ``requests``: each
+    decodes ``request.new_tokens`` tokens; a traced one is forced onto its trace at every step.
+    ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``max_batch``: slots (and batch rows)
+    decoding at once; requests join in input order as slots free up (the schedule of
+    :func:`trace_replay_core.app.schedule.plan`). ``on_step(k)`` is called on the host after
+    each decode step is dispatched, with the number of tokens that step decodes.
+
+    Returns one :class:`RequestResult` per request, in the order of ``requests``: the tokens
+    (the trace for a traced request), ``forced`` (True inside the trace), the logprob and rank
+    of each token under the unmodified float32 logits, and the greedy ``argmax`` (ties: lowest
+    id). Token ids are int32 on the device and int64 in the results.
+
+    Each step is one jitted program (KV cache and outputs donated): logits, argmax,
+    ``trace_replay_jax.replay`` with ``state.tables`` passed in, logprob/rank, append; between
+    steps, ``state.apply_staged_writes()`` makes the traces of newly admitted requests visible.
+    Nothing waits for the device between steps; outputs stay on the device until one copy to
+    the host at the end. Arguments are checked before anything runs (``TypeError`` /
+    ``ValueError`` naming the argument); a rejected call does nothing.
+    """
+    check_run(config, weights, requests, max_batch, on_step)
+    check_device(device)
+    dev = _jax_device(device)                   # ValueError when JAX has no such device
+    prompts, traces = request_arrays(config, requests)
+    schedule = plan([r.new_tokens for r in requests], max_batch)
+    outputs = None
+    if schedule.n_steps:
+        outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step)
+    return collect_results(requests, schedule, outputs)
+
+
+def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dict[str, np.ndarray]:
+    """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
+    rows, steps = schedule.max_batch, schedule.n_steps
+    used = max(len(prompts[i]) + int(schedule.new_tokens[i]) - 1 for i in np.nonzero(schedule.slot >= 0)[0])
+    kv_len = _bucket(used, config.n_positions)
+    put = functools.partial(jax.device_put, device=dev)
+    params = put({name: np.asarray(w, dtype=np.float32) for name, w in weights.items()})
+    # The schedule in chunks of _CHUNK steps (padded with empty rows), like the outputs.
+    n_chunks = -(-steps // _CHUNK)
+    idx_all = np.full((n_chunks * _CHUNK, rows), -1, dtype=np.int32)
+    idx_all[:steps] = schedule.idx_mapping
+    idx_chunks = [put(c) for c in np.split(idx_all, n_chunks)]
+    carry = put(_Carry(
+        cache=np.zeros((config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim), np.float32),
+        prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32), last=np.zeros(rows, np.int32),
+        **_fresh_outputs(rows)))
+    chunks = []                  # outputs of finished chunks, still on the device
+    # The table's shape is part of the step program's signature: bucket its row length too.
+    max_trace = _bucket(max((len(t) for t in traces if t is not None), default=1), config.n_positions)
+    per_step = schedule.tokens_per_step.tolist()
+    with TraceReplayState(rows, max_trace, device=dev, vocab_size=config.vocab_size) as state:
+        for step in range(steps):
+            if step and step % _CHUNK == 0:
+                chunks.append(_outputs(carry))
+                carry = carry._replace(**put(_fresh_outputs(rows)))
+            for i in schedule.admitted(step).tolist():
+                slot, prompt = int(schedule.slot[i]), prompts[i]
+                prefix = np.zeros(_bucket(len(prompt) - 1, kv_len), np.int32)
+                prefix[:len(prompt) - 1] = prompt[:-1]
+                carry = _admit(params, carry, np.int32(slot), put(prefix), np.int32(len(prompt)),
+                               np.int32(prompt[-1]), config=config)
+                state.add_request(slot, traces[i])     # None: untraced (forgets the slot's old trace)
+            state.apply_staged_writes()
+            carry = _step(params, state.tables, idx_chunks[step // _CHUNK], carry, config=config)
+            if on_step is not None:
+                on_step(per_step[step])
+        chunks.append(_outputs(carry))
+        host = jax.device_get(chunks)             # the one wait for the device, and one copy
+    return {name: np.concatenate([c[name] for c in host])[:steps] for name in host[0]}
+
+
+def _fresh_outputs(rows: int) -> Dict[str, np.ndarray]:
+    """Host zeros for one chunk of per-step outputs, and the step counter at its start."""
+    shape = (_CHUNK, rows)
+    return {"step": np.zeros((), np.int32), "tokens": np.zeros(shape, np.int32),
+            "argmax": np.zeros(shape, np.int32), "logprobs": np.zeros(shape, np.float32),
+            "ranks": np.zeros(shape, np.int32)}
+
+
+def _outputs(carry: _Carry) -> Dict[str, jax.Array]:
+    return {"tokens": carry.tokens, "argmax": carry.argmax, "logprobs": carry.logprobs, "ranks": carry.ranks}

@@ -1,0 +1,200 @@
+"""The continuous-batching schedule of the reference decode loops, and the checks of their arguments.
+
+Both loops (``trace_replay_torch.gpt2`` and ``trace_replay_jax.gpt2``) run the schedule made
+here, so the two frameworks decode identical batches step by step. Numpy only.
+
+The rules: the loop has ``max_batch`` slots and a fixed row layout of ``max_batch`` batch rows,
+row ``b`` serving slot ``b``. Requests are admitted in input order, each into the free slot
+with the lowest index, at the first step where one is free: a request that decodes ``n``
+tokens and is admitted before step ``s`` decodes at steps ``s .. s + n - 1`` and frees its slot
+for the next waiting request at step ``s + n``. Requests with no new tokens take no slot.
+Since every request's length is known up front, the whole schedule is known on the host
+before the first step, and the loops never ask the device which rows are done.
+
+Example::
+
+    >>> s = plan([3, 1, 2, 1], max_batch=2)
+    >>> s.slot.tolist(), s.start.tolist(), s.n_steps
+    ([0, 1, 1, 0], [0, 0, 1, 3], 4)
+    >>> s.idx_mapping.tolist()          # per step, row -> slot (-1: empty row)
+    [[0, 1], [0, 1], [0, 1], [0, -1]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import numbers
+from typing import Any, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from .model import GPT2Config, check_weights
+from .records import RequestResult, TraceRequest
+
+__all__ = ["Schedule", "plan", "check_run", "check_device", "request_arrays", "collect_results"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which request decodes in which slot at which step.
+
+    ``slot[i]``, ``start[i]``: slot and first decode step of request ``i`` (-1 for a request
+    with no new tokens); ``new_tokens[i]``: how many steps it decodes. ``idx_mapping``:
+    ``[n_steps, max_batch]`` int32, ``idx_mapping[k, b] = b`` when row ``b`` decodes at step
+    ``k`` and -1 when it is empty.
+    """
+
+    max_batch: int
+    slot: np.ndarray
+    start: np.ndarray
+    new_tokens: np.ndarray
+    idx_mapping: np.ndarray
+
+    @property
+    def n_steps(self) -> int:
+        return int(self.idx_mapping.shape[0])
+
+    @property
+    def tokens_per_step(self) -> np.ndarray:
+        """``[n_steps]``: rows that decode a token at each step (all > 0)."""
+        return (self.idx_mapping >= 0).sum(axis=1)
+
+    def admitted(self, step: int) -> np.ndarray:
+        """Indices of the requests that join just before ``step``, in input order."""
+        return np.nonzero(self.start == step)[0]
+
+    def outputs(self, i: int, per_step: np.ndarray) -> np.ndarray:
+        """Request ``i``'s entries of a ``[n_steps, max_batch, ...]`` per-step array, in decode order."""
+        if self.slot[i] < 0:
+            return per_step[:0, 0]
+        return per_step[self.start[i]:self.start[i] + self.new_tokens[i], self.slot[i]]
+
+
+def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
+    """The schedule of requests decoding ``new_tokens[i]`` tokens each through ``max_batch`` slots.
+
+    Host-only and deterministic; see the module docstring for the rules.
+    """
+    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
+    max_batch = int(max_batch)
+    counts = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
+    if (counts < 0).any():
+        raise ValueError(f"new_tokens must be >= 0 (got {counts[counts < 0][0]})")
+    slot = np.full(counts.size, -1, dtype=np.int32)
+    start = np.full(counts.size, -1, dtype=np.int32)
+    free = [(0, s) for s in range(max_batch)]        # (step the slot is free from, slot): a heap
+    for i, n in enumerate(counts):
+        if n == 0:
+            continue
+        free_at, s = heapq.heappop(free)
+        # Input order holds by construction: the earliest free step never decreases.
+        slot[i], start[i] = s, free_at
+        heapq.heappush(free, (free_at + int(n), s))
+    n_steps = int((start + counts).max(initial=0))
+    idx_mapping = np.full((n_steps, max_batch), -1, dtype=np.int32)
+    for i in np.nonzero(counts > 0)[0]:
+        idx_mapping[start[i]:start[i] + counts[i], slot[i]] = slot[i]
+    return Schedule(max_batch, slot, start, counts.astype(np.int32), idx_mapping)
+
+
+def _ids(value: Any, what: str, vocab_size: int) -> np.ndarray:
+    """``value`` as a 1-D int64 array of ids in ``[0, vocab_size)``, or a ValueError naming ``what``."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of token ids (got {type(value).__name__})")
+    try:
+        ids = np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - ragged or odd input: report it as what it is
+        raise ValueError(f"{what} must be a sequence of token ids ({exc})") from None
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be a 1-D sequence of int token ids (got {ids.dtype}{list(ids.shape)})")
+    bad = np.nonzero((ids < 0) | (ids >= vocab_size))[0]
+    if bad.size:
+        raise ValueError(f"{what}[{bad[0]}]={ids[bad[0]]} is outside [0, vocab_size={vocab_size})")
+    return ids.astype(np.int64)
+
+
+def request_arrays(config: GPT2Config, requests: Sequence[TraceRequest]):
+    """Validated ``(prompts, traces)``: per request, the prompt as int64 ids and the trace as
+    int64 ids or ``None``. Raises ``TypeError``/``ValueError`` naming the request and the field."""
+    if isinstance(requests, (str, bytes, TraceRequest)) or not isinstance(requests, Sequence):
+        raise TypeError(f"requests must be a sequence of TraceRequest (got {type(requests).__name__})")
+    prompts, traces = [], []
+    for i, r in enumerate(requests):
+        if not isinstance(r, TraceRequest):
+            raise TypeError(f"requests[{i}] must be a TraceRequest (got {type(r).__name__})")
+        who = f"requests[{i}] (id {r.id!r})"
+        prompt = _ids(r.prompt, f"{who}: prompt", config.vocab_size)
+        if prompt.size == 0:
+            raise ValueError(f"{who}: prompt must hold at least one token (got an empty prompt)")
+        trace = None
+        if r.trace is not None:
+            trace = _ids(r.trace, f"{who}: trace", config.vocab_size)
+            if trace.size == 0:
+                raise ValueError(f"{who}: trace must hold at least one token (got an empty trace); "
+                                 f"use trace=None with max_new_tokens for free decoding")
+        elif isinstance(r.max_new_tokens, bool) or not isinstance(r.max_new_tokens, numbers.Integral) \
+                or r.max_new_tokens < 0:
+            raise ValueError(f"{who}: max_new_tokens must be an int >= 0 (got {r.max_new_tokens!r})")
+        total = prompt.size + r.new_tokens
+        if total > config.n_positions:
+            raise ValueError(f"{who}: prompt ({prompt.size} tokens) + {r.new_tokens} new tokens = {total} "
+                             f"exceeds config.n_positions={config.n_positions}")
+        prompts.append(prompt)
+        traces.append(trace)
+    return prompts, traces
+
+
+def check_device(device: Any) -> None:
+    """Refuse a ``device`` that is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (whether it exists
+    is for the framework to say)."""
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str: 'cpu', 'cuda' or 'cuda:N' (got {type(device).__name__})")
+    kind, colon, index = device.partition(":")
+    if not (device == "cpu" or (kind == "cuda" and (not colon or index.isdigit()))):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
+
+
+def check_run(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest],
+              max_batch: int, on_step: Optional[Any]) -> None:
+    """Every check of ``run_decode``'s arguments but ``device`` (see :func:`check_device`).
+
+    Raises ``TypeError``/``ValueError`` naming the argument and what was received; host-only.
+    """
+    if not isinstance(config, GPT2Config):
+        raise TypeError(f"config must be a GPT2Config (got {type(config).__name__})")
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights must be a mapping of parameter name -> array (got {type(weights).__name__})")
+    check_weights(config, weights)
+    for name, value in weights.items():
+        kind = np.asarray(value).dtype.kind
+        if kind != "f":
+            raise ValueError(f"weights[{name!r}] must be a floating-point array (got dtype "
+                             f"{np.asarray(value).dtype})")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be a callable taking the tokens decoded in a step, or None "
+                        f"(got {type(on_step).__name__})")
+    request_arrays(config, requests)
+
+
+_OUTPUT_DTYPES = {"tokens": np.int64, "argmax": np.int64, "logprobs": np.float32, "ranks": np.int64}
+
+
+def collect_results(requests: Sequence[TraceRequest], schedule: Schedule,
+                    outputs: Optional[Mapping[str, np.ndarray]]) -> List[RequestResult]:
+    """One :class:`RequestResult` per request, in request order, cut out of a loop's per-step
+    host outputs ``[n_steps, max_batch]`` (``tokens``, ``argmax``, ``logprobs``, ``ranks``;
+    ``None`` when the schedule has no step). ``forced`` is True for every token of a traced
+    request (it decodes exactly its trace)."""
+    if outputs is None:
+        outputs = {name: np.zeros((0, schedule.max_batch), dtype) for name, dtype in _OUTPUT_DTYPES.items()}
+    results = []
+    for i, r in enumerate(requests):
+        cut = {name: schedule.outputs(i, outputs[name]).astype(dtype) for name, dtype in _OUTPUT_DTYPES.items()}
+        results.append(RequestResult(id=r.id, forced=np.full(cut["tokens"].shape, r.trace is not None), **cut))
+    return results
