@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole benchmark suite, on a machine with a CUDA GPU and the packages already installed:
-# launch, staging, placement, scaling (then logprob_rank and jax_step when those scripts exist),
+# launch, staging, placement, scaling (then logprob_rank, jax_step and cli_run when those scripts exist),
 # then the plots and summary tables. Every result lands in bench/results/ (JSON with provenance,
 # PNG, summary.md). Set BENCH_LOG_DIR to also keep each script's output in <dir>/<script>.log.
 # A failing script does not stop the others; the exit status is non-zero if any failed.
@@ -36,7 +36,7 @@ run() {
 for script in bench/launch.py bench/staging.py bench/placement.py bench/scaling.py; do
   run "$script"
 done
-for script in bench/logprob_rank.py bench/jax_step.py; do
+for script in bench/logprob_rank.py bench/jax_step.py bench/cli_run.py; do
   if [ -f "$script" ]; then run "$script"; fi
 done
 run bench/plots.py

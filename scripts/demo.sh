@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set everything up, then run the demo (CPU by default; pass --device cuda on a GPU).
+# Set everything up, then run `trace-replay demo` (CPU by default; pass --device cuda on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m trace_replay_torch.demo "$@"
+exec .venv/bin/trace-replay demo "$@"

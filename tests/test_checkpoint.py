@@ -1,0 +1,217 @@
+"""Checkpoints: the safetensors reader/writer and Hugging Face GPT-2 folders, loaded in both frameworks."""
+
+import json
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from trace_replay_core.app.checkpoint import (CheckpointError, load_checkpoint, read_safetensors, save_checkpoint,
+                                              write_safetensors)
+from trace_replay_core.app.model import GPT2Config, seeded_weights
+
+SMALL = GPT2Config(vocab_size=96, n_positions=40, n_embd=16, n_layer=2, n_head=2)
+
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+def _bf16(x):
+    """float32 rounded to bfloat16 and back, through torch (an independent reference)."""
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [("F32", np.float32), ("F16", np.float16), ("F64", np.float64)])
+def test_safetensors_round_trip(tmp_path, dtype, np_dtype):
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b.c": np.float32(2.5) * np.ones(7, np.float32),
+               "scalar": np.array(-1.25, np.float32), "empty": np.zeros((0, 4), np.float32)}
+    path = str(tmp_path / "x.safetensors")
+    write_safetensors(path, tensors, dtype=dtype, metadata={"format": "pt"})
+    got, meta = read_safetensors(path)
+    assert meta == {"format": "pt"} and list(got) == list(tensors)
+    for name, value in tensors.items():
+        assert got[name].dtype == np.float32 and got[name].shape == value.shape
+        np.testing.assert_array_equal(got[name], value.astype(np_dtype).astype(np.float32))
+    # the layout itself: u64 header length, 8-byte aligned JSON header, offsets in order
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    assert n % 8 == 0 and header["a"]["dtype"] == dtype and header["a"]["shape"] == [3, 5]
+    assert header["a"]["data_offsets"] == [0, 15 * np.dtype(np_dtype).itemsize]
+
+
+def test_bf16_rounds_to_nearest_even_and_widens_exactly(tmp_path):
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(1000).astype(np.float32) * 10,
+                        np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, np.inf, -np.inf, 3.4e38, 1e-40],
+                                 np.float32)])
+    path = str(tmp_path / "x.safetensors")
+    write_safetensors(path, {"x": x}, dtype="BF16")
+    got = read_safetensors(path)[0]["x"]
+    np.testing.assert_array_equal(got, _bf16(x))
+    # widening is exact: a bf16 value survives a second round trip unchanged
+    write_safetensors(path, {"x": got}, dtype="BF16")
+    np.testing.assert_array_equal(read_safetensors(path)[0]["x"], got)
+    write_safetensors(path, {"x": np.array([np.nan], np.float32)}, dtype="BF16")
+    assert np.isnan(read_safetensors(path)[0]["x"]).all()
+
+
+def test_read_only_some_names(tmp_path):
+    path = str(tmp_path / "x.safetensors")
+    write_safetensors(path, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
+    assert list(read_safetensors(path, names={"b"})[0]) == ["b"]
+
+
+def _bytes(path, data: bytes, result=None) -> str:
+    path.write_bytes(data)
+    return str(path if result is None else result)
+
+
+def _raw_file(path, header: dict, data: bytes = b"", *, length=None):
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text) if length is None else length) + text + data)
+    return str(path)
+
+
+BAD_FILES = {
+    "too_short": (lambda p: _bytes(p, b"\x01\x02"), r"too short for a safetensors file"),
+    "header_too_long": (lambda p: _raw_file(p, {}, length=10_000), r"header length 10000 does not fit the file"),
+    "header_not_json": (lambda p: _bytes(p, struct.pack("<Q", 3) + b"{x}"), r"header is not valid JSON"),
+    "header_not_object": (lambda p: _raw_file(p, [1]), r"header must be a JSON object"),
+    "dtype": (lambda p: _raw_file(p, {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+              r"tensor 't': dtype 'I64' is not supported \(supported: F32, F16, BF16, F64\)"),
+    "shape": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+              r"tensor 't': shape must be a list of non-negative ints"),
+    "offsets_outside": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+                                            b"\0" * 8),
+                        r"tensor 't': data_offsets \[0, 16\] lie outside the 8 bytes of data"),
+    "offsets_vs_shape": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+                                             b"\0" * 8),
+                         r"tensor 't': data_offsets \[0, 8\] hold 8 bytes, shape \[3\] in F32 needs 12"),
+    "missing_offsets": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [1]}}, b"\0" * 4),
+                        r"tensor 't': data_offsets must be \[begin, end\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_safetensors_files(tmp_path, case):
+    make, pattern = BAD_FILES[case]
+    path = make(tmp_path / "bad.safetensors")
+    with pytest.raises(CheckpointError, match="^" + re.escape(path) + ": " + pattern):
+        read_safetensors(path)
+
+
+@pytest.mark.parametrize("dtype, prefix, extras", [("F32", "", False), ("BF16", "transformer.", True),
+                                                   ("F16", "transformer.", False)])
+def test_checkpoint_round_trip(tmp_path, dtype, prefix, extras):
+    weights = seeded_weights(SMALL, 5)
+    save_checkpoint(str(tmp_path), SMALL, weights, dtype=dtype, prefix=prefix, tied_lm_head=extras,
+                    mask_buffers=extras)
+    config, loaded = load_checkpoint(str(tmp_path))
+    assert config == SMALL and set(loaded) == set(weights)
+    for name, w in weights.items():
+        expected = _bf16(w) if dtype == "BF16" else w.astype(np.float16).astype(np.float32) if dtype == "F16" else w
+        assert loaded[name].dtype == np.float32
+        np.testing.assert_array_equal(loaded[name], expected, err_msg=name)
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert any(k.startswith("transformer.") for k in header) == bool(prefix)
+
+
+def _checkpoint(tmp_path, **kw):
+    save_checkpoint(str(tmp_path), SMALL, seeded_weights(SMALL, 0), **kw)
+    return str(tmp_path)
+
+
+def _edit_config(folder, **changes):
+    path = f"{folder}/config.json"
+    hf = _load(path)
+    hf.update(changes)
+    with open(path, "w") as f:
+        json.dump(hf, f)
+
+
+def _rewrite_weights(folder, edit):
+    tensors, _ = read_safetensors(f"{folder}/model.safetensors")
+    edit(tensors)
+    write_safetensors(f"{folder}/model.safetensors", tensors)
+
+
+BAD_CHECKPOINTS = {
+    "not_a_folder": (lambda d: str(d / "nope"), r"nope: not a folder"),
+    "no_config": (lambda d: _bytes(d / "model.safetensors", b"", d), r"config\.json: missing$"),
+    "config_lacks": (lambda d: _bytes(d / "config.json", b'{"vocab_size": 5}', d),
+                     r"config\.json: config\.json lacks n_positions, n_embd, n_layer, n_head$"),
+    "activation": (lambda d: _edit_config(_checkpoint(d), activation_function="relu") or str(d),
+                   r"config\.json: activation_function='relu' is not supported"),
+    "no_weights": (lambda d: _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d),
+                   r"model\.safetensors: missing$"),
+    "sharded": (lambda d: _bytes(d / "model.safetensors.index.json", b"{}",
+                                 _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d)),
+                r"model\.safetensors: missing \(sharded checkpoints are not supported"),
+    "missing_tensor": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.pop("h.1.mlp.c_fc.bias")) or str(d),
+                       r"model\.safetensors: weights lack parameter 'h\.1\.mlp\.c_fc\.bias'"),
+    "wrong_shape": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"wpe.weight": np.zeros((4, 16))}))
+                    or str(d), r"model\.safetensors: weights\['wpe\.weight'\] must have shape \(40, 16\)"),
+    "untied_lm_head": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update(
+        {"lm_head.weight": t["wte.weight"] + 1})) or str(d),
+        r"model\.safetensors: tensor 'lm_head\.weight' differs from 'wte\.weight'"),
+    "twice": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update(
+        {"transformer.ln_f.bias": t["ln_f.bias"]})) or str(d), r"tensor 'ln_f\.bias' appears twice"),
+    "unexpected": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"h.9.ln_1.weight": np.ones(16)}))
+                   or str(d), r"weights hold unexpected parameters \['h\.9\.ln_1\.weight'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoints(tmp_path, case):
+    make, pattern = BAD_CHECKPOINTS[case]
+    folder = make(tmp_path)
+    with pytest.raises(CheckpointError, match="^" + re.escape(str(tmp_path)) + ".*" + pattern):
+        load_checkpoint(folder)
+
+
+def test_checkpoint_runs_the_same_in_both_frameworks(tmp_path, capsys):
+    """A bf16 checkpoint with the transformer. prefix, mask buffers and a tied head, replayed by
+    `run` in torch and in JAX: the config comes from the folder, every trace is reproduced, and
+    the two frameworks agree; an F32 checkpoint of seeded weights runs like the seeded model."""
+    from trace_replay_core.app import cli
+    from trace_replay_core.app.traces import random_requests, write_traces
+
+    folder = tmp_path / "ckpt"
+    save_checkpoint(str(folder), SMALL, seeded_weights(SMALL, 2), dtype="BF16", prefix="transformer.",
+                    tied_lm_head=True, mask_buffers=True)
+    traces = str(tmp_path / "t.jsonl")
+    write_traces(traces, random_requests(SMALL, 10, seed=4, prompt_len=(1, 12), new_tokens=(1, 12)))
+    outs = {}
+    for fw in ("torch", "jax"):
+        out = str(tmp_path / f"{fw}.json")
+        assert cli.main(["run", "--framework", fw, "--traces", traces, "--checkpoint", str(folder), "--out", out,
+                         "--max-batch", "4", "--quiet"]) == 0, capsys.readouterr().err
+        outs[fw] = _load(out)
+    for doc in outs.values():
+        s = doc["summary"]
+        assert s["model"]["vocab_size"] == 96 and s["weights"] == {"source": "checkpoint", "checkpoint": str(folder)}
+        assert s["exact_reproductions"] == s["traced_requests"] == 10
+    for a, b in zip(outs["torch"]["requests"], outs["jax"]["requests"], strict=True):
+        assert a["id"] == b["id"] and a["tokens"] == b["tokens"] and a["ranks"] == b["ranks"]
+        assert a["argmax"] == b["argmax"]
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+
+    # the seeded tiny model saved as an F32 checkpoint runs exactly like --seed
+    config = GPT2Config()
+    save_checkpoint(str(tmp_path / "seeded"), config, seeded_weights(config, 0))
+    write_traces(traces, random_requests(config, 6, seed=5, traced=0.5))
+    docs = []
+    for source in (["--checkpoint", str(tmp_path / "seeded")], ["--seed", "0"]):
+        out = str(tmp_path / "torch.json")
+        assert cli.main(["run", "--framework", "torch", "--traces", traces, "--out", out, "--quiet", *source]) == 0
+        docs.append(_load(out)["requests"])
+    assert docs[0] == docs[1]

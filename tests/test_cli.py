@@ -1,0 +1,327 @@
+"""The ``trace-replay`` command line, end to end on the CPU (in-process through ``main``)."""
+
+import dataclasses
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from trace_replay_core.app import cli, demo
+from trace_replay_core.app.model import GPT2Config
+from trace_replay_core.app.progress import Progress
+from trace_replay_core.app.traces import random_requests, read_traces, write_traces
+
+CONFIG = GPT2Config()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+def _main(*args):
+    out = io.StringIO()
+    status = cli.main(list(args), out=out)
+    return status, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    """24 requests (16 traced with random tokens, 8 untraced), more than the 4 slots used."""
+    path = str(tmp_path_factory.mktemp("traces") / "traces.jsonl")
+    write_traces(path, random_requests(CONFIG, 24, seed=11, traced=2 / 3, prompt_len=(1, 20), new_tokens=(1, 16)))
+    return path
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_run_reproduces_every_trace(tmp_path, trace_file, framework):
+    out = str(tmp_path / "out.json")
+    status, text = _main("run", "--framework", framework, "--traces", trace_file, "--out", out, "--max-batch", "4")
+    assert status == 0, text
+    assert re.match(rf"^{framework} on cpu: 24 requests \(16 traced\), \d+ tokens in [\d.]+ s \(\d+ tokens/s\)\n"
+                    r"exact reproduction: 16/16 traced requests; "
+                    r"forced tokens: mean logprob -[\d.]+, mean rank [\d.]+\n"
+                    rf"wrote {re.escape(out)}\n$", text), text
+    doc = _load(out)
+    requests = read_traces(trace_file, CONFIG)
+    s = doc["summary"]
+    assert (s["framework"], s["device"], s["max_batch"], s["requests"], s["traced_requests"]) == (framework, "cpu", 4,
+                                                                                                 24, 16)
+    assert s["exact_reproductions"] == 16 and s["tokens"] == sum(r.new_tokens for r in requests)
+    assert s["forced_tokens"] == sum(r.new_tokens for r in requests if r.trace) and s["tokens_per_s"] > 0
+    assert s["weights"] == {"source": "seeded", "seed": 0} and s["model"]["vocab_size"] == 512
+    assert [r["id"] for r in doc["requests"]] == [q.id for q in requests]
+    for q, r in zip(requests, doc["requests"], strict=True):
+        n = q.new_tokens
+        assert all(len(r[k]) == n for k in ("tokens", "forced", "logprobs", "ranks", "argmax"))
+        assert r["prompt_len"] == len(q.prompt) and r["traced"] == (q.trace is not None)
+        if q.trace is not None:
+            assert r["reproduced"] is True and r["tokens"] == list(q.trace) and all(r["forced"])
+        else:
+            assert r["reproduced"] is None and not any(r["forced"]) and r["tokens"] == r["argmax"]
+        assert all(lp <= 0 for lp in r["logprobs"]) and all(1 <= k <= 512 for k in r["ranks"])
+    # forced random tokens are unlikely under the model: logprob/rank come from the real logits
+    forced_ranks = [k for r in doc["requests"] if r["traced"] for k in r["ranks"]]
+    assert np.mean(forced_ranks) > 20
+
+
+def test_compare_writes_report_and_plot(tmp_path, trace_file):
+    out_dir = tmp_path / "new" / "folder"
+    status, text = _main("compare", "--traces", trace_file, "--out-dir", str(out_dir), "--max-batch", "4")
+    assert status == 0, text
+    report = _load(out_dir / "compare_report.json")
+    assert (out_dir / "compare_divergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    s = report["summary"]
+    # identical weights: the frameworks differ only by float32 rounding
+    assert s["max_abs_logprob_diff"] is not None and s["max_abs_logprob_diff"] <= 1e-5
+    assert s["compared_positions"] >= sum(r.new_tokens for r in read_traces(trace_file) if r.trace)
+    assert s["runs"]["torch"]["exact_reproductions"] == s["runs"]["jax"]["exact_reproductions"] == 16
+    assert s["frameworks"] == ["torch", "jax"] and s["requests"] == 24 and s["traced_requests"] == 16
+    for row in report["requests"]:
+        if row["traced"]:
+            assert row["first_token_divergence"] is None
+            assert row["compared_positions"] == len(row["tokens"]) == len(row["logprob_diff"])
+        assert all(d is None or abs(d) <= 1e-5 for d in row["logprob_diff"])
+        if row["first_argmax_divergence"] is None:
+            assert row["torch_argmax"] == row["jax_argmax"]
+    assert [p["position"] for p in report["per_position"]] == list(range(len(report["per_position"])))
+    assert "torch vs jax: 24 requests (16 traced)" in text and "|logprob difference|: max" in text
+
+
+def test_compare_explicit_paths_and_quiet(tmp_path, trace_file):
+    report, plot = tmp_path / "r.json", tmp_path / "p.png"
+    status, text = _main("compare", "--traces", trace_file, "--report", str(report), "--plot", str(plot), "--quiet",
+                         "--max-batch", "4")
+    assert status == 0 and text == ""
+    assert report.is_file() and plot.is_file()
+    assert sorted(os.listdir(tmp_path)) == ["p.png", "r.json"]
+
+
+# bad trace file line(s) -> anchored regex after "<file>, "
+BAD = {
+    "not_json": (['{"id": "a", "prompt": [1], "trace": [2]}', "{"], r"line 2: not valid JSON"),
+    "duplicate_id": (['{"id": "a", "prompt": [1], "trace": [2]}', '{"id": "a", "prompt": [1], "trace": [3]}'],
+                     r"line 2, field \"id\": duplicate id 'a' \(first on line 1\)"),
+    "empty_prompt": (['{"id": "a", "prompt": [], "trace": [2]}'], r'line 1, field "prompt": must not be empty'),
+    "negative": (['{"id": "a", "prompt_token_ids": [4, -1], "trace": [2]}'],
+                 r'line 1, field "prompt_token_ids": token id -1 at index 1 is negative'),
+    "untraced_without_count": (['{"id": "a", "prompt": [1]}'], r'line 1, field "max_new_tokens": missing'),
+    "beyond_vocab_trace": (['{"id": "b", "prompt": [1], "trace_token_ids": [3, 512]}'],
+                           (r'line 1, field "trace_token_ids": token id 512 at index 1 is not below the model\'s '
+                            r"vocab_size 512")),
+    "too_long": ([json.dumps({"id": "a", "prompt": [1] * 120, "trace": [1] * 9})],
+                 (r'line 1, field "trace": prompt \(120\) \+ decoded tokens \(9\) = 129 exceed the model\'s '
+                  r"n_positions 128")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_malformed_file_fails_before_writing(tmp_path, capsys, case, command):
+    lines, pattern = BAD[case]
+    traces = tmp_path / "bad.jsonl"
+    traces.write_text("\n".join(lines) + "\n")
+    if command == "run":
+        args = ["run", "--framework", "torch", "--traces", str(traces), "--out", str(tmp_path / "out.json")]
+    else:
+        args = ["compare", "--traces", str(traces), "--out-dir", str(tmp_path / "cmp")]
+    status, _ = _main(*args)
+    err = capsys.readouterr().err
+    assert status == 2
+    assert re.match(rf"^trace-replay {command}: error: {re.escape(str(traces))}, {pattern}", err), err
+    assert os.listdir(tmp_path) == ["bad.jsonl"]     # no output, no temporary file, no folder
+
+
+def test_a_run_that_fails_midway_writes_nothing(tmp_path, trace_file, monkeypatch):
+    def broken(config, weights, requests, **kw):
+        kw["on_step"](3)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(cli, "load_loop", lambda fw: broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        _main("run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "out.json"))
+    assert os.listdir(tmp_path) == []
+
+
+def _torch_loop(*args, **kw):
+    from trace_replay_torch.gpt2 import run_decode
+    return run_decode(*args, **kw)
+
+
+def _dropping_traces(config, weights, requests, **kw):
+    """The torch loop run as if no request carried a trace."""
+    return _torch_loop(config, weights, [dataclasses.replace(r, trace=None) for r in requests], **kw)
+
+
+def test_run_exits_1_when_a_trace_is_not_reproduced(tmp_path, trace_file, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "load_loop", lambda fw: _dropping_traces)
+    out = tmp_path / "out.json"
+    status, text = _main("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--quiet")
+    assert status == 1 and text == ""
+    assert re.match(r"^trace-replay run: 16 traced requests were not reproduced exactly: r\d+", capsys.readouterr().err)
+    assert _load(out)["summary"]["exact_reproductions"] == 0    # the results are still written
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--framework", "torch", "--traces", "t", "--out", "o", "--device", "tpu"], r"--device: must be cpu"),
+    (["run", "--framework", "mxnet", "--traces", "t", "--out", "o"], r"--framework: invalid choice"),
+    (["run", "--framework", "torch", "--traces", "t"], r"the following arguments are required: --out"),
+    (["compare", "--traces", "t", "--max-batch", "0"], r"--max-batch: must be a positive integer \(got 0\)"),
+    (["demo", "--max-batch", "x"], r"--max-batch: must be a positive integer \(got 'x'\)"),
+    ([], r"the following arguments are required"),
+])
+def test_bad_usage_exits_2(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
+    cases = [
+        (["run", "--framework", "torch", "--traces", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
+         r"--traces .*none\.jsonl: cannot read \(No such file or directory\)"),
+        (["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "no" / "o.json")],
+         r"--out .*o\.json: folder .*no does not exist"),
+        (["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path)], r"--out .*: is a folder"),
+        (["compare", "--traces", trace_file, "--out-dir", trace_file], r"--out-dir .*: exists and is not a folder"),
+        (["compare", "--traces", trace_file, "--plot", str(tmp_path / "no" / "p.png")], r"--plot .*: folder .*"),
+        (["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "o"), "--checkpoint",
+          str(tmp_path / "ckpt")], r".*ckpt: not a folder"),
+    ]
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            cases.append((["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "o"),
+                           "--device", "cuda"], r"--device cuda: torch sees no CUDA device; use --device cpu"))
+    except ImportError:
+        pass
+    for args, pattern in cases:
+        status, _ = _main(*args)
+        err = capsys.readouterr().err
+        assert status == 2, args
+        assert re.match(rf"^trace-replay {args[0]}: error: {pattern}", err), err
+    assert os.listdir(tmp_path) == []
+
+
+def test_compare_without_matplotlib_says_what_to_install(tmp_path, trace_file, monkeypatch, capsys):
+    find_spec = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
+    status, _ = _main("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "cmp"))
+    assert status == 2
+    assert re.match(r"^trace-replay compare: error: compare draws its plot with matplotlib, which is not installed",
+                    capsys.readouterr().err)
+    assert os.listdir(tmp_path) == []
+
+
+# the demo ---------------------------------------------------------------------------------------
+def test_demo_entry_point_runs_and_passes():
+    """``python -m trace_replay_core demo``: both frameworks, every check, exit status 0."""
+    proc = subprocess.run([sys.executable, "-m", "trace_replay_core", "demo"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    assert text.startswith("trace-replay demo: GPT-2-style model with seeded weights (seed 0;")
+    assert "12 requests on 4 slots, device cpu" in text
+    rows = {line.split()[0]: line for line in text.splitlines() if re.match(r"^(own|random|free)-\d ", line)}
+    assert len(rows) == 12
+    assert all(row.count("exact") == 2 for rid, row in rows.items() if not rid.startswith("free"))
+    assert all(row.count("= no traces") == 2 for rid, row in rows.items() if rid.startswith("free"))
+    for fw in ("torch", "jax"):
+        assert f"check: {fw}: traced requests reproduced their traces exactly: 8/8 ok" in text
+        assert f"check: {fw}: untraced requests equal a run without any traces: 4/4 ok" in text
+    assert re.search(r"^torch vs jax: logprobs differ by at most ", text, re.MULTILINE)
+    assert text.rstrip().endswith("all checks passed") and "FAILED" not in text
+
+
+def test_demo_shows_forced_tokens_against_the_model(capsys):
+    """One framework is enough here: the model's own continuation is forced at rank 1, random
+    tokens far down; --quiet prints only the totals and the checks."""
+    result = demo.run_demo(loops={"torch": _torch_loop}, seed=3, max_batch=3)
+    assert result.ok and result.comparison is None
+    by_kind = {}
+    for q, r in zip(result.requests, result.results["torch"], strict=True):
+        by_kind.setdefault(q.id.split("-")[0], []).extend(r.ranks.tolist())
+    assert set(by_kind["own"]) == {1} and np.mean(by_kind["random"]) > 20 and set(by_kind["free"]) == {1}
+    assert len(result.requests) > result.max_batch
+    out = io.StringIO()
+    demo.report(result, quiet=True, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("torch: 12 requests, ") and "random traces mean logprob" in lines[0]
+    assert [line.split(":")[0] for line in lines[1:-1]] == ["check"] * 2 and lines[-1] == "all checks passed"
+
+
+def _changing_untraced(config, weights, requests, **kw):
+    """The torch loop, but with traces present it changes an untraced request's tokens."""
+    results = _torch_loop(config, weights, requests, **kw)
+    traced = any(q.trace is not None for q in requests)
+    for q, r in zip(requests, results, strict=True):
+        if traced and q.trace is None and q.id.endswith("-2"):
+            r.tokens = (r.tokens + 1) % config.vocab_size
+    return results
+
+
+@pytest.mark.parametrize("loop, failed", [
+    (_dropping_traces, "torch: traced requests reproduced their traces exactly: 0/8 FAILED"),
+    (_changing_untraced, "torch: untraced requests equal a run without any traces: 3/4 FAILED"),
+])
+def test_demo_checks_catch_a_broken_loop(loop, failed):
+    result = demo.run_demo(loops={"torch": loop})
+    assert not result.ok
+    out = io.StringIO()
+    demo.report(result, out=out)
+    text = out.getvalue()
+    assert f"check: {failed}" in text and text.rstrip().endswith("CHECKS FAILED: see above")
+
+
+def test_demo_subcommand_exit_status_follows_the_checks(monkeypatch):
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: demo.DemoResult(
+        CONFIG, "cpu", 0, 4, [], {"torch": []}, {"torch": []}, {"torch": 1.0}, None,
+        [demo.Check("x", 0, 1, ["broken"])]))
+    status, text = _main("demo", "--quiet")
+    assert status == 1 and "check: x: 0/1 FAILED" in text
+
+
+# progress, imports --------------------------------------------------------------------------------
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_draws_only_on_a_terminal():
+    stream = _Tty()
+    with Progress(100, "torch", stream=stream, delay_s=0, min_interval_s=0) as bar:
+        bar.update(40)
+        assert stream.getvalue().startswith("\rtorch [############------------------] 40/100 tokens, ")
+    assert stream.getvalue().endswith("\r\x1b[K")
+    quiet = io.StringIO()
+    with Progress(100, "jax", stream=quiet, delay_s=0, min_interval_s=0) as bar:
+        bar.update(100)
+    assert quiet.getvalue() == "" and bar.done == 100
+    forced_off = _Tty()
+    with Progress(10, "x", stream=forced_off, enabled=False, delay_s=0) as bar:
+        bar.update(5)
+    assert forced_off.getvalue() == ""
+    late = _Tty()
+    with Progress(10, "x", stream=late, delay_s=60) as bar:   # short runs print nothing
+        bar.update(5)
+    assert late.getvalue() == ""
+
+
+def test_the_command_line_imports_no_framework_until_it_runs_one(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": []}\n')
+    code = ("import sys, trace_replay_core.__main__, trace_replay_core.app.cli as cli, trace_replay_core.app.demo, "
+            "trace_replay_core.app.compare, trace_replay_core.app.checkpoint, trace_replay_core.app.progress; "
+            f"status = cli.main(['run', '--framework', 'torch', '--traces', {str(bad)!r}, '--out', "
+            f"{str(tmp_path / 'o.json')!r}]); "
+            "loaded = [m for m in ('torch', 'jax', 'jaxlib', 'matplotlib') if m in sys.modules]; "
+            "print('status', status, 'loaded', loaded)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert proc.stdout.strip() == "status 2 loaded []", proc.stdout + proc.stderr

@@ -1,0 +1,191 @@
+"""Compare two runs of the same requests (the torch and the JAX reference loop) token by token.
+
+For each request, positions are comparable while both runs hold the same tokens so far: for a
+traced request that is every position (both runs force the same tokens); for an untraced one
+it ends at the first position where the runs chose different tokens (after it, the two runs
+condition on different sequences). At each comparable position the report holds the logprob
+difference (``b - a``) of the chosen token, and it names the first position where the two
+runs' argmax choices differ, which is where greedy decoding of the two would part.
+
+:func:`compare_results` builds the report (a JSON-ready dict); :func:`plot_divergence` draws
+``|logprob difference|`` against position (matplotlib, imported on first use).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .records import RequestResult, TraceRequest
+
+__all__ = ["compare_results", "plot_divergence", "summary_lines"]
+
+
+def _first(mask: np.ndarray) -> Optional[int]:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if hits.size else None
+
+
+def _num(x: float) -> Optional[float]:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult], b: Sequence[RequestResult], *,
+                    names: Sequence[str] = ("torch", "jax")) -> Dict[str, Any]:
+    """The comparison report of runs ``a`` and ``b`` of ``requests`` (results in request order).
+
+    Returns ``{"summary": ..., "per_position": [...], "requests": [...]}``: per request its
+    comparable positions, ``logprob_diff`` (``b - a``, float64 of the float32 values),
+    ``first_argmax_divergence`` / ``first_token_divergence`` (position or ``None``); per
+    position over all requests the count, max and mean of ``|logprob_diff|``; and summary
+    statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts). Non-finite values are
+    written as ``None``.
+    """
+    name_a, name_b = names
+    rows: List[Dict[str, Any]] = []
+    by_position: Dict[int, List[float]] = {}
+    all_diffs: List[np.ndarray] = []
+    rank_changes = 0
+    for req, ra, rb in zip(requests, a, b, strict=True):
+        if not (ra.id == rb.id == req.id):
+            raise ValueError(f"results out of order: request {req.id!r} got results {ra.id!r} and {rb.id!r}")
+        n = min(len(ra.tokens), len(rb.tokens))
+        ta, tb = np.asarray(ra.tokens[:n]), np.asarray(rb.tokens[:n])
+        token_div = _first(ta != tb)
+        if len(ra.tokens) != len(rb.tokens) and token_div is None:
+            token_div = n
+        m = n if token_div is None else token_div + 1   # the diverging position itself still compares
+        la = np.asarray(ra.logprobs[:m], dtype=np.float64)
+        lb = np.asarray(rb.logprobs[:m], dtype=np.float64)
+        diff = lb - la
+        valid = np.ones(m, dtype=bool)
+        if token_div is not None and token_div < m:
+            valid[token_div:] = False   # different tokens: their logprobs are not the same quantity
+            diff[token_div:] = np.nan
+        argmax_div = _first(np.asarray(ra.argmax[:m]) != np.asarray(rb.argmax[:m]))
+        ranks_a, ranks_b = np.asarray(ra.ranks[:m]), np.asarray(rb.ranks[:m])
+        rank_changes += int(np.sum(ranks_a[valid] != ranks_b[valid]))
+        absd = np.abs(diff[valid])
+        all_diffs.append(absd)
+        for pos in np.flatnonzero(valid):
+            by_position.setdefault(int(pos), []).append(float(abs(diff[pos])))
+        rows.append({
+            "id": req.id,
+            "traced": req.trace is not None,
+            "tokens": [int(t) for t in ta],
+            "compared_positions": int(valid.sum()),
+            "first_token_divergence": token_div,
+            "first_argmax_divergence": argmax_div,
+            "max_abs_logprob_diff": _num(absd.max()) if absd.size else None,
+            "logprob_diff": [_num(d) for d in diff],
+            f"{name_a}_logprobs": [_num(x) for x in la],
+            f"{name_b}_logprobs": [_num(x) for x in lb],
+            f"{name_a}_argmax": [int(x) for x in ra.argmax[:m]],
+            f"{name_b}_argmax": [int(x) for x in rb.argmax[:m]],
+        })
+    flat = np.concatenate(all_diffs) if all_diffs else np.zeros(0)
+    finite = flat[np.isfinite(flat)]
+    argmax_divs = [r["first_argmax_divergence"] for r in rows if r["first_argmax_divergence"] is not None]
+    token_divs = [r for r in rows if r["first_token_divergence"] is not None]
+
+    def stat(f) -> Optional[float]:
+        return _num(f(finite)) if finite.size else None
+
+    summary = {
+        "frameworks": [name_a, name_b],
+        "requests": len(rows),
+        "traced_requests": sum(r["traced"] for r in rows),
+        "compared_positions": int(flat.size),
+        "non_finite_differences": int(flat.size - finite.size),
+        "max_abs_logprob_diff": stat(np.max),
+        "mean_abs_logprob_diff": stat(np.mean),
+        "p50_abs_logprob_diff": stat(lambda x: np.percentile(x, 50)),
+        "p99_abs_logprob_diff": stat(lambda x: np.percentile(x, 99)),
+        "rms_logprob_diff": stat(lambda x: np.sqrt(np.mean(x * x))),
+        "rank_changes": rank_changes,
+        "requests_with_argmax_divergence": len(argmax_divs),
+        "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
+        "untraced_requests_with_token_divergence": len(token_divs),
+    }
+    per_position = [{"position": p, "n": len(v), "max_abs_logprob_diff": _num(max(v)),
+                     "mean_abs_logprob_diff": _num(sum(v) / len(v))} for p, v in sorted(by_position.items())]
+    return {"summary": summary, "per_position": per_position, "requests": rows}
+
+
+def summary_lines(report: Dict[str, Any]) -> List[str]:
+    """A few readable lines of a :func:`compare_results` report."""
+    s = report["summary"]
+    a, b = s["frameworks"]
+
+    def g(x):
+        return "n/a" if x is None else f"{x:.3g}"
+
+    lines = [(f"{a} vs {b}: {s['requests']} requests ({s['traced_requests']} traced), "
+              f"{s['compared_positions']} positions compared"),
+             (f"|logprob difference|: max {g(s['max_abs_logprob_diff'])}, mean {g(s['mean_abs_logprob_diff'])}, "
+              f"p50 {g(s['p50_abs_logprob_diff'])}, p99 {g(s['p99_abs_logprob_diff'])}, "
+              f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions")]
+    if s["requests_with_argmax_divergence"]:
+        first = [(r["first_argmax_divergence"], r["id"]) for r in report["requests"]
+                 if r["first_argmax_divergence"] is not None]
+        pos, rid = min(first)
+        lines.append(f"argmax choices differ in {s['requests_with_argmax_divergence']} requests; "
+                     f"earliest at position {pos} (request {rid})")
+    else:
+        lines.append("argmax choices agree at every compared position")
+    if s["untraced_requests_with_token_divergence"]:
+        lines.append(f"{s['untraced_requests_with_token_divergence']} untraced requests decoded different tokens "
+                     "(compared up to that position)")
+    if s["non_finite_differences"]:
+        lines.append(f"{s['non_finite_differences']} positions had a non-finite logprob difference")
+    return lines
+
+
+def plot_divergence(report: Dict[str, Any], path: str, *, title: Optional[str] = None) -> None:
+    """Draw ``|logprob difference|`` against decode position into the PNG file ``path``
+    (atomically): every compared token as a faint dot, the per-position maximum and mean as
+    lines, and a marker at each request's first argmax divergence."""
+    # A Figure with its own Agg canvas: no pyplot, so no global backend or figure state changes.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from .traces import atomic_write
+
+    a, b = report["summary"]["frameworks"]
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs, ys = [], []
+    for r in report["requests"]:
+        for pos, d in enumerate(r["logprob_diff"]):
+            if d is not None:
+                xs.append(pos)
+                ys.append(abs(d))
+    if xs:
+        ax.scatter(xs, ys, s=10, alpha=0.5, color="tab:gray", label="one token", linewidths=0, zorder=3)
+    per = report["per_position"]
+    if per:
+        pos = [p["position"] for p in per]
+        ax.plot(pos, [p["max_abs_logprob_diff"] for p in per], color="tab:red", label="max over requests")
+        ax.plot(pos, [p["mean_abs_logprob_diff"] for p in per], color="tab:blue", label="mean over requests")
+    divs = [r["first_argmax_divergence"] for r in report["requests"] if r["first_argmax_divergence"] is not None]
+    for i, d in enumerate(sorted(set(divs))):
+        ax.axvline(d, color="tab:orange", linestyle="--", linewidth=1,
+                   label="first argmax divergence" if i == 0 else None)
+    # symlog: exact agreement (0) stays on the plot, small differences still spread out
+    ax.set_yscale("symlog", linthresh=1e-9)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("decode position (tokens after the prompt)")
+    ax.set_ylabel(f"|logprob {b} - logprob {a}|")
+    s = report["summary"]
+    ax.set_title(title or f"{a} vs {b}: {s['requests']} requests, max |diff| "
+                          f"{'n/a' if s['max_abs_logprob_diff'] is None else format(s['max_abs_logprob_diff'], '.2g')}")
+    ax.grid(True, which="major", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png")

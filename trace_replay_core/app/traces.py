@@ -1,0 +1,229 @@
+"""Trace files: JSON Lines, one request per line (numpy-free, framework-free).
+
+A line is a JSON object with:
+
+- ``id``: a non-empty string or an integer (kept as its string), unique in the file;
+- ``prompt`` (or ``prompt_token_ids``): the prompt's token ids, at least one;
+- ``trace`` (or ``trace_token_ids`` / ``trace_decode_token_ids``): the token ids to force, one
+  per decode step, at least one; or, for an untraced request, no trace (or ``null``) and
+  ``max_new_tokens``: how many tokens to decode freely. With a trace, ``max_new_tokens`` may be
+  given only if it equals the trace's length.
+
+Other fields are ignored; blank lines are skipped. Token ids are non-negative integers below
+the model's ``vocab_size``, and prompt + decoded tokens must fit in its ``n_positions``.
+Every error names the file, the line (counting from 1) and the field, e.g.
+``traces.jsonl, line 3, field "prompt": must not be empty``.
+
+Output files are written through :func:`atomic_write`: a temporary file in the same folder,
+renamed over the target only when complete, so a failed run leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import secrets
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .model import GPT2Config
+from .records import TraceRequest
+
+__all__ = ["TraceFileError", "PROMPT_FIELDS", "TRACE_FIELDS", "read_traces", "parse_request", "check_request",
+           "request_to_json", "write_traces", "random_requests", "atomic_write"]
+
+PROMPT_FIELDS = ("prompt", "prompt_token_ids")
+TRACE_FIELDS = ("trace", "trace_token_ids", "trace_decode_token_ids")
+
+
+class TraceFileError(ValueError):
+    """A trace file that cannot be used; ``path``, ``line`` (1-based, or None for the whole
+    file) and ``field`` (or None) say where."""
+
+    def __init__(self, path: str, line: Optional[int], field: Optional[str], message: str):
+        self.path, self.line, self.field, self.message = path, line, field, message
+        where = str(path)
+        if line is not None:
+            where += f", line {line}"
+        if field is not None:
+            where += f', field "{field}"'
+        super().__init__(f"{where}: {message}")
+
+
+class _FieldError(ValueError):
+    def __init__(self, field: Optional[str], message: str):
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+def _pick(obj: Dict[str, Any], names: Sequence[str]) -> Tuple[Optional[str], Any]:
+    """The one field of ``names`` present (not null) in ``obj``: (name, value) or (None, None)."""
+    present = [n for n in names if obj.get(n) is not None]
+    if len(present) > 1:
+        raise _FieldError(present[1], f'give only one of {", ".join(present)} (both "{present[0]}" and '
+                                      f'"{present[1]}" are set)')
+    return (present[0], obj[present[0]]) if present else (None, None)
+
+
+def _token_ids(field: str, value: Any) -> Tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _FieldError(field, f"must be a list of token ids (got {type(value).__name__})")
+    if not value:
+        raise _FieldError(field, "must not be empty")
+    for i, tok in enumerate(value):
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            raise _FieldError(field, f"must hold integer token ids (got {tok!r} at index {i})")
+        if tok < 0:
+            raise _FieldError(field, f"token id {tok} at index {i} is negative")
+    return tuple(value)
+
+
+def parse_request(obj: Any) -> TraceRequest:
+    """One decoded JSON line -> :class:`TraceRequest`; raises ``ValueError`` with a ``field``
+    attribute naming the offending field (use :func:`read_traces` for whole files)."""
+    if not isinstance(obj, dict):
+        raise _FieldError(None, f"must be a JSON object (got {type(obj).__name__})")
+    if "id" not in obj or obj["id"] is None:
+        raise _FieldError("id", "missing (every request needs an id)")
+    rid = obj["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise _FieldError("id", f"must be a string or an integer (got {rid!r})")
+    rid = str(rid)
+    if not rid:
+        raise _FieldError("id", "must not be empty")
+    prompt_field, prompt = _pick(obj, PROMPT_FIELDS)
+    if prompt_field is None:
+        raise _FieldError("prompt", f"missing (give the prompt's token ids as {' or '.join(PROMPT_FIELDS)})")
+    prompt = _token_ids(prompt_field, prompt)
+    trace_field, trace = _pick(obj, TRACE_FIELDS)
+    max_new = obj.get("max_new_tokens")
+    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1):
+        raise _FieldError("max_new_tokens", f"must be a positive integer (got {max_new!r})")
+    if trace_field is None:
+        if max_new is None:
+            raise _FieldError("max_new_tokens", f"missing: a request without a trace ({', '.join(TRACE_FIELDS)}) "
+                                                "must say how many tokens to decode")
+        return TraceRequest(rid, prompt, None, max_new)
+    trace = _token_ids(trace_field, trace)
+    if max_new is not None and max_new != len(trace):
+        raise _FieldError("max_new_tokens", f"must equal the trace's length {len(trace)} or be left out "
+                                            f"(got {max_new}; a traced request decodes exactly its trace)")
+    return TraceRequest(rid, prompt, trace, len(trace))
+
+
+def check_request(request: TraceRequest, config: GPT2Config, *, fields: Optional[Dict[str, str]] = None) -> None:
+    """Raise ``ValueError`` (with ``field``) if ``request`` does not fit ``config``: a token id
+    not below ``vocab_size``, or prompt + decoded tokens beyond ``n_positions``. ``fields`` maps
+    ``"prompt"``/``"trace"`` to the names the file used."""
+    fields = fields or {}
+    parts = [("prompt", request.prompt)] + ([("trace", request.trace)] if request.trace is not None else [])
+    for part, tokens in parts:
+        for i, tok in enumerate(tokens):
+            if tok >= config.vocab_size:
+                raise _FieldError(fields.get(part, part), f"token id {tok} at index {i} is not below the model's "
+                                                          f"vocab_size {config.vocab_size}")
+    total = len(request.prompt) + request.new_tokens
+    if total > config.n_positions:
+        what = "trace" if request.trace is not None else "max_new_tokens"
+        raise _FieldError(fields.get(what, what),
+                          f"prompt ({len(request.prompt)}) + decoded tokens ({request.new_tokens}) = {total} "
+                          f"exceed the model's n_positions {config.n_positions}")
+
+
+def read_traces(path: str, config: Optional[GPT2Config] = None) -> List[TraceRequest]:
+    """Every request of the JSON Lines file ``path``, in file order; checked against ``config``
+    (token ids below ``vocab_size``, lengths within ``n_positions``) when one is given.
+
+    Raises :class:`TraceFileError` naming the line and field of the first problem (also for
+    duplicate ids and a file without requests), ``OSError`` if the file cannot be read.
+    """
+    requests: List[TraceRequest] = []
+    first_line: Dict[str, int] = {}
+    with open(path, "r", encoding="utf-8") as f:
+        for number, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise TraceFileError(path, number, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            try:
+                request = parse_request(obj)
+                if config is not None:
+                    used = {"prompt": _pick(obj, PROMPT_FIELDS)[0], "trace": _pick(obj, TRACE_FIELDS)[0]}
+                    check_request(request, config, fields={k: v for k, v in used.items() if v})
+            except _FieldError as exc:
+                raise TraceFileError(path, number, exc.field, exc.message) from None
+            if request.id in first_line:
+                raise TraceFileError(path, number, "id", f"duplicate id {request.id!r} (first on line "
+                                                         f"{first_line[request.id]})")
+            first_line[request.id] = number
+            requests.append(request)
+    if not requests:
+        raise TraceFileError(path, None, None, "holds no requests (one JSON object per line)")
+    return requests
+
+
+def request_to_json(request: TraceRequest) -> Dict[str, Any]:
+    """The trace-file object of ``request`` (``id``, ``prompt``, then ``trace`` or
+    ``max_new_tokens``)."""
+    out: Dict[str, Any] = {"id": request.id, "prompt": [int(t) for t in request.prompt]}
+    if request.trace is not None:
+        out["trace"] = [int(t) for t in request.trace]
+    else:
+        out["max_new_tokens"] = int(request.max_new_tokens)
+    return out
+
+
+def write_traces(path: str, requests: Sequence[TraceRequest]) -> None:
+    """Write ``requests`` as a trace file (atomically: see :func:`atomic_write`)."""
+    with atomic_write(path) as f:
+        for request in requests:
+            f.write(json.dumps(request_to_json(request), separators=(",", ":")) + "\n")
+
+
+def random_requests(config: GPT2Config, n: int, *, seed: int = 0, traced: float = 1.0,
+                    prompt_len: Tuple[int, int] = (1, 24), new_tokens: Tuple[int, int] = (1, 24),
+                    prefix: str = "r") -> List[TraceRequest]:
+    """``n`` requests of uniformly random token ids, for tests, smoke runs and benchmarks.
+
+    Prompt lengths and decoded-token counts are drawn from the inclusive ranges given (clipped
+    so that each request fits ``n_positions``); a fraction ``traced`` of them (the first ones
+    in a shuffled order) carry a random trace, the rest decode freely. Ids are
+    ``f"{prefix}{i}"``. Deterministic in ``seed``.
+    """
+    rng = random.Random(seed)
+    order = list(range(n))
+    rng.shuffle(order)
+    is_traced = set(order[:round(traced * n)])
+    out = []
+    for i in range(n):
+        p = rng.randint(*prompt_len)
+        p = max(1, min(p, config.n_positions - 1))
+        k = max(1, min(rng.randint(*new_tokens), config.n_positions - p))
+        prompt = tuple(rng.randrange(config.vocab_size) for _ in range(p))
+        if i in is_traced:
+            out.append(TraceRequest(f"{prefix}{i}", prompt, tuple(rng.randrange(config.vocab_size) for _ in range(k)),
+                                    k))
+        else:
+            out.append(TraceRequest(f"{prefix}{i}", prompt, None, k))
+    return out
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w") -> Iterator[Any]:
+    """Open a temporary file next to ``path`` for writing; on a clean exit it replaces ``path``
+    (``os.replace``), on an exception it is removed and ``path`` is left as it was."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # os.open with 0o666 lets the umask set the final permissions, as a plain open() would.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
