@@ -47,13 +47,12 @@ LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_ID_DTYPES = ("int32", "int64")
 RANK_DTYPES = ("int32", "int64")
 MAX_VOCAB = 2**30
-# A batch smaller than this is split so that about this many programs run (about four per SM
-# on a 132-SM H200); a larger batch gets one program per row and needs no workspace. Measured on
-# the H200 (2026-11-30, bench/logprob_rank.py, device time with the host cost hidden): with 256,
-# batch 256 of bf16 logits (one 8-warp program per row, two per SM) read at 73% of the copy
-# bandwidth against 94% for float32 (twice the bytes in flight per load); splitting every row in
-# two (512) gives each SM more loads in flight. The bench keeps the 256 setting as a provider.
-SPLIT_TARGET_PROGRAMS = 512
+# A batch smaller than this is split so that about this many programs run (two per SM on a
+# 132-SM H200); a larger batch gets one program per row and needs no workspace. Measured on the
+# H200 (2026-11-30, bench/logprob_rank.py, device time with the host cost hidden), 512 instead:
+# batch 256 went from 27.4 to 28.3 us (bf16) and from 42.7 to 50.9 us (float32), the second
+# launch and the partials costing more than the extra programs gain.
+SPLIT_TARGET_PROGRAMS = 256
 _PARTIAL_BYTES = 12           # per (row, split): float32 max, float32 sum, int32 count
 _INT32_MAX = 2**31 - 1
 
@@ -96,7 +95,7 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int) -> int:
     """Bytes of device workspace with which a ``[batch, vocab]`` call splits its rows; 0 when
     it would not split (``batch >= SPLIT_TARGET_PROGRAMS``, or a row of one block). Host-only.
 
-    The result is at most ``12 * (2 * SPLIT_TARGET_PROGRAMS)`` bytes (12 KiB).
+    The result is at most ``12 * (2 * SPLIT_TARGET_PROGRAMS)`` bytes (6 KiB).
     """
     p = plan_logprob_rank(batch, vocab, split=True)
     return 0 if p.n_split == 1 else batch * p.n_split * _PARTIAL_BYTES
@@ -291,7 +290,7 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
         the stream is only validated.
     workspace:
         Optional caller-owned device scratch, 1-D, contiguous, writable, 16-byte aligned, of
-        at least :func:`logprob_rank_workspace_bytes` ``(batch, vocab)`` bytes (at most 12 KiB).
+        at least :func:`logprob_rank_workspace_bytes` ``(batch, vocab)`` bytes (at most 6 KiB).
         With it, a small batch (``batch < SPLIT_TARGET_PROGRAMS``) spreads each row over
         several programs and merges their partial results with a second, tiny kernel; without
         it (or when that size is 0) each row is one program. Its contents are scratch; it must

@@ -71,7 +71,7 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
     need a host sync).
 
     Blocking: ordered on torch's current stream of the logits' device, never synchronises. For
-    batches below 512 it allocates a workspace of at most 12 KiB with torch (so it is
+    batches below 256 it allocates a workspace of at most 6 KiB with torch (so it is
     capture-safe through torch's graph memory pool). The first call per device and dtype
     combination compiles the kernels: run one eager call before capturing a CUDA graph.
     On CPU tensors it computes in numpy before returning.
