@@ -22,8 +22,8 @@ Timings (the ``timing`` field of every row):
 - ``cuda events, queued behind a busy kernel`` (``harness.time_cuda_queued``; torch providers):
   20 back-to-back calls queued while a sleep kernel holds the device, so the host's enqueue
   cost is hidden, as in a decode loop whose host runs ahead; inputs rotate through copies of
-  the logits (256 MiB in all, at most 32 copies, so that the adapter's cache of bound calls keeps them all) so that small batches are not served from
-  L2. The targets use this timing for both sides.
+  the logits (256 MiB in all, at most 32 copies, which the adapter's cache of bound calls
+  keeps) so that L2 serves small batches less. The targets use this timing for both sides.
 - ``cuda events (do_bench, L2 flushed)`` (``harness.time_cuda``): one call at a time after an
   L2 flush; a call whose host cost exceeds its device time shows the host cost here.
 - ``host time per call`` (``trace_replay`` only): back-to-back calls, wall clock.
