@@ -47,12 +47,14 @@ __all__ = [
     "COMBINE_NUM_WARPS",
 ]
 
-# Logits of one row per loop iteration: 16 per thread with 8 warps, i.e. two 16-byte loads per
-# thread for 2-byte logits and four for float32; the loop is unrolled twice, so two blocks are
-# in flight per program. Compiled for sm_90 (Triton 3.9): 64 registers per thread for bfloat16
-# (58 for float32), ~10 instructions per bfloat16 logit in the loop, no shuffles in the loop.
+# Logits of one row per loop iteration: 8 per thread with 16 warps, i.e. one 16-byte load per
+# thread for 2-byte logits and two for float32; the loop is unrolled twice, so two blocks are in
+# flight per program. Chosen by bench/logprob_tuning.py on the H200 (2026-11-30, vocab 151,936,
+# device time): against the former 4096 x 8 warps, batch 256 went 26.9 -> 25.8 us (bf16) and
+# 41.6 -> 39.8 us (float32), batch 64 13.3 -> 12.9 / 16.7 -> 16.5 us, batch 1024 79.2 -> 81.3 /
+# 154.3 -> 145.2 us; larger blocks (8192, 16384) and 4 warps were slower at batch 256.
 LOGPROB_BLOCK = 4096
-LOGPROB_NUM_WARPS = 8
+LOGPROB_NUM_WARPS = 16
 # The combine kernel reduces at most this many partials per row (the most splits planned).
 COMBINE_SPLIT_BLOCK = 256
 COMBINE_NUM_WARPS = 4
