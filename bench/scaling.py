@@ -76,6 +76,19 @@ ROW_BYTES = (("idx_mapping", 4, False), ("trace_len", 4, True), ("total_len", 4,
              ("prompt_len", 4, True), ("table token", 4, True), ("sampled write", 8, False))
 
 
+def fill_table(state, traces) -> None:
+    """Give slot ``i`` the trace ``traces[i]`` through a torch or JAX adapter state, committing
+    every ``FILL_TOKENS`` tokens (so each commit fits the default staging buffer)."""
+    fill = 0
+    for slot, tr in enumerate(traces):
+        state.add_request(slot, tr)
+        fill += tr.shape[0]
+        if fill >= FILL_TOKENS:
+            state.apply_staged_writes()
+            fill = 0
+    state.apply_staged_writes()
+
+
 def jax_rows(batches, placements, traces, prompt, rng):
     """Rows for JAX inside ``jax.jit``: per (placement, batch), the cost of one replay step in a
     compiled ``lax.fori_loop`` (``provider="jax_jit"``) and the same loop without replay
@@ -123,14 +136,7 @@ def jax_rows(batches, placements, traces, prompt, rng):
             rows.append(dict(kind="error", provider="jax_jit", placement=placement,
                              error=f"{type(exc).__name__}: {exc}"))
             continue
-        fill = 0
-        for slot, tr in enumerate(traces):
-            st.add_request(slot, tr)
-            fill += tr.shape[0]
-            if fill >= FILL_TOKENS:
-                st.apply_staged_writes()
-                fill = 0
-        st.apply_staged_writes()
+        fill_table(st, traces)
         for batch in batches:
             sampled = jax.device_put(jnp.asarray(rng.integers(0, VOCAB, batch), jnp.int32), gpu)
             idx = jax.device_put(jnp.asarray(rng.permutation(MAX_SLOTS)[:batch], jnp.int32), gpu)
@@ -200,14 +206,7 @@ def main() -> None:
     for placement in PLACEMENTS:
         st = TraceReplayState(MAX_SLOTS, MAX_TRACE_LEN, device=dev, total_len=total_len, prompt_len=prompt_len,
                               placement=placement)
-        fill = 0
-        for slot, tr in enumerate(traces):
-            st.add_request(slot, tr)
-            fill += tr.shape[0]
-            if fill >= FILL_TOKENS:
-                st.apply_staged_writes()
-                fill = 0
-        st.apply_staged_writes()
+        fill_table(st, traces)
         sync()
         for batch in BATCHES:
             sets = []

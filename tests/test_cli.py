@@ -11,6 +11,9 @@ import sys
 import numpy as np
 import pytest
 
+from cli_helpers import load
+from cli_helpers import main as run_cli
+
 from trace_replay_core.app import cli, demo
 from trace_replay_core.app.model import GPT2Config
 from trace_replay_core.app.progress import Progress
@@ -18,17 +21,6 @@ from trace_replay_core.app.traces import random_requests, read_traces, write_tra
 
 CONFIG = GPT2Config()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-
-def _load(path):
-    with open(path) as f:
-        return json.load(f)
-
-def _main(*args):
-    out = io.StringIO()
-    status = cli.main(list(args), out=out)
-    return status, out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +34,13 @@ def trace_file(tmp_path_factory):
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_run_reproduces_every_trace(tmp_path, trace_file, framework):
     out = str(tmp_path / "out.json")
-    status, text = _main("run", "--framework", framework, "--traces", trace_file, "--out", out, "--max-batch", "4")
+    status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out, "--max-batch", "4")
     assert status == 0, text
     assert re.match(rf"^{framework} on cpu: 24 requests \(16 traced\), \d+ tokens in [\d.]+ s \(\d+ tokens/s\)\n"
                     r"exact reproduction: 16/16 traced requests; "
                     r"forced tokens: mean logprob -[\d.]+, mean rank [\d.]+\n"
                     rf"wrote {re.escape(out)}\n$", text), text
-    doc = _load(out)
+    doc = load(out)
     requests = read_traces(trace_file, CONFIG)
     s = doc["summary"]
     assert (s["framework"], s["device"], s["max_batch"], s["requests"], s["traced_requests"]) == (framework, "cpu", 4,
@@ -73,9 +65,9 @@ def test_run_reproduces_every_trace(tmp_path, trace_file, framework):
 
 def test_compare_writes_report_and_plot(tmp_path, trace_file):
     out_dir = tmp_path / "new" / "folder"
-    status, text = _main("compare", "--traces", trace_file, "--out-dir", str(out_dir), "--max-batch", "4")
+    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(out_dir), "--max-batch", "4")
     assert status == 0, text
-    report = _load(out_dir / "compare_report.json")
+    report = load(out_dir / "compare_report.json")
     assert (out_dir / "compare_divergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     s = report["summary"]
     # identical weights: the frameworks differ only by float32 rounding
@@ -96,7 +88,7 @@ def test_compare_writes_report_and_plot(tmp_path, trace_file):
 
 def test_compare_explicit_paths_and_quiet(tmp_path, trace_file):
     report, plot = tmp_path / "r.json", tmp_path / "p.png"
-    status, text = _main("compare", "--traces", trace_file, "--report", str(report), "--plot", str(plot), "--quiet",
+    status, text = run_cli("compare", "--traces", trace_file, "--report", str(report), "--plot", str(plot), "--quiet",
                          "--max-batch", "4")
     assert status == 0 and text == ""
     assert report.is_file() and plot.is_file()
@@ -131,7 +123,7 @@ def test_malformed_file_fails_before_writing(tmp_path, capsys, case, command):
         args = ["run", "--framework", "torch", "--traces", str(traces), "--out", str(tmp_path / "out.json")]
     else:
         args = ["compare", "--traces", str(traces), "--out-dir", str(tmp_path / "cmp")]
-    status, _ = _main(*args)
+    status, _ = run_cli(*args)
     err = capsys.readouterr().err
     assert status == 2
     assert re.match(rf"^trace-replay {command}: error: {re.escape(str(traces))}, {pattern}", err), err
@@ -145,7 +137,7 @@ def test_a_run_that_fails_midway_writes_nothing(tmp_path, trace_file, monkeypatc
 
     monkeypatch.setattr(cli, "load_loop", lambda fw: broken)
     with pytest.raises(RuntimeError, match="device lost"):
-        _main("run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "out.json"))
+        run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "out.json"))
     assert os.listdir(tmp_path) == []
 
 
@@ -162,10 +154,10 @@ def _dropping_traces(config, weights, requests, **kw):
 def test_run_exits_1_when_a_trace_is_not_reproduced(tmp_path, trace_file, monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_loop", lambda fw: _dropping_traces)
     out = tmp_path / "out.json"
-    status, text = _main("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--quiet")
+    status, text = run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--quiet")
     assert status == 1 and text == ""
     assert re.match(r"^trace-replay run: 16 traced requests were not reproduced exactly: r\d+", capsys.readouterr().err)
-    assert _load(out)["summary"]["exact_reproductions"] == 0    # the results are still written
+    assert load(out)["summary"]["exact_reproductions"] == 0    # the results are still written
 
 
 @pytest.mark.parametrize("args, message", [
@@ -203,7 +195,7 @@ def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
     except ImportError:
         pass
     for args, pattern in cases:
-        status, _ = _main(*args)
+        status, _ = run_cli(*args)
         err = capsys.readouterr().err
         assert status == 2, args
         assert re.match(rf"^trace-replay {args[0]}: error: {pattern}", err), err
@@ -213,7 +205,7 @@ def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
 def test_compare_without_matplotlib_says_what_to_install(tmp_path, trace_file, monkeypatch, capsys):
     find_spec = cli.importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
-    status, _ = _main("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "cmp"))
+    status, _ = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "cmp"))
     assert status == 2
     assert re.match(r"^trace-replay compare: error: compare draws its plot with matplotlib, which is not installed",
                     capsys.readouterr().err)
@@ -284,7 +276,7 @@ def test_demo_subcommand_exit_status_follows_the_checks(monkeypatch):
     monkeypatch.setattr(demo, "run_demo", lambda **kw: demo.DemoResult(
         CONFIG, "cpu", 0, 4, [], {"torch": []}, {"torch": []}, {"torch": 1.0}, None,
         [demo.Check("x", 0, 1, ["broken"])]))
-    status, text = _main("demo", "--quiet")
+    status, text = run_cli("demo", "--quiet")
     assert status == 1 and "check: x: 0/1 FAILED" in text
 
 

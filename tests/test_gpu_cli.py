@@ -1,12 +1,11 @@
 """The ``trace-replay`` command line end to end with ``--device cuda`` (GPU tier)."""
 
-import io
-import json
-
 import numpy as np
 import pytest
 
-from trace_replay_core.app import cli
+from cli_helpers import load
+from cli_helpers import main as run_cli
+
 from trace_replay_core.app.checkpoint import save_checkpoint
 from trace_replay_core.app.model import GPT2Config, seeded_weights
 from trace_replay_core.app.traces import random_requests, read_traces, write_traces
@@ -18,17 +17,6 @@ CONFIG = GPT2Config()
 TOLERANCE = 1e-4
 
 
-
-def _load(path):
-    with open(path) as f:
-        return json.load(f)
-
-def _main(*args):
-    out = io.StringIO()
-    status = cli.main(list(args), out=out)
-    return status, out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def trace_file(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("traces") / "traces.jsonl")
@@ -37,7 +25,7 @@ def trace_file(tmp_path_factory):
 
 
 def test_demo_on_cuda():
-    status, text = _main("demo", "--device", "cuda", "--quiet")
+    status, text = run_cli("demo", "--device", "cuda", "--quiet")
     assert status == 0, text
     assert text.rstrip().endswith("all checks passed") and "FAILED" not in text
 
@@ -47,10 +35,10 @@ def test_run_on_cuda_reproduces_and_matches_cpu(tmp_path, trace_file, framework)
     docs = {}
     for device in ("cuda", "cpu"):
         out = str(tmp_path / f"{device}.json")
-        status, text = _main("run", "--framework", framework, "--traces", trace_file, "--out", out,
+        status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out,
                              "--device", device, "--quiet")
         assert status == 0, text
-        docs[device] = _load(out)
+        docs[device] = load(out)
     s = docs["cuda"]["summary"]
     assert s["device"] == "cuda" and s["exact_reproductions"] == s["traced_requests"] == 48
     for q, a, b in zip(read_traces(trace_file), docs["cuda"]["requests"], docs["cpu"]["requests"], strict=True):
@@ -60,9 +48,9 @@ def test_run_on_cuda_reproduces_and_matches_cpu(tmp_path, trace_file, framework)
 
 
 def test_compare_on_cuda(tmp_path, trace_file):
-    status, text = _main("compare", "--traces", trace_file, "--out-dir", str(tmp_path), "--device", "cuda")
+    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path), "--device", "cuda")
     assert status == 0, text
-    report = _load(tmp_path / "compare_report.json")
+    report = load(tmp_path / "compare_report.json")
     assert (tmp_path / "compare_divergence.png").read_bytes()[:4] == b"\x89PNG"
     s = report["summary"]
     assert s["device"] == "cuda" and s["max_abs_logprob_diff"] <= TOLERANCE
@@ -78,10 +66,10 @@ def test_checkpoint_on_cuda_in_both_frameworks(tmp_path):
     docs = {}
     for fw in ("torch", "jax"):
         out = str(tmp_path / f"{fw}.json")
-        status, text = _main("run", "--framework", fw, "--traces", traces, "--checkpoint", str(tmp_path / "ckpt"),
+        status, text = run_cli("run", "--framework", fw, "--traces", traces, "--checkpoint", str(tmp_path / "ckpt"),
                              "--out", out, "--device", "cuda", "--quiet")
         assert status == 0, text
-        docs[fw] = _load(out)
+        docs[fw] = load(out)
         assert docs[fw]["summary"]["exact_reproductions"] == 12
     for a, b in zip(docs["torch"]["requests"], docs["jax"]["requests"], strict=True):
         assert a["tokens"] == b["tokens"]
