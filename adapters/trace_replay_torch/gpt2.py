@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from trace_replay_core.app.model import GPT2Config
 from trace_replay_core.app.records import RequestResult, TraceRequest
-from trace_replay_core.app.schedule import check_device, check_run, collect_results, plan, request_arrays
+from trace_replay_core.app.schedule import check_device, check_run, collect_results, plan
 
 from .logprob import token_logprob_rank
 from .state import TraceReplayState
@@ -149,9 +149,8 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
     copy to the host at the end. Arguments are checked before anything runs (``TypeError`` /
     ``ValueError`` naming the argument); a rejected call does nothing.
     """
-    check_run(config, weights, requests, max_batch, on_step)
+    prompts, traces = check_run(config, weights, requests, max_batch, on_step)
     dev = _torch_device(device)
-    prompts, traces = request_arrays(config, requests)
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:

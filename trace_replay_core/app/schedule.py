@@ -159,8 +159,9 @@ def check_device(device: Any) -> None:
 
 
 def check_run(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest],
-              max_batch: int, on_step: Optional[Any]) -> None:
-    """Every check of ``run_decode``'s arguments but ``device`` (see :func:`check_device`).
+              max_batch: int, on_step: Optional[Any]):
+    """Every check of ``run_decode``'s arguments but ``device`` (see :func:`check_device`);
+    returns the requests' validated ``(prompts, traces)`` (see :func:`request_arrays`).
 
     Raises ``TypeError``/``ValueError`` naming the argument and what was received; host-only.
     """
@@ -179,7 +180,7 @@ def check_run(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: S
     if on_step is not None and not callable(on_step):
         raise TypeError(f"on_step must be a callable taking the tokens decoded in a step, or None "
                         f"(got {type(on_step).__name__})")
-    request_arrays(config, requests)
+    return request_arrays(config, requests)
 
 
 _OUTPUT_DTYPES = {"tokens": np.int64, "argmax": np.int64, "logprobs": np.float32, "ranks": np.int64}
