@@ -21,9 +21,10 @@ Example (CPU; ``device="cuda"`` on a GPU)::
     assert a.tokens.tolist() == [7, 8, 9] and a.forced.all()
 
 Compilation: two jitted programs, the decode step (one per ``config``, ``max_batch``, KV
-length bucket and trace length bucket) and the admission of one request (one per prompt length bucket besides those);
-buckets are powers of two, so a run compiles a handful of programs and later runs of similar
-sizes reuse them, whatever their number of steps (outputs are kept in fixed chunks of steps). Matrix products run at full float32 precision
+length bucket and trace length bucket) and the admission of one request (one per prompt
+length bucket besides those); buckets are powers of two, so a run compiles a handful of
+programs and later runs of similar sizes reuse them, whatever their number of steps (outputs
+are kept in fixed chunks of steps). Matrix products run at full float32 precision
 (``precision="highest"``: no TF32 on GPUs), as in the PyTorch loop.
 """
 
