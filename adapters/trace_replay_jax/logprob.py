@@ -31,6 +31,7 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from trace_replay_core import bind_logprob_rank
 from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
+from trace_replay_core.bound_cache import BoundCache
 from trace_replay_core.logprob import LOGITS_DTYPES, MAX_VOCAB, logprob_rank_workspace_bytes
 
 from .jnp_replay import is_vmap_tracer
@@ -106,7 +107,7 @@ class _KernelCallback:
     """
 
     def __init__(self):
-        self._bound = {}
+        self._bound = BoundCache(_BOUND_CACHE_SIZE)
 
     def __call__(self, ctx, outs, logits, ids) -> None:
         if ctx.stage != ExecutionStage.EXECUTE:
@@ -120,16 +121,8 @@ class _KernelCallback:
         stream = int(ctx.stream)
         buffers = (logits, ids, logprobs, ranks) if workspace is None else (logits, ids, logprobs, ranks, workspace)
         key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
-        bound = self._bound.get(key)
-        if bound is None:
-            bound = bind_logprob_rank(logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=stream,
-                                      workspace=workspace)
-            for v in bound.views:
-                v.keepalive = None
-            bound.views = ()
-            if len(self._bound) >= _BOUND_CACHE_SIZE:
-                self._bound.pop(next(iter(self._bound)))
-            self._bound[key] = bound
+        bound = self._bound.bind(key, lambda: bind_logprob_rank(
+            logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=stream, workspace=workspace))
         bound(stream=stream)
 
 

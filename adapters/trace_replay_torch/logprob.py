@@ -16,38 +16,29 @@ import torch
 
 from trace_replay_core import bind_logprob_rank
 from trace_replay_core import token_logprob_rank as core_token_logprob_rank
+from trace_replay_core.bound_cache import BoundCache
 from trace_replay_core.logprob import logprob_rank_workspace_bytes
 
-from .views import raw_stream
+from .views import layout_key, raw_stream
 
 __all__ = ["token_logprob_rank"]
 
 
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
-_BOUND_CACHE_SIZE = 64
-_BOUND = {}
+_BOUND = BoundCache(64)     # bound calls by tensor layout
 
 
 def _bound(logits, token_ids, logprobs, ranks, workspace, stream):
-    """The bound call for this exact layout of tensors, binding (over DLPack) on a miss.
-
-    Equal keys describe the same memory, so a cached launch is exactly what binding again
-    would give; an entry keeps only pointers, never the tensors."""
+    """The bound call for this exact layout of tensors, binding (over DLPack) on a miss."""
     tensors = (logits, token_ids, logprobs, ranks) if workspace is None else (
         logits, token_ids, logprobs, ranks, workspace)
-    key = tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
-    bound = _BOUND.get(key)
-    if bound is None:
-        tensors = tuple(t.detach() for t in tensors)    # logits may require grad: read-only use
-        bound = bind_logprob_rank(tensors[0], tensors[1], out_logprobs=tensors[2], out_ranks=tensors[3],
-                                  stream=stream, workspace=None if workspace is None else tensors[4])
-        for v in bound.views:
-            v.keepalive = None
-        bound.views = ()
-        if len(_BOUND) >= _BOUND_CACHE_SIZE:
-            _BOUND.pop(next(iter(_BOUND)))
-        _BOUND[key] = bound
-    return bound
+
+    def bind():
+        t = tuple(x.detach() for x in tensors)           # logits may require grad: read-only use
+        return bind_logprob_rank(t[0], t[1], out_logprobs=t[2], out_ranks=t[3], stream=stream,
+                                 workspace=t[4] if workspace is not None else None)
+
+    return _BOUND.bind(tuple(layout_key(t) for t in tensors), bind)
 
 
 def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
@@ -95,18 +86,15 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
             got = ([type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__)
             raise TypeError(f"out must be a (logprobs, ranks) pair of torch.Tensor (got {got})")
         logprobs, ranks = out
-    workspace = None
-    if device.type == "cuda":
-        stream = raw_stream(device.index)
-        nbytes = _workspace_bytes(batch, vocab) if vocab >= 1 else 0
-        if nbytes:
-            # Freed when this call returns: torch reuses it only for work queued after ours.
-            workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    else:
-        stream = 0
     if device.type == "cpu":
         # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
         core_token_logprob_rank(logits.detach(), token_ids, out_logprobs=logprobs, out_ranks=ranks, stream=0)
         return logprobs, ranks
+    stream = raw_stream(device.index)
+    workspace = None
+    nbytes = _workspace_bytes(batch, vocab) if vocab >= 1 else 0
+    if nbytes:
+        # Freed when this call returns: torch reuses it only for work queued after ours.
+        workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
     _bound(logits, token_ids, logprobs, ranks, workspace, stream)(stream=stream)
     return logprobs, ranks

@@ -11,6 +11,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from trace_replay_core import TraceTable
+from trace_replay_core.bound_cache import BoundCache
 
 from .views import layout_key, raw_stream
 
@@ -62,7 +63,7 @@ class TraceReplayState:
         self._index = device.index if device.type == "cuda" else None
         self.table = TraceTable(max_slots, max_trace_len, device=str(device), placement=placement,
                                 vocab_size=vocab_size, staging_depth=staging_depth)
-        self._views = {}
+        self._views = BoundCache(_VIEW_CACHE_SIZE)   # bound replays by array layout
         self._lengths = None
         if (total_len is None) != (prompt_len is None):
             raise ValueError("give both total_len and prompt_len, or neither")
@@ -124,24 +125,6 @@ class TraceReplayState:
         self._views.clear()
 
     # replay ----------------------------------------------------------------------------------
-    def _bound(self, key, bind):
-        """The cached bound replay for this exact layout of arrays, binding on a miss.
-
-        The key is (data pointer, dtype, shape, strides) of every array: equal keys describe the
-        same memory, so a cached launch is exactly what binding again would give. A cached
-        entry keeps only pointers, never the tensors (old tensors must be free to go).
-        """
-        bound = self._views.get(key)
-        if bound is None:
-            bound = bind()
-            if len(self._views) >= _VIEW_CACHE_SIZE:
-                self._views.pop(next(iter(self._views)))
-            for v in bound.views:
-                v.keepalive = None
-            bound.views = ()
-            self._views[key] = bound
-        return bound
-
     def replay(self, sampled: torch.Tensor, idx_mapping: torch.Tensor,
                total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Overwrite traced rows of ``sampled`` in place on the current stream; return it.
@@ -164,14 +147,14 @@ class TraceReplayState:
                 if self._lengths is None:
                     raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
                 _, _, tl_view, pl_view = self._lengths
-                bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, tl_view, pl_view,
+                bound = self._views.bind(key, lambda: self.table.bind_replay(sampled, idx_mapping, tl_view, pl_view,
                                                                         stream=stream))
         else:
             if total_len is None or prompt_len is None:
                 raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
             key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len),
                    layout_key(prompt_len))
-            bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, total_len, prompt_len,
+            bound = self._views.bind(key, lambda: self.table.bind_replay(sampled, idx_mapping, total_len, prompt_len,
                                                                     stream=stream))
         bound(stream=stream)
         return sampled
@@ -180,6 +163,6 @@ class TraceReplayState:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row."""
         stream = self._stream()
         key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
-        bound = self._bound(key, lambda: self.table.bind_replay(sampled, idx_mapping, step=step, stream=stream))
+        bound = self._views.bind(key, lambda: self.table.bind_replay(sampled, idx_mapping, step=step, stream=stream))
         bound(stream=stream)
         return sampled

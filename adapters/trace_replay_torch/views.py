@@ -1,19 +1,16 @@
-"""Torch tensors to core :class:`~trace_replay_core.ArrayView`\\ s: over DLPack, cached by layout.
+"""What the torch adapter's modules share: the layout key of a tensor, and torch's current stream.
 
-Exporting a CUDA tensor over DLPack with a stream costs tens of microseconds in torch (it
-builds an external stream object and may record an event). A decode loop hands over tensors
-of the same few layouts every step, so views are cached by (data pointer, dtype, shape,
-strides): equal keys describe the same memory, so a cached view is exactly what exporting
-again would give. A cached view keeps only the description, never the tensor.
+A layout key (data pointer, dtype, shape, strides) describes a tensor's memory completely: the
+adapter binds a launch once per key (``trace_replay_core.bound_cache.BoundCache``) instead of
+exporting tensors over DLPack every call, which costs torch tens of microseconds per CUDA
+tensor (it builds an external stream object and may record an event).
 """
 
 from __future__ import annotations
 
 import torch
 
-from trace_replay_core import ArrayView, as_view
-
-__all__ = ["LayoutCache", "layout_key", "raw_stream"]
+__all__ = ["layout_key", "raw_stream"]
 
 try:  # ~0.2 us instead of ~2 us for torch.cuda.current_stream(...).cuda_stream
     from torch._C import _cuda_getCurrentRawStream as raw_stream
@@ -24,30 +21,5 @@ except ImportError:  # pragma: no cover - older or CPU-only builds
 
 
 def layout_key(t: torch.Tensor):
+    """``(data pointer, dtype, shape, strides)`` of ``t``: equal keys describe the same memory."""
     return (t.data_ptr(), t.dtype, t.shape, t.stride())
-
-
-class LayoutCache:
-    """A bounded cache of :class:`ArrayView` per tensor layout (oldest entries dropped first)."""
-
-    def __init__(self, size: int = 64):
-        self._size = size
-        self._views = {}
-
-    def view(self, t: torch.Tensor, *, name: str, stream: int) -> ArrayView:
-        """The view of ``t`` (DLPack on the first sight of its layout, host-only)."""
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
-        key = layout_key(t)
-        v = self._views.get(key)
-        if v is None:
-            # read-only use: a tensor that requires grad is exported through a detached alias
-            v = as_view(t.detach() if t.requires_grad else t, name=name, stream=stream)
-            v.keepalive = None
-            if len(self._views) >= self._size:
-                self._views.pop(next(iter(self._views)))
-            self._views[key] = v
-        return v
-
-    def clear(self) -> None:
-        self._views.clear()
