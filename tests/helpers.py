@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 POISON = -7  # written into outputs beforehand: a row the code forgot stays visibly wrong
@@ -88,3 +90,12 @@ def check_soak(got, base_all, idx_all, total_all, prompt, tables):
         mismatches += bad
         forced += int((exp != base_all[k]).sum())
     return mismatches, forced, first
+
+
+def run_threads(worker, threads: int) -> None:
+    """Run ``worker(i)`` for ``i`` in ``range(threads)``, each on its own thread; wait for all."""
+    ths = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()

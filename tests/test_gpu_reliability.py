@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from trace_replay_core import TraceTable  # noqa: E402
 from trace_replay_torch import TraceReplayState  # noqa: E402
 
-from helpers import POISON, admit_requests, assert_tokens_equal, check_soak  # noqa: E402
+from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -133,11 +133,7 @@ def test_staging_from_many_threads():
             t.stage(slot, tr)
             with lock:
                 last[slot] = tr
-    ths = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
+    run_threads(worker, threads)
     t.commit(stream=torch.cuda.current_stream().cuda_stream)
     table, lens = t.snapshot()
     t.close()

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from helpers import run_threads
+
 from trace_replay_core import TraceTable, _cuda, gpu_backend
 from trace_replay_core.validate import copy_trace, trace_array
 
@@ -527,11 +529,7 @@ def test_gpu_staging_from_many_threads(rng, fake_cuda):
                 t.commit(stream=0)
             t.stage(slot, tr if j % 2 else tr.astype(np.int32))
             last[slot] = tr
-    ths = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
+    run_threads(worker, threads)
     t.commit(stream=0)
     expect_rows(t, last)
     t.close()

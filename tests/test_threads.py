@@ -4,6 +4,8 @@ import threading
 
 import numpy as np
 
+from helpers import run_threads
+
 from trace_replay_core import TraceTable
 
 
@@ -23,11 +25,7 @@ def test_staging_from_many_threads_cpu():
                 t.commit(stream=0)  # commits interleaved with other threads' staging
             t.stage(slot, tr)
             last[slot] = tr  # each thread owns its slots: the last write per slot is known
-    ths = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
+    run_threads(worker, threads)
     t.commit(stream=0)
     table, lens = t.snapshot()
     assert len(last) == max_slots
