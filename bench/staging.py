@@ -18,10 +18,14 @@ are not counted)::
     bytes = n_traces x trace_tokens x 4        (int32 tokens)
     GB/s  = bytes / time / 1e9
 
-Metrics, each per (placement, n_traces, trace_tokens):
+Two ways to stage, the ``api`` field of each row: ``stage`` (one ``stage(slot, trace)`` call
+per trace) and ``stage_many`` (one ``stage_many(slots, block)`` call with the ``[n, tokens]``
+block: one copy and one id check for all of it).
 
-- ``stage_host``: host wall time of the ``n`` ``stage`` calls (validation of each trace: dtype,
-  shape, min and max, then a copy into the pinned staging buffer). Ceiling: ``host_memcpy``.
+Metrics, each per (placement, api, n_traces, trace_tokens):
+
+- ``stage_host``: host wall time of staging the ``n`` traces (validation of each trace: dtype,
+  shape, largest id, with the copy into the pinned staging buffer). Ceiling: ``host_memcpy``.
 - ``commit_host``: host wall time of the ``commit`` call (metadata, one async host-to-device
   copy, one scatter launch); reported in us and GB/s, no ceiling.
 - ``commit_device``: device time of the commit, CUDA events around it on the stream. A
@@ -30,7 +34,7 @@ Metrics, each per (placement, n_traces, trace_tokens):
   ``h2d_pinned`` for ``device``; for ``host_mapped`` the commit copies to the device and the
   scatter then writes the table back over PCIe, one after the other, so the ceiling is
   ``1 / (1/h2d_pinned + 1/d2h_pinned)``.
-- ``end_to_end``: wall time of all ``stage`` calls + ``commit`` + a stream synchronisation (a
+- ``end_to_end``: wall time of staging + ``commit`` + a stream synchronisation (a
   separate phase, without the sleep kernel). Ceiling: the serial composition of the stage and
   commit ceilings, ``1 / (1/host_memcpy + 1/commit_ceiling)``.
 
@@ -66,6 +70,7 @@ ITERS = 20
 VOCAB = 150_000
 SLEEP_CYCLES = 4_000_000      # ~2 ms at ~2 GHz: longer than the host needs to queue a commit
 TARGET = (64, 8192, 0.70)     # n_traces, trace_tokens, fraction of the matching ceiling
+APIS = ("stage", "stage_many")
 
 
 def serial(*gbps: float) -> float:
@@ -104,62 +109,66 @@ def main() -> None:
         tbl.commit(stream=stream)
         sync()
         window = 0
-        for n in N_TRACES:
-            for tokens in TRACE_TOKENS:
-                nbytes = n * tokens * 4
-                samples = {"stage_host": [], "commit_host": [], "commit_device": [], "end_to_end": []}
-                for phase in ("split", "end_to_end"):
-                    for it in range(WARMUP + ITERS):
-                        traces = rng.integers(1, VOCAB, size=(n, tokens), dtype=np.int32)
-                        slots = [(window + k) % MAX_SLOTS for k in range(n)]
-                        window = (window + n) % MAX_SLOTS
-                        sync()
-                        if phase == "split":
-                            t0 = time.perf_counter()
-                            for k in range(n):
-                                tbl.stage(slots[k], traces[k])
-                            t1 = time.perf_counter()
-                            if sleep is not None:
-                                sleep(SLEEP_CYCLES)
-                            start = torch.cuda.Event(enable_timing=True)
-                            end = torch.cuda.Event(enable_timing=True)
-                            start.record()
-                            t2 = time.perf_counter()
-                            tbl.commit(stream=stream)
-                            t3 = time.perf_counter()
-                            end.record()
-                            end.synchronize()
-                            if it >= WARMUP:
-                                samples["stage_host"].append((t1 - t0) * 1e6)
-                                samples["commit_host"].append((t3 - t2) * 1e6)
-                                samples["commit_device"].append(start.elapsed_time(end) * 1e3)
-                        else:
-                            t0 = time.perf_counter()
-                            for k in range(n):
-                                tbl.stage(slots[k], traces[k])
-                            tbl.commit(stream=stream)
-                            torch.cuda.current_stream(dev).synchronize()
-                            t1 = time.perf_counter()
-                            if it >= WARMUP:
-                                samples["end_to_end"].append((t1 - t0) * 1e6)
-                sync()
-                cname, cgbps = commit_ceiling[placement]
-                matching = {"stage_host": ("host_memcpy", memcpy), "commit_host": (None, None),
-                            "commit_device": (cname, cgbps),
-                            "end_to_end": (f"host_memcpy_then_{cname}", serial(memcpy, cgbps))}
-                for metric, times in samples.items():
-                    stats = percentiles(times)
-                    bw = bandwidth(nbytes, stats)
-                    ceil_name, ceil_gbps = matching[metric]
-                    row = dict(kind="staging", placement=placement, metric=metric, n_traces=n,
-                               trace_tokens=tokens, bytes=nbytes, **stats, **bw, ceiling=ceil_name,
-                               ceiling_gbps=ceil_gbps,
-                               fraction_of_ceiling=(bw["gbps_p50"] / ceil_gbps) if ceil_gbps else None,
-                               device_busy_during_enqueue=(sleep is not None) if metric == "commit_device" else None)
-                    rows.append(row)
-                    frac = f"{row['fraction_of_ceiling']:6.1%} of {ceil_name}" if ceil_gbps else ""
-                    print(f"{placement:11s} n={n:3d} L={tokens:6d} {metric:13s} {stats['us_p50']:10.1f} us "
-                          f"{bw['gbps_p50']:8.2f} GB/s {frac}", flush=True)
+
+        def stage_each(slots, traces):
+            for k in range(len(slots)):
+                tbl.stage(slots[k], traces[k])
+
+        stagers = {"stage": stage_each, "stage_many": tbl.stage_many}
+        for n, tokens, api in ((n, t, a) for n in N_TRACES for t in TRACE_TOKENS for a in APIS):
+            stage = stagers[api]
+            nbytes = n * tokens * 4
+            samples = {"stage_host": [], "commit_host": [], "commit_device": [], "end_to_end": []}
+            for phase in ("split", "end_to_end"):
+                for it in range(WARMUP + ITERS):
+                    traces = rng.integers(1, VOCAB, size=(n, tokens), dtype=np.int32)
+                    slots = [(window + k) % MAX_SLOTS for k in range(n)]
+                    window = (window + n) % MAX_SLOTS
+                    sync()
+                    if phase == "split":
+                        t0 = time.perf_counter()
+                        stage(slots, traces)
+                        t1 = time.perf_counter()
+                        if sleep is not None:
+                            sleep(SLEEP_CYCLES)
+                        start = torch.cuda.Event(enable_timing=True)
+                        end = torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        t2 = time.perf_counter()
+                        tbl.commit(stream=stream)
+                        t3 = time.perf_counter()
+                        end.record()
+                        end.synchronize()
+                        if it >= WARMUP:
+                            samples["stage_host"].append((t1 - t0) * 1e6)
+                            samples["commit_host"].append((t3 - t2) * 1e6)
+                            samples["commit_device"].append(start.elapsed_time(end) * 1e3)
+                    else:
+                        t0 = time.perf_counter()
+                        stage(slots, traces)
+                        tbl.commit(stream=stream)
+                        torch.cuda.current_stream(dev).synchronize()
+                        t1 = time.perf_counter()
+                        if it >= WARMUP:
+                            samples["end_to_end"].append((t1 - t0) * 1e6)
+            sync()
+            cname, cgbps = commit_ceiling[placement]
+            matching = {"stage_host": ("host_memcpy", memcpy), "commit_host": (None, None),
+                        "commit_device": (cname, cgbps),
+                        "end_to_end": (f"host_memcpy_then_{cname}", serial(memcpy, cgbps))}
+            for metric, times in samples.items():
+                stats = percentiles(times)
+                bw = bandwidth(nbytes, stats)
+                ceil_name, ceil_gbps = matching[metric]
+                row = dict(kind="staging", placement=placement, api=api, metric=metric, n_traces=n,
+                           trace_tokens=tokens, bytes=nbytes, **stats, **bw, ceiling=ceil_name,
+                           ceiling_gbps=ceil_gbps,
+                           fraction_of_ceiling=(bw["gbps_p50"] / ceil_gbps) if ceil_gbps else None,
+                           device_busy_during_enqueue=(sleep is not None) if metric == "commit_device" else None)
+                rows.append(row)
+                frac = f"{row['fraction_of_ceiling']:6.1%} of {ceil_name}" if ceil_gbps else ""
+                print(f"{placement:11s} {api:10s} n={n:3d} L={tokens:6d} {metric:13s} {stats['us_p50']:10.1f} us "
+                      f"{bw['gbps_p50']:8.2f} GB/s {frac}", flush=True)
         tbl.close()
 
     n, tokens, goal = TARGET
@@ -168,7 +177,7 @@ def main() -> None:
         if r.get("kind") == "staging" and r["n_traces"] == n and r["trace_tokens"] == tokens \
                 and r["fraction_of_ceiling"] is not None:
             verdict = "met" if r["fraction_of_ceiling"] >= goal else "NOT met"
-            print(f"  {r['placement']:11s} {r['metric']:13s} {r['fraction_of_ceiling']:6.1%} of "
+            print(f"  {r['placement']:11s} {r['api']:10s} {r['metric']:13s} {r['fraction_of_ceiling']:6.1%} of "
                   f"{r['ceiling']} ({r['gbps_p50']:.2f} / {r['ceiling_gbps']:.2f} GB/s): {verdict}")
 
     path = write_results("staging", rows)
@@ -178,7 +187,7 @@ def main() -> None:
                                                                      "gbps_p80"]))
     print()
     print(table([r for r in rows if r.get("kind") == "staging"],
-                ["placement", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50", "ceiling",
+                ["placement", "api", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50", "ceiling",
                  "fraction_of_ceiling"]))
 
 

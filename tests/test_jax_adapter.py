@@ -231,6 +231,29 @@ def test_trace_may_be_a_cpu_jax_array(rng):
         assert int(state.replay(*_one_row_step(state, 0, 3))[0]) == tr[3]
 
 
+def test_add_requests_matches_add_request(rng):
+    """A block (numpy or a CPU JAX array) and a ragged list through ``add_requests`` give the
+    table one ``add_request`` each gives."""
+    max_slots, max_len = 16, 20
+    slots = rng.permutation(max_slots)[:12].tolist()
+    block = rng.integers(0, VOCAB, (8, 13))
+    ragged = [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))) for _ in range(4)]
+    with TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as many, \
+            TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as one:
+        many.add_requests(slots[:4], jnp.asarray(block[:4], jnp.int32))
+        many.add_requests(slots[4:8], block[4:])
+        many.add_requests(slots[8:], ragged)
+        for slot, tr in zip(slots, list(block) + ragged):
+            one.add_request(slot, tr)
+        for st in (many, one):
+            st.apply_staged_writes()
+        got, want = many.snapshot(), one.snapshot()
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        with pytest.raises(ValueError, match=rf"^traces\[1\] must be below vocab_size={VOCAB}"):
+            many.add_requests([0, 1], [[1], [VOCAB]])
+        assert many.pending == 0
+
+
 def test_gradient_through_replayed_tokens_is_that_of_constant_tokens():
     """Tokens are integers: a float loss indexed by replayed tokens differentiates as if the
     tokens were constants; differentiating with respect to the ids themselves is refused."""

@@ -84,6 +84,33 @@ def test_none_trace_clears_a_reused_slot():
         assert s.tolist() == [0]
 
 
+def test_add_requests_matches_add_request(rng):
+    """A block and a ragged list through ``add_requests`` replay like one ``add_request`` each."""
+    max_slots, max_len, batch = 32, 24, 40
+    block = rng.integers(0, 50_000, (12, 17))
+    ragged = [torch.from_numpy(rng.integers(0, 50_000, int(rng.integers(1, max_len + 1)))) for _ in range(6)]
+    slots = rng.permutation(max_slots)[:18].tolist()
+    lengths = {s: torch.from_numpy(rng.integers(0, 30, max_slots).astype(np.int32)) for s in ("total", "prompt")}
+    many = TraceReplayState(max_slots, max_len, device="cpu", total_len=lengths["total"], prompt_len=lengths["prompt"])
+    one = TraceReplayState(max_slots, max_len, device="cpu", total_len=lengths["total"], prompt_len=lengths["prompt"])
+    many.add_requests(slots[:12], torch.from_numpy(block))
+    many.add_requests(slots[12:], ragged)
+    for slot, tr in zip(slots, list(block) + ragged):
+        one.add_request(slot, tr)
+    sampled = rng.integers(0, 50_000, batch)
+    idx = torch.from_numpy(rng.integers(-1, max_slots, batch).astype(np.int32))
+    outs = []
+    for st in (many, one):
+        st.apply_staged_writes()
+        out = torch.from_numpy(sampled.copy())
+        st.replay(out, idx)
+        outs.append(out.numpy())
+    assert_tokens_equal(outs[0], outs[1], "add_requests vs add_request")
+    with pytest.raises(ValueError, match=r"^traces must be host data .*got a tensor on meta: pass it \.cpu\(\)"):
+        many.add_requests([0], [torch.empty(3, dtype=torch.int64, device="meta")])
+    assert many.table.pending == 0
+
+
 ADAPTER_REFUSALS = {
     "device-trace": (lambda st: st.add_request(0, torch.empty(3, dtype=torch.int64, device="meta")),
                      ValueError, r"^trace must be host data \(list, numpy array or CPU tensor\); got a tensor on meta: pass trace.cpu\(\) \(a host sync you choose to make\)$"),

@@ -8,7 +8,7 @@ to order against; the ``stream`` a caller passes is validated and otherwise unus
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -40,6 +40,21 @@ class CpuBackend:
         staged = np.empty(tokens.shape[0], dtype=np.uint32)
         copy_trace(tokens, staged, vocab_size=vocab_size)
         self._staged[slot] = staged.view(np.int32)
+
+    def stage_many(self, slots: List[int], traces, vocab_size: int | None) -> None:
+        """``stage`` for each pair in order, recorded only once every trace has passed; a 2-D
+        block is copied and checked in one pass."""
+        if isinstance(traces, np.ndarray):
+            block = np.empty(traces.shape, dtype=np.uint32)
+            copy_trace(traces, block, vocab_size=vocab_size, name="traces")
+            staged = list(block.view(np.int32))
+        else:
+            staged = []
+            for i, tokens in enumerate(traces):
+                out = np.empty(tokens.shape[0], dtype=np.uint32)
+                copy_trace(tokens, out, vocab_size=vocab_size, name=f"traces[{i}]")
+                staged.append(out.view(np.int32))
+        self._staged.update(zip(slots, staged))
 
     def clear(self, slot: int) -> None:
         self._staged[slot] = None

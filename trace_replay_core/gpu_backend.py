@@ -11,6 +11,7 @@ Memory (all owned here, freed by :meth:`GpuBackend.close`):
 Staging and its guard: ``stage`` copies tokens straight into the open pair's pinned buffer,
 checking the token ids in the same pass (:func:`~.validate.copy_trace`), and records the entry
 only once they pass: a refused trace leaves bytes past the fill mark that nothing refers to.
+``stage_many`` does the same for many traces at once (a 2-D block: one copy, one check).
 ``commit(stream)`` appends the entry table, queues one host-to-device copy of the used bytes
 and one scatter launch on ``stream``, records the pair's event and opens the next pair. A
 pair is written again only after its event has completed: the first ``stage`` into a reused
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from itertools import chain
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -135,10 +136,10 @@ class GpuBackend:
             self._prepared = True
         return pair
 
-    def _reserve(self, pair: _StagingPair, tokens_needed: int) -> None:
+    def _reserve(self, pair: _StagingPair, tokens_needed: int, new_entries: int = 1) -> None:
         """Grow the open pair, if need be, to hold ``tokens_needed`` tokens and the entry table
-        with one more entry than now."""
-        need = _round_up(tokens_needed * 4, 16) + (len(self._entries) + 1) * _META_BYTES + 16
+        with ``new_entries`` more entries than now."""
+        need = _round_up(tokens_needed * 4, 16) + (len(self._entries) + new_entries) * _META_BYTES + 16
         if need > pair.nbytes:
             with _cuda.on_device(self.device_id):
                 pair.grow(max(need, 2 * pair.nbytes), self._fill)
@@ -157,6 +158,39 @@ class GpuBackend:
         self._entries[slot] = (slot, n, start)
         self._fill = (end + _ALIGN_TOKENS - 1) & -_ALIGN_TOKENS
         self._longest = max(self._longest, n)   # an upper bound (a restaged slot may shrink): sizes the grid
+
+    def stage_many(self, slots: List[int], traces, vocab_size: int | None) -> None:
+        """Stage ``traces[i]`` for ``slots[i]``, in order, as one step: a 2-D block (one copy
+        and one check for all of it; rows padded to 16 bytes in the staging buffer) or a list
+        of :func:`~.validate.trace_array` results. All entries are recorded only once every
+        trace has passed; a refusal changes no entry, fill mark or ring position. The caller
+        holds the table's lock."""
+        pair = self._pairs[self._open] if self._prepared else self._prepare_open()
+        start = self._fill
+        if isinstance(traces, np.ndarray):
+            rows, length = traces.shape
+            stride = (length + _ALIGN_TOKENS - 1) & -_ALIGN_TOKENS
+            end = start + rows * stride
+            self._reserve(pair, end, rows)
+            copy_trace(traces, pair.tokens[start:end].reshape(rows, stride)[:, :length], vocab_size=vocab_size,
+                       name="traces")
+            entries = [(slot, length, start + i * stride) for i, slot in enumerate(slots)]
+            longest = length
+        else:
+            lengths = [t.shape[0] for t in traces]
+            end = start + sum((n + _ALIGN_TOKENS - 1) & -_ALIGN_TOKENS for n in lengths)
+            self._reserve(pair, end, len(traces))
+            entries = []
+            at = start
+            for i, (slot, tokens, n) in enumerate(zip(slots, traces, lengths)):
+                copy_trace(tokens, pair.tokens[at:at + n], vocab_size=vocab_size, name=f"traces[{i}]")
+                entries.append((slot, n, at))
+                at = (at + n + _ALIGN_TOKENS - 1) & -_ALIGN_TOKENS
+            longest = max(lengths, default=0)
+        for entry in entries:
+            self._entries[entry[0]] = entry
+        self._fill = end
+        self._longest = max(self._longest, longest)
 
     def clear(self, slot: int) -> None:
         self._entries[slot] = (slot, 0, 0)

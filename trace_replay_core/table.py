@@ -14,7 +14,7 @@ import numpy as np
 
 from .dlpack import ArrayView, as_view, check_view
 from .streams import stream_handle
-from .validate import check_positive_int, check_slot, trace_array
+from .validate import check_positive_int, check_slot, check_slots, trace_array, trace_block
 
 __all__ = ["TraceTable", "BoundReplay", "PLACEMENTS", "INDEX_DTYPES", "TOKEN_DTYPES", "parse_device", "default_device"]
 
@@ -72,10 +72,10 @@ class TraceTable:
         initial size of each (grown on demand).
 
     Ownership and blocking: the table owns all its memory. Construction and :meth:`close` are
-    host-blocking; :meth:`stage` and :meth:`clear` are host-only; :meth:`commit` and
-    :meth:`replay` are stream-ordered and never synchronise with the device (``stage`` may wait
-    for a staging buffer when ``staging_depth`` commits are still in flight). Staging methods
-    are thread-safe (one lock); replay reads no host state that staging changes.
+    host-blocking; :meth:`stage`, :meth:`stage_many` and :meth:`clear` are host-only;
+    :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
+    (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
+    Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
     """
 
     def __init__(self, max_slots: int, max_trace_len: int, *, device: Any, placement: str = "device",
@@ -162,6 +162,39 @@ class TraceTable:
             if self._closed:
                 self._live()
             self._backend.stage(slot, arr, self.vocab_size)
+
+    def stage_many(self, slots: Any, traces: Any) -> None:
+        """Stage ``traces[i]`` as the trace of ``slots[i]`` for every ``i``: the same as calling
+        :meth:`stage` for each pair in order, in one call. Host-only.
+
+        ``slots``: a sequence of ints or a 1-D integer array. ``traces``: either a 2-D integer
+        host array ``[len(slots), length]`` (every trace ``length`` tokens: the whole block is
+        copied into staging memory and checked in one pass, the fast way to admit many requests
+        at once), or a sequence of ``len(slots)`` 1-D traces of any lengths. Each trace follows
+        :meth:`stage`'s rules and is copied. A slot given twice takes its last trace. A
+        rejected call changes nothing: no trace of it is staged.
+        """
+        if self._closed:
+            self._live()                              # raises
+        slots = check_slots(slots, self.max_slots)
+        if isinstance(traces, np.ndarray) or (hasattr(traces, "__dlpack__") and not isinstance(traces, (list, tuple))):
+            traces = trace_block(traces, rows=len(slots), max_trace_len=self.max_trace_len)
+        elif isinstance(traces, (list, tuple)):
+            if len(traces) != len(slots):
+                raise ValueError(f"traces has {len(traces)} traces but slots has {len(slots)} entries")
+            traces = [trace_array(t, max_trace_len=self.max_trace_len, name=f"traces[{i}]")
+                      for i, t in enumerate(traces)]
+        else:
+            raise TypeError(f"traces must be a 2-D integer array [traces, tokens] or a list of 1-D traces "
+                            f"(got {type(traces).__name__})")
+        if not slots:
+            return
+        # The backend copies every trace into its staging memory, checking the ids on the way
+        # (validate.copy_trace), and records the entries only once all of them pass.
+        with self._lock:
+            if self._closed:
+                self._live()
+            self._backend.stage_many(slots, traces, self.vocab_size)
 
     def clear(self, slot: int) -> None:
         """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only."""

@@ -1,9 +1,10 @@
 """Host-side validation of slots and traces.
 
-``check_*`` and :func:`trace_array` only read their input. :func:`copy_trace` copies a trace
-into storage the caller owns and checks the token ids on the way: staging reads the caller's
-int32 (or narrower) data once, validates exactly the bytes it keeps, and refuses an id that
-int32 cannot hold instead of wrapping it.
+``check_*``, :func:`trace_array` and :func:`trace_block` only read their input.
+:func:`copy_trace` copies a trace (or a block of equally long traces) into storage the caller
+owns and checks the token ids on the way: staging reads the caller's int32 (or narrower) data
+once, validates exactly the bytes it keeps, and refuses an id that int32 cannot hold instead
+of wrapping it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-__all__ = ["check_positive_int", "check_slot", "check_trace", "copy_trace", "trace_array"]
+__all__ = ["check_positive_int", "check_slot", "check_slots", "check_trace", "copy_trace", "trace_array",
+           "trace_block"]
 
 INT32_MAX = 2**31 - 1
 TOKEN_LIMIT = INT32_MAX + 1     # token ids are stored as int32: without a vocabulary, below 2**31
@@ -35,6 +37,23 @@ def check_slot(slot: Any, max_slots: int, *, name: str = "slot") -> int:
     if not 0 <= int(slot) < max_slots:
         raise ValueError(f"{name} must be in [0, {max_slots}) (got {slot})")
     return int(slot)
+
+
+def check_slots(slots: Any, max_slots: int, *, name: str = "slots") -> list:
+    """Return ``slots`` (a sequence of ints or a 1-D integer array) as a list of Python ints, each
+    in ``[0, max_slots)``, or raise naming the first bad entry."""
+    if isinstance(slots, np.ndarray):
+        if slots.ndim != 1 or (slots.dtype.kind not in "iu" and slots.size):
+            raise TypeError(f"{name} must be a 1-D sequence of ints (got a {slots.ndim}-D array of {slots.dtype})")
+        values = slots.tolist()
+    elif isinstance(slots, (list, tuple, range)):
+        values = list(slots)
+    else:
+        raise TypeError(f"{name} must be a sequence of ints or a 1-D integer array (got {type(slots).__name__})")
+    for i, slot in enumerate(values):
+        if type(slot) is not int or not 0 <= slot < max_slots:
+            values[i] = check_slot(slot, max_slots, name=f"{name}[{i}]")
+    return values
 
 
 def _host_array(tokens: Any, name: str) -> np.ndarray:
@@ -71,8 +90,34 @@ def trace_array(tokens: Any, *, max_trace_len: int, name: str = "tokens") -> np.
     return arr
 
 
+def trace_block(tokens: Any, *, rows: int, max_trace_len: int, name: str = "traces") -> np.ndarray:
+    """Return ``tokens`` as a 2-D integer host numpy array ``[rows, length]`` (``rows`` traces of
+    1 to ``max_trace_len`` tokens each), or raise naming what is wrong. Token values are not
+    looked at: :func:`copy_trace` checks them. The result may share memory with ``tokens``."""
+    arr = tokens if type(tokens) is np.ndarray else _host_array(tokens, name)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D array [traces, tokens] or a list of 1-D traces "
+                         f"(got an array of shape {list(arr.shape)})")
+    if arr.shape[0] != rows:
+        raise ValueError(f"{name} has {arr.shape[0]} traces but slots has {rows} entries")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype (got {arr.dtype})")
+    n = arr.shape[1]
+    if n == 0:
+        raise ValueError(f"{name} must not be empty (got 0 tokens per trace); use clear(slot) to untrace a slot")
+    if n > max_trace_len:
+        raise ValueError(f"{name} has {n} tokens per trace; the table holds at most max_trace_len={max_trace_len}")
+    return arr
+
+
 def _value_error(values: np.ndarray, vocab_size: int | None, name: str) -> ValueError:
-    """The refusal of ``values``, which break a rule: non-negative first, then the upper limit."""
+    """The refusal of ``values``, which break a rule: non-negative first, then the upper limit.
+    For a 2-D block the message names the first trace (row) that breaks one."""
+    if values.ndim == 2:
+        limit = TOKEN_LIMIT if vocab_size is None else vocab_size
+        bad = np.nonzero(((values < 0) | (values >= limit)).any(axis=1))[0]
+        row = int(bad[0]) if bad.size else 0
+        return _value_error(values[row], vocab_size, f"{name}[{row}]")
     lo = int(values.min())
     if lo < 0:
         return ValueError(f"{name} must be non-negative (got {lo} at index {int(np.argmin(values))})")
@@ -82,22 +127,24 @@ def _value_error(values: np.ndarray, vocab_size: int | None, name: str) -> Value
 
 
 def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name: str = "tokens") -> None:
-    """Copy the token ids of ``arr`` (a :func:`trace_array` result) into ``out``, refusing any id
-    that is negative, or at least ``vocab_size`` (``2**31`` when ``None``). Host-only.
+    """Copy the token ids of ``arr`` (a :func:`trace_array` or :func:`trace_block` result) into
+    ``out``, refusing any id that is negative, or at least ``vocab_size`` (``2**31`` when
+    ``None``). Host-only.
 
-    ``out``: ``uint32``, as long as ``arr``; a uint32 view of the int32 storage that keeps the
-    trace (an id below ``2**31`` has the same bits in both). ``arr`` is read once when its
-    integers have 4 bytes or fewer. On a refusal ``out`` holds unspecified values: the caller
-    publishes it only when this returns. A value that does not fit int32 is refused, never
-    wrapped.
+    ``out``: ``uint32``, of ``arr``'s shape (a block may be a strided view, such as rows with
+    padding between them); a uint32 view of the int32 storage that keeps the trace (an id below
+    ``2**31`` has the same bits in both). ``arr`` is read once when its integers have 4 bytes or
+    fewer. On a refusal ``out`` holds unspecified values: the caller publishes it only when this
+    returns. A value that does not fit int32 is refused, never wrapped.
     """
     limit = TOKEN_LIMIT if vocab_size is None else vocab_size
     if arr.dtype.itemsize <= 4:
         # Up to 4 bytes the copy keeps every bit that matters: as uint32 a negative id becomes
         # >= 2**31 >= limit, so the largest staged value checks both bounds, on exactly the bytes
-        # that were staged, read back from cache. argmax, not max(): ~0.5 us less call overhead.
+        # that were staged, read back from cache. 1-D: argmax, not max() (~0.5 us less call
+        # overhead); a strided block: max(), which argmax would first copy to contiguous memory.
         out[...] = arr          # a C cast, like np.copyto(casting="unsafe") without its dispatch
-        if out[out.argmax()] < limit:
+        if (out[out.argmax()] if out.ndim == 1 else out.max()) < limit:
             return
         raise _value_error(out if arr.dtype.kind == "u" else out.view(np.int32), vocab_size, name)
     # 8 bytes: check before the casting copy, which keeps only the low 32 bits. As uint64 a
@@ -108,7 +155,7 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
         wide = arr.view(_UINT64)
     else:
         wide = arr
-    if wide[wide.argmax()] >= limit:
+    if (wide[wide.argmax()] if wide.ndim == 1 else wide.max()) >= limit:
         raise _value_error(arr, vocab_size, name)
     out[...] = arr
 

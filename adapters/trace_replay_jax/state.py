@@ -227,6 +227,29 @@ class TraceReplayState:
                              f"(a device-to-host copy you choose to make)")
         self.table.stage(slot, trace)
 
+    def add_requests(self, slots, traces) -> None:
+        """Several requests take ``slots`` at once, each with a trace: one call instead of one
+        :meth:`add_request` each, with the same result.
+
+        ``traces``: a 2-D host array ``[len(slots), length]`` (numpy, or a JAX array on the CPU;
+        the whole block is copied and checked in one pass), or a list of 1-D traces of any
+        lengths. Takes effect at the next :meth:`apply_staged_writes`. Host-only; a rejected
+        call changes nothing. See :meth:`trace_replay_core.TraceTable.stage_many`.
+        """
+        self._live()
+        if self._commit is not None:
+            self._commit.wait()
+        items = traces if isinstance(traces, (list, tuple)) else (traces,)
+        for item in items:
+            if isinstance(item, jax.core.Tracer):
+                raise TypeError("traces must be concrete host data; add_requests() is host-only and cannot run "
+                                "inside jax.jit or other transformations")
+            if isinstance(item, jax.Array) and any(d.platform != "cpu" for d in item.devices()):
+                raise ValueError(f"traces must be host data (lists, numpy arrays or CPU arrays); got a JAX array "
+                                 f"on {sorted(str(d) for d in item.devices())}: pass np.asarray(...) (a "
+                                 f"device-to-host copy you choose to make)")
+        self.table.stage_many(slots, traces)
+
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply."""
         self.add_request(slot, None)

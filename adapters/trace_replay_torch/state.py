@@ -103,6 +103,22 @@ class TraceReplayState:
                                  f"{trace.device}: pass trace.cpu() (a host sync you choose to make)")
             self.table.stage(slot, trace)
 
+    def add_requests(self, slots, traces) -> None:
+        """Several requests take ``slots`` at once, each with a trace: one call instead of one
+        :meth:`add_request` each, with the same result.
+
+        ``traces``: a 2-D host array or CPU tensor ``[len(slots), length]`` (the whole block is
+        copied and checked in one pass: the fast way to admit many requests in one step), or a
+        list of 1-D traces of any lengths. Host-only; a rejected call changes nothing. See
+        :meth:`trace_replay_core.TraceTable.stage_many`.
+        """
+        items = traces if isinstance(traces, (list, tuple)) else (traces,)
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.device.type != "cpu":
+                raise ValueError(f"traces must be host data (lists, numpy arrays or CPU tensors); got a tensor on "
+                                 f"{item.device}: pass it .cpu() (a host sync you choose to make)")
+        self.table.stage_many(slots, traces)
+
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply."""
         self.table.clear(slot)
