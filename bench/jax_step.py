@@ -1,9 +1,10 @@
 """What replay adds to a realistic jitted JAX decode step, by mechanism; and eager host cost.
 
 Question: how much does replay add per decode step (a) with one jitted step per Python call
-("dispatch") and (b) with 32 steps inside one ``lax.fori_loop`` ("loop"), for this library's
-path and for the other ways to run the same replay inside XLA? And how much host time does
-one eager replay call cost?
+("dispatch": wall clock, what a host-bound loop sees; "dispatch_device": device time, host
+hidden) and (b) with 32 steps inside one ``lax.fori_loop`` ("loop"), for this library's path and
+for the other ways to run the same replay inside XLA? And how much host time does one eager
+replay call cost?
 
 Step (FACTS.md): B = 256 rows, 8 bf16 matmuls 256x1024x1024 with tanh, a projection to 32,000
 logits, argmax to int32, then replay; the next hidden state is the embedding of the replayed
@@ -31,16 +32,28 @@ dispatch) and of the alternatives: the core's kernel reached over DLPack (``__dl
 export, replay on a side stream, ``jax.dlpack.from_dlpack`` back with the stream handshake),
 and a jitted ``buffer_callback`` replay called eagerly.
 
-Method: wall clock per step over back-to-back calls, the device synchronised at the end of each
-round and counted (the step is GPU-bound, so this is device time unless the host falls behind);
-mechanisms interleaved round by round; p20/p50/p80 over rounds; ``added_us_p50`` is the
-difference of medians with ``none`` in the same flag set and mode. Eager host time: calls in a
-round without synchronisation, the device synchronised between rounds (not counted).
+Method: "dispatch" and "loop": wall clock per step over back-to-back calls, the device
+synchronised at the end of each round and counted. On the H200 one dispatch (~130-150 us of
+host) outlasts the step (~105 us), so "dispatch" is host-bound: it shows what a one-call-per-step
+user sees, and its ``added_us_p50`` is mostly host noise. "dispatch_device": the same calls with
+the host hidden: a jitted busy program (a ``lax.fori_loop`` of bf16 matmuls on its own data,
+sized once at start-up to 1.5x the host time of K = 24 dispatches, at least 3 ms) is dispatched,
+then K dependent steps queue behind it on the device's one stream (K stays below JAX's ~32
+programs in flight); T1 = busy + steps, dispatch to block; T0 = busy alone, same round; device
+time per step = (T1 - T0) / K. It includes what replay adds on the device (kernels, launch gaps
+inside a program, a ``buffer_callback``'s Python if it runs while the device is busy), not the
+host's dispatch cost ("dispatch" shows that). ``host_hidden`` is False when in some round the
+host's dispatch of busy + K steps took longer than T0 (then host gaps are timed: do not trust
+the row). All modes: mechanisms interleaved round by round; p20/p50/p80 over rounds;
+``added_us_p50`` is the difference of medians with ``none`` in the same flag set and mode. Eager
+host time: calls in a round without synchronisation, the device synchronised between rounds
+(not counted).
 
 Run: ``python bench/jax_step.py`` on the GPU (about 2-3 minutes, three child processes; writes
 ``bench/results/jax_step.json``; under ``bench/run_all.sh`` give it ``BENCH_TIMEOUT_S=400``).
 To include jax-triton, make its wheel importable (``PYTHONPATH``) first. ``--smoke`` runs a tiny
-version on the CPU and writes nothing.
+version on the CPU and writes nothing (its "dispatch_device" rows carry ``smoke=True``: XLA's CPU
+runtime need not queue programs as a GPU stream does, so they only exercise the code).
 """
 
 from __future__ import annotations
@@ -60,9 +73,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 FULL = dict(batch=256, hidden=1024, layers=8, vocab=32_000, max_slots=1024, max_trace_len=8192,
-            loop_steps=32, pad_rows=16, rounds=15, dispatch_calls=200, loop_calls=8, eager_calls=1000)
+            loop_steps=32, pad_rows=16, rounds=15, dispatch_calls=200, loop_calls=8, eager_calls=1000,
+            queue_steps=24, busy_size=4096, busy_calib_iters=16, busy_min_us=3000.0)
 SMOKE = dict(batch=16, hidden=64, layers=2, vocab=500, max_slots=32, max_trace_len=64,
-             loop_steps=4, pad_rows=2, rounds=3, dispatch_calls=5, loop_calls=2, eager_calls=50)
+             loop_steps=4, pad_rows=2, rounds=3, dispatch_calls=5, loop_calls=2, eager_calls=50,
+             queue_steps=3, busy_size=32, busy_calib_iters=64, busy_min_us=200.0)
+BUSY_HOST_FACTOR = 1.5   # the busy program lasts this many times the host time of queue_steps dispatches
 CMD_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
                     "--xla_gpu_graph_min_graph_size=1")
 GPU_MECHANISMS = ("none", "trace_replay_jax", "plain_jnp", "buffer_callback", "buffer_callback_cmdbuf")
@@ -236,7 +252,81 @@ def make_step_fns(replay, setup):
     return jax.jit(step), jax.jit(loop)
 
 
-def child(cfg, config_name, mechanisms, out_path, process):
+class Busy:
+    """A jitted program that keeps the device busy for about ``target_us``, on data of its own.
+
+    A ``lax.fori_loop`` (static trip count: no host round trip per iteration) of bf16 matmuls
+    ``busy_size`` square; the trip count comes from timing ``busy_calib_iters`` iterations once."""
+
+    def __init__(self, cfg, device, target_us):
+        import jax
+        import jax.numpy as jnp
+
+        n = cfg["busy_size"]
+        rng = np.random.default_rng(2)
+        self.a, self.b = (jax.device_put((rng.standard_normal((n, n)) / np.sqrt(n)).astype(jnp.bfloat16), device)
+                          for _ in range(2))
+
+        def busy(a, b, iters):
+            body = lambda i, x: jnp.dot(x, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+            return jax.lax.fori_loop(0, iters, body, a)
+
+        self.fn = jax.jit(busy, static_argnums=2)
+        calib = cfg["busy_calib_iters"]
+        self.iters = calib
+        jax.block_until_ready(self())                  # compile
+        per_iter = min(self.time_us() for _ in range(3)) / calib
+        self.iters = max(1, int(np.ceil(target_us / per_iter)))
+        jax.block_until_ready(self())                  # compile the final trip count
+        self.target_us = target_us
+
+    def __call__(self):
+        return self.fn(self.a, self.b, self.iters)
+
+    def time_us(self):
+        t0 = time.perf_counter()
+        self().block_until_ready()
+        return (time.perf_counter() - t0) * 1e6
+
+
+def enqueue_us(dispatch, args, setup, k):
+    """Host time to dispatch ``k`` dependent steps (the device idle at the start), in us."""
+    import jax
+    x, total = setup.x0, setup.total0
+    t0 = time.perf_counter()
+    for _ in range(k):
+        x, total, toks = dispatch(*args, x, total, setup.prompt, setup.idx)
+    t1 = time.perf_counter()
+    jax.block_until_ready(toks)
+    return (t1 - t0) * 1e6
+
+
+def queued_sample(busy, dispatch, args, setup, k):
+    """One "dispatch_device" sample, in us: (T0 busy alone, T1 busy + ``k`` queued steps, host
+    time to dispatch the busy program, host time to dispatch the ``k`` steps after it). The
+    device is idle at the start."""
+    import jax
+    t_alone = busy.time_us()
+    x, total = setup.x0, setup.total0
+    t0 = time.perf_counter()
+    out = busy()
+    t1 = time.perf_counter()
+    for _ in range(k):
+        x, total, toks = dispatch(*args, x, total, setup.prompt, setup.idx)
+    t2 = time.perf_counter()
+    jax.block_until_ready((out, toks))
+    t3 = time.perf_counter()
+    return t_alone, (t3 - t0) * 1e6, (t1 - t0) * 1e6, (t2 - t1) * 1e6
+
+
+def make_busy(cfg, device, runners, setup):
+    """The busy program, sized to BUSY_HOST_FACTOR x the slowest host enqueue of queue_steps steps."""
+    k = cfg["queue_steps"]
+    host = max(np.median([enqueue_us(d, args, setup, k) for _ in range(3)]) for d, _, args, _ in runners.values())
+    return Busy(cfg, device, max(cfg["busy_min_us"], BUSY_HOST_FACTOR * float(host))), float(host)
+
+
+def child(cfg, config_name, mechanisms, out_path, process, smoke=False):
     import jax
 
     try:
@@ -264,6 +354,15 @@ def child(cfg, config_name, mechanisms, out_path, process):
             rows.append(dict(row, mode="compile", error=f"{type(exc).__name__}: {exc}"[:2000]))
             traceback.print_exc()
     times = {(n, m): [] for n in runners for m in ("dispatch", "loop")}
+    busy, queued = None, {n: [] for n in runners}    # queued: queued_sample()s, one a round
+    k = cfg["queue_steps"]
+    if runners:
+        try:
+            busy, host_k_us = make_busy(cfg, device, runners, setup)
+        except Exception as exc:  # noqa: BLE001
+            rows.extend(dict(config=config_name, mechanism=n, mode="dispatch_device", process=process,
+                             error=f"busy program: {type(exc).__name__}: {exc}"[:2000]) for n in runners)
+            traceback.print_exc()
     for _ in range(cfg["rounds"]):
         for name, (dispatch, loop, args, _) in runners.items():
             x, total = setup.x0, setup.total0
@@ -279,11 +378,27 @@ def child(cfg, config_name, mechanisms, out_path, process):
                 x, total, toks = loop(*args, x, total, setup.prompt, setup.idx)
             toks.block_until_ready()
             times[name, "loop"].append((time.perf_counter() - t0) / (cfg["loop_calls"] * cfg["loop_steps"]) * 1e6)
+            if busy is not None:
+                queued[name].append(queued_sample(busy, dispatch, args, setup, k))
     for (name, mode), samples in times.items():
         toks = runners[name][3]
         match = None if reference is None or name == "none" else bool(np.array_equal(toks, reference))
         rows.append(dict(config=config_name, mechanism=name, mode=mode, tokens_match=match, process=process,
                          steps_per_call=1 if mode == "dispatch" else cfg["loop_steps"], **percentiles(samples)))
+    for name, samples in queued.items():
+        if busy is None or not samples:
+            continue
+        t_alone, t_queued, busy_disp, enq = (np.asarray(v) for v in zip(*samples))
+        match = None if reference is None or name == "none" else bool(np.array_equal(runners[name][3], reference))
+        rows.append(dict(config=config_name, mechanism=name, mode="dispatch_device", tokens_match=match,
+                         process=process, steps_per_call=1, queue_steps=k, busy_iters=busy.iters,
+                         busy_target_us=busy.target_us, host_k_steps_us=host_k_us,
+                         busy_us_p50=float(np.median(t_alone)), busy_us_min=float(t_alone.min()),
+                         busy_dispatch_us_max=float(busy_disp.max()),
+                         enqueue_us_p50=float(np.median(enq)), enqueue_us_max=float(enq.max()),
+                         # the host done queueing before the busy program alone was done, every round
+                         host_hidden=bool(np.all(busy_disp + enq < t_alone)), smoke=smoke,
+                         **percentiles((t_queued - t_alone) / k)))
     if config_name == "default" and process == "main":
         rows.extend(dict(r, process=process) for r in eager_rows(cfg, setup, device))
     with open(out_path, "w") as f:
@@ -391,7 +506,6 @@ def eager_rows(cfg, setup, device):
         match = None if name == "jit_dispatch_floor" else bool(np.array_equal(results[name], want))
         rows.append(dict(config="default", mechanism=name, mode="eager_host", steps_per_call=1,
                          tokens_match=match, **percentiles(s)))
-    del jnp
     return rows
 
 
@@ -452,7 +566,7 @@ def main():
     a = ap.parse_args()
     cfg = SMOKE if a.smoke else FULL
     if a.child:
-        child(cfg, a.child, a.mechanisms.split(","), a.out, a.process)
+        child(cfg, a.child, a.mechanisms.split(","), a.out, a.process, smoke=a.smoke)
         return
     gpu = jax_sees_a_gpu()
     if not gpu and not a.smoke:
@@ -473,11 +587,17 @@ def main():
     rows = summarise(rows)
     for r in rows:
         if "us_p50" in r:
-            print(f"{r['config']:16s} {r['process']:10s} {r['mechanism']:26s} {r['mode']:10s} "
+            queued = ""
+            if r["mode"] == "dispatch_device":
+                queued = (f"  busy {r['busy_us_p50']:.0f} us, enqueue max {r['enqueue_us_max']:.0f} us, "
+                          f"host_hidden={r['host_hidden']}" + (" (smoke)" if r.get("smoke") else "")
+                          + ("" if r["host_hidden"] else "  WARNING: host not hidden, not device time"))
+            print(f"{r['config']:16s} {r['process']:10s} {r['mechanism']:26s} {r['mode']:15s} "
                   f"p50 {r['us_p50']:9.2f} us/step (p20 {r['us_p20']:.2f}, p80 {r['us_p80']:.2f})  "
-                  f"added {r.get('added_us_p50', float('nan')):7.2f}  tokens_match={r.get('tokens_match')}", flush=True)
+                  f"added {r.get('added_us_p50', float('nan')):7.2f}  tokens_match={r.get('tokens_match')}{queued}",
+                  flush=True)
         else:
-            print(f"{r['config']:16s} {r.get('process')} {r['mechanism']:26s} {r['mode']:10s} "
+            print(f"{r['config']:16s} {r.get('process')} {r['mechanism']:26s} {r['mode']:15s} "
                   f"ERROR {r.get('error')}", flush=True)
     if a.smoke:
         return

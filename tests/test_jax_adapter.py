@@ -240,7 +240,7 @@ def test_add_requests_matches_add_request(rng):
     ragged = [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))) for _ in range(4)]
     with TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as many, \
             TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as one:
-        many.add_requests(slots[:4], jnp.asarray(block[:4], jnp.int32))
+        many.add_requests(slots[:4], jax.device_put(block[:4].astype(np.int32), CPU))
         many.add_requests(slots[4:8], block[4:])
         many.add_requests(slots[8:], ragged)
         for slot, tr in zip(slots, list(block) + ragged):
