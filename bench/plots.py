@@ -29,8 +29,12 @@ STYLE = {"device": "-", "host_mapped": "--"}
 PATH_LABELS = {"torch_eager": "torch eager (host time)", "torch_cuda_graph": "CUDA graph replay (host time)",
                "kernel_device": "kernel (device time)", "jax_jit": "JAX inside jit (added per fori_loop step)",
                "jax_jit_baseline": "JAX fori_loop step without replay"}
-STAGING_METRICS = (("stage_host", "stage (host)"), ("commit_device", "commit (device)"),
-                   ("end_to_end", "stage + commit + sync"))
+# (metric, api, label); rows written before the api axis existed count as api "stage"
+STAGING_METRICS = (("stage_host", "stage", "stage, one call per trace (host)"),
+                   ("stage_host", "stage_many", "stage_many, one call (host)"),
+                   ("commit_device", "stage", "commit (device)"),
+                   ("end_to_end", "stage", "stage + commit + sync"),
+                   ("end_to_end", "stage_many", "stage_many + commit + sync"))
 
 
 def load(results: str, name: str):
@@ -156,16 +160,19 @@ def staging_bandwidth(results, staging) -> None:
         sub = [r for r in rows if r["placement"] == placement_name]
         configs = sorted({(r["n_traces"], r["trace_tokens"]) for r in sub})
         width = 0.8 / len(STAGING_METRICS)
-        for m, (metric, label) in enumerate(STAGING_METRICS):
-            pts = {(r["n_traces"], r["trace_tokens"]): r for r in sub if r["metric"] == metric}
+        for m, (metric, api, label) in enumerate(STAGING_METRICS):
+            pts = {(r["n_traces"], r["trace_tokens"]): r for r in sub
+                   if r["metric"] == metric and r.get("api", "stage") == api}
             xs = [i + (m - (len(STAGING_METRICS) - 1) / 2) * width for i in range(len(configs))]
             ys = [pts[c]["gbps_p50"] if c in pts else 0.0 for c in configs]
             lo = [max(0.0, y - pts[c]["gbps_p20"]) if c in pts else 0.0 for c, y in zip(configs, ys)]
             hi = [max(0.0, pts[c]["gbps_p80"] - y) if c in pts else 0.0 for c, y in zip(configs, ys)]
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=label)
         # The ceiling each bar is compared with (staging.py's docstring says which is which).
-        colors = ("tab:blue", "tab:orange", "tab:green")
-        for (metric, label), color in zip(STAGING_METRICS, colors):
+        colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+        for (metric, api, label), color in zip(STAGING_METRICS, colors):
+            if api != "stage":
+                continue                                  # same ceiling as the stage bars
             ceiling = next((r for r in sub if r["metric"] == metric and r.get("ceiling_gbps")), None)
             if ceiling:
                 g = ceiling["ceiling_gbps"]
@@ -212,7 +219,7 @@ def summary(results, launch, staging, placement, scaling, logprob=None) -> None:
                   table([dict(r, fraction_of_ceiling=(f"{r['fraction_of_ceiling']:.0%}"
                                                       if r.get("fraction_of_ceiling") is not None else ""))
                          for r in staging if r.get("kind") == "staging"],
-                        ["placement", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50", "ceiling",
+                        ["placement", "api", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50", "ceiling",
                          "fraction_of_ceiling"]), ""]
     if placement:
         timing = {(r["trace_tokens"], r["batch"], r["placement"], r["provider"]): r["us_p50"]
