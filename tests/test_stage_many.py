@@ -61,7 +61,7 @@ def test_strided_and_foreign_blocks(rng, make_table):
     t.stage_many(np.array([4, 5], np.int16), np.asfortranarray(wide[:2, :9]))
     expected = {s: wide[s, ::2] for s in range(4)} | {4: wide[0, :9], 5: wide[1, :9]}
     torch = pytest.importorskip("torch")
-    t.stage_many(range(6, 9), torch.from_numpy(wide[:3, :33].copy()))  # a CPU tensor, over DLPack
+    t.stage_many(torch.arange(6, 9), torch.from_numpy(wide[:3, :33].copy()))  # CPU tensors, over DLPack
     expected |= {6 + i: wide[i, :33] for i in range(3)}
     t.commit(stream=0)
     expect_rows(t, expected)
@@ -112,6 +112,8 @@ def _refusals(rng, vocab, max_len):
         ("slots-2d", np.zeros((3, 1), np.int64), good, TypeError,
          r"^slots must be a 1-D sequence of ints \(got a 2-D array of int64\)$"),
         ("slots-scalar", 3, good, TypeError, r"^slots must be a sequence of ints or a 1-D integer array \(got int\)$"),
+        ("slots-float-array", np.array([1.0, 2.0, 3.0]), good, TypeError,
+         r"^slots must be a 1-D sequence of ints \(got a 1-D array of float64\)$"),
         ("rows-mismatch", [1, 2], good, ValueError, r"^traces has 3 traces but slots has 2 entries$"),
         ("list-mismatch", [1, 2], [[1], [2], [3]], ValueError, r"^traces has 3 traces but slots has 2 entries$"),
         ("1-d", [1, 2, 3], good[0], ValueError,
@@ -196,3 +198,28 @@ def test_gpu_stage_many_matches_stage(rng, placement):
         assert np.array_equal(got[0][slot, :n], want[0][slot, :n]), f"slot {slot} differs"
     many.close()
     one.close()
+
+
+@pytest.mark.parametrize("length", [8192, 8190, 70_000])
+def test_blocks_larger_than_a_check_piece(rng, make_table, length):
+    """Blocks staged piece by piece (``validate.CHECK_CHUNK_BYTES``): every piece lands, and a bad
+    id in a later piece is refused naming its trace, with nothing staged."""
+    from trace_replay_core.validate import CHECK_CHUNK_BYTES
+    rows = 3 * CHECK_CHUNK_BYTES // (4 * length) + 2          # at least three pieces (or one row each)
+    t = make_table(rows + 2, length, vocab_size=150_000)
+    slots = rng.permutation(rows + 2)[:rows]
+    block = rng.integers(1, 150_000, (rows, length)).astype(np.int32)
+    bad = block.copy()
+    bad[rows - 1, length // 3] = 150_000
+    with pytest.raises(ValueError, match=rf"^traces\[{rows - 1}\] must be below vocab_size=150000 "
+                                         rf"\(got 150000 at index {length // 3}\)$"):
+        t.stage_many(slots, bad)
+    assert t.pending == 0
+    bad[rows - 1, length // 3] = 5
+    bad[1, 0] = -2                                            # an earlier piece: found first
+    with pytest.raises(ValueError, match=r"^traces\[1\] must be non-negative \(got -2 at index 0\)$"):
+        t.stage_many(slots, bad)
+    t.stage_many(slots, block)
+    t.commit(stream=0)
+    expect_rows(t, dict(zip(slots.tolist(), block)))
+    t.close()

@@ -167,7 +167,7 @@ class TraceTable:
         """Stage ``traces[i]`` as the trace of ``slots[i]`` for every ``i``: the same as calling
         :meth:`stage` for each pair in order, in one call. Host-only.
 
-        ``slots``: a sequence of ints or a 1-D integer array. ``traces``: either a 2-D integer
+        ``slots``: a sequence of ints or a 1-D integer host array. ``traces``: either a 2-D integer
         host array ``[len(slots), length]`` (every trace ``length`` tokens: the whole block is
         copied into staging memory and checked in one pass, the fast way to admit many requests
         at once), or a sequence of ``len(slots)`` 1-D traces of any lengths. Each trace follows
