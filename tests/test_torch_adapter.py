@@ -106,7 +106,8 @@ def test_add_requests_matches_add_request(rng):
         st.replay(out, idx)
         outs.append(out.numpy())
     assert_tokens_equal(outs[0], outs[1], "add_requests vs add_request")
-    with pytest.raises(ValueError, match=r"^traces must be host data .*got a tensor on meta: pass it \.cpu\(\)"):
+    on_device = r"^traces\[0\] must be host data .*got a tensor on meta: pass traces\[0\]\.cpu\(\)"
+    with pytest.raises(ValueError, match=on_device):
         many.add_requests([0], [torch.empty(3, dtype=torch.int64, device="meta")])
     assert many.table.pending == 0
 

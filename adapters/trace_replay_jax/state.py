@@ -71,6 +71,17 @@ def _refuse_traced(args, name: str) -> None:
         raise ValueError(_IN_JIT.format(name=name))
 
 
+def _check_host(trace, name: str, method: str) -> None:
+    """Refuse trace data that is traced or lives on a device: staging reads host memory only."""
+    if isinstance(trace, jax.core.Tracer):
+        raise TypeError(f"{name} must be concrete host data; {method}() is host-only and cannot run "
+                        f"inside jax.jit or other transformations")
+    if isinstance(trace, jax.Array) and any(d.platform != "cpu" for d in trace.devices()):
+        raise ValueError(f"{name} must be host data (a list, a numpy array or a CPU array); got a JAX "
+                         f"array on {sorted(str(d) for d in trace.devices())}: pass np.asarray({name}) "
+                         f"(a device-to-host copy you choose to make)")
+
+
 _IN_JIT = ("state.{name}() cannot be used inside jax.jit, lax loops or other transformations (got traced "
            "arrays): pass state.tables into the jitted function as an argument and call "
            "trace_replay_jax.{name}(tables, ...) there")
@@ -218,13 +229,7 @@ class TraceReplayState:
         if trace is None:
             self.table.clear(slot)
             return
-        if isinstance(trace, jax.core.Tracer):
-            raise TypeError("trace must be concrete host data; add_request() is host-only and cannot run "
-                            "inside jax.jit or other transformations")
-        if isinstance(trace, jax.Array) and any(d.platform != "cpu" for d in trace.devices()):
-            raise ValueError(f"trace must be host data (a list, a numpy array or a CPU array); got a JAX "
-                             f"array on {sorted(str(d) for d in trace.devices())}: pass np.asarray(trace) "
-                             f"(a device-to-host copy you choose to make)")
+        _check_host(trace, "trace", "add_request")
         self.table.stage(slot, trace)
 
     def add_requests(self, slots, traces) -> None:
@@ -239,15 +244,11 @@ class TraceReplayState:
         self._live()
         if self._commit is not None:
             self._commit.wait()
-        items = traces if isinstance(traces, (list, tuple)) else (traces,)
-        for item in items:
-            if isinstance(item, jax.core.Tracer):
-                raise TypeError("traces must be concrete host data; add_requests() is host-only and cannot run "
-                                "inside jax.jit or other transformations")
-            if isinstance(item, jax.Array) and any(d.platform != "cpu" for d in item.devices()):
-                raise ValueError(f"traces must be host data (lists, numpy arrays or CPU arrays); got a JAX array "
-                                 f"on {sorted(str(d) for d in item.devices())}: pass np.asarray(...) (a "
-                                 f"device-to-host copy you choose to make)")
+        if isinstance(traces, (list, tuple)):
+            for i, trace in enumerate(traces):
+                _check_host(trace, f"traces[{i}]", "add_requests")
+        else:
+            _check_host(traces, "traces", "add_requests")
         self.table.stage_many(slots, traces)
 
     def remove_request(self, slot: int) -> None:

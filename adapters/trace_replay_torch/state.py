@@ -21,6 +21,13 @@ __all__ = ["TraceReplayState"]
 _VIEW_CACHE_SIZE = 32
 
 
+
+def _check_host(trace, name: str) -> None:
+    """Refuse trace data that lives on a device: staging reads host memory only."""
+    if isinstance(trace, torch.Tensor) and trace.device.type != "cpu":
+        raise ValueError(f"{name} must be host data (list, numpy array or CPU tensor); got a tensor on "
+                         f"{trace.device}: pass {name}.cpu() (a host sync you choose to make)")
+
 class TraceReplayState:
     """Per-slot traces for a PyTorch decode loop, replayed onto the sampler's output.
 
@@ -98,9 +105,7 @@ class TraceReplayState:
         if trace is None:
             self.table.clear(slot)
         else:
-            if isinstance(trace, torch.Tensor) and trace.device.type != "cpu":
-                raise ValueError(f"trace must be host data (list, numpy array or CPU tensor); got a tensor on "
-                                 f"{trace.device}: pass trace.cpu() (a host sync you choose to make)")
+            _check_host(trace, "trace")
             self.table.stage(slot, trace)
 
     def add_requests(self, slots, traces) -> None:
@@ -112,11 +117,11 @@ class TraceReplayState:
         list of 1-D traces of any lengths. Host-only; a rejected call changes nothing. See
         :meth:`trace_replay_core.TraceTable.stage_many`.
         """
-        items = traces if isinstance(traces, (list, tuple)) else (traces,)
-        for item in items:
-            if isinstance(item, torch.Tensor) and item.device.type != "cpu":
-                raise ValueError(f"traces must be host data (lists, numpy arrays or CPU tensors); got a tensor on "
-                                 f"{item.device}: pass it .cpu() (a host sync you choose to make)")
+        if isinstance(traces, (list, tuple)):
+            for i, trace in enumerate(traces):
+                _check_host(trace, f"traces[{i}]")
+        else:
+            _check_host(traces, "traces")
         self.table.stage_many(slots, traces)
 
     def remove_request(self, slot: int) -> None:
