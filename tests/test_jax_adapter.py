@@ -254,6 +254,17 @@ def test_add_requests_matches_add_request(rng):
         assert many.pending == 0
 
 
+def test_traced_trace_data_is_refused_with_the_fix():
+    with TraceReplayState(4, 8, device="cpu") as state:
+        for call, pattern in (
+                (lambda t: state.add_request(0, t), r"^trace must be concrete host data; add_request\(\) is host-only"),
+                (lambda t: state.add_requests([0], t[None]), r"^traces must be concrete host data; add_requests\(\)"),
+                (lambda t: state.add_requests([0, 1], [[1], t]), r"^traces\[1\] must be concrete host data")):
+            with pytest.raises(TypeError, match=pattern):
+                jax.jit(call)(jnp.arange(3, dtype=jnp.int32))
+            assert state.pending == 0
+
+
 def test_gradient_through_replayed_tokens_is_that_of_constant_tokens():
     """Tokens are integers: a float loss indexed by replayed tokens differentiates as if the
     tokens were constants; differentiating with respect to the ids themselves is refused."""
@@ -487,6 +498,22 @@ def _dep_zero(slow_out):
 def _dep_tokens(slow_out, values, device):
     """int32 tokens equal to ``values`` that JAX can only compute after ``slow_out`` (one program)."""
     return _dep_zero(slow_out) + jax.device_put(np.asarray(values, np.int32), device)
+
+
+@pytest.mark.gpu
+def test_gpu_trace_data_on_the_gpu_is_refused_with_the_fix():
+    gpu = jax_gpu()
+    on_gpu = jax.device_put(np.arange(1, 7, dtype=np.int32).reshape(2, 3), gpu)
+    with TraceReplayState(4, 8, device=gpu) as state:
+        with pytest.raises(ValueError, match=r"^trace must be host data .*: pass np\.asarray\(trace\) \(a device"):
+            state.add_request(0, on_gpu[0])
+        with pytest.raises(ValueError, match=r"^traces must be host data .*: pass np\.asarray\(traces\)"):
+            state.add_requests([0, 1], on_gpu)
+        with pytest.raises(ValueError, match=r"^traces\[1\] must be host data .*: pass np\.asarray\(traces\[1\]\)"):
+            state.add_requests([0, 1], [[1], on_gpu[1]])
+        assert state.pending == 0
+        state.add_requests([0, 1], np.asarray(on_gpu))
+        assert state.pending == 2
 
 
 @pytest.mark.gpu
