@@ -7,9 +7,9 @@ when present, ``jax_step.json``) exists and writes, next to them:
   eager host time, CUDA graph replay host time, kernel device time, JAX rows when present) for
   each placement, 8K-token traces (``scaling.json``). Right: kernel device time for each trace
   length and placement (``placement.json``). Lines are p50, bands p20-p80.
-- ``staging_bandwidth.png``: GB/s of ``stage``, of the commit on the device and end to end, per
-  (traces x tokens) and placement, next to the copy ceilings measured in the same run
-  (``staging.json``).
+- ``staging_bandwidth.png``: GB/s of ``stage`` and ``stage_many``, of the commit on the device
+  and end to end, per (traces x tokens) and placement, next to the copy ceilings measured in the
+  same run (``staging.json``).
 - ``summary.md``: the Markdown tables that ``bench/README.md`` quotes.
 
 Missing inputs are skipped with a message. Uses matplotlib's Agg backend (no display).
