@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import test_staging
-from test_staging import committed, expect_rows, staged_state
+from test_staging import assert_unchanged, everything, expect_rows
 
 from trace_replay_core import TraceTable
 
@@ -140,17 +140,13 @@ def test_refused_calls_change_nothing(rng, make_table):
     first = {s: rng.integers(1, vocab, int(rng.integers(1, max_len + 1))) for s in (0, 1, 5)}
     t.stage_many(list(first), list(first.values()))
     t.commit(stream=0)
-    table0, lens0 = committed(t)
     t.stage_many([1, 3], rng.integers(1, vocab, (2, 7)))
     t.clear(5)
-    pending0, staged0 = t.pending, staged_state(t)
+    state0 = everything(t)
     for case, slots, traces, exc, pattern in _refusals(rng, vocab, max_len):
         with pytest.raises(exc, match=pattern):
             t.stage_many(slots, traces)
-        assert t.pending == pending0, case
-        assert staged_state(t) == staged0, f"{case}: staging changed"
-        table1, lens1 = committed(t)
-        assert np.array_equal(table0, table1) and np.array_equal(lens0, lens1), f"{case}: table changed"
+        assert_unchanged(t, state0, case)
     t.close()
 
 

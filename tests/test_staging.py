@@ -239,6 +239,20 @@ def staged_state(t: TraceTable):
             "bytes": pair.tokens[:b._fill].tolist()}
 
 
+def everything(t: TraceTable):
+    """(pending, staged state, committed table and lengths): what a refused call must leave alone."""
+    return t.pending, staged_state(t), committed(t)
+
+
+def assert_unchanged(t: TraceTable, before, case: str) -> None:
+    """Fail, naming ``case``, if anything :func:`everything` took in ``before`` has changed."""
+    pending0, staged0, (table0, lens0) = before
+    assert t.pending == pending0, case
+    assert staged_state(t) == staged0, f"{case}: staging changed"
+    table1, lens1 = committed(t)
+    assert np.array_equal(table0, table1) and np.array_equal(lens0, lens1), f"{case}: table changed"
+
+
 def expect_rows(t: TraceTable, traces: dict):
     table, lens = committed(t)
     for slot in range(t.max_slots):
@@ -382,21 +396,17 @@ def test_refused_traces_change_nothing(rng, make_table):
     for slot, tr in first.items():
         t.stage(slot, tr)
     t.commit(stream=0)
-    table0, lens0 = committed(t)
     later = {1: rng.integers(1, vocab, max_len), 3: rng.integers(1, vocab, 3).astype(np.int32)}
     for slot, tr in later.items():
         t.stage(slot, tr)
     t.clear(5)
-    pending0, staged0 = t.pending, staged_state(t)
+    state0 = everything(t)
     for case, tokens, exc, pattern in _refusals(rng, max_len, vocab):
         for slot in (1, 2):                                  # a staged slot and a fresh one
             before = tokens.copy() if isinstance(tokens, np.ndarray) else list(tokens)
             with pytest.raises(exc, match=pattern):
                 t.stage(slot, tokens)
-            assert t.pending == pending0, case
-            assert staged_state(t) == staged0, f"{case}: staging changed"
-            table1, lens1 = committed(t)
-            assert np.array_equal(table0, table1) and np.array_equal(lens0, lens1), f"{case}: table changed"
+            assert_unchanged(t, state0, case)
             assert np.array_equal(np.asarray(before), np.asarray(tokens)), f"{case}: input changed"
     t.commit(stream=0)
     expect_rows(t, {0: first[0], 1: later[1], 3: later[3]})

@@ -177,13 +177,13 @@ class TraceTable:
         if self._closed:
             self._live()                              # raises
         slots = check_slots(slots, self.max_slots)
-        if isinstance(traces, np.ndarray) or (hasattr(traces, "__dlpack__") and not isinstance(traces, (list, tuple))):
-            traces = trace_block(traces, rows=len(slots), max_trace_len=self.max_trace_len)
-        elif isinstance(traces, (list, tuple)):
+        if isinstance(traces, (list, tuple)):
             if len(traces) != len(slots):
                 raise ValueError(f"traces has {len(traces)} traces but slots has {len(slots)} entries")
             traces = [trace_array(t, max_trace_len=self.max_trace_len, name=f"traces[{i}]")
                       for i, t in enumerate(traces)]
+        elif isinstance(traces, np.ndarray) or hasattr(traces, "__dlpack__"):
+            traces = trace_block(traces, rows=len(slots), max_trace_len=self.max_trace_len)
         else:
             raise TypeError(f"traces must be a 2-D integer array [traces, tokens] or a list of 1-D traces "
                             f"(got {type(traces).__name__})")

@@ -28,6 +28,7 @@ def _check_host(trace, name: str) -> None:
         raise ValueError(f"{name} must be host data (list, numpy array or CPU tensor); got a tensor on "
                          f"{trace.device}: pass {name}.cpu() (a host sync you choose to make)")
 
+
 class TraceReplayState:
     """Per-slot traces for a PyTorch decode loop, replayed onto the sampler's output.
 
