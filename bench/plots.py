@@ -215,6 +215,11 @@ def summary(results, launch, staging, placement, scaling, logprob=None) -> None:
         parts += ["## staging.py: ceilings", "",
                   table([r for r in staging if r.get("kind") == "ceiling"],
                         ["ceiling", "bytes", "gbps_p50", "gbps_p20", "gbps_p80"]), "",
+                  "## staging.py: the copy alone (no id check, no bookkeeping), against host_memcpy", "",
+                  table([dict(r, fraction_of_ceiling=f"{r['fraction_of_ceiling']:.0%}")
+                         for r in staging if r.get("kind") == "bare_copy"],
+                        ["n_traces", "trace_tokens", "us_p50", "us_p20", "us_p80", "gbps_p50",
+                         "fraction_of_ceiling"]), "",
                   "## staging.py: GB/s = traces x tokens x 4 B / time", "",
                   table([dict(r, fraction_of_ceiling=(f"{r['fraction_of_ceiling']:.0%}"
                                                       if r.get("fraction_of_ceiling") is not None else ""))
