@@ -9,7 +9,7 @@ when present, ``jax_step.json``) exists and writes, next to them:
   length and placement (``placement.json``). Lines are p50, bands p20-p80.
 - ``staging_bandwidth.png``: GB/s of ``stage`` and ``stage_many``, of the commit on the device
   and end to end, per (traces x tokens) and placement, next to the copy ceilings measured in the
-  same run (``staging.json``).
+  same run and, as black marks, the bare host copy of the same bytes (``staging.json``).
 - ``summary.md``: the Markdown tables that ``bench/README.md`` quotes.
 
 Missing inputs are skipped with a message. Uses matplotlib's Agg backend (no display).
@@ -168,6 +168,13 @@ def staging_bandwidth(results, staging) -> None:
             lo = [max(0.0, y - pts[c]["gbps_p20"]) if c in pts else 0.0 for c, y in zip(configs, ys)]
             hi = [max(0.0, pts[c]["gbps_p80"] - y) if c in pts else 0.0 for c, y in zip(configs, ys)]
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=label)
+        # The copy alone (no id check, no bookkeeping), where the run measured it: host-only, so
+        # the same marks on both panels.
+        bare = {(r["n_traces"], r["trace_tokens"]): r for r in staging if r.get("kind") == "bare_copy"}
+        marks = [(i, bare[c]["gbps_p50"]) for i, c in enumerate(configs) if c in bare]
+        if marks:
+            ax.plot([i for i, _ in marks], [g for _, g in marks], linestyle="none", marker="_", markersize=30,
+                    markeredgewidth=1.5, color="black", zorder=3, label="the copy alone, no check (host, np.copyto)")
         # The ceiling each bar is compared with (staging.py's docstring says which is which).
         colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
         for (metric, api, label), color in zip(STAGING_METRICS, colors):
@@ -185,7 +192,7 @@ def staging_bandwidth(results, staging) -> None:
         ax.set_ylabel("GB/s = traces x tokens x 4 B / time (p50; bars p20-p80)")
         ax.set_title(f"Staging, table placement = {placement_name}", fontsize=10)
         ax.grid(True, axis="y", which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, markerscale=0.4)
     fig.suptitle(machine(staging), fontsize=9)
     save(fig, results, "staging_bandwidth.png")
 
