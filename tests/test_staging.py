@@ -173,6 +173,9 @@ class FakeScatter:
         self.driver = driver
         self.launches = []
 
+    def launcher(self):
+        return self.launch
+
     def launch(self, grid, stream, meta_ptr, tokens_ptr, table_ptr, trace_len_ptr, row_stride, chunks):
         n, chunk_programs, _ = grid
         assert chunk_programs == chunks >= 1

@@ -98,7 +98,7 @@ class GpuBackend:
         self._fill = 0                                   # tokens written into the open pair
         self._longest = 0                                # longest trace staged since the last commit
         self._kernels: Dict[tuple, object] = {}
-        self._scatter = None                             # (kernel, block, max chunk programs)
+        self._scatter = None                             # (launch, block, max chunk programs)
         self.guard_waits = 0                              # times stage/commit waited on a pair
 
     def _allocate(self, staging_depth: int, staging_bytes: int) -> None:
@@ -199,12 +199,14 @@ class GpuBackend:
         return len(self._entries)
 
     def _scatter_kernel(self):
-        """(compiled scatter kernel, its block, most programs per entry); compiled on first use."""
+        """(scatter launcher, its block, most programs per entry); compiled on first use."""
         if self._scatter is None:
             from .kernels.scatter import SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS, SCATTER_NUM_WARPS, scatter_kernel
             kernel = compiled(scatter_kernel, self.device_id, ("int64", "int32", "int32", "int32"), 2,
                               {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
-            self._scatter = (kernel, SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS)
+            # A launcher of this table's own (its parameter block is rewritten by every commit,
+            # under the table's lock).
+            self._scatter = (kernel.launcher(), SCATTER_BLOCK, SCATTER_MAX_CHUNK_PROGRAMS)
         return self._scatter
 
     def commit(self, stream: int) -> None:
@@ -215,7 +217,7 @@ class GpuBackend:
             if _cuda.stream_is_capturing(stream):
                 raise RuntimeError("commit() cannot be captured into a CUDA graph: its staging data changes "
                                    "every time; commit outside the graph, between replays")
-            kernel, block, max_chunks = self._scatter_kernel()
+            launch, block, max_chunks = self._scatter_kernel()
             pair = self._prepare_open()
             self._reserve(pair, self._fill)
             meta_off = _round_up(self._fill * 4, 16)
@@ -226,8 +228,8 @@ class GpuBackend:
             nbytes = meta_off + n * _META_BYTES
             _cuda.memcpy_htod_async(pair.device.ptr, pair.host.ptr, nbytes, stream)
             chunks = max(1, min(-(-self._longest // block), max_chunks))
-            kernel.launch((n, chunks, 1), stream, pair.device.ptr + meta_off, pair.device.ptr,
-                          self.table_ptr, self.trace_len_ptr, self.max_trace_len, chunks)
+            launch((n, chunks, 1), stream, pair.device.ptr + meta_off, pair.device.ptr,
+                   self.table_ptr, self.trace_len_ptr, self.max_trace_len, chunks)
             pair.event.record(stream)
             self._entries = {}
             self._fill = 0
