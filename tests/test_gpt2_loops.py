@@ -291,6 +291,8 @@ def test_schedule_rules(rng):
                 assert busy[s.start[i] - 1].all(), f"request {i} waited for a slot with one free"
         for step in range(s.n_steps):
             assert set(s.admitted(step).tolist()) == set(live[s.start[live] == step].tolist())
+        prompt_lens = rng.integers(1, 30, counts.size)
+        assert s.kv_positions(prompt_lens) == max(prompt_lens[i] + counts[i] - 1 for i in live)
     assert plan([], 4).n_steps == 0 and plan([0, 0], 4).n_steps == 0
 
 

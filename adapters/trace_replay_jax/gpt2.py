@@ -226,8 +226,7 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
 def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     rows, steps = schedule.max_batch, schedule.n_steps
-    used = max(len(prompts[i]) + int(schedule.new_tokens[i]) - 1 for i in np.nonzero(schedule.slot >= 0)[0])
-    kv_len = _bucket(used, config.n_positions)
+    kv_len = _bucket(schedule.kv_positions([len(p) for p in prompts]), config.n_positions)
     put = functools.partial(jax.device_put, device=dev)
     params = put({name: np.asarray(w, dtype=np.float32) for name, w in weights.items()})
     # The schedule in chunks of _CHUNK steps (padded with empty rows), like the outputs.

@@ -163,7 +163,7 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dic
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     model = _GPT2(config, weights, dev)
     rows, steps = schedule.max_batch, schedule.n_steps
-    kv_len = max(len(prompts[i]) + int(schedule.new_tokens[i]) - 1 for i in np.nonzero(schedule.slot >= 0)[0])
+    kv_len = schedule.kv_positions([len(p) for p in prompts])
     cache = torch.zeros(config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim, device=dev)
     prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)    # per slot, read by replay
     total_len = torch.zeros(rows, dtype=torch.int32, device=dev)     # prompt + tokens decoded so far

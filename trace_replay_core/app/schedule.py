@@ -64,6 +64,12 @@ class Schedule:
         """Indices of the requests that join just before ``step``, in input order."""
         return np.nonzero(self.start == step)[0]
 
+    def kv_positions(self, prompt_lens: Sequence[int]) -> int:
+        """The most KV-cache positions any scheduled request fills: its prompt plus its new
+        tokens, less the last token (sampled, never fed back). ``prompt_lens[i]``: request
+        ``i``'s prompt length. Needs at least one scheduled request."""
+        return max(int(prompt_lens[i]) + int(self.new_tokens[i]) - 1 for i in np.nonzero(self.slot >= 0)[0])
+
     def outputs(self, i: int, per_step: np.ndarray) -> np.ndarray:
         """Request ``i``'s entries of a ``[n_steps, max_batch, ...]`` per-step array, in decode order."""
         if self.slot[i] < 0:
