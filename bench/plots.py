@@ -7,7 +7,8 @@ when present, ``jax_step.json``) exists and writes, next to them:
   eager host time, CUDA graph replay host time, kernel device time, JAX rows when present) for
   each placement, 8K-token traces (``scaling.json``). Right: kernel device time for each trace
   length and placement (``placement.json``). Lines are p50, bands p20-p80.
-- ``staging_bandwidth.png``: GB/s of ``stage`` and ``stage_many``, of the commit on the device
+- ``staging_bandwidth.png``: GB/s of ``stage`` and ``stage_many`` (with the native copy and with
+  numpy's), of the commit on the device
   and end to end, per (traces x tokens) and placement, next to the copy ceilings measured in the
   same run and, as black marks, the bare host copy of the same bytes (``staging.json``).
 - ``summary.md``: the Markdown tables that ``bench/README.md`` quotes.
@@ -32,6 +33,7 @@ PATH_LABELS = {"torch_eager": "torch eager (host time)", "torch_cuda_graph": "CU
 # (metric, api, label); rows written before the api axis existed count as api "stage"
 STAGING_METRICS = (("stage_host", "stage", "stage, one call per trace (host)"),
                    ("stage_host", "stage_many", "stage_many, one call (host)"),
+                   ("stage_host", "stage_many_numpy", "stage_many, numpy's copy (host)"),
                    ("commit_device", "stage", "commit (device)"),
                    ("end_to_end", "stage", "stage + commit + sync"),
                    ("end_to_end", "stage_many", "stage_many + commit + sync"))
@@ -176,7 +178,7 @@ def staging_bandwidth(results, staging) -> None:
             ax.plot([i for i, _ in marks], [g for _, g in marks], linestyle="none", marker="_", markersize=30,
                     markeredgewidth=1.5, color="black", zorder=3, label="the copy alone, no check (host, np.copyto)")
         # The ceiling each bar is compared with (staging.py's docstring says which is which).
-        colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+        colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
         for (metric, api, label), color in zip(STAGING_METRICS, colors):
             if api != "stage":
                 continue                                  # same ceiling as the stage bars
@@ -231,7 +233,8 @@ def summary(results, launch, staging, placement, scaling, logprob=None) -> None:
                   table([dict(r, fraction_of_ceiling=(f"{r['fraction_of_ceiling']:.0%}"
                                                       if r.get("fraction_of_ceiling") is not None else ""))
                          for r in staging if r.get("kind") == "staging"],
-                        ["placement", "api", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50", "ceiling",
+                        ["placement", "api", "copy", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50",
+                         "ceiling",
                          "fraction_of_ceiling"]), ""]
     if placement:
         timing = {(r["trace_tokens"], r["batch"], r["placement"], r["provider"]): r["us_p50"]

@@ -22,7 +22,7 @@ Once the open pair is known to be free, ``stage`` makes no driver call at all.
 from __future__ import annotations
 
 import struct
-from itertools import chain
+from itertools import chain, repeat
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -174,7 +174,7 @@ class GpuBackend:
             self._reserve(pair, end, rows)
             copy_trace(traces, pair.tokens[start:end].reshape(rows, stride)[:, :length], vocab_size=vocab_size,
                        name="traces")
-            entries = [(slot, length, start + i * stride) for i, slot in enumerate(slots)]
+            entries = zip(slots, repeat(length), range(start, end, stride))
             longest = length
         else:
             lengths = [t.shape[0] for t in traces]
@@ -187,8 +187,7 @@ class GpuBackend:
                 entries.append((slot, n, at))
                 at = (at + n + _ALIGN_TOKENS - 1) & -_ALIGN_TOKENS
             longest = max(lengths, default=0)
-        for entry in entries:
-            self._entries[entry[0]] = entry
+        self._entries.update(zip(slots, entries))     # a slot given twice keeps its last entry
         self._fill = end
         self._longest = max(self._longest, longest)
 

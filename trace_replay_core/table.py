@@ -12,6 +12,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from . import host_copy
 from .dlpack import ArrayView, as_view, check_view
 from .streams import stream_handle
 from .validate import check_positive_int, check_slot, check_slots, trace_array, trace_block
@@ -76,6 +77,8 @@ class TraceTable:
     :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
     (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
+    The first table of a process loads staging's native copy (:mod:`~.host_copy`), compiling
+    it first when this machine has no cached build (a C compiler run, well under a second).
     """
 
     def __init__(self, max_slots: int, max_trace_len: int, *, device: Any, placement: str = "device",
@@ -94,6 +97,7 @@ class TraceTable:
                              f"(got {self.max_slots} * {self.max_trace_len})")
         self.device = parse_device(device)
         self.placement = placement
+        host_copy.prepare()           # staging's native copy: built once per machine, loaded once per process
         self._lock = threading.Lock()
         self._closed = False
         self._backend = None

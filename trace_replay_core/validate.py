@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .host_copy import copy_max
+
 __all__ = ["check_positive_int", "check_slot", "check_slots", "check_trace", "copy_trace", "trace_array",
            "trace_block"]
 
@@ -144,9 +146,16 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
     padding between them); a uint32 view of the int32 storage that keeps the trace (an id below
     ``2**31`` has the same bits in both). ``arr`` is read once when its integers have 4 bytes or
     fewer. On a refusal ``out`` holds unspecified values: the caller publishes it only when this
-    returns. A value that does not fit int32 is refused, never wrapped.
+    returns. A value that does not fit int32 is refused, never wrapped. Native-order 32- and
+    64-bit ids are copied by :func:`~.host_copy.copy_max` once it is built (one pass over the
+    source); others, or every dtype without a C compiler, by numpy, with the same results.
     """
     limit = TOKEN_LIMIT if vocab_size is None else vocab_size
+    top = copy_max(arr, out)       # one pass in native code, when built (host_copy); else None
+    if top is not None:
+        if top < limit:
+            return
+        raise _value_error(arr, vocab_size, name)
     if arr.dtype.itemsize <= 4:
         signed = arr.dtype.kind == "i"
         if arr.ndim == 2 and arr.dtype == _INT32:
