@@ -202,3 +202,24 @@ def test_gpu_large_block_reaches_the_table(rng, dtype, placement):
         bad = np.argwhere(table[slots] != block.astype(np.int32))
         assert bad.size == 0, f"first differing (row, token): {bad[:5].tolist()}"
     t.close()
+
+
+def test_portable_build_matches_numpy(rng, tmp_path, native):
+    """The path for CPUs without AVX2 (and other architectures), built on its own: the same
+    bytes and largest values as numpy, strided rows included."""
+    path = str(tmp_path / "portable.so")
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    subprocess.run([cc, "-O3", "-shared", "-fPIC", "-DTRACE_REPLAY_PORTABLE", "-o", path,
+                    os.path.join(ROOT, "trace_replay_core", "host_copy.c")], check=True, capture_output=True)
+    funcs = host_copy._load(path)
+    assert host_copy._self_check(funcs) is None
+    saved, native._funcs = native._funcs, funcs
+    try:
+        for dtype in (np.int32, np.int64):
+            wide = _ids(rng, (9, 1031), dtype)
+            wide[4, 17] = -1
+            buf = np.full((9, 1040), POISON, dtype=np.uint32)
+            _check_copy(wide[:, :1030], buf[:, 1:1031], native.copy_max(wide[:, :1030], buf[:, 1:1031]))
+            assert (buf[:, 0] == POISON).all() and (buf[:, 1031:] == POISON).all()
+    finally:
+        native._funcs = saved

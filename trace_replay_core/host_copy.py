@@ -4,9 +4,10 @@ Staging copies every trace into memory the table owns and refuses ids out of ran
 (:func:`~.validate.copy_trace`). numpy does that in two passes, a copy and then a max over the
 copy. ``host_copy.c`` loads each id once, folds it into a running max and stores it; on x86-64
 with AVX2 the stores bypass the cache (the GPU's copy engine reads the staging buffer next, not
-this CPU). For a block of 64 traces of 8K int32 tokens (2 MiB, fresh source, staging ring not
-in cache) on a Xeon host: 160.6 us against 269.7 us with numpy (p50 of 40; 64-bit ids narrowed
-into the same 2 MiB: 261.6 against 503.9 us). Blocks below :data:`MIN_BYTES` stay on numpy.
+this CPU). ``stage_many`` of 64 traces of 8K int32 tokens (2 MiB) in the staging benchmark's
+loop on an H200 host took 274 and 411 us against 422 and 556 us with numpy (p50, two runs);
+the copy alone, 64-bit ids narrowed into the same 2 MiB: 640 against 813 us. Outputs below
+:data:`MIN_BYTES` stay on numpy.
 
 :func:`prepare` (called by every :class:`~.table.TraceTable` on construction; host-blocking,
 once per process) compiles ``host_copy.c`` with the C compiler (``$CC``, else ``cc``; Triton's
@@ -39,10 +40,10 @@ _FLAGS = ("-O3", "-shared", "-fPIC")
 _PORTABLE = "-DTRACE_REPLAY_PORTABLE"    # a retry without the x86-64 AVX2 path, for compilers that lack it
 _ENV_SWITCH = "TRACE_REPLAY_NATIVE_COPY"
 
-# Below this many bytes of output numpy is faster, on the same Xeon host (fresh source, staging
-# ring not in cache, p50 us native / numpy): 128 KiB 21.7 / 8.4, 512 KiB 46.5 / 49.7, 2 MiB
-# 160.6 / 269.7 (int32 ids); 512 KiB of int64 narrowed into 256 KiB 37.5 / 28.7, into 2 MiB
-# 261.6 / 503.9. What stays in L2 costs numpy little, and a call through ctypes costs ~5 us.
+# Below this many bytes of output numpy is faster (H200 host, fresh source, staging ring not in
+# cache, p50 us native / numpy): int32 ids 128 KiB 27.6 / 14.6, 512 KiB 74.2 / 72.5, 2 MiB
+# 233.6 / 320.5; int64 ids into 512 KiB 55.9 / 50.6, into 1 MiB 99.4 / 109.2. What stays in
+# L2 costs numpy little, streamed stores go to memory at once, and a ctypes call costs ~5 us.
 MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()

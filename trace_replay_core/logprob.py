@@ -228,7 +228,8 @@ def _launch_specs(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank
     pointers = (logits.ptr, ids.ptr, out_lp.ptr, out_rank.ptr, part_f, part_i)
     specs = [(logprob_rank_kernel, (batch, plan.n_split, 1), pointers,
               (vocab, row_stride, plan.chunk_blocks, plan.n_split),
-              {"BLOCK": plan.block, "VEC": plan.vec, "SPLIT": split, "ALIGNED": plan.aligned}, LOGPROB_NUM_WARPS, dtypes)]
+              {"BLOCK": plan.block, "VEC": plan.vec, "SPLIT": split, "ALIGNED": plan.aligned},
+              LOGPROB_NUM_WARPS, dtypes)]
     if split:
         specs.append((logprob_rank_combine_kernel, (batch, 1, 1), pointers, (vocab, row_stride, plan.n_split),
                       {"SPLIT_BLOCK": COMBINE_SPLIT_BLOCK}, COMBINE_NUM_WARPS, dtypes))
