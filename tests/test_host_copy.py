@@ -184,6 +184,16 @@ def test_built_once_then_loaded(tmp_path, native):
     assert os.listdir(tmp_path) == [os.path.basename(path)]
 
 
+def test_damaged_build_is_built_again(tmp_path, native):
+    """A cached library that does not load (a file cut short) is replaced by a fresh build."""
+    path = _fresh_process(tmp_path).split(": ", 1)[1]
+    with open(path, "wb") as f:
+        f.write(b"not a shared library")
+    assert _fresh_process(tmp_path) == f"native: {path}"
+    with open(path, "rb") as f:
+        assert f.read(4) == b"\x7fELF" or os.uname().sysname != "Linux"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("placement", ["device", "host_mapped"])

@@ -141,7 +141,12 @@ def prepare() -> bool:
             with open(_SOURCE, "rb") as f:
                 source = f.read()
             path = _build(cc_path, source, _cache_dir())
-            funcs = _load(path)
+            try:
+                funcs = _load(path)
+            except OSError:                 # a damaged build in the cache (cut short, say): once more
+                os.unlink(path)
+                path = _build(cc_path, source, _cache_dir())
+                funcs = _load(path)
             why = _self_check(funcs)
             if why is not None:
                 raise RuntimeError(f"{why} ({path})")
