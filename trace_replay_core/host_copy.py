@@ -40,15 +40,16 @@ _FLAGS = ("-O3", "-shared", "-fPIC")
 _PORTABLE = "-DTRACE_REPLAY_PORTABLE"    # a retry without the x86-64 AVX2 path, for compilers that lack it
 _ENV_SWITCH = "TRACE_REPLAY_NATIVE_COPY"
 
-# Below this many bytes of output numpy is faster (H200 host, fresh source, staging ring not in
-# cache, p50 us native / numpy): int32 ids 128 KiB 27.6 / 14.6, 512 KiB 74.2 / 72.5, 2 MiB
-# 233.6 / 320.5; int64 ids into 512 KiB 55.9 / 50.6, into 1 MiB 99.4 / 109.2. What stays in
-# L2 costs numpy little, streamed stores go to memory at once, and a ctypes call costs ~5 us.
+# Below this many bytes of output numpy is as fast or faster (H200 host, fresh source, staging
+# ring not in cache, p50 us native / numpy): int32 ids 128 KiB 27.6 / 14.6, 512 KiB 74.2 / 72.5,
+# 2 MiB 233.6 / 320.5; int64 ids narrowed into 256 KiB 55.9 / 50.6, into 512 KiB 99.4 / 109.2.
+# What stays in L2 costs numpy little, streamed stores go to memory at once, and a ctypes call
+# costs ~5 us.
 MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()
 _prepared = False
-_lib = None             # the loaded library's entry points, once prepared and checked
+_lib = None             # path of the loaded library, once prepared and checked
 _status = "not prepared: no TraceTable built yet (staging uses numpy until one is)"
 _funcs: dict = {}        # source dtype -> entry point
 
