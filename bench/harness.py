@@ -230,6 +230,6 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) 
         times.append((time.perf_counter() - t0) * 1e6)
     stats = percentiles(times)
     out["host_memcpy"] = dict(stats, bytes=nbytes, **bandwidth(nbytes, stats))
-    del a, b, pinned, pinned_np
+    a = b = pinned = pinned_np = None     # the buffers go back before returning
     torch.cuda.synchronize(dev)
     return out

@@ -229,7 +229,7 @@ def main() -> None:
                     stats = time_wall(rotating([lambda x_j=x_j: fn(x_j, ids_j) for x_j in xs_j]))
                     record(name, f"wall clock incl. dispatch, {n_copies} copies rotated", stats, result)
                 del xs_j, ids_j, ids32
-            del logits, ids, out, copies
+            logits = ids = out = copies = None     # drop the references before the next size
 
     for dtype_name in DTYPES:
         def pick(provider, timing):

@@ -97,7 +97,8 @@ def main() -> None:
                 stats = time_cuda_queued(rotating([functools.partial(b, stream=stream) for b in bounds]))
                 bw = bandwidth(nbytes, stats)
                 rows.append(dict(variant=f"{block}x{warps}", block=block, num_warps=warps,
-                                 shipped=(block, warps) == shipped, dtype=dtype_name, batch=batch, vocab=VOCAB, bytes=nbytes, gbps=bw["gbps_p50"],
+                                 shipped=(block, warps) == shipped, dtype=dtype_name, batch=batch, vocab=VOCAB,
+                                 bytes=nbytes, gbps=bw["gbps_p50"],
                                  fraction_of_copy=bw["gbps_p50"] / copy_gbps, ranks_equal=same,
                                  max_abs_logprob_diff=diff, **stats, **bw))
                 print(f"BLOCK {block:5d} warps {warps:2d} {dtype_name:9s} B={batch:5d} p50 {stats['us_p50']:8.2f} us "
