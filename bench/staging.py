@@ -148,13 +148,10 @@ def main() -> None:
 
         def stage_many_numpy(slots, traces):
             # The library's fallback path, side by side in the same run: the loaded native copy
-            # is hidden from validate.copy_trace for this one call (a private attribute of
-            # host_copy; the bench is the only code that switches it per call).
-            funcs, host_copy._funcs = host_copy._funcs, {}
-            try:
+            # is hidden from validate.copy_trace for this one call (host_copy's private switch
+            # for benchmarks and tests).
+            with host_copy._entry_points({}):
                 tbl.stage_many(slots, traces)
-            finally:
-                host_copy._funcs = funcs
 
         stagers = {"stage": stage_each, "stage_many": tbl.stage_many, "stage_many_numpy": stage_many_numpy}
         for n, tokens in ((n, t) for n in N_TRACES for t in TRACE_TOKENS):

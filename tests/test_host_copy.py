@@ -83,12 +83,8 @@ def test_refusals_as_numpy(rng, native, dtype, value, vocab):
     block[row, col] = value
     messages = []
     for funcs in (native._funcs, {}):
-        saved, native._funcs = native._funcs, funcs
-        try:
-            with pytest.raises(ValueError) as info:
-                copy_trace(block, np.empty(block.shape, np.uint32), vocab_size=vocab, name="traces")
-        finally:
-            native._funcs = saved
+        with native._entry_points(funcs), pytest.raises(ValueError) as info:
+            copy_trace(block, np.empty(block.shape, np.uint32), vocab_size=vocab, name="traces")
         messages.append(str(info.value))
     assert messages[0] == messages[1]
     assert messages[0].startswith(f"traces[{row}] must be ")
@@ -116,8 +112,7 @@ def test_stage_many_large_blocks_on_both_paths(rng, native):
     """A table staged through the native copy holds what numpy's path gives (CPU backend)."""
     tables, seed = [], int(rng.integers(2**32))
     for funcs in (native._funcs, {}):
-        saved, native._funcs = native._funcs, funcs
-        try:
+        with native._entry_points(funcs):
             t = TraceTable(96, 4096, device="cpu", vocab_size=150_000)
             seeded = np.random.default_rng(seed)
             for dtype in (np.int32, np.int64):
@@ -126,8 +121,6 @@ def test_stage_many_large_blocks_on_both_paths(rng, native):
                 t.commit(stream=0)
             tables.append(t.snapshot())
             t.close()
-        finally:
-            native._funcs = saved
     assert np.array_equal(tables[0][1], tables[1][1]) and np.array_equal(tables[0][0], tables[1][0])
     assert (tables[0][1] == 4096).sum() >= 64
 
@@ -223,13 +216,10 @@ def test_portable_build_matches_numpy(rng, tmp_path, native):
                     os.path.join(ROOT, "trace_replay_core", "host_copy.c")], check=True, capture_output=True)
     funcs = host_copy._load(path)
     assert host_copy._self_check(funcs) is None
-    saved, native._funcs = native._funcs, funcs
-    try:
+    with native._entry_points(funcs):
         for dtype in (np.int32, np.int64):
             wide = _ids(rng, (9, 1031), dtype)
             wide[4, 17] = -1
             buf = np.full((9, 1040), POISON, dtype=np.uint32)
             _check_copy(wide[:, :1030], buf[:, 1:1031], native.copy_max(wide[:, :1030], buf[:, 1:1031]))
             assert (buf[:, 0] == POISON).all() and (buf[:, 1031:] == POISON).all()
-    finally:
-        native._funcs = saved

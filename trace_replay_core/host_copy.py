@@ -21,6 +21,7 @@ in use and why. The library is plain C (no Python API); ctypes releases the GIL 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -49,9 +50,8 @@ MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()
 _prepared = False
-_lib = None             # path of the loaded library, once prepared and checked
 _status = "not prepared: no TraceTable built yet (staging uses numpy until one is)"
-_funcs: dict = {}        # source dtype -> entry point
+_funcs: dict = {}        # source dtype -> entry point of the loaded, checked library; empty: numpy
 
 
 def status() -> str:
@@ -126,12 +126,12 @@ def prepare() -> bool:
     Host-blocking; thread-safe; does the work once per process. Never raises for a missing or
     failing compiler: staging then uses numpy and :func:`status` says why.
     """
-    global _prepared, _lib, _status, _funcs
+    global _prepared, _status, _funcs
     if _prepared:
-        return _lib is not None
+        return bool(_funcs)
     with _lock:
         if _prepared:
-            return _lib is not None
+            return bool(_funcs)
         try:
             if os.environ.get(_ENV_SWITCH, "1") == "0":
                 raise RuntimeError(f"turned off by {_ENV_SWITCH}=0")
@@ -151,11 +151,11 @@ def prepare() -> bool:
             why = _self_check(funcs)
             if why is not None:
                 raise RuntimeError(f"{why} ({path})")
-            _funcs, _lib, _status = funcs, path, f"native: {path}"
+            _funcs, _status = funcs, f"native: {path}"
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-            _funcs, _lib, _status = {}, None, f"numpy: {exc}"
+            _funcs, _status = {}, f"numpy: {exc}"
         _prepared = True
-    return _lib is not None
+    return bool(_funcs)
 
 
 def _run(funcs: dict, arr: np.ndarray, out: np.ndarray) -> Optional[int]:
@@ -192,3 +192,16 @@ def copy_max(arr: np.ndarray, out: np.ndarray) -> Optional[int]:
     if not _funcs or out.size < MIN_BYTES // 4:
         return None
     return _run(_funcs, arr, out)
+
+
+@contextlib.contextmanager
+def _entry_points(funcs: dict):
+    """For benchmarks and tests: staging copies with ``funcs`` (``{}``: numpy's copy; or the
+    entry points of another build, from ``_load``) inside the block, process-wide, then with the
+    loaded library again. Not thread-safe: nothing else may stage meanwhile."""
+    global _funcs
+    saved, _funcs = _funcs, funcs
+    try:
+        yield
+    finally:
+        _funcs = saved
