@@ -145,13 +145,12 @@ def buffer_callback_replay(setup, *, command_buffer: bool):
     from cuda.core import Device
     from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
-    from trace_replay_core.kernels.replay import REPLAY_BLOCK
+    from trace_replay_core.kernels.replay import plan_replay, replay_compiled
 
     st = setup.state
-    backend = st.table._backend
-    kernel = backend.replay_kernel(("int32", "int32", "int32", "int32"), False)
+    kernel = replay_compiled(st.device.local_hardware_id, "int32", "int32", ("int32", "int32"), None)
     rows = setup.cfg["batch"]
-    grid = ((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1)
+    grid = plan_replay(rows)
     table_view, lengths_view = st.table.device_views()
     fixed = (table_view.ptr, lengths_view.ptr, rows, st.max_slots, st.max_trace_len)
     device = Device(st.device.local_hardware_id)
@@ -166,7 +165,7 @@ def buffer_callback_replay(setup, *, command_buffer: bool):
         if not getattr(local, "active", False):   # once per XLA thread: the CUDA context current
             device.set_current()
             local.active = True
-        kernel.launch(grid, int(ctx.stream), ptr(out), ptr(idx), ptr(total), ptr(prompt), *fixed)
+        kernel.launch(grid, int(ctx.stream), ptr(out), ptr(idx), ptr(total), ptr(prompt), 0, *fixed)
 
     op = buffer_callback(callback, jax.ShapeDtypeStruct((rows,), np.int32), input_output_aliases={0: 0},
                          command_buffer_compatible=command_buffer)

@@ -45,7 +45,7 @@ def main() -> None:
     import torch
     import triton
 
-    from trace_replay_core.kernels.replay import REPLAY_BLOCK, replay_kernel
+    from trace_replay_core.kernels.replay import REPLAY_BLOCK, plan_replay, replay_compiled, replay_kernel
     from trace_replay_torch import TraceReplayState
 
     plain_kernel = triton.jit(replay_kernel.fn)  # same source, Triton's default specialisation
@@ -92,11 +92,11 @@ def main() -> None:
         bound = st.table.bind_replay(sampled, idx, total_len, prompt_len, stream=stream)
         record("core_bound", batch, "device", time_host(lambda: bound(stream=stream), sync=sync))
         sampled = base.clone()
-        kernel = st.table._backend.replay_kernel(("int64", "int32", "int32", "int32"), False)
+        kernel = replay_compiled(0, "int64", "int32", ("int32", "int32"), None)
         table_view, lengths_view = st.table.device_views()
-        via_triton = kernel.bind((triton.cdiv(batch, REPLAY_BLOCK), 1, 1), sampled.data_ptr(), idx.data_ptr(),
-                                 total_len.data_ptr(), prompt_len.data_ptr(), table_view.ptr, lengths_view.ptr,
-                                 batch, MAX_SLOTS, MAX_TRACE_LEN, driver=False)
+        via_triton = kernel.bind(plan_replay(batch), sampled.data_ptr(), idx.data_ptr(), total_len.data_ptr(),
+                                 prompt_len.data_ptr(), 0, table_view.ptr, lengths_view.ptr, batch, MAX_SLOTS,
+                                 MAX_TRACE_LEN, driver=False)
         record("core_bound_triton_launcher", batch, "device", time_host(lambda: via_triton(stream), sync=sync))
         outs["triton_launcher"] = sampled
         sampled = base.clone()
@@ -109,7 +109,7 @@ def main() -> None:
             sampled = base.clone()
 
             def jit_launch():
-                kernel[grid](sampled, idx, total_len, prompt_len, table_t, len_t, batch, MAX_SLOTS,
+                kernel[grid](sampled, idx, total_len, prompt_len, total_len, table_t, len_t, batch, MAX_SLOTS,
                              MAX_TRACE_LEN, PER_ROW_STEP=False, BLOCK=REPLAY_BLOCK, num_warps=4)
             record(name, batch, "device", time_host(jit_launch, sync=sync))
             outs[name] = sampled

@@ -111,7 +111,7 @@ def split_target_bound(target, logits, ids, out):
     with its own workspace; returns (bound call, workspace)."""
     import torch
 
-    import trace_replay_core.logprob as core_logprob
+    import trace_replay_core._logprob as core_logprob
     saved = core_logprob.SPLIT_TARGET_PROGRAMS
     core_logprob.SPLIT_TARGET_PROGRAMS = target
     try:
@@ -155,7 +155,7 @@ def compare(ref, got):
 def main() -> None:
     import torch
 
-    from trace_replay_core.logprob import SPLIT_TARGET_PROGRAMS
+    from trace_replay_core._logprob import SPLIT_TARGET_PROGRAMS
 
     from trace_replay_torch import token_logprob_rank
 

@@ -40,7 +40,7 @@ MAX_COPIES = 32
 def bind_variant(block, warps, logits, ids, out, workspace, stream):
     """A bound core call compiled and planned with ``BLOCK = block`` and ``num_warps = warps``."""
     import trace_replay_core.kernels.logprob_rank as kernels
-    import trace_replay_core.logprob as core
+    import trace_replay_core._logprob as core
     saved = kernels.LOGPROB_BLOCK, kernels.LOGPROB_NUM_WARPS
     kernels.LOGPROB_BLOCK, kernels.LOGPROB_NUM_WARPS = block, warps
     try:
@@ -54,7 +54,7 @@ def main() -> None:
     import torch
 
     import trace_replay_core.kernels.logprob_rank as kernels
-    from trace_replay_core.logprob import logprob_rank_workspace_bytes
+    from trace_replay_core._logprob import logprob_rank_workspace_bytes
 
     if not torch.cuda.is_available():
         sys.exit("bench/logprob_tuning.py needs a CUDA GPU")

@@ -91,7 +91,7 @@ def serial(*gbps: float) -> float:
 def main() -> None:
     import torch
 
-    from trace_replay_core import TraceTable, host_copy
+    from trace_replay_core import TraceTable, _host_copy as host_copy
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -148,7 +148,7 @@ def main() -> None:
 
         def stage_many_numpy(slots, traces):
             # The library's fallback path, side by side in the same run: the loaded native copy
-            # is hidden from validate.copy_trace for this one call (host_copy's private switch
+            # is hidden from _staging.copy_trace for this one call (host_copy's private switch
             # for benchmarks and tests).
             with host_copy._entry_points({}):
                 tbl.stage_many(slots, traces)

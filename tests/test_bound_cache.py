@@ -3,7 +3,7 @@
 import numpy as np
 
 from trace_replay_core import TraceTable, bind_logprob_rank
-from trace_replay_core.bound_cache import BoundCache
+from trace_replay_core._bound_cache import BoundCache
 
 
 def test_binds_once_per_key_drops_views_and_evicts_oldest(rng):

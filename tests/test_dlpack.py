@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from trace_replay_core import ArrayView, as_view, check_view
+from trace_replay_core import ArrayView, as_view
+from trace_replay_core._dlpack import check_view
 
 
 class LegacyProducer:
@@ -61,7 +62,7 @@ def test_unversioned_capsule_fallback():
 
 def test_view_keeps_producer_memory_alive():
     v = as_view(np.arange(1000, dtype=np.int64) * 3, name="x")  # the array has no other owner
-    from trace_replay_core.cpu_backend import numpy_of
+    from trace_replay_core._numpy_backend import numpy_of
     assert numpy_of(v)[999] == 2997
 
 

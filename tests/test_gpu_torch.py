@@ -223,7 +223,7 @@ def _guard_scenario(rng, guard: bool):
     t = TraceTable(max_slots, max_len, device=DEV, staging_depth=2)
     backend = t._backend
     if not guard:  # what the guard prevents: pretend every earlier copy already ran
-        for pair in backend._pairs:
+        for pair in backend.ring.pairs:
             pair.event.done = lambda: True
     stream = torch.cuda.current_stream().cuda_stream
     traces = [rng.integers(0, 2**30, max_len) for _ in range(commits)]
@@ -232,7 +232,7 @@ def _guard_scenario(rng, guard: bool):
         t.stage(slot, tr)
         t.commit(stream=stream)
     table, lens = t.snapshot()
-    waits = backend.guard_waits
+    waits = backend.ring.guard_waits
     t.close()
     wrong = [slot for slot, tr in enumerate(traces) if not np.array_equal(table[slot], tr)]
     return wrong, waits

@@ -1,4 +1,4 @@
-"""Staging's native copy (``trace_replay_core.host_copy``) against numpy: the same bytes, the
+"""Staging's native copy (``trace_replay_core._host_copy``) against numpy: the same bytes, the
 same largest value, the same refusals; layouts it does not take are left to numpy; and without
 a compiler, or switched off, staging falls back to numpy and says why."""
 
@@ -13,8 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from trace_replay_core import TraceTable, host_copy
-from trace_replay_core.validate import copy_trace
+from trace_replay_core import TraceTable, _host_copy as host_copy
+from trace_replay_core._staging import copy_trace
 
 POISON = 0xA5A5A5A5
 UNSIGNED = {np.dtype(np.int32): np.uint32, np.dtype(np.uint32): np.uint32, np.dtype(np.int64): np.uint64,
@@ -129,7 +129,7 @@ def _fresh_process(tmp_path, **env):
     """Run, in a new interpreter, a table that stages a large block; return its report."""
     code = textwrap.dedent("""
         import numpy as np
-        from trace_replay_core import TraceTable, host_copy
+        from trace_replay_core import TraceTable, _host_copy as host_copy
         t = TraceTable(64, 4096, device="cpu", vocab_size=100)
         block = np.random.default_rng(1).integers(1, 100, (64, 4096), dtype=np.int32)
         t.stage_many(range(64), block)

@@ -36,15 +36,15 @@ def test_replay_kernel_matches_reference(rng, batch, sampled_dtype, index_dtype,
     table = np.where(sc["table"] < 0, 0, sc["table"]).astype(np.int32)
     sampled = torch.from_numpy(sc["sampled"].copy())
     t = {k: torch.from_numpy(np.ascontiguousarray(sc[k])) for k in ("idx", "total_len", "prompt_len", "step")}
-    if per_row_step:
-        first, second = t["step"], t["step"]
+    if per_row_step:    # the interpreter needs a tensor for every pointer, read or not
+        total, prompt, step = t["step"], t["step"], t["step"]
         expected = replay_reference(sc["sampled"], sc["idx"], table, sc["trace_len"], step=sc["step"])
     else:
-        first, second = t["total_len"], t["prompt_len"]
+        total, prompt, step = t["total_len"], t["prompt_len"], t["total_len"]
         expected = replay_reference(sc["sampled"], sc["idx"], table, sc["trace_len"], sc["total_len"],
                                     sc["prompt_len"])
     grid = (triton.cdiv(batch, REPLAY_BLOCK),)
-    interpreted(replay_kernel)[grid](sampled, t["idx"], first, second, torch.from_numpy(table),
+    interpreted(replay_kernel)[grid](sampled, t["idx"], total, prompt, step, torch.from_numpy(table),
                                      torch.from_numpy(sc["trace_len"]), batch, max_slots, max_trace_len,
                                      PER_ROW_STEP=per_row_step, BLOCK=REPLAY_BLOCK)
     assert sampled.dtype == torch.from_numpy(sc["sampled"]).dtype

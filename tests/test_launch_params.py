@@ -3,7 +3,7 @@ the block is built and packed without a driver; the GPU tier launches through it
 
 import numpy as np
 
-from trace_replay_core.kernels.launch import _ParamBlock
+from trace_replay_core.kernels._compiled import _ParamBlock
 
 
 class _Kernel:

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 
 from trace_replay_core import (ArrayView, as_view, bind_logprob_rank, token_logprob_rank,  # noqa: E402
                                token_logprob_rank_reference)
-from trace_replay_core.logprob import (SPLIT_TARGET_PROGRAMS, logprob_rank_workspace_bytes,  # noqa: E402
+from trace_replay_core._logprob import (SPLIT_TARGET_PROGRAMS, logprob_rank_workspace_bytes,  # noqa: E402
                                        plan_logprob_rank)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -352,7 +352,7 @@ def test_plan_and_workspace_size():
 
 
 def test_core_imports_no_framework():
-    code = ("import sys, trace_replay_core, trace_replay_core.logprob, trace_replay_core.kernels.logprob_rank; "
+    code = ("import sys, trace_replay_core, trace_replay_core._logprob, trace_replay_core.kernels.logprob_rank; "
             "print('torch' in sys.modules, 'jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
@@ -397,7 +397,7 @@ def _interpreter_cases():
 
 def _interpreter_child(in_path: str, out_path: str) -> None:
     """Runs in the child (TRITON_INTERPRET=1): launch every case, save the outputs."""
-    from trace_replay_core.logprob import _launch_specs
+    from trace_replay_core._logprob import _launch_specs
     meta = json.loads(open(in_path + ".json").read())
     arrays = np.load(in_path + ".npz")
     results = {}

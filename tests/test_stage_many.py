@@ -158,7 +158,7 @@ def test_gpu_backend_block_grows_staging_once(rng, fake_cuda):
     slots = rng.permutation(max_slots)[:n]
     block = rng.integers(1, 2**31, (n, length))
     t.stage_many(slots, block)
-    offsets = sorted(entry[2] for entry in t._backend._entries.values())
+    offsets = sorted(entry[2] for entry in t._backend.ring.staged.entries.values())
     assert offsets == [i * 96 for i in range(n)]                    # 93 tokens padded to 96
     t.commit(stream=0)
     expect_rows(t, dict(zip(slots.tolist(), block)))
@@ -198,9 +198,9 @@ def test_gpu_stage_many_matches_stage(rng, placement):
 
 @pytest.mark.parametrize("length", [8192, 8190, 70_000])
 def test_blocks_larger_than_a_check_piece(rng, make_table, length):
-    """Blocks staged piece by piece (``validate.CHECK_CHUNK_BYTES``): every piece lands, and a bad
+    """Blocks staged piece by piece (``_staging.CHECK_CHUNK_BYTES``): every piece lands, and a bad
     id in a later piece is refused naming its trace, with nothing staged."""
-    from trace_replay_core.validate import CHECK_CHUNK_BYTES
+    from trace_replay_core._staging import CHECK_CHUNK_BYTES
     rows = 3 * CHECK_CHUNK_BYTES // (4 * length) + 2          # at least three pieces (or one row each)
     t = make_table(rows + 2, length, vocab_size=150_000)
     slots = rng.permutation(rows + 2)[:rows]

@@ -1,7 +1,7 @@
 """CPU tier: staging copies and checks each trace in one pass; what it keeps is exact, a refusal keeps nothing.
 
 ``stage`` copies a trace into staging memory and checks the token ids on the way
-(``validate.copy_trace``); the entry is recorded only once they pass. These tests pin what that
+(``_staging.copy_trace``); the entry is recorded only once they pass. These tests pin what that
 relies on, for both backends: the numpy one, and the GPU backend's real staging and commit code
 over a stand-in CUDA driver (``FakeDriver``: host memory for every allocation, queued copies and
 scatter launches that run in order only when the host waits), so that the pinned staging ring,
@@ -20,8 +20,10 @@ import pytest
 
 from helpers import run_threads
 
-from trace_replay_core import TraceTable, _cuda, gpu_backend
-from trace_replay_core.validate import copy_trace, trace_array
+from trace_replay_core import TraceTable, _cuda
+from trace_replay_core._staging import copy_trace
+from trace_replay_core._validate import trace_array
+from trace_replay_core.kernels import scatter as scatter_module
 
 BACKENDS = ["cpu", "fake_gpu"]
 INT32_MAX = 2**31 - 1
@@ -206,7 +208,7 @@ def fake_cuda(monkeypatch):
     scatter = FakeScatter(driver)
     monkeypatch.setattr(_cuda, "_driver", lambda: driver)
     monkeypatch.setattr(_cuda, "_primary_contexts", {})
-    monkeypatch.setattr(gpu_backend, "compiled", lambda *args, **kwargs: scatter)
+    monkeypatch.setattr(scatter_module, "compiled", lambda *args, **kwargs: scatter)
     driver.scatter = scatter
     yield driver
     assert driver.errors == []
@@ -237,9 +239,10 @@ def staged_state(t: TraceTable):
     b = t._backend
     if t.device == "cpu":
         return {k: (None if v is None else v.tolist()) for k, v in b._staged.items()}
-    pair = b._pairs[b._open]
-    return {"entries": dict(b._entries), "fill": b._fill, "open": b._open, "longest": b._longest,
-            "bytes": pair.tokens[:b._fill].tolist()}
+    ring, staged = b.ring, b.ring.staged
+    pair = ring.pairs[ring._open]
+    return {"entries": dict(staged.entries), "fill": staged.fill, "open": ring._open, "longest": staged.longest,
+            "bytes": pair.tokens[:staged.fill].tolist()}
 
 
 def everything(t: TraceTable):
@@ -429,7 +432,7 @@ WITHOUT_VOCAB = [   # (tokens, message) refused with no vocab_size: int32 holds 
 
 def test_refusal_messages_match_check_trace(rng):
     """``copy_trace`` (staging's path) and ``check_trace`` refuse the same traces, in the same words."""
-    from trace_replay_core.validate import check_trace
+    from trace_replay_core._validate import check_trace
     cases = [(1000, tokens, exc, pattern) for _, tokens, exc, pattern in _refusals(rng, 40, 1000)]
     cases += [(None, tokens, ValueError, pattern) for tokens, pattern in WITHOUT_VOCAB]
     for vocab, tokens, exc, pattern in cases:
@@ -503,7 +506,7 @@ def test_gpu_staging_guard_waits_for_in_flight_copies(rng, fake_cuda):
     for slot, tr in traces.items():
         t.stage(slot, tr)
         t.commit(stream=0)
-    assert t._backend.guard_waits == max_slots - 2
+    assert t._backend.ring.guard_waits == max_slots - 2
     expect_rows(t, traces)
     t.close()
 
@@ -512,7 +515,7 @@ def test_gpu_staging_without_guard_corrupts(rng, fake_cuda):
     """Evidence that the previous test can fail: with the guard disabled, traces get mixed up."""
     max_slots, max_len = 12, 512
     t = TraceTable(max_slots, max_len, device="cuda:0", staging_depth=2)
-    for pair in t._backend._pairs:
+    for pair in t._backend.ring.pairs:
         pair.event.done = lambda: True
     traces = {s: rng.integers(1, 2**31, max_len) for s in range(max_slots)}
     for slot, tr in traces.items():

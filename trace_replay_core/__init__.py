@@ -22,30 +22,41 @@ Example (CPU backend; on a GPU pass ``device="cuda"`` and device arrays)::
 Importing this package loads neither torch nor jax.
 """
 
-from .dlpack import ArrayView, as_view, check_view
-from .logprob import BoundLogprobRank, bind_logprob_rank, token_logprob_rank
+from ._bound_cache import BoundCache
+from ._devices import default_device, parse_device
+from ._dlpack import ArrayView, as_view
+from ._dtypes import INDEX_DTYPES, LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
+from ._logprob import (MAX_VOCAB, BoundLogprobRank, bind_logprob_rank, logprob_rank_workspace_bytes,
+                       token_logprob_rank)
+from ._streams import stream_handle
+from ._table import PLACEMENTS, BoundReplay, TraceTable
 from .reference import replay_reference, token_logprob_rank_reference
-from .streams import stream_handle
-from .table import (INDEX_DTYPES, PLACEMENTS, TOKEN_DTYPES, BoundReplay, TraceTable, default_device,
-                    parse_device)
 
 __all__ = [
+    # the trace table and its replays
     "TraceTable",
     "BoundReplay",
-    "ArrayView",
-    "as_view",
-    "check_view",
-    "stream_handle",
-    "default_device",
-    "parse_device",
-    "replay_reference",
+    "PLACEMENTS",
+    # logprob and rank of the chosen token
     "token_logprob_rank",
     "bind_logprob_rank",
     "BoundLogprobRank",
+    "logprob_rank_workspace_bytes",
+    "MAX_VOCAB",
+    # the numpy reference of both ops
+    "replay_reference",
     "token_logprob_rank_reference",
-    "PLACEMENTS",
+    # arrays, streams, devices, dtypes
+    "ArrayView",
+    "as_view",
+    "stream_handle",
+    "parse_device",
+    "default_device",
+    "BoundCache",
     "TOKEN_DTYPES",
     "INDEX_DTYPES",
+    "LOGITS_DTYPES",
+    "RANK_DTYPES",
 ]
 
 __version__ = "0.1.0"

@@ -181,6 +181,11 @@ def memcpy_htod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     _check(_driver().cuMemcpyHtoDAsync(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
 
 
+def memcpy_dtoh(dst: int, src: int, nbytes: int) -> None:
+    """Host-blocking copy from device (or host-mapped) memory to host memory."""
+    _check(_driver().cuMemcpyDtoH(dst, src, nbytes), "cuMemcpyDtoH")
+
+
 def memset_d8_async(dst: int, value: int, nbytes: int, stream: int) -> None:
     _check(_driver().cuMemsetD8Async(dst, value, nbytes, stream), "cuMemsetD8Async")
 

@@ -31,8 +31,8 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from trace_replay_core import bind_logprob_rank
 from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
-from trace_replay_core.bound_cache import BoundCache
-from trace_replay_core.logprob import LOGITS_DTYPES, MAX_VOCAB, logprob_rank_workspace_bytes
+from trace_replay_core._bound_cache import BoundCache
+from trace_replay_core._logprob import LOGITS_DTYPES, MAX_VOCAB, logprob_rank_workspace_bytes
 
 from .jnp_replay import is_vmap_tracer
 

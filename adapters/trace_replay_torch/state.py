@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from trace_replay_core import TraceTable
-from trace_replay_core.bound_cache import BoundCache
+from trace_replay_core._bound_cache import BoundCache
 
 from .views import layout_key, raw_stream
 
@@ -63,16 +63,17 @@ class TraceReplayState:
                  total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None,
                  placement: str = "device", vocab_size: Optional[int] = None, staging_depth: int = 4):
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be a cpu or cuda device (got {device})")
+        if device.type == "cuda":
+            parse_device(str(device))            # the core's check: the same error for "cuda" and "cuda:N"
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._index = device.index if device.type == "cuda" else None
         self.table = TraceTable(max_slots, max_trace_len, device=str(device), placement=placement,
                                 vocab_size=vocab_size, staging_depth=staging_depth)
-        self._views = BoundCache(_VIEW_CACHE_SIZE)   # bound replays by array layout
-        self._lengths = None
+        self._lengths = None                     # the bound (total_len, prompt_len) tensors
         if (total_len is None) != (prompt_len is None):
             raise ValueError("give both total_len and prompt_len, or neither")
         if total_len is not None:
@@ -85,7 +86,6 @@ class TraceReplayState:
     # lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
         """Free the table and staging memory (host-blocking; idempotent)."""
-        self._views.clear()
         self._lengths = None
         self.table.close()
 
@@ -138,13 +138,10 @@ class TraceReplayState:
 
     # lengths ---------------------------------------------------------------------------------
     def bind_lengths(self, total_len: torch.Tensor, prompt_len: torch.Tensor) -> None:
-        """Bind the per-slot length tensors read by :meth:`replay` (validated here, once)."""
-        stream = self._stream()
-        views = self.table.views(torch.empty(0, dtype=torch.int64, device=self.device),
-                                 torch.empty(0, dtype=torch.int32, device=self.device),
-                                 total_len, prompt_len, stream=stream)
-        self._lengths = (total_len, prompt_len, views[2], views[3])
-        self._views.clear()
+        """Bind the per-slot length tensors read by :meth:`replay` (validated here, once; see
+        :meth:`trace_replay_core.TraceTable.bind_lengths`). The state keeps references to them."""
+        self.table.bind_lengths(total_len, prompt_len, stream=self._stream())
+        self._lengths = (total_len, prompt_len)
 
     # replay ----------------------------------------------------------------------------------
     def replay(self, sampled: torch.Tensor, idx_mapping: torch.Tensor,
@@ -155,36 +152,25 @@ class TraceReplayState:
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
         Stream-ordered, no host sync; capturable in a CUDA graph once warmed up.
         """
-        stream = raw_stream(self._index) if self._index is not None else 0  # self._stream(), inlined
-        if total_len is None and prompt_len is None:
-            # The hot path of a decode loop: one flat key, one dict lookup, one launch.
-            try:
-                key = (sampled.data_ptr(), sampled.dtype, sampled.shape, sampled.stride(),
-                       idx_mapping.data_ptr(), idx_mapping.dtype, idx_mapping.shape, idx_mapping.stride())
-            except AttributeError:
-                raise TypeError(f"sampled and idx_mapping must be torch tensors (got {type(sampled).__name__} "
-                                f"and {type(idx_mapping).__name__})") from None
-            bound = self._views.get(key)
-            if bound is None:
-                if self._lengths is None:
-                    raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
-                _, _, tl_view, pl_view = self._lengths
-                bound = self._views.bind(key, lambda: self.table.bind_replay(sampled, idx_mapping, tl_view, pl_view,
-                                                                        stream=stream))
-        else:
+        if total_len is not None or prompt_len is not None:
             if total_len is None or prompt_len is None:
                 raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
-            key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len),
-                   layout_key(prompt_len))
-            bound = self._views.bind(key, lambda: self.table.bind_replay(sampled, idx_mapping, total_len, prompt_len,
-                                                                    stream=stream))
-        bound(stream=stream)
+            key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
+            self.table.replay_cached(key, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
+            return sampled
+        # The hot path of a decode loop: one flat key, one dict lookup, one launch (in the core).
+        try:
+            key = (sampled.data_ptr(), sampled.dtype, sampled.shape, sampled.stride(),
+                   idx_mapping.data_ptr(), idx_mapping.dtype, idx_mapping.shape, idx_mapping.stride())
+        except AttributeError:
+            raise TypeError(f"sampled and idx_mapping must be torch tensors (got {type(sampled).__name__} "
+                            f"and {type(idx_mapping).__name__})") from None
+        self.table.replay_cached(key, sampled, idx_mapping,
+                                 stream=raw_stream(self._index) if self._index is not None else 0)
         return sampled
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row."""
-        stream = self._stream()
         key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
-        bound = self._views.bind(key, lambda: self.table.bind_replay(sampled, idx_mapping, step=step, stream=stream))
-        bound(stream=stream)
+        self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
         return sampled

@@ -25,9 +25,9 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .cpu_backend import numpy_of
-from .dlpack import CPU, ArrayView, as_view, check_view
-from .streams import stream_handle
+from ._numpy_backend import numpy_of
+from ._dlpack import CPU, ArrayView, as_view, check_view
+from ._streams import stream_handle
 
 __all__ = [
     "token_logprob_rank",
@@ -239,7 +239,7 @@ def _launch_specs(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank
 def _gpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView,
                       workspace: Optional[ArrayView], plan: LogprobRankPlan, stream: int) -> None:
     from . import _cuda
-    from .kernels.launch import compiled
+    from .kernels._compiled import compiled
     device_id = logits.device_id
     with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
         for kernel, grid, pointers, ints, constexprs, num_warps, dtypes in _launch_specs(
@@ -331,6 +331,14 @@ class BoundLogprobRank:
         self._launches = launches
         self.views = views
 
+    def release(self) -> None:
+        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
+        caller must keep them alive while it uses this bound call (a cache keyed by address
+        does). Host-only."""
+        for v in self.views:
+            v.keepalive = None
+        self.views = ()
+
     def __call__(self, *, stream: Any) -> None:
         handle = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
         for launch in self._launches:
@@ -357,7 +365,7 @@ def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ran
     if plan is None:
         return BoundLogprobRank((lambda _stream: _cpu_logprob_rank(lv, iv, lpv, rkv),), views)
     from . import _cuda
-    from .kernels.launch import compiled
+    from .kernels._compiled import compiled
     launches = []
     with _cuda.on_device(lv.device_id):
         for kernel, grid, pointers, ints, constexprs, num_warps, dtypes in _launch_specs(

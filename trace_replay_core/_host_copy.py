@@ -1,7 +1,7 @@
 """Staging's copy of token ids in native code, built on first use when a C compiler is at hand.
 
 Staging copies every trace into memory the table owns and refuses ids out of range
-(:func:`~.validate.copy_trace`). numpy does that in two passes, a copy and then a max over the
+(:func:`~._staging.copy_trace`). numpy does that in two passes, a copy and then a max over the
 copy. ``host_copy.c`` loads each id once, folds it into a running max and stores it; on x86-64
 with AVX2 the stores bypass the cache (the GPU's copy engine reads the staging buffer next, not
 this CPU). ``stage_many`` of 64 traces of 8K int32 tokens (2 MiB) in the staging benchmark's
@@ -9,8 +9,8 @@ loop on an H200 host took 274 and 411 us against 422 and 556 us with numpy (p50,
 the copy alone, 64-bit ids narrowed into the same 2 MiB: 640 against 813 us. Outputs below
 :data:`MIN_BYTES` stay on numpy.
 
-:func:`prepare` (called by every :class:`~.table.TraceTable` on construction; host-blocking,
-once per process) compiles ``host_copy.c`` with the C compiler (``$CC``, else ``cc``; Triton's
+:func:`prepare` (called by the first copy of :data:`MIN_BYTES` or more of a process, or by
+the caller; host-blocking, once per process) compiles ``host_copy.c`` with the C compiler (``$CC``, else ``cc``; Triton's
 GPU backend needs one at run time too) into a cache folder (``$TRACE_REPLAY_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/trace-replay``, else ``~/.cache/trace-replay``), loads it with ctypes and
 checks it on a known input. Later processes load the cached build (about 1 ms). Without a
@@ -50,7 +50,7 @@ MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()
 _prepared = False
-_status = "not prepared: no TraceTable built yet (staging uses numpy until one is)"
+_status = "not prepared: no staging copy of MIN_BYTES or more yet (prepared at the first one)"
 _funcs: dict = {}        # source dtype -> entry point of the loaded, checked library; empty: numpy
 
 
@@ -189,7 +189,11 @@ def copy_max(arr: np.ndarray, out: np.ndarray) -> Optional[int]:
     apart). 64-bit ids keep their low 32 bits in ``out``. Host-only; the caller owns both
     arrays and must not let another thread write them during the call.
     """
-    if not _funcs or out.size < MIN_BYTES // 4:
+    if out.size < MIN_BYTES // 4:
+        return None
+    if not _prepared:
+        prepare()                  # the first copy that needs it builds or loads the native code
+    if not _funcs:
         return None
     return _run(_funcs, arr, out)
 
@@ -200,6 +204,7 @@ def _entry_points(funcs: dict):
     entry points of another build, from ``_load``) inside the block, process-wide, then with the
     loaded library again. Not thread-safe: nothing else may stage meanwhile."""
     global _funcs
+    prepare()                      # so that no copy inside the block prepares (and replaces funcs)
     saved, _funcs = _funcs, funcs
     try:
         yield

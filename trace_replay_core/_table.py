@@ -8,49 +8,22 @@ committed in one stream-ordered batch; replay then overwrites sampled tokens on 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, Hashable, Optional, Tuple
 
 import numpy as np
 
-from . import host_copy
-from .dlpack import ArrayView, as_view, check_view
-from .streams import stream_handle
-from .validate import check_positive_int, check_slot, check_slots, trace_array, trace_block
+from ._bound_cache import BoundCache
+from ._devices import parse_device
+from ._dlpack import ArrayView, as_view, check_view
+from ._dtypes import INDEX_DTYPES, TOKEN_DTYPES
+from ._streams import stream_handle
+from ._validate import check_positive_int, check_slot, check_slots, trace_array, trace_block
 
-__all__ = ["TraceTable", "BoundReplay", "PLACEMENTS", "INDEX_DTYPES", "TOKEN_DTYPES", "parse_device", "default_device"]
+__all__ = ["TraceTable", "BoundReplay", "PLACEMENTS"]
 
 PLACEMENTS = ("device", "host_mapped")
-TOKEN_DTYPES = ("int32", "int64")
-INDEX_DTYPES = ("int32", "int64")
-
-
-def default_device() -> str:
-    """``"cuda:0"`` when a CUDA device is visible, else ``"cpu"``. Host-only."""
-    from ._cuda import gpu_count
-    return "cuda:0" if gpu_count() > 0 else "cpu"
-
-
-def parse_device(device: Any) -> str:
-    """Normalise ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or an int N to ``"cpu"`` / ``"cuda:N"``."""
-    if isinstance(device, bool):
-        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or an int (got bool {device!r})")
-    if isinstance(device, int):
-        device = f"cuda:{device}"
-    if not isinstance(device, str):
-        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or an int (got {type(device).__name__})")
-    if device == "cpu":
-        return device
-    if device == "cuda":
-        device = "cuda:0"
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index.isdigit():
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or an int (got {device!r})")
-    from ._cuda import gpu_count
-    count = gpu_count()
-    if int(index) >= count:
-        raise ValueError(f"device {device!r} is not available: this process sees {count} CUDA device(s); "
-                         f"use device='cpu' for the CPU backend")
-    return device
+_CLOSED = "this TraceTable is closed"
+_REPLAY_CACHE_SIZE = 64
 
 
 class TraceTable:
@@ -77,8 +50,9 @@ class TraceTable:
     :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
     (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
-    The first table of a process loads staging's native copy (:mod:`~.host_copy`), compiling
-    it first when this machine has no cached build (a C compiler run, well under a second).
+    The first staging copy of 1 MiB or more in a process loads staging's native copy
+    (:mod:`~._host_copy`), compiling it first when this machine has no cached build (a C
+    compiler run, well under a second); smaller copies never need it.
     """
 
     def __init__(self, max_slots: int, max_trace_len: int, *, device: Any, placement: str = "device",
@@ -97,16 +71,17 @@ class TraceTable:
                              f"(got {self.max_slots} * {self.max_trace_len})")
         self.device = parse_device(device)
         self.placement = placement
-        host_copy.prepare()           # staging's native copy: built once per machine, loaded once per process
         self._lock = threading.Lock()
         self._closed = False
         self._backend = None
+        self._lengths: Optional[Tuple[ArrayView, ArrayView]] = None   # bound total_len, prompt_len
+        self._replays = BoundCache(_REPLAY_CACHE_SIZE)                # caller key -> launch(stream)
         if self.device == "cpu":
-            from .cpu_backend import CpuBackend
-            self._backend = CpuBackend(self.max_slots, self.max_trace_len)
+            from ._numpy_backend import NumpyTable
+            self._backend = NumpyTable(self.max_slots, self.max_trace_len)
         else:
-            from .gpu_backend import GpuBackend
-            self._backend = GpuBackend(self.max_slots, self.max_trace_len, device_id=int(self.device[5:]),
+            from ._device_table import DeviceTable
+            self._backend = DeviceTable(self.max_slots, self.max_trace_len, device_id=int(self.device[5:]),
                                        placement=placement, staging_depth=staging_depth,
                                        staging_bytes=max(64, staging_bytes + 15) // 16 * 16)
 
@@ -117,7 +92,7 @@ class TraceTable:
 
     def _live(self):
         if self._closed:
-            raise RuntimeError("this TraceTable is closed")
+            raise RuntimeError(_CLOSED)
         return self._backend
 
     def close(self) -> None:
@@ -126,6 +101,8 @@ class TraceTable:
             if self._closed:
                 return
             self._closed = True
+            self._replays.clear()
+            self._lengths = None
             if self._backend is not None:
                 self._backend.close()
 
@@ -227,7 +204,7 @@ class TraceTable:
             backend.commit(handle)
 
     # replay ----------------------------------------------------------------------------------
-    def _sampled(self, sampled: Any, handle: int) -> ArrayView:
+    def _check_sampled(self, sampled: Any, handle: int) -> ArrayView:
         v = as_view(sampled, name="sampled", stream=handle)
         if v.ndim == 2 and v.shape[1] != 1:
             raise ValueError(f"sampled has {v.shape[1]} tokens per row (shape {list(v.shape)}): speculative "
@@ -236,23 +213,51 @@ class TraceTable:
             raise ValueError(f"sampled must be 1-D [batch] or [batch, 1] (got shape {list(v.shape)})")
         return check_view(v, name="sampled", dtypes=TOKEN_DTYPES, device=self.device, writable=True)
 
-    def views(self, sampled: Any, idx_mapping: Any, total_len: Any = None, prompt_len: Any = None,
-              step: Any = None, *, stream: Any) -> Tuple[ArrayView, ...]:
-        """Validate replay arguments and return their views (host-only). Raises on bad input."""
-        handle = stream_handle(stream)
-        s = self._sampled(sampled, handle)
+    def _check_rows(self, arr: Any, name: str, rows: int, handle: int) -> ArrayView:
+        return check_view(as_view(arr, name=name, stream=handle), name=name, dtypes=INDEX_DTYPES,
+                          device=self.device, ndim=1, length=rows)
+
+    def _check_per_slot(self, arr: Any, name: str, handle: int) -> ArrayView:
+        return check_view(as_view(arr, name=name, stream=handle), name=name, dtypes=INDEX_DTYPES,
+                          device=self.device, ndim=1, min_length=self.max_slots)
+
+    def _check_replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any,
+                      handle: int):
+        """Validated views ``(sampled, idx_mapping, total_len, prompt_len, step)`` of one replay:
+        ``step`` None for the per-slot step, else ``total_len`` and ``prompt_len`` None."""
+        s = self._check_sampled(sampled, handle)
         rows = s.shape[0]
-        idx = check_view(as_view(idx_mapping, name="idx_mapping", stream=handle), name="idx_mapping",
-                         dtypes=INDEX_DTYPES, device=self.device, ndim=1, length=rows)
+        idx = self._check_rows(idx_mapping, "idx_mapping", rows, handle)
         if step is not None:
-            st = check_view(as_view(step, name="step", stream=handle), name="step", dtypes=INDEX_DTYPES,
-                            device=self.device, ndim=1, length=rows)
-            return s, idx, st
-        tl = check_view(as_view(total_len, name="total_len", stream=handle), name="total_len",
-                        dtypes=INDEX_DTYPES, device=self.device, ndim=1, min_length=self.max_slots)
-        pl = check_view(as_view(prompt_len, name="prompt_len", stream=handle), name="prompt_len",
-                        dtypes=INDEX_DTYPES, device=self.device, ndim=1, min_length=self.max_slots)
-        return s, idx, tl, pl
+            if total_len is not None or prompt_len is not None:
+                raise ValueError("give either total_len and prompt_len (per slot) or step (per row), not both")
+            return s, idx, None, None, self._check_rows(step, "step", rows, handle)
+        if total_len is None or prompt_len is None:
+            raise ValueError("give both total_len and prompt_len (per slot), or step (per row)")
+        return (s, idx, self._check_per_slot(total_len, "total_len", handle),
+                self._check_per_slot(prompt_len, "prompt_len", handle), None)
+
+    def bind_lengths(self, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
+        """Bind the per-slot length arrays that :meth:`replay_cached` reads: validated here,
+        once (int32/int64, 1-D, at least ``max_slots`` entries, on the table's device).
+
+        The table keeps their DLPack capsules, so the memory stays alive while bound; the loop
+        keeps the contents current (``total_len[slot]`` = prompt plus outputs so far), and
+        replay reads them on the device. Binding again replaces them and forgets every cached
+        replay. ``stream`` is the DLPack handshake's. Host-only; a rejected call changes nothing.
+        """
+        handle = stream_handle(stream)
+        self._live()
+        lengths = (self._check_per_slot(total_len, "total_len", handle),
+                   self._check_per_slot(prompt_len, "prompt_len", handle))
+        with self._lock:
+            self._replays.clear()
+            self._lengths = lengths
+
+    @property
+    def lengths_bound(self) -> bool:
+        """Whether :meth:`bind_lengths` has bound the per-slot lengths."""
+        return self._lengths is not None
 
     def replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
         """Overwrite traced rows of ``sampled`` in place, ordered on ``stream``; never blocks.
@@ -262,18 +267,55 @@ class TraceTable:
         per-slot int32/int64 arrays of at least ``max_slots`` entries, read on the device; the
         step of a row is ``total_len[slot] - prompt_len[slot]``. Arrays are DLPack objects or
         :class:`ArrayView`; they must stay alive until the queued work has run (as for any
-        stream-ordered call).
+        stream-ordered call). Validates every array on every call (about 100 us for four torch
+        CUDA tensors): loops that reuse buffers use :meth:`replay_cached` or :meth:`bind_replay`.
         """
         handle = stream_handle(stream)
-        s, idx, tl, pl = self.views(sampled, idx_mapping, total_len, prompt_len, stream=handle)
-        self._live().replay(s, idx, tl, pl, False, handle)
+        views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, None, handle)
+        self._live().replay(*views, handle)
 
     def replay_at_step(self, sampled: Any, idx_mapping: Any, step: Any, *, stream: Any) -> None:
         """As :meth:`replay`, with the step of each row given directly: ``step[b]`` (``[batch]``
         int32/int64, outputs already produced by row ``b``'s request)."""
         handle = stream_handle(stream)
-        s, idx, st = self.views(sampled, idx_mapping, step=step, stream=handle)
-        self._live().replay(s, idx, st, None, True, handle)
+        views = self._check_replay(sampled, idx_mapping, None, None, step, handle)
+        self._live().replay(*views, handle)
+
+    def replay_cached(self, key: Hashable, sampled: Any, idx_mapping: Any, total_len: Any = None,
+                      prompt_len: Any = None, step: Any = None, *, stream: Any) -> None:
+        """The hot path of a decode loop: replay onto ``sampled``, launching the replay cached
+        under ``key`` (stream-ordered, never blocks).
+
+        ``key``: any hashable that the caller derives from the memory layout of the arrays it
+        passes (``sampled``, ``idx_mapping`` and any of ``total_len``, ``prompt_len``, ``step``):
+        data pointers, dtypes, shapes and strides. Equal keys must describe the same memory;
+        then a cached replay is exactly what binding again would give. On a miss the arrays are
+        validated and bound once (over DLPack), with the step source given (``total_len`` and
+        ``prompt_len``, or ``step``), or else the lengths of :meth:`bind_lengths`; on a hit
+        nothing is validated, so a hit costs one dict lookup and one kernel launch. The
+        cache keeps pointers, never the arrays: the caller keeps them alive while work is
+        queued (a framework's caching allocator does). It holds the latest 64 keys.
+
+        Thread-safe: lookups take no lock; a miss binds under the table's lock. ``stream``:
+        an int handle or an object with ``__cuda_stream__``, resolved once here.
+        """
+        handle = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+        launch = self._replays.get(key)
+        if launch is None:
+            launch = self._bind_cached(key, sampled, idx_mapping, total_len, prompt_len, step, handle)
+        launch(handle)
+
+    def _bind_cached(self, key: Hashable, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any,
+                     step: Any, handle: int):
+        backend = self._live()
+        if step is None and total_len is None and prompt_len is None:
+            if self._lengths is None:
+                raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
+            total_len, prompt_len = self._lengths
+        views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle)
+        with self._lock:
+            self._live()
+            return self._replays.bind(key, lambda: backend.bind(*views))
 
     def bind_replay(self, sampled: Any, idx_mapping: Any, total_len: Any = None, prompt_len: Any = None,
                     step: Any = None, *, stream: Any) -> "BoundReplay":
@@ -285,11 +327,8 @@ class TraceTable:
         ``stream`` is used for the DLPack handshake here; each call names its own stream.
         """
         handle = stream_handle(stream)
-        views = self.views(sampled, idx_mapping, total_len, prompt_len, step, stream=handle)
-        backend = self._live()
-        if step is not None:
-            return BoundReplay(self, backend.bind(views[0], views[1], views[2], None, True), views)
-        return BoundReplay(self, backend.bind(views[0], views[1], views[2], views[3], False), views)
+        views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle)
+        return BoundReplay(self, self._live().bind(*views), tuple(v for v in views if v is not None))
 
     # inspection ------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -316,7 +355,8 @@ class BoundReplay:
     """A replay whose arrays were validated and fixed by :meth:`TraceTable.bind_replay`.
 
     ``bound(stream=s)`` queues the replay on stream ``s`` (stream-ordered, never blocks): the
-    cheapest way to replay, a single kernel launch. ``views`` holds the validated arrays.
+    cheapest way to replay, a single kernel launch. ``views`` holds the validated arrays, whose
+    DLPack capsules keep their memory alive while the bound replay lives.
     """
 
     __slots__ = ("_table", "_launch", "views")
@@ -326,7 +366,15 @@ class BoundReplay:
         self._launch = launch
         self.views = views
 
+    def release(self) -> None:
+        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
+        caller must keep them alive while it uses this bound replay (a cache keyed by address
+        does). Host-only."""
+        for v in self.views:
+            v.keepalive = None
+        self.views = ()
+
     def __call__(self, *, stream: Any) -> None:
         if self._table._closed:
-            raise RuntimeError("this TraceTable is closed")
+            raise RuntimeError(_CLOSED)
         self._launch(stream if type(stream) is int and stream >= 0 else stream_handle(stream))

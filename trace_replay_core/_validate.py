@@ -14,21 +14,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .host_copy import copy_max
-
-__all__ = ["check_positive_int", "check_slot", "check_slots", "check_trace", "copy_trace", "trace_array",
-           "trace_block"]
+__all__ = ["check_positive_int", "check_slot", "check_slots", "check_trace", "trace_array", "trace_block",
+           "token_error", "INT32_MAX", "TOKEN_LIMIT"]
 
 INT32_MAX = 2**31 - 1
 TOKEN_LIMIT = INT32_MAX + 1     # token ids are stored as int32: without a vocabulary, below 2**31
 
-_UINT64 = np.dtype(np.uint64)
-_INT32 = np.dtype(np.int32)          # native byte order only
-# A block of traces is copied and checked in pieces of about this many bytes, so that the check
-# reads what the copy just wrote from cache: 2 MiB (64 x 8K tokens) into pinned memory on the
-# H200's host took 238 and 332 us in 256 KiB pieces against 275 and 376 us whole (two runs,
-# two machines), as fast as the bare copy (261 and 336 us); smaller pieces were slower.
-CHECK_CHUNK_BYTES = 1 << 18
 
 
 def check_positive_int(value: Any, *, name: str, maximum: int = INT32_MAX) -> int:
@@ -121,82 +112,20 @@ def trace_block(tokens: Any, *, rows: int, max_trace_len: int, name: str = "trac
     return arr
 
 
-def _value_error(values: np.ndarray, vocab_size: int | None, name: str) -> ValueError:
+def token_error(values: np.ndarray, vocab_size: int | None, name: str) -> ValueError:
     """The refusal of ``values``, which break a rule: non-negative first, then the upper limit.
     For a 2-D block the message names the first trace (row) that breaks one."""
     if values.ndim == 2:
         limit = TOKEN_LIMIT if vocab_size is None else vocab_size
         bad = np.nonzero(((values < 0) | (values >= limit)).any(axis=1))[0]
         row = int(bad[0]) if bad.size else 0
-        return _value_error(values[row], vocab_size, f"{name}[{row}]")
+        return token_error(values[row], vocab_size, f"{name}[{row}]")
     lo = int(values.min())
     if lo < 0:
         return ValueError(f"{name} must be non-negative (got {lo} at index {int(np.argmin(values))})")
     at = int(np.argmax(values))
     what = f"vocab_size={vocab_size}" if vocab_size is not None else "2**31"
     return ValueError(f"{name} must be below {what} (got {int(values[at])} at index {at})")
-
-
-def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name: str = "tokens") -> None:
-    """Copy the token ids of ``arr`` (a :func:`trace_array` or :func:`trace_block` result) into
-    ``out``, refusing any id that is negative, or at least ``vocab_size`` (``2**31`` when
-    ``None``). Host-only.
-
-    ``out``: ``uint32``, of ``arr``'s shape (a block may be a strided view, such as rows with
-    padding between them); a uint32 view of the int32 storage that keeps the trace (an id below
-    ``2**31`` has the same bits in both). ``arr`` is read once when its integers have 4 bytes or
-    fewer. On a refusal ``out`` holds unspecified values: the caller publishes it only when this
-    returns. A value that does not fit int32 is refused, never wrapped. Native-order 32- and
-    64-bit ids are copied by :func:`~.host_copy.copy_max` once it is built (one pass over the
-    source); others, or every dtype without a C compiler, by numpy, with the same results.
-    """
-    limit = TOKEN_LIMIT if vocab_size is None else vocab_size
-    top = copy_max(arr, out)       # one pass in native code, when built (host_copy); else None
-    if top is not None:
-        if top < limit:
-            return
-        raise _value_error(arr, vocab_size, name)
-    if arr.dtype.itemsize <= 4:
-        signed = arr.dtype.kind == "i"
-        if arr.ndim == 2 and arr.dtype == _INT32:
-            # A block of native int32 as uint32, the same bits: numpy then copies it with memmove
-            # instead of an element-wise cast loop. 2 MiB (64 x 8K tokens) copied and checked in
-            # 256 KiB pieces on the H200's host: 298 and 311 us against 353 and 358 us (two runs).
-            # Not for one trace: the view costs ~0.5 us, and a cast of up to 32K tokens was no
-            # slower than memmove on a CPU-only host.
-            arr = arr.view(np.uint32)
-        # Up to 4 bytes the copy keeps every bit that matters: as uint32 a negative id becomes
-        # >= 2**31 >= limit, so the largest staged value checks both bounds, on exactly the bytes
-        # that were staged, read back from cache. 1-D: argmax, not max() (~0.5 us less call
-        # overhead); a block: max(), which argmax would first copy to contiguous memory, piece
-        # by piece (CHECK_CHUNK_BYTES) while the piece is still in cache.
-        if out.ndim == 1:
-            out[...] = arr      # memmove or a C cast, like np.copyto(casting="unsafe") without its dispatch
-            if out[out.argmax()] < limit:
-                return
-            bad = out
-        else:
-            rows = max(1, CHECK_CHUNK_BYTES // max(1, 4 * out.shape[1]))
-            for start in range(0, out.shape[0], rows):
-                piece = out[start:start + rows]
-                piece[...] = arr[start:start + rows]
-                if piece.max() >= limit:
-                    bad = out[:start + rows]       # the first bad trace is in this piece
-                    break
-            else:
-                return
-        raise _value_error(bad.view(np.int32) if signed else bad, vocab_size, name)
-    # 8 bytes: check before the casting copy, which keeps only the low 32 bits. As uint64 a
-    # negative id becomes >= 2**63, so again the largest value checks both bounds.
-    if arr.dtype.kind == "i":
-        if not arr.dtype.isnative:
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        wide = arr.view(_UINT64)
-    else:
-        wide = arr
-    if (wide[wide.argmax()] if wide.ndim == 1 else wide.max()) >= limit:
-        raise _value_error(arr, vocab_size, name)
-    out[...] = arr
 
 
 def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: Optional[int],
@@ -212,5 +141,5 @@ def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: Optional[int],
     arr = trace_array(tokens, max_trace_len=max_trace_len, name=name)
     limit = TOKEN_LIMIT if vocab_size is None else vocab_size
     if int(arr.min()) < 0 or int(arr.max()) >= limit:
-        raise _value_error(arr, vocab_size, name)
+        raise token_error(arr, vocab_size, name)
     return arr

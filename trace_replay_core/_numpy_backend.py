@@ -1,0 +1,128 @@
+"""The numpy backend: the numpy twin of every op, and the trace table in host memory.
+
+Used when a table is created with ``device="cpu"`` (a machine without a GPU, or arrays that
+live in host memory) and by :func:`~trace_replay_core.token_logprob_rank` for host arrays.
+Every call completes before it returns: there is no stream to order against (the ``stream``
+a caller passes is validated and otherwise unused). The semantics are the kernels', op by op:
+
+- :func:`replay_numpy` is :mod:`.kernels.replay`;
+- :meth:`NumpyTable.commit` is :mod:`.kernels.scatter` applied to what is staged;
+- the logprob-and-rank twin is :mod:`.kernels.logprob_rank`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ._dlpack import ArrayView
+from ._staging import copy_trace
+
+__all__ = ["NumpyTable", "numpy_of", "replay_numpy"]
+
+
+def numpy_of(view: ArrayView) -> np.ndarray:
+    """A numpy array over a contiguous CPU view's memory (no copy; writes go to the producer)."""
+    if view.size == 0:
+        return np.empty(view.shape, dtype=view.dtype)
+    nbytes = view.size * view.itemsize
+    buf = (ctypes.c_char * nbytes).from_address(view.ptr)
+    return np.frombuffer(buf, dtype=view.dtype).reshape(view.shape)
+
+
+def replay_numpy(out: np.ndarray, slot: np.ndarray, table: np.ndarray, trace_len: np.ndarray,
+                 total: Optional[np.ndarray], prompt: Optional[np.ndarray], step: Optional[np.ndarray]) -> None:
+    """The replay kernel in numpy: write the trace token of each active row into ``out`` (1-D,
+    in place). ``slot``: per-row slots; the step per slot from ``total - prompt``, or per row
+    from ``step`` (the other two ``None``), as in :mod:`.kernels.replay`."""
+    slot = slot.astype(np.int64)
+    active = (slot >= 0) & (slot < table.shape[0])
+    s = np.where(active, slot, 0)
+    n = trace_len[s].astype(np.int64)
+    if step is not None:
+        at = step.astype(np.int64)
+    else:
+        at = total[s].astype(np.int64) - prompt[s].astype(np.int64)
+    active &= (n > 0) & (at >= 0) & (at < n)
+    rows = np.nonzero(active)[0]
+    out[rows] = table[s[rows], at[rows]].astype(out.dtype)
+
+
+class NumpyTable:
+    """The table of the numpy backend: ``[max_slots, max_trace_len]`` int32 and the trace
+    lengths, in host memory it owns. Not thread-safe on its own: :class:`~._table.TraceTable`
+    serialises staging and commits with its lock."""
+
+    def __init__(self, max_slots: int, max_trace_len: int):
+        self.table = np.zeros((max_slots, max_trace_len), dtype=np.int32)
+        self.trace_len = np.zeros(max_slots, dtype=np.int32)
+        self._staged: Dict[int, Optional[np.ndarray]] = {}
+
+    # staging -------------------------------------------------------------------------------
+    def stage(self, slot: int, tokens: np.ndarray, vocab_size: Optional[int]) -> None:
+        """Copy ``tokens`` (a :func:`~._validate.trace_array` result) and check its ids in one
+        pass; the copy becomes the staged trace of ``slot`` only if they pass (else this raises)."""
+        staged = np.empty(tokens.shape[0], dtype=np.uint32)
+        copy_trace(tokens, staged, vocab_size=vocab_size)
+        self._staged[slot] = staged.view(np.int32)
+
+    def stage_many(self, slots: List[int], traces, vocab_size: Optional[int]) -> None:
+        """``stage`` for each pair in order, recorded only once every trace has passed; a 2-D
+        block is copied and checked in one pass."""
+        if isinstance(traces, np.ndarray):
+            block = np.empty(traces.shape, dtype=np.uint32)
+            copy_trace(traces, block, vocab_size=vocab_size, name="traces")
+            staged = list(block.view(np.int32))
+        else:
+            staged = []
+            for i, tokens in enumerate(traces):
+                out = np.empty(tokens.shape[0], dtype=np.uint32)
+                copy_trace(tokens, out, vocab_size=vocab_size, name=f"traces[{i}]")
+                staged.append(out.view(np.int32))
+        self._staged.update(zip(slots, staged))
+
+    def clear(self, slot: int) -> None:
+        self._staged[slot] = None
+
+    def pending(self) -> int:
+        return len(self._staged)
+
+    def commit(self, stream: int) -> None:
+        for slot, tokens in self._staged.items():
+            if tokens is None:
+                self.trace_len[slot] = 0
+            else:
+                self.table[slot, : tokens.shape[0]] = tokens
+                self.trace_len[slot] = tokens.shape[0]
+        self._staged.clear()
+
+    # replay --------------------------------------------------------------------------------
+    def bind(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView], prompt: Optional[ArrayView],
+             step: Optional[ArrayView]):
+        def launch(stream: int) -> None:
+            self.replay(sampled, idx, total, prompt, step, stream)
+        return launch
+
+    def replay(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView], prompt: Optional[ArrayView],
+               step: Optional[ArrayView], stream: int) -> None:
+        replay_numpy(numpy_of(sampled).reshape(-1), numpy_of(idx), self.table, self.trace_len,
+                     None if total is None else numpy_of(total), None if prompt is None else numpy_of(prompt),
+                     None if step is None else numpy_of(step))
+
+    # inspection ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        return None
+
+    def device_views(self):
+        def view(a):
+            return ArrayView(a.ctypes.data, a.shape, tuple(x // a.itemsize for x in a.strides), "int32", "cpu", 0,
+                             keepalive=a)
+        return view(self.table), view(self.trace_len)
+
+    def snapshot(self):
+        return self.table.copy(), self.trace_len.copy()
+
+    def close(self) -> None:
+        self._staged.clear()
