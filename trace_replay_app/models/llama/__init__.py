@@ -1,0 +1,41 @@
+"""The Llama-family models: ``llama`` (Llama 2/3/3.1, also serving ``mistral`` checkpoints),
+``qwen2`` and ``qwen3``, one framework-neutral config (``config.py``, numpy only) and two decode
+loops (``torch_loop.py``, ``jax_loop.py``), imported only by :func:`load_loop`.
+
+The three registry entries share the config class and the loops; they differ in the Hugging
+Face ``model_type`` values they serve and in the small default config of a seeded run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..family import Family
+from .config import (MODEL_TYPES, LlamaConfig, check_weights, config_from_hf, default_config, describe,
+                     param_shapes, seeded_weights, to_hf, weights_from_tensors)
+
+__all__ = ["FAMILIES", "LlamaConfig", "MODEL_TYPES", "config_from_hf", "default_config", "param_shapes",
+           "seeded_weights", "check_weights", "weights_from_tensors", "to_hf", "describe", "load_loop"]
+
+
+def load_loop(framework: str):
+    """``run_decode`` of ``framework`` (``"torch"`` or ``"jax"``), imported now."""
+    if framework == "torch":
+        from .torch_loop import run_decode
+    elif framework == "jax":
+        from .jax_loop import run_decode
+    else:
+        raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
+    return run_decode
+
+
+def _family(name: str, label: str, model_types) -> Family:
+    return Family(name=name, label=label, model_types=tuple(model_types), config_type=LlamaConfig, config_from_hf=config_from_hf,
+                  default_config=functools.partial(default_config, name), seeded_weights=seeded_weights,
+                  weights_from_tensors=weights_from_tensors, check_weights=check_weights, load_loop=load_loop,
+                  to_hf=to_hf, describe=describe)
+
+
+FAMILIES = (_family("llama", "Llama-family model", ("llama", "mistral")),
+            _family("qwen2", "Qwen2-family model", ("qwen2",)),
+            _family("qwen3", "Qwen3-family model", ("qwen3",)))

@@ -1,0 +1,362 @@
+"""Llama-family model description shared by the torch and JAX decode loops (numpy only).
+
+One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.1), ``mistral``
+(the same layout, with a sliding attention window), ``qwen2`` (biases on q/k/v) and ``qwen3``
+(per-head RMSNorm on q and k, an explicit ``head_dim``). The block: RMSNorm, grouped-query
+attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default`` or
+``llama3``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
+or the token embedding when tied).
+
+Parameters keep the names and shapes transformers saves (``model.embed_tokens.weight``,
+``model.layers.N.self_attn.q_proj.weight`` ``[heads * head_dim, hidden]``, ...,
+``lm_head.weight`` unless tied): a projection is ``x @ weight.T + bias``. Weights are float
+numpy arrays owned by the caller; the loops copy them to their framework, device and compute
+dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["LlamaConfig", "MODEL_TYPES", "ROPE_TYPES", "config_from_hf", "default_config", "param_shapes",
+           "seeded_weights", "check_weights", "weights_from_tensors", "to_hf", "describe", "inv_freq"]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+_IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)     # a buffer older checkpoints store
+
+
+def _positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int (got {value!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes and options of a Llama-family decoder (defaults: a tiny model for seeded runs).
+
+    ``head_dim`` 0 means ``hidden_size // num_attention_heads``. ``num_attention_heads`` must
+    be a multiple of ``num_key_value_heads`` (grouped-query attention). ``rope_type``
+    ``"llama3"`` uses ``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+    ``rope_original_max_positions``. ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
+    q/k/v, output and MLP projections; ``qk_norm``: RMSNorm over each head of q and k (Qwen3).
+    ``layer_windows``: per layer, the sliding attention window in tokens (a query at position
+    ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty means
+    full attention in every layer. ``n_positions`` (the most prompt + decoded tokens of one
+    request) is ``max_position_embeddings``. Frozen and hashable.
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0
+    max_position_embeddings: int = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    layer_windows: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        owner = "LlamaConfig"
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"{owner}.model_type must be one of {', '.join(MODEL_TYPES)} (got {self.model_type!r})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings", "rope_original_max_positions"):
+            _positive_int(owner, name, getattr(self, name))
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"{owner}.hidden_size must be a multiple of num_attention_heads when head_dim is "
+                                 f"not given (got {self.hidden_size} and {self.num_attention_heads})")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _positive_int(owner, "head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"{owner}.head_dim must be even for rotary embeddings (got {self.head_dim})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{owner}.num_attention_heads must be a multiple of num_key_value_heads "
+                             f"(got {self.num_attention_heads} and {self.num_key_value_heads})")
+        for name in ("rms_norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{owner}.{name} must be a positive finite number (got {value!r})")
+            object.__setattr__(self, name, float(value))
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"{owner}.rope_type must be one of {', '.join(ROPE_TYPES)} (got {self.rope_type!r})")
+        if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise ValueError(f"{owner}.rope_high_freq_factor must exceed rope_low_freq_factor (got "
+                             f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor})")
+        windows = tuple(self.layer_windows)
+        if windows and len(windows) != self.num_hidden_layers:
+            raise ValueError(f"{owner}.layer_windows must hold one window per layer ({self.num_hidden_layers}) or "
+                             f"none (got {len(windows)})")
+        for w in windows:
+            if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
+                raise ValueError(f"{owner}.layer_windows must hold ints >= 0 (0 = full attention) (got {w!r})")
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows) if any(windows) else ())
+
+    @property
+    def n_positions(self) -> int:
+        return self.max_position_embeddings
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window in tokens, 0 for full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+
+def _get(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
+    value = hf.get(key, default)
+    if value is None and required:
+        raise ValueError(f"config.json lacks {key!r}")
+    return default if value is None else value
+
+
+def _rope(hf: Mapping[str, Any]) -> Dict[str, Any]:
+    """The rotary options of ``hf``: transformers 5 writes ``rope_parameters``, older files
+    ``rope_theta`` and ``rope_scaling`` (``"type"`` or ``"rope_type"``)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: none, "
+                         f"{', '.join(ROPE_TYPES)})")
+    partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial!r} is not supported (rotary over the whole head only)")
+    out = {"rope_theta": float(merged.get("rope_theta", hf.get("rope_theta", 10000.0))), "rope_type": rope_type}
+    if rope_type == "llama3":
+        for key, field in (("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                           ("high_freq_factor", "rope_high_freq_factor")):
+            if merged.get(key) is None:
+                raise ValueError(f"rope_scaling type 'llama3' lacks {key!r}")
+            out[field] = float(merged[key])
+        out["rope_original_max_positions"] = int(merged.get("original_max_position_embeddings")
+                                                 or hf["max_position_embeddings"])
+    return out
+
+
+def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> Tuple[int, ...]:
+    """Per-layer sliding windows as transformers applies them: Mistral slides in every layer when
+    ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
+    ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``)."""
+    window = hf.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
+    if model_type == "mistral":
+        return (window,) * layers
+    if not hf.get("use_sliding_window", False):
+        return ()
+    types = hf.get("layer_types")
+    if types is None:
+        start = int(_get(hf, "max_window_layers", layers))
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list 'full_attention'/'sliding_attention' for each of the {layers} "
+                         f"layers (got {types!r})")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
+    """The config of a Hugging Face ``config.json`` mapping of model_type ``llama``,
+    ``mistral``, ``qwen2`` or ``qwen3``; ``ValueError`` naming the key for a missing size or an
+    option the loops do not implement (another activation, another rotary scaling, partial
+    rotary). Keys the loops do not need are ignored."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported by the llama family (supported: "
+                         f"{', '.join(MODEL_TYPES)})")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (the loops implement SwiGLU with 'silu')")
+    heads = int(_get(hf, "num_attention_heads", required=True))
+    layers = int(_get(hf, "num_hidden_layers", required=True))
+    attention_bias = bool(hf.get("attention_bias", False))
+    return LlamaConfig(
+        model_type=model_type, vocab_size=int(_get(hf, "vocab_size", required=True)),
+        hidden_size=int(_get(hf, "hidden_size", required=True)),
+        intermediate_size=int(_get(hf, "intermediate_size", required=True)),
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(_get(hf, "num_key_value_heads", heads)),
+        head_dim=int(_get(hf, "head_dim", 0)),
+        max_position_embeddings=int(_get(hf, "max_position_embeddings", required=True)),
+        rms_norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
+        o_bias=attention_bias and model_type in ("llama", "qwen3"),
+        mlp_bias=bool(hf.get("mlp_bias", False)) and model_type == "llama",
+        qk_norm=model_type == "qwen3", layer_windows=_windows(hf, model_type, layers), **_rope(hf))
+
+
+_DEFAULTS = {
+    "llama": dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                  rope_original_max_positions=64, rope_theta=500000.0),
+    "mistral": dict(layer_windows=(32, 32)),
+    "qwen2": dict(qkv_bias=True, tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
+}
+
+
+def default_config(model_type: str = "llama") -> LlamaConfig:
+    """A small config of ``model_type`` for seeded runs (vocabulary 512, 2 layers, width 64,
+    4 query and 2 key/value heads, 256 positions, and the model type's own options)."""
+    if model_type not in _DEFAULTS:
+        raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)} (got {model_type!r})")
+    return LlamaConfig(model_type=model_type, **_DEFAULTS[model_type])
+
+
+def param_shapes(config: LlamaConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every parameter name -> shape, in a fixed order (the names transformers saves)."""
+    h, d, v, inter = config.hidden_size, config.head_dim, config.vocab_size, config.intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[f"{p}self_attn.{name}.weight"] = (rows, h)
+            if config.qkv_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if config.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            shapes[f"{p}mlp.{name}.weight"] = shape
+            if config.mlp_bias:
+                shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def seeded_weights(config: LlamaConfig, seed: int = 0) -> Dict[str, np.ndarray]:
+    """Deterministic float32 weights for ``config`` from ``seed`` (numpy's PCG64 stream, the
+    same on every machine): matrices ~ N(0, 0.02^2), norm gains near 1, biases small but
+    non-zero, so that no parameter is trivially zero in a test."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.05 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            w = 0.01 * rng.standard_normal(shape)
+        else:
+            w = 0.02 * rng.standard_normal(shape)
+        out[name] = np.ascontiguousarray(w, dtype=np.float32)
+    return out
+
+
+def check_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> None:
+    """Raise ``ValueError`` naming the first missing, unexpected or mis-shaped parameter (with
+    the shape the config wants and the one received)."""
+    shapes = param_shapes(config)
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise ValueError(f"weights lack tensor {name!r} (shape {shape} for this config)")
+        got = tuple(np.shape(weights[name]))
+        if got != shape:
+            raise ValueError(f"tensor {name!r} must have shape {shape} for this config (got {got})")
+    extra = sorted(set(weights) - set(shapes))
+    if extra:
+        raise ValueError(f"weights hold tensors this config does not use: {extra[:5]}")
+
+
+def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """A checkpoint's ``tensors`` (transformers' names) -> the loops' weights (the arrays are
+    not copied). Rotary ``inv_freq`` buffers are ignored; with tied embeddings a stored
+    ``lm_head.weight`` must equal ``model.embed_tokens.weight``. Raises ``ValueError`` naming
+    the tensor: missing, unexpected, mis-shaped (both shapes) or an untied copy."""
+    weights: Dict[str, np.ndarray] = {}
+    lm_head = None
+    for name, value in tensors.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            lm_head = value
+            continue
+        weights[name] = value
+    check_weights(config, weights)
+    if lm_head is not None and not np.array_equal(np.asarray(lm_head), np.asarray(weights["model.embed_tokens.weight"])):
+        raise ValueError("tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' although config.json "
+                         "ties the word embeddings (tie_word_embeddings=true)")
+    return weights
+
+
+def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """``(config.json mapping, tensors)`` of a Hugging Face checkpoint of ``weights``."""
+    check_weights(config, weights)
+    rope = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_type == "llama3":
+        rope.update(factor=config.rope_factor, low_freq_factor=config.rope_low_freq_factor,
+                    high_freq_factor=config.rope_high_freq_factor,
+                    original_max_position_embeddings=config.rope_original_max_positions)
+    windows = set(config.layer_windows) - {0}
+    hf = {"model_type": config.model_type, "architectures": [_ARCHITECTURES[config.model_type]],
+          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+          "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+          "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+          "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu", "tie_word_embeddings": config.tie_word_embeddings,
+          "rope_theta": config.rope_theta, "rope_scaling": rope if config.rope_type != "default" else None,
+          "rope_parameters": rope, "attention_bias": config.o_bias or (config.qkv_bias and config.model_type != "qwen2"),
+          "mlp_bias": config.mlp_bias, "sliding_window": windows.pop() if windows else None}
+    if config.model_type in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = hf["sliding_window"] is not None
+        hf["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
+                             for i in range(config.num_hidden_layers)]
+    return hf, {name: np.asarray(weights[name]) for name in param_shapes(config)}
+
+
+def describe(config: LlamaConfig) -> str:
+    """The model's type and sizes in a few words."""
+    return (f"{config.model_type}, vocabulary {config.vocab_size}, {config.num_hidden_layers} layers, width "
+            f"{config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} query/key-value heads"
+            f"{', tied embeddings' if config.tie_word_embeddings else ''}")
+
+
+def inv_freq(config: LlamaConfig) -> np.ndarray:
+    """The rotary inverse frequencies ``[head_dim // 2]`` float32, as transformers computes them
+    (``theta ** -(2i / head_dim)``, then the ``llama3`` rescaling of long wavelengths), here in
+    float64 and rounded once. A position ``p`` rotates pair ``i`` by ``p * inv_freq[i]`` radians
+    (that product in float32, as transformers does)."""
+    d = config.head_dim
+    freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    if config.rope_type == "llama3":
+        old = float(config.rope_original_max_positions)
+        low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_factor
+        wavelen = 2 * math.pi / freq
+        scaled = np.where(wavelen > old / low, freq / factor, freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        freq = np.where(medium, smoothed, scaled)
+    return freq.astype(np.float32)
