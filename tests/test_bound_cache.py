@@ -39,3 +39,63 @@ def test_bound_replay_views_lose_their_capsules(rng):
         assert bound.views == ()
         bound(stream=0)
         assert sampled.tolist() == [6, 9]
+
+
+def test_concurrent_misses_bind_each_key_once_and_keep_the_bound():
+    """BoundCache is thread-safe: 8 threads asking for the same 16 keys bind each exactly once,
+    every thread gets the one cached launch, and eviction keeps the size bound."""
+    import threading
+
+    from helpers import run_threads
+
+    cache = BoundCache(16)
+    counts, lock, got = {}, threading.Lock(), {}
+
+    def bind_for(key):
+        def bind():
+            with lock:
+                counts[key] = counts.get(key, 0) + 1
+            return object()
+        return bind
+
+    def worker(i):
+        got[i] = [cache.bind(k, bind_for(k)) for k in range(16) for _ in range(20)]
+
+    run_threads(worker, 8)
+    assert counts == {k: 1 for k in range(16)}
+    assert all(got[i] == got[0] for i in got) and len(cache) == 16
+    cache.bind("extra", bind_for("extra"))
+    assert len(cache) == 16 and 0 not in cache           # the oldest key went
+
+
+def test_replay_cached_from_many_threads(rng):
+    """TraceTable.replay_cached is thread-safe: 8 threads replaying their own buffers under their
+    own keys (binding concurrently, then hitting the cache) all get the reference's tokens."""
+    from helpers import run_threads
+
+    from trace_replay_core import replay_reference
+
+    max_slots, length = 16, 32
+    with TraceTable(max_slots, length, device="cpu") as table:
+        traces = {s: rng.integers(0, 1000, length) for s in range(max_slots)}
+        table.stage_many(list(traces), np.stack(list(traces.values())))
+        table.commit(stream=0)
+        total = rng.integers(0, length, max_slots).astype(np.int32)
+        prompt = np.zeros(max_slots, np.int32)
+        table.bind_lengths(total, prompt, stream=0)
+        snapshot = table.snapshot()
+        failures = []
+
+        def worker(i):
+            idx = np.random.default_rng(i).integers(-1, max_slots, 8).astype(np.int32)
+            sampled = np.full(8, -5, np.int64)
+            want = replay_reference(sampled, idx, *snapshot, total, prompt)
+            for _ in range(200):
+                sampled[:] = -5
+                table.replay_cached(("thread", i, sampled.ctypes.data), sampled, idx, stream=0)
+                if not np.array_equal(sampled, want):
+                    failures.append(i)
+                    return
+
+        run_threads(worker, 8)
+        assert failures == []
