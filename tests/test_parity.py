@@ -2,7 +2,8 @@
 
 Paths: the numpy reference, the torch adapter, the JAX adapter eagerly, inside ``jax.jit``
 (one step per call) and inside ``lax.fori_loop`` (several steps per call, the table written
-between calls). Fresh arrays every step, as in a real loop. Seeds are fresh each run and
+between calls), each with both replay methods (``"jnp"``: gather and select; ``"kernel"``: the
+core's kernel through a buffer callback, numpy on the CPU). Fresh arrays every step, as in a real loop. Seeds are fresh each run and
 printed on failure. The CPU tier runs everything on the CPU; the GPU tier on the GPU.
 """
 
@@ -26,6 +27,8 @@ import trace_replay_jax as trj  # noqa: E402
 from jax_helpers import jax_gpu, x64  # noqa: E402
 
 LOOP_STEPS = 6     # steps per lax.fori_loop call (shorter runs end early: a dynamic trip count)
+METHODS = ("jnp", "kernel")
+MODES = ("eager", "jit", "fori")
 
 
 def _seed(rng) -> int:
@@ -62,25 +65,26 @@ def _check(scenario: Scenario, name: str, got: List[np.ndarray], per_row: bool) 
 
 # -- drivers --------------------------------------------------------------------------------------
 def run_jax(scenario: Scenario, mode: str, per_row: bool, device, token_dtype,
-            placement: str = "device") -> List[np.ndarray]:
+            placement: str = "device", method: str = "jnp") -> List[np.ndarray]:
     """``mode``: "eager" (state.replay), "jit" (one jitted call per step) or "fori" (runs of
-    steps without state operations inside one ``lax.fori_loop`` call)."""
+    steps without state operations inside one ``lax.fori_loop`` call); ``method``: the replay
+    method ("jnp" or "kernel")."""
     put = lambda x, dt=None: jax.device_put(np.asarray(x, dtype=dt), device)  # noqa: E731
     out: List[np.ndarray] = []
     with trj.TraceReplayState(scenario.max_slots, scenario.max_trace_len, device=device,
                               vocab_size=scenario.vocab_size, placement=placement) as state:
         if mode == "jit":
             if per_row:
-                fn = jax.jit(lambda t, s, i, st: trj.replay_at_step(t, s, i, st))
+                fn = jax.jit(lambda t, s, i, st: trj.replay_at_step(t, s, i, st, method=method))
             else:
-                fn = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl))
+                fn = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl, method=method))
         if mode == "fori":
             def loop(tables, s, i, a, b, n):
                 def body(k, acc):
                     if per_row:
-                        r = trj.replay_at_step(tables, s[k], i[k], a[k])
+                        r = trj.replay_at_step(tables, s[k], i[k], a[k], method=method)
                     else:
-                        r = trj.replay(tables, s[k], i[k], a[k], b[k])
+                        r = trj.replay(tables, s[k], i[k], a[k], b[k], method=method)
                     return acc.at[k].set(r)
                 return jax.lax.fori_loop(0, n, body, jnp.zeros_like(s))
             fn = jax.jit(loop)
@@ -103,8 +107,8 @@ def run_jax(scenario: Scenario, mode: str, per_row: bool, device, token_dtype,
             _apply_ops(state, step)
             s, i = put(step.sampled, token_dtype), put(step.idx_mapping)
             if mode == "eager":
-                r = (state.replay_at_step(s, i, put(step.step)) if per_row
-                     else state.replay(s, i, put(step.total_len), put(step.prompt_len)))
+                r = (state.replay_at_step(s, i, put(step.step), method=method) if per_row
+                     else state.replay(s, i, put(step.total_len), put(step.prompt_len), method=method))
             elif per_row:
                 r = fn(state.tables, s, i, put(step.step))
             else:
@@ -156,17 +160,19 @@ def test_parity_cpu(per_row, rng):
     cpu = jax.devices("cpu")[0]
     sc = make_scenario(_seed(rng))
     _check(sc, "torch", run_torch(sc, per_row, "cpu"), per_row)
-    for mode in ("eager", "jit", "fori"):
-        _check(sc, f"jax {mode}", run_jax(sc, mode, per_row, cpu, np.int32), per_row)
+    for method in METHODS:
+        for mode in MODES:
+            _check(sc, f"jax {mode} {method}", run_jax(sc, mode, per_row, cpu, np.int32, method=method), per_row)
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit", "fori"])
-def test_parity_cpu_int64_under_x64(mode, rng):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_parity_cpu_int64_under_x64(mode, method, rng):
     cpu = jax.devices("cpu")[0]
     sc = make_scenario(_seed(rng), n_steps=40)
     with x64(True):
-        got = run_jax(sc, mode, False, cpu, np.int64)
-    _check(sc, f"jax {mode} x64", got, False)
+        got = run_jax(sc, mode, False, cpu, np.int64, method=method)
+    _check(sc, f"jax {mode} {method} x64", got, False)
 
 
 # -- GPU tier -------------------------------------------------------------------------------------
@@ -178,27 +184,31 @@ def test_parity_gpu(per_row, rng):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         _check(sc, "torch cuda", run_torch(sc, per_row, f"cuda:{gpu.local_hardware_id}"), per_row)
-    for mode in ("eager", "jit", "fori"):
-        _check(sc, f"jax gpu {mode}", run_jax(sc, mode, per_row, gpu, np.int32), per_row)
+    for method in METHODS:
+        for mode in MODES:
+            _check(sc, f"jax gpu {mode} {method}", run_jax(sc, mode, per_row, gpu, np.int32, method=method),
+                   per_row)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["eager", "jit", "fori"])
-def test_parity_gpu_int64_under_x64(mode, rng):
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_parity_gpu_int64_under_x64(mode, method, rng):
     gpu = jax_gpu()
     sc = make_scenario(_seed(rng), n_steps=60)
     with x64(True):
-        got = run_jax(sc, mode, False, gpu, np.int64)
-    _check(sc, f"jax gpu {mode} x64", got, False)
+        got = run_jax(sc, mode, False, gpu, np.int64, method=method)
+    _check(sc, f"jax gpu {mode} {method} x64", got, False)
 
 
 @pytest.mark.gpu
 def test_parity_gpu_host_mapped_table(rng):
     gpu = jax_gpu()
     sc = make_scenario(_seed(rng), n_steps=60)
-    for mode in ("eager", "fori"):
-        got = run_jax(sc, mode, False, gpu, np.int32, placement="host_mapped")
-        _check(sc, f"jax gpu host_mapped {mode}", got, False)
+    for method in METHODS:
+        for mode in ("eager", "fori"):
+            got = run_jax(sc, mode, False, gpu, np.int32, placement="host_mapped", method=method)
+            _check(sc, f"jax gpu host_mapped {mode} {method}", got, False)
 
 
 def parity_main(device_kind: str) -> None:
@@ -206,8 +216,10 @@ def parity_main(device_kind: str) -> None:
     device = jax.devices(device_kind)[0]
     sc = make_scenario(_seed(None), n_steps=60)
     for per_row in (False, True):
-        for mode in ("eager", "jit", "fori"):
-            _check(sc, f"jax {device_kind} {mode}", run_jax(sc, mode, per_row, device, np.int32), per_row)
+        for method in METHODS:
+            for mode in MODES:
+                _check(sc, f"jax {device_kind} {mode} {method}",
+                       run_jax(sc, mode, per_row, device, np.int32, method=method), per_row)
     print("parity ok", sc.describe())
 
 

@@ -8,8 +8,10 @@ outside ``[0, trace_len[slot])``; otherwise ``sampled[b] = table[slot, step]`` c
 integer wrap-around, as in the reference), or ``step[b]`` for :func:`replay_at_step`.
 
 Both functions work eagerly (one jitted dispatch, never a host synchronisation) and inside
-``jax.jit``, ``lax.fori_loop`` and ``lax.while_loop``. They return a new array and never write
-into any input. ``jax.vmap`` is refused (replay already works on a whole batch).
+``jax.jit``, ``lax.fori_loop``, ``lax.while_loop`` and ``shard_map``. They return a new array
+and never write into any input. ``jax.vmap`` is refused (replay already works on a whole
+batch). ``method="kernel"`` runs the core's Triton kernel instead of the gather and select
+(``kernel_replay.py``); the argument checks and the result are the same.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-__all__ = ["ReplayTables", "replay", "replay_at_step"]
+from .kernel_replay import kernel_replay
+
+__all__ = ["ReplayTables", "replay", "replay_at_step", "METHODS"]
+
+METHODS = ("jnp", "kernel")
 
 _TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _INDEX_DTYPES = _TOKEN_DTYPES
@@ -157,18 +163,36 @@ def _replay_rows(table, trace_len, sampled, idx_mapping, step):
     return _rows(table, trace_len, sampled, idx_mapping, step, None)
 
 
-_replay_slots.def_vmap(_refuse_vmap)
-_replay_rows.def_vmap(_refuse_vmap)
+@custom_vmap
+def _kernel_slots(table, trace_len, sampled, idx_mapping, total_len, prompt_len):
+    return kernel_replay(table, trace_len, sampled, idx_mapping, total_len, prompt_len)
 
 
-def _traced_slots(tables, sampled, idx_mapping, total_len, prompt_len):
+@custom_vmap
+def _kernel_rows(table, trace_len, sampled, idx_mapping, step):
+    return kernel_replay(table, trace_len, sampled, idx_mapping, step, None)
+
+
+for _f in (_replay_slots, _replay_rows, _kernel_slots, _kernel_rows):
+    _f.def_vmap(_refuse_vmap)
+
+_SLOTS = {"jnp": _replay_slots, "kernel": _kernel_slots}
+_ROWS = {"jnp": _replay_rows, "kernel": _kernel_rows}
+
+
+def _check_method(method: Any) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} (got {method!r})")
+
+
+def _traced_slots(tables, sampled, idx_mapping, total_len, prompt_len, method="jnp"):
     _check_args(tables, sampled, idx_mapping, total_len, prompt_len, per_row=False)
-    return _replay_slots(tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+    return _SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
 
 
-def _traced_rows(tables, sampled, idx_mapping, step):
+def _traced_rows(tables, sampled, idx_mapping, step, method="jnp"):
     _check_args(tables, sampled, idx_mapping, step, None, per_row=True)
-    return _replay_rows(tables.table, tables.trace_len, sampled, idx_mapping, step)
+    return _ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)
 
 
 def _eager(jitted, check):
@@ -183,13 +207,26 @@ def _eager(jitted, check):
     return call
 
 
+def _check_slots(tables, s, i, tl, pl):
+    _check_args(tables, s, i, tl, pl, per_row=False)
+
+
+def _check_rows(tables, s, i, st):
+    _check_args(tables, s, i, st, None, per_row=True)
+
+
+def _jit_slots(method):
+    return jax.jit(lambda table, trace_len, *args: _traced_slots(ReplayTables(table, trace_len), *args, method))
+
+
+def _jit_rows(method):
+    return jax.jit(lambda table, trace_len, *args: _traced_rows(ReplayTables(table, trace_len), *args, method))
+
+
 # Eager entry points take the two table arrays as leaves: ~2 us less per call than a pytree.
-eager_slots = _eager(
-    jax.jit(lambda table, trace_len, *args: _traced_slots(ReplayTables(table, trace_len), *args)),
-    lambda tables, s, i, tl, pl: _check_args(tables, s, i, tl, pl, per_row=False))
-eager_rows = _eager(
-    jax.jit(lambda table, trace_len, *args: _traced_rows(ReplayTables(table, trace_len), *args)),
-    lambda tables, s, i, st: _check_args(tables, s, i, st, None, per_row=True))
+EAGER_SLOTS = {m: _eager(_jit_slots(m), _check_slots) for m in METHODS}
+EAGER_ROWS = {m: _eager(_jit_rows(m), _check_rows) for m in METHODS}
+eager_slots, eager_rows = EAGER_SLOTS["jnp"], EAGER_ROWS["jnp"]
 
 
 def is_vmap_tracer(x) -> bool:
@@ -211,7 +248,7 @@ def _mode(tables, args) -> bool:
     return True
 
 
-def replay(tables: ReplayTables, sampled, idx_mapping, total_len, prompt_len) -> jax.Array:
+def replay(tables: ReplayTables, sampled, idx_mapping, total_len, prompt_len, *, method: str = "jnp") -> jax.Array:
     """Return ``sampled`` with every traced row replaced by its trace token for this step.
 
     ``tables``: :attr:`TraceReplayState.tables`. ``sampled``: ``[batch]`` or ``[batch, 1]``
@@ -224,15 +261,23 @@ def replay(tables: ReplayTables, sampled, idx_mapping, total_len, prompt_len) ->
     jitted dispatch, stream-ordered, no host synchronisation. Under ``jax.jit`` / loops: a
     gather and a select inside the compiled program. Not differentiable (integer ids) and
     refused under ``jax.vmap``.
+
+    ``method``: ``"jnp"`` (default: the gather and select, fused by XLA into the step) or
+    ``"kernel"`` (the core's Triton replay kernel, launched by XLA on its stream through a
+    command-buffer-compatible ``buffer_callback``; the core's numpy replay on the CPU). Both
+    give the same tokens. ``"kernel"`` needs ``tables`` of an open :class:`TraceReplayState`
+    (it reads that state's own table); on a mesh, call it inside ``shard_map``.
     """
+    _check_method(method)
     if _mode(tables, (sampled, idx_mapping, total_len, prompt_len)):
-        return _traced_slots(tables, sampled, idx_mapping, total_len, prompt_len)
-    return eager_slots(tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+        return _traced_slots(tables, sampled, idx_mapping, total_len, prompt_len, method)
+    return EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
 
 
-def replay_at_step(tables: ReplayTables, sampled, idx_mapping, step) -> jax.Array:
+def replay_at_step(tables: ReplayTables, sampled, idx_mapping, step, *, method: str = "jnp") -> jax.Array:
     """As :func:`replay`, with the step of each row given directly: ``step[b]`` (``[batch]``
     int32/int64, outputs already produced by row ``b``'s request)."""
+    _check_method(method)
     if _mode(tables, (sampled, idx_mapping, step)):
-        return _traced_rows(tables, sampled, idx_mapping, step)
-    return eager_rows(tables.table, tables.trace_len, sampled, idx_mapping, step)
+        return _traced_rows(tables, sampled, idx_mapping, step, method)
+    return EAGER_ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)

@@ -15,52 +15,27 @@ Memory and ordering:
   stream order cannot protect an in-place write. There ``apply_staged_writes()`` commits to
   the numpy table and takes a fresh copy as the new ``tables``: programs already queued keep
   the old arrays. Cost: one copy of the table per apply that had staged writes.
+- Over a ``jax.sharding.Mesh`` (``mesh=``): one core table per local device of the mesh,
+  every one staged with the same traces and committed on its own device's stream (the GPU)
+  or copied (the CPU) by the same apply; ``tables`` are global arrays replicated over the
+  mesh, assembled from the per-device arrays (zero-copy on a GPU). Staging costs one copy
+  into each device's staging memory.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from trace_replay_core import TraceTable
 
-from .jnp_replay import VMAP_MESSAGE, ReplayTables, eager_rows, eager_slots, is_vmap_tracer
+from .devices import core_device, resolve_placement
+from .jnp_replay import EAGER_ROWS, EAGER_SLOTS, VMAP_MESSAGE, ReplayTables, _check_method, is_vmap_tracer
+from .tracing import refuse_under_trace
 
 __all__ = ["TraceReplayState"]
-
-
-def _jax_device(device: Any) -> jax.Device:
-    """``None`` (JAX's default device), a ``jax.Device``, ``"cpu"``, ``"cuda"``/``"gpu"`` or
-    ``"cuda:N"``/``"gpu:N"`` (N = CUDA device ordinal) -> a ``jax.Device``."""
-    if device is None:
-        device = jax.devices()[0]
-    elif isinstance(device, str):
-        kind, _, index = device.partition(":")
-        if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()) or (kind == "cpu" and index):
-            raise ValueError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None (got {device!r})")
-        platform = "cpu" if kind == "cpu" else "gpu"
-        try:
-            devices = jax.devices(platform)
-        except RuntimeError as exc:
-            raise ValueError(f"device {device!r} is not available: JAX has no {platform} backend here "
-                             f"({exc}); use device='cpu'") from exc
-        if kind == "cpu":
-            device = devices[0]
-        else:
-            wanted = int(index or 0)
-            match = [d for d in devices if getattr(d, "local_hardware_id", d.id) == wanted]
-            if not match:
-                raise ValueError(f"device {device!r} is not available: JAX sees CUDA devices "
-                                 f"{[getattr(d, 'local_hardware_id', d.id) for d in devices]}")
-            device = match[0]
-    elif not isinstance(device, jax.Device):
-        raise TypeError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None "
-                        f"(got {type(device).__name__})")
-    if device.platform not in ("cpu", "gpu"):
-        raise ValueError(f"device must be a CPU or CUDA GPU device (got {device.platform} device {device})")
-    return device
 
 
 def _refuse_traced(args, name: str) -> None:
@@ -97,6 +72,11 @@ class TraceReplayState:
     device:
         ``None`` (JAX's default device), a ``jax.Device``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         The arrays given to replay must live on it.
+    mesh:
+        A ``jax.sharding.Mesh`` instead of ``device``: one core table per local device of the
+        mesh, ``tables`` replicated over it. Replay then runs under ``jax.jit`` on arrays
+        sharded over any mesh axis (XLA partitions the gather and select), or inside
+        ``shard_map`` on each device's block (``P()`` for the tables).
     placement, vocab_size, staging_depth:
         As in :class:`trace_replay_core.TraceTable` (``placement`` applies on a GPU).
 
@@ -124,78 +104,113 @@ class TraceReplayState:
     it alive while its tables are in use. Closing it deletes those arrays.
     """
 
-    def __init__(self, max_slots: int, max_trace_len: int, *, device: Any = None, placement: str = "device",
-                 vocab_size: Optional[int] = None, staging_depth: int = 4):
-        self.device = _jax_device(device)
-        self._gpu = self.device.platform == "gpu"
-        core_device = f"cuda:{self.device.local_hardware_id}" if self._gpu else "cpu"
-        self.table = TraceTable(max_slots, max_trace_len, device=core_device, placement=placement,
-                                vocab_size=vocab_size, staging_depth=staging_depth)
-        self.max_slots, self.max_trace_len = self.table.max_slots, self.table.max_trace_len
-        self._commit = None
+    def __init__(self, max_slots: int, max_trace_len: int, *, device: Any = None, mesh: Any = None,
+                 placement: str = "device", vocab_size: Optional[int] = None, staging_depth: int = 4):
+        refuse_under_trace("TraceReplayState")
+        self.devices, self._sharding = resolve_placement(device, mesh)
+        self.mesh = mesh
+        self.device = self.devices[0] if mesh is None else None
+        self._gpu = self.devices[0].platform == "gpu"
+        self._cores: List[TraceTable] = []
+        self._commits: list = []
+        self._views: List[ReplayTables] = []
         try:
+            for d in self.devices:
+                self._cores.append(TraceTable(max_slots, max_trace_len, device=core_device(d), placement=placement,
+                                              vocab_size=vocab_size, staging_depth=staging_depth))
+            self.table = self._cores[0]
+            self.max_slots, self.max_trace_len = self.table.max_slots, self.table.max_trace_len
             if self._gpu:
-                self._tables = self._gpu_views()
+                self._views = [self._gpu_views(core) for core in self._cores]
+                self._tables = self._assemble(self._views)
             else:
                 self._tables = self._cpu_copy()
         except BaseException:
-            self.table.close()
+            self._release()
             raise
 
     # construction ----------------------------------------------------------------------------
-    def _gpu_views(self) -> ReplayTables:
+    def _gpu_views(self, core: TraceTable) -> ReplayTables:
         from .commit import XlaCommit
+        from .kernel_replay import register_table
         from .views import jax_view
         # Compile the scatter kernel now (a no-op commit that clears slot 0, already clear), so
         # that the first commit inside XLA does not compile; then let every write land.
-        self.table.clear(0)
-        self.table.commit(stream=0)
-        self.table.synchronize()
-        table_view, lengths_view = self.table.device_views()
+        core.clear(0)
+        core.commit(stream=0)
+        core.synchronize()
+        table_view, lengths_view = core.device_views()
         try:
             table = jax_view(table_view)
         except Exception as exc:
-            if self.table.placement != "host_mapped":
+            if core.placement != "host_mapped":
                 raise
             raise ValueError(f"placement='host_mapped' is not usable with this JAX: it could not view the "
                              f"host-mapped table ({exc}); use placement='device'") from exc
-        tables = ReplayTables(table, jax_view(lengths_view))
-        self._commit = XlaCommit(self.table)   # the core makes its context current itself
-        return tables
+        views = ReplayTables(table, jax_view(lengths_view))
+        self._commits.append(XlaCommit(core))   # the core makes its context current itself
+        register_table(core)
+        return views
+
+    def _assemble(self, per_device: Sequence[ReplayTables]) -> ReplayTables:
+        """The tables of a single device as they are; over a mesh, global arrays replicated over
+        it whose shard on each local device is that device's array (no copy)."""
+        if self._sharding is None:
+            return per_device[0]
+        def glob(arrays):
+            return jax.make_array_from_single_device_arrays(arrays[0].shape, self._sharding, list(arrays))
+        return ReplayTables(glob([t.table for t in per_device]), glob([t.trace_len for t in per_device]))
 
     def _cpu_copy(self) -> ReplayTables:
-        table, trace_len = self.table.snapshot()    # fresh host copies, owned by nobody else
-        return ReplayTables(jax.device_put(table, self.device), jax.device_put(trace_len, self.device))
+        per_device = []
+        for core, d in zip(self._cores, self.devices):
+            table, trace_len = core.snapshot()    # fresh host copies, owned by nobody else
+            per_device.append(ReplayTables(jax.device_put(table, d), jax.device_put(trace_len, d)))
+        return self._assemble(per_device)
 
     # lifetime --------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self.table.closed
+        return not self._cores or self._cores[0].closed
 
     def _live(self) -> None:
-        if self.table.closed:
+        if self.closed:
             raise RuntimeError("this TraceReplayState is closed")
 
+    def _wait(self) -> None:
+        for commit in self._commits:
+            commit.wait()
+
     def close(self) -> None:
-        """Free the table and staging memory. Host-blocking (waits for queued device work);
+        """Free the tables and staging memory. Host-blocking (waits for queued device work);
         idempotent. The arrays of :attr:`tables` are deleted on a GPU (they view freed memory)."""
-        if self.table.closed:
+        refuse_under_trace("close")
+        self._release()
+
+    def _release(self) -> None:
+        if self.closed:
             return
         try:
-            if self._commit is not None:
-                self._commit.wait()
+            self._wait()
         finally:
             if self._gpu:
-                for arr in (self._tables.table, self._tables.trace_len):
-                    arr.delete()
-            self._commit = None
-            self.table.close()
+                from .kernel_replay import unregister_table
+                tables = getattr(self, "_tables", None)
+                for arr in ([tables.table, tables.trace_len] if tables is not None else []) + \
+                        [a for v in self._views for a in (v.table, v.trace_len)]:
+                    if not arr.is_deleted():
+                        arr.delete()
+                for core in self._cores:
+                    unregister_table(core)
+            self._commits = []
+            for core in self._cores:
+                core.close()
 
     def __del__(self):
         # Delete the views before the table's memory goes, so that a ReplayTables kept after its
         # state fails loudly ("Array has been deleted") instead of reading freed memory.
         try:
-            self.close()
+            self._release()
         except Exception:  # noqa: BLE001 - interpreter shutdown: JAX or the driver may be gone
             pass
 
@@ -209,9 +224,9 @@ class TraceReplayState:
     @property
     def pending(self) -> int:
         """Slots staged since the last :meth:`apply_staged_writes`."""
+        refuse_under_trace("pending")
         self._live()
-        if self._commit is not None:
-            self._commit.wait()
+        self._wait()
         return self.table.pending
 
     def add_request(self, slot: int, trace: Optional[Union[Sequence[int], np.ndarray, jax.Array]] = None) -> None:
@@ -220,17 +235,21 @@ class TraceReplayState:
         ``trace``: host data (list of ints, numpy array, or a JAX array on the CPU), 1-D,
         non-empty, non-negative, at most ``max_trace_len`` long, below ``vocab_size`` when set;
         it is copied. Reusing a slot replaces whatever the previous request left there. Takes
-        effect at the next :meth:`apply_staged_writes`. Host-only; a rejected call changes
-        nothing.
+        effect at the next :meth:`apply_staged_writes`. Host-only (refused under a JAX trace);
+        a rejected call changes nothing.
         """
         self._live()
-        if self._commit is not None:
-            self._commit.wait()
+        if trace is not None:
+            _check_host(trace, "trace", "add_request")
+        refuse_under_trace("add_request")
+        self._wait()
         if trace is None:
-            self.table.clear(slot)
+            for core in self._cores:
+                core.clear(slot)
             return
-        _check_host(trace, "trace", "add_request")
-        self.table.stage(slot, trace)
+        # Every table holds the same traces: the first refuses bad input before any is changed.
+        for core in self._cores:
+            core.stage(slot, trace)
 
     def add_requests(self, slots, traces) -> None:
         """Several requests take ``slots`` at once, each with a trace: one call instead of one
@@ -238,38 +257,46 @@ class TraceReplayState:
 
         ``traces``: a 2-D host array ``[len(slots), length]`` (numpy, or a JAX array on the CPU;
         the whole block is copied and checked in one pass), or a list of 1-D traces of any
-        lengths. Takes effect at the next :meth:`apply_staged_writes`. Host-only; a rejected
-        call changes nothing. See :meth:`trace_replay_core.TraceTable.stage_many`.
+        lengths. Takes effect at the next :meth:`apply_staged_writes`. Host-only (refused under
+        a JAX trace); a rejected call changes nothing. See
+        :meth:`trace_replay_core.TraceTable.stage_many`.
         """
         self._live()
-        if self._commit is not None:
-            self._commit.wait()
         if isinstance(traces, (list, tuple)):
             for i, trace in enumerate(traces):
                 _check_host(trace, f"traces[{i}]", "add_requests")
         else:
             _check_host(traces, "traces", "add_requests")
-        self.table.stage_many(slots, traces)
+        refuse_under_trace("add_requests")
+        self._wait()
+        for core in self._cores:
+            core.stage_many(slots, traces)
 
     def remove_request(self, slot: int) -> None:
-        """The request in ``slot`` finished: the slot becomes untraced at the next apply."""
+        """The request in ``slot`` finished: the slot becomes untraced at the next apply.
+        Host-only (refused under a JAX trace)."""
+        refuse_under_trace("remove_request")
         self.add_request(slot, None)
 
     def apply_staged_writes(self) -> None:
         """Make everything staged visible to replays queued after this call; never waits for the device.
 
-        On a GPU: one small jitted op that commits on XLA's stream (ordered after every JAX
-        program queued before, and before every one queued after). On the CPU: a commit and a
-        fresh copy of the table as :attr:`tables`. Does nothing when nothing was staged. Call
-        it between jitted calls, never inside one.
+        On a GPU: one small jitted op per device that commits on XLA's stream (ordered after
+        every JAX program queued before, and before every one queued after). On the CPU: a
+        commit and a fresh copy of the table as :attr:`tables`. Does nothing when nothing was
+        staged. Host-only: call it between jitted calls, never inside one (refused under a JAX
+        trace, where it would run once at trace time and never again).
         """
+        refuse_under_trace("apply_staged_writes")
         self._live()
         if self._gpu:
-            self._commit.wait()
+            self._wait()
             if self.table.pending:
-                self._commit(self._tables.trace_len)
+                for commit, views in zip(self._commits, self._views):
+                    commit(views.trace_len)
         elif self.table.pending:
-            self.table.commit(stream=0)
+            for core in self._cores:
+                core.commit(stream=0)
             self._tables = self._cpu_copy()
 
     # replay ----------------------------------------------------------------------------------
@@ -278,37 +305,42 @@ class TraceReplayState:
         """The committed table as JAX arrays: pass it to jitted functions that replay.
 
         Read it after :meth:`apply_staged_writes` and pass it at every call (on the CPU each
-        apply makes a new copy; on a GPU it is always the same pair of zero-copy views). Never
-        donate it.
+        apply makes a new copy; on a GPU it is always the same pair of zero-copy views). Over a
+        mesh: global arrays replicated over it. Never donate it.
         """
         self._live()
         return self._tables
 
     def snapshot(self):
-        """Host copies ``(table, trace_len)`` of the table after every apply queued so far.
-        Host-blocking (waits for the device): for tests and inspection, not for a step."""
+        """Host copies ``(table, trace_len)`` of the table after every apply queued so far (the
+        first device's, on a mesh: every device holds the same). Host-blocking (waits for the
+        device): for tests and inspection, not for a step."""
+        refuse_under_trace("snapshot")
         self._live()
-        if self._commit is not None:
-            self._commit.wait()
+        self._wait()
         return self.table.snapshot()
 
     def replay(self, sampled: jax.Array, idx_mapping: jax.Array, total_len: jax.Array,
-               prompt_len: jax.Array) -> jax.Array:
+               prompt_len: jax.Array, *, method: str = "jnp") -> jax.Array:
         """Return ``sampled`` with traced rows replaced (eager use; see :func:`trace_replay_jax.replay`).
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64 token ids; ``idx_mapping``:
         ``[batch]`` slots (-1 = padding); ``total_len``/``prompt_len``: per-slot lengths (at
-        least ``max_slots`` entries). One jitted dispatch, ordered with JAX's work, no host
-        sync. Inside ``jax.jit`` use ``trace_replay_jax.replay(tables, ...)`` instead.
+        least ``max_slots`` entries); ``method``: ``"jnp"`` or ``"kernel"``. One jitted
+        dispatch, ordered with JAX's work, no host sync. Inside ``jax.jit`` use
+        ``trace_replay_jax.replay(tables, ...)`` instead.
         """
         _refuse_traced((sampled, idx_mapping, total_len, prompt_len), "replay")
+        _check_method(method)
         self._live()
         tables = self._tables
-        return eager_slots(tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+        return EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
 
-    def replay_at_step(self, sampled: jax.Array, idx_mapping: jax.Array, step: jax.Array) -> jax.Array:
+    def replay_at_step(self, sampled: jax.Array, idx_mapping: jax.Array, step: jax.Array, *,
+                       method: str = "jnp") -> jax.Array:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) per row."""
         _refuse_traced((sampled, idx_mapping, step), "replay_at_step")
+        _check_method(method)
         self._live()
         tables = self._tables
-        return eager_rows(tables.table, tables.trace_len, sampled, idx_mapping, step)
+        return EAGER_ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)

@@ -1,0 +1,77 @@
+"""Where a :class:`~trace_replay_jax.TraceReplayState` lives: one JAX device, or a mesh of them.
+
+``device=`` names one device (``None``: JAX's default; a ``jax.Device``; ``"cpu"``, ``"cuda"``,
+``"cuda:N"``). ``mesh=`` takes a ``jax.sharding.Mesh``: the state then keeps one core table
+per device of the mesh that this process drives (``mesh.local_devices``), all holding the same
+traces, and hands out its tables as global arrays replicated over the whole mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["resolve_device", "resolve_placement", "core_device"]
+
+
+def resolve_device(device: Any) -> jax.Device:
+    """``None`` (JAX's default device), a ``jax.Device``, ``"cpu"``, ``"cuda"``/``"gpu"`` or
+    ``"cuda:N"``/``"gpu:N"`` (N = CUDA device ordinal) -> a ``jax.Device``."""
+    if device is None:
+        device = jax.devices()[0]
+    elif isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()) or (kind == "cpu" and index):
+            raise ValueError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None (got {device!r})")
+        platform = "cpu" if kind == "cpu" else "gpu"
+        try:
+            devices = jax.devices(platform)
+        except RuntimeError as exc:
+            raise ValueError(f"device {device!r} is not available: JAX has no {platform} backend here "
+                             f"({exc}); use device='cpu'") from exc
+        if kind == "cpu":
+            device = devices[0]
+        else:
+            wanted = int(index or 0)
+            match = [d for d in devices if getattr(d, "local_hardware_id", d.id) == wanted]
+            if not match:
+                raise ValueError(f"device {device!r} is not available: JAX sees CUDA devices "
+                                 f"{[getattr(d, 'local_hardware_id', d.id) for d in devices]}")
+            device = match[0]
+    elif not isinstance(device, jax.Device):
+        raise TypeError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None "
+                        f"(got {type(device).__name__})")
+    _check_platform(device)
+    return device
+
+
+def _check_platform(device: jax.Device) -> None:
+    if device.platform not in ("cpu", "gpu"):
+        raise ValueError(f"device must be a CPU or CUDA GPU device (got {device.platform} device {device})")
+
+
+def resolve_placement(device: Any, mesh: Any) -> Tuple[Tuple[jax.Device, ...], Optional[NamedSharding]]:
+    """``(devices, sharding)``: the local devices that get a core table, and the replicated
+    sharding of the tables over ``mesh`` (``None`` for a single device)."""
+    if mesh is None:
+        return (resolve_device(device),), None
+    if device is not None:
+        raise ValueError(f"give device or mesh, not both (got device={device!r} and a mesh)")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (got {type(mesh).__name__})")
+    devices = tuple(mesh.local_devices)
+    if not devices:
+        raise ValueError(f"mesh has no device that this process drives (mesh devices: {mesh.devices.tolist()})")
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"mesh mixes platforms {sorted(platforms)}: use devices of one platform")
+    for d in devices:
+        _check_platform(d)
+    return devices, NamedSharding(mesh, PartitionSpec())
+
+
+def core_device(device: jax.Device) -> str:
+    """The core's name of ``device``: ``"cuda:N"`` (N = its CUDA ordinal) or ``"cpu"``."""
+    return f"cuda:{device.local_hardware_id}" if device.platform == "gpu" else "cpu"
