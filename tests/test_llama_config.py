@@ -1,0 +1,169 @@
+"""The Llama-family config and weights (numpy only), checked against transformers' own configs
+and models: parameter names and shapes, rotary frequencies, refusals of unsupported options and
+bad checkpoints (the message names the tensor and both shapes), the registry entries."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+from trace_replay_app.models import family_for_model_type, get_family, supported_model_types
+from trace_replay_app.models.llama.config import (MODEL_TYPES, LlamaConfig, check_weights, config_from_hf,
+                                                  default_config, inv_freq, param_shapes, seeded_weights, to_hf,
+                                                  weights_from_tensors)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from llama_cases import CASES, _SIZES, make_checkpoint  # noqa: E402
+
+
+def _hf(case):
+    model_type, options, _ = CASES[case]
+    return transformers.AutoConfig.for_model(model_type, **_SIZES, **options)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_names_and_shapes_are_transformers(case):
+    hf = _hf(case)
+    config = config_from_hf(hf.to_dict())
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    saved = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        saved.pop("lm_head.weight")              # transformers does not save the tied copy
+    assert param_shapes(config) == saved
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rotary_frequencies_are_transformers(case):
+    hf = _hf(case)
+    config = config_from_hf(hf.to_dict())
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    want = model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(inv_freq(config), want, rtol=3e-7)
+
+
+def test_options_per_model_type():
+    c = config_from_hf(_hf("qwen3").to_dict())
+    assert (c.qk_norm, c.head_dim, c.qkv_bias, c.o_bias) == (True, 32, False, False)
+    c = config_from_hf(_hf("qwen2").to_dict())
+    assert (c.qkv_bias, c.o_bias, c.tie_word_embeddings, c.layer_windows) == (True, False, True, ())
+    c = config_from_hf(_hf("mistral-window-bf16").to_dict())
+    assert c.layer_windows == (6, 6) and c.window(1) == 6
+    c = config_from_hf(_hf("llama-untied-llama3-biases").to_dict())
+    assert (c.rope_type, c.rope_factor, c.rope_original_max_positions) == ("llama3", 8.0, 64)
+    assert (c.qkv_bias, c.o_bias, c.mlp_bias) == (True, True, True)
+    # Qwen sliding windows: only with use_sliding_window, from max_window_layers on.
+    hf = dict(_hf("qwen2").to_dict(), use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    hf.pop("layer_types", None)
+    assert config_from_hf(hf).layer_windows == (0, 5)
+
+
+def test_old_style_rope_keys():
+    hf = dict(_hf("llama-tied-llama3-sharded").to_dict())
+    hf.pop("rope_parameters")
+    hf.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    c = config_from_hf(hf)
+    assert (c.rope_theta, c.rope_type, c.rope_factor, c.rope_original_max_positions) == (500000.0, "llama3", 4.0, 32)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "bert"}, r"model_type 'bert' is not supported .*llama, mistral, qwen2, qwen3"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     r"rope_scaling type 'yarn' is not supported"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads must be a multiple of num_key_value_heads"),
+    ({"vocab_size": None}, r"config.json lacks 'vocab_size'"),
+    ({"sliding_window": -4}, r"sliding_window must be a positive int"),
+])
+def test_refused_configs(change, message):
+    hf = dict(_hf("mistral-window-bf16").to_dict(), **change)
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf)
+
+
+def _weights(config):
+    return seeded_weights(config, 3)
+
+
+def test_bad_weights_name_the_tensor_and_both_shapes():
+    config = default_config("llama")
+    w = _weights(config)
+    missing = dict(w)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"lack tensor 'model.layers.1.mlp.up_proj.weight' \(shape \(128, 64\)"):
+        weights_from_tensors(config, missing)
+    wrong = dict(w, **{"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)})
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.k_proj.weight' must have shape "
+                                         r"\(32, 64\) for this config \(got \(64, 64\)\)"):
+        weights_from_tensors(config, wrong)
+    with pytest.raises(ValueError, match=r"does not use: \['model.layers.0.self_attn.q_proj.bias'\]"):
+        weights_from_tensors(config, dict(w, **{"model.layers.0.self_attn.q_proj.bias": np.ones(64, np.float32)}))
+    # Buffers transformers once saved are ignored; a tied lm_head must equal the embedding.
+    extra = dict(w, **{"model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq(config)})
+    assert set(weights_from_tensors(config, extra)) == set(w)
+    tied = dataclasses.replace(config, tie_word_embeddings=True)
+    tw = _weights(tied)
+    same = dict(tw, **{"lm_head.weight": tw["model.embed_tokens.weight"].copy()})
+    assert set(weights_from_tensors(tied, same)) == set(tw)
+    with pytest.raises(ValueError, match=r"'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        weights_from_tensors(tied, dict(tw, **{"lm_head.weight": tw["model.embed_tokens.weight"] + 1}))
+
+
+def test_checkpoint_with_a_wrong_shape_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from trace_replay_app.checkpoint import CheckpointError, load_checkpoint
+    folder = make_checkpoint("qwen3", str(tmp_path / "m"))
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.1.self_attn.k_norm.weight"] = np.ones(16, np.float32)
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.1.self_attn.k_norm.weight' "
+                                              r"must have shape \(32,\) for this config \(got \(16,\)\)"):
+        load_checkpoint(folder)
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=r"lack tensor 'model.layers.1.self_attn.k_norm.weight'"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_default_configs_round_trip_and_run_in_transformers(model_type, rng):
+    """The seeded default model of each type, written as transformers' config + weights, gives
+    transformers' logits: the ``--model NAME --seed N`` path is the real model."""
+    from trace_replay_app.models.llama.torch_loop import run_decode
+    from trace_replay_app.records import TraceRequest
+    config = default_config(model_type)
+    weights = seeded_weights(config, 5)
+    check_weights(config, weights)
+    assert all(np.array_equal(weights[k], v) for k, v in seeded_weights(config, 5).items())
+    hf, tensors = to_hf(config, weights)
+    assert config_from_hf(json.loads(json.dumps(hf))) == config
+    hf_config = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    missing = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
+    assert not missing.unexpected_keys and set(missing.missing_keys) <= {"lm_head.weight"}
+    prompt = tuple(int(t) for t in rng.integers(0, config.vocab_size, 40))
+    trace = tuple(int(t) for t in rng.integers(0, config.vocab_size, 12))
+    (res,) = run_decode(config, weights, [TraceRequest("a", prompt=prompt, trace=trace)])
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + trace[:-1]])).logits[0, len(prompt) - 1:].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(trace)), torch.tensor(trace)].numpy()
+    np.testing.assert_allclose(res.logprobs, want, atol=1e-5)
+
+
+def test_registry_entries():
+    for t in MODEL_TYPES:
+        assert t in supported_model_types()
+    assert family_for_model_type("mistral") is get_family("llama")
+    for name in ("llama", "qwen2", "qwen3"):
+        family = get_family(name)
+        config = family.default_config()
+        assert isinstance(config, LlamaConfig) and config.model_type == name
+        family.check_weights(config, family.seeded_weights(config, 0))
