@@ -5,13 +5,13 @@ the torch and the JAX reference GPT-2 loop, replaying 256 traced requests, at 8 
 slots; and how much of a run is the loop rather than reading traces and writing results?
 
 Setup: 256 requests, every one traced with random tokens (prompts of 16-64 tokens, traces of
-32-64 tokens; ``trace_replay_core.app.traces.random_requests``, seed 0), written to a trace
+32-64 tokens; ``trace_replay_app.traces.random_requests``, seed 0), written to a trace
 file. Two models: ``tiny``, the seeded default (vocabulary 512, 2 layers, width 64, 128
 positions; ``--seed``), and ``small``, a seeded model of vocabulary 16,384, 6 layers, width
 512, 8 heads and 256 positions saved as a float32 Hugging Face-layout checkpoint in a temporary
 folder (``--checkpoint``).
 
-Method: ``trace_replay_core.app.cli.main(["run", ...])`` in this process (no subprocess), once
+Method: ``trace_replay_app.cli.main(["run", ...])`` in this process (no subprocess), once
 as a warm-up (imports, weights upload, JAX compilation), then ``REPEATS`` timed runs. Per run:
 ``loop_tokens_per_s`` from the output file's summary (the decode loop call alone: weights
 upload, decoding, one copy of the results to the host) and ``end_to_end_tokens_per_s`` (the
@@ -38,10 +38,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import provenance, table, write_results  # noqa: E402
 
-from trace_replay_core.app import cli  # noqa: E402
-from trace_replay_core.app.checkpoint import save_checkpoint  # noqa: E402
-from trace_replay_core.app.model import GPT2Config, seeded_weights  # noqa: E402
-from trace_replay_core.app.traces import random_requests, write_traces  # noqa: E402
+from trace_replay_app import cli  # noqa: E402
+from trace_replay_app.checkpoint import save_checkpoint  # noqa: E402
+from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights  # noqa: E402
+from trace_replay_app.traces import random_requests, write_traces  # noqa: E402
 
 REPEATS = 3
 MAX_BATCHES = (8, 64)
@@ -56,8 +56,9 @@ def _pcts(values):
 
 def bench_one(framework: str, device: str, traces: str, model_args, out: str, repeats: int):
     """Warm up once, then time ``repeats`` runs; return the per-run summaries and wall times."""
+    # float32 compute, as in the committed results (the command line defaults to bfloat16 on a GPU)
     args = ["run", "--framework", framework, "--traces", traces, "--device", device, "--out", out, "--quiet",
-            *model_args]
+            "--dtype", "float32", *model_args]
     runs = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()

@@ -46,30 +46,33 @@ for part in "${parts[@]}"; do
         san "$tool" "${tool}_logprob" tests/test_logprob_rank.py -k "not 262144 and not 151936"
       done ;;
     demo)
-      python3 -m trace_replay_core demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;
+      python3 -m trace_replay_app demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;
     cli)
       # Smoke check of the command line on the GPU: a generated trace file and a bf16 checkpoint
       # through `run` (both frameworks) and `compare`, all with --device cuda; outputs in $OUT/cli.
       mkdir -p "$OUT/cli"
       {
         python3 -c 'import sys
-from trace_replay_core.app.checkpoint import save_checkpoint
-from trace_replay_core.app.model import GPT2Config, seeded_weights
-from trace_replay_core.app.traces import random_requests, write_traces
+from trace_replay_app.checkpoint import save_checkpoint
+from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
+from trace_replay_app.traces import random_requests, write_traces
 out = sys.argv[1]
 config = GPT2Config()
 write_traces(out + "/traces.jsonl", random_requests(config, 128, seed=7, traced=0.75, prompt_len=(1, 48), new_tokens=(1, 64)))
 small = GPT2Config(vocab_size=1024, n_positions=64, n_embd=32, n_layer=2, n_head=2)
 save_checkpoint(out + "/ckpt", small, seeded_weights(small, 1), dtype="BF16", prefix="transformer.", tied_lm_head=True)
+save_checkpoint(out + "/ckpt_sharded", small, seeded_weights(small, 1), dtype="BF16", shards=2)
 write_traces(out + "/ckpt_traces.jsonl", random_requests(small, 32, seed=8, traced=0.75, prompt_len=(1, 24), new_tokens=(1, 32)))
 print("wrote", out + "/traces.jsonl", "and a checkpoint in", out + "/ckpt")' "$OUT/cli" &&
         for fw in torch jax; do
-          python3 -m trace_replay_core run --framework "$fw" --traces "$OUT/cli/traces.jsonl" --device cuda \
+          python3 -m trace_replay_app run --framework "$fw" --traces "$OUT/cli/traces.jsonl" --device cuda \
             --out "$OUT/cli/run_$fw.json" &&
-          python3 -m trace_replay_core run --framework "$fw" --traces "$OUT/cli/ckpt_traces.jsonl" --device cuda \
-            --checkpoint "$OUT/cli/ckpt" --out "$OUT/cli/run_ckpt_$fw.json" || exit 1
+          python3 -m trace_replay_app run --framework "$fw" --traces "$OUT/cli/ckpt_traces.jsonl" --device cuda \
+            --checkpoint "$OUT/cli/ckpt" --out "$OUT/cli/run_ckpt_$fw.json" &&
+          python3 -m trace_replay_app run --framework "$fw" --traces "$OUT/cli/ckpt_traces.jsonl" --device cuda \
+            --checkpoint "$OUT/cli/ckpt_sharded" --dtype float32 --out "$OUT/cli/run_ckpt_sharded_$fw.json" || exit 1
         done &&
-        python3 -m trace_replay_core compare --traces "$OUT/cli/traces.jsonl" --device cuda --out-dir "$OUT/cli"
+        python3 -m trace_replay_app compare --traces "$OUT/cli/traces.jsonl" --device cuda --out-dir "$OUT/cli"
       } 2>&1 | tee "$OUT/cli.log" || status=1 ;;
     bench-all)
       BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-400}" BENCH_LOG_DIR="$OUT/logs" bash bench/run_all.sh 2>&1 | tee "$OUT/bench_all.log" || status=1 ;;

@@ -3,7 +3,7 @@
 import io
 import json
 
-from trace_replay_core.app import cli
+from trace_replay_app import cli
 
 
 def load(path):

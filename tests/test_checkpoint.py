@@ -1,15 +1,17 @@
-"""Checkpoints: the safetensors reader/writer and Hugging Face GPT-2 folders, loaded in both frameworks."""
+"""Checkpoints: safetensors files through the ``safetensors`` package, Hugging Face GPT-2 folders
+(one file or a sharded set), loaded in both frameworks; bad folders refused naming the file."""
 
 import json
+import os
 import re
 import struct
 
 import numpy as np
 import pytest
 
-from trace_replay_core.app.checkpoint import (CheckpointError, load_checkpoint, read_safetensors, save_checkpoint,
-                                              write_safetensors)
-from trace_replay_core.app.model import GPT2Config, seeded_weights
+from trace_replay_app.checkpoint import (CheckpointError, load_checkpoint, read_safetensors, save_checkpoint,
+                                         write_safetensors)
+from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
 
 SMALL = GPT2Config(vocab_size=96, n_positions=40, n_embd=16, n_layer=2, n_head=2)
 
@@ -33,7 +35,7 @@ def test_safetensors_round_trip(tmp_path, dtype, np_dtype):
     path = str(tmp_path / "x.safetensors")
     write_safetensors(path, tensors, dtype=dtype, metadata={"format": "pt"})
     got, meta = read_safetensors(path)
-    assert meta == {"format": "pt"} and list(got) == list(tensors)
+    assert meta == {"format": "pt"} and sorted(got) == sorted(tensors)   # the package orders the file itself
     for name, value in tensors.items():
         assert got[name].dtype == np.float32 and got[name].shape == value.shape
         np.testing.assert_array_equal(got[name], value.astype(np_dtype).astype(np.float32))
@@ -43,7 +45,8 @@ def test_safetensors_round_trip(tmp_path, dtype, np_dtype):
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
     assert n % 8 == 0 and header["a"]["dtype"] == dtype and header["a"]["shape"] == [3, 5]
-    assert header["a"]["data_offsets"] == [0, 15 * np.dtype(np_dtype).itemsize]
+    begin, end = header["a"]["data_offsets"]
+    assert end - begin == 15 * np.dtype(np_dtype).itemsize
 
 
 def test_bf16_rounds_to_nearest_even_and_widens_exactly(tmp_path):
@@ -80,24 +83,30 @@ def _raw_file(path, header: dict, data: bytes = b"", *, length=None):
     return str(path)
 
 
+# The package's own words for a malformed file vary between its versions: the file is named, the
+# problem is "not a readable safetensors file (<the package's reason>)".
+_UNREADABLE = r"not a readable safetensors file \(.+\)$"
 BAD_FILES = {
-    "too_short": (lambda p: _bytes(p, b"\x01\x02"), r"too short for a safetensors file"),
-    "header_too_long": (lambda p: _raw_file(p, {}, length=10_000), r"header length 10000 does not fit the file"),
-    "header_not_json": (lambda p: _bytes(p, struct.pack("<Q", 3) + b"{x}"), r"header is not valid JSON"),
-    "header_not_object": (lambda p: _raw_file(p, [1]), r"header must be a JSON object"),
+    "too_short": (lambda p: _bytes(p, b"\x01\x02"), _UNREADABLE),
+    "header_too_long": (lambda p: _raw_file(p, {}, length=10_000), _UNREADABLE),
+    "header_not_json": (lambda p: _bytes(p, struct.pack("<Q", 3) + b"{x}"), _UNREADABLE),
+    "header_not_object": (lambda p: _raw_file(p, [1]), _UNREADABLE),
     "dtype": (lambda p: _raw_file(p, {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
               r"tensor 't': dtype 'I64' is not supported \(supported: F32, F16, BF16, F64\)"),
     "shape": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
-              r"tensor 't': shape must be a list of non-negative ints"),
+              _UNREADABLE),
     "offsets_outside": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
-                                            b"\0" * 8),
-                        r"tensor 't': data_offsets \[0, 16\] lie outside the 8 bytes of data"),
+                                            b"\0" * 8), _UNREADABLE),
     "offsets_vs_shape": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
-                                             b"\0" * 8),
-                         r"tensor 't': data_offsets \[0, 8\] hold 8 bytes, shape \[3\] in F32 needs 12"),
-    "missing_offsets": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [1]}}, b"\0" * 4),
-                        r"tensor 't': data_offsets must be \[begin, end\]"),
+                                             b"\0" * 8), _UNREADABLE),
+    "missing_offsets": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), _UNREADABLE),
+    "truncated": (lambda p: _bytes(p, _good_bytes()[:-6]), _UNREADABLE),
 }
+
+
+def _good_bytes() -> bytes:
+    from safetensors.numpy import save
+    return save({"t": np.arange(12, dtype=np.float32)})
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
@@ -114,7 +123,7 @@ def test_checkpoint_round_trip(tmp_path, dtype, prefix, extras):
     weights = seeded_weights(SMALL, 5)
     save_checkpoint(str(tmp_path), SMALL, weights, dtype=dtype, prefix=prefix, tied_lm_head=extras,
                     mask_buffers=extras)
-    config, loaded = load_checkpoint(str(tmp_path))
+    family, config, loaded = load_checkpoint(str(tmp_path))
     assert config == SMALL and set(loaded) == set(weights)
     for name, w in weights.items():
         expected = _bf16(w) if dtype == "BF16" else w.astype(np.float16).astype(np.float32) if dtype == "F16" else w
@@ -152,10 +161,10 @@ BAD_CHECKPOINTS = {
     "activation": (lambda d: _edit_config(_checkpoint(d), activation_function="relu") or str(d),
                    r"config\.json: activation_function='relu' is not supported"),
     "no_weights": (lambda d: _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d),
-                   r"model\.safetensors: missing$"),
-    "sharded": (lambda d: _bytes(d / "model.safetensors.index.json", b"{}",
-                                 _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d)),
-                r"model\.safetensors: missing \(sharded checkpoints are not supported"),
+                   r"model\.safetensors: missing \(and no model\.safetensors\.index\.json of a sharded checkpoint\)$"),
+    "empty_index": (lambda d: _bytes(d / "model.safetensors.index.json", b"{}",
+                                     _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d)),
+                    r"model\.safetensors\.index\.json: must hold a non-empty \"weight_map\""),
     "missing_tensor": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.pop("h.1.mlp.c_fc.bias")) or str(d),
                        r"model\.safetensors: weights lack parameter 'h\.1\.mlp\.c_fc\.bias'"),
     "wrong_shape": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"wpe.weight": np.zeros((4, 16))}))
@@ -182,8 +191,8 @@ def test_checkpoint_runs_the_same_in_both_frameworks(tmp_path, capsys):
     """A bf16 checkpoint with the transformer. prefix, mask buffers and a tied head, replayed by
     `run` in torch and in JAX: the config comes from the folder, every trace is reproduced, and
     the two frameworks agree; an F32 checkpoint of seeded weights runs like the seeded model."""
-    from trace_replay_core.app import cli
-    from trace_replay_core.app.traces import random_requests, write_traces
+    from trace_replay_app import cli
+    from trace_replay_app.traces import random_requests, write_traces
 
     folder = tmp_path / "ckpt"
     save_checkpoint(str(folder), SMALL, seeded_weights(SMALL, 2), dtype="BF16", prefix="transformer.",
@@ -215,3 +224,91 @@ def test_checkpoint_runs_the_same_in_both_frameworks(tmp_path, capsys):
         assert cli.main(["run", "--framework", "torch", "--traces", traces, "--out", out, "--quiet", *source]) == 0
         docs.append(_load(out)["requests"])
     assert docs[0] == docs[1]
+
+
+# sharded sets, model_type, refusals through the command line --------------------------------------
+def test_sharded_checkpoint_loads_like_one_file(tmp_path):
+    """An index and 2 shards (the Hugging Face layout) load to the same weights as one file."""
+    weights = seeded_weights(SMALL, 7)
+    save_checkpoint(str(tmp_path / "one"), SMALL, weights, prefix="transformer.")
+    save_checkpoint(str(tmp_path / "two"), SMALL, weights, prefix="transformer.", shards=2)
+    index = _load(tmp_path / "two" / "model.safetensors.index.json")
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                          "model-00002-of-00002.safetensors"]
+    assert not (tmp_path / "two" / "model.safetensors").exists()
+    family, config, one = load_checkpoint(str(tmp_path / "one"))
+    family2, config2, two = load_checkpoint(str(tmp_path / "two"))
+    assert family is family2 and family.name == "gpt2" and config == config2 == SMALL
+    assert sorted(one) == sorted(two) == sorted(weights)
+    for name in weights:
+        np.testing.assert_array_equal(two[name], weights[name], err_msg=name)
+
+
+def _sharded(d):
+    save_checkpoint(str(d), SMALL, seeded_weights(SMALL, 0), shards=2)
+    return str(d)
+
+
+def _relabel(d, model_type):
+    _edit_config(_checkpoint(d), model_type=model_type)
+    return str(d)
+
+
+def _drop_shard(d):
+    _sharded(d)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return str(d)
+
+
+def _truncate(path, keep: int = -10):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def _index_names_absent_tensor(d):
+    _sharded(d)
+    index = _load(d / "model.safetensors.index.json")
+    index["weight_map"]["h.0.ln_1.weight"] = "model-00002-of-00002.safetensors"   # it lives in shard 1
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(d)
+
+
+REFUSED = {
+    "unsupported_model_type": (lambda d: _relabel(d, "bert"),
+                               r"config\.json: model_type 'bert' is not supported \(supported: gpt2(, \w+)*\)$"),
+    "missing_shard": (_drop_shard, r"model-00002-of-00002\.safetensors: missing \(the shard "
+                                   r"model\.safetensors\.index\.json names for tensor '.+'\)$"),
+    "truncated_file": (lambda d: _truncate(d / "model.safetensors") or str(d) if _checkpoint(d) else None,
+                       r"model\.safetensors: not a readable safetensors file \(.+\)$"),
+    "truncated_shard": (lambda d: _truncate(d / "model-00001-of-00002.safetensors") or str(d) if _sharded(d) else None,
+                        r"model-00001-of-00002\.safetensors: not a readable safetensors file \(.+\)$"),
+    "tensor_not_in_its_shard": (_index_names_absent_tensor,
+                                r"model-00002-of-00002\.safetensors: tensor 'h\.0\.ln_1\.weight' missing \(named by "
+                                r"model\.safetensors\.index\.json\)$"),
+    "wrong_shape": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"ln_f.bias": np.zeros(17)}))
+                    or str(d), r"model\.safetensors: weights\['ln_f\.bias'\] must have shape \(16,\) \(got \(17,\)\)$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_refused_checkpoints_exit_2_and_write_nothing(tmp_path, case, capsys):
+    """Each bad folder: exit status 2, one line naming the file (and tensor), no output file."""
+    from trace_replay_app import cli
+    from trace_replay_app.traces import random_requests, write_traces
+
+    make, pattern = REFUSED[case]
+    folder = make(tmp_path / "ckpt")
+    work = tmp_path / "work"
+    work.mkdir()
+    traces = str(work / "t.jsonl")
+    write_traces(traces, random_requests(SMALL, 3, seed=1))
+    before = {p: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    for args in (["run", "--framework", "torch", "--out", str(work / "o.json")],
+                 ["compare", "--out-dir", str(work / "cmp")]):
+        status = cli.main([*args, "--traces", traces, "--checkpoint", folder, "--quiet"])
+        err = capsys.readouterr().err
+        assert status == 2, err
+        assert re.match(rf"^trace-replay {args[0]}: error: {re.escape(folder)}/{pattern}", err.strip()), err
+        assert len(err.strip().splitlines()) == 1
+        assert sorted(os.listdir(work)) == ["t.jsonl"]
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before   # inputs untouched

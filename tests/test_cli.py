@@ -14,12 +14,14 @@ import pytest
 from cli_helpers import load
 from cli_helpers import main as run_cli
 
-from trace_replay_core.app import cli, demo
-from trace_replay_core.app.model import GPT2Config
-from trace_replay_core.app.progress import Progress
-from trace_replay_core.app.traces import random_requests, read_traces, write_traces
+from trace_replay_app import cli, demo
+from trace_replay_app.models import get_family
+from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.runner import progress_bar
+from trace_replay_app.traces import random_requests, read_traces, write_traces
 
 CONFIG = GPT2Config()
+GPT2 = get_family("gpt2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -135,14 +137,14 @@ def test_a_run_that_fails_midway_writes_nothing(tmp_path, trace_file, monkeypatc
         kw["on_step"](3)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(cli, "load_loop", lambda fw: broken)
+    monkeypatch.setattr(GPT2, "load_loop", lambda fw: broken)
     with pytest.raises(RuntimeError, match="device lost"):
         run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "out.json"))
     assert os.listdir(tmp_path) == []
 
 
 def _torch_loop(*args, **kw):
-    from trace_replay_torch.gpt2 import run_decode
+    from trace_replay_app.models.gpt2.torch_loop import run_decode
     return run_decode(*args, **kw)
 
 
@@ -152,7 +154,7 @@ def _dropping_traces(config, weights, requests, **kw):
 
 
 def test_run_exits_1_when_a_trace_is_not_reproduced(tmp_path, trace_file, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "load_loop", lambda fw: _dropping_traces)
+    monkeypatch.setattr(GPT2, "load_loop", lambda fw: _dropping_traces)
     out = tmp_path / "out.json"
     status, text = run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--quiet")
     assert status == 1 and text == ""
@@ -202,20 +204,21 @@ def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
     assert os.listdir(tmp_path) == []
 
 
-def test_compare_without_matplotlib_says_what_to_install(tmp_path, trace_file, monkeypatch, capsys):
-    find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
-    status, _ = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "cmp"))
-    assert status == 2
-    assert re.match(r"^trace-replay compare: error: compare draws its plot with matplotlib, which is not installed",
-                    capsys.readouterr().err)
-    assert os.listdir(tmp_path) == []
+def test_compare_without_matplotlib_writes_the_report_and_skips_the_plot(tmp_path, trace_file, monkeypatch):
+    """Without matplotlib, compare still writes its report and says the plot was skipped."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)      # None in sys.modules: import raises ImportError
+    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "cmp"), "--max-batch", "4")
+    assert status == 0, text
+    assert os.listdir(tmp_path / "cmp") == ["compare_report.json"]
+    assert load(tmp_path / "cmp" / "compare_report.json")["summary"]["requests"] == 24
+    assert re.search(r"^wrote .*compare_report\.json; plot skipped: matplotlib is not installed", text, re.MULTILINE)
 
 
 # the demo ---------------------------------------------------------------------------------------
 def test_demo_entry_point_runs_and_passes():
-    """``python -m trace_replay_core demo``: both frameworks, every check, exit status 0."""
-    proc = subprocess.run([sys.executable, "-m", "trace_replay_core", "demo"], capture_output=True, text=True,
+    """``python -m trace_replay_app demo``: both frameworks, every check, exit status 0."""
+    proc = subprocess.run([sys.executable, "-m", "trace_replay_app", "demo"], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
@@ -287,21 +290,24 @@ class _Tty(io.StringIO):
 
 
 def test_progress_draws_only_on_a_terminal():
+    """The progress bar (tqdm) draws on a terminal, erases itself when closed, and stays silent
+    on a stream that is not a terminal, when turned off, and for runs shorter than its delay."""
     stream = _Tty()
-    with Progress(100, "torch", stream=stream, delay_s=0, min_interval_s=0) as bar:
+    with progress_bar(100, "torch", stream=stream, delay_s=0) as bar:
         bar.update(40)
-        assert stream.getvalue().startswith("\rtorch [############------------------] 40/100 tokens, ")
-    assert stream.getvalue().endswith("\r\x1b[K")
+        bar.refresh()
+        assert "torch" in stream.getvalue() and "40/100" in stream.getvalue()
+    assert stream.getvalue().endswith("\r")         # leave=False: the line is cleared on close
     quiet = io.StringIO()
-    with Progress(100, "jax", stream=quiet, delay_s=0, min_interval_s=0) as bar:
+    with progress_bar(100, "jax", stream=quiet, delay_s=0) as bar:
         bar.update(100)
-    assert quiet.getvalue() == "" and bar.done == 100
+    assert quiet.getvalue() == ""
     forced_off = _Tty()
-    with Progress(10, "x", stream=forced_off, enabled=False, delay_s=0) as bar:
+    with progress_bar(10, "x", stream=forced_off, enabled=False, delay_s=0) as bar:
         bar.update(5)
     assert forced_off.getvalue() == ""
     late = _Tty()
-    with Progress(10, "x", stream=late, delay_s=60) as bar:   # short runs print nothing
+    with progress_bar(10, "x", stream=late, delay_s=60) as bar:   # short runs print nothing
         bar.update(5)
     assert late.getvalue() == ""
 
@@ -309,8 +315,8 @@ def test_progress_draws_only_on_a_terminal():
 def test_the_command_line_imports_no_framework_until_it_runs_one(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": []}\n')
-    code = ("import sys, trace_replay_core.__main__, trace_replay_core.app.cli as cli, trace_replay_core.app.demo, "
-            "trace_replay_core.app.compare, trace_replay_core.app.checkpoint, trace_replay_core.app.progress; "
+    code = ("import sys, trace_replay_app.__main__, trace_replay_app.cli as cli, trace_replay_app.demo, "
+            "trace_replay_app.compare, trace_replay_app.checkpoint, trace_replay_app.runner, trace_replay_app.models; "
             f"status = cli.main(['run', '--framework', 'torch', '--traces', {str(bad)!r}, '--out', "
             f"{str(tmp_path / 'o.json')!r}]); "
             "loaded = [m for m in ('torch', 'jax', 'jaxlib', 'matplotlib') if m in sys.modules]; "

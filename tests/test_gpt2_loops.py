@@ -1,4 +1,4 @@
-"""The GPT-2-style reference decode loops (``trace_replay_torch.gpt2``, ``trace_replay_jax.gpt2``)
+"""The GPT-2-style reference decode loops (``trace_replay_app.models.gpt2.torch_loop`` / ``.jax_loop``)
 against a float64 numpy forward of the model, against each other, and across batch sizes.
 
 CPU tier; ``test_gpu_gpt2_loops.py`` runs the same checks (the helpers below) on ``"cuda"``.
@@ -31,12 +31,12 @@ import pytest
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-import trace_replay_jax.gpt2 as jax_gpt2  # noqa: E402
-import trace_replay_torch.gpt2 as torch_gpt2  # noqa: E402
-from trace_replay_core.app.model import GPT2Config, reference_logits, seeded_weights  # noqa: E402
-from trace_replay_core.app.records import RequestResult, TraceRequest  # noqa: E402
-import trace_replay_core.app.schedule as schedule_module  # noqa: E402
-from trace_replay_core.app.schedule import plan  # noqa: E402
+import trace_replay_app.models.gpt2.jax_loop as jax_gpt2  # noqa: E402
+import trace_replay_app.models.gpt2.torch_loop as torch_gpt2  # noqa: E402
+from trace_replay_app.models.gpt2 import GPT2Config, reference_logits, seeded_weights  # noqa: E402
+from trace_replay_app.records import RequestResult, TraceRequest  # noqa: E402
+import trace_replay_app.schedule as schedule_module  # noqa: E402
+from trace_replay_app.schedule import plan  # noqa: E402
 
 LOOPS = {"torch": torch_gpt2.run_decode, "jax": jax_gpt2.run_decode}
 CONFIG = GPT2Config()           # vocab 512, 128 positions, 64 wide, 2 layers, 4 heads

@@ -6,14 +6,15 @@ import pytest
 from cli_helpers import load
 from cli_helpers import main as run_cli
 
-from trace_replay_core.app.checkpoint import save_checkpoint
-from trace_replay_core.app.model import GPT2Config, seeded_weights
-from trace_replay_core.app.traces import random_requests, read_traces, write_traces
+from trace_replay_app.checkpoint import save_checkpoint
+from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
+from trace_replay_app.traces import random_requests, read_traces, write_traces
 
 pytestmark = pytest.mark.gpu
 
 CONFIG = GPT2Config()
-# cuBLAS and XLA's GPU matmuls sum in different orders (both at full float32 precision: no TF32)
+# cuBLAS and XLA's GPU matmuls sum in different orders (both at full float32 precision: no TF32;
+# the command line computes in bfloat16 on a GPU unless told --dtype float32, as these tests do)
 TOLERANCE = 1e-4
 
 
@@ -36,7 +37,7 @@ def test_run_on_cuda_reproduces_and_matches_cpu(tmp_path, trace_file, framework)
     for device in ("cuda", "cpu"):
         out = str(tmp_path / f"{device}.json")
         status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out,
-                             "--device", device, "--quiet")
+                             "--device", device, "--dtype", "float32", "--quiet")
         assert status == 0, text
         docs[device] = load(out)
     s = docs["cuda"]["summary"]
@@ -48,7 +49,8 @@ def test_run_on_cuda_reproduces_and_matches_cpu(tmp_path, trace_file, framework)
 
 
 def test_compare_on_cuda(tmp_path, trace_file):
-    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path), "--device", "cuda")
+    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path), "--device", "cuda",
+                           "--dtype", "float32")
     assert status == 0, text
     report = load(tmp_path / "compare_report.json")
     assert (tmp_path / "compare_divergence.png").read_bytes()[:4] == b"\x89PNG"
@@ -67,7 +69,7 @@ def test_checkpoint_on_cuda_in_both_frameworks(tmp_path):
     for fw in ("torch", "jax"):
         out = str(tmp_path / f"{fw}.json")
         status, text = run_cli("run", "--framework", fw, "--traces", traces, "--checkpoint", str(tmp_path / "ckpt"),
-                             "--out", out, "--device", "cuda", "--quiet")
+                             "--out", out, "--device", "cuda", "--dtype", "float32", "--quiet")
         assert status == 0, text
         docs[fw] = load(out)
         assert docs[fw]["summary"]["exact_reproductions"] == 12

@@ -13,14 +13,14 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-import trace_replay_jax.gpt2 as jax_gpt2  # noqa: E402
-import trace_replay_torch.gpt2 as torch_gpt2  # noqa: E402
+import trace_replay_app.models.gpt2.jax_loop as jax_gpt2  # noqa: E402
+import trace_replay_app.models.gpt2.torch_loop as torch_gpt2  # noqa: E402
 from jax_helpers import jax_gpu  # noqa: E402
 from test_gpt2_loops import (CONFIG, LOOPS, check_against_reference, check_batch_sizes,  # noqa: E402
                              check_matches_reference, check_same_results, check_torch_vs_jax,
                              check_untraced_unaffected, make_requests, weights_for)
 from test_gpt2_loops import small_jax_chunks  # noqa: E402, F401 - the autouse fixture, applied here too
-from trace_replay_core.app.records import TraceRequest  # noqa: E402
+from trace_replay_app.records import TraceRequest  # noqa: E402
 
 
 def _device(framework: str) -> str:

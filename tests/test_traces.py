@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from trace_replay_core.app.model import GPT2Config
-from trace_replay_core.app.records import TraceRequest
-from trace_replay_core.app.traces import (TraceFileError, atomic_write, read_traces, random_requests,
+from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.records import TraceRequest
+from trace_replay_app.traces import (TraceFileError, atomic_write, read_traces, random_requests,
                                           request_to_json, write_traces)
 
 CONFIG = GPT2Config()   # vocab 512, n_positions 128

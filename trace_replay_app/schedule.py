@@ -1,7 +1,7 @@
 """The continuous-batching schedule of the reference decode loops, and the checks of their arguments.
 
-Both loops (``trace_replay_torch.gpt2`` and ``trace_replay_jax.gpt2``) run the schedule made
-here, so the two frameworks decode identical batches step by step. Numpy only.
+Every family's loops (e.g. ``trace_replay_app.models.gpt2.torch_loop`` and ``.jax_loop``) run the
+schedule made here, so the two frameworks decode identical batches step by step. Numpy only.
 
 The rules: the loop has ``max_batch`` slots and a fixed row layout of ``max_batch`` batch rows,
 row ``b`` serving slot ``b``. Requests are admitted in input order, each into the free slot
@@ -25,14 +25,16 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import numbers
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .model import GPT2Config, check_weights
 from .records import RequestResult, TraceRequest
 
-__all__ = ["Schedule", "plan", "check_run", "check_device", "request_arrays", "collect_results"]
+__all__ = ["Schedule", "plan", "check_run", "check_device", "check_sampling", "request_arrays", "collect_results",
+           "COMPUTE_DTYPES"]
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,7 @@ def _ids(value: Any, what: str, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def request_arrays(config: GPT2Config, requests: Sequence[TraceRequest]):
+def request_arrays(config: Any, requests: Sequence[TraceRequest]):
     """Validated ``(prompts, traces)``: per request, the prompt as int64 ids and the trace as
     int64 ids or ``None``. Raises ``TypeError``/``ValueError`` naming the request and the field."""
     if isinstance(requests, (str, bytes, TraceRequest)) or not isinstance(requests, Sequence):
@@ -164,15 +166,32 @@ def check_device(device: Any) -> None:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
 
 
-def check_run(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest],
-              max_batch: int, on_step: Optional[Any]):
-    """Every check of ``run_decode``'s arguments but ``device`` (see :func:`check_device`);
-    returns the requests' validated ``(prompts, traces)`` (see :func:`request_arrays`).
+def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:
+    """Refuse a compute ``dtype`` other than ``"float32"``/``"bfloat16"``, a ``temperature``
+    that is not a finite number >= 0, or a ``seed`` that is not an int in ``[0, 2**63)``;
+    returns the temperature as a float. Host-only."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {dtype!r})")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0 <= float(temperature) < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy) (got {temperature!r})")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63) (got {seed!r})")
+    return float(temperature)
+
+
+def check_run(config: Any, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest],
+              max_batch: int, on_step: Optional[Any], *, config_type: type,
+              check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]):
+    """Every check of a ``run_decode``'s arguments but ``device`` (see :func:`check_device`) and
+    the sampling ones (see :func:`check_sampling`): ``config`` an instance of ``config_type``,
+    ``weights`` passing the family's ``check_weights`` and floating-point; returns the
+    requests' validated ``(prompts, traces)`` (see :func:`request_arrays`).
 
     Raises ``TypeError``/``ValueError`` naming the argument and what was received; host-only.
     """
-    if not isinstance(config, GPT2Config):
-        raise TypeError(f"config must be a GPT2Config (got {type(config).__name__})")
+    if not isinstance(config, config_type):
+        raise TypeError(f"config must be a {config_type.__name__} (got {type(config).__name__})")
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a mapping of parameter name -> array (got {type(weights).__name__})")
     check_weights(config, weights)

@@ -1,8 +1,9 @@
 """The demo: replay a built-in set of traces through the torch and the JAX reference loop.
 
-``trace-replay demo`` (or ``python -m trace_replay_core demo``; ``--device cuda`` on a GPU)
-runs the seeded tiny GPT-2-style model in both frameworks on a built-in set of requests, more
-of them than there are decode slots, so that requests queue and slots are reused:
+``trace-replay demo`` (or ``python -m trace_replay_app demo``; ``--device cuda`` on a GPU)
+runs a seeded small model (``--model``, default the GPT-2-style one) in both frameworks on a
+built-in set of requests, more of them than there are decode slots, so that requests queue and
+slots are reused:
 
 - ``own-*``: traced with the model's own greedy continuation (recorded from a torch run
   without traces): replay forces what the model would have chosen anyway, so the forced
@@ -14,7 +15,8 @@ of them than there are decode slots, so that requests queue and slots are reused
 It checks, for each framework, that every traced request reproduced its trace exactly and
 that every untraced request produced the same tokens as a run of the same requests without
 any traces; it shows per request the reproduction, the mean logprob and rank, and how far
-torch and JAX agree. Exit status 0 when every check passes, 1 otherwise.
+torch and JAX agree. With only one framework installed it runs that one and says the other is
+missing. Exit status 0 when every check passes, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,18 +24,19 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, TextIO
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
 
 from .compare import compare_results
-from .model import GPT2Config, seeded_weights
+from .models import FRAMEWORKS, Family, FrameworkMissing, get_family
 from .records import RequestResult, TraceRequest
+from .runner import CliError, check_device, replay_requests
 
-__all__ = ["builtin_requests", "run_demo", "report", "DemoResult", "Check"]
+__all__ = ["builtin_requests", "run_demo", "report", "cmd_demo", "DemoResult", "Check"]
 
 KINDS = ("own", "random", "free")
 
 
-def builtin_requests(config: GPT2Config, *, n_per_kind: int = 4, seed: int = 1234) -> List[TraceRequest]:
+def builtin_requests(config: Any, *, n_per_kind: int = 4, seed: int = 1234) -> List[TraceRequest]:
     """The demo's requests, untraced (the ``own``/``random`` traces are filled in by
     :func:`run_demo`): ``n_per_kind`` of each kind, interleaved, prompts of 2-24 tokens,
     6-16 decoded tokens each. Fixed (the seed here is not the model's)."""
@@ -61,9 +64,10 @@ class Check:
 @dataclasses.dataclass
 class DemoResult:
     """Everything one demo run produced: the requests as replayed, per framework the results
-    with and without traces and their seconds, the torch-vs-JAX comparison, the checks."""
+    with and without traces and their seconds, the torch-vs-JAX comparison, the checks, and the
+    frameworks that could not run (name -> why)."""
 
-    config: GPT2Config
+    config: Any
     device: str
     seed: int
     max_batch: int
@@ -73,6 +77,8 @@ class DemoResult:
     seconds: Dict[str, float]
     comparison: Optional[dict]
     checks: List[Check]
+    missing: Dict[str, str] = dataclasses.field(default_factory=dict)
+    family: Optional[Family] = None
 
     @property
     def ok(self) -> bool:
@@ -89,23 +95,34 @@ def _tokens(result: RequestResult) -> List[int]:
 
 def run_demo(*, device: str = "cpu", seed: int = 0, max_batch: int = 4,
              loops: Optional[Mapping[str, Callable[..., List[RequestResult]]]] = None,
-             show_progress: Optional[bool] = False) -> DemoResult:
+             show_progress: Optional[bool] = False, model: str = "gpt2") -> DemoResult:
     """Run the demo and its checks; return everything (see :class:`DemoResult`).
 
-    ``loops`` maps framework names to ``run_decode`` functions (default: the torch and the JAX
-    reference loops, imported now); ``seed`` seeds the model's weights.
+    ``loops`` maps framework names to ``run_decode`` functions (default: the family ``model``'s
+    torch and JAX loops, imported now; a framework that cannot be imported is skipped and named
+    in ``missing``; :class:`~trace_replay_app.runner.CliError` when none can); ``seed`` seeds
+    the model's weights.
     """
-    from .cli import load_loop, replay_requests
-
-    config = GPT2Config()
-    weights = seeded_weights(config, seed)
-    loops = dict(loops) if loops is not None else {fw: load_loop(fw) for fw in ("torch", "jax")}
+    family = get_family(model)
+    config = family.default_config()
+    weights = family.seeded_weights(config, seed)
+    missing: Dict[str, str] = {}
+    if loops is None:
+        loops = {}
+        for fw in FRAMEWORKS:
+            try:
+                loops[fw] = family.run_decode(fw)
+            except FrameworkMissing as exc:
+                missing[fw] = str(exc)
+        if not loops:
+            raise CliError("no framework can run the demo: " + "; ".join(missing.values()))
+    loops = dict(loops)
     names = list(loops)
     untraced = builtin_requests(config)
 
     def run(fw: str, requests: Sequence[TraceRequest]):
-        return replay_requests(fw, config, weights, requests, device=device, max_batch=max_batch,
-                               show_progress=show_progress, loop=loops[fw])
+        return replay_requests(fw, config, weights, requests, loop=loops[fw], device=device, max_batch=max_batch,
+                               show_progress=show_progress)
 
     baseline, results, seconds = {}, {}, {}
     for fw in names:
@@ -138,7 +155,8 @@ def run_demo(*, device: str = "cpu", seed: int = 0, max_batch: int = 4,
                             len(free), bad))
     comparison = compare_results(requests, results[names[0]], results[names[1]], names=names[:2]) \
         if len(names) >= 2 else None
-    return DemoResult(config, device, seed, max_batch, requests, results, baseline, seconds, comparison, checks)
+    return DemoResult(config, device, seed, max_batch, requests, results, baseline, seconds, comparison, checks,
+                      missing, family)
 
 
 def _mean(values) -> float:
@@ -157,9 +175,12 @@ def report(result: DemoResult, *, quiet: bool = False, out: Optional[TextIO] = N
     names = list(result.results)
     c = result.config
     reqs = result.requests
+    family = result.family or get_family("gpt2")
+    for fw, why in result.missing.items():
+        print(f"{fw}: missing, the demo runs {' and '.join(names)} only ({why})", file=out)
     if not quiet:
-        print(f"trace-replay demo: GPT-2-style model with seeded weights (seed {result.seed}; vocabulary "
-              f"{c.vocab_size}, {c.n_layer} layers, width {c.n_embd}), {len(reqs)} requests on "
+        print(f"trace-replay demo: {family.label} with seeded weights (seed {result.seed}; "
+              f"{family.describe(c)}), {len(reqs)} requests on "
               f"{result.max_batch} slots, device {result.device}", file=out)
         print("own: traced with the model's own greedy continuation; random: traced with random tokens; "
               "free: untraced", file=out)
@@ -215,3 +236,13 @@ def report(result: DemoResult, *, quiet: bool = False, out: Optional[TextIO] = N
         for failure in check.failures[:10]:
             print(f"   {failure}", file=out)
     print("all checks passed" if result.ok else "CHECKS FAILED: see above", file=out)
+
+
+def cmd_demo(args, out: TextIO) -> int:
+    """The ``demo`` subcommand: run, report, exit status 0 when every check passed, else 1."""
+    for fw in FRAMEWORKS:
+        check_device(fw, args.device)
+    result = run_demo(device=args.device, seed=args.seed, max_batch=args.max_batch,
+                      show_progress=False if args.quiet else None, model=args.model or "gpt2")
+    report(result, quiet=args.quiet, out=out)
+    return 0 if result.ok else 1

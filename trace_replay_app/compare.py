@@ -4,8 +4,14 @@ For each request, positions are comparable while both runs hold the same tokens 
 traced request that is every position (both runs force the same tokens); for an untraced one
 it ends at the first position where the runs chose different tokens (after it, the two runs
 condition on different sequences). At each comparable position the report holds the logprob
-difference (``b - a``) of the chosen token, and it names the first position where the two
+difference ``d = b - a`` of the chosen token, and it names the first position where the two
 runs' argmax choices differ, which is where greedy decoding of the two would part.
+
+The measures RL teams track for train/rollout mismatch, per request and over all compared
+positions: mean and max ``|d|``; mean and max ``|exp(b) - exp(a)|`` (probability of the
+token); the k3 estimate of KL(a || b), ``mean(exp(d) - 1 - d)`` (non-negative, unbiased for
+tokens drawn from ``a``); the Pearson correlation of the two logprob sequences; how many
+positions' argmax differ; and the first divergent position (argmax or token, whichever first).
 
 :func:`compare_results` builds the report (a JSON-ready dict); :func:`plot_divergence` draws
 ``|logprob difference|`` against position (matplotlib, imported on first use).
@@ -20,7 +26,7 @@ import numpy as np
 
 from .records import RequestResult, TraceRequest
 
-__all__ = ["compare_results", "plot_divergence", "summary_lines"]
+__all__ = ["compare_results", "plot_divergence", "summary_lines", "mismatch_measures", "requests_above_k3"]
 
 
 def _first(mask: np.ndarray) -> Optional[int]:
@@ -33,6 +39,31 @@ def _num(x: float) -> Optional[float]:
     return x if math.isfinite(x) else None
 
 
+def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> Dict[str, Any]:
+    """The mismatch measures of two logprob sequences of the same tokens (float64, equal length,
+    finite entries only): ``mean/max_abs_logprob_diff``, ``mean/max_abs_prob_diff``, ``k3`` and
+    ``pearson`` (None when undefined: no positions, or a constant sequence)."""
+    d = lb - la
+    if not d.size:
+        return {"mean_abs_logprob_diff": None, "max_abs_logprob_diff": None, "mean_abs_prob_diff": None,
+                "max_abs_prob_diff": None, "k3": None, "pearson": None}
+    dp = np.abs(np.exp(lb) - np.exp(la))
+    # exp(d) - 1 - d loses every digit for tiny d: expm1 keeps them
+    k3 = np.expm1(d) - d
+    pearson = None
+    if d.size >= 2 and np.std(la) > 0 and np.std(lb) > 0:
+        pearson = _num(np.corrcoef(la, lb)[0, 1])
+    return {"mean_abs_logprob_diff": _num(np.abs(d).mean()), "max_abs_logprob_diff": _num(np.abs(d).max()),
+            "mean_abs_prob_diff": _num(dp.mean()), "max_abs_prob_diff": _num(dp.max()), "k3": _num(k3.mean()),
+            "pearson": pearson}
+
+
+def requests_above_k3(report: Dict[str, Any], limit: float) -> List[tuple]:
+    """``[(id, k3)]`` of the requests of a :func:`compare_results` report whose k3 estimate is
+    above ``limit``, in report order."""
+    return [(r["id"], r["k3"]) for r in report["requests"] if r["k3"] is not None and r["k3"] > limit]
+
+
 def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult], b: Sequence[RequestResult], *,
                     names: Sequence[str] = ("torch", "jax")) -> Dict[str, Any]:
     """The comparison report of runs ``a`` and ``b`` of ``requests`` (results in request order).
@@ -41,14 +72,17 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
     comparable positions, ``logprob_diff`` (``b - a``, float64 of the float32 values),
     ``first_argmax_divergence`` / ``first_token_divergence`` (position or ``None``); per
     position over all requests the count, max and mean of ``|logprob_diff|``; and summary
-    statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts). Non-finite values are
-    written as ``None``.
+    statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts), and per request and in
+    the summary the measures of :func:`mismatch_measures`, ``argmax_mismatches`` and
+    ``first_divergence``. Non-finite values are written as ``None``.
     """
     name_a, name_b = names
     rows: List[Dict[str, Any]] = []
     by_position: Dict[int, List[float]] = {}
     all_diffs: List[np.ndarray] = []
-    rank_changes = 0
+    pairs_a: List[np.ndarray] = []
+    pairs_b: List[np.ndarray] = []
+    rank_changes = argmax_mismatches = 0
     for req, ra, rb in zip(requests, a, b, strict=True):
         if not (ra.id == rb.id == req.id):
             raise ValueError(f"results out of order: request {req.id!r} got results {ra.id!r} and {rb.id!r}")
@@ -70,6 +104,12 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
         rank_changes += int(np.sum(ranks_a[valid] != ranks_b[valid]))
         absd = np.abs(diff[valid])
         all_diffs.append(absd)
+        ok = valid & np.isfinite(la) & np.isfinite(lb)
+        pairs_a.append(la[ok])
+        pairs_b.append(lb[ok])
+        mismatched = int(np.sum(np.asarray(ra.argmax[:m]) != np.asarray(rb.argmax[:m])))
+        argmax_mismatches += mismatched
+        firsts = [p for p in (argmax_div, token_div) if p is not None]
         for pos in np.flatnonzero(valid):
             by_position.setdefault(int(pos), []).append(float(abs(diff[pos])))
         rows.append({
@@ -79,7 +119,10 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
             "compared_positions": int(valid.sum()),
             "first_token_divergence": token_div,
             "first_argmax_divergence": argmax_div,
+            **mismatch_measures(la[ok], lb[ok]),
             "max_abs_logprob_diff": _num(absd.max()) if absd.size else None,
+            "argmax_mismatches": mismatched,
+            "first_divergence": min(firsts) if firsts else None,
             "logprob_diff": [_num(d) for d in diff],
             f"{name_a}_logprobs": [_num(x) for x in la],
             f"{name_b}_logprobs": [_num(x) for x in lb],
@@ -94,6 +137,9 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
     def stat(f) -> Optional[float]:
         return _num(f(finite)) if finite.size else None
 
+    overall = mismatch_measures(np.concatenate(pairs_a) if pairs_a else np.zeros(0),
+                                np.concatenate(pairs_b) if pairs_b else np.zeros(0))
+    first_divs = [r["first_divergence"] for r in rows if r["first_divergence"] is not None]
     summary = {
         "frameworks": [name_a, name_b],
         "requests": len(rows),
@@ -105,6 +151,12 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
         "p50_abs_logprob_diff": stat(lambda x: np.percentile(x, 50)),
         "p99_abs_logprob_diff": stat(lambda x: np.percentile(x, 99)),
         "rms_logprob_diff": stat(lambda x: np.sqrt(np.mean(x * x))),
+        "mean_abs_prob_diff": overall["mean_abs_prob_diff"],
+        "max_abs_prob_diff": overall["max_abs_prob_diff"],
+        "k3": overall["k3"],
+        "pearson": overall["pearson"],
+        "argmax_mismatches": argmax_mismatches,
+        "first_divergence": min(first_divs) if first_divs else None,
         "rank_changes": rank_changes,
         "requests_with_argmax_divergence": len(argmax_divs),
         "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
@@ -127,7 +179,10 @@ def summary_lines(report: Dict[str, Any]) -> List[str]:
               f"{s['compared_positions']} positions compared"),
              (f"|logprob difference|: max {g(s['max_abs_logprob_diff'])}, mean {g(s['mean_abs_logprob_diff'])}, "
               f"p50 {g(s['p50_abs_logprob_diff'])}, p99 {g(s['p99_abs_logprob_diff'])}, "
-              f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions")]
+              f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions"),
+             (f"|probability difference|: max {g(s['max_abs_prob_diff'])}, mean {g(s['mean_abs_prob_diff'])}; "
+              f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; "
+              f"argmax differs at {s['argmax_mismatches']} positions")]
     if s["requests_with_argmax_divergence"]:
         first = [(r["first_argmax_divergence"], r["id"]) for r in report["requests"]
                  if r["first_argmax_divergence"] is not None]
@@ -152,7 +207,7 @@ def plot_divergence(report: Dict[str, Any], path: str, *, title: Optional[str] =
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .traces import atomic_write
+    from .traces import atomic_write   # noqa: I001 - after matplotlib: a missing plot library writes nothing
 
     a, b = report["summary"]["frameworks"]
     fig = Figure(figsize=(8, 4.5), dpi=100)

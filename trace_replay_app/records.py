@@ -1,4 +1,5 @@
-"""Requests in and results out of a reference decode loop (numpy only)."""
+"""Requests in and results out of a reference decode loop (numpy only; the output records of
+every model family and both frameworks)."""
 
 from __future__ import annotations
 

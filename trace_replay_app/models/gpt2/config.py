@@ -1,9 +1,15 @@
-"""GPT-2-style model description shared by the torch and JAX reference decode loops.
+"""GPT-2-style model description shared by the torch and JAX reference decode loops (numpy only).
 
 Parameters use the Hugging Face GPT-2 names without the ``transformer.`` prefix, with
 Hugging Face's ``Conv1D`` layout (a projection is ``x @ weight + bias``, weight
 ``[in, out]``). The output projection is tied to ``wte.weight``. All weights are float32
 numpy arrays owned by the caller; the loops copy them to their framework and device.
+
+Checkpoints: :func:`config_from_hf` reads a Hugging Face ``GPT2LMHeadModel`` ``config.json``
+(refusing options the loops do not implement), :func:`weights_from_tensors` maps its tensors to
+these names (an optional ``transformer.`` prefix is dropped, the causal-mask buffers
+``h.N.attn.bias`` / ``h.N.attn.masked_bias`` are ignored, ``lm_head.weight`` is accepted only
+when it equals ``wte.weight``), and :func:`to_hf` is the way back (for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -13,7 +19,14 @@ from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 
-__all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits"]
+__all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits", "config_from_hf",
+           "weights_from_tensors", "to_hf", "describe"]
+
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+# config.json options whose other values the loops do not implement
+_FIXED_OPTIONS = (("activation_function", "gelu_new"), ("scale_attn_weights", True),
+                  ("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                  ("tie_word_embeddings", True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +131,63 @@ def check_weights(config: GPT2Config, weights: Mapping[str, np.ndarray]) -> None
     extra = sorted(set(weights) - set(shapes))
     if extra:
         raise ValueError(f"weights hold unexpected parameters {extra[:5]}")
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> GPT2Config:
+    """The config of a Hugging Face GPT-2 ``config.json`` mapping; ``ValueError`` naming the key
+    for missing sizes or an option the loops do not implement (e.g. another activation)."""
+    config = GPT2Config.from_hf(hf)
+    for key, supported in _FIXED_OPTIONS:
+        if key in hf and hf[key] != supported:
+            raise ValueError(f"{key}={hf[key]!r} is not supported (the reference loops implement GPT-2 with "
+                             f"{key}={supported!r})")
+    return config
+
+
+def weights_from_tensors(config: GPT2Config, tensors: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """A Hugging Face GPT-2 checkpoint's ``tensors`` -> this project's weights (the arrays are
+    not copied). Raises ``ValueError`` naming the tensor: missing, unexpected, mis-shaped (both
+    shapes), present with and without the ``transformer.`` prefix, or an untied ``lm_head``."""
+    weights: Dict[str, np.ndarray] = {}
+    lm_head = None
+    shapes = param_shapes(config)
+    for name, value in tensors.items():
+        short = name.removeprefix("transformer.")
+        if short == "lm_head.weight":
+            lm_head = value
+        elif short.startswith("h.") and short.endswith(_IGNORED_SUFFIXES) and short not in shapes:
+            continue
+        elif short in weights:
+            raise ValueError(f"tensor {short!r} appears twice (with and without the 'transformer.' prefix)")
+        else:
+            weights[short] = value
+    check_weights(config, weights)
+    if lm_head is not None and not np.array_equal(lm_head, weights["wte.weight"]):
+        raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight' (the reference loops tie the output "
+                         "projection to the token embedding)")
+    return weights
+
+
+def to_hf(config: GPT2Config, weights: Mapping[str, np.ndarray], *, prefix: str = "", tied_lm_head: bool = False,
+          mask_buffers: bool = False) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+    """``(config.json mapping, tensors)`` of a Hugging Face checkpoint of ``weights``: every name
+    prefixed by ``prefix`` (e.g. ``"transformer."``), optionally with a tied ``lm_head.weight``
+    and the causal-mask buffers Hugging Face stores."""
+    check_weights(config, weights)
+    tensors = {prefix + name: np.asarray(weights[name]) for name in param_shapes(config)}
+    if mask_buffers:
+        n = config.n_positions
+        for i in range(config.n_layer):
+            tensors[f"{prefix}h.{i}.attn.bias"] = np.tril(np.ones((n, n), np.float32))[None, None]
+            tensors[f"{prefix}h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    if tied_lm_head:
+        tensors["lm_head.weight"] = np.asarray(weights["wte.weight"])
+    return config.to_hf(), tensors
+
+
+def describe(config: GPT2Config) -> str:
+    """The model's sizes in a few words."""
+    return f"vocabulary {config.vocab_size}, {config.n_layer} layers, width {config.n_embd}"
 
 
 def _layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:

@@ -1,18 +1,19 @@
 """A reference decode loop of a small GPT-2-style model in JAX, replaying traces inside ``jax.jit``.
 
-:func:`run_decode` decodes a list of :class:`~trace_replay_core.app.records.TraceRequest` with
-a KV cache and continuous batching through slots, greedily, and forces traced requests onto
-their traces with :func:`trace_replay_jax.replay` inside the jitted decode step; logprob and
-rank of every output token come from the unmodified logits through
-:func:`trace_replay_jax.token_logprob_rank`, in the same program. The PyTorch twin,
-``trace_replay_torch.gpt2.run_decode``, runs the same model on the same schedule
-(:mod:`trace_replay_core.app.schedule`), so the two can be compared token by token.
+:func:`run_decode` decodes a list of :class:`~trace_replay_app.records.TraceRequest` with
+a KV cache and continuous batching through slots, greedily (or by temperature sampling), and
+forces traced requests onto their traces with :func:`trace_replay_jax.replay` inside the jitted
+decode step; logprob and rank of every output token come from the unmodified logits through
+:func:`trace_replay_jax.token_logprob_rank`, in the same program. The PyTorch twin
+(``torch_loop.run_decode``) runs the same model on the same schedule
+(:mod:`trace_replay_app.schedule`), so the two can be compared token by token. This module is
+the only one of the family that imports JAX.
 
 Example (CPU; ``device="cuda"`` on a GPU)::
 
-    from trace_replay_core.app.model import GPT2Config, seeded_weights
-    from trace_replay_core.app.records import TraceRequest
-    from trace_replay_jax.gpt2 import run_decode
+    from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
+    from trace_replay_app.records import TraceRequest
+    from trace_replay_app.models.gpt2.jax_loop import run_decode
 
     config = GPT2Config()
     requests = [TraceRequest("a", prompt=(1, 2, 3), trace=(7, 8, 9)),
@@ -24,7 +25,7 @@ Compilation: two jitted programs, the decode step (one per ``config``, ``max_bat
 length bucket and trace length bucket) and the admission of one request (one per prompt
 length bucket besides those); buckets are powers of two, so a run compiles a handful of
 programs and later runs of similar sizes reuse them, whatever their number of steps (outputs
-are kept in fixed chunks of steps). Matrix products run at full float32 precision
+are kept in fixed chunks of steps). Matrix products run at full precision of the compute dtype
 (``precision="highest"``: no TF32 on GPUs), as in the PyTorch loop.
 """
 
@@ -38,13 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_replay_core.app.model import GPT2Config
-from trace_replay_core.app.records import RequestResult, TraceRequest
-from trace_replay_core.app.schedule import check_device, check_run, collect_results, plan
+from trace_replay_core import parse_device
+from trace_replay_jax import ReplayTables, TraceReplayState, replay, token_logprob_rank
 
-from .jnp_replay import ReplayTables, replay
-from .logprob import token_logprob_rank
-from .state import TraceReplayState, _jax_device
+from ...records import RequestResult, TraceRequest
+from ...schedule import check_device, check_run, check_sampling, collect_results, plan
+from .config import GPT2Config, check_weights
 
 __all__ = ["run_decode"]
 
@@ -57,13 +57,34 @@ def _bucket(n: int, limit: int) -> int:
     return min(limit, max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length()))
 
 
+def _jax_device(device: str) -> jax.Device:
+    """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> the ``jax.Device``; ``ValueError``
+    naming the device when this process (or JAX) has no such device."""
+    check_device(device)
+    name = parse_device(device)                  # ValueError naming the device when there is no such GPU
+    if name == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as exc:
+        raise ValueError(f"device {device!r} is not available: JAX has no gpu backend here ({exc}); "
+                         f"use device='cpu'") from None
+    wanted = int(name.split(":")[1])
+    match = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == wanted]
+    if not match:
+        raise ValueError(f"device {device!r} is not available: JAX sees CUDA devices "
+                         f"{[getattr(d, 'local_hardware_id', d.id) for d in gpus]}")
+    return match[0]
+
+
 class _Carry(NamedTuple):
     """Decode state that lives on the device between steps (donated to each step).
 
     ``cache``: ``[n_layer, 2 (keys, values), max_batch (slots), kv_len, n_head, head_dim]``
-    float32. ``prompt_len``/``total_len``: per slot, int32 (``total_len`` = prompt + tokens
+    in the compute dtype. ``prompt_len``/``total_len``: per slot, int32 (``total_len`` = prompt + tokens
     decoded so far). ``last``: the token each row feeds next. ``step``: the next step's index
-    within the current chunk of ``_CHUNK`` steps. ``tokens``, ``argmax``, ``logprobs``,
+    within the current chunk of ``_CHUNK`` steps; ``t``: the next step's index in the run (the
+    sampling noise of step ``t`` is drawn from ``fold_in(key, t)``). ``tokens``, ``argmax``, ``logprobs``,
     ``ranks``: that chunk's per-step outputs ``[_CHUNK, max_batch]``.
     """
 
@@ -72,6 +93,7 @@ class _Carry(NamedTuple):
     total_len: jax.Array
     last: jax.Array
     step: jax.Array
+    t: jax.Array
     tokens: jax.Array
     argmax: jax.Array
     logprobs: jax.Array
@@ -154,7 +176,7 @@ def _decode(p, config: GPT2Config, cache, tokens, positions):
         return _einsum("bht,bthd->bhd", jax.nn.softmax(scores, axis=-1), cache[layer, 1]), cache
 
     h, cache = _layers(p, config, _embed(p, tokens, positions), attend, cache)
-    return _mm(_ln(p, h, "ln_f", config.layer_norm_epsilon), p["wte.weight"].T), cache
+    return _mm(_ln(p, h, "ln_f", config.layer_norm_epsilon), p["wte.weight"].T).astype(jnp.float32), cache
 
 
 # -- the two jitted programs --------------------------------------------------------------------
@@ -168,20 +190,25 @@ def _admit(params, carry: _Carry, slot, prefix, prompt_len, last, *, config: GPT
                           last=carry.last.at[slot].set(last))
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("carry",))
-def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, *, config: GPT2Config) -> _Carry:
-    """One decode step of every row: logits, greedy argmax, replay, logprob/rank, append."""
+@functools.partial(jax.jit, static_argnames=("config", "sample"), donate_argnames=("carry",))
+def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: GPT2Config,
+          sample: bool) -> _Carry:
+    """One decode step of every row: logits, argmax, (sampling), replay, logprob/rank, append."""
     k = carry.step
     idx_mapping = idx_chunk[k]                             # row -> slot, -1: empty row (this chunk's schedule)
     active = idx_mapping >= 0
     positions = jnp.where(active, carry.total_len - 1, 0)           # empty rows: anywhere in range
     logits, cache = _decode(params, config, carry.cache, carry.last, positions)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)           # ties: the lowest id
-    sampled = replay(tables, argmax, idx_mapping, carry.total_len, carry.prompt_len)
+    drawn = argmax
+    if sample:                                                       # Gumbel-max over logits / temperature
+        noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32)
+        drawn = jnp.argmax(logits / temperature + noise, axis=-1).astype(jnp.int32)
+    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)
     logprobs, ranks = token_logprob_rank(logits, sampled)
     return _Carry(cache=cache, prompt_len=carry.prompt_len,
                   total_len=carry.total_len + active.astype(jnp.int32),
-                  last=jnp.where(active, sampled, carry.last), step=k + 1,
+                  last=jnp.where(active, sampled, carry.last), step=k + 1, t=carry.t + 1,
                   tokens=carry.tokens.at[k].set(sampled), argmax=carry.argmax.at[k].set(argmax),
                   logprobs=carry.logprobs.at[k].set(logprobs),
                   ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)))
@@ -189,22 +216,26 @@ def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, *, config: GPT
 
 # -- the loop -----------------------------------------------------------------------------------
 def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-               device: str = "cpu", max_batch: int = 8,
-               on_step: Optional[Callable[[int], None]] = None) -> List[RequestResult]:
-    """Decode ``requests`` greedily with the model ``config``/``weights``, replaying their traces.
+               device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
+               dtype: str = "float32", temperature: float = 0.0, seed: int = 0) -> List[RequestResult]:
+    """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
 
-    ``weights``: float numpy arrays named as in :func:`~trace_replay_core.app.model.param_shapes`
-    (copied to ``device`` as float32; the caller's arrays are not changed). ``requests``: each
+    ``weights``: float numpy arrays named as in :func:`~trace_replay_app.models.gpt2.param_shapes`
+    (copied to ``device`` in ``dtype``, ``"float32"`` or ``"bfloat16"``, the compute dtype; the
+    caller's arrays are not changed). ``temperature``: 0 (default) decodes greedily; above 0,
+    untraced rows sample from ``softmax(logits / temperature)`` (Gumbel-max, the noise of step
+    ``t`` from ``jax.random.fold_in(jax.random.key(seed), t)``: the same arguments give the same
+    tokens). ``requests``: each
     decodes ``request.new_tokens`` tokens; a traced one is forced onto its trace at every step.
     ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``max_batch``: slots (and batch rows)
     decoding at once; requests join in input order as slots free up (the schedule of
-    :func:`trace_replay_core.app.schedule.plan`). ``on_step(k)`` is called on the host after
+    :func:`trace_replay_app.schedule.plan`). ``on_step(k)`` is called on the host after
     each decode step is dispatched, with the number of tokens that step decodes.
 
     Returns one :class:`RequestResult` per request, in the order of ``requests``: the tokens
     (the trace for a traced request), ``forced`` (True inside the trace), the logprob and rank
-    of each token under the unmodified float32 logits, and the greedy ``argmax`` (ties: lowest
-    id). Token ids are int32 on the device and int64 in the results.
+    of each token under the unmodified float32 logits (before temperature), and the greedy
+    ``argmax`` (ties: lowest id). Token ids are int32 on the device and int64 in the results.
 
     Each step is one jitted program (KV cache and outputs donated): logits, argmax,
     ``trace_replay_jax.replay`` with ``state.tables`` passed in, logprob/rank, append; between
@@ -213,31 +244,38 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
     the host at the end. Arguments are checked before anything runs (``TypeError`` /
     ``ValueError`` naming the argument); a rejected call does nothing.
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step)
-    check_device(device)
+    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=GPT2Config,
+                                check_weights=check_weights)
+    temperature = check_sampling(dtype, temperature, seed)
     dev = _jax_device(device)                   # ValueError when JAX has no such device
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:
-        outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step)
+        outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step, jnp.dtype(dtype),
+                              temperature, seed)
     return collect_results(requests, schedule, outputs)
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dict[str, np.ndarray]:
+def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature,
+                seed) -> Dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     rows, steps = schedule.max_batch, schedule.n_steps
     kv_len = _bucket(schedule.kv_positions([len(p) for p in prompts]), config.n_positions)
     put = functools.partial(jax.device_put, device=dev)
     params = put({name: np.asarray(w, dtype=np.float32) for name, w in weights.items()})
+    if dtype != jnp.float32:
+        params = jax.tree.map(lambda w: w.astype(dtype), params)
+    key = put(jax.random.key(seed))
+    temp = put(np.float32(temperature if temperature > 0 else 1.0))
     # The schedule in chunks of _CHUNK steps (padded with empty rows), like the outputs.
     n_chunks = -(-steps // _CHUNK)
     idx_all = np.full((n_chunks * _CHUNK, rows), -1, dtype=np.int32)
     idx_all[:steps] = schedule.idx_mapping
     idx_chunks = [put(c) for c in np.split(idx_all, n_chunks)]
     carry = put(_Carry(
-        cache=np.zeros((config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim), np.float32),
+        cache=jnp.zeros((config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim), dtype),
         prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32), last=np.zeros(rows, np.int32),
-        **_fresh_outputs(rows)))
+        t=np.zeros((), np.int32), **_fresh_outputs(rows)))
     chunks = []                  # outputs of finished chunks, still on the device
     # The table's shape is part of the step program's signature: bucket its row length too.
     max_trace = _bucket(max((len(t) for t in traces if t is not None), default=1), config.n_positions)
@@ -255,7 +293,8 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dic
                                np.int32(prompt[-1]), config=config)
                 state.add_request(slot, traces[i])     # None: untraced (forgets the slot's old trace)
             state.apply_staged_writes()
-            carry = _step(params, state.tables, idx_chunks[step // _CHUNK], carry, config=config)
+            carry = _step(params, state.tables, idx_chunks[step // _CHUNK], carry, key, temp, config=config,
+                          sample=temperature > 0)
             if on_step is not None:
                 on_step(per_step[step])
         chunks.append(_outputs(carry))

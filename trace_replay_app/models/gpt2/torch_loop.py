@@ -1,17 +1,18 @@
 """A reference decode loop of a small GPT-2-style model in PyTorch, replaying traces.
 
-:func:`run_decode` decodes a list of :class:`~trace_replay_core.app.records.TraceRequest` with
-a KV cache and continuous batching through slots, greedily, and forces traced requests onto
-their traces with :class:`TraceReplayState`; logprob and rank of every output token come from
-the unmodified logits through :func:`token_logprob_rank`. The JAX twin,
-``trace_replay_jax.gpt2.run_decode``, runs the same model on the same schedule
-(:mod:`trace_replay_core.app.schedule`), so the two can be compared token by token.
+:func:`run_decode` decodes a list of :class:`~trace_replay_app.records.TraceRequest` with
+a KV cache and continuous batching through slots, greedily (or by temperature sampling), and
+forces traced requests onto their traces with :class:`trace_replay_torch.TraceReplayState`;
+logprob and rank of every output token come from the unmodified logits through
+:func:`trace_replay_torch.token_logprob_rank`. The JAX twin (``jax_loop.run_decode``) runs the
+same model on the same schedule (:mod:`trace_replay_app.schedule`), so the two can be compared
+token by token. This module is the only one of the family that imports torch.
 
 Example (CPU; ``device="cuda"`` on a GPU)::
 
-    from trace_replay_core.app.model import GPT2Config, seeded_weights
-    from trace_replay_core.app.records import TraceRequest
-    from trace_replay_torch.gpt2 import run_decode
+    from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
+    from trace_replay_app.records import TraceRequest
+    from trace_replay_app.models.gpt2.torch_loop import run_decode
 
     config = GPT2Config()
     requests = [TraceRequest("a", prompt=(1, 2, 3), trace=(7, 8, 9)),
@@ -29,24 +30,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trace_replay_core.app.model import GPT2Config
-from trace_replay_core.app.records import RequestResult, TraceRequest
-from trace_replay_core.app.schedule import check_device, check_run, collect_results, plan
+from trace_replay_core import parse_device
+from trace_replay_torch import TraceReplayState, token_logprob_rank
 
-from .logprob import token_logprob_rank
-from .state import TraceReplayState
+from ...records import RequestResult, TraceRequest
+from ...schedule import check_device, check_run, check_sampling, collect_results, plan
+from .config import GPT2Config, check_weights
 
 __all__ = ["run_decode"]
 
 
 def _torch_device(device: str) -> torch.device:
-    """``"cpu"``, ``"cuda"`` (torch's current CUDA device) or ``"cuda:N"`` -> a torch.device usable here."""
+    """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> a torch.device usable here."""
     check_device(device)
-    dev = torch.device(device)
+    dev = torch.device(parse_device(device))     # ValueError naming the device when there is no such GPU
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} is not available: torch sees no CUDA GPU; use device='cpu'")
-        index = torch.cuda.current_device() if dev.index is None else dev.index
+        index = dev.index
         if index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r} is not available: torch sees {torch.cuda.device_count()} "
                              f"CUDA device(s)")
@@ -55,15 +56,17 @@ def _torch_device(device: str) -> torch.device:
 
 
 class _GPT2:
-    """The model's forward passes on ``device``, float32, over a slot-indexed KV cache.
+    """The model's forward passes on ``device`` in ``dtype`` (weights, activations and KV cache;
+    logits are returned as float32), over a slot-indexed KV cache.
 
     ``cache``: ``[n_layer, 2 (keys, values), max_batch (slots), kv_len, n_head, head_dim]``.
     """
 
-    def __init__(self, config: GPT2Config, weights: Mapping[str, np.ndarray], device: torch.device):
+    def __init__(self, config: GPT2Config, weights: Mapping[str, np.ndarray], device: torch.device,
+                 dtype: torch.dtype = torch.float32):
         self.config = config
         self.p: Dict[str, torch.Tensor] = {
-            name: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device)
+            name: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
             for name, w in weights.items()}
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
@@ -121,26 +124,30 @@ class _GPT2:
             return torch.einsum("bht,bthd->bhd", probs, cache[layer, 1])
 
         h = self._ln(self._layers(self._embed(tokens, positions), attend), "ln_f")
-        return h @ self.p["wte.weight"].T
+        return (h @ self.p["wte.weight"].T).float()
 
 
 def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-               device: str = "cpu", max_batch: int = 8,
-               on_step: Optional[Callable[[int], None]] = None) -> List[RequestResult]:
-    """Decode ``requests`` greedily with the model ``config``/``weights``, replaying their traces.
+               device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
+               dtype: str = "float32", temperature: float = 0.0, seed: int = 0) -> List[RequestResult]:
+    """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
 
-    ``weights``: float numpy arrays named as in :func:`~trace_replay_core.app.model.param_shapes`
-    (copied to ``device`` as float32; the caller's arrays are not changed). ``requests``: each
+    ``weights``: float numpy arrays named as in :func:`~trace_replay_app.models.gpt2.param_shapes`
+    (copied to ``device`` in ``dtype``, ``"float32"`` or ``"bfloat16"``, the compute dtype; the
+    caller's arrays are not changed). ``temperature``: 0 (default) decodes greedily; above 0,
+    untraced rows sample from ``softmax(logits / temperature)`` (Gumbel-max with noise from a
+    ``torch.Generator`` seeded with ``seed`` on ``device``: the same arguments give the same
+    tokens). ``requests``: each
     decodes ``request.new_tokens`` tokens; a traced one is forced onto its trace at every step.
     ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``max_batch``: slots (and batch rows)
     decoding at once; requests join in input order as slots free up (the schedule of
-    :func:`trace_replay_core.app.schedule.plan`). ``on_step(k)`` is called on the host after
+    :func:`trace_replay_app.schedule.plan`). ``on_step(k)`` is called on the host after
     each decode step is queued, with the number of tokens that step decodes.
 
     Returns one :class:`RequestResult` per request, in the order of ``requests``: the tokens
     (the trace for a traced request), ``forced`` (True inside the trace), the logprob and rank
-    of each token under the unmodified float32 logits, and the greedy ``argmax`` (ties: lowest
-    id). Matrix products follow torch's float32 settings (full float32 unless the caller
+    of each token under the unmodified float32 logits (before temperature), and the greedy
+    ``argmax`` (ties: lowest id). Matrix products follow torch's float32 settings (full float32 unless the caller
     allowed TF32, e.g. ``torch.backends.cuda.matmul.allow_tf32``).
 
     Each step: feed every active row's last token at its position, logits, argmax, replay in
@@ -149,22 +156,34 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
     copy to the host at the end. Arguments are checked before anything runs (``TypeError`` /
     ``ValueError`` naming the argument); a rejected call does nothing.
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step)
+    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=GPT2Config,
+                                check_weights=check_weights)
+    temperature = check_sampling(dtype, temperature, seed)
     dev = _torch_device(device)
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:
         with torch.no_grad():
-            outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step)
+            outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step,
+                                  getattr(torch, dtype), temperature, seed)
     return collect_results(requests, schedule, outputs)
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dict[str, np.ndarray]:
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)``: Gumbel-max, noise from ``generator``."""
+    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float32)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
+    return (logits / temperature + gumbel).argmax(dim=-1)
+
+
+def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature,
+                seed) -> Dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
-    model = _GPT2(config, weights, dev)
+    model = _GPT2(config, weights, dev, dtype)
     rows, steps = schedule.max_batch, schedule.n_steps
     kv_len = schedule.kv_positions([len(p) for p in prompts])
-    cache = torch.zeros(config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim, device=dev)
+    cache = torch.zeros(config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim, device=dev, dtype=dtype)
+    generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)    # per slot, read by replay
     total_len = torch.zeros(rows, dtype=torch.int32, device=dev)     # prompt + tokens decoded so far
     last = torch.zeros(rows, dtype=torch.int64, device=dev)          # the token each row feeds next
@@ -197,7 +216,7 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step) -> Dic
             positions = torch.where(active, total_len.long() - 1, 0)   # empty rows: anywhere in range
             logits = model.decode(cache, last, positions)
             argmax = logits.argmax(dim=-1)              # ties: the lowest id
-            sampled.copy_(argmax)
+            sampled.copy_(argmax if generator is None else _sample(logits, temperature, generator))
             state.replay(sampled, idx_mapping)           # traced rows take their trace token, in place
             logprobs, ranks = token_logprob_rank(logits, sampled)
             out["tokens"][step] = sampled

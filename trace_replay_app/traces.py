@@ -10,7 +10,9 @@ A line is a JSON object with:
   given only if it equals the trace's length.
 
 Other fields are ignored; blank lines are skipped. Token ids are non-negative integers below
-the model's ``vocab_size``, and prompt + decoded tokens must fit in its ``n_positions``.
+the model's ``vocab_size``, and prompt + decoded tokens must fit in its ``n_positions`` (every
+model family's config has both attributes). Trace files are untrusted input: nothing in a line
+is evaluated, and every value is checked before use.
 Every error names the file, the line (counting from 1) and the field, e.g.
 ``traces.jsonl, line 3, field "prompt": must not be empty``.
 
@@ -27,7 +29,6 @@ import random
 import secrets
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .model import GPT2Config
 from .records import TraceRequest
 
 __all__ = ["TraceFileError", "PROMPT_FIELDS", "TRACE_FIELDS", "read_traces", "parse_request", "check_request",
@@ -112,7 +113,7 @@ def parse_request(obj: Any) -> TraceRequest:
     return TraceRequest(rid, prompt, trace, len(trace))
 
 
-def check_request(request: TraceRequest, config: GPT2Config, *, fields: Optional[Dict[str, str]] = None) -> None:
+def check_request(request: TraceRequest, config: Any, *, fields: Optional[Dict[str, str]] = None) -> None:
     """Raise ``ValueError`` (with ``field``) if ``request`` does not fit ``config``: a token id
     not below ``vocab_size``, or prompt + decoded tokens beyond ``n_positions``. ``fields`` maps
     ``"prompt"``/``"trace"`` to the names the file used."""
@@ -131,7 +132,7 @@ def check_request(request: TraceRequest, config: GPT2Config, *, fields: Optional
                           f"exceed the model's n_positions {config.n_positions}")
 
 
-def read_traces(path: str, config: Optional[GPT2Config] = None) -> List[TraceRequest]:
+def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
     """Every request of the JSON Lines file ``path``, in file order; checked against ``config``
     (token ids below ``vocab_size``, lengths within ``n_positions``) when one is given.
 
@@ -183,7 +184,7 @@ def write_traces(path: str, requests: Sequence[TraceRequest]) -> None:
             f.write(json.dumps(request_to_json(request), separators=(",", ":")) + "\n")
 
 
-def random_requests(config: GPT2Config, n: int, *, seed: int = 0, traced: float = 1.0,
+def random_requests(config: Any, n: int, *, seed: int = 0, traced: float = 1.0,
                     prompt_len: Tuple[int, int] = (1, 24), new_tokens: Tuple[int, int] = (1, 24),
                     prefix: str = "r") -> List[TraceRequest]:
     """``n`` requests of uniformly random token ids, for tests, smoke runs and benchmarks.

@@ -1,0 +1,259 @@
+"""The ``trace-replay`` command line (also ``python -m trace_replay_app``).
+
+Subcommands:
+
+- ``demo``: the built-in demonstration; needs no files (see :mod:`trace_replay_app.demo`).
+- ``run --framework torch|jax --traces FILE --out FILE``: replay every request of a trace
+  file through that framework's decode loop of the model; write per request and token the
+  token id, whether it was forced, its logprob, rank and the model's argmax, plus a summary.
+- ``compare --traces FILE``: run both frameworks on the same requests and weights; write a
+  JSON report of the per-position mismatch measures and a PNG plot (see
+  :mod:`trace_replay_app.compare`).
+
+The model: ``--model NAME`` (a registry family, seeded weights of its small default config from
+``--seed``; default ``gpt2``) or ``--checkpoint DIR`` (a Hugging Face folder; the family from
+its ``config.json``). ``--dtype`` sets the compute dtype (default float32 on the CPU, bfloat16
+on a GPU); ``--temperature``/``--sampling-seed`` the sampling of untraced requests (0 = greedy).
+A framework is imported only when a subcommand runs its loop. Exit status: 0 success; 1 a check
+failed (a traced request not reproduced exactly, a demo check, ``--max-k3``); 2 bad arguments
+or input files (nothing is written); 130 interrupted (Ctrl-C; nothing is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from typing import Optional, Sequence, TextIO
+
+from . import __version__, demo
+from .models import FRAMEWORKS, families
+from .runner import (LOGPROBS_NOTE, CliError, check_device, check_out_path, load_loop, load_model, read_requests,
+                     replay_requests, reproduced, result_to_json, run_summary, say, write_json_document)
+from .schedule import COMPUTE_DTYPES
+
+__all__ = ["main", "build_parser", "cmd_run", "cmd_compare"]
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _decode_options(args) -> dict:
+    """The loop's ``dtype``/``temperature``/``seed`` from the arguments (dtype default: float32
+    on the CPU, bfloat16 on a GPU)."""
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return {"dtype": dtype, "temperature": args.temperature, "seed": args.sampling_seed}
+
+
+def _model_summary(family, config, source, decode) -> dict:
+    return {"family": family.name, "weights": source, "model": dataclasses.asdict(config), "dtype": decode["dtype"],
+            "temperature": decode["temperature"], "sampling_seed": decode["seed"], "logprobs": LOGPROBS_NOTE}
+
+
+# subcommands ------------------------------------------------------------------------------------
+def cmd_run(args, out: TextIO) -> int:
+    check_out_path("--out", args.out, inputs=[("--traces", args.traces)])
+    family, config, weights, source = load_model(args.model, args.checkpoint, args.seed)
+    requests = read_requests(args.traces, config)
+    check_device(args.framework, args.device)
+    loop = load_loop(family, args.framework)
+    decode = _decode_options(args)
+    results, seconds = replay_requests(args.framework, config, weights, requests, loop=loop, device=args.device,
+                                       max_batch=args.max_batch, show_progress=False if args.quiet else None,
+                                       **decode)
+    summary = run_summary(requests, results, seconds)
+    head = {"summary": dict(summary, framework=args.framework, device=args.device, max_batch=args.max_batch,
+                            traces=args.traces, **_model_summary(family, config, source, decode))}
+    rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
+    write_json_document(args.out, head, "requests", rows)
+    s = summary
+    rate = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "n/a"
+    say(out, args.quiet, f"{args.framework} on {args.device}: {s['requests']} requests ({s['traced_requests']} "
+                         f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({rate} tokens/s)")
+    if s["forced_tokens"]:
+        say(out, args.quiet, f"exact reproduction: {s['exact_reproductions']}/{s['traced_requests']} traced "
+                             f"requests; forced tokens: mean logprob {s['mean_forced_logprob']:.3f}, "
+                             f"mean rank {s['mean_forced_rank']:.1f}")
+    say(out, args.quiet, f"wrote {args.out}")
+    if s["exact_reproductions"] != s["traced_requests"]:
+        bad = [q.id for q, r in zip(requests, results, strict=True) if reproduced(q, r) is False]
+        print(f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: "
+              f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_compare(args, out: TextIO) -> int:
+    from .compare import compare_results, plot_divergence, requests_above_k3, summary_lines
+    out_dir = args.out_dir
+    report_path = args.report or os.path.join(out_dir, "compare_report.json")
+    plot_path = args.plot or os.path.join(out_dir, "compare_divergence.png")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CliError(f"--out-dir {out_dir}: exists and is not a folder")
+    for option, path in (("--report", report_path), ("--plot", plot_path)):
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(out_dir):   # out_dir is created later
+            check_out_path(option, path, inputs=[("--traces", args.traces)])
+        elif os.path.isdir(path):
+            raise CliError(f"{option} {path}: is a folder (give a file name)")
+        elif os.path.exists(path) and os.path.realpath(path) == os.path.realpath(args.traces):
+            raise CliError(f"{option} {path}: is the --traces file (the output would replace the input)")
+    family, config, weights, source = load_model(args.model, args.checkpoint, args.seed)
+    requests = read_requests(args.traces, config)
+    for fw in FRAMEWORKS:
+        check_device(fw, args.device)
+    loops = {fw: load_loop(family, fw) for fw in FRAMEWORKS}
+    decode = _decode_options(args)
+    runs, summaries = {}, {}
+    for fw in FRAMEWORKS:
+        runs[fw], seconds = replay_requests(fw, config, weights, requests, loop=loops[fw], device=args.device,
+                                            max_batch=args.max_batch, show_progress=False if args.quiet else None,
+                                            **decode)
+        summaries[fw] = run_summary(requests, runs[fw], seconds)
+    report = compare_results(requests, runs["torch"], runs["jax"], names=FRAMEWORKS)
+    report["summary"].update(device=args.device, max_batch=args.max_batch, traces=args.traces, runs=summaries,
+                             **_model_summary(family, config, source, decode))
+    os.makedirs(out_dir, exist_ok=True)
+    write_json_document(report_path, {"summary": report["summary"], "per_position": report["per_position"]},
+                        "requests", report["requests"])
+    try:
+        plot_divergence(report, plot_path)
+        wrote = f"wrote {report_path} and {plot_path}"
+    except ImportError:
+        wrote = f"wrote {report_path}; plot skipped: matplotlib is not installed (pip install matplotlib)"
+    for line in summary_lines(report):
+        say(out, args.quiet, line)
+    for fw in FRAMEWORKS:
+        s = summaries[fw]
+        say(out, args.quiet, f"{fw}: {s['tokens']} tokens in {s['seconds']:.2f} s; exact reproduction "
+                             f"{s['exact_reproductions']}/{s['traced_requests']} traced requests")
+    say(out, args.quiet, wrote)
+    status = 0
+    failed = [fw for fw in FRAMEWORKS if summaries[fw]["exact_reproductions"] != summaries[fw]["traced_requests"]]
+    if failed:
+        print(f"trace-replay compare: traced requests were not reproduced exactly by {', '.join(failed)}",
+              file=sys.stderr)
+        status = 1
+    if args.max_k3 is not None:
+        above = requests_above_k3(report, args.max_k3)
+        if above:
+            print(f"trace-replay compare: {len(above)} requests have a k3 KL estimate above {args.max_k3:g}: "
+                  + ", ".join(f"{rid} ({k3:.3g})" for rid, k3 in above), file=sys.stderr)
+            status = 1
+    return status
+
+
+# parser -----------------------------------------------------------------------------------------
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value})")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text!r})") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {text!r})") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63) (got {value})")
+    return value
+
+
+def _device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N (got {text!r})")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trace-replay",
+        description="Replay recorded token traces through reference decode loops in PyTorch and JAX.")
+    parser.add_argument("--version", action="version", version=f"trace-replay {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,run,compare}")
+    sub.required = True
+    names = [f.name for f in families()]
+
+    def common(p, *, max_batch: int, model: bool = True):
+        p.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
+        p.add_argument("--max-batch", type=_positive, default=max_batch,
+                       help=f"decode slots: requests decoded together (default {max_batch})")
+        p.add_argument("--seed", type=_seed, default=0, help="seed of the seeded model's weights (default 0)")
+        p.add_argument("--model", choices=names, default=None,
+                       help="model family with seeded weights of a small default config (default gpt2)")
+        if model:
+            p.add_argument("--checkpoint", metavar="DIR",
+                           help="Hugging Face folder (config.json + model.safetensors or a sharded set with "
+                                "model.safetensors.index.json) instead of seeded weights; the family comes from "
+                                "its model_type")
+            p.add_argument("--dtype", choices=COMPUTE_DTYPES, default=None,
+                           help="compute dtype (default float32 on the CPU, bfloat16 on a GPU)")
+            p.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                           help="sampling temperature of untraced requests (default 0: greedy)")
+            p.add_argument("--sampling-seed", type=_seed, default=0, help="seed of the sampling noise (default 0)")
+        p.add_argument("--quiet", action="store_true", help="no progress bar; print nothing but errors"
+                       if model else "no progress bar; print only the summary and the checks")
+
+    dm = sub.add_parser("demo", help="replay a built-in set of traces in both frameworks and check them",
+                        description="Run the torch and the JAX loop on a seeded small model with a built-in "
+                                    "set of requests (traced with the model's own continuation, traced with "
+                                    "random tokens, untraced; more requests than slots) and check that every "
+                                    "trace is reproduced exactly and untraced requests are left alone. With one "
+                                    "framework installed, runs that one.")
+    common(dm, max_batch=4, model=False)
+
+    run = sub.add_parser("run", help="replay a trace file through one framework's decode loop",
+                         description="Replay every request of a trace file (JSON Lines) through the reference "
+                                     "decode loop of one framework and write per-token results and a summary.")
+    run.add_argument("--framework", required=True, choices=FRAMEWORKS)
+    run.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
+    run.add_argument("--out", required=True, metavar="FILE", help="output file (JSON)")
+    common(run, max_batch=8)
+
+    cmp = sub.add_parser("compare", help="run both frameworks on the same traces and compare logprobs",
+                         description="Run the torch and the JAX loop on the same requests and weights; report "
+                                     "per request and overall the |logprob| and |probability| differences, the "
+                                     "k3 KL estimate, the logprob correlation, argmax mismatches and the first "
+                                     "divergence (JSON) and plot the difference against position (PNG).")
+    cmp.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
+    cmp.add_argument("--out-dir", default=".", metavar="DIR",
+                     help="folder for compare_report.json and compare_divergence.png (default: .)")
+    cmp.add_argument("--report", metavar="FILE", help="report path (default: OUT_DIR/compare_report.json)")
+    cmp.add_argument("--plot", metavar="FILE", help="plot path (default: OUT_DIR/compare_divergence.png)")
+    cmp.add_argument("--max-k3", type=_non_negative_float, default=None, metavar="X",
+                     help="exit 1 and list the requests whose k3 KL estimate is above X")
+    common(cmp, max_batch=8)
+    return parser
+
+
+_COMMANDS = {"demo": demo.cmd_demo, "run": cmd_run, "compare": cmd_compare}
+
+
+def main(argv: Optional[Sequence[str]] = None, *, out: Optional[TextIO] = None) -> int:
+    """Entry point of ``trace-replay``; returns the exit status (argparse exits with 2 on bad
+    usage). ``out`` receives what would go to stdout (default ``sys.stdout``)."""
+    args = build_parser().parse_args(argv)
+    out = out if out is not None else sys.stdout
+    try:
+        return _COMMANDS[args.command](args, out)
+    except CliError as exc:
+        print(f"trace-replay {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"trace-replay {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,92 @@
+"""What a model family is: the record the registry keeps per family, and the decode-loop contract.
+
+A family is one framework-neutral config/weights module (numpy only) plus a PyTorch and a JAX
+decode loop side by side, e.g. ``models/gpt2/{config,torch_loop,jax_loop}.py``. Its package's
+``__init__`` builds one :class:`Family` named ``FAMILY``; ``models/__init__.py`` lists it.
+
+The config object of every family exposes ``vocab_size`` and ``n_positions`` (the most prompt +
+decoded tokens of one request): trace files and the schedule check requests against those two.
+
+Every loop is a function with this signature (the contract both frameworks and every family keep)::
+
+    run_decode(config, weights, requests, *, device="cpu", max_batch=8, on_step=None,
+               dtype="float32", temperature=0.0, seed=0) -> list[RequestResult]
+
+``weights``: numpy float arrays under the family's names (the caller's arrays are not changed);
+``requests``: :class:`~trace_replay_app.records.TraceRequest`; ``device``: ``"cpu"``, ``"cuda"``
+or ``"cuda:N"``; ``max_batch``: slots decoding together on the shared schedule
+(:mod:`trace_replay_app.schedule`); ``on_step(k)``: called on the host after each step is queued
+with the tokens it decodes; ``dtype``: compute dtype, ``"float32"`` or ``"bfloat16"``;
+``temperature``: 0 = greedy (ties: lowest id), else sampling from ``softmax(logits / T)``
+with the ``seed`` (reproducible for the same arguments). Traced requests are forced onto their
+traces; logprobs and ranks are those of the raw float32 logits (before temperature). A rejected
+call raises ``TypeError``/``ValueError`` naming the argument, before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["Family", "FrameworkMissing", "FRAMEWORKS", "RunDecode"]
+
+FRAMEWORKS = ("torch", "jax")
+
+RunDecode = Callable[..., list]
+
+
+class FrameworkMissing(ImportError):
+    """A family's decode loop for a framework cannot be imported (the framework is not
+    installed, or fails to import); the message says what to install."""
+
+    def __init__(self, family: str, framework: str, cause: BaseException):
+        self.family, self.framework = family, framework
+        super().__init__(f"the {framework} decode loop of {family} cannot be imported ({cause}); install the "
+                         f"framework, e.g. pip install 'trace-replay[{framework}]'")
+
+
+@dataclasses.dataclass(eq=False)
+class Family:
+    """One model family of the registry (see the module docstring).
+
+    ``name``: what ``--model`` takes; ``label``: what it is, in words (e.g. "GPT-2-style model"). ``model_types``: the Hugging Face ``config.json``
+    ``model_type`` values it serves. ``config_type``: its config class. ``config_from_hf(hf)``:
+    the config of a ``config.json`` mapping (``ValueError`` naming the key for what it does not
+    support). ``default_config()``: a small config for seeded runs. ``seeded_weights(config,
+    seed)``: deterministic float32 weights. ``weights_from_tensors(config, tensors)``: a
+    checkpoint's tensors (Hugging Face names, float arrays) -> the loops' weights, prefixes
+    stripped, names and shapes checked (``ValueError`` naming the tensor and both shapes).
+    ``check_weights(config, weights)``: ``ValueError`` naming a missing, unexpected or
+    mis-shaped parameter. ``load_loop(framework)``: imports and returns that framework's
+    ``run_decode`` (plain imports inside the function: nothing loads a framework before it is
+    asked for). ``to_hf(config, weights, **options)``: optional, ``(config.json mapping,
+    tensors)`` for writing a checkpoint (tests, benchmarks). ``describe(config)``: the sizes in
+    a few words. Registered once; tests may replace ``load_loop`` to simulate a missing framework.
+    """
+
+    name: str
+    label: str
+    model_types: Tuple[str, ...]
+    config_type: type
+    config_from_hf: Callable[[Mapping[str, Any]], Any]
+    default_config: Callable[[], Any]
+    seeded_weights: Callable[[Any, int], Dict[str, np.ndarray]]
+    weights_from_tensors: Callable[[Any, Mapping[str, np.ndarray]], Dict[str, np.ndarray]]
+    check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]
+    load_loop: Callable[[str], RunDecode]
+    to_hf: Optional[Callable[..., Tuple[Dict[str, Any], Dict[str, np.ndarray]]]] = None
+    describe: Callable[[Any], str] = repr
+
+    def run_decode(self, framework: str) -> RunDecode:
+        """``framework``'s decode loop of this family, imported now.
+
+        Raises ``ValueError`` for a framework other than ``"torch"``/``"jax"`` and
+        :class:`FrameworkMissing` when its loop cannot be imported. Host-only."""
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)} (got {framework!r})")
+        try:
+            return self.load_loop(framework)
+        except ImportError as exc:
+            raise FrameworkMissing(self.name, framework, exc) from None

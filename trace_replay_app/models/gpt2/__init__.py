@@ -1,0 +1,28 @@
+"""The ``gpt2`` family: a GPT-2-style decoder (learned positions, pre-LayerNorm blocks,
+``gelu_new``, tied output projection). ``config.py`` is numpy-only; ``torch_loop.py`` and
+``jax_loop.py`` are the two decode loops, imported only by :func:`load_loop`."""
+
+from __future__ import annotations
+
+from ..family import Family
+from .config import (GPT2Config, check_weights, config_from_hf, describe, param_shapes, reference_logits,
+                     seeded_weights, to_hf, weights_from_tensors)
+
+__all__ = ["FAMILY", "GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits",
+           "config_from_hf", "weights_from_tensors", "to_hf", "load_loop"]
+
+
+def load_loop(framework: str):
+    """``run_decode`` of ``framework`` (``"torch"`` or ``"jax"``), imported now."""
+    if framework == "torch":
+        from .torch_loop import run_decode
+    elif framework == "jax":
+        from .jax_loop import run_decode
+    else:
+        raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
+    return run_decode
+
+
+FAMILY = Family(name="gpt2", label="GPT-2-style model", model_types=("gpt2",), config_type=GPT2Config, config_from_hf=config_from_hf,
+                default_config=GPT2Config, seeded_weights=seeded_weights, weights_from_tensors=weights_from_tensors,
+                check_weights=check_weights, load_loop=load_loop, to_hf=to_hf, describe=describe)
