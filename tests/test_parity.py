@@ -3,8 +3,9 @@
 Paths: the numpy reference, the torch adapter, the JAX adapter eagerly, inside ``jax.jit``
 (one step per call) and inside ``lax.fori_loop`` (several steps per call, the table written
 between calls), each with both replay methods (``"jnp"``: gather and select; ``"kernel"``: the
-core's kernel through a buffer callback, numpy on the CPU). Fresh arrays every step, as in a real loop. Seeds are fresh each run and
-printed on failure. The CPU tier runs everything on the CPU; the GPU tier on the GPU.
+core's kernel through a buffer callback, numpy on the CPU). Fresh arrays every step, as in a
+real loop. Seeds are fresh each run and printed on failure. The CPU tier runs everything on
+the CPU; the GPU tier on the GPU.
 """
 
 from __future__ import annotations

@@ -25,10 +25,13 @@ Example (runs on the CPU; on a GPU leave ``device`` out or pass ``"cuda"``)::
 
         assert step(state.tables, sampled, total_len + 1).tolist() == [7, 9]
 
-Public names: :class:`TraceReplayState` (the state: requests, staged writes, eager replay),
-:func:`replay` and :func:`replay_at_step` (replay given the tables; eager or traced),
-:class:`ReplayTables` (the committed table as JAX arrays, a pytree), :func:`token_logprob_rank`
-(logprob and rank of the chosen token from the unmodified logits, one read of the logits).
+Public names: :class:`TraceReplayState` (the state: requests, staged writes, eager replay;
+on one device or over a ``jax.sharding.Mesh``), :func:`replay` and :func:`replay_at_step`
+(replay given the tables; eager, traced or inside ``shard_map``; ``method="jnp"`` or
+``"kernel"``), :class:`ReplayTables` (the committed table as JAX arrays, a pytree),
+:func:`token_logprob_rank` (logprob and rank of the chosen token from the unmodified logits,
+one read of the logits), :func:`token_logprob_rank_sharded` and
+:func:`token_logprob_rank_in_shard_map` (the same on logits sharded over a vocabulary axis).
 
 Importing this package loads neither torch nor jax-triton, and changes no environment
 variable.
@@ -36,6 +39,8 @@ variable.
 
 from .jnp_replay import ReplayTables, replay, replay_at_step
 from .logprob import token_logprob_rank
+from .sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step", "token_logprob_rank"]
+__all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step", "token_logprob_rank",
+           "token_logprob_rank_sharded", "token_logprob_rank_in_shard_map"]
