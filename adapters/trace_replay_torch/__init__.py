@@ -13,9 +13,14 @@ Example (runs on the CPU; use ``device="cuda"`` on a GPU)::
         sampled = torch.tensor([9, 9])         # what the sampler drew, rows -> slots [2, 0]
         state.replay(sampled, torch.tensor([2, 0], dtype=torch.int32))
         assert sampled.tolist() == [6, 9]      # slot 2 is at step 1 of its trace
+
+Inside ``torch.compile`` (``fullgraph=True``) and CUDA graphs, call the registered-op forms
+``replay_op(state, sampled, idx_mapping)``, ``replay_at_step_op`` and ``token_logprob_rank_op``
+(see :mod:`trace_replay_torch.ops`); eager code keeps the direct methods above.
 """
 
 from .logprob import token_logprob_rank
+from .ops import replay_at_step_op, replay_op, token_logprob_rank_op
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "token_logprob_rank"]
+__all__ = ["TraceReplayState", "token_logprob_rank", "replay_op", "replay_at_step_op", "token_logprob_rank_op"]

@@ -6,20 +6,47 @@ synchronises with the device, and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
-from trace_replay_core import TraceTable
-from trace_replay_core._bound_cache import BoundCache
+from trace_replay_core import TraceTable, parse_device
 
+from . import registry
 from .views import layout_key, raw_stream
 
 __all__ = ["TraceReplayState"]
 
+_CLOSED = "this TraceReplayState is closed"
 
-_VIEW_CACHE_SIZE = 32
 
+def _not_a_tensor(**arrays) -> Optional[TypeError]:
+    """A ``TypeError`` naming the first of ``arrays`` that is not a torch tensor, else None."""
+    for name, value in arrays.items():
+        if not isinstance(value, torch.Tensor):
+            return TypeError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
+    return None
+
+
+def _repeated_slot(slots) -> Optional[ValueError]:
+    """A ``ValueError`` naming the first slot that ``slots`` gives twice (and both positions),
+    else None. Slots that are not a 1-D integer host array are left to the core to judge."""
+    try:
+        arr = np.asarray(slots)
+    except Exception:  # noqa: BLE001 - not array-like (or on a device): the core names the problem
+        return None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size < 2:
+        return None
+    order = np.argsort(arr, kind="stable")          # equal slots end up adjacent, positions ascending
+    ranked = arr[order]
+    pairs = np.nonzero(ranked[1:] == ranked[:-1])[0]
+    if pairs.size == 0:
+        return None
+    k = pairs[np.argmin(order[pairs + 1])]          # the earliest repeat in the caller's order
+    first, again = int(order[k]), int(order[k + 1])
+    return ValueError(f"slots gives slot {int(arr[again])} twice (positions {first} and {again}): "
+                      f"each request takes its own slot")
 
 
 def _check_host(trace, name: str) -> None:
@@ -57,6 +84,14 @@ class TraceReplayState:
     Blocking: ``add_request``/``remove_request`` are host-only; ``apply_staged_writes`` and
     ``replay`` are ordered on the current stream and never synchronise. The first replay of a
     dtype combination compiles a kernel: run one eager step before capturing a CUDA graph.
+
+    Inside ``torch.compile``: use :func:`trace_replay_torch.replay_op` (the registered op, which
+    names this state by :attr:`op_id`); the methods here are the direct eager path.
+
+    Lifetime: :meth:`close` (or leaving the ``with`` block) frees the table; afterwards every
+    method raises ``RuntimeError("this TraceReplayState is closed")``. A CUDA graph captured with
+    a replay holds the table's device address, not the state: never replay it after close.
+    Staging methods are thread-safe (the table's lock); ``close`` must not race with a replay.
     """
 
     def __init__(self, max_slots: int, max_trace_len: int, *, device: Union[str, torch.device],
@@ -69,27 +104,54 @@ class TraceReplayState:
             parse_device(str(device))            # the core's check: the same error for "cuda" and "cuda:N"
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self._index = device.index if device.type == "cuda" else None
-        self.table = TraceTable(max_slots, max_trace_len, device=str(device), placement=placement,
-                                vocab_size=vocab_size, staging_depth=staging_depth)
-        self._lengths = None                     # the bound (total_len, prompt_len) tensors
         if (total_len is None) != (prompt_len is None):
             raise ValueError("give both total_len and prompt_len, or neither")
+        self.device = device
+        self._index = device.index if device.type == "cuda" else None
+        self._closed = False
+        self._lengths: Optional[Tuple[torch.Tensor, torch.Tensor]] = None   # the bound tensors
+        self.table = TraceTable(max_slots, max_trace_len, device=str(device), placement=placement,
+                                vocab_size=vocab_size, staging_depth=staging_depth)
         if total_len is not None:
-            self.bind_lengths(total_len, prompt_len)
+            try:
+                self.bind_lengths(total_len, prompt_len)
+            except Exception:
+                self.table.close()
+                raise
+        self._op_id = registry.register(self)
 
     # streams ---------------------------------------------------------------------------------
     def _stream(self) -> int:
         return raw_stream(self._index) if self._index is not None else 0
 
     # lifetime --------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    @property
+    def op_id(self) -> int:
+        """The int that names this state in the registered ops (``torch.ops.trace_replay.*``):
+        unique in the process, never reused; looked up in :mod:`.registry` while open."""
+        return self._op_id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(_CLOSED)
+
     def close(self) -> None:
-        """Free the table and staging memory (host-blocking; idempotent)."""
+        """Free the table and staging memory (host-blocking: waits for queued device work;
+        idempotent). The state leaves the op registry first, so no op reaches it afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        registry.unregister(self._op_id)
         self._lengths = None
         self.table.close()
 
     def __enter__(self) -> "TraceReplayState":
+        self._check_open()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -103,6 +165,7 @@ class TraceReplayState:
         replaces whatever the previous request left there. Takes effect at the next
         :meth:`apply_staged_writes`. Host-only; a rejected call changes nothing.
         """
+        self._check_open()
         if trace is None:
             self.table.clear(slot)
         else:
@@ -115,18 +178,26 @@ class TraceReplayState:
 
         ``traces``: a 2-D host array or CPU tensor ``[len(slots), length]`` (the whole block is
         copied and checked in one pass: the fast way to admit many requests in one step), or a
-        list of 1-D traces of any lengths. Host-only; a rejected call changes nothing. See
-        :meth:`trace_replay_core.TraceTable.stage_many`.
+        list of 1-D traces of any lengths. Each request takes its own slot: a slot given twice is
+        refused (``ValueError`` naming it and both positions). Host-only; a rejected call changes
+        nothing. See :meth:`trace_replay_core.TraceTable.stage_many`.
         """
+        self._check_open()
         if isinstance(traces, (list, tuple)):
             for i, trace in enumerate(traces):
                 _check_host(trace, f"traces[{i}]")
         else:
             _check_host(traces, "traces")
+        if isinstance(slots, torch.Tensor):
+            _check_host(slots, "slots")
+        repeated = _repeated_slot(slots)
+        if repeated is not None:
+            raise repeated
         self.table.stage_many(slots, traces)
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply."""
+        self._check_open()
         self.table.clear(slot)
 
     def apply_staged_writes(self) -> None:
@@ -134,14 +205,26 @@ class TraceReplayState:
 
         Call it once per step before :meth:`replay`, outside any CUDA graph capture.
         """
+        self._check_open()
         self.table.commit(stream=self._stream())
 
     # lengths ---------------------------------------------------------------------------------
     def bind_lengths(self, total_len: torch.Tensor, prompt_len: torch.Tensor) -> None:
         """Bind the per-slot length tensors read by :meth:`replay` (validated here, once; see
         :meth:`trace_replay_core.TraceTable.bind_lengths`). The state keeps references to them."""
+        self._check_open()
+        error = _not_a_tensor(total_len=total_len, prompt_len=prompt_len)
+        if error is not None:
+            raise error
         self.table.bind_lengths(total_len, prompt_len, stream=self._stream())
         self._lengths = (total_len, prompt_len)
+
+    def _bound_lengths(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The bound ``(total_len, prompt_len)``, for the registered ops' wrappers."""
+        self._check_open()
+        if self._lengths is None:
+            raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
+        return self._lengths
 
     # replay ----------------------------------------------------------------------------------
     def replay(self, sampled: torch.Tensor, idx_mapping: torch.Tensor,
@@ -153,24 +236,40 @@ class TraceReplayState:
         Stream-ordered, no host sync; capturable in a CUDA graph once warmed up.
         """
         if total_len is not None or prompt_len is not None:
+            self._check_open()
             if total_len is None or prompt_len is None:
                 raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
+            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len,
+                                  prompt_len=prompt_len)
+            if error is not None:
+                raise error
             key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
             self.table.replay_cached(key, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
             return sampled
         # The hot path of a decode loop: one flat key, one dict lookup, one launch (in the core).
+        # Nothing is checked before the launch; a failure is explained afterwards (closed first:
+        # closing clears the table's cache, so a closed state always reaches the except clause).
         try:
             key = (sampled.data_ptr(), sampled.dtype, sampled.shape, sampled.stride(),
                    idx_mapping.data_ptr(), idx_mapping.dtype, idx_mapping.shape, idx_mapping.stride())
-        except AttributeError:
-            raise TypeError(f"sampled and idx_mapping must be torch tensors (got {type(sampled).__name__} "
-                            f"and {type(idx_mapping).__name__})") from None
-        self.table.replay_cached(key, sampled, idx_mapping,
-                                 stream=raw_stream(self._index) if self._index is not None else 0)
+            self.table.replay_cached(key, sampled, idx_mapping,
+                                     stream=raw_stream(self._index) if self._index is not None else 0)
+        except Exception:
+            if self._closed:
+                raise RuntimeError(_CLOSED) from None
+            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping)
+            if error is not None:
+                raise error from None
+            raise
         return sampled
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row."""
+        """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row:
+        ``step`` is a ``[batch]`` int32/int64 tensor on the state's device."""
+        self._check_open()
+        error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, step=step)
+        if error is not None:
+            raise error
         key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
         self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
         return sampled

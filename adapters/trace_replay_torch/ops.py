@@ -1,0 +1,164 @@
+"""Replay and logprob/rank as torch custom ops (``torch.ops.trace_replay.*``), for ``torch.compile``.
+
+A sampler that samples, replays and scores compiles into one graph (``fullgraph=True``) and stays
+capturable in a CUDA graph (``torch.cuda.graph`` around the compiled function, or
+``mode="reduce-overhead"``)::
+
+    import torch
+    from trace_replay_torch import replay_op, token_logprob_rank_op
+
+    @torch.compile(fullgraph=True)
+    def sample(state, logits, idx_mapping):
+        sampled = torch.argmax(logits, dim=-1)            # [batch] int64
+        replay_op(state, sampled, idx_mapping)            # in place: traced rows take their trace
+        logprobs, ranks = token_logprob_rank_op(logits, sampled)
+        return sampled, logprobs, ranks
+
+The ops (schemas as registered)::
+
+    trace_replay::replay(Tensor(a!) sampled, Tensor idx_mapping, Tensor total_len,
+                         Tensor prompt_len, int state) -> ()
+    trace_replay::replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step,
+                                 int state) -> ()
+    trace_replay::token_logprob_rank(Tensor logits, Tensor token_ids) -> (Tensor, Tensor)
+
+How an op reaches its table: a ``TraceReplayState`` is not a tensor, so the replay ops name it by
+``state.op_id``, an int issued at construction by :mod:`.registry` (unique in the process, never
+reused); the kernels behind them look the state up there at call time. Everything a replay reads
+that the loop changes (``sampled``, ``idx_mapping``, the per-slot ``total_len``/``prompt_len`` or
+the per-row ``step``) is a tensor argument, so the compiler orders the op after the writes that
+produce them; the only state read behind the compiler's back is the trace table, which changes
+only at ``apply_staged_writes`` (host-side, between steps, never inside a graph). The wrappers
+pass the state's bound lengths as those tensor arguments.
+
+Lifetime: after ``state.close()`` the wrappers raise ``RuntimeError("this TraceReplayState is
+closed")`` and an op called with its id raises ``RuntimeError`` naming the id. A CUDA graph
+(``torch.cuda.graph`` or ``reduce-overhead``) captured with a replay holds the table's device
+address and never runs the Python kernel again: replaying such a graph after ``close`` reads freed
+memory, so close a state only after its graphs are gone. Thread-safety: as the state's methods
+(lookups in the registry take no lock; ids are issued under one).
+
+Blocking: as the eager methods: ordered on torch's current stream, no host sync. Cost: an op call
+goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); eager code
+keeps calling :meth:`TraceReplayState.replay` and :func:`token_logprob_rank`, the direct path.
+The first call of each tensor layout binds (validates once), as in eager mode: run the compiled
+function once before capturing it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import registry
+from .logprob import token_logprob_rank
+from .state import TraceReplayState
+
+__all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
+
+_LIB = torch.library.Library("trace_replay", "DEF")   # kept alive: dropping it deregisters the ops
+_LIB.define("replay(Tensor(a!) sampled, Tensor idx_mapping, Tensor total_len, Tensor prompt_len, "
+            "int state) -> ()")
+_LIB.define("replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step, int state) -> ()")
+_LIB.define("token_logprob_rank(Tensor logits, Tensor token_ids) -> (Tensor, Tensor)")
+
+
+# kernels: real tensors on the CPU or a CUDA device ----------------------------------------------
+def _replay_kernel(sampled, idx_mapping, total_len, prompt_len, state):
+    registry.lookup(state).replay(sampled, idx_mapping, total_len, prompt_len)
+
+
+def _replay_at_step_kernel(sampled, idx_mapping, step, state):
+    registry.lookup(state).replay_at_step(sampled, idx_mapping, step)
+
+
+def _logprob_kernel(logits, token_ids):
+    return token_logprob_rank(logits, token_ids)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("replay", _replay_kernel, _key)
+    _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
+    _LIB.impl("token_logprob_rank", _logprob_kernel, _key)
+for _name in ("replay", "replay_at_step", "token_logprob_rank"):
+    # Not differentiable: integer tokens in and out, and logprobs without a gradient (as the eager
+    # function, which reads detached logits). A fallthrough says so: outputs never require grad.
+    _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
+
+# fake kernels: shapes and dtypes only (FakeTensor, meta), for tracing ---------------------------
+@torch.library.register_fake("trace_replay::replay", lib=_LIB)
+def _replay_fake(sampled, idx_mapping, total_len, prompt_len, state):
+    return None
+
+
+@torch.library.register_fake("trace_replay::replay_at_step", lib=_LIB)
+def _replay_at_step_fake(sampled, idx_mapping, step, state):
+    return None
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank", lib=_LIB)
+def _logprob_fake(logits, token_ids):
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
+    batch = logits.shape[0]
+    return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64))
+
+
+# wrappers: the public functions ----------------------------------------------------------------
+def _check_tensors(**arrays) -> None:
+    for name, value in arrays.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, TraceReplayState):
+        raise TypeError(f"state must be a trace_replay_torch.TraceReplayState (got {type(state).__name__})")
+
+
+def replay_op(state: TraceReplayState, sampled: torch.Tensor, idx_mapping: torch.Tensor,
+              total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:meth:`TraceReplayState.replay` through the registered op ``trace_replay::replay``: the
+    form to call inside ``torch.compile`` (no graph break) and CUDA graphs.
+
+    Same arguments and result: overwrites traced rows of ``sampled`` in place (``[batch]`` or
+    ``[batch, 1]`` int32/int64) and returns it; ``total_len``/``prompt_len`` default to the
+    state's bound ones. Stream-ordered on the current stream, no host sync. Called eagerly it
+    works too, at the dispatcher's cost.
+    """
+    _check_state(state)
+    if total_len is None and prompt_len is None:
+        total_len, prompt_len = state._bound_lengths()
+    else:
+        state._check_open()
+        if total_len is None or prompt_len is None:
+            raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
+    _check_tensors(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len, prompt_len=prompt_len)
+    torch.ops.trace_replay.replay(sampled, idx_mapping, total_len, prompt_len, state.op_id)
+    return sampled
+
+
+def replay_at_step_op(state: TraceReplayState, sampled: torch.Tensor, idx_mapping: torch.Tensor,
+                      step: torch.Tensor) -> torch.Tensor:
+    """:meth:`TraceReplayState.replay_at_step` through the registered op
+    ``trace_replay::replay_at_step`` (``step``: ``[batch]`` int32/int64 outputs already produced
+    per row). In place on ``sampled``, which it returns; stream-ordered, no host sync."""
+    _check_state(state)
+    state._check_open()
+    _check_tensors(sampled=sampled, idx_mapping=idx_mapping, step=step)
+    torch.ops.trace_replay.replay_at_step(sampled, idx_mapping, step, state.op_id)
+    return sampled
+
+
+def token_logprob_rank_op(logits: torch.Tensor, token_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`trace_replay_torch.token_logprob_rank` through the registered op
+    ``trace_replay::token_logprob_rank``: the form to call inside ``torch.compile``.
+
+    Returns new tensors ``(logprobs, ranks)``: float32 and int64, ``[batch]``. ``logits`` is read,
+    never modified, and carries no gradient through this op (it is detached, as the eager
+    function does). Stream-ordered on the current stream, no host sync.
+    """
+    _check_tensors(logits=logits, token_ids=token_ids)
+    return torch.ops.trace_replay.token_logprob_rank(logits.detach(), token_ids)
