@@ -58,6 +58,16 @@ def _tensor(w: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
 
 
+def _upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values -> a new tensor on ``device``; on CUDA through pinned memory, queued on the
+    current stream without waiting for the device (a pageable copy would wait for every step
+    queued before it)."""
+    host = torch.as_tensor(np.asarray(values)).to(dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as transformers computes it: in float32, rounded to ``x``'s dtype, then scaled."""
     h = x.float()
@@ -301,14 +311,14 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
                 block = np.zeros((len(group), n), dtype=np.int64)
                 for j, i in enumerate(group):
                     block[j, :len(prompts[i]) - 1] = prompts[i][:-1]
-                slots = torch.tensor([int(schedule.slot[i]) for i in group], dtype=torch.int64)
-                model.prefill(cache, slots.to(dev), torch.from_numpy(block).to(dev))
+                model.prefill(cache, _upload([schedule.slot[i] for i in group], torch.int64, dev),
+                              _upload(block, torch.int64, dev))
             if admitted:
-                slots = torch.tensor([int(schedule.slot[i]) for i in admitted], dtype=torch.int64).to(dev)
-                lens = torch.tensor([len(prompts[i]) for i in admitted], dtype=torch.int32).to(dev)
+                slots = _upload([schedule.slot[i] for i in admitted], torch.int64, dev)
+                lens = _upload([len(prompts[i]) for i in admitted], torch.int32, dev)
                 prompt_len[slots] = lens
                 total_len[slots] = lens
-                last[slots] = torch.tensor([int(prompts[i][-1]) for i in admitted], dtype=torch.int64).to(dev)
+                last[slots] = _upload([prompts[i][-1] for i in admitted], torch.int64, dev)
                 for i in admitted:
                     state.add_request(int(schedule.slot[i]), traces[i])   # None: untraced
             state.apply_staged_writes()                              # outside the graph, between replays

@@ -1,0 +1,266 @@
+"""Real-model decode speed: the Llama-family loops (torch, JAX) next to transformers' ``generate``.
+
+Question: replaying traced requests through a Qwen2.5-0.5B-shaped model in bf16 on one GPU,
+how many tokens per second and milliseconds per decode step do the torch loop (CUDA-graph
+step) and the JAX loop (one jitted step) reach, next to transformers' ``generate`` on the same
+model, batch and lengths; how far is each from the step's memory-bound floor; and what share
+of a step do replay and logprob/rank take?
+
+Setup: a ``qwen2`` model of hidden 896, 24 layers, 14 heads, 2 key/value heads, intermediate
+4864, vocabulary 151,936, tied embeddings, random weights made by transformers on the GPU
+(``AutoModelForCausalLM.from_config``, bf16); our loops get the same weights (bf16 widened to
+float32 exactly, cast back to bf16 on load). Per batch ``B`` (64 and 256): ``B`` requests
+(seed 0), prompts of 64-512 tokens, traces of 128-512 random tokens, all decoding at once
+(``max_batch=B``); ``generate`` gets the same prompts (left-padded) and decodes
+``max(trace lengths)`` tokens greedily for every row (it has no per-row lengths).
+
+Method: per provider and batch, one warm-up call (compilation, graph capture, allocator),
+then one timed call of the whole decode (prefill included), and one timed call with traces
+of one token (``generate``: ``max_new_tokens=1``): the prefill. ``decode_ms_per_step`` =
+(whole - prefill) / (steps - 1); ``tokens_per_s`` = decoded tokens / whole call
+(``generate``: ``B * steps``, padding rows included, as the issue quotes it;
+``useful_tokens_per_s`` counts only the traces' tokens). ``floor_ms`` = bytes one step must
+read (every weight once, bf16, plus the mean KV cache filled over the steps) / the
+device-to-device copy bandwidth measured in this run. ``replay_logprob_us``: device time of
+one replay + logprob/rank over ``[B, 151,936]`` bf16 logits (torch: CUDA events over queued
+calls; JAX: 32 calls in one ``lax.fori_loop``), and its share of the decode step.
+
+Run: ``python bench/models.py`` on the GPU (about 3 minutes on an H200); writes
+``bench/results/models.json`` and prints a table last. ``--quick``: a CPU dry run with a tiny
+model and small batches (writes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import copy_bandwidth, table, time_cuda_queued, write_results  # noqa: E402
+
+FULL = dict(sizes=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768),
+            batches=(64, 256), prompt=(64, 512), trace=(128, 512), device="cuda")
+QUICK = dict(sizes=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+             batches=(4, 8), prompt=(8, 24), trace=(8, 24), device="cpu")
+
+
+def _requests(rng, batch, prompt, trace, vocab, one_token=False):
+    from trace_replay_app.records import TraceRequest
+    out = []
+    for i in range(batch):
+        p = rng.integers(0, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))
+        t = rng.integers(0, vocab, 1 if one_token else int(rng.integers(trace[0], trace[1] + 1)))
+        out.append(TraceRequest(f"r{i}", prompt=tuple(int(x) for x in p), trace=tuple(int(x) for x in t)))
+    return out
+
+
+def _sync(device):
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _our_loop(framework, config, weights, device):
+    from trace_replay_app.models.llama import load_loop
+    run = load_loop(framework)
+
+    def call(requests):
+        results = run(config, weights, requests, device=device, max_batch=len(requests), dtype="bfloat16")
+        return results          # results are host arrays: the call has waited for the device
+    return call
+
+
+def _generate(model, device):
+    import torch
+
+    def call(requests, new_tokens):
+        longest = max(len(r.prompt) for r in requests)
+        ids = torch.zeros(len(requests), longest, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(requests):                     # left padding, as decoder-only generation wants
+            ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, longest - len(r.prompt):] = 1
+        with torch.no_grad():
+            return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return call
+
+
+def _floor_bytes(config, requests, weight_bytes):
+    """Bytes one decode step must read, averaged over the steps: every weight once plus the
+    KV cache the active rows hold (bf16)."""
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+    steps = max(len(r.trace) for r in requests)
+    kv = 0
+    for r in requests:
+        n = len(r.trace)
+        kv += per_token * (n * len(r.prompt) + n * (n - 1) / 2)   # positions held at steps 0 .. n-1
+    return weight_bytes + kv / steps
+
+
+def _replay_logprob_us(framework, batch, vocab, device):
+    """Device time of one replay + logprob/rank over ``[batch, vocab]`` bf16 logits (us)."""
+    rng = np.random.default_rng(1)
+    traces = rng.integers(0, vocab, (batch, 64))
+    if framework == "torch":
+        import torch
+        from trace_replay_torch import TraceReplayState, token_logprob_rank
+        prompt_len = torch.full((batch,), 10, dtype=torch.int32, device=device)
+        total_len = prompt_len + 3
+        logits = torch.randn(batch, vocab, device=device).to(torch.bfloat16)
+        sampled = logits.argmax(-1)
+        idx = torch.arange(batch, dtype=torch.int32, device=device)
+        out = (torch.empty(batch, device=device), torch.empty(batch, dtype=torch.int64, device=device))
+        with TraceReplayState(batch, 64, device=device, total_len=total_len, prompt_len=prompt_len) as state:
+            state.add_requests(list(range(batch)), traces)
+            state.apply_staged_writes()
+
+            def fn():
+                state.replay(sampled, idx)
+                token_logprob_rank(logits, sampled, out=out)
+            if device != "cuda":
+                fn()
+                return float("nan")
+            return time_cuda_queued(fn)["us_p50"]
+    import jax
+    import jax.numpy as jnp
+    import trace_replay_jax
+    from trace_replay_jax import TraceReplayState
+    dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    n_calls = 32
+    with TraceReplayState(batch, 64, device=dev) as state:
+        state.add_requests(list(range(batch)), traces)
+        state.apply_staged_writes()
+        put = lambda x: jax.device_put(x, dev)   # noqa: E731
+        logits = put(jnp.asarray(rng.standard_normal((batch, vocab)), jnp.bfloat16))
+        idx, prompt_len = put(np.arange(batch, dtype=np.int32)), put(np.full(batch, 10, np.int32))
+
+        @jax.jit
+        def loop(tables, logits, total_len):
+            def body(k, acc):
+                tok = trace_replay_jax.replay(tables, jnp.argmax(logits, -1).astype(jnp.int32), idx,
+                                              total_len + (k % 8), prompt_len)
+                lp, rk = trace_replay_jax.token_logprob_rank(logits, tok)
+                return acc + lp.sum() + rk.sum()
+            return jax.lax.fori_loop(0, n_calls, body, jnp.float32(0))
+
+        @jax.jit
+        def argmax_only(logits, total_len):     # the loop's own argmax, timed to subtract it
+            def body(k, acc):
+                return acc + jnp.argmax(logits, -1).astype(jnp.float32).sum() + (k % 8)
+            return jax.lax.fori_loop(0, n_calls, body, jnp.float32(0))
+
+        total_len = put(np.full(batch, 13, np.int32))
+        times = {}
+        for name, fn in (("with", lambda: loop(state.tables, logits, total_len)),
+                         ("argmax", lambda: argmax_only(logits, total_len))):
+            fn().block_until_ready()
+            runs = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn().block_until_ready()
+                runs.append(time.perf_counter() - t0)
+            times[name] = float(np.median(runs))
+        return max(0.0, times["with"] - times["argmax"]) / n_calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a CPU dry run with a tiny model (writes nothing)")
+    ap.add_argument("--frameworks", default="torch,jax,transformers")
+    args = ap.parse_args()
+    setup = QUICK if args.quick else FULL
+    device = setup["device"]
+    providers = args.frameworks.split(",")
+
+    import torch
+    import transformers
+    from trace_replay_app.models.llama.config import config_from_hf, weights_from_tensors
+
+    hf_config = transformers.AutoConfig.for_model("qwen2", **setup["sizes"], tie_word_embeddings=True,
+                                                  rope_theta=1e6, bos_token_id=None, eos_token_id=None,
+                                                  pad_token_id=None)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    config = config_from_hf(hf_config.to_dict())
+    weights = weights_from_tensors(config, {k: v.float().cpu().numpy() for k, v in model.state_dict().items()
+                                            if not (config.tie_word_embeddings and k == "lm_head.weight")})
+    weight_bytes = 2 * sum(int(np.prod(w.shape)) for w in weights.values())
+    print(f"model ready in {time.perf_counter() - t0:.1f} s: {weight_bytes / 1e9:.2f} GB of bf16 weights")
+    bandwidth = copy_bandwidth()["d2d"]["gbps_p50"] if device == "cuda" else float("nan")
+
+    rows = []
+    for batch in setup["batches"]:
+        rng = np.random.default_rng(0)
+        requests = _requests(rng, batch, setup["prompt"], setup["trace"], config.vocab_size)
+        prefill_only = [type(r)(r.id, prompt=r.prompt, trace=r.trace[:1]) for r in requests]
+        steps = max(len(r.trace) for r in requests)
+        useful = sum(len(r.trace) for r in requests)
+        floor_bytes = _floor_bytes(config, requests, weight_bytes)
+        floor_ms = floor_bytes / (bandwidth * 1e9) * 1e3
+        for provider in providers:
+            t_start = time.perf_counter()
+            if provider == "transformers":
+                call = _generate(model, device)
+                call(requests, 8)                                      # warm-up
+                whole, _ = _timed(lambda: call(requests, steps), device)
+                prefill, _ = _timed(lambda: call(requests, 1), device)
+                tokens, exact = batch * steps, None
+                replay_us = None
+            else:
+                call = _our_loop(provider, config, weights, device)
+                call(requests)                                         # warm-up: compile, capture
+                whole, results = _timed(lambda: call(requests), device)
+                call(prefill_only)                                     # its own warm-up (JAX: another program)
+                prefill, _ = _timed(lambda: call(prefill_only), device)
+                tokens = useful
+                exact = all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))
+                replay_us = _replay_logprob_us(provider, batch, config.vocab_size, device)
+            step_ms = (whole - prefill) / max(1, steps - 1) * 1e3
+            row = {"provider": provider, "batch": batch, "steps": steps, "useful_tokens": useful,
+                   "whole_s": whole, "prefill_s": prefill, "tokens_per_s": tokens / whole,
+                   "useful_tokens_per_s": useful / whole, "decode_ms_per_step": step_ms,
+                   "floor_ms": floor_ms, "floor_bytes": floor_bytes, "d2d_gbps": bandwidth,
+                   "x_floor": step_ms / floor_ms if floor_ms == floor_ms else None,
+                   "replay_logprob_us": replay_us,
+                   "replay_logprob_share": None if replay_us is None else replay_us / (step_ms * 1e3),
+                   "traces_reproduced": exact, "bench_s": time.perf_counter() - t_start}
+            rows.append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+    for row in rows:                       # speed-ups against generate at the same batch
+        ref = [r for r in rows if r["provider"] == "transformers" and r["batch"] == row["batch"]]
+        row["x_generate_tokens_per_s"] = row["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
+    shape = {"model": "qwen2 " + json.dumps(setup["sizes"]), "dtype": "bfloat16",
+             "prompt_tokens": list(setup["prompt"]), "trace_tokens": list(setup["trace"])}
+    if args.quick:
+        json.dumps(rows)                   # the rows serialise; a dry run writes nothing
+        print("quick run: nothing written")
+    else:
+        print("wrote", write_results("models", [dict(r, **shape) for r in rows]))
+    print(table(rows, ["provider", "batch", "tokens_per_s", "useful_tokens_per_s", "decode_ms_per_step", "floor_ms",
+                       "x_floor", "x_generate_tokens_per_s", "replay_logprob_us", "replay_logprob_share",
+                       "traces_reproduced"]))
+
+
+if __name__ == "__main__":
+    main()
