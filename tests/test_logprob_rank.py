@@ -28,8 +28,10 @@ torch = pytest.importorskip("torch")
 
 from trace_replay_core import (ArrayView, as_view, bind_logprob_rank, token_logprob_rank,  # noqa: E402
                                token_logprob_rank_reference)
-from trace_replay_core._logprob import (SPLIT_TARGET_PROGRAMS, logprob_rank_workspace_bytes,  # noqa: E402
-                                       plan_logprob_rank)
+from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
+from trace_replay_core.kernels.logprob_rank import LOGPROB_TILE, plan_logprob_rank, workspace_layout  # noqa: E402
+
+from logprob_interpreter import run_cases  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHES = (1, 7, 256, 1024)
@@ -332,23 +334,32 @@ def test_errors_name_the_argument_and_change_nothing(case):
     np.testing.assert_array_equal(rk, before_rk)
 
 
-def test_plan_and_workspace_size():
-    # One program per row from SPLIT_TARGET_PROGRAMS rows on: no workspace needed.
-    assert logprob_rank_workspace_bytes(SPLIT_TARGET_PROGRAMS, 151936) == 0
-    assert logprob_rank_workspace_bytes(1024, 262144) == 0
-    assert logprob_rank_workspace_bytes(1, 1000) == 0                  # a single block: nothing to split
-    worst = max(logprob_rank_workspace_bytes(b, v) for b in range(1, SPLIT_TARGET_PROGRAMS) for v in (4097, 262144))
-    assert 0 < worst <= 12 * 2 * SPLIT_TARGET_PROGRAMS
-    for batch in (1, 7, 64, 255):
-        for vocab in (4097, 32000, 151936, 262144, 2**30):
-            p = plan_logprob_rank(batch, vocab, split=True)
-            nblocks = -(-vocab // p.block)
-            assert p.n_split >= 2
-            assert (p.n_split - 1) * p.chunk_blocks < nblocks <= p.n_split * p.chunk_blocks  # no empty piece
-            assert batch * p.n_split <= 2 * SPLIT_TARGET_PROGRAMS
-    assert plan_logprob_rank(7, 1000, split=True, logits_ptr=32, row_stride=1003, itemsize=2).aligned is False
-    assert plan_logprob_rank(7, 1000, split=True, logits_ptr=32, row_stride=1000, itemsize=2).aligned is True
-    assert plan_logprob_rank(1, 1000, split=True, logits_ptr=8, row_stride=0, itemsize=4).aligned is False
+def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
+    # Rows are cut into tiles of a size chosen from the vocabulary alone (the batch is not an
+    # argument): that is what makes the results batch-invariant.
+    for vocab in (1, 1000, 4097, 32000, 151936, 262144, 2**30):
+        for itemsize in (2, 4):
+            p = plan_logprob_rank(vocab, itemsize)
+            assert p.tile & (p.tile - 1) == 0 and 128 <= p.tile <= LOGPROB_TILE
+            assert (p.n_tiles - 1) * p.tile < vocab <= p.n_tiles * p.tile            # no empty tile
+            assert p.k_pad == 0
+    assert plan_logprob_rank(151936, 2).n_tiles == 19
+    assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
+    # 12 bytes per tile and row; with top-k, 8 bytes per kept key and 4 per candidate.
+    assert logprob_rank_workspace_bytes(0, 151936) == 0
+    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 80                   # 76 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 19 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 19 * (12 + 32 * 8 + 64 * 4)
+    for batch in (1, 3, 1000):
+        for vocab in (1, 999, 151936):
+            for top_k in (0, 1, 20, 64):
+                if top_k > vocab:
+                    continue
+                plan = plan_logprob_rank(vocab, 2, top_k)
+                offsets = workspace_layout(batch, plan)
+                assert all(o % 16 == 0 for o in offsets)
+                assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
+                assert offsets[-1] >= batch * plan.n_tiles * (12 + 8 * plan.k_pad + 4 * plan.cap)
 
 
 def test_core_imports_no_framework():
@@ -360,105 +371,53 @@ def test_core_imports_no_framework():
 
 # -- the Triton kernels, in Triton's interpreter ---------------------------------------------
 #
-# The interpreter must be switched on before Triton is imported (TRITON_INTERPRET=1), so the
-# kernels run in a child process with that variable set for the child only. The child receives
-# the cases (float32 values exact in their dtype), builds torch CPU tensors (poisoned outputs
-# and workspace), launches exactly the kernel launches the GPU path would make
-# (``_launch_specs``), and returns the outputs.
+# The kernels run in a child process with TRITON_INTERPRET=1 (tests/logprob_interpreter.py):
+# poisoned torch CPU buffers, exactly the launches the GPU path makes (``launch_specs``).
 
 def _interpreter_cases():
-    """(name, x float32, ids, dtype, row_pad, block, split, ids dtype, rank dtype)."""
+    """Cases: name, x float32 (exact in dtype), ids, and the driver's options."""
     rng = np.random.default_rng(11)
     cases = []
 
-    def add(name, batch, vocab, dtype, *, pad=0, block=None, split=True, ids_dtype="int64",
-            rank_dtype="int64", data=None):
+    def add(name, batch, vocab, dtype, *, data=None, **options):
         x, ids = data if data is not None else make_case(rng, batch, vocab, dtype)
-        cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, pad=pad, block=block,
-                          split=split, ids_dtype=ids_dtype, rank_dtype=rank_dtype, special=data is not None))
+        cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, special=data is not None,
+                          **options))
 
-    # The kernel's real block (4096): vocab 32,000 is 8 blocks (split 8 ways for 5 rows).
-    add("f32-5x32000-split", 5, 32000, "float32")
-    add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, split=False, ids_dtype="int32", rank_dtype="int32")
-    add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3)
+    # The real tile (8192): vocab 32,000 is 4 tiles, the last one partial.
+    add("f32-5x32000", 5, 32000, "float32")
+    add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, ids_dtype="int32", rank_dtype="int32")
+    add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3, shift=1)
     add("bf16-1x1", 1, 1, "bfloat16")
-    add("bf16-2x4097-split", 2, 4097, "bfloat16")
-    # A small block, to run the unrolled loop, tails and uneven splits on small rows.
-    add("f32-40x1000-b64-split", 40, 1000, "float32", block=64)     # 16 blocks -> 6 pieces of 3 (last: 1)
-    add("bf16-6x1000-b64", 6, 1000, "bfloat16", block=64, split=False, pad=5)
-    add("f16-7x999-b64-split", 7, 999, "float16", block=64, rank_dtype="int32")
+    add("bf16-2x8193", 2, 8193, "bfloat16")                         # a last tile of one logit
+    # A small tile, to run many tiles, partial tiles and the combine's loop on small rows.
+    add("f32-40x1000-t128", 40, 1000, "float32", tile=128)
+    add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", tile=128, pad=5)
+    add("f16-7x999-t128", 7, 999, "float16", tile=128, rank_dtype="int32")
+    add("f32-3x40000-t128", 3, 40000, "float32", tile=128)            # 313 tiles: two combine steps
     for dtype in TORCH_DTYPES:
-        for split in (False, True):
+        for tile in (None, 128):
             x, ids, _ = special_case()
-            add(f"special-{dtype}-{'split' if split else 'whole'}", 10, 300, dtype, block=64, split=split,
-                data=(x, ids))
+            add(f"special-{dtype}-t{tile}", 10, 300, dtype, tile=tile, data=(x, ids))
     return cases
-
-
-def _interpreter_child(in_path: str, out_path: str) -> None:
-    """Runs in the child (TRITON_INTERPRET=1): launch every case, save the outputs."""
-    from trace_replay_core._logprob import _launch_specs
-    meta = json.loads(open(in_path + ".json").read())
-    arrays = np.load(in_path + ".npz")
-    results = {}
-    for i, case in enumerate(meta):
-        x = arrays[f"x{i}"]
-        batch, vocab = x.shape
-        wide = torch.full((batch, vocab + case["pad"]), float("nan"), dtype=TORCH_DTYPES[case["dtype"]])
-        wide[:, :vocab] = torch.from_numpy(x).to(TORCH_DTYPES[case["dtype"]])
-        logits = wide[:, :vocab]
-        ids = torch.from_numpy(arrays[f"ids{i}"]).to(getattr(torch, case["ids_dtype"]))
-        lp = torch.full((batch,), POISON_LOGPROB, dtype=torch.float32)
-        rk = torch.full((batch,), POISON_RANK, dtype=getattr(torch, case["rank_dtype"]))
-        views = [as_view(t, name=n) for t, n in ((logits, "logits"), (ids, "token_ids"), (lp, "lp"), (rk, "rk"))]
-        plan = plan_logprob_rank(batch, vocab, split=case["split"], block=case["block"], logits_ptr=views[0].ptr,
-                                 row_stride=logits.stride(0), itemsize=logits.element_size())
-        parts = batch * plan.n_split
-        ws = torch.full((12 * parts + 16,), 0xFF, dtype=torch.uint8)        # poisoned scratch
-        ws_view = ArrayView(ws.data_ptr(), ws.shape, ws.stride(), "uint8", "cpu", 0)
-        tensors = {t.data_ptr(): t for t in (logits, ids, lp, rk)}
-        tensors[ws.data_ptr()] = ws[:8 * parts].view(torch.float32)
-        tensors[ws.data_ptr() + 8 * parts] = ws[8 * parts:12 * parts].view(torch.int32)
-        launches = []
-        for kernel, grid, pointers, ints, constexprs, _, _ in _launch_specs(*views, ws_view, plan):
-            kernel[grid](*[tensors[p] for p in pointers], *ints, **constexprs)
-            launches.append([kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), list(grid)])
-        results[f"lp{i}"] = lp.numpy()
-        results[f"rk{i}"] = rk.numpy().astype(np.int64)
-        results[f"plan{i}"] = np.array([plan.n_split, plan.chunk_blocks, plan.block, int(plan.aligned),
-                                        len(launches)])
-    np.savez(out_path, **results)
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     cases = _interpreter_cases()
-    d = tmp_path_factory.mktemp("interp")
-    in_path, out_path = str(d / "cases"), str(d / "out.npz")
-    meta = [{k: v for k, v in c.items() if k not in ("x", "ids")} for c in cases]
-    with open(in_path + ".json", "w") as f:
-        json.dump(meta, f)
-    np.savez(in_path + ".npz", **{f"x{i}": c["x"] for i, c in enumerate(cases)},
-             **{f"ids{i}": c["ids"] for i, c in enumerate(cases)})
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), in_path, out_path], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"interpreter child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = np.load(out_path)
-    return {c["name"]: (c, out[f"lp{i}"], out[f"rk{i}"], out[f"plan{i}"]) for i, c in enumerate(cases)}
+    out = run_cases(cases, str(tmp_path_factory.mktemp("interp")))
+    return {c["name"]: (c, out[c["name"]]) for c in cases}
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in _interpreter_cases()])
 def test_kernel_in_interpreter(interpreted, name):
-    case, lp, rk, plan = interpreted[name]
-    n_split, chunk_blocks, block, aligned, n_launches = plan.tolist()
-    assert n_launches == (2 if n_split > 1 else 1)
-    if case["split"] and case["x"].shape[0] < SPLIT_TARGET_PROGRAMS and -(-case["x"].shape[1] // block) > 1:
-        assert n_split > 1, f"{name}: expected a split launch, got plan {plan.tolist()}"
-    if name == "f16-3x1000-unaligned":
-        assert not aligned
+    case, out = interpreted[name]
+    lp, rk = out["lp"], out["rk"]
+    tile, n_tiles = out["plan"][:2].tolist()
+    vocab = case["x"].shape[1]
+    assert tile == (case.get("tile") or min(LOGPROB_TILE, max(128, 1 << (vocab - 1).bit_length())))
+    assert n_tiles == -(-vocab // tile)
     if case["special"]:
         _, _, expect = special_case()
         assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")
@@ -524,19 +483,18 @@ def test_gpu_row_strided(batch, vocab, dtype, pad):
 @needs_gpu
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 @pytest.mark.parametrize("vocab", [300, 151936])
-def test_gpu_special_values_split_and_whole(dtype, vocab):
+def test_gpu_special_values(dtype, vocab):
     x, ids, expect = special_case(vocab)
     x = round_to(x, dtype)
     logits = _gpu_logits(x, dtype)
     ids_t = torch.from_numpy(ids).cuda()
     stream = torch.cuda.current_stream().cuda_stream
-    for split in (False, True):
+    for extra in (0, 4096):                               # an exact and a larger (poisoned) workspace
         lp = torch.full((10,), POISON_LOGPROB, device="cuda")
         rk = torch.full((10,), POISON_RANK, dtype=torch.int64, device="cuda")
-        ws = torch.full((max(16, logprob_rank_workspace_bytes(10, vocab)),), 0xFF, dtype=torch.uint8, device="cuda")
-        token_logprob_rank(logits, ids_t, out_logprobs=lp, out_ranks=rk, stream=stream,
-                           workspace=ws if split else None)
-        assert_special(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), expect, f"gpu special {dtype} split={split}")
+        ws = torch.full((logprob_rank_workspace_bytes(10, vocab) + extra,), 0xFF, dtype=torch.uint8, device="cuda")
+        token_logprob_rank(logits, ids_t, out_logprobs=lp, out_ranks=rk, stream=stream, workspace=ws)
+        assert_special(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), expect, f"gpu special {dtype} extra={extra}")
 
 
 @pytest.mark.gpu
@@ -551,6 +509,8 @@ def test_gpu_workspace_errors_change_nothing():
     small = torch.empty(need - 1, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match=rf"^workspace must hold at least {need} bytes"):
         token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0, workspace=small)
+    with pytest.raises(ValueError, match=rf"^workspace must be given on a GPU: this call needs {need} bytes"):
+        token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0)
     with pytest.raises(ValueError, match=r"^out_ranks must be on cuda:0 \(got cpu\)"):
         token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=torch.empty(4, dtype=torch.int64), stream=0)
     torch.cuda.synchronize()
@@ -591,7 +551,7 @@ def test_gpu_bound_calls_and_adapter_cache_follow_the_buffers():
     and new tensors (new addresses) must never be served a launch bound to old ones."""
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
     rng = np.random.default_rng(41)
-    for batch in (3, 300):                                   # split rows (workspace) and whole rows
+    for batch in (3, 300):
         logits = torch.empty(batch, 5000, dtype=torch.bfloat16, device="cuda")
         ids_t = torch.empty(batch, dtype=torch.int64, device="cuda")
         out = (torch.empty(batch, device="cuda"), torch.empty(batch, dtype=torch.int64, device="cuda"))
@@ -625,5 +585,3 @@ def test_gpu_bound_calls_and_adapter_cache_follow_the_buffers():
     assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), "bound side stream")
 
 
-if __name__ == "__main__":
-    _interpreter_child(sys.argv[1], sys.argv[2])

@@ -1,274 +1,97 @@
-"""``token_logprob_rank``: logprob and rank of one token per row, computed in one read of the logits.
+"""``token_logprob_rank``: logprob, rank and optional top-k of one token per row, one read of the logits.
 
 After replay, a decode loop wants the log-probability and the rank of the token that now
-stands in ``sampled``, from the unmodified logits. Done naively (a float32 log-softmax over
-the vocabulary, a gather, then a count of larger logits) that reads and writes the
-``[batch, vocab]`` logits several times; here each logit is read once.
+stands in ``sampled``, from the unmodified logits (or from ``logits / T``, vLLM's processed
+logprobs), and often the ``top_k`` most likely tokens too. Done naively that reads and writes the
+``[batch, vocab]`` logits several times; here each logit is read once, and a row gives the same
+bits whatever else is in the batch.
 
-Example (CPU backend; on a GPU pass device arrays and a stream handle)::
+Example (CPU backend; on a GPU pass device arrays, a workspace and a stream handle)::
 
     import numpy as np
     from trace_replay_core import token_logprob_rank
 
     logits = np.array([[2.0, 1.0, 2.0, -np.inf]], dtype=np.float32)
     token_ids = np.array([0], dtype=np.int64)
-    logprobs = np.empty(1, dtype=np.float32)
-    ranks = np.empty(1, dtype=np.int64)
-    token_logprob_rank(logits, token_ids, out_logprobs=logprobs, out_ranks=ranks, stream=0)
+    logprobs, ranks = np.empty(1, np.float32), np.empty(1, np.int64)
+    top_lp, top_ids = np.empty((1, 2), np.float32), np.empty((1, 2), np.int64)
+    token_logprob_rank(logits, token_ids, out_logprobs=logprobs, out_ranks=ranks, stream=0,
+                       top_k=2, out_topk_logprobs=top_lp, out_topk_ids=top_ids)
     assert ranks.tolist() == [2]            # the tie with column 2 counts against the token
+    assert top_ids.tolist() == [[0, 2]]     # ties: the lower id first
 """
 
 from __future__ import annotations
 
-import ctypes
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional
 
-import numpy as np
-
-from ._numpy_backend import numpy_of
-from ._dlpack import CPU, ArrayView, as_view, check_view
+from ._dlpack import CPU, ArrayView, as_view
+from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
+from ._numpy_backend import logprob_rank_numpy, numpy_of
 from ._streams import stream_handle
+from ._validate import (INT32_MAX, LOGPROB_MAX_VOCAB, LOGPROB_TOPK_MAX, check_disjoint, check_logits,
+                        check_temperature, check_temperature_values, check_token_ids, check_top_k,
+                        check_topk_outputs, check_view, check_workspace)
 
 __all__ = [
     "token_logprob_rank",
     "bind_logprob_rank",
     "BoundLogprobRank",
     "logprob_rank_workspace_bytes",
-    "plan_logprob_rank",
-    "LogprobRankPlan",
     "LOGITS_DTYPES",
-    "TOKEN_ID_DTYPES",
+    "TOKEN_DTYPES",
     "RANK_DTYPES",
     "MAX_VOCAB",
-    "SPLIT_TARGET_PROGRAMS",
+    "TOPK_MAX",
 ]
 
-LOGITS_DTYPES = ("float32", "bfloat16", "float16")
-TOKEN_ID_DTYPES = ("int32", "int64")
-RANK_DTYPES = ("int32", "int64")
-MAX_VOCAB = 2**30
-# A batch smaller than this is split so that about this many programs run (two per SM on a
-# 132-SM H200); a larger batch gets one program per row and needs no workspace. Measured on the
-# H200 (2026-11-30, bench/logprob_rank.py, device time with the host cost hidden), 512 instead:
-# batch 256 went from 27.4 to 28.3 us (bf16) and from 42.7 to 50.9 us (float32), the second
-# launch and the partials costing more than the extra programs gain.
-SPLIT_TARGET_PROGRAMS = 256
-_PARTIAL_BYTES = 12           # per (row, split): float32 max, float32 sum, int32 count
-_INT32_MAX = 2**31 - 1
+MAX_VOCAB = LOGPROB_MAX_VOCAB
+TOPK_MAX = LOGPROB_TOPK_MAX
 
 
-class LogprobRankPlan(NamedTuple):
-    """How one call is launched: ``n_split`` programs per row, each over ``chunk_blocks``
-    blocks of ``block`` logits, read as vectors of ``vec`` logits (16 bytes); ``aligned`` when
-    rows start on 16-byte boundaries."""
-    n_split: int
-    chunk_blocks: int
-    block: int
-    vec: int
-    aligned: bool
+def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
+    """Bytes of device workspace a ``[batch, vocab]`` call needs (host-only, pure; the same for
+    every logits dtype): 12 bytes per tile of each row (``cdiv(vocab, 8192)`` tiles for large
+    vocabularies), plus ``8 * k_pad + 8 * k_pad`` per tile with ``top_k`` (``k_pad`` = 8, 32 or 64,
+    the power of two used for ``top_k``). At vocab 151,936: 228 bytes per row, 9.9 KiB per row
+    with ``top_k = 20``. 0 for an empty batch."""
+    from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
+    if batch <= 0:
+        return 0
+    return workspace_layout(batch, plan_logprob_rank(vocab, 2, top_k))[-1]
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def plan_logprob_rank(batch: int, vocab: int, *, split: bool, block: Optional[int] = None,
-                      logits_ptr: int = 0, row_stride: int = 0, itemsize: int = 4) -> LogprobRankPlan:
-    """The launch plan for ``[batch, vocab]`` logits (host-only, pure).
-
-    ``split`` allows several programs per row (needs a workspace). Rows are split only when
-    ``batch < SPLIT_TARGET_PROGRAMS``, into at most ``SPLIT_TARGET_PROGRAMS // batch`` (rounded
-    up) pieces of whole blocks; every piece holds at least one logit.
-    """
-    if block is None:
-        from .kernels.logprob_rank import LOGPROB_BLOCK
-        block = LOGPROB_BLOCK
-    nblocks = max(1, _cdiv(vocab, block))
-    want = min(_cdiv(SPLIT_TARGET_PROGRAMS, max(batch, 1)), nblocks) if split else 1
-    chunk_blocks = _cdiv(nblocks, want)
-    n_split = _cdiv(nblocks, chunk_blocks)
-    aligned = logits_ptr % 16 == 0 and (batch <= 1 or (row_stride * itemsize) % 16 == 0)
-    return LogprobRankPlan(n_split, chunk_blocks, block, 16 // itemsize, aligned)
-
-
-def logprob_rank_workspace_bytes(batch: int, vocab: int) -> int:
-    """Bytes of device workspace with which a ``[batch, vocab]`` call splits its rows; 0 when
-    it would not split (``batch >= SPLIT_TARGET_PROGRAMS``, or a row of one block). Host-only.
-
-    The result is at most ``12 * (2 * SPLIT_TARGET_PROGRAMS)`` bytes (6 KiB).
-    """
-    p = plan_logprob_rank(batch, vocab, split=True)
-    return 0 if p.n_split == 1 else batch * p.n_split * _PARTIAL_BYTES
-
-
-# -- validation --------------------------------------------------------------------------------
-
-def _span(v: ArrayView) -> Tuple[int, int]:
-    """Byte range [lo, hi) touched by a view with non-negative strides."""
-    if v.size == 0:
-        return (v.ptr, v.ptr)
-    last = sum((n - 1) * s for n, s in zip(v.shape, v.strides))
-    return (v.ptr, v.ptr + (last + 1) * v.itemsize)
-
-
-def _check_disjoint(named) -> None:
-    spans = [(name, _span(v)) for name, v in named if v.size]
-    for i, (a, (alo, ahi)) in enumerate(spans):
-        for b, (blo, bhi) in spans[i + 1:]:
-            if alo < bhi and blo < ahi:
-                raise ValueError(f"{a} and {b} overlap in memory ({a} at 0x{alo:x}..0x{ahi:x}, {b} at "
-                                 f"0x{blo:x}..0x{bhi:x}); the outputs must not alias the inputs or each other")
-
-
-def _check_logits(v: ArrayView) -> ArrayView:
-    check_view(v, name="logits", dtypes=LOGITS_DTYPES, ndim=2, contiguous=False)
-    batch, vocab = v.shape
-    if not 1 <= vocab <= MAX_VOCAB:
-        raise ValueError(f"logits must have between 1 and {MAX_VOCAB} columns (the vocabulary) "
-                         f"(got shape {list(v.shape)})")
-    row_stride, col_stride = v.strides
-    if batch and vocab > 1 and col_stride != 1:
-        raise ValueError(f"logits must be contiguous along the vocabulary (element stride 1 in dimension 1; "
-                         f"got shape {list(v.shape)} with element strides {list(v.strides)})")
-    if batch > 1 and not 0 <= row_stride <= _INT32_MAX:
-        raise ValueError(f"logits must have a row stride between 0 and {_INT32_MAX} elements "
-                         f"(got shape {list(v.shape)} with element strides {list(v.strides)})")
-    return v
-
-
-def _check_token_ids(v: ArrayView, batch: int, device: str) -> ArrayView:
-    if not (v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1)):
-        raise ValueError(f"token_ids must be 1-D [batch] or [batch, 1], one token per row "
-                         f"(got shape {list(v.shape)})")
-    return check_view(v, name="token_ids", dtypes=TOKEN_ID_DTYPES, device=device, length=batch)
-
-
-def _check_workspace(v: ArrayView, device: str, need: int) -> ArrayView:
-    # Any element type: only the bytes count.
-    check_view(v, name="workspace", dtypes=(v.dtype,), device=device, ndim=1, writable=True)
-    nbytes = v.size * v.itemsize
-    if nbytes < need:
-        raise ValueError(f"workspace must hold at least {need} bytes for this call (see "
-                         f"logprob_rank_workspace_bytes; got {nbytes} bytes, {v.describe()})")
-    if v.ptr % 16:
-        raise ValueError(f"workspace must be aligned to 16 bytes (got address 0x{v.ptr:x})")
-    return v
-
-
-# -- CPU backend -------------------------------------------------------------------------------
-
-_CPU_ROWS_ELEMENTS = 1 << 22   # logits converted to float32 per chunk of rows (16 MiB)
-
-
-def _numpy_strided(v: ArrayView) -> np.ndarray:
-    """A read-only numpy view over a CPU view's memory, strides kept (bfloat16 as uint16 bits)."""
-    np_dtype = np.uint16 if v.dtype == "bfloat16" else np.dtype(v.dtype)
-    if v.size == 0:
-        return np.empty(v.shape, dtype=np_dtype)
-    _, hi = _span(v)
-    buf = (ctypes.c_char * (hi - v.ptr)).from_address(v.ptr)
-    base = np.frombuffer(buf, dtype=np_dtype)
-    out = np.lib.stride_tricks.as_strided(base, shape=v.shape, strides=[s * v.itemsize for s in v.strides],
-                                          writeable=False)
-    return out
-
-
-def _as_float32(block: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (block.astype(np.uint32) << 16).view(np.float32)
-    return block.astype(np.float32)
-
-
-def _cpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView) -> None:
-    """The numpy backend: same contract as the kernel, computed in float32 by row chunks."""
-    x_all = _numpy_strided(logits)
-    ids_all = numpy_of(ids).reshape(-1)
-    lp_all = numpy_of(out_lp)
-    rank_all = numpy_of(out_rank)
-    batch, vocab = logits.shape
-    rows = max(1, _CPU_ROWS_ELEMENTS // vocab)
-    for r0 in range(0, batch, rows):
-        r1 = min(batch, r0 + rows)
-        x = _as_float32(x_all[r0:r1], logits.dtype)
-        tok = ids_all[r0:r1].astype(np.int64)
-        valid = (tok >= 0) & (tok < vocab)
-        chosen = x[np.arange(r1 - r0), np.where(valid, tok, 0)]
-        chosen = np.where(valid, chosen, np.float32(np.nan))
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            m = x.max(axis=1)                              # NaN in the row: m is NaN
-            total = np.exp(x - m[:, None]).sum(axis=1)     # +inf in the row: inf - inf = NaN
-            lse = m + np.log(total)                        # all -inf: m = -inf, NaN (as the kernel)
-            logprob = chosen - lse
-            rank = (x >= chosen[:, None]).sum(axis=1)
-        lp_all[r0:r1] = np.where(valid, logprob, np.float32(np.nan))
-        rank_all[r0:r1] = np.where(valid, rank, -1)
-
-
-# -- GPU backend -------------------------------------------------------------------------------
-
-def _launch_specs(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView,
-                  workspace: Optional[ArrayView], plan: LogprobRankPlan):
-    """The kernel launches of one call, in order, as plain data:
-    ``(jit kernel, grid, pointers, ints, constexprs, num_warps, pointer dtypes)``.
-
-    Pointers are byte addresses (``ArrayView.ptr``). With a split, the workspace holds
-    ``batch * n_split`` float32 pairs (max, sum) followed by as many int32 counts.
-    """
-    from .kernels.logprob_rank import (COMBINE_NUM_WARPS, COMBINE_SPLIT_BLOCK, LOGPROB_NUM_WARPS,
-                                       logprob_rank_combine_kernel, logprob_rank_kernel)
-    batch, vocab = logits.shape
-    row_stride = logits.strides[0] if batch > 1 else 0
-    split = plan.n_split > 1
-    dtypes = (logits.dtype, ids.dtype, "float32", out_rank.dtype, "float32", "int32")
-    if split:
-        part_f = workspace.ptr
-        part_i = workspace.ptr + batch * plan.n_split * 8
-    else:
-        part_f, part_i = out_lp.ptr, out_rank.ptr          # not dereferenced
-    pointers = (logits.ptr, ids.ptr, out_lp.ptr, out_rank.ptr, part_f, part_i)
-    specs = [(logprob_rank_kernel, (batch, plan.n_split, 1), pointers,
-              (vocab, row_stride, plan.chunk_blocks, plan.n_split),
-              {"BLOCK": plan.block, "VEC": plan.vec, "SPLIT": split, "ALIGNED": plan.aligned},
-              LOGPROB_NUM_WARPS, dtypes)]
-    if split:
-        specs.append((logprob_rank_combine_kernel, (batch, 1, 1), pointers, (vocab, row_stride, plan.n_split),
-                      {"SPLIT_BLOCK": COMBINE_SPLIT_BLOCK}, COMBINE_NUM_WARPS, dtypes))
-    return specs
-
-
-def _gpu_logprob_rank(logits: ArrayView, ids: ArrayView, out_lp: ArrayView, out_rank: ArrayView,
-                      workspace: Optional[ArrayView], plan: LogprobRankPlan, stream: int) -> None:
-    from . import _cuda
-    from .kernels._compiled import compiled
-    device_id = logits.device_id
-    with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
-        for kernel, grid, pointers, ints, constexprs, num_warps, dtypes in _launch_specs(
-                logits, ids, out_lp, out_rank, workspace, plan):
-            compiled(kernel, device_id, dtypes, len(ints), constexprs, num_warps).launch(
-                grid, stream, *pointers, *ints)
-
-
-# -- public ------------------------------------------------------------------------------------
 
 def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ranks: Any, stream: Any,
-                       workspace: Any = None) -> None:
-    """Write the log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``.
+                       workspace: Any = None, temperature: Any = None, top_k: int = 0,
+                       out_topk_logprobs: Any = None, out_topk_ids: Any = None) -> None:
+    """Write the log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``
+    (and, with ``top_k``, the row's ``top_k`` most likely tokens).
 
-    For each row ``b`` with token ``t = token_ids[b]``:
+    For each row ``b`` with token ``t = token_ids[b]`` and ``y = logits[b, :] / T`` (``T =
+    temperature[b]``, 1 without a temperature; float32, the logits converted exactly):
 
-    - ``out_logprobs[b] = logits[b, t] - logsumexp(logits[b, :])`` (natural log, float32,
-      accumulated in float32 from the logits converted exactly to float32);
-    - ``out_ranks[b]`` = the number of vocabulary entries whose logit is greater than or equal
-      to the token's own (vLLM's definition): a unique argmax has rank 1, and ties count
-      against the token (two entries tied for the maximum both have rank 2).
+    - ``out_logprobs[b] = y[t] - logsumexp(y)`` (natural log, float32);
+    - ``out_ranks[b]`` = the number of vocabulary entries with ``y >= y[t]`` (vLLM's definition):
+      a unique argmax has rank 1, and ties count against the token;
+    - with ``top_k > 0``: ``out_topk_ids[b]`` the ids of the ``top_k`` largest ``y``, sorted
+      descending, ties broken by the lower id, and ``out_topk_logprobs[b]`` their logprobs.
+
+    Batch-invariant: a row's results have the same bits whatever the batch size, the row's
+    position, padding rows or the other rows, for each logits dtype and vocabulary: the
+    reduction order depends on the vocabulary alone (rows are cut into fixed tiles, each summed
+    in a fixed tree, the tiles merged in order; no atomics). ``top_k`` and a temperature of 1 do
+    not change ``out_logprobs``. The CPU backend is batch-invariant too (numpy, row by row),
+    but its bits differ from the GPU's (different exp and summation order).
 
     Special values (the same on the GPU and the CPU backend):
 
     - ``-inf`` logits are valid: they add nothing to the sum; a token whose logit is ``-inf``
       has logprob ``-inf`` and a rank counting every non-NaN entry.
-    - A row holding a NaN or a ``+inf`` logit, or only ``-inf`` logits, has no finite
-      normaliser: its logprob is NaN. Its rank is still the IEEE count (NaN entries never
-      count; a token whose own logit is NaN has rank 0).
+    - A row holding a NaN or a ``+inf``, or only ``-inf`` logits, has no finite normaliser: its
+      logprob is NaN (and so are its top-k logprobs). Its rank is still the IEEE count (NaN
+      entries never count; a token whose own logit is NaN has rank 0).
+    - Top-k never selects a NaN entry: a row with fewer than ``top_k`` non-NaN entries gets id
+      -1 (logprob NaN) in the remaining places.
     - A token id outside ``[0, vocab)`` gives logprob NaN and rank -1. No error is raised:
       checking on the device and raising would need a host synchronisation.
 
@@ -276,59 +99,71 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     ----------
     logits:
         ``[batch, vocab]`` float32, bfloat16 or float16 (DLPack object or :class:`ArrayView`;
-        read-only is fine), ``1 <= vocab <= 2**30``. Rows may be strided (any row stride,
-        element stride 1 along the vocabulary).
+        read-only is fine), ``1 <= vocab <= 2**30``. Rows may be strided (row stride up to
+        ``2**31 - 1`` elements, element stride 1 along the vocabulary).
     token_ids:
         ``[batch]`` or ``[batch, 1]`` int32/int64, contiguous, same device.
     out_logprobs, out_ranks:
-        Caller-owned outputs, ``[batch]``, contiguous, writable, same device:
-        ``out_logprobs`` float32 and ``out_ranks`` int32 or int64. Every row is written. They
-        must not overlap the inputs or each other.
+        Caller-owned outputs, ``[batch]``, contiguous, writable, same device: ``out_logprobs``
+        float32 and ``out_ranks`` int32 or int64. Every row is written. They must not overlap
+        the inputs or each other.
     stream:
         Keyword-only, required: an int CUDA stream handle or an object with
         ``__cuda_stream__``. The inputs are consumed over DLPack on this stream and the kernels
         are queued on it. For arrays in host memory the computation runs at once in numpy and
         the stream is only validated.
     workspace:
-        Optional caller-owned device scratch, 1-D, contiguous, writable, 16-byte aligned, of
-        at least :func:`logprob_rank_workspace_bytes` ``(batch, vocab)`` bytes (at most 6 KiB).
-        With it, a small batch (``batch < SPLIT_TARGET_PROGRAMS``) spreads each row over
-        several programs and merges their partial results with a second, tiny kernel; without
-        it (or when that size is 0) each row is one program. Its contents are scratch; it must
-        not be used by another call that may run at the same time (another stream). Ignored on
-        the CPU backend.
+        Device scratch the caller owns, required on a GPU: 1-D, contiguous, writable, 16-byte
+        aligned, at least :func:`logprob_rank_workspace_bytes` ``(batch, vocab, top_k)`` bytes.
+        Its contents are scratch; it must not be used by a call that may run at the same time
+        (another stream). Ignored on the CPU backend (may be omitted there).
+    temperature:
+        Optional ``[batch]`` float32, contiguous, same device: per-row ``T``. Host arrays are
+        checked (finite, ``> 0``); device arrays are not read on the host: a ``T`` that is not
+        finite and positive gives what IEEE arithmetic of ``logits / T`` gives (NaN logprobs
+        for ``T = 0``). The token's own logit is scaled the same way.
+    top_k:
+        ``0 <= top_k <= min(64, vocab)``.
+    out_topk_logprobs, out_topk_ids:
+        With ``top_k > 0``, caller-owned ``[batch, top_k]`` outputs, contiguous, writable:
+        float32 and int32/int64.
 
-    Blocking and ownership: on a GPU the call is stream-ordered: it queues one kernel (two when
-    splitting) on ``stream`` and returns without synchronising; it allocates nothing, so it may
-    be captured in a CUDA graph once the kernels are compiled (the first call for a device and
-    dtype combination compiles them, host-blocking: make it before capturing). The arrays
-    must stay alive until the queued work has run. On the CPU backend the call computes
-    before it returns. A rejected call (any exception from validation) writes nothing.
+    Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
+    ``stream`` and returns without synchronising; it allocates nothing, so it may be captured in
+    a CUDA graph once the kernels are compiled (the first call for a device and signature
+    compiles them, host-blocking: make it before capturing). The arrays must stay alive until
+    the queued work has run. On the CPU backend the call computes before it returns. A rejected
+    call (any exception from validation) writes nothing.
     """
-    checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace)
+    checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
+                         out_topk_logprobs, out_topk_ids)
     if checked is None:
         return
-    lv, iv, lpv, rkv, wsv, plan, handle = checked
-    if plan is None:
-        _cpu_logprob_rank(lv, iv, lpv, rkv)
+    views, args, dtypes, handle = checked
+    if args is None:
+        logprob_rank_numpy(*views)
     else:
-        _gpu_logprob_rank(lv, iv, lpv, rkv, wsv, plan, handle)
+        from . import _cuda
+        from .kernels.logprob_rank import launch_logprob_rank
+        device_id = views[0].device_id
+        with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
+            launch_logprob_rank(args, dtypes, device_id, handle)
 
 
 class BoundLogprobRank:
     """A :func:`token_logprob_rank` call whose arrays were validated and fixed by
     :func:`bind_logprob_rank`.
 
-    ``bound(stream=s)`` queues the call on stream ``s`` and returns: one kernel launch (two when
-    rows are split), no validation, no DLPack, stream-ordered, never blocking; capturable in a
-    CUDA graph. On the CPU backend it computes in numpy before returning. ``views`` holds the
-    validated arrays (their DLPack capsules keep the memory alive while the object lives).
+    ``bound(stream=s)`` queues the call on stream ``s`` and returns: two kernel launches, no
+    validation, no DLPack, stream-ordered, never blocking; capturable in a CUDA graph. On the
+    CPU backend it computes in numpy before returning. ``views`` holds the validated arrays
+    (their DLPack capsules keep the memory alive while the object lives).
     """
 
-    __slots__ = ("_launches", "views")
+    __slots__ = ("_launch", "views")
 
-    def __init__(self, launches, views):
-        self._launches = launches
+    def __init__(self, launch, views):
+        self._launch = launch
         self.views = views
 
     def release(self) -> None:
@@ -341,68 +176,91 @@ class BoundLogprobRank:
 
     def __call__(self, *, stream: Any) -> None:
         handle = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
-        for launch in self._launches:
-            launch(handle)
+        if self._launch is not None:
+            self._launch(handle)
 
 
 def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ranks: Any, stream: Any,
-                      workspace: Any = None) -> BoundLogprobRank:
+                      workspace: Any = None, temperature: Any = None, top_k: int = 0,
+                      out_topk_logprobs: Any = None, out_topk_ids: Any = None) -> BoundLogprobRank:
     """Validate the arrays of a :func:`token_logprob_rank` call once and return a
     :class:`BoundLogprobRank` that repeats exactly that call.
 
     For loops that reuse the same buffers every step (or a cache keyed by buffer layout, as the
-    torch adapter keeps): each call of the result only queues the kernels, about a tenth of
-    the host time of an unbound call. Arguments and errors as :func:`token_logprob_rank`;
-    ``stream`` is used for the DLPack handshake here, each call of the result names its own.
-    Host-blocking only when it compiles the kernels (the first time for a device and dtype
-    combination).
+    torch adapter keeps): each call of the result only queues the kernels, about a tenth of the
+    host time of an unbound call. Arguments and errors as :func:`token_logprob_rank` (a host
+    temperature is checked here, once); ``stream`` is used for the DLPack handshake here, each
+    call of the result names its own. Host-blocking only when it compiles the kernels (the
+    first time for a device and signature).
     """
-    checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace)
+    checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
+                         out_topk_logprobs, out_topk_ids)
     if checked is None:
-        return BoundLogprobRank((), ())
-    lv, iv, lpv, rkv, wsv, plan, _ = checked
-    views = (lv, iv, lpv, rkv) + ((wsv,) if wsv is not None else ())
-    if plan is None:
-        return BoundLogprobRank((lambda _stream: _cpu_logprob_rank(lv, iv, lpv, rkv),), views)
+        return BoundLogprobRank(None, ())
+    views, args, dtypes, _ = checked
+    kept = tuple(v for v in views if isinstance(v, ArrayView))
+    if args is None:
+        return BoundLogprobRank(lambda _stream: logprob_rank_numpy(*views), kept)
     from . import _cuda
-    from .kernels._compiled import compiled
-    launches = []
-    with _cuda.on_device(lv.device_id):
-        for kernel, grid, pointers, ints, constexprs, num_warps, dtypes in _launch_specs(
-                lv, iv, lpv, rkv, wsv, plan):
-            launches.append(compiled(kernel, lv.device_id, dtypes, len(ints), constexprs, num_warps).bind(
-                grid, *pointers, *ints))
-    return BoundLogprobRank(tuple(launches), views)
+    from .kernels.logprob_rank import bind_logprob_rank_launch
+    device_id = views[0].device_id
+    with _cuda.on_device(device_id):
+        launch = bind_logprob_rank_launch(args, dtypes, device_id)
+    return BoundLogprobRank(launch, kept)
 
 
-def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace):
+def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
+               out_topk_logprobs, out_topk_ids):
     """Every check of a call: ``None`` when there is nothing to compute (empty batch), else
-    ``(logits, ids, out_logprobs, out_ranks, workspace, plan, stream)`` views, ``plan`` None on
-    the CPU backend."""
+    ``(numpy backend arguments, kernel args or None, kernel dtypes or None, stream)``; the
+    kernel args are None on the CPU backend."""
     handle = stream_handle(stream)
-    lv = _check_logits(as_view(logits, name="logits", stream=handle))
+    lv = check_logits(as_view(logits, name="logits", stream=handle))
     device = lv.device
     batch, vocab = lv.shape
-    iv = _check_token_ids(as_view(token_ids, name="token_ids", stream=handle), batch, device)
+    iv = check_token_ids(as_view(token_ids, name="token_ids", stream=handle), batch, device)
     lpv = as_view(out_logprobs, name="out_logprobs", stream=handle)
     check_view(lpv, name="out_logprobs", dtypes=("float32",), device=device, ndim=1, length=batch, writable=True)
     rkv = as_view(out_ranks, name="out_ranks", stream=handle)
     check_view(rkv, name="out_ranks", dtypes=RANK_DTYPES, device=device, ndim=1, length=batch, writable=True)
-    _check_disjoint([("out_logprobs", lpv), ("out_ranks", rkv), ("logits", lv), ("token_ids", iv)])
+    top_k = check_top_k(top_k, vocab)
+    tlpv = as_view(out_topk_logprobs, name="out_topk_logprobs", stream=handle) if out_topk_logprobs is not None \
+        else None
+    tidv = as_view(out_topk_ids, name="out_topk_ids", stream=handle) if out_topk_ids is not None else None
+    check_topk_outputs(tlpv, tidv, batch, top_k, device)
+    tv = None
+    if temperature is not None:
+        tv = check_temperature(as_view(temperature, name="temperature", stream=handle), batch, device)
+    named = [("out_logprobs", lpv), ("out_ranks", rkv), ("out_topk_logprobs", tlpv), ("out_topk_ids", tidv),
+             ("logits", lv), ("token_ids", iv), ("temperature", tv)]
+    check_disjoint(named)
     if device == CPU:
         if workspace is not None:
-            _check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
-        return (lv, iv, lpv, rkv, None, None, handle) if batch else None
+            check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
+        if tv is not None and batch:
+            check_temperature_values(numpy_of(tv))
+        return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
-    wsv = None
-    if workspace is not None:
-        need = logprob_rank_workspace_bytes(batch, vocab)
-        wsv = _check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
-        _check_disjoint([("workspace", wsv), ("out_logprobs", lpv), ("out_ranks", rkv), ("logits", lv),
-                         ("token_ids", iv)])
+    need = logprob_rank_workspace_bytes(batch, vocab, top_k)
+    if workspace is None:
+        if need:
+            raise ValueError(f"workspace must be given on a GPU: this call needs {need} bytes of device scratch "
+                             f"(logprob_rank_workspace_bytes({batch}, {vocab}, {top_k}))")
+        return None
+    wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
+    check_disjoint([("workspace", wsv)] + named)
     if batch == 0:
         return None
-    plan = plan_logprob_rank(batch, vocab, split=wsv is not None, logits_ptr=lv.ptr,
-                             row_stride=lv.strides[0], itemsize=lv.itemsize)
-    return lv, iv, lpv, rkv, (wsv if plan.n_split > 1 else None), plan, handle
+    from .kernels.logprob_rank import LOGPROB_TILE, LogprobRankArgs, LogprobRankDtypes
+    if -(-vocab // LOGPROB_TILE) * batch > INT32_MAX:
+        raise ValueError(f"logits has too many rows for one call (got shape {[batch, vocab]}; at most "
+                         f"{INT32_MAX // -(-vocab // LOGPROB_TILE)} rows at this vocabulary)")
+    # One row: its stride only tells the alignment of the layout (never used to address).
+    row_stride = lv.strides[0] if 0 <= lv.strides[0] <= INT32_MAX else 0
+    args = LogprobRankArgs(lv.ptr, iv.ptr, tv.ptr if tv is not None else 0, lpv.ptr, rkv.ptr,
+                           tlpv.ptr if tlpv is not None else 0, tidv.ptr if tidv is not None else 0, wsv.ptr,
+                           batch, vocab, row_stride, top_k)
+    dtypes = LogprobRankDtypes(lv.dtype, iv.dtype, rkv.dtype, tidv.dtype if tidv is not None else "int32")
+    views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv)
+    return views, args, dtypes, handle

@@ -126,3 +126,79 @@ class NumpyTable:
 
     def close(self) -> None:
         self._staged.clear()
+
+
+# -- logprob and rank ----------------------------------------------------------------------------
+# The numpy twin of kernels/logprob_rank.py: the same contract, float32 arithmetic, row by row
+# (every row's result depends on that row alone, whatever the batch).
+
+_LOGPROB_ROWS_ELEMENTS = 1 << 22   # logits converted to float32 per chunk of rows (16 MiB)
+_KEY_PAD = np.int64(-(2**63))
+
+
+def _strided_numpy(v: ArrayView) -> np.ndarray:
+    """A read-only numpy view over a CPU view's memory, strides kept (bfloat16 as uint16 bits)."""
+    np_dtype = np.uint16 if v.dtype == "bfloat16" else np.dtype(v.dtype)
+    if v.size == 0:
+        return np.empty(v.shape, dtype=np_dtype)
+    nbytes = (sum((n - 1) * s for n, s in zip(v.shape, v.strides)) + 1) * v.itemsize
+    base = np.frombuffer((ctypes.c_char * nbytes).from_address(v.ptr), dtype=np_dtype)
+    return np.lib.stride_tricks.as_strided(base, shape=v.shape, strides=[s * v.itemsize for s in v.strides],
+                                           writeable=False)
+
+
+def _logits_float32(block: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (block.astype(np.uint32) << 16).view(np.float32)
+    return block.astype(np.float32)
+
+
+def topk_keys(y: np.ndarray) -> np.ndarray:
+    """The kernel's 64-bit top-k keys of float32 ``y [rows, vocab]``: value descending, then
+    column ascending; NaN gets the smallest key; -0.0 is keyed as +0.0."""
+    b = np.where(y == 0, np.float32(0), y).view(np.int32)
+    o = b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+    low = (~np.arange(y.shape[1], dtype=np.int32)).view(np.uint32).astype(np.int64)
+    return np.where(np.isnan(y), _KEY_PAD, (o.astype(np.int64) << 32) | low)
+
+
+def topk_decode(keys: np.ndarray):
+    """(float32 values, int64 columns) of keys; the padding key gives column -1."""
+    o = (keys >> 32).astype(np.int32)
+    values = (o ^ ((o >> 31) & np.int32(0x7FFFFFFF))).view(np.float32)
+    return values, (~keys.astype(np.int32)).astype(np.int64)
+
+
+def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[ArrayView], out_lp: ArrayView,
+                       out_rank: ArrayView, topk_lp: Optional[ArrayView], topk_ids: Optional[ArrayView],
+                       top_k: int) -> None:
+    """``token_logprob_rank`` on host arrays (already validated), computed before it returns."""
+    x_all = _strided_numpy(logits)
+    ids_all = numpy_of(ids).reshape(-1)
+    t_all = numpy_of(temperature) if temperature is not None else None
+    lp_all, rank_all = numpy_of(out_lp), numpy_of(out_rank)
+    tlp_all = numpy_of(topk_lp) if top_k else None
+    tid_all = numpy_of(topk_ids) if top_k else None
+    batch, vocab = logits.shape
+    rows = max(1, _LOGPROB_ROWS_ELEMENTS // vocab)
+    for r0 in range(0, batch, rows):
+        r1 = min(batch, r0 + rows)
+        y = _logits_float32(x_all[r0:r1], logits.dtype)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            if t_all is not None:
+                y = y / t_all[r0:r1, None]
+            tok = ids_all[r0:r1].astype(np.int64)
+            valid = (tok >= 0) & (tok < vocab)
+            chosen = np.where(valid, y[np.arange(r1 - r0), np.where(valid, tok, 0)], np.float32(np.nan))
+            m = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y))   # NaN skipped: it poisons the sum
+            m_safe = np.where(m == -np.inf, np.float32(0), m).astype(np.float32)
+            total = np.exp(y - m_safe[:, None]).sum(axis=1)             # NaN or +inf in the row: NaN
+            lse = (m + np.log(total)).astype(np.float32)                 # all -inf: -inf (NaN logprob)
+            lp_all[r0:r1] = np.where(valid, chosen - lse, np.float32(np.nan))
+            rank_all[r0:r1] = np.where(valid, (y >= chosen[:, None]).sum(axis=1), -1)
+            if top_k:
+                keys = topk_keys(y)
+                best = np.sort(np.partition(keys, vocab - top_k, axis=1)[:, vocab - top_k:], axis=1)[:, ::-1]
+                values, cols = topk_decode(best)
+                tlp_all[r0:r1] = np.where(cols < 0, np.float32(np.nan), values - lse[:, None])
+                tid_all[r0:r1] = cols

@@ -1,20 +1,23 @@
-"""``token_logprob_rank`` for JAX arrays: logprob and rank of one token per row, eager or inside ``jax.jit``.
+"""``token_logprob_rank`` for JAX arrays: logprob, rank and optional top-k of one token per row, eager or in ``jax.jit``.
 
 Two implementations of one contract (the core's, see
 :func:`trace_replay_core.token_logprob_rank`):
 
-- ``method="kernel"`` (the default): the core's Triton kernel, which reads each logit once,
-  run through ``jax.experimental.buffer_callback`` on XLA's own stream: the callback hands
-  XLA's input and output buffers to the core over DLPack and queues the kernel on
+- ``method="kernel"`` (the default): the core's Triton kernels, which read each logit once and
+  reduce in an order fixed by the vocabulary (batch-invariant: a row gives the same bits in any
+  batch), run through ``jax.experimental.buffer_callback`` on XLA's own stream: the callback
+  hands XLA's input and output buffers to the core over DLPack and queues the kernels on
   ``ctx.stream``; nothing waits for the device. Each set of buffer addresses is bound once
   (validated, parameters packed); later calls on the same addresses only launch. The op is a
-  pure function of its buffers, so
-  it is marked command-buffer compatible: where XLA records it into a CUDA graph, the Python
-  callback runs when XLA records (again whenever the buffers move) instead of on every call.
-  On the CPU the same callback runs the core's numpy backend on XLA's host buffers.
+  pure function of its buffers, so it is marked command-buffer compatible: where XLA records it
+  into a CUDA graph, the Python callback runs when XLA records (again whenever the buffers
+  move) instead of on every call. On the CPU the same callback runs the core's numpy backend
+  (row by row, also batch-invariant) on XLA's host buffers.
 - ``method="jnp"``: the same arithmetic in ``jax.numpy`` (a max, a sum of exponentials, a
-  gather and a count), fused by XLA into the surrounding program; it reads the logits more than
-  once, but needs no callback and is differentiable in ``logits``.
+  gather, a count, ``lax.top_k``), fused by XLA into the surrounding program; it reads the
+  logits more than once, but needs no callback and is differentiable in ``logits``. It is *not*
+  promised to be batch-invariant: XLA picks how to split a row's reduction from the whole
+  shape, so the last bits of a row's logprob may change with the batch size.
 
 ``bench/logprob_rank.py`` measures both inside ``jax.jit`` next to the torch versions.
 """
@@ -22,7 +25,9 @@ Two implementations of one contract (the core's, see
 from __future__ import annotations
 
 import functools
-from typing import Any, Tuple
+import math
+import numbers
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +37,12 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 from trace_replay_core import bind_logprob_rank
 from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
 from trace_replay_core._bound_cache import BoundCache
-from trace_replay_core._logprob import LOGITS_DTYPES, MAX_VOCAB, logprob_rank_workspace_bytes
+from trace_replay_core._dtypes import LOGITS_DTYPES
+from trace_replay_core._logprob import MAX_VOCAB, TOPK_MAX, logprob_rank_workspace_bytes
 
 from .jnp_replay import is_vmap_tracer
 
-__all__ = ["token_logprob_rank", "METHODS"]
+__all__ = ["token_logprob_rank", "METHODS", "LogprobRank", "LogprobRankTopK"]
 
 METHODS = ("kernel", "jnp")
 _TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
@@ -46,6 +52,21 @@ _VMAP_MESSAGE = ("trace_replay_jax.token_logprob_rank does not support jax.vmap:
                  "logits as [n * batch, vocab], token_ids as [n * batch]), without vmap")
 _GRAD_MESSAGE = ("token_logprob_rank(method='kernel') has no gradient: use method='jnp', which is "
                  "differentiable in logits (ranks are integers and have none), or jax.nn.log_softmax")
+
+
+class LogprobRank(NamedTuple):
+    """``token_logprob_rank``'s result without top-k (a pytree): unpacks as ``logprobs, ranks``."""
+    logprobs: jax.Array
+    ranks: jax.Array
+
+
+class LogprobRankTopK(NamedTuple):
+    """``token_logprob_rank``'s result with ``top_k > 0`` (a pytree):
+    ``logprobs, ranks, topk_logprobs, topk_ids``."""
+    logprobs: jax.Array
+    ranks: jax.Array
+    topk_logprobs: jax.Array
+    topk_ids: jax.Array
 
 
 def _check(logits: Any, token_ids: Any, method: Any) -> Tuple[int, int]:
@@ -73,23 +94,68 @@ def _check(logits: Any, token_ids: Any, method: Any) -> Tuple[int, int]:
     return batch, vocab
 
 
+def _check_top_k(top_k: Any, vocab: int) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    limit = min(TOPK_MAX, vocab)
+    if not 0 <= int(top_k) <= limit:
+        raise ValueError(f"top_k must be between 0 and {limit} (at most {TOPK_MAX} and at most the "
+                         f"vocabulary, {vocab}) (got {top_k})")
+    return int(top_k)
+
+
+def _temperature(temperature: Any, batch: int) -> Optional[Any]:
+    """None, or a float32 [batch] array (a float is checked and broadcast; host numpy data is
+    checked; a JAX array is not read on the host)."""
+    if temperature is None:
+        return None
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        t = float(temperature)
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"temperature must be finite and > 0 (got {temperature!r})")
+        return jnp.full((batch,), t, jnp.float32)
+    if not hasattr(temperature, "shape") or not hasattr(temperature, "dtype"):
+        raise TypeError(f"temperature must be None, a float or a [batch] array (got {type(temperature).__name__})")
+    if tuple(temperature.shape) != (batch,):
+        raise ValueError(f"temperature must be [batch] with batch = {batch} (got shape {list(temperature.shape)})")
+    if np.dtype(temperature.dtype) != np.float32:
+        raise ValueError(f"temperature must be float32 (got {np.dtype(temperature.dtype).name})")
+    if isinstance(temperature, np.ndarray):
+        bad = np.flatnonzero(~(np.isfinite(temperature) & (temperature > 0)))
+        if bad.size:
+            raise ValueError(f"temperature must be finite and > 0 in every row (got {temperature[bad[0]]!r} in "
+                             f"row {bad[0]})")
+    return temperature
+
+
 # -- method="jnp" -------------------------------------------------------------------------------
 
-def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int):
     """The contract in jnp ops: float32 log-sum-exp with the row maximum subtracted, a count of
-    ``x >= x[t]`` (IEEE: NaN never counts), NaN/-1 for an id outside ``[0, vocab)``."""
+    ``y >= y[t]`` (IEEE: NaN never counts), NaN/-1 for an id outside ``[0, vocab)``, and
+    ``lax.top_k`` (ties: the lower index first) with NaN ranked as ``-inf`` and reported as -1."""
     vocab = logits.shape[1]
-    x = logits.astype(jnp.float32)
+    y = logits.astype(jnp.float32)
+    if temperature is not None:
+        y = y / temperature.astype(jnp.float32)[:, None]
     ids = ids.reshape(-1)
     valid = (ids >= 0) & (ids < vocab)
     safe = jnp.where(valid, ids, 0).astype(jnp.int32)
-    chosen = jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0]
+    chosen = jnp.take_along_axis(y, safe[:, None], axis=1)[:, 0]
     chosen = jnp.where(valid, chosen, jnp.nan)
-    m = jax.lax.stop_gradient(jnp.max(x, axis=1))             # NaN or +inf in the row -> NaN sum
-    lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=1))
+    m = jax.lax.stop_gradient(jnp.max(y, axis=1))             # NaN or +inf in the row -> NaN sum
+    lse = m + jnp.log(jnp.sum(jnp.exp(y - m[:, None]), axis=1))
     logprob = jnp.where(valid, chosen - lse, jnp.nan)
-    rank = jnp.sum(x >= jax.lax.stop_gradient(chosen)[:, None], axis=1, dtype=jnp.int32)
-    return logprob, jnp.where(valid, rank, -1).astype(jnp.int32)
+    rank = jnp.sum(y >= jax.lax.stop_gradient(chosen)[:, None], axis=1, dtype=jnp.int32)
+    rank = jnp.where(valid, rank, -1).astype(jnp.int32)
+    if not top_k:
+        return LogprobRank(logprob, rank)
+    keyed = jax.lax.stop_gradient(jnp.where(jnp.isnan(y), -jnp.inf, jnp.where(y == 0, 0.0, y)))
+    _, top_ids = jax.lax.top_k(keyed, top_k)
+    top_y = jnp.take_along_axis(y, top_ids, axis=1)
+    nan = jnp.isnan(top_y)
+    return LogprobRankTopK(logprob, rank, jnp.where(nan, jnp.nan, top_y - lse[:, None]),
+                           jnp.where(nan, -1, top_ids).astype(jnp.int32))
 
 
 # -- method="kernel" ----------------------------------------------------------------------------
@@ -98,46 +164,52 @@ _BOUND_CACHE_SIZE = 64
 
 
 class _KernelCallback:
-    """The buffer callback of one (batch, vocab, dtypes) signature.
+    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature) signature.
 
-    XLA hands it its buffers; on a GPU it queues the core's kernel on ``ctx.stream``. A call is
+    XLA hands it its buffers; on a GPU it queues the core's kernels on ``ctx.stream``. A call is
     bound (validated over DLPack, parameters packed) once per set of buffer addresses and then
     only launched: XLA's allocator gives a program the same few addresses call after call.
     A bound entry holds addresses, never the buffers (they belong to XLA).
     """
 
-    def __init__(self):
+    def __init__(self, top_k: int):
         self._bound = BoundCache(_BOUND_CACHE_SIZE)
+        self._top_k = top_k
 
-    def __call__(self, ctx, outs, logits, ids) -> None:
+    def __call__(self, ctx, outs, logits, ids, *temperature) -> None:
         if ctx.stage != ExecutionStage.EXECUTE:
             return
-        logprobs, ranks, *workspace = outs
-        workspace = workspace[0] if workspace else None
+        top_k = self._top_k
+        logprobs, ranks = outs[0], outs[1]
+        top_lp, top_ids = (outs[2], outs[3]) if top_k else (None, None)
+        workspace = outs[-1]
+        temp = temperature[0] if temperature else None
         if logits.__dlpack_device__()[0] == 1:   # host buffers: the core computes them in numpy
             _core_token_logprob_rank(logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=0,
-                                     workspace=workspace)
+                                     workspace=workspace, temperature=temp, top_k=top_k,
+                                     out_topk_logprobs=top_lp, out_topk_ids=top_ids)
             return
         stream = int(ctx.stream)
-        buffers = (logits, ids, logprobs, ranks) if workspace is None else (logits, ids, logprobs, ranks, workspace)
+        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids) if b is not None]
         key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
         bound = self._bound.bind(key, lambda: bind_logprob_rank(
-            logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=stream, workspace=workspace))
+            logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=stream, workspace=workspace,
+            temperature=temp, top_k=top_k, out_topk_logprobs=top_lp, out_topk_ids=top_ids))
         bound(stream=stream)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str):
+def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool):
     outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
-    nbytes = logprob_rank_workspace_bytes(batch, vocab)
-    if nbytes:
-        outs.append(jax.ShapeDtypeStruct((nbytes,), jnp.uint8))
-    op = buffer_callback(_KernelCallback(), outs, command_buffer_compatible=True)
+    if top_k:
+        outs += [jax.ShapeDtypeStruct((batch, top_k), jnp.float32), jax.ShapeDtypeStruct((batch, top_k), jnp.int32)]
+    outs.append(jax.ShapeDtypeStruct((max(16, logprob_rank_workspace_bytes(batch, vocab, top_k)),), jnp.uint8))
+    op = buffer_callback(_KernelCallback(top_k), outs, command_buffer_compatible=True)
 
     @jax.custom_jvp
-    def run(logits, ids):
-        out = op(logits, ids)
-        return out[0], out[1]
+    def run(logits, ids, *temperature):
+        out = op(logits, ids, *temperature)
+        return LogprobRankTopK(*out[:4]) if top_k else LogprobRank(*out[:2])
 
     @run.defjvp
     def _no_grad(primals, tangents):
@@ -146,30 +218,44 @@ def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str):
     return run
 
 
-def _kernel_logprob_rank(logits: jax.Array, ids: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def _kernel_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int):
     batch, vocab = logits.shape
     if batch == 0:
-        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
-    return _kernel_op(batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name)(logits, ids)
+        empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32))
+        if top_k:
+            return LogprobRankTopK(*empty, jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32))
+        return LogprobRank(*empty)
+    run = _kernel_op(batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k,
+                     temperature is not None)
+    return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))
 
 
 _IMPL = {"kernel": _kernel_logprob_rank, "jnp": _jnp_logprob_rank}
-_EAGER = {name: jax.jit(impl) for name, impl in _IMPL.items()}
+_EAGER = {name: jax.jit(impl, static_argnums=(3,)) for name, impl in _IMPL.items()}
 
 
-def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *,
-                       method: str = "kernel") -> Tuple[jax.Array, jax.Array]:
-    """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``.
+def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *, method: str = "kernel", top_k: int = 0,
+                       temperature: Union[None, float, jax.Array] = None) -> Union[LogprobRank, LogprobRankTopK]:
+    """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
+    optionally the row's ``top_k`` most likely tokens.
 
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, never modified.
     ``token_ids``: ``[batch]`` or ``[batch, 1]`` int32/int64 (e.g. the tokens after replay).
-    ``method``: ``"kernel"`` (the core's one-pass Triton kernel on XLA's stream; numpy on the
-    CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, differentiable in ``logits``).
+    ``method``: ``"kernel"`` (the core's one-pass Triton kernels on XLA's stream, batch-invariant;
+    numpy on the CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, differentiable in
+    ``logits``, not promised batch-invariant). ``top_k``: 0 to ``min(64, vocab)`` (static).
+    ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a float32
+    ``[batch]`` array (numpy data is checked; a JAX array is not read on the host: T <= 0 gives
+    NaN logprobs); the results are then those of ``logits / T`` (vLLM's processed logprobs).
 
-    Returns ``(logprobs, ranks)``, new arrays: ``logprobs`` float32 ``[batch]`` (natural log of
-    the softmax probability, accumulated in float32); ``ranks`` int32 ``[batch]`` = the number
-    of vocabulary entries whose logit is greater than or equal to the token's own (vLLM's
-    definition: a unique argmax has rank 1; ties count against the token).
+    Returns new arrays, :class:`LogprobRank` ``(logprobs, ranks)`` when ``top_k == 0``, else
+    :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``: ``logprobs``
+    float32 ``[batch]`` (natural log of the softmax probability, float32); ``ranks`` int32
+    ``[batch]`` = the number of vocabulary entries greater than or equal to the token's own
+    (vLLM's definition: a unique argmax has rank 1; ties count against the token);
+    ``topk_logprobs`` float32 and ``topk_ids`` int32 ``[batch, top_k]``, sorted descending, ties
+    broken by the lower id, NaN entries never selected (-1 and NaN where a row has fewer than
+    ``top_k`` others; the two methods may then differ in which ``-inf`` entries fill in).
 
     Special values, as the core: a row holding NaN or ``+inf``, or only ``-inf``, has logprob
     NaN (ranks stay IEEE counts: NaN never counts); ``-inf`` logits are otherwise fine; a
@@ -180,11 +266,13 @@ def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *,
     ``lax.fori_loop`` and ``lax.while_loop``. ``jax.vmap`` is refused (the function already
     takes a batch); gradients exist only for ``method="jnp"``.
     """
-    _check(logits, token_ids, method)
-    args = (logits, token_ids)
+    batch, vocab = _check(logits, token_ids, method)
+    top_k = _check_top_k(top_k, vocab)
+    temperature = _temperature(temperature, batch)
+    args = (logits, token_ids) + ((temperature,) if temperature is not None else ())
     traced = [a for a in args if isinstance(a, jax.core.Tracer)]
     if any(is_vmap_tracer(a) for a in traced):
         raise ValueError(_VMAP_MESSAGE)
     if traced:
-        return _IMPL[method](logits, token_ids)
-    return _EAGER[method](logits, token_ids)
+        return _IMPL[method](logits, token_ids, temperature, top_k)
+    return _EAGER[method](logits, token_ids, temperature, top_k)

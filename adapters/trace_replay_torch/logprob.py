@@ -1,16 +1,19 @@
-"""``token_logprob_rank`` for torch tensors: logprob and rank of one token per row, one read of the logits.
+"""``token_logprob_rank`` for torch tensors: logprob, rank and optional top-k of one token per row.
 
 Runs :func:`trace_replay_core.token_logprob_rank` on torch's current stream of the logits'
 device (or in numpy for CPU tensors); no host synchronisation, capturable in a CUDA graph
-once warmed up. Calls are bound once per layout of their tensors (data pointers, dtypes,
-shapes, strides; torch's caching allocator hands a decode loop the same few addresses step
-after step), so a repeated call only launches the kernels.
+once warmed up. A row gives the same bits whatever else is in the batch (the core's kernels
+reduce in an order fixed by the vocabulary). Calls are bound once per layout of their tensors
+(data pointers, dtypes, shapes, strides; torch's caching allocator hands a decode loop the same
+few addresses step after step), so a repeated call only launches the kernels.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Tuple
+import math
+import numbers
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -21,51 +24,94 @@ from trace_replay_core._logprob import logprob_rank_workspace_bytes
 
 from .views import layout_key, raw_stream
 
-__all__ = ["token_logprob_rank"]
+__all__ = ["token_logprob_rank", "LogprobRank", "LogprobRankTopK"]
+
+
+class LogprobRank(NamedTuple):
+    """``token_logprob_rank``'s result without top-k: unpacks as ``logprobs, ranks``."""
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+
+class LogprobRankTopK(NamedTuple):
+    """``token_logprob_rank``'s result with ``top_k > 0``:
+    ``logprobs, ranks, topk_logprobs, topk_ids``."""
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    topk_logprobs: torch.Tensor
+    topk_ids: torch.Tensor
 
 
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
 _BOUND = BoundCache(64)     # bound calls by tensor layout
 
 
-def _bound(logits, token_ids, logprobs, ranks, workspace, stream):
-    """The bound call for this exact layout of tensors, binding (over DLPack) on a miss."""
-    tensors = (logits, token_ids, logprobs, ranks) if workspace is None else (
-        logits, token_ids, logprobs, ranks, workspace)
+def _bound(tensors, top_k, stream):
+    """The bound call for this exact layout of tensors, binding (over DLPack) on a miss.
+    ``tensors``: logits, ids, logprobs, ranks, workspace, temperature, topk logprobs, topk ids
+    (the last three may be None)."""
 
     def bind():
-        t = tuple(x.detach() for x in tensors)           # logits may require grad: read-only use
-        return bind_logprob_rank(t[0], t[1], out_logprobs=t[2], out_ranks=t[3], stream=stream,
-                                 workspace=t[4] if workspace is not None else None)
+        t = [None if x is None else x.detach() for x in tensors]   # logits may require grad: read-only use
+        return bind_logprob_rank(t[0], t[1], out_logprobs=t[2], out_ranks=t[3], stream=stream, workspace=t[4],
+                                 temperature=t[5], top_k=top_k, out_topk_logprobs=t[6], out_topk_ids=t[7])
 
-    return _BOUND.bind(tuple(layout_key(t) for t in tensors), bind)
+    key = (top_k,) + tuple(None if x is None else layout_key(x) for x in tensors)
+    return _BOUND.bind(key, bind)
 
 
-def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
-                       out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``.
+def _temperature(temperature, batch: int, device) -> Optional[torch.Tensor]:
+    if temperature is None:
+        return None
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        t = float(temperature)
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"temperature must be finite and > 0 (got {temperature!r})")
+        return torch.full((batch,), t, dtype=torch.float32, device=device)
+    if not isinstance(temperature, torch.Tensor):
+        raise TypeError(f"temperature must be None, a float or a torch.Tensor (got {type(temperature).__name__})")
+    return temperature
+
+
+def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: int = 0,
+                       temperature: Union[None, float, torch.Tensor] = None,
+                       out: Optional[Sequence[torch.Tensor]] = None) -> Union[LogprobRank, LogprobRankTopK]:
+    """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
+    optionally the row's ``top_k`` most likely tokens, from one read of the logits.
 
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, rows may be strided (element
     stride 1 along the vocabulary), never modified. ``token_ids``: ``[batch]`` or
     ``[batch, 1]`` int32/int64 on the same device (e.g. ``sampled`` after replay).
+    ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a float32
+    ``[batch]`` tensor (a CUDA tensor is not checked: T <= 0 gives NaN logprobs); the results
+    are then those of ``logits / T`` (vLLM's processed logprobs). ``top_k``: 0 to
+    ``min(64, vocab)``.
 
-    Returns ``(logprobs, ranks)``: ``logprobs`` float32 ``[batch]`` (natural log of the softmax
-    probability, accumulated in float32), ``ranks`` ``[batch]`` = the number of vocabulary
-    entries whose logit is greater than or equal to the token's own (vLLM's definition: a
-    unique argmax has rank 1; ties count against the token). New tensors (``ranks`` int64)
-    unless ``out=(logprobs, ranks)`` gives caller-owned ones (float32 and int32/int64, ``[batch]``,
-    contiguous), which are written and returned.
+    Returns :class:`LogprobRank` ``(logprobs, ranks)`` when ``top_k == 0``, else
+    :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``:
 
-    Special values: a row holding a NaN or ``+inf``, or only ``-inf`` logits, has logprob NaN
-    (ranks are IEEE counts: NaN entries never count); ``-inf`` logits are otherwise fine; a
-    token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (no error: that check would
-    need a host sync).
+    - ``logprobs`` float32 ``[batch]``: natural log of the softmax probability (float32);
+    - ``ranks`` ``[batch]``: the number of vocabulary entries greater than or equal to the
+      token's own (vLLM's definition: a unique argmax has rank 1; ties count against it);
+    - ``topk_logprobs`` float32 and ``topk_ids`` ``[batch, top_k]``: sorted descending, ties
+      broken by the lower id; NaN entries are never selected (id -1, logprob NaN where a row
+      has fewer than ``top_k`` others).
 
-    Blocking: ordered on torch's current stream of the logits' device, never synchronises. For
-    batches below 256 it allocates a workspace of at most 6 KiB with torch (so it is
-    capture-safe through torch's graph memory pool). The first call per device and dtype
-    combination compiles the kernels: run one eager call before capturing a CUDA graph.
-    On CPU tensors it computes in numpy before returning.
+    New tensors (ranks and ids int64) unless ``out`` gives caller-owned ones in the same order
+    (float32; ranks and ids int32 or int64; contiguous), which are written and returned.
+
+    Batch-invariant: the same row gives the same bits in any batch, at any position, for each
+    dtype and vocabulary. Special values: a row holding a NaN or ``+inf``, or only ``-inf``
+    logits, has NaN logprobs (ranks are IEEE counts: NaN entries never count); ``-inf`` logits
+    are otherwise fine; a token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (no
+    error: that check would need a host sync).
+
+    Blocking: ordered on torch's current stream of the logits' device, never synchronises. It
+    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 228 bytes per row at
+    vocab 151,936, about 10 KiB per row with top-k 20; capture-safe through torch's graph
+    memory pool) and, for a float temperature, a ``[batch]`` tensor. The first call per device
+    and signature compiles the kernels: run one eager call before capturing a CUDA graph. On
+    CPU tensors it computes in numpy before returning.
     """
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (got {type(logits).__name__})")
@@ -76,25 +122,35 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *,
     device = logits.device
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"logits must be on a cpu or cuda device (got {device})")
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    top_k = int(top_k)
     batch, vocab = logits.shape
+    n_out = 4 if top_k > 0 else 2
     if out is None:
-        logprobs = torch.empty(batch, dtype=torch.float32, device=device)
-        ranks = torch.empty(batch, dtype=torch.int64, device=device)
+        outs = [torch.empty(batch, dtype=torch.float32, device=device),
+                torch.empty(batch, dtype=torch.int64, device=device)]
+        if top_k > 0 and 0 < top_k <= min(64, vocab):
+            outs += [torch.empty(batch, top_k, dtype=torch.float32, device=device),
+                     torch.empty(batch, top_k, dtype=torch.int64, device=device)]
     else:
-        if (not isinstance(out, (tuple, list)) or len(out) != 2
+        if (not isinstance(out, (tuple, list)) or len(out) != n_out
                 or not all(isinstance(t, torch.Tensor) for t in out)):
             got = ([type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__)
-            raise TypeError(f"out must be a (logprobs, ranks) pair of torch.Tensor (got {got})")
-        logprobs, ranks = out
+            names = "(logprobs, ranks, topk_logprobs, topk_ids)" if top_k > 0 else "(logprobs, ranks)"
+            raise TypeError(f"out must be a {names} tuple of torch.Tensor with top_k={top_k} (got {got})")
+        outs = list(out)
+    outs += [None] * (4 - len(outs))
+    temp = _temperature(temperature, batch, device)
+    result = LogprobRankTopK(*outs) if top_k > 0 else LogprobRank(*outs[:2])
     if device.type == "cpu":
         # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
-        core_token_logprob_rank(logits.detach(), token_ids, out_logprobs=logprobs, out_ranks=ranks, stream=0)
-        return logprobs, ranks
+        core_token_logprob_rank(logits.detach(), token_ids, out_logprobs=outs[0], out_ranks=outs[1], stream=0,
+                                temperature=temp, top_k=top_k, out_topk_logprobs=outs[2], out_topk_ids=outs[3])
+        return result
     stream = raw_stream(device.index)
-    workspace = None
-    nbytes = _workspace_bytes(batch, vocab) if vocab >= 1 else 0
-    if nbytes:
-        # Freed when this call returns: torch reuses it only for work queued after ours.
-        workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    _bound(logits, token_ids, logprobs, ranks, workspace, stream)(stream=stream)
-    return logprobs, ranks
+    nbytes = _workspace_bytes(batch, vocab, top_k) if 0 <= top_k <= min(64, vocab) else 0
+    # Freed when this call returns: torch reuses it only for work queued after ours.
+    workspace = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
+    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, outs[2], outs[3]), top_k, stream)(stream=stream)
+    return result

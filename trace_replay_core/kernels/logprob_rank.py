@@ -1,199 +1,461 @@
-"""The logprob-and-rank kernels: log-softmax value and rank of one token per row, one read of the logits.
+"""Logprob, rank and top-k of one token per row, one read of the logits, the same bits at any batch size.
 
-For row ``b`` with token ``t = token_ids[b]`` and logits ``x = logits[b, :vocab]`` (converted to
-float32 on load; exact for bfloat16 and float16):
+For row ``b`` with token ``t = token_ids[b]``, temperature ``T = temperature[b]`` (1 without one)
+and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exactly):
 
-- ``logprob[b] = x[t] - log(sum(exp(x)))``, in float32;
-- ``rank[b] = count(x >= x[t])`` (vLLM's definition: a unique argmax has rank 1, ties count
-  against the token; IEEE comparisons, so NaN entries never count).
+- ``logprob[b] = y[t] - log(sum(exp(y)))``;
+- ``rank[b] = count(y >= y[t])`` (vLLM's definition: a unique argmax has rank 1; IEEE
+  comparisons, so NaN entries never count);
+- optionally the ``top_k`` largest ``y`` as logprobs and their token ids, sorted descending,
+  ties broken by the lower id; NaN entries are never selected.
 
-Each program reads its stretch of one row exactly once, a block of ``BLOCK`` logits per step
-seen as ``[BLOCK // VEC, VEC]`` (one 16-byte vector per line, each line owned by one thread).
-Per line it keeps a running maximum ``m`` and a running sum ``s`` of ``exp(x - m)`` (an online
-log-sum-exp: per block, ``m' = max(m, max(x))``, ``s' = s * exp(m - m') + sum(exp(x - m'))``),
-all inside the thread, so the loop has no shuffles and no barriers; and per logit a count of
-``x >= x[t]``. The token's own logit is one extra scalar load per program. Lines are combined
-once, at the end.
+Batch invariance. Each row is cut into ``n_tiles = cdiv(vocab, tile)`` tiles of ``tile`` logits,
+``tile`` chosen from the vocabulary alone (:func:`plan_logprob_rank`). Program ``p`` of
+:func:`logprob_rank_tile_kernel` owns tile ``p % n_tiles`` of row ``p // n_tiles``: it loads the
+tile once (16-byte vectors where rows are aligned), takes its maximum ``m`` (exact in any order),
+sums ``exp(y - m)`` in a fixed binary tree over the column index bits (:func:`_tree_sum`, a sum of
+two terms at every node, so the same bits whatever the register layout the compiler picks),
+counts ``y >= y[t]`` (integers: exact) and writes the partial ``(m, s, count)``.
+:func:`logprob_rank_combine_kernel` (one program per row) merges a row's partials in tile
+order, again by max and fixed trees. Nothing depends on the batch, the row's position or the
+other rows: a row gives the same bits in a batch of 1 and of 10,000.
 
-Special values fall out of the arithmetic, and the host documents them as the contract:
+Top-k. Per tile, a cheap filter finds the candidates: ``tau`` = the ``K_PAD``-th largest of
+``N_GROUPS`` group maxima, so at least ``K_PAD >= top_k`` logits are ``>= tau`` and the tile's
+``top_k`` best are among them. When at most ``CAP`` logits pass (the common case; ties at ``tau``
+are cut to the ``top_k`` lowest columns), their columns are compacted into the workspace, read
+back (the tile is still in cache) and reduced with a bitonic top-k network on 64-bit keys
+(orderable float bits, then the inverted column: larger value first, then lower id). Otherwise
+the tile is re-read in pieces of ``CAP`` and merged piece by piece. Either way the tile's best
+``K_PAD`` keys are exact, and selection by a total order does not depend on the order of
+evaluation. The combine kernel keeps the row's best ``K_PAD`` of the ``n_tiles * K_PAD``.
 
-- a NaN or ``+inf`` anywhere in the row makes the sum NaN, so the logprob is NaN;
-- ``-inf`` entries add nothing; a row of only ``-inf`` has an empty sum: ``lse = -inf`` and the
-  logprob ``-inf - (-inf)`` is NaN;
-- a token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (a device-side check cannot
-  raise without a host synchronisation).
+Special values fall out of the arithmetic (the host documents them as the contract): NaN or
+``+inf`` in a row makes its sum NaN; ``-inf`` adds nothing; a row of only ``-inf`` has
+``lse = -inf`` and NaN logprobs; a token id outside ``[0, vocab)`` gives NaN and rank -1.
 
-Two launch shapes (``logprob.py`` chooses):
-
-- ``SPLIT=False``: grid ``(batch, 1)``; each program owns a whole row and writes the results.
-- ``SPLIT=True``: grid ``(batch, n_split)``; program ``(b, j)`` owns blocks
-  ``[j * chunk_blocks, (j + 1) * chunk_blocks)`` of row ``b`` and writes a partial
-  ``(max, sum, count)`` to a caller-provided workspace; :func:`logprob_rank_combine_kernel`
-  (grid ``(batch,)``) then merges the ``n_split`` partials of each row. Used when the batch is
-  too small to fill the GPU with one program per row.
+The host side of one call is integers only: :class:`LogprobRankArgs` (byte addresses and
+sizes) and :class:`LogprobRankDtypes` (element type names); :func:`launch_logprob_rank` queues
+the two kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once.
 """
 
 from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import triton
 import triton.language as tl
 
 __all__ = [
-    "logprob_rank_kernel",
+    "logprob_rank_tile_kernel",
     "logprob_rank_combine_kernel",
-    "LOGPROB_BLOCK",
-    "LOGPROB_NUM_WARPS",
-    "COMBINE_SPLIT_BLOCK",
-    "COMBINE_NUM_WARPS",
+    "LogprobRankPlan",
+    "LogprobRankArgs",
+    "LogprobRankDtypes",
+    "plan_logprob_rank",
+    "workspace_layout",
+    "launch_specs",
+    "launch_logprob_rank",
+    "bind_logprob_rank_launch",
+    "LOGPROB_TILE",
+    "TOPK_MAX",
 ]
 
-# Logits of one row per loop iteration: 8 per thread with 16 warps, i.e. one 16-byte load per
-# thread for 2-byte logits and two for float32; the loop is unrolled twice, so two blocks are in
-# flight per program. Chosen by bench/logprob_tuning.py on the H200 (2026-11-30, vocab 151,936,
-# device time): against the former 4096 x 8 warps, batch 256 went 26.9 -> 25.8 us (bf16) and
-# 41.6 -> 39.8 us (float32), batch 64 13.3 -> 12.9 / 16.7 -> 16.5 us, batch 1024 79.2 -> 81.3 /
-# 154.3 -> 145.2 us; larger blocks (8192, 16384) and 4 warps were slower at batch 256.
-LOGPROB_BLOCK = 4096
-LOGPROB_NUM_WARPS = 16
-# The combine kernel reduces at most this many partials per row (the most splits planned).
-COMBINE_SPLIT_BLOCK = 256
+# Logits per program: a row of 151,936 is 19 tiles of 8192 (16 KiB of bf16 per program, four
+# 16-byte loads per thread with 8 warps); smaller vocabularies get the next power of two.
+LOGPROB_TILE = 8192
+LOGPROB_MIN_TILE = 128
+LOGPROB_ELEMENTS_PER_THREAD = 32
+LOGPROB_MAX_WARPS = 8
+TOPK_MAX = 64
+# Partials the combine kernel merges per loop step, and top-k keys per merge step.
+COMBINE_BLOCK = 256
+COMBINE_KEYS = 1024
 COMBINE_NUM_WARPS = 4
+_INT64_MIN = -(2**63)
 
-# A finite "minus infinity" for the running maximum: x - m stays a number for x = -inf
-# (-inf - (-FLT_MAX) = -inf, exp -> 0), so -inf entries and masked-off logits add exactly nothing,
-# and a line that has seen only -inf keeps s = 0.
-_NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 _LOG2E = tl.constexpr(1.4426950408889634)
+_KEY_PAD = tl.constexpr(_INT64_MIN)
 
 
-@triton.jit
-def _online_update(x, m, s):
-    """Fold the ``[LINES, VEC]`` block ``x`` into the per-line running max ``m`` and sum ``s``.
+class LogprobRankPlan(NamedTuple):
+    """How rows of ``vocab`` logits are cut and reduced; a function of the vocabulary (and
+    ``top_k``) only, never of the batch: that is what makes the results batch-invariant.
 
-    Each thread owns whole lines of ``VEC`` contiguous logits (one 16-byte vector), so the
-    line max and line sum below stay inside the thread: no shuffles, no barriers.
+    ``tile`` logits per program (a power of two), ``n_tiles`` programs per row, ``num_warps``
+    per program; ``high_bits`` index bits the tree sum folds first (bits above one register
+    pass of the CTA); top-k: ``k_pad`` (0 without top-k; a power of two >= top_k), ``n_groups``
+    group maxima for the filter, ``cap`` candidates kept per tile; ``tree`` False sums with
+    ``tl.sum`` (a layout-dependent order; tuning only).
     """
-    m_new = tl.maximum(m, tl.max(x, axis=1))
-    scale = tl.exp2((m - m_new) * _LOG2E)                 # m = m_new = +inf: NaN, as it should
-    terms = tl.exp2((x - m_new[:, None]) * _LOG2E)        # x = -inf: 0; x = NaN: NaN
-    return m_new, s * scale + tl.sum(terms, axis=1)
+    tile: int
+    n_tiles: int
+    num_warps: int
+    high_bits: int
+    k_pad: int
+    n_groups: int
+    cap: int
+    tree: bool
 
 
-@triton.jit
-def _merge(m, s):
-    """Return (max, sum of exp(. - max)) over all lines (or partials) ``m``/``s``.
+class LogprobRankArgs(NamedTuple):
+    """The integers of one call: byte addresses (0 where absent) and sizes (elements)."""
+    logits: int
+    token_ids: int
+    temperature: int      # float32 [batch], or 0 for T = 1
+    logprobs: int
+    ranks: int
+    topk_logprobs: int    # float32 [batch, top_k], or 0
+    topk_ids: int         # [batch, top_k], or 0
+    workspace: int        # 16-byte aligned, workspace_layout(...)[-1] bytes
+    batch: int
+    vocab: int
+    row_stride: int       # elements between rows (0 for one row)
+    top_k: int
 
-    A line whose max is +inf gives exp(inf - inf) = NaN: a row holding +inf has NaN logprob.
+
+class LogprobRankDtypes(NamedTuple):
+    """Element type names: ``logits`` float32/bfloat16/float16, the rest int32/int64."""
+    logits: str
+    token_ids: str
+    ranks: str
+    topk_ids: str = "int32"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _k_pad(top_k: int) -> int:
+    return 0 if top_k <= 0 else (8 if top_k <= 8 else (32 if top_k <= 32 else 64))
+
+
+def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Optional[int] = None,
+                      num_warps: Optional[int] = None, tree: bool = True) -> LogprobRankPlan:
+    """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure).
+
+    ``tile``, ``num_warps`` and ``tree`` override the defaults for tuning
+    (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
     """
-    big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)
-    return big, total
+    if tile is None:
+        tile = min(LOGPROB_TILE, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
+    if num_warps is None:
+        num_warps = max(1, min(LOGPROB_MAX_WARPS, tile // (32 * LOGPROB_ELEMENTS_PER_THREAD)))
+    vec = 16 // itemsize
+    pass_elems = vec * 32 * num_warps
+    high_bits = max(0, (tile // pass_elems).bit_length() - 1) if tile > pass_elems else 0
+    k_pad = _k_pad(top_k)
+    n_groups = min(4 * k_pad, tile // 2) if k_pad else 0
+    cap = 2 * k_pad
+    return LogprobRankPlan(tile, _cdiv(vocab, tile), num_warps, high_bits, k_pad, n_groups, cap, tree)
+
+
+def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, int, int, int, int, int]:
+    """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidates) and the
+    total size. ``batch * n_tiles`` partials; each region starts on 16 bytes."""
+    parts = batch * plan.n_tiles
+    offsets = []
+    at = 0
+    for nbytes in (4 * parts, 4 * parts, 4 * parts, 8 * parts * plan.k_pad, 4 * parts * plan.cap):
+        offsets.append(at)
+        at += _cdiv(nbytes, 16) * 16
+    return (*offsets, at)
+
+
+def _aligned(args: LogprobRankArgs, itemsize: int, plan: LogprobRankPlan) -> bool:
+    """Whether every row starts on 16 bytes (vector loads). Only speed depends on it when the
+    plan sums in trees; otherwise it is a property of the layout, never of the batch."""
+    if args.logits % 16:
+        return False
+    stride_ok = (args.row_stride * itemsize) % 16 == 0
+    return stride_ok or (args.batch == 1 and plan.tree)
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optional[LogprobRankPlan] = None):
+    """The two launches of one call, as plain data, in order:
+    ``(jit kernel, grid, pointers, pointer dtypes, ints, constexprs, num_warps)``."""
+    itemsize = _ITEMSIZE[dtypes.logits]
+    if plan is None:
+        plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
+    off_m, off_s, off_c, off_k, off_cand, _ = workspace_layout(args.batch, plan)
+    ws = args.workspace
+    has_temp = args.temperature != 0
+    temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
+    part_k = ws + off_k if plan.k_pad else ws + off_m             # never read without top-k
+    cand = ws + off_cand if plan.k_pad else ws + off_m
+    topk_lp = args.topk_logprobs if plan.k_pad else args.logprobs
+    topk_id = args.topk_ids if plan.k_pad else args.ranks
+    tile_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c, part_k, cand)
+    tile_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "int64", "int32")
+    tile_ints = (args.vocab, args.row_stride, plan.n_tiles, args.top_k)
+    log_tile = plan.tile.bit_length() - 1
+    tile_const = {"TILE": plan.tile, "LOG_TILE": log_tile, "HIGH_BITS": plan.high_bits,
+                  "ALIGNED": _aligned(args, itemsize, plan), "HAS_TEMP": has_temp, "K_PAD": plan.k_pad,
+                  "N_GROUPS": max(plan.n_groups, 2), "CAP": max(plan.cap, 2), "TREE": plan.tree}
+    comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, topk_lp, topk_id,
+                 ws + off_m, ws + off_s, ws + off_c, part_k)
+    topk_id_dtype = dtypes.topk_ids if plan.k_pad else dtypes.ranks
+    comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", topk_id_dtype,
+                   "float32", "float32", "int32", "int64")
+    block = min(COMBINE_BLOCK, _next_pow2(max(plan.n_tiles, 2)))
+    key_tiles = min(_next_pow2(max(plan.n_tiles, 2)), max(2, COMBINE_KEYS // max(plan.k_pad, 1)))
+    comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp,
+                  "K_PAD": plan.k_pad, "KEY_TILES": key_tiles, "TREE": plan.tree}
+    return [
+        (logprob_rank_tile_kernel, (args.batch * plan.n_tiles, 1, 1), tile_ptrs, tile_dtypes, tile_ints,
+         tile_const, plan.num_warps),
+        (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes, tile_ints, comb_const,
+         COMBINE_NUM_WARPS),
+    ]
+
+
+def _compiled_launches(args, dtypes, device_id, plan):
+    from ._compiled import compiled
+    for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps in launch_specs(args, dtypes, plan):
+        yield compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps), grid, ptrs, ints
+
+
+def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int, stream: int,
+                        plan: Optional[LogprobRankPlan] = None) -> None:
+    """Queue the call's two kernels on ``stream`` (stream-ordered, never blocking; the first
+    call per device and signature compiles, host-blocking). The current CUDA context must be
+    that of ``device_id``."""
+    for kernel, grid, ptrs, ints in _compiled_launches(args, dtypes, device_id, plan):
+        kernel.launch(grid, stream, *ptrs, *ints)
+
+
+def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int,
+                             plan: Optional[LogprobRankPlan] = None) -> Callable[[int], None]:
+    """Return ``launch(stream)`` that queues this exact call (arguments packed once)."""
+    launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints) for kernel, grid, ptrs, ints
+                                             in _compiled_launches(args, dtypes, device_id, plan)]
+    first, second = launches
+
+    def launch(stream: int) -> None:
+        first(stream)
+        second(stream)
+
+    return launch
+
+
+# -- device helpers -------------------------------------------------------------------------------
+
+@triton.jit
+def _tree_sum(x, LOG_N: tl.constexpr, HIGH_BITS: tl.constexpr, TREE: tl.constexpr):
+    """Sum of the ``2**LOG_N`` elements of ``x`` in a fixed binary tree over the index bits:
+    the ``HIGH_BITS`` highest bits first (elements one register pass apart), then the others
+    from the lowest up. Every node adds two values (a + b == b + a), so the result depends on
+    the indices alone, never on which thread holds which element."""
+    if TREE:
+        h = tl.reshape(x, [2] * LOG_N)
+        for i in tl.static_range(HIGH_BITS):
+            h = tl.sum(h, axis=0)
+        for i in tl.static_range(LOG_N - HIGH_BITS):
+            h = tl.sum(h, axis=LOG_N - HIGH_BITS - 1 - i)
+        return h
+    else:
+        return tl.sum(x, axis=0)
 
 
 @triton.jit
-def _chosen_logit(row_ptr, ids_ptr, row, vocab):
-    """Load the row's token id and its logit; (valid, logit) with logit NaN for an invalid id."""
+def _scaled(x, t, HAS_TEMP: tl.constexpr):
+    if HAS_TEMP:
+        return tl.math.div_rn(x, t)      # IEEE division, as logits / T in torch and numpy
+    else:
+        return x
+
+
+@triton.jit
+def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
+    """The row's token id, whether it is valid, its scaled logit (NaN when invalid) and T."""
     token = tl.load(ids_ptr + row).to(tl.int64)
     valid = (token >= 0) & (token < vocab)
-    chosen = tl.load(row_ptr + tl.where(valid, token, 0)).to(tl.float32)
-    chosen = tl.where(valid, chosen, float("nan"))
-    return valid, chosen
+    if HAS_TEMP:
+        t = tl.load(temp_ptr + row)
+    else:
+        t = 1.0
+    chosen = _scaled(tl.load(row_ptr + tl.where(valid, token, 0)).to(tl.float32), t, HAS_TEMP)
+    return valid, tl.where(valid, chosen, float("nan")), t
 
 
 @triton.jit
-def _store_result(logprob_ptr, rank_ptr, row, valid, chosen, big, total, count):
-    lse = big + tl.log(total)                   # total == 0 only for an all -inf row: lse = -inf
-    logprob = tl.where(valid, chosen - lse, float("nan"))
-    rank = tl.where(valid, count, -1)
-    tl.store(logprob_ptr + row, logprob)
-    tl.store(rank_ptr + row, rank.to(rank_ptr.dtype.element_ty))
+def _keys(y, cols, ok):
+    """64-bit keys ordering (value descending, then column ascending); NaN and masked lanes get
+    the smallest key. -0.0 is keyed as +0.0 (they compare equal, so the lower id wins)."""
+    y = tl.where(y == 0.0, 0.0, y)
+    b = y.to(tl.int32, bitcast=True)
+    o = b ^ ((b >> 31) & 0x7FFFFFFF)
+    low = (~cols).to(tl.uint32, bitcast=True).to(tl.int64)        # 2**32 - 1 - column
+    key = (o.to(tl.int64) << 32) | low
+    return tl.where(ok & (y == y), key, _KEY_PAD)
 
+
+@triton.jit
+def _merge_top(a, b, K_PAD: tl.constexpr):
+    """The best ``K_PAD`` of two sets of ``K_PAD`` keys (order of the inputs is irrelevant)."""
+    both = tl.reshape(tl.join(a, b), [2 * K_PAD])
+    return tl.topk(both, K_PAD)
+
+
+@triton.jit
+def _keys_at(row_ptr, cols, ok, t, HAS_TEMP: tl.constexpr):
+    x = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    return _keys(_scaled(x, t, HAS_TEMP), cols, ok)
+
+
+@triton.jit
+def _compact(sel, cols, dst):
+    """Write the columns where ``sel`` holds to ``dst[0..)``, in column order."""
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(dst + pos, cols, mask=sel)
+
+
+@triton.jit
+def _tile_topk(y, cols, valid, row_ptr, t, cand_dst, start, vocab, top_k, TILE: tl.constexpr,
+               HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr, N_GROUPS: tl.constexpr, CAP: tl.constexpr):
+    """The tile's best ``K_PAD`` keys (exact for its best ``top_k``; see the module docstring)."""
+    real = valid & (y == y)
+    yk = tl.where(real, y, float("-inf"))
+    gmax = tl.max(tl.reshape(yk, [N_GROUPS, TILE // N_GROUPS]), axis=1)
+    tau = tl.min(tl.topk(gmax, K_PAD), axis=0)
+    # K_PAD groups have a maximum >= tau, so at least K_PAD >= top_k real logits are >= tau
+    # (or tau = -inf and every real logit passes): the tile's best top_k all pass.
+    ge = real & (yk >= tau)
+    n_sel = tl.sum(ge.to(tl.int32), axis=0)
+    if n_sel <= CAP:
+        _compact(ge, cols, cand_dst)
+    else:
+        # Many ties at tau (a tile of -inf, say): only the top_k lowest columns equal to tau
+        # can be selected.
+        gt = real & (yk > tau)
+        eq = real & (yk == tau)
+        n_eq = tl.sum(eq.to(tl.int32), axis=0)
+        n_sel = tl.sum(gt.to(tl.int32), axis=0) + tl.minimum(n_eq, top_k)
+        if n_sel <= CAP:
+            eq_i = eq.to(tl.int32)
+            before = tl.cumsum(eq_i, axis=0) - eq_i
+            _compact(gt | (eq & (before < top_k)), cols, cand_dst)
+        else:
+            n_sel = -1
+    tl.debug_barrier()              # the compacted columns are read by other threads below
+    j = tl.arange(0, CAP)
+    if n_sel >= 0:
+        ok = j < n_sel
+        c = tl.load(cand_dst + j, mask=ok, other=0)
+        best = tl.topk(_keys_at(row_ptr, c, ok, t, HAS_TEMP), K_PAD)
+    else:
+        best = tl.full([K_PAD], _KEY_PAD, tl.int64)
+        for off in range(0, TILE, CAP):
+            c = start + off + j
+            best = _merge_top(best, tl.topk(_keys_at(row_ptr, c, c < vocab, t, HAS_TEMP), K_PAD), K_PAD)
+    return best
+
+
+# -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_split"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "logprob_ptr", "rank_ptr", "part_f_ptr",
-                                    "part_i_ptr"],
+    do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
+    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
+                                    "part_c_ptr", "part_k_ptr", "cand_ptr"],
 )
-def logprob_rank_kernel(
+def logprob_rank_tile_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
     ids_ptr,            # [batch] int32/int64 token per row
-    logprob_ptr,        # [batch] float32 out (unused when SPLIT)
-    rank_ptr,           # [batch] int32/int64 out (unused when SPLIT)
-    part_f_ptr,         # SPLIT: [batch * n_split, 2] float32 partial (max, sum) out
-    part_i_ptr,         # SPLIT: [batch * n_split] int32 partial count out
+    temp_ptr,           # [batch] float32 temperature (read when HAS_TEMP)
+    part_m_ptr,         # [batch * n_tiles] float32 out: tile maximum
+    part_s_ptr,         # [batch * n_tiles] float32 out: sum of exp(y - max)
+    part_c_ptr,         # [batch * n_tiles] int32 out: count of y >= y[token]
+    part_k_ptr,         # [batch * n_tiles, K_PAD] int64 out: the tile's best keys (K_PAD > 0)
+    cand_ptr,           # [batch * n_tiles, CAP] int32 scratch: candidate columns (K_PAD > 0)
     vocab,
     row_stride,         # elements between rows
-    chunk_blocks,       # BLOCKs of a row per program
-    n_split,            # programs per row (grid axis 1)
-    BLOCK: tl.constexpr,    # logits per loop iteration
-    VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
-    SPLIT: tl.constexpr,
-    ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
+    n_tiles,            # programs per row
+    top_k,
+    TILE: tl.constexpr, LOG_TILE: tl.constexpr, HIGH_BITS: tl.constexpr, ALIGNED: tl.constexpr,
+    HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr, N_GROUPS: tl.constexpr, CAP: tl.constexpr, TREE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_tiles
+    start = ((pid - row * n_tiles) * TILE).to(tl.int32)
+    row_ptr = logits_ptr + row * row_stride
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
-    valid, chosen = _chosen_logit(row_ptr, ids_ptr, row, vocab)
-
-    start = split * (chunk_blocks * BLOCK)
-    n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
-    full_end = start + (n_here // BLOCK) * BLOCK
-    end = start + n_here
-    LINES: tl.constexpr = BLOCK // VEC
-    cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    count = tl.zeros([LINES, VEC], tl.int32)
-    # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
-    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-        x = tl.load(row_ptr + off + cols).to(tl.float32)
-        count += (x >= chosen).to(tl.int32)
-        m, s = _online_update(x, m, s)
-    # The partial last block (all masked off when there is none).
-    idx = full_end + cols
-    inside = idx < end
-    x = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
-    count += ((x >= chosen) & inside).to(tl.int32)
-    m, s = _online_update(x, m, s)
-
-    big, total = _merge(m, s)
-    n_ge = tl.sum(tl.sum(count, axis=1), axis=0)
-    if SPLIT:
-        part = row.to(tl.int64) * n_split + split
-        tl.store(part_f_ptr + 2 * part, big)
-        tl.store(part_f_ptr + 2 * part + 1, total)
-        tl.store(part_i_ptr + part, n_ge)
-    else:
-        _store_result(logprob_ptr, rank_ptr, row, valid, chosen, big, total, n_ge)
+    valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    cols = start + tl.arange(0, TILE)
+    valid = cols < vocab
+    y = _scaled(tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+    y = tl.where(valid, y, float("-inf"))
+    m = tl.max(y, axis=0)                                   # NaN is skipped here, but poisons the sum
+    m_safe = tl.where(m == float("-inf"), 0.0, m)           # a tile of -inf: sum 0, not NaN
+    s = _tree_sum(tl.exp2((y - m_safe) * _LOG2E), LOG_TILE, HIGH_BITS, TREE)
+    count = tl.sum(((y >= chosen) & valid).to(tl.int32), axis=0)
+    tl.store(part_m_ptr + pid, m)
+    tl.store(part_s_ptr + pid, s)
+    tl.store(part_c_ptr + pid, count)
+    if K_PAD > 0:
+        best = _tile_topk(y, cols, valid, row_ptr, t, cand_ptr + pid * CAP, start, vocab, top_k, TILE,
+                          HAS_TEMP, K_PAD, N_GROUPS, CAP)
+        tl.store(part_k_ptr + pid * K_PAD + tl.arange(0, K_PAD), best)
 
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "n_split"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "logprob_ptr", "rank_ptr", "part_f_ptr",
-                                    "part_i_ptr"],
+    do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
+    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "logprob_ptr", "rank_ptr",
+                                    "topk_lp_ptr", "topk_id_ptr", "part_m_ptr", "part_s_ptr", "part_c_ptr",
+                                    "part_k_ptr"],
 )
 def logprob_rank_combine_kernel(
-    logits_ptr,         # as in logprob_rank_kernel (only the token's own logit is read)
-    ids_ptr,
+    logits_ptr, ids_ptr, temp_ptr,   # as in the tile kernel (only the token's own logit is read)
     logprob_ptr,        # [batch] float32 out
     rank_ptr,           # [batch] int32/int64 out
-    part_f_ptr,         # [batch * n_split, 2] float32 partial (max, sum)
-    part_i_ptr,         # [batch * n_split] int32 partial count
-    vocab,
-    row_stride,
-    n_split,
-    SPLIT_BLOCK: tl.constexpr,  # >= n_split, a power of two
+    topk_lp_ptr,        # [batch, top_k] float32 out (K_PAD > 0)
+    topk_id_ptr,        # [batch, top_k] int32/int64 out (K_PAD > 0)
+    part_m_ptr, part_s_ptr, part_c_ptr, part_k_ptr,
+    vocab, row_stride, n_tiles, top_k,
+    BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr,
+    KEY_TILES: tl.constexpr, TREE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    valid, chosen = _chosen_logit(row_ptr, ids_ptr, row, vocab)
-    j = tl.arange(0, SPLIT_BLOCK)
-    inside = j < n_split
-    part = row.to(tl.int64) * n_split + j
-    m = tl.load(part_f_ptr + 2 * part, mask=inside, other=_NEG_FLT_MAX)
-    s = tl.load(part_f_ptr + 2 * part + 1, mask=inside, other=0.0)
-    count = tl.load(part_i_ptr + part, mask=inside, other=0)
-    big, total = _merge(m, s)
-    _store_result(logprob_ptr, rank_ptr, row, valid, chosen, big, total, tl.sum(count, axis=0))
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    valid, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    base = row * n_tiles
+    j = tl.arange(0, BLOCK)
+    big = float("-inf")
+    for j0 in range(0, n_tiles, BLOCK):
+        big = tl.maximum(big, tl.max(tl.load(part_m_ptr + base + j0 + j, mask=j0 + j < n_tiles,
+                                             other=float("-inf")), axis=0))
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    total = 0.0
+    count = 0
+    for j0 in range(0, n_tiles, BLOCK):
+        inside = j0 + j < n_tiles
+        m = tl.load(part_m_ptr + base + j0 + j, mask=inside, other=float("-inf"))
+        s = tl.load(part_s_ptr + base + j0 + j, mask=inside, other=0.0)
+        total += _tree_sum(s * tl.exp2((m - big_safe) * _LOG2E), LOG_BLOCK, 0, TREE)
+        count += tl.sum(tl.load(part_c_ptr + base + j0 + j, mask=inside, other=0), axis=0)
+    lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
+    tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
+    tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
+    if K_PAD > 0:
+        kk = tl.arange(0, K_PAD)
+        tt = tl.arange(0, KEY_TILES)
+        best = tl.full([K_PAD], _KEY_PAD, tl.int64)
+        for t0 in range(0, n_tiles, KEY_TILES):
+            ptrs = part_k_ptr + (base + t0 + tt)[:, None] * K_PAD + kk[None, :]
+            keys = tl.load(ptrs, mask=(t0 + tt < n_tiles)[:, None], other=_KEY_PAD)
+            best = _merge_top(best, tl.topk(tl.reshape(keys, [KEY_TILES * K_PAD]), K_PAD), K_PAD)
+        pad = best == _KEY_PAD
+        o = (best >> 32).to(tl.int32)
+        y = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        col = ~(best.to(tl.int32))                  # the padding key decodes to -1
+        out = row * top_k + kk
+        keep = kk < top_k
+        tl.store(topk_lp_ptr + out, tl.where(pad, float("nan"), y - lse), mask=keep)
+        tl.store(topk_id_ptr + out, col.to(topk_id_ptr.dtype.element_ty), mask=keep)
