@@ -6,7 +6,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trace_replay_core import replay_reference  # noqa: E402
-from trace_replay_torch import TraceReplayState  # noqa: E402
+from trace_replay_torch import (TraceReplayState, replay_at_step_op, replay_op,  # noqa: E402
+                                token_logprob_rank_op)
+from trace_replay_torch import registry  # noqa: E402
 
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 
@@ -126,6 +128,26 @@ ADAPTER_REFUSALS = {
                         ValueError, r"^total_len must have at least 4 entries \(got shape \[2\]\)$"),
     "requires-grad-float": (lambda st: st.replay(torch.zeros(2, requires_grad=True), torch.zeros(2, dtype=torch.int32)),
                             (TypeError, RuntimeError, ValueError), r"(sampled|gradient)"),
+    "step-not-a-tensor": (lambda st: st.replay_at_step(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), [0, 1]),
+                          TypeError, r"^step must be a torch\.Tensor \(got list\)$"),
+    "step-op-not-a-tensor": (lambda st: replay_at_step_op(st, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), 3),
+                             TypeError, r"^step must be a torch\.Tensor \(got int\)$"),
+    "idx-not-a-tensor": (lambda st: st.replay(torch.zeros(2, dtype=torch.int64), [2, 0]),
+                         TypeError, r"^idx_mapping must be a torch\.Tensor \(got list\)$"),
+    "sampled-not-a-tensor": (lambda st: st.replay(np.zeros(2, np.int64), torch.zeros(2, dtype=torch.int32)),
+                             TypeError, r"^sampled must be a torch\.Tensor \(got ndarray\)$"),
+    "explicit-length-not-a-tensor": (lambda st: st.replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), [0] * 4, torch.zeros(4, dtype=torch.int32)),
+                                     TypeError, r"^total_len must be a torch\.Tensor \(got list\)$"),
+    "bind-not-a-tensor": (lambda st: st.bind_lengths(np.zeros(4, np.int32), torch.zeros(4, dtype=torch.int32)),
+                          TypeError, r"^total_len must be a torch\.Tensor \(got ndarray\)$"),
+    "repeated-slot-list": (lambda st: st.add_requests([0, 3, 1, 3], [[1], [2], [3], [4]]),
+                           ValueError, r"^slots gives slot 3 twice \(positions 1 and 3\): each request takes its own slot$"),
+    "repeated-slot-first-repeat": (lambda st: st.add_requests([1, 0, 0, 1], np.ones((4, 2), np.int64)),
+                                   ValueError, r"^slots gives slot 0 twice \(positions 1 and 2\): each request takes its own slot$"),
+    "repeated-slot-tensor": (lambda st: st.add_requests(torch.tensor([2, 1, 2]), torch.ones(3, 3, dtype=torch.int64)),
+                             ValueError, r"^slots gives slot 2 twice \(positions 0 and 2\): each request takes its own slot$"),
+    "op-not-a-state": (lambda st: replay_op(st.op_id, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)),
+                       TypeError, r"^state must be a trace_replay_torch\.TraceReplayState \(got int\)$"),
 }
 
 
@@ -144,3 +166,95 @@ def test_adapter_refusals_change_nothing(case):
     assert np.array_equal(before[0][0], after[0][0]) and np.array_equal(before[0][1], after[0][1])
     assert before[1] == after[1] == 1
     st.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0)])
+def test_cuda_without_a_gpu_is_the_cores_device_error(device):
+    """``"cuda"`` and ``"cuda:0"`` give one error: the core's, naming the device and the fix."""
+    with pytest.raises(ValueError, match=r"^device 'cuda(:0)?' is not available: this process sees 0 CUDA "
+                                         r"device\(s\); use device='cpu' for the CPU backend$"):
+        TraceReplayState(4, 4, device=device)
+
+
+def _closed_calls():
+    i32, i64 = torch.int32, torch.int64
+    z = torch.zeros(4, dtype=i32)
+    s, idx = torch.zeros(2, dtype=i64), torch.zeros(2, dtype=i32)
+    return {
+        "add_request": lambda st: st.add_request(0, [1, 2]),
+        "add_request-none": lambda st: st.add_request(0, None),
+        "add_requests": lambda st: st.add_requests([0, 1], [[1], [2]]),
+        "add_requests-repeated": lambda st: st.add_requests([0, 0], [[1], [2]]),
+        "remove_request": lambda st: st.remove_request(0),
+        "apply_staged_writes": lambda st: st.apply_staged_writes(),
+        "bind_lengths": lambda st: st.bind_lengths(z, z),
+        "replay": lambda st: st.replay(s, idx),
+        "replay-explicit-lengths": lambda st: st.replay(s, idx, z, z),
+        "replay-not-tensors": lambda st: st.replay([0, 0], [0, 0]),
+        "replay_at_step": lambda st: st.replay_at_step(s, idx, idx),
+        "replay_at_step-list-step": lambda st: st.replay_at_step(s, idx, [0, 0]),
+        "__enter__": lambda st: st.__enter__(),
+        "replay_op": lambda st: replay_op(st, s, idx),
+        "replay_op-explicit-lengths": lambda st: replay_op(st, s, idx, z, z),
+        "replay_at_step_op": lambda st: replay_at_step_op(st, s, idx, idx),
+    }
+
+
+CLOSED_CALLS = _closed_calls()
+
+
+def test_closed_table_covers_every_method():
+    methods = {name for name, value in vars(TraceReplayState).items()
+               if callable(value) and not name.startswith("_")} | {"__enter__"}
+    assert methods - {"close"} <= {case.split("-")[0] for case in CLOSED_CALLS}
+
+
+@pytest.mark.parametrize("case", sorted(CLOSED_CALLS))
+@pytest.mark.parametrize("bound", [True, False])
+def test_every_method_of_a_closed_state_says_so(case, bound):
+    z = torch.zeros(4, dtype=torch.int32)
+    st = TraceReplayState(4, 4, device="cpu", **(dict(total_len=z, prompt_len=z) if bound else {}))
+    st.add_request(1, [3])
+    st.apply_staged_writes()
+    st.replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), z, z)   # a cached replay
+    st.close()
+    with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
+        CLOSED_CALLS[case](st)
+    assert st.closed and st.table.closed
+    st.close()                                  # still idempotent
+
+
+def test_an_op_with_a_closed_states_id_names_it():
+    z = torch.zeros(4, dtype=torch.int32)
+    st = TraceReplayState(4, 4, device="cpu", total_len=z, prompt_len=z)
+    state_id = st.op_id
+    assert registry.lookup(state_id) is st
+    st.close()
+    s = torch.tensor([5, 6])
+    message = rf"^no open TraceReplayState has id {state_id}: it was closed or garbage collected"
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.trace_replay.replay(s, torch.zeros(2, dtype=torch.int32), z, z, state_id)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.trace_replay.replay_at_step(s, torch.zeros(2, dtype=torch.int32), z[:2], state_id)
+    assert s.tolist() == [5, 6]
+    with pytest.raises(RuntimeError, match=r"^no open TraceReplayState has id 0: "):
+        registry.lookup(0)
+
+
+def test_op_ids_are_unique_and_collected_states_leave_the_registry():
+    import gc
+    states = [TraceReplayState(2, 2, device="cpu") for _ in range(3)]
+    ids = [st.op_id for st in states]
+    assert len(set(ids)) == 3 and ids == sorted(ids)
+    last = ids[-1]
+    del states
+    gc.collect()
+    with pytest.raises(RuntimeError, match=rf"^no open TraceReplayState has id {last}: "):
+        registry.lookup(last)
+    assert TraceReplayState(2, 2, device="cpu").op_id > last     # never reused
+
+
+def test_logprob_op_refuses_non_tensors():
+    with pytest.raises(TypeError, match=r"^token_ids must be a torch\.Tensor \(got list\)$"):
+        token_logprob_rank_op(torch.zeros(2, 5), [0, 1])

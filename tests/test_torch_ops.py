@@ -1,0 +1,161 @@
+"""CPU tier: the registered torch ops (``torch.ops.trace_replay.*``): opcheck, equality with the
+eager methods, and a sampler compiled with ``torch.compile(fullgraph=True)``.
+
+Compiles are slow on a small CI machine: one sampler compile with inductor, the rest with the
+``eager`` backend (Dynamo's trace alone, which is what decides about graph breaks)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trace_replay_core import replay_reference  # noqa: E402
+from trace_replay_torch import (TraceReplayState, replay_at_step_op, replay_op,  # noqa: E402
+                                token_logprob_rank, token_logprob_rank_op)
+
+from helpers import assert_tokens_equal, random_scenario  # noqa: E402
+from torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+
+OPS = torch.ops.trace_replay
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch._dynamo.reset()
+
+
+def _scenario_state(rng, *, batch, index_dtype=torch.int32, sampled_dtype=torch.int64):
+    max_slots, max_len = 19, 13
+    sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_len, batch=batch)
+    st = TraceReplayState(max_slots, max_len, device="cpu",
+                          total_len=torch.from_numpy(sc["total_len"]).to(index_dtype),
+                          prompt_len=torch.from_numpy(sc["prompt_len"]).to(index_dtype))
+    for slot, tr in sc["traces"].items():
+        st.add_request(slot, tr)
+    st.apply_staged_writes()
+    tensors = dict(sampled=torch.from_numpy(sc["sampled"]).to(sampled_dtype),
+                   idx=torch.from_numpy(sc["idx"]).to(index_dtype),
+                   step=torch.from_numpy(sc["step"]).to(index_dtype))
+    return sc, st, tensors
+
+
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int32), (torch.int32, torch.int64)])
+def test_opcheck_replay_ops(rng, dtypes):
+    sampled_dtype, index_dtype = dtypes
+    sc, st, t = _scenario_state(rng, batch=37, index_dtype=index_dtype, sampled_dtype=sampled_dtype)
+    with st:
+        total, prompt = st._bound_lengths()
+        expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
+                                    sc["prompt_len"])
+        assert (expected != sc["sampled"]).any()          # the op really writes rows
+        torch.library.opcheck(OPS.replay.default, (t["sampled"].clone(), t["idx"], total, prompt, st.op_id))
+        torch.library.opcheck(OPS.replay_at_step.default, (t["sampled"].clone(), t["idx"], t["step"], st.op_id))
+        torch.library.opcheck(OPS.replay.default, (t["sampled"][:, None].clone(), t["idx"], total, prompt, st.op_id))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_logprob_rank(rng, dtype):
+    logits = torch.from_numpy(rng.standard_normal((7, 131)).astype(np.float32)).to(dtype)
+    tokens = torch.from_numpy(rng.integers(0, 131, 7))
+    torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens))
+    torch.library.opcheck(OPS.token_logprob_rank.default, (logits.requires_grad_(dtype == torch.float32), tokens[:, None]))
+
+
+def test_ops_match_the_eager_methods(rng):
+    """Each op wrapper, called eagerly, writes what the direct method and the reference write."""
+    sc, st, t = _scenario_state(rng, batch=101)
+    with st:
+        expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
+                                    sc["prompt_len"])
+        out = t["sampled"].clone()
+        assert replay_op(st, out, t["idx"]) is out
+        assert_tokens_equal(out.numpy(), expected, "replay_op, bound lengths")
+        out = t["sampled"].clone()
+        replay_op(st, out, t["idx"], *st._bound_lengths())
+        assert_tokens_equal(out.numpy(), expected, "replay_op, explicit lengths")
+        out = t["sampled"].clone()
+        assert replay_at_step_op(st, out, t["idx"], t["step"]) is out
+        assert_tokens_equal(out.numpy(), replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"],
+                                                          step=sc["step"]), "replay_at_step_op")
+        logits = torch.from_numpy(rng.standard_normal((101, 263)).astype(np.float32))
+        tokens = torch.from_numpy(rng.integers(-2, 265, 101))     # a few outside the vocabulary
+        lp_op, rk_op = token_logprob_rank_op(logits, tokens)
+        lp, rk = token_logprob_rank(logits, tokens)
+        assert not lp.isnan().all() and torch.equal(lp_op.isnan(), (tokens < 0) | (tokens >= 263))
+        torch.testing.assert_close(lp_op, lp, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(rk_op, rk)
+        assert lp_op.dtype == torch.float32 and rk_op.dtype == torch.int64
+
+
+def test_compiled_sampler_matches_eager_over_steps(rng):
+    """``torch.compile(fullgraph=True)`` (inductor) of sample + replay + logprob: no graph break,
+    and every step equal to the eager sampler, with requests admitted and committed between."""
+    slots, batch, vocab = 16, 12, 97
+    total = torch.zeros(slots, dtype=torch.int32)
+    prompt = torch.zeros(slots, dtype=torch.int32)
+    with TraceReplayState(slots, 24, device="cpu", total_len=total, prompt_len=prompt) as st:
+        loop = DecodeLoop(rng, st, total, prompt, batch=batch, vocab=vocab)
+        compiled = torch.compile(op_sampler, fullgraph=True, dynamic=False)
+        for step in range(12):
+            loop.admit_and_commit()
+            logits, idx = loop.step_inputs()
+            expected = loop.expected(torch.argmax(logits, dim=-1), idx)
+            got = compiled(st, logits, idx)
+            want = eager_sampler(st, logits, idx)
+            assert_tokens_equal(got[0].numpy(), expected, f"compiled, step {step}")
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"compiled vs eager, step {step}"
+            loop.advance()
+        assert loop.forced > 10
+
+
+def test_compiled_replay_at_step_and_explicit_lengths(rng):
+    """The other op forms trace without a graph break too (Dynamo's trace, eager backend)."""
+    sc, st, t = _scenario_state(rng, batch=29)
+    with st:
+        total, prompt = st._bound_lengths()
+
+        def both(state, sampled, idx, step, total_len, prompt_len):
+            a = replay_at_step_op(state, sampled.clone(), idx, step)
+            b = replay_op(state, sampled.clone(), idx, total_len, prompt_len)
+            return a, b
+
+        a, b = torch.compile(both, fullgraph=True, backend="eager")(st, t["sampled"], t["idx"], t["step"],
+                                                                    total, prompt)
+        assert_tokens_equal(a.numpy(), replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"],
+                                                        step=sc["step"]), "replay_at_step_op")
+        assert_tokens_equal(b.numpy(), replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"],
+                                                        sc["total_len"], sc["prompt_len"]), "replay_op")
+
+
+def test_one_compiled_sampler_serves_two_states(rng):
+    """The state id is an argument of the op: a second state reaches its own table."""
+    z = torch.zeros(4, dtype=torch.int32)
+    one, two = (TraceReplayState(4, 4, device="cpu", total_len=z, prompt_len=z) for _ in range(2))
+    with one, two:
+        one.add_request(1, [11, 12])
+        two.add_request(1, [21, 22])
+        one.apply_staged_writes()
+        two.apply_staged_writes()
+        compiled = torch.compile(op_sampler, fullgraph=True, backend="eager")
+        logits = torch.from_numpy(rng.standard_normal((2, 30)).astype(np.float32))
+        idx = torch.tensor([1, -1], dtype=torch.int32)
+        plain = int(torch.argmax(logits[1]))
+        for state, token in ((one, 11), (two, 21), (one, 11)):
+            assert compiled(state, logits, idx)[0].tolist() == [token, plain]
+
+
+def test_compiled_sampler_refuses_a_closed_state(rng):
+    z = torch.zeros(4, dtype=torch.int32)
+    st = TraceReplayState(4, 4, device="cpu", total_len=z, prompt_len=z)
+    logits = torch.from_numpy(rng.standard_normal((2, 30)).astype(np.float32))
+    idx = torch.tensor([0, 1], dtype=torch.int32)
+    compiled = torch.compile(op_sampler, backend="eager")
+    compiled(st, logits, idx)
+    st.close()
+    with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
+        compiled(st, logits, idx)
+    # With fullgraph=True, Dynamo may report the same error inside its own exception type.
+    with pytest.raises(Exception, match=r"this TraceReplayState is closed"):
+        torch.compile(op_sampler, fullgraph=True, backend="eager")(st, logits, idx)
