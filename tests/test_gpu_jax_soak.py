@@ -2,7 +2,9 @@
 
 Many jitted steps queued without waiting, slots reused every few steps, staged writes applied
 between steps on XLA's stream; every step's output compared with the reference afterwards.
-Length set by ``TRACE_REPLAY_JAX_SOAK_STEPS`` (default 20,000).
+Both replay methods: ``"jnp"`` (gather and select) and ``"kernel"`` (the core's Triton kernel
+through a command-buffer-compatible buffer callback). Length set by
+``TRACE_REPLAY_JAX_SOAK_STEPS`` (default 20,000 per method).
 """
 
 import os
@@ -21,7 +23,8 @@ from helpers import admit_requests, check_soak  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def test_jax_soak(rng):
+@pytest.mark.parametrize("method", ["jnp", "kernel"])
+def test_jax_soak(method, rng):
     try:
         gpu = jax.devices("gpu")[0]
     except RuntimeError as exc:
@@ -39,7 +42,7 @@ def test_jax_soak(rng):
 
     @jax.jit
     def step(tables_, sampled, idx, total, prompt_):
-        return trj.replay(tables_, sampled, idx, total, prompt_)
+        return trj.replay(tables_, sampled, idx, total, prompt_, method=method)
 
     prompt_dev = jax.device_put(prompt, gpu)
     outs = []
@@ -58,4 +61,4 @@ def test_jax_soak(rng):
     mismatches, forced, first = check_soak(got, base_all, idx_all, total_all, prompt, tables)
     assert mismatches == 0, f"{mismatches} mismatching rows over {steps} steps; first at {first}"
     assert forced > steps
-    print(f"jax soak: {steps} steps, {forced} forced tokens, 0 mismatches")
+    print(f"jax soak ({method}): {steps} steps, {forced} forced tokens, 0 mismatches")

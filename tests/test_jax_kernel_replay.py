@@ -1,0 +1,216 @@
+"""``replay(..., method="kernel")``: the core's replay kernel run by XLA through a buffer callback.
+
+CPU tier: the kernel method is really a callback (it shows in the jaxpr), gives the jnp
+method's tokens on random inputs of every size and dtype, never changes ``sampled``, works in
+loops, and refuses what the jnp method refuses. GPU tier: the Triton kernel on XLA's stream
+stays correct when every call brings new input addresses, when the same addresses come back
+with the table written in between (the case where command buffers replay a recorded launch),
+inside ``lax.fori_loop``, and with command buffers forced on for custom calls (a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import trace_replay_jax as trj  # noqa: E402
+from trace_replay_core import replay_reference  # noqa: E402
+from trace_replay_jax import TraceReplayState  # noqa: E402
+from jax_helpers import jax_gpu, x64  # noqa: E402
+
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
+                        "--xla_gpu_graph_min_graph_size=1")
+
+
+def _state_with_traces(rng, device, max_slots=16, max_len=12, vocab=5000):
+    state = TraceReplayState(max_slots, max_len, device=device, vocab_size=vocab)
+    for slot in rng.choice(max_slots, max_slots // 2, replace=False):
+        state.add_request(int(slot), rng.integers(0, vocab, int(rng.integers(1, max_len + 1))))
+    state.apply_staged_writes()
+    return state
+
+
+def _inputs(rng, batch, max_slots, max_len, token_dtype=np.int32, index_dtype=np.int32):
+    sampled = rng.integers(0, 5000, batch).astype(token_dtype)
+    idx = rng.integers(-1, max_slots + 1, batch).astype(index_dtype)
+    prompt = rng.integers(0, 20, max_slots).astype(index_dtype)
+    total = (prompt + rng.integers(-2, max_len + 2, max_slots)).astype(index_dtype)
+    step = rng.integers(-2, max_len + 2, batch).astype(index_dtype)
+    return sampled, idx, total, prompt, step
+
+
+def _want(state, sampled, idx, total, prompt, step=None):
+    table, lens = state.snapshot()
+    if step is not None:
+        return replay_reference(sampled, idx, table, lens, step=step)
+    return replay_reference(sampled, idx, table, lens, total_len=total, prompt_len=prompt)
+
+
+# -- CPU tier -------------------------------------------------------------------------------------
+def test_the_kernel_method_is_a_buffer_callback_and_the_jnp_method_is_not():
+    with TraceReplayState(4, 4, device="cpu") as state:
+        args = (jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
+        for method, present in (("kernel", True), ("jnp", False)):
+            jaxpr = str(jax.make_jaxpr(lambda t, *a: trj.replay(t, *a, method=method))(state.tables, *args))
+            assert ("buffer_callback" in jaxpr) == present, jaxpr
+
+
+@pytest.mark.parametrize("batch", [1, 5, 100, 1024])
+def test_kernel_method_equals_jnp_and_the_reference(batch, rng):
+    cpu = jax.devices("cpu")[0]
+    with _state_with_traces(rng, cpu) as state:
+        sampled, idx, total, prompt, step = _inputs(rng, batch, state.max_slots, state.max_trace_len)
+        args = [jnp.asarray(a) for a in (sampled, idx, total, prompt)]
+        got = {m: np.asarray(trj.replay(state.tables, *args, method=m)) for m in trj.jnp_replay.METHODS}
+        want = _want(state, sampled, idx, total, prompt)
+        for m, g in got.items():
+            np.testing.assert_array_equal(g, want, err_msg=m)
+        rows = {m: np.asarray(state.replay_at_step(args[0], args[1], jnp.asarray(step), method=m))
+                for m in trj.jnp_replay.METHODS}
+        want_rows = _want(state, sampled, idx, total, prompt, step)
+        for m, g in rows.items():
+            np.testing.assert_array_equal(g, want_rows, err_msg=m)
+        if batch >= 100:                  # both kinds of rows occur (small batches may have one kind)
+            assert (want != sampled).any() and (want == sampled).any()
+
+
+@pytest.mark.parametrize("token_dtype, index_dtype",
+                         [(np.int64, np.int32), (np.int32, np.int64), (np.int64, np.int64)])
+def test_kernel_method_with_int64_under_x64(token_dtype, index_dtype, rng):
+    with x64(True), _state_with_traces(rng, "cpu") as state:
+        sampled, idx, total, prompt, _ = _inputs(rng, 37, state.max_slots, state.max_trace_len, token_dtype,
+                                                 index_dtype)
+        out = jax.jit(lambda t, *a: trj.replay(t, *a, method="kernel"))(
+            state.tables, *(jnp.asarray(a) for a in (sampled[:, None], idx, total, prompt)))
+        assert out.dtype == token_dtype and out.shape == (37, 1)
+        np.testing.assert_array_equal(np.asarray(out)[:, 0], _want(state, sampled, idx, total, prompt))
+
+
+def test_kernel_method_never_changes_sampled_and_handles_an_empty_batch(rng):
+    with _state_with_traces(rng, "cpu") as state:
+        sampled, idx, total, prompt, _ = _inputs(rng, 64, state.max_slots, state.max_trace_len)
+        s = jnp.asarray(sampled)
+
+        @jax.jit
+        def both(t, s, i, tl, pl):        # sampled is still needed after the replay: XLA copies it
+            return trj.replay(t, s, i, tl, pl, method="kernel"), s + 0
+
+        out, kept = both(state.tables, s, *(jnp.asarray(a) for a in (idx, total, prompt)))
+        np.testing.assert_array_equal(np.asarray(kept), sampled)
+        np.testing.assert_array_equal(np.asarray(s), sampled)
+        np.testing.assert_array_equal(np.asarray(out), _want(state, sampled, idx, total, prompt))
+        empty = state.replay(jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.asarray(total),
+                             jnp.asarray(prompt), method="kernel")
+        assert empty.shape == (0,)
+
+
+def test_kernel_method_inside_fori_loop_with_the_table_written_between_calls(rng):
+    with _state_with_traces(rng, "cpu") as state:
+        steps, batch = 5, 24
+        sampled = rng.integers(0, 5000, (steps, batch)).astype(np.int32)
+        idx = rng.integers(-1, state.max_slots, (steps, batch)).astype(np.int32)
+        prompt = rng.integers(0, 5, state.max_slots).astype(np.int32)
+
+        @jax.jit
+        def loop(tables, s, i, prompt):
+            def body(k, acc):
+                total = prompt + k
+                return acc.at[k].set(trj.replay(tables, s[k], i[k], total, prompt, method="kernel"))
+            return jax.lax.fori_loop(0, steps, body, jnp.zeros_like(s))
+
+        for call in range(3):
+            out = np.asarray(loop(state.tables, jnp.asarray(sampled), jnp.asarray(idx), jnp.asarray(prompt)))
+            for k in range(steps):
+                np.testing.assert_array_equal(out[k], _want(state, sampled[k], idx[k], prompt + k, prompt),
+                                              err_msg=f"call {call} step {k}")
+            slot = int(rng.integers(state.max_slots))
+            state.add_request(slot, rng.integers(0, 5000, state.max_trace_len))
+            state.apply_staged_writes()
+
+
+def test_kernel_method_refusals():
+    with TraceReplayState(4, 4, device="cpu") as state:
+        args = (jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
+        with pytest.raises(ValueError, match=r"^method must be one of \('jnp', 'kernel'\) \(got 'triton'\)$"):
+            trj.replay(state.tables, *args, method="triton")
+        with pytest.raises(ValueError, match=r"^method must be one of \('jnp', 'kernel'\) \(got 'Kernel'\)$"):
+            state.replay_at_step(*args[:3], method="Kernel")
+        with pytest.raises(ValueError, match=r"^trace_replay_jax\.replay does not support jax\.vmap"):
+            jax.vmap(lambda s: trj.replay(state.tables, s, *args[1:], method="kernel"))(args[0][None])
+        with pytest.raises(TypeError, match=r"^sampled must have dtype int32 or int64 \(got float32\)"):
+            trj.replay(state.tables, args[0].astype(jnp.float32), *args[1:], method="kernel")
+
+
+# -- GPU tier -------------------------------------------------------------------------------------
+def gpu_kernel_checks(device, rng) -> None:
+    """New addresses every call; the same addresses with the table written between calls; a
+    loop; each against the jnp method and the reference. Used in-process and in a subprocess
+    with command buffers forced on."""
+    with _state_with_traces(rng, device, max_slots=64, max_len=32) as state:
+        fns = {m: jax.jit(lambda t, s, i, tl, pl, m=m: trj.replay(t, s, i, tl, pl, method=m))
+               for m in trj.jnp_replay.METHODS}
+        rows = {m: jax.jit(lambda t, s, i, st, m=m: trj.replay_at_step(t, s, i, st, method=m))
+                for m in trj.jnp_replay.METHODS}
+        fixed = [jax.device_put(a, device) for a in _inputs(rng, 256, 64, 32)]
+        for call in range(40):
+            if call % 2:        # fresh arrays: new buffer addresses (XLA records again)
+                host = _inputs(rng, 256, 64, 32)
+                args = [jax.device_put(a, device) for a in host]
+            else:               # the very same arrays: a recorded launch is replayed
+                args = fixed
+                host = [np.asarray(a) for a in fixed]
+            want = _want(state, *host[:4])
+            want_rows = _want(state, *host)
+            for m in fns:
+                got = np.asarray(fns[m](state.tables, *args[:4]))
+                assert np.array_equal(got, want), f"{m} call {call}: rows {np.nonzero(got != want)[0].tolist()}"
+                got = np.asarray(rows[m](state.tables, args[0], args[1], args[4]))
+                assert np.array_equal(got, want_rows), f"{m} per-row call {call}"
+            # Write the table between calls, with nothing waiting: the next call must see it.
+            for slot in rng.choice(64, 4, replace=False):
+                state.add_request(int(slot), rng.integers(0, 5000, int(rng.integers(1, 33))))
+            state.apply_staged_writes()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_method_new_addresses_and_table_writes_between_calls(rng):
+    gpu_kernel_checks(jax_gpu(), rng)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_method_with_command_buffers_in_a_subprocess(rng):
+    jax_gpu()
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
+               TRACE_REPLAY_TEST_SEED=str(int(rng.integers(2**32))))
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, str(Path(__file__))], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "kernel checks ok" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_method_refuses_a_table_no_open_state_owns(rng):
+    gpu = jax_gpu()
+    with _state_with_traces(rng, gpu) as state:
+        copy = trj.ReplayTables(state.tables.table + 0, state.tables.trace_len + 0)   # other memory
+        args = [jax.device_put(a, gpu) for a in _inputs(rng, 8, state.max_slots, state.max_trace_len)[:4]]
+        np.testing.assert_array_equal(np.asarray(trj.replay(copy, *args)),
+                                      np.asarray(trj.replay(state.tables, *args)))
+        with pytest.raises(Exception, match=r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
+                                            r"that no open TraceReplayState owns"):
+            np.asarray(trj.replay(copy, *args, method="kernel"))
+
+
+if __name__ == "__main__":
+    seed = int(os.environ.get("TRACE_REPLAY_TEST_SEED", 0))
+    gpu_kernel_checks(jax.devices("gpu")[0], np.random.default_rng(seed))
+    print("kernel checks ok", os.environ.get("XLA_FLAGS", ""))
