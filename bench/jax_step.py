@@ -16,6 +16,8 @@ Mechanisms (same tokens expected from all; ``tokens_match`` compares 32 steps wi
 - ``none``: the step without replay (the baseline the others are compared with).
 - ``trace_replay_jax``: this library, ``trace_replay_jax.replay(tables, ...)``: gather + select
   in jnp on zero-copy JAX views of the core's table, fused by XLA.
+- ``trace_replay_jax_kernel``: this library with ``method="kernel"``: the core's Triton kernel
+  through its command-buffer-compatible ``buffer_callback`` (a bound launch per buffer layout).
 - ``plain_jnp``: the same replay written directly in jnp on a table JAX owns.
 - ``buffer_callback``: the core's compiled Triton kernel launched on ``ctx.stream`` from
   ``jax.experimental.buffer_callback`` (a Python call per step).
@@ -28,7 +30,7 @@ Each runs under two XLA flag sets: ``default`` and ``command_buffers`` (command 
 fusions, cuBLAS, custom calls, loops and conditionals, minimum graph size 1).
 
 Eager host time (default flags): host time per call of ``TraceReplayState.replay`` (one jitted
-dispatch) and of the alternatives: the core's kernel reached over DLPack (``__dlpack__(copy=True)``
+dispatch; both methods) and of the alternatives: the core's kernel reached over DLPack (``__dlpack__(copy=True)``
 export, replay on a side stream, ``jax.dlpack.from_dlpack`` back with the stream handshake),
 and a jitted ``buffer_callback`` replay called eagerly.
 
@@ -82,8 +84,9 @@ SMOKE = dict(batch=16, hidden=64, layers=2, vocab=500, max_slots=32, max_trace_l
 BUSY_HOST_FACTOR = 2.5   # the busy program lasts this many times the host time of queue_steps dispatches
 CMD_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
                     "--xla_gpu_graph_min_graph_size=1")
-GPU_MECHANISMS = ("none", "trace_replay_jax", "plain_jnp", "buffer_callback", "buffer_callback_cmdbuf")
-CPU_MECHANISMS = ("none", "trace_replay_jax", "plain_jnp")
+GPU_MECHANISMS = ("none", "trace_replay_jax", "trace_replay_jax_kernel", "plain_jnp", "buffer_callback",
+                  "buffer_callback_cmdbuf")
+CPU_MECHANISMS = ("none", "trace_replay_jax", "trace_replay_jax_kernel", "plain_jnp")
 
 
 def percentiles(samples):
@@ -212,6 +215,9 @@ def make_replay(name, setup):
         return lambda tables, sampled, idx, total, prompt: sampled
     if name == "trace_replay_jax":
         return trace_replay_jax.replay
+    if name == "trace_replay_jax_kernel":
+        return lambda tables, sampled, idx, total, prompt: trace_replay_jax.replay(tables, sampled, idx, total,
+                                                                                   prompt, method="kernel")
     if name == "plain_jnp":
         return lambda tables, sampled, idx, total, prompt: plain_jnp_replay(*tables, sampled, idx, total, prompt)
     if name == "buffer_callback":
@@ -474,6 +480,9 @@ def eager_rows(cfg, setup, device):
     floor = jax.jit(lambda table, trace_len, s, i, t, p: s ^ jnp.int32(0) + (i[:1] * 0).sum())
     candidates = {"trace_replay_jax": lambda: st.replay(*args),
                   "trace_replay_jax_at_step": lambda: st.replay_at_step(sampled, setup.idx, step),
+                  "trace_replay_jax_kernel": lambda: st.replay(*args, method="kernel"),
+                  "trace_replay_jax_kernel_at_step": lambda: st.replay_at_step(sampled, setup.idx, step,
+                                                                               method="kernel"),
                   "jit_dispatch_floor": lambda: floor(st.tables.table, st.tables.trace_len, *args)}
     if device.platform == "gpu":
         factories = (("dlpack_core_kernel", lambda: _DLPackCoreReplay(setup)),
