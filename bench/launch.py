@@ -21,6 +21,18 @@ Providers:
   alignment) through the same JIT launcher: how much of the gap the hints alone close.
 - ``torch_native``: gather + where in torch ops (several kernels).
 - ``cuda_graph``: a CUDA graph holding one replay launch, replayed (the floor).
+- ``torch_ops_eager``: the registered op ``torch.ops.trace_replay.replay`` called eagerly (what
+  an op costs through torch's dispatcher, next to ``trace_replay_torch``'s direct path).
+
+A second question: what does a whole sampler step cost (greedy ``argmax`` over ``[batch,
+32000]`` bf16 logits, replay, logprob and rank of the result), eager against compiled?
+
+- ``sampler_eager``: ``argmax`` + ``TraceReplayState.replay`` + ``token_logprob_rank``.
+- ``sampler_compiled``: the same through the registered ops, ``torch.compile(fullgraph=True)``.
+- ``sampler_compiled_cudagraph``: the same with ``mode="reduce-overhead"`` (CUDA graph replays,
+  ``cudagraph_mark_step_begin`` each step as a loop would call it).
+
+At large batches the sampler reads the logits twice and shows device time.
 
 Does not measure: device time of the kernel (see ``bench/`` scaling scripts), commits.
 Run: ``python bench/launch.py`` on a GPU; writes ``bench/results/launch.json``.
@@ -39,6 +51,26 @@ from harness import provenance, table, time_host, write_results  # noqa: E402
 MAX_SLOTS = 1024
 MAX_TRACE_LEN = 8192
 BATCHES = (1, 256, 1024)
+VOCAB = 32_000
+
+
+def _samplers():
+    """The eager sampler and its registered-op twin (the function that ``torch.compile`` gets)."""
+    import torch
+
+    from trace_replay_torch import replay_op, token_logprob_rank, token_logprob_rank_op
+
+    def eager(state, logits, idx_mapping):
+        sampled = torch.argmax(logits, dim=-1)
+        state.replay(sampled, idx_mapping)
+        return (sampled,) + token_logprob_rank(logits, sampled)
+
+    def through_ops(state, logits, idx_mapping):
+        sampled = torch.argmax(logits, dim=-1)
+        replay_op(state, sampled, idx_mapping)
+        return (sampled,) + token_logprob_rank_op(logits, sampled)
+
+    return eager, through_ops
 
 
 def main() -> None:
@@ -140,10 +172,37 @@ def main() -> None:
         torch.cuda.current_stream().wait_stream(side)
         record("cuda_graph", batch, "device", time_host(graph.replay, sync=sync))
         outs["graph"] = sampled
+
+        sampled = base.clone()
+        op_id = st.op_id
+        replay_through_op = torch.ops.trace_replay.replay
+        record("torch_ops_eager", batch, "device",
+               time_host(lambda: replay_through_op(sampled, idx, total_len, prompt_len, op_id), sync=sync))
+        outs["torch_ops"] = sampled
         sync()
         ref = outs["device"].cpu()
         same = all(torch.equal(ref, o.cpu()) for o in outs.values())
         print(f"B={batch}: all providers produced identical tokens: {same}", flush=True)
+
+        logits = torch.randn(batch, VOCAB, device=dev).to(torch.bfloat16)
+        eager, through_ops = _samplers()
+        results = {"sampler_eager": eager(st, logits, idx)}
+        record("sampler_eager", batch, "device", time_host(lambda: eager(st, logits, idx), sync=sync))
+        compiled = torch.compile(through_ops, fullgraph=True, dynamic=False)
+        results["sampler_compiled"] = compiled(st, logits, idx)
+        record("sampler_compiled", batch, "device", time_host(lambda: compiled(st, logits, idx), sync=sync))
+        graphed = torch.compile(through_ops, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+        def graphed_step():
+            torch.compiler.cudagraph_mark_step_begin()
+            return graphed(st, logits, idx)
+        for _ in range(3):                               # warm-up, record, first replay
+            graphed_step()
+        results["sampler_compiled_cudagraph"] = [t.clone() for t in graphed_step()]
+        record("sampler_compiled_cudagraph", batch, "device", time_host(graphed_step, sync=sync))
+        sync()
+        same = all(all(torch.equal(a, b) for a, b in zip(results["sampler_eager"], r)) for r in results.values())
+        print(f"B={batch}: compiled samplers equal the eager one (tokens, logprobs, ranks): {same}", flush=True)
 
     for st in states.values():
         st.close()

@@ -1,0 +1,115 @@
+"""GPU tier: the registered torch ops on CUDA: opcheck, a sampler compiled with
+``torch.compile(fullgraph=True)`` against the eager one bit for bit, and the compiled sampler
+inside a CUDA graph seeing the commits made between graph replays.
+
+Skipped with a reason on machines without a GPU (see conftest.py).
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trace_replay_torch import TraceReplayState  # noqa: E402
+
+from helpers import assert_tokens_equal, random_scenario  # noqa: E402
+from torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+OPS = torch.ops.trace_replay
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    yield
+    torch._dynamo.reset()
+
+
+def _loop(rng, *, slots=48, max_len=40, batch=64, vocab=4099):
+    total = torch.zeros(slots, dtype=torch.int32, device=DEV)
+    prompt = torch.zeros(slots, dtype=torch.int32, device=DEV)
+    st = TraceReplayState(slots, max_len, device=DEV, total_len=total, prompt_len=prompt)
+    return st, DecodeLoop(rng, st, total, prompt, batch=batch, vocab=vocab)
+
+
+@pytest.mark.parametrize("placement", ["device", "host_mapped"])
+def test_opcheck_on_cuda(rng, placement):
+    max_slots, max_len, batch = 23, 50, 77
+    sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_len, batch=batch)
+    total = torch.from_numpy(sc["total_len"]).to(DEV)
+    prompt = torch.from_numpy(sc["prompt_len"]).to(DEV)
+    with TraceReplayState(max_slots, max_len, device=DEV, placement=placement, total_len=total,
+                          prompt_len=prompt) as st:
+        for slot, tr in sc["traces"].items():
+            st.add_request(slot, tr)
+        st.apply_staged_writes()
+        sampled = torch.from_numpy(sc["sampled"]).to(DEV)
+        idx = torch.from_numpy(sc["idx"]).to(DEV)
+        step = torch.from_numpy(sc["step"]).to(DEV)
+        torch.library.opcheck(OPS.replay.default, (sampled.clone(), idx, total, prompt, st.op_id))
+        torch.library.opcheck(OPS.replay_at_step.default, (sampled.clone(), idx, step, st.op_id))
+    for dtype, vocab in ((torch.float32, 1000), (torch.bfloat16, 151_936)):
+        logits = torch.randn(batch, vocab, device=DEV).to(dtype)
+        tokens = torch.from_numpy(rng.integers(0, vocab, batch)).to(DEV)
+        torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens))
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_sampler_matches_eager_bit_for_bit(rng, mode):
+    """Sixty steps with requests admitted, finished and committed between them: the compiled
+    sampler's tokens, logprobs and ranks equal the eager sampler's exactly, and the tokens the
+    reference replay. ``reduce-overhead`` runs the steps as CUDA graph replays."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    st, loop = _loop(rng)
+    with st:
+        compiled = torch.compile(op_sampler, fullgraph=True, dynamic=False, mode=mode)
+        for step in range(60):
+            loop.admit_and_commit()
+            logits, idx = loop.step_inputs()
+            expected = loop.expected(torch.argmax(logits, dim=-1), idx)
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            got = [t.clone() for t in compiled(st, logits, idx)]
+            want = eager_sampler(st, logits, idx)
+            assert_tokens_equal(got[0].cpu().numpy(), expected, f"compiled, step {step}")
+            for name, g, w in zip(("tokens", "logprobs", "ranks"), got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{name} differ at step {step}"
+            loop.advance()
+        assert loop.forced > 200
+    if mode == "reduce-overhead":
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_compiled_sampler_in_cuda_graph_sees_commits(rng):
+    """The compiled sampler captured with ``torch.cuda.graph`` (its replay and logprob ops bind
+    during the capture, at the graph pool's addresses); commits between graph replays reach it."""
+    st, loop = _loop(rng, batch=40)
+    with st:
+        compiled = torch.compile(op_sampler, fullgraph=True, dynamic=False)
+        logits, idx = loop.step_inputs()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):                          # compile, and the kernels' first launches
+                compiled(st, logits, idx)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(st, logits, idx)
+        for rnd in range(25):
+            loop.admit_and_commit()                     # outside the graph, on the current stream
+            fresh_logits, fresh_idx = loop.step_inputs()
+            logits.copy_(fresh_logits)
+            idx.copy_(fresh_idx)
+            expected = loop.expected(torch.argmax(logits, dim=-1), idx)
+            graph.replay()
+            assert_tokens_equal(out[0].cpu().numpy(), expected, f"graph replay {rnd}")
+            want = eager_sampler(st, logits.clone(), idx.clone())
+            for name, g, w in zip(("tokens", "logprobs", "ranks"), out, want):
+                assert torch.equal(g, w), f"{name} differ at graph replay {rnd}"
+            loop.advance()
+        assert loop.forced > 50
+        torch.cuda.synchronize()
+        del graph                                       # before the state's table is freed
