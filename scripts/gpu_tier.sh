@@ -72,6 +72,8 @@ print("wrote", out + "/traces.jsonl", "and a checkpoint in", out + "/ckpt")' "$O
           python3 -m trace_replay_app run --framework "$fw" --traces "$OUT/cli/ckpt_traces.jsonl" --device cuda \
             --checkpoint "$OUT/cli/ckpt_sharded" --dtype float32 --out "$OUT/cli/run_ckpt_sharded_$fw.json" || exit 1
         done &&
+        python3 -m trace_replay_app run --framework torch --traces "$OUT/cli/traces.jsonl" --device cuda \
+          --temperature 0.8 --sampling-seed 1 --out "$OUT/cli/run_sampled_torch.json" &&
         python3 -m trace_replay_app compare --traces "$OUT/cli/traces.jsonl" --device cuda --out-dir "$OUT/cli"
       } 2>&1 | tee "$OUT/cli.log" || status=1 ;;
     bench-all)

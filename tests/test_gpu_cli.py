@@ -76,3 +76,20 @@ def test_checkpoint_on_cuda_in_both_frameworks(tmp_path):
     for a, b in zip(docs["torch"]["requests"], docs["jax"]["requests"], strict=True):
         assert a["tokens"] == b["tokens"]
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_run_on_cuda_defaults_to_bfloat16_and_samples_reproducibly(tmp_path, trace_file, framework):
+    """Without --dtype a GPU run computes in bfloat16 (and still replays every trace); two runs
+    with the same --sampling-seed give the same output."""
+    docs = []
+    for i in range(2):
+        out = str(tmp_path / f"{i}.json")
+        status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out, "--device",
+                               "cuda", "--temperature", "0.8", "--sampling-seed", "3", "--quiet")
+        assert status == 0, text
+        docs.append(load(out))
+    s = docs[0]["summary"]
+    assert s["dtype"] == "bfloat16" and s["exact_reproductions"] == s["traced_requests"] == 48
+    assert s["logprobs"] == "raw logits (before temperature)"
+    assert docs[0]["requests"] == docs[1]["requests"]

@@ -47,7 +47,8 @@ def _decode_options(args) -> dict:
 
 
 def _model_summary(family, config, source, decode) -> dict:
-    return {"family": family.name, "weights": source, "model": dataclasses.asdict(config), "dtype": decode["dtype"],
+    sizes = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
+    return {"family": family.name, "weights": source, "model": sizes, "dtype": decode["dtype"],
             "temperature": decode["temperature"], "sampling_seed": decode["seed"], "logprobs": LOGPROBS_NOTE}
 
 
