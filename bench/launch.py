@@ -63,12 +63,14 @@ def _samplers():
     def eager(state, logits, idx_mapping):
         sampled = torch.argmax(logits, dim=-1)
         state.replay(sampled, idx_mapping)
-        return (sampled,) + token_logprob_rank(logits, sampled)
+        logprobs, ranks = token_logprob_rank(logits, sampled)
+        return sampled, logprobs, ranks
 
     def through_ops(state, logits, idx_mapping):
         sampled = torch.argmax(logits, dim=-1)
         replay_op(state, sampled, idx_mapping)
-        return (sampled,) + token_logprob_rank_op(logits, sampled)
+        logprobs, ranks = token_logprob_rank_op(logits, sampled)
+        return sampled, logprobs, ranks
 
     return eager, through_ops
 

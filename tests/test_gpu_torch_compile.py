@@ -52,6 +52,9 @@ def test_opcheck_on_cuda(rng, placement):
         logits = torch.randn(batch, vocab, device=DEV).to(dtype)
         tokens = torch.from_numpy(rng.integers(0, vocab, batch)).to(DEV)
         torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens))
+        temperature = torch.rand(batch, device=DEV) + 0.5
+        torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens, temperature))
+        torch.library.opcheck(OPS.token_logprob_rank_topk.default, (logits, tokens, 20, temperature))
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

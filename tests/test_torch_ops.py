@@ -62,6 +62,37 @@ def test_opcheck_logprob_rank(rng, dtype):
     torch.library.opcheck(OPS.token_logprob_rank.default, (logits.requires_grad_(dtype == torch.float32), tokens[:, None]))
 
 
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_opcheck_logprob_rank_options(rng, top_k):
+    logits = torch.from_numpy(rng.standard_normal((6, 67)).astype(np.float32))
+    tokens = torch.from_numpy(rng.integers(0, 67, 6))
+    temperature = torch.from_numpy(rng.uniform(0.3, 2.0, 6).astype(np.float32))
+    if top_k:
+        torch.library.opcheck(OPS.token_logprob_rank_topk.default, (logits, tokens, top_k, temperature))
+        torch.library.opcheck(OPS.token_logprob_rank_topk.default, (logits, tokens, top_k))
+    else:
+        torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens, temperature))
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("temperature", [None, 0.7, "tensor"])
+def test_logprob_op_matches_eager_with_options(rng, top_k, temperature):
+    """Eagerly and compiled (Dynamo's trace), the op form returns the eager function's results."""
+    logits = torch.from_numpy(rng.standard_normal((9, 41)).astype(np.float32))
+    tokens = torch.from_numpy(rng.integers(0, 41, 9))
+    if temperature == "tensor":
+        temperature = torch.from_numpy(rng.uniform(0.3, 2.0, 9).astype(np.float32))
+    want = token_logprob_rank(logits, tokens, top_k=top_k, temperature=temperature)
+
+    def score(logits, tokens):
+        return token_logprob_rank_op(logits, tokens, top_k=top_k, temperature=temperature)
+
+    for got in (score(logits, tokens), torch.compile(score, fullgraph=True, backend="eager")(logits, tokens)):
+        assert type(got) is type(want) and len(got) == (4 if top_k else 2)
+        for name, g, w in zip(type(want)._fields, got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
 def test_ops_match_the_eager_methods(rng):
     """Each op wrapper, called eagerly, writes what the direct method and the reference write."""
     sc, st, t = _scenario_state(rng, batch=101)
@@ -97,7 +128,7 @@ def test_compiled_sampler_matches_eager_over_steps(rng):
     with TraceReplayState(slots, 24, device="cpu", total_len=total, prompt_len=prompt) as st:
         loop = DecodeLoop(rng, st, total, prompt, batch=batch, vocab=vocab)
         compiled = torch.compile(op_sampler, fullgraph=True, dynamic=False)
-        for step in range(12):
+        for step in range(16):
             loop.admit_and_commit()
             logits, idx = loop.step_inputs()
             expected = loop.expected(torch.argmax(logits, dim=-1), idx)

@@ -20,7 +20,10 @@ The ops (schemas as registered)::
                          Tensor prompt_len, int state) -> ()
     trace_replay::replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step,
                                  int state) -> ()
-    trace_replay::token_logprob_rank(Tensor logits, Tensor token_ids) -> (Tensor, Tensor)
+    trace_replay::token_logprob_rank(Tensor logits, Tensor token_ids, Tensor? temperature=None)
+                                     -> (Tensor, Tensor)
+    trace_replay::token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k,
+                                          Tensor? temperature=None) -> (Tensor, Tensor, Tensor, Tensor)
 
 How an op reaches its table: a ``TraceReplayState`` is not a tensor, so the replay ops name it by
 ``state.op_id``, an int issued at construction by :mod:`.registry` (unique in the process, never
@@ -47,12 +50,12 @@ function once before capturing it.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Union
 
 import torch
 
 from . import registry
-from .logprob import token_logprob_rank
+from .logprob import LogprobRank, LogprobRankTopK, _temperature, token_logprob_rank
 from .state import TraceReplayState
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
@@ -61,7 +64,9 @@ _LIB = torch.library.Library("trace_replay", "DEF")   # kept alive: dropping it 
 _LIB.define("replay(Tensor(a!) sampled, Tensor idx_mapping, Tensor total_len, Tensor prompt_len, "
             "int state) -> ()")
 _LIB.define("replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step, int state) -> ()")
-_LIB.define("token_logprob_rank(Tensor logits, Tensor token_ids) -> (Tensor, Tensor)")
+_LIB.define("token_logprob_rank(Tensor logits, Tensor token_ids, Tensor? temperature=None) -> (Tensor, Tensor)")
+_LIB.define("token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 # kernels: real tensors on the CPU or a CUDA device ----------------------------------------------
@@ -73,15 +78,20 @@ def _replay_at_step_kernel(sampled, idx_mapping, step, state):
     registry.lookup(state).replay_at_step(sampled, idx_mapping, step)
 
 
-def _logprob_kernel(logits, token_ids):
-    return token_logprob_rank(logits, token_ids)
+def _logprob_kernel(logits, token_ids, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature))
+
+
+def _logprob_topk_kernel(logits, token_ids, top_k, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature))
 
 
 for _key in ("CPU", "CUDA"):
     _LIB.impl("replay", _replay_kernel, _key)
     _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
     _LIB.impl("token_logprob_rank", _logprob_kernel, _key)
-for _name in ("replay", "replay_at_step", "token_logprob_rank"):
+    _LIB.impl("token_logprob_rank_topk", _logprob_topk_kernel, _key)
+for _name in ("replay", "replay_at_step", "token_logprob_rank", "token_logprob_rank_topk"):
     # Not differentiable: integer tokens in and out, and logprobs without a gradient (as the eager
     # function, which reads detached logits). A fallthrough says so: outputs never require grad.
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
@@ -98,12 +108,23 @@ def _replay_at_step_fake(sampled, idx_mapping, step, state):
     return None
 
 
-@torch.library.register_fake("trace_replay::token_logprob_rank", lib=_LIB)
-def _logprob_fake(logits, token_ids):
+def _check_logits(logits) -> int:
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
-    batch = logits.shape[0]
+    return logits.shape[0]
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank", lib=_LIB)
+def _logprob_fake(logits, token_ids, temperature=None):
+    batch = _check_logits(logits)
     return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64))
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_topk", lib=_LIB)
+def _logprob_topk_fake(logits, token_ids, top_k, temperature=None):
+    batch = _check_logits(logits)
+    return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64),
+            logits.new_empty(batch, top_k, dtype=torch.float32), logits.new_empty(batch, top_k, dtype=torch.int64))
 
 
 # wrappers: the public functions ----------------------------------------------------------------
@@ -152,13 +173,25 @@ def replay_at_step_op(state: TraceReplayState, sampled: torch.Tensor, idx_mappin
     return sampled
 
 
-def token_logprob_rank_op(logits: torch.Tensor, token_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`trace_replay_torch.token_logprob_rank` through the registered op
-    ``trace_replay::token_logprob_rank``: the form to call inside ``torch.compile``.
+def token_logprob_rank_op(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: int = 0,
+                          temperature: Union[None, float, torch.Tensor] = None) -> Union[LogprobRank, LogprobRankTopK]:
+    """:func:`trace_replay_torch.token_logprob_rank` through the registered ops
+    ``trace_replay::token_logprob_rank`` (``top_k == 0``) and ``trace_replay::token_logprob_rank_topk``:
+    the form to call inside ``torch.compile``.
 
-    Returns new tensors ``(logprobs, ranks)``: float32 and int64, ``[batch]``. ``logits`` is read,
-    never modified, and carries no gradient through this op (it is detached, as the eager
-    function does). Stream-ordered on the current stream, no host sync.
+    Same arguments (``out=`` aside) and results: :class:`LogprobRank` ``(logprobs, ranks)``, or
+    :class:`LogprobRankTopK` with ``top_k > 0``; new tensors (float32 logprobs, int64 ranks and
+    ids). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in the eager
+    function. ``logits`` is read, never modified, and carries no gradient through these ops (it
+    is detached, as the eager function does). Stream-ordered on the current stream, no host sync.
     """
     _check_tensors(logits=logits, token_ids=token_ids)
-    return torch.ops.trace_replay.token_logprob_rank(logits.detach(), token_ids)
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
+    temp = _temperature(temperature, logits.shape[0], logits.device)
+    if top_k:
+        return LogprobRankTopK(*torch.ops.trace_replay.token_logprob_rank_topk(logits.detach(), token_ids, top_k,
+                                                                               temp))
+    return LogprobRank(*torch.ops.trace_replay.token_logprob_rank(logits.detach(), token_ids, temp))
