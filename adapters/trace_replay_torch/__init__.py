@@ -19,8 +19,9 @@ Inside ``torch.compile`` (``fullgraph=True``) and CUDA graphs, call the register
 (see :mod:`trace_replay_torch.ops`); eager code keeps the direct methods above.
 """
 
-from .logprob import token_logprob_rank
+from .logprob import LogprobRank, LogprobRankTopK, token_logprob_rank
 from .ops import replay_at_step_op, replay_op, token_logprob_rank_op
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "token_logprob_rank", "replay_op", "replay_at_step_op", "token_logprob_rank_op"]
+__all__ = ["TraceReplayState", "token_logprob_rank", "LogprobRank", "LogprobRankTopK",
+           "replay_op", "replay_at_step_op", "token_logprob_rank_op"]

@@ -32,10 +32,13 @@ that the loop changes (``sampled``, ``idx_mapping``, the per-slot ``total_len``/
 the per-row ``step``) is a tensor argument, so the compiler orders the op after the writes that
 produce them; the only state read behind the compiler's back is the trace table, which changes
 only at ``apply_staged_writes`` (host-side, between steps, never inside a graph). The wrappers
-pass the state's bound lengths as those tensor arguments.
+pass the state's bound lengths as those tensor arguments. A compiled function guards on the state
+it was traced with (its id, whether it is open, its bound lengths): another state, a rebinding or
+a close retraces it.
 
 Lifetime: after ``state.close()`` the wrappers raise ``RuntimeError("this TraceReplayState is
-closed")`` and an op called with its id raises ``RuntimeError`` naming the id. A CUDA graph
+closed")`` (under ``fullgraph=True`` Dynamo may report it inside its own exception type, with
+that message) and an op called with its id raises ``RuntimeError`` naming the id. A CUDA graph
 (``torch.cuda.graph`` or ``reduce-overhead``) captured with a replay holds the table's device
 address and never runs the Python kernel again: replaying such a graph after ``close`` reads freed
 memory, so close a state only after its graphs are gone. Thread-safety: as the state's methods
