@@ -21,7 +21,7 @@ Providers:
   alignment) through the same JIT launcher: how much of the gap the hints alone close.
 - ``torch_native``: gather + where in torch ops (several kernels).
 - ``cuda_graph``: a CUDA graph holding one replay launch, replayed (the floor).
-- ``torch_ops_eager``: the registered op ``torch.ops.trace_replay.replay`` called eagerly (what
+- ``torch_ops_eager``: the registered op ``torch.ops.trace_replay.replay.default`` called eagerly (what
   an op costs through torch's dispatcher, next to ``trace_replay_torch``'s direct path).
 
 A second question: what does a whole sampler step cost (greedy ``argmax`` over ``[batch,
@@ -177,7 +177,7 @@ def main() -> None:
 
         sampled = base.clone()
         op_id = st.op_id
-        replay_through_op = torch.ops.trace_replay.replay
+        replay_through_op = torch.ops.trace_replay.replay.default   # the overload compiled code calls
         record("torch_ops_eager", batch, "device",
                time_host(lambda: replay_through_op(sampled, idx, total_len, prompt_len, op_id), sync=sync))
         outs["torch_ops"] = sampled

@@ -59,7 +59,8 @@ def test_opcheck_logprob_rank(rng, dtype):
     logits = torch.from_numpy(rng.standard_normal((7, 131)).astype(np.float32)).to(dtype)
     tokens = torch.from_numpy(rng.integers(0, 131, 7))
     torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens))
-    torch.library.opcheck(OPS.token_logprob_rank.default, (logits.requires_grad_(dtype == torch.float32), tokens[:, None]))
+    grad = logits.requires_grad_(dtype == torch.float32)        # no gradient flows, and none is asked for
+    torch.library.opcheck(OPS.token_logprob_rank.default, (grad, tokens[:, None]))
 
 
 @pytest.mark.parametrize("top_k", [0, 5])
@@ -190,3 +191,11 @@ def test_compiled_sampler_refuses_a_closed_state(rng):
     # With fullgraph=True, Dynamo may report the same error inside its own exception type.
     with pytest.raises(Exception, match=r"this TraceReplayState is closed"):
         torch.compile(op_sampler, fullgraph=True, backend="eager")(st, logits, idx)
+
+
+def test_logprob_op_carries_no_gradient(rng):
+    """As the eager function: logits that require grad give results that do not."""
+    logits = torch.from_numpy(rng.standard_normal((4, 19)).astype(np.float32)).requires_grad_(True)
+    tokens = torch.from_numpy(rng.integers(0, 19, 4))
+    for result in (token_logprob_rank(logits, tokens), token_logprob_rank_op(logits, tokens)):
+        assert not any(t.requires_grad for t in result)
