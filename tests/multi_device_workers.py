@@ -16,10 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# NVLink multicast off for every NCCL user (a program using it can take a host's shared GPUs
+# out of service): set in each rank's own environment before its process group starts.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def tp_rank(rank: int, world: int, init_file: str, jobs_file: str, out_dir: str, backend: str) -> None:
     """One rank: join the group (``backend`` gloo on the CPU, nccl on ``cuda:<rank>``), run
     every job, write this rank's results."""
+    os.environ.update(NO_MULTICAST)               # this rank's process only
     torch.set_num_threads(1)                      # CI has two cores: one per rank
     device = "cpu"
     if backend == "nccl":
