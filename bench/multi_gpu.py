@@ -139,7 +139,8 @@ def _tp_rank(rank, world, folder, work_dir, setup):
         out = {}
         for batch, requests, prefill_only in _workloads(setup, config.vocab_size):
             def call(reqs):
-                return run_decode_tp(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"])
+                return run_decode_tp(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"],
+                                     cuda_graph=setup["cuda_graph"])
             out[batch] = _time_calls(call, requests, prefill_only, sync)
         with open(os.path.join(work_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
@@ -156,7 +157,8 @@ def _row(provider, gpus, batch, requests, whole, prefill, results, ref=None, **e
            "traces_reproduced": all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))}
     if ref is not None:
         row["tokens_equal_1gpu"] = all(a.tokens.tolist() == b.tokens.tolist() for a, b in zip(results, ref))
-        row["max_logprob_diff_vs_1gpu"] = float(max(np.abs(a.logprobs - b.logprobs).max() for a, b in zip(results, ref)))
+        diffs = [np.abs(a.logprobs - b.logprobs).max() for a, b in zip(results, ref)]
+        row["max_logprob_diff_vs_1gpu"] = float(max(diffs))
     row.update(extra)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     return row
@@ -164,13 +166,17 @@ def _row(provider, gpus, batch, requests, whole, prefill, results, ref=None, **e
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a CPU dry run: gloo, 2 processes, tiny model (writes nothing)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a CPU dry run: gloo, 2 processes, tiny model (writes nothing)")
     ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--no-cuda-graph", action="store_true",
+                    help="run both torch loops' decode steps eagerly (default: one CUDA graph per step on a GPU)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 64,256; quick 4,8)")
     args = ap.parse_args()
     setup = dict(QUICK if args.quick else FULL)
     if args.batches:
         setup["batches"] = tuple(int(b) for b in args.batches.split(","))
+    setup["cuda_graph"] = False if args.no_cuda_graph else None
     frameworks = args.frameworks.split(",")
 
     import torch
@@ -203,7 +209,8 @@ def main() -> int:
             ref = {}
             for batch, requests, prefill_only in workloads:
                 def call(reqs):
-                    return run_decode(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"])
+                    return run_decode(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"],
+                                      cuda_graph=setup["cuda_graph"])
                 whole, prefill, ref[batch] = _time_calls(call, requests, prefill_only, sync)
                 rows.append(_row("torch", 1, batch, requests, whole, prefill, ref[batch]))
             if gpu:
@@ -245,7 +252,8 @@ def main() -> int:
         row["x_1gpu_tokens_per_s"] = row["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
     shape = {"model": "qwen2 " + json.dumps(setup["sizes"]), "dtype": setup["dtype"],
              "prompt_tokens": list(setup["prompt"]), "trace_tokens": list(setup["trace"]),
-             "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"]}
+             "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
+             "torch_step": "eager" if args.no_cuda_graph or args.quick else "cuda_graph"}
     if args.quick:
         json.dumps([dict(r, **shape) for r in rows] + [provenance()])   # the rows serialise; nothing written
         print("quick run: nothing written")

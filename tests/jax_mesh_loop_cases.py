@@ -103,6 +103,18 @@ def test_logits_are_sharded_over_the_vocabulary(rng):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [2, 10, 510])
+def test_sharded_argmax_takes_the_lowest_id_on_ties(vocab, rng):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from trace_replay_app.models.llama.jax_mesh import _sharded_argmax
+    mesh = _mesh()
+    x = rng.integers(0, 4, (33, vocab)).astype(np.float32)           # many ties, across the blocks too
+    x[0] = 1.0                                                        # a row of equal values
+    got = jax.jit(lambda a: _sharded_argmax(a, mesh, "vocab"))(
+        jax.device_put(x, NamedSharding(mesh, P(None, "vocab"))))
+    assert np.asarray(got).tolist() == x.argmax(axis=-1).tolist()
+
+
 def test_refusals():
     config = CONFIGS["qwen2-tied"]
     weights = seeded_weights(config)

@@ -9,7 +9,9 @@ import trace_replay_app
 
 ROOT = pathlib.Path(trace_replay_app.__file__).parent
 LIBRARIES = ("trace_replay_core", "trace_replay_torch", "trace_replay_jax")
-FRAMEWORK_MODULES = {"torch": "torch_loop", "jax": "jax_loop", "jaxlib": "jax_loop"}
+# framework -> the loop modules that may import it (one device; several: torch_tp over ranks, jax_mesh over a mesh)
+FRAMEWORK_MODULES = {"torch": ("torch_loop", "torch_tp"), "jax": ("jax_loop", "jax_mesh"),
+                     "jaxlib": ("jax_loop", "jax_mesh")}
 
 
 def _modules():
@@ -57,11 +59,12 @@ def test_frameworks_only_in_their_loop_modules():
     for name in MODULES:
         for module, line in _imports(name):
             top = module.split(".")[0]
-            if top in FRAMEWORK_MODULES and not name.endswith("." + FRAMEWORK_MODULES[top]):
+            if top in FRAMEWORK_MODULES and not name.endswith(tuple("." + m for m in FRAMEWORK_MODULES[top])):
                 bad.append(f"{name}:{line} imports {module}")
             if module == "<dynamic import>":
                 bad.append(f"{name}:{line} imports dynamically")
-            if top == "torch" and name.endswith(".jax_loop") or top in ("jax", "jaxlib") and name.endswith(".torch_loop"):
+            if top == "torch" and name.endswith((".jax_loop", ".jax_mesh")) \
+                    or top in ("jax", "jaxlib") and name.endswith((".torch_loop", ".torch_tp")):
                 bad.append(f"{name}:{line} imports {module}")
     assert bad == []
 

@@ -19,13 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import CASES, check_against_hf, check_same, hf_model, load, make_checkpoint, make_requests  # noqa: E402
+from llama_cases import (CASES, check_against_hf, check_same, hf_model, load, make_checkpoint,  # noqa: E402
+                         make_requests)
 from multi_device_workers import run_ranks  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
@@ -58,7 +58,7 @@ def test_refused_without_a_process_group():
 
 
 def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
-    jobs, refs, models = [], {}, {}
+    jobs, models = [], {}
     for i, case in enumerate(sorted(CASES)):
         folder = make_checkpoint(case, str(tmp_path / case), seed=i)
         config, weights = load(folder)

@@ -7,8 +7,9 @@ device computes its block of columns of every row's logits; every other weight, 
 caches, the per-slot lengths and the outputs are replicated. Inside the one jitted step:
 
 - the greedy argmax (and the Gumbel-max draw when sampling, the same noise as the one-device
-  loop: ``jax.random`` values do not depend on the sharding) over the sharded logits, the
-  cross-device reduction partitioned by XLA;
+  loop: ``jax.random`` values do not depend on the sharding) over the sharded logits, in a
+  ``shard_map``: each block's maximum and its position gathered and merged in block order
+  (the first block holding the maximum wins, so ties go to the lowest id, as ``jnp.argmax``);
 - replay with :func:`trace_replay_jax.replay` on the tables of a
   :class:`trace_replay_jax.TraceReplayState` over ``mesh`` (one table per device, replicated);
 - logprob and rank with :func:`trace_replay_jax.token_logprob_rank_sharded` on the
@@ -48,6 +49,25 @@ from .jax_loop import _CHUNK, _admit, _bucket, _Carry, _decode, _fresh_outputs, 
 __all__ = ["run_decode_mesh", "placed_params"]
 
 
+def _sharded_argmax(x, mesh: Mesh, vocab_axis: str):
+    """``argmax(x, axis=-1)`` (int32, ties: the lowest id) of ``[rows, vocab]`` ``x`` sharded
+    over ``vocab_axis``: each block's maximum and where it is, gathered (two values per row and
+    block) and merged in block order, the first block holding the maximum winning."""
+    def block(xb):
+        n = xb.shape[1]
+        local = jnp.argmax(xb, axis=-1).astype(jnp.int32)
+        top = jnp.take_along_axis(xb, local[:, None], axis=1)[:, 0]
+        tops = jax.lax.all_gather(top, vocab_axis)                   # [blocks, rows]
+        ids = jax.lax.all_gather(local + jax.lax.axis_index(vocab_axis).astype(jnp.int32) * n, vocab_axis)
+        best, best_id = tops[0], ids[0]
+        for k in range(1, tops.shape[0]):
+            better = tops[k] > best
+            best, best_id = jnp.where(better, tops[k], best), jnp.where(better, ids[k], best_id)
+        return best_id
+
+    return jax.shard_map(block, mesh=mesh, in_specs=P(None, vocab_axis), out_specs=P(), check_vma=False)(x)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "sample", "mesh", "vocab_axis"), donate_argnames=("carry",))
 def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: LlamaConfig,
           sample: bool, mesh: Mesh, vocab_axis: str) -> _Carry:
@@ -58,12 +78,14 @@ def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperatu
     active = idx_mapping >= 0
     positions = jnp.where(active, carry.total_len - 1, 0)
     logits, keys, values = _decode(params, config, carry, positions)
-    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, vocab_axis)))
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)          # ties: the lowest id
+    by_vocab = NamedSharding(mesh, P(None, vocab_axis))
+    logits = jax.lax.with_sharding_constraint(logits, by_vocab)
+    argmax = _sharded_argmax(logits, mesh, vocab_axis)               # ties: the lowest id
     drawn = argmax
-    if sample:
-        noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32)
-        drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
+    if sample:                                                       # the one-device loop's noise, sharded
+        noise = jax.lax.with_sharding_constraint(
+            jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32), by_vocab)
+        drawn = _sharded_argmax(logits.astype(jnp.float32) / temperature + noise, mesh, vocab_axis)
     sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)
     logprobs, ranks = token_logprob_rank_sharded(logits, sampled, mesh=mesh, vocab_axis=vocab_axis)
     return _Carry(keys=keys, values=values, prompt_len=carry.prompt_len,
