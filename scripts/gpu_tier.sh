@@ -18,12 +18,22 @@ status=0
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import sys, torch, triton, jax, numpy, cuda.core, cuda.bindings; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "jax", jax.__version__, "numpy", numpy.__version__, "cuda-core", cuda.core.__version__, "cuda-bindings", cuda.bindings.__version__)'
+  python3 -c 'import sys, torch, triton, jax, numpy, cuda.bindings, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "jax", jax.__version__, "numpy", numpy.__version__, "cuda-bindings", cuda.bindings.__version__, "transformers", transformers.__version__)'
 } 2>&1 | tee "$OUT/env.txt"
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
       python3 -m pytest tests -m gpu -q -rfEs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    tests-parallel)
+      # The same tier on several pytest workers (pytest-xdist, one file per worker) sharing the GPU;
+      # the two tests that read the device's free memory run alone afterwards.
+      alone=(tests/test_gpu_reliability.py::test_create_close_cycles_do_not_leak
+             tests/test_gpu_torch.py::test_close_frees_memory_and_is_idempotent)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest tests -m gpu -q -rfEs -p no:cacheprovider \
+        -n "${GPU_TEST_WORKERS:-4}" --dist loadfile "${alone[@]/#/--deselect=}" \
+        --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+      python3 -m pytest "${alone[@]}" -m gpu -q -rfEs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_alone.log" \
+        || status=1 ;;
     tests-all)
       python3 -m pytest tests -q -rfEs -p no:cacheprovider --junitxml="$OUT/all_tests.xml" 2>&1 | tee "$OUT/all_tests.log" || status=1 ;;
     sanitizer)
