@@ -171,7 +171,8 @@ class TraceReplayState:
     # lifetime --------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return not self._cores or self._cores[0].closed
+        cores = getattr(self, "_cores", None)     # None: construction was refused before any table
+        return not cores or cores[0].closed
 
     def _live(self) -> None:
         if self.closed:
