@@ -146,6 +146,8 @@ ADAPTER_REFUSALS = {
                                    ValueError, r"^slots gives slot 0 twice \(positions 1 and 2\): each request takes its own slot$"),
     "repeated-slot-tensor": (lambda st: st.add_requests(torch.tensor([2, 1, 2]), torch.ones(3, 3, dtype=torch.int64)),
                              ValueError, r"^slots gives slot 2 twice \(positions 0 and 2\): each request takes its own slot$"),
+    "repeated-invalid-slot": (lambda st: st.add_requests([5, 5], [[1], [2]]),
+                              ValueError, r"^slots\[0\] must be in \[0, 4\) \(got 5\)$"),
     "op-not-a-state": (lambda st: replay_op(st.op_id, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)),
                        TypeError, r"^state must be a trace_replay_torch\.TraceReplayState \(got int\)$"),
 }

@@ -29,14 +29,15 @@ def _not_a_tensor(**arrays) -> Optional[TypeError]:
     return None
 
 
-def _repeated_slot(slots) -> Optional[ValueError]:
+def _repeated_slot(slots, max_slots: int) -> Optional[ValueError]:
     """A ``ValueError`` naming the first slot that ``slots`` gives twice (and both positions),
-    else None. Slots that are not a 1-D integer host array are left to the core to judge."""
+    else None. Slots that are not a 1-D integer host array of valid slots are left to the core
+    to judge (its errors name them)."""
     try:
         arr = np.asarray(slots)
     except Exception:  # noqa: BLE001 - not array-like (or on a device): the core names the problem
         return None
-    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size < 2:
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size < 2 or arr.min() < 0 or arr.max() >= max_slots:
         return None
     order = np.argsort(arr, kind="stable")          # equal slots end up adjacent, positions ascending
     ranked = arr[order]
@@ -190,7 +191,7 @@ class TraceReplayState:
             _check_host(traces, "traces")
         if isinstance(slots, torch.Tensor):
             _check_host(slots, "slots")
-        repeated = _repeated_slot(slots)
+        repeated = _repeated_slot(slots, self.table.max_slots)
         if repeated is not None:
             raise repeated
         self.table.stage_many(slots, traces)
