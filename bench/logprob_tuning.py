@@ -1,116 +1,148 @@
-"""Which block size and warp count for the logprob-and-rank kernel?
+"""Which tile, warp count and summation for the batch-invariant logprob kernels?
 
-Question: the kernel reads ``BLOCK`` logits per loop iteration with ``num_warps`` warps per
-program (``trace_replay_core.kernels.logprob_rank.LOGPROB_BLOCK`` / ``LOGPROB_NUM_WARPS``).
-Which pair reads the logits fastest at vocab 151,936, for bfloat16 and float32 logits, at the
-batch sizes where one program owns a row (256, 1024) and where rows are split (64)?
+Question: rows are cut into tiles of ``tile`` logits, one program of ``num_warps`` warps per
+tile, each tile summed by ``tl.sum`` (``tree=False``, the shipped way) or in a fixed tree
+(``tree=True``: the bits do not depend on the compiler's register layout either). Which choice reads the
+logits fastest at vocab 151,936, for bfloat16 and float32, at batch 1 to 4096, and with top-k 20?
+Every choice is batch-invariant by construction; the ``invariant`` column checks it (three rows
+of the batch against the same rows alone, bit for bit).
 
-Method: each variant is bound through the core (``bind_logprob_rank``) with the module
-constants set to it while binding (compiled once per variant), and timed with
-``harness.time_cuda_queued`` (calls queued behind a busy kernel, host cost hidden) on copies of
-the logits rotated so that L2 does not serve them (256 MiB in all, at most 32 copies). Before
-timing, every variant's result is compared with the shipped setting's (ranks equal, largest
-logprob difference). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
+Method: each variant's plan (``plan_logprob_rank(..., tile=, num_warps=, tree=)``) is bound
+through ``bind_logprob_rank_launch`` (the kernels' launch function, integers only) and timed
+with ``harness.time_cuda_queued`` (calls queued behind a busy kernel, host cost hidden) on
+copies of the logits rotated so that L2 does not serve them (256 MiB in all, at most 32 copies).
+Each variant's logprobs are compared with the shipped variant's (largest difference; ranks
+and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Does not measure: host cost (``logprob_rank.py``), other vocabularies, other GPUs.
 Run: ``python bench/logprob_tuning.py`` on a GPU; writes ``bench/results/logprob_tuning.json``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
+import traceback
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (bandwidth, copy_bandwidth, provenance, rotating, table, time_cuda_queued,  # noqa: E402
-                     write_results)
+from harness import bandwidth, copy_bandwidth, rotating, table, time_cuda_queued, write_results  # noqa: E402
 
 VOCAB = 151_936
-BATCHES = (64, 256, 1024)
+BATCHES = (1, 256, 4096)
 DTYPES = ("bfloat16", "float32")
-VARIANTS = ((4096, 16), (4096, 8), (8192, 8), (8192, 16), (4096, 4), (2048, 4), (16384, 16))   # shipped first
+# (tile, num_warps, tree); the shipped default first.
+VARIANTS = ((4096, 4, False), (4096, 4, True), (8192, 8, False), (8192, 8, True), (2048, 4, False), (4096, 8, False))
+TOPK_VARIANTS = ((4096, 4, False), (8192, 8, False))
+TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
 
-def bind_variant(block, warps, logits, ids, out, workspace, stream):
-    """A bound core call compiled and planned with ``BLOCK = block`` and ``num_warps = warps``."""
-    import trace_replay_core.kernels.logprob_rank as kernels
-    import trace_replay_core._logprob as core
-    saved = kernels.LOGPROB_BLOCK, kernels.LOGPROB_NUM_WARPS
-    kernels.LOGPROB_BLOCK, kernels.LOGPROB_NUM_WARPS = block, warps
-    try:
-        return core.bind_logprob_rank(logits, ids, out_logprobs=out[0], out_ranks=out[1], stream=stream,
-                                      workspace=workspace)
-    finally:
-        kernels.LOGPROB_BLOCK, kernels.LOGPROB_NUM_WARPS = saved
+class Call:
+    """The tensors and integer arguments of one call of ``[batch, VOCAB]`` logits."""
+
+    def __init__(self, torch, logits, ids, top_k):
+        from trace_replay_core._logprob import logprob_rank_workspace_bytes
+        from trace_replay_core.kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes
+        batch = logits.shape[0]
+        dev = logits.device
+        self.lp = torch.empty(batch, device=dev)
+        self.rk = torch.empty(batch, dtype=torch.int64, device=dev)
+        self.tlp = torch.empty(batch, max(top_k, 1), device=dev)
+        self.tid = torch.empty(batch, max(top_k, 1), dtype=torch.int64, device=dev)
+        # Room for any variant's plan (smaller tiles need more partials).
+        self.ws = torch.empty(logprob_rank_workspace_bytes(batch, VOCAB, top_k) * 8 + 64, dtype=torch.uint8,
+                              device=dev)
+        self.logits, self.ids, self.top_k = logits, ids, top_k
+        self.args = LogprobRankArgs(logits.data_ptr(), ids.data_ptr(), 0, self.lp.data_ptr(), self.rk.data_ptr(),
+                                    self.tlp.data_ptr() if top_k else 0, self.tid.data_ptr() if top_k else 0,
+                                    self.ws.data_ptr(), batch, VOCAB, logits.stride(0), top_k)
+        self.dtypes = LogprobRankDtypes(str(logits.dtype).replace("torch.", ""), "int64", "int64", "int64")
+
+    def bind(self, plan):
+        from trace_replay_core.kernels.logprob_rank import bind_logprob_rank_launch, workspace_layout
+        assert workspace_layout(self.args.batch, plan)[-1] <= self.ws.numel()
+        return bind_logprob_rank_launch(self.args, self.dtypes, self.logits.device.index, plan)
+
+    def results(self):
+        out = [self.lp.clone(), self.rk.clone()]
+        if self.top_k:
+            out += [self.tlp[:, :self.top_k].clone(), self.tid[:, :self.top_k].clone()]
+        return out
+
+
+def run_once(torch, call, plan, stream):
+    call.bind(plan)(stream)
+    torch.cuda.synchronize()
+    return call.results()
+
+
+def invariant(torch, logits, ids, top_k, plan, stream, result) -> bool:
+    batch = logits.shape[0]
+    for r in sorted({0, batch // 2, batch - 1}):
+        one = Call(torch, logits[r:r + 1].clone(), ids[r:r + 1].clone(), top_k)
+        alone = run_once(torch, one, plan, stream)
+        for a, b in zip(alone, result):
+            a, b = a[0], b[r]
+            if a.dtype == torch.float32:
+                a, b = a.view(torch.int32), b.view(torch.int32)
+            if not torch.equal(a, b):
+                return False
+    return True
 
 
 def main() -> None:
     import torch
 
-    import trace_replay_core.kernels.logprob_rank as kernels
-    from trace_replay_core._logprob import logprob_rank_workspace_bytes
+    from trace_replay_core.kernels.logprob_rank import plan_logprob_rank
 
     if not torch.cuda.is_available():
         sys.exit("bench/logprob_tuning.py needs a CUDA GPU")
     dev = torch.device("cuda", 0)
-    torch.manual_seed(0)
     stream = torch.cuda.current_stream().cuda_stream
-    shipped = (kernels.LOGPROB_BLOCK, kernels.LOGPROB_NUM_WARPS)
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
-    copy = copy_bandwidth()["d2d"]
-    copy_gbps = copy["gbps_p50"]
-    rows.append(dict(copy, variant="d2d_copy", gbps=copy_gbps))
-    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write); shipped BLOCK, warps = {shipped}", flush=True)
-    for dtype_name in DTYPES:
-        for batch in BATCHES:
-            logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(getattr(torch, dtype_name))
-            ids = torch.randint(0, VOCAB, (batch,), device=dev)
-            nbytes = logits.numel() * logits.element_size()
-            n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
-            copies = [logits] + [logits.clone() for _ in range(n_copies - 1)]
-            ws_bytes = logprob_rank_workspace_bytes(batch, VOCAB)
-            reference = None
-            for block, warps in VARIANTS:
-                outs = [(torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
-                        for _ in copies]
-                wss = [torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None for _ in copies]
-                try:
-                    bounds = [bind_variant(block, warps, x, ids, o, w, stream) for x, o, w in zip(copies, outs, wss)]
-                except Exception as exc:  # noqa: BLE001 - e.g. too many registers: reported, not fatal
-                    rows.append(dict(variant=f"{block}x{warps}", block=block, num_warps=warps, dtype=dtype_name,
-                                     batch=batch, error=f"{type(exc).__name__}: {exc}"))
-                    print(f"{block}x{warps} {dtype_name} B={batch}: {exc}", flush=True)
-                    continue
-                bounds[0](stream=stream)
-                torch.cuda.synchronize()
-                result = (outs[0][0].cpu().numpy(), outs[0][1].cpu().numpy())
-                if reference is None:           # the shipped setting comes first in VARIANTS
-                    reference = result
-                same = bool(np.array_equal(reference[1], result[1]))
-                diff = float(np.max(np.abs(reference[0].astype(np.float64) - result[0])))
-                stats = time_cuda_queued(rotating([functools.partial(b, stream=stream) for b in bounds]))
-                bw = bandwidth(nbytes, stats)
-                rows.append(dict(variant=f"{block}x{warps}", block=block, num_warps=warps,
-                                 shipped=(block, warps) == shipped, dtype=dtype_name, batch=batch, vocab=VOCAB,
-                                 bytes=nbytes, gbps=bw["gbps_p50"],
-                                 fraction_of_copy=bw["gbps_p50"] / copy_gbps, ranks_equal=same,
-                                 max_abs_logprob_diff=diff, **stats, **bw))
-                print(f"BLOCK {block:5d} warps {warps:2d} {dtype_name:9s} B={batch:5d} p50 {stats['us_p50']:8.2f} us "
-                      f"{bw['gbps_p50']:7.0f} GB/s ({bw['gbps_p50'] / copy_gbps:.0%} of copy) ranks equal {same}",
-                      flush=True)
-                del bounds, outs, wss
-            del logits, ids, copies
+    cases = [(d, b, 0, VARIANTS) for d in DTYPES for b in BATCHES] + [("bfloat16", b, TOP_K, TOPK_VARIANTS)
+                                                                      for b in (256,)]
+    for dtype_name, batch, top_k, variants in cases:
+        logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(getattr(torch, dtype_name))
+        ids = torch.randint(0, VOCAB, (batch,), device=dev)
+        nbytes = logits.numel() * logits.element_size()
+        n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
+        calls = [Call(torch, logits, ids, top_k)] + [Call(torch, logits.clone(), ids, top_k)
+                                                     for _ in range(n_copies - 1)]
+        shipped = None
+        for tile, warps, tree in variants:
+            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, tile=tile, num_warps=warps, tree=tree)
+            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, tile=tile, num_warps=warps, tree=tree,
+                       bytes=nbytes, copy_gbps=copy_gbps)
+            try:
+                result = run_once(torch, calls[0], plan, stream)
+                inv = invariant(torch, logits, ids, top_k, plan, stream, result)
+                shipped = shipped if shipped is not None else result
+                same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
+                diff = float((result[0] - shipped[0]).abs().max())
+                launches = [c.bind(plan) for c in calls]
+                stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
+                row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
+                           max_abs_logprob_diff_to_shipped=diff)
+                print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} tile {tile:5d} warps {warps:2d} tree {tree!s:5s} "
+                      f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
+                      f"{row['gbps_p50']:6.0f} GB/s invariant {inv} same {same} diff {diff:.1e}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
+                row.update(error=f"{type(exc).__name__}: {exc}"[:400])
+                print(f"{dtype_name} B={batch} tile {tile} warps {warps} tree {tree}: FAILED {row['error']}", flush=True)
+                traceback.print_exc()
+            rows.append(row)
+        logits = ids = calls = None
+        torch.cuda.empty_cache()
     path = write_results("logprob_tuning", rows)
-    prov = provenance()
-    print(f"\nwrote {path}\n{prov['gpu']}, driver {prov['driver']}, {prov['versions']}, {prov['date']}\n")
-    print(table([r for r in rows if "us_p50" in r and r.get("variant") != "d2d_copy"],
-                ["variant", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps", "fraction_of_copy", "ranks_equal"]))
+    print(f"\nwrote {path}\n")
+    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "tree",
+                                                     "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ logit would miss this by orders of magnitude.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
@@ -26,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_core import (ArrayView, as_view, bind_logprob_rank, token_logprob_rank,  # noqa: E402
+from trace_replay_core import (bind_logprob_rank, token_logprob_rank,  # noqa: E402
                                token_logprob_rank_reference)
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
 from trace_replay_core.kernels.logprob_rank import LOGPROB_TILE, plan_logprob_rank, workspace_layout  # noqa: E402
@@ -343,13 +341,13 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
             assert p.tile & (p.tile - 1) == 0 and 128 <= p.tile <= LOGPROB_TILE
             assert (p.n_tiles - 1) * p.tile < vocab <= p.n_tiles * p.tile            # no empty tile
             assert p.k_pad == 0
-    assert plan_logprob_rank(151936, 2).n_tiles == 19
+    assert plan_logprob_rank(151936, 2).n_tiles == 38
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
     # 12 bytes per tile and row; with top-k, 8 bytes per kept key and 4 per candidate.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 80                   # 76 bytes rounded to 16
-    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 19 * 4
-    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 19 * (12 + 32 * 8 + 64 * 4)
+    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 160                  # 152 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 38 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 38 * (12 + 32 * 8 + 64 * 4)
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
             for top_k in (0, 1, 20, 64):
@@ -384,12 +382,13 @@ def _interpreter_cases():
         cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, special=data is not None,
                           **options))
 
-    # The real tile (8192): vocab 32,000 is 4 tiles, the last one partial.
+    # The real tile (4096): vocab 32,000 is 8 tiles, the last one partial.
     add("f32-5x32000", 5, 32000, "float32")
     add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, ids_dtype="int32", rank_dtype="int32")
     add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3, shift=1)
     add("bf16-1x1", 1, 1, "bfloat16")
     add("bf16-2x8193", 2, 8193, "bfloat16")                         # a last tile of one logit
+    add("f32-3x8192-t4096-tree", 3, 8192, "float32", tree=True)      # the fixed-tree sum
     # A small tile, to run many tiles, partial tiles and the combine's loop on small rows.
     add("f32-40x1000-t128", 40, 1000, "float32", tile=128)
     add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", tile=128, pad=5)

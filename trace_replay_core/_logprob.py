@@ -51,9 +51,9 @@ TOPK_MAX = LOGPROB_TOPK_MAX
 
 def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     """Bytes of device workspace a ``[batch, vocab]`` call needs (host-only, pure; the same for
-    every logits dtype): 12 bytes per tile of each row (``cdiv(vocab, 8192)`` tiles for large
+    every logits dtype): 12 bytes per tile of each row (``cdiv(vocab, 4096)`` tiles for large
     vocabularies), plus ``8 * k_pad + 8 * k_pad`` per tile with ``top_k`` (``k_pad`` = 8, 32 or 64,
-    the power of two used for ``top_k``). At vocab 151,936: 228 bytes per row, 9.9 KiB per row
+    the power of two used for ``top_k``). At vocab 151,936: 456 bytes per row, 19.4 KiB per row
     with ``top_k = 20``. 0 for an empty batch."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
     if batch <= 0:
@@ -79,9 +79,11 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     Batch-invariant: a row's results have the same bits whatever the batch size, the row's
     position, padding rows or the other rows, for each logits dtype and vocabulary: the
     reduction order depends on the vocabulary alone (rows are cut into fixed tiles, each summed
-    in a fixed tree, the tiles merged in order; no atomics). ``top_k`` and a temperature of 1 do
-    not change ``out_logprobs``. The CPU backend is batch-invariant too (numpy, row by row),
-    but its bits differ from the GPU's (different exp and summation order).
+    in one order fixed by the compiled kernel, the tiles merged in order; no atomics). The
+    compiled kernel depends on the dtypes, the vocabulary, ``top_k > 0``, whether a temperature
+    is given and whether rows start on 16-byte boundaries (fixed by the layout: every row of a
+    contiguous array whose rows are a multiple of 16 bytes), never on the batch. The CPU backend
+    is batch-invariant too (numpy, row by row), but its bits differ from the GPU's.
 
     Special values (the same on the GPU and the CPU backend):
 

@@ -229,7 +229,7 @@ def check_temperature_values(t: np.ndarray) -> None:
     """Host data only: every temperature finite and > 0 (device arrays are not read)."""
     bad = np.flatnonzero(~(np.isfinite(t) & (t > 0)))
     if bad.size:
-        raise ValueError(f"temperature must be finite and > 0 in every row (got {t[bad[0]]!r} in row {bad[0]}, "
+        raise ValueError(f"temperature must be finite and > 0 in every row (got {float(t[bad[0]])!r} in row {bad[0]}, "
                          f"{bad.size} bad rows)")
 
 

@@ -123,7 +123,7 @@ def _temperature(temperature: Any, batch: int) -> Optional[Any]:
     if isinstance(temperature, np.ndarray):
         bad = np.flatnonzero(~(np.isfinite(temperature) & (temperature > 0)))
         if bad.size:
-            raise ValueError(f"temperature must be finite and > 0 in every row (got {temperature[bad[0]]!r} in "
+            raise ValueError(f"temperature must be finite and > 0 in every row (got {float(temperature[bad[0]])!r} in "
                              f"row {bad[0]})")
     return temperature
 

@@ -107,8 +107,8 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: 
     error: that check would need a host sync).
 
     Blocking: ordered on torch's current stream of the logits' device, never synchronises. It
-    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 228 bytes per row at
-    vocab 151,936, about 10 KiB per row with top-k 20; capture-safe through torch's graph
+    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 456 bytes per row at
+    vocab 151,936, about 19 KiB per row with top-k 20; capture-safe through torch's graph
     memory pool) and, for a float temperature, a ``[batch]`` tensor. The first call per device
     and signature compiles the kernels: run one eager call before capturing a CUDA graph. On
     CPU tensors it computes in numpy before returning.

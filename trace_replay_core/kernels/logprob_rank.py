@@ -13,12 +13,15 @@ Batch invariance. Each row is cut into ``n_tiles = cdiv(vocab, tile)`` tiles of 
 ``tile`` chosen from the vocabulary alone (:func:`plan_logprob_rank`). Program ``p`` of
 :func:`logprob_rank_tile_kernel` owns tile ``p % n_tiles`` of row ``p // n_tiles``: it loads the
 tile once (16-byte vectors where rows are aligned), takes its maximum ``m`` (exact in any order),
-sums ``exp(y - m)`` in a fixed binary tree over the column index bits (:func:`_tree_sum`, a sum of
-two terms at every node, so the same bits whatever the register layout the compiler picks),
-counts ``y >= y[t]`` (integers: exact) and writes the partial ``(m, s, count)``.
+sums ``exp(y - m)`` (``tl.sum``: an order fixed by the compiled kernel, which is the same for every
+batch size; or, with ``plan.tree``, a fixed binary tree over the column index bits,
+:func:`_tree_sum`, the same bits whatever register layout the compiler picks), counts
+``y >= y[t]`` (integers: exact) and writes the partial ``(m, s, count)``.
 :func:`logprob_rank_combine_kernel` (one program per row) merges a row's partials in tile
-order, again by max and fixed trees. Nothing depends on the batch, the row's position or the
-other rows: a row gives the same bits in a batch of 1 and of 10,000.
+order. Nothing depends on the batch, the row's position or the other rows: a row gives the same
+bits in a batch of 1 and of 10,000 (the compiled kernels depend on the dtypes, the vocabulary,
+whether rows are 16-byte aligned (a property of the layout, see :func:`_aligned`), top-k and
+temperature, never on the batch).
 
 Top-k. Per tile, a cheap filter finds the candidates: ``tau`` = the ``K_PAD``-th largest of
 ``N_GROUPS`` group maxima, so at least ``K_PAD >= top_k`` logits are ``>= tau`` and the tile's
@@ -61,12 +64,21 @@ __all__ = [
     "TOPK_MAX",
 ]
 
-# Logits per program: a row of 151,936 is 19 tiles of 8192 (16 KiB of bf16 per program, four
-# 16-byte loads per thread with 8 warps); smaller vocabularies get the next power of two.
-LOGPROB_TILE = 8192
+# Logits per program: a row of 151,936 is 38 tiles of 4096 (8 KiB of bf16 per program, 4 warps,
+# 32 logits per thread); smaller vocabularies get the next power of two. bench/logprob_tuning.py
+# on the H200 (2026-12-01, vocab 151,936, device time, an earlier build whose tile loads were all
+# masked, i.e. not vectorised): 4096 x 4 warps against 8192 x 8 at batch 256 bf16 48.4 vs 64.7 us,
+# float32 54.1 vs 72.3 us; at batch 4096 bf16 645 vs 914 us; batch 1 6.27 vs 6.56 us; 8192 x 4
+# and 16384 x 8 were slower than 4096 x 4 everywhere.
+LOGPROB_TILE = 4096
 LOGPROB_MIN_TILE = 128
 LOGPROB_ELEMENTS_PER_THREAD = 32
 LOGPROB_MAX_WARPS = 8
+# Sum a tile with tl.sum (False) or in the fixed tree of _tree_sum (True). Both are batch-invariant
+# (one compiled kernel serves every batch size); the tree also gives the same bits across compiled
+# variants (aligned or not, with or without top-k), but cost 64.7 vs 54.5 us at batch 256 bf16 and
+# 914 vs 742 us at batch 4096 in the run above.
+LOGPROB_TREE = False
 TOPK_MAX = 64
 # Partials the combine kernel merges per loop step, and top-k keys per merge step.
 COMBINE_BLOCK = 256
@@ -85,8 +97,8 @@ class LogprobRankPlan(NamedTuple):
     ``tile`` logits per program (a power of two), ``n_tiles`` programs per row, ``num_warps``
     per program; ``high_bits`` index bits the tree sum folds first (bits above one register
     pass of the CTA); top-k: ``k_pad`` (0 without top-k; a power of two >= top_k), ``n_groups``
-    group maxima for the filter, ``cap`` candidates kept per tile; ``tree`` False sums with
-    ``tl.sum`` (a layout-dependent order; tuning only).
+    group maxima for the filter, ``cap`` candidates kept per tile; ``tree`` sums tiles in the
+    fixed tree of ``_tree_sum`` instead of ``tl.sum`` (default ``LOGPROB_TREE``).
     """
     tile: int
     n_tiles: int
@@ -135,7 +147,7 @@ def _k_pad(top_k: int) -> int:
 
 
 def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Optional[int] = None,
-                      num_warps: Optional[int] = None, tree: bool = True) -> LogprobRankPlan:
+                      num_warps: Optional[int] = None, tree: Optional[bool] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure).
 
     ``tile``, ``num_warps`` and ``tree`` override the defaults for tuning
@@ -143,6 +155,8 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Option
     """
     if tile is None:
         tile = min(LOGPROB_TILE, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
+    if tree is None:
+        tree = LOGPROB_TREE
     if num_warps is None:
         num_warps = max(1, min(LOGPROB_MAX_WARPS, tile // (32 * LOGPROB_ELEMENTS_PER_THREAD)))
     vec = 16 // itemsize
@@ -390,7 +404,13 @@ def logprob_rank_tile_kernel(
     valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     cols = start + tl.arange(0, TILE)
     valid = cols < vocab
-    y = _scaled(tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+    if start + TILE <= vocab:
+        # A whole tile: unmasked, so the loads are 16-byte vectors (a mask on a runtime vocab
+        # would make every load a scalar one).
+        x = tl.load(row_ptr + cols)
+    else:
+        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+    y = _scaled(x.to(tl.float32), t, HAS_TEMP)
     y = tl.where(valid, y, float("-inf"))
     m = tl.max(y, axis=0)                                   # NaN is skipped here, but poisons the sum
     m_safe = tl.where(m == float("-inf"), 0.0, m)           # a tile of -inf: sum 0, not NaN

@@ -1,0 +1,543 @@
+"""token_logprob_rank: batch invariance, top-k and temperature, the special rows of issue 16.
+
+References are float64 numpy, separate from the code under test: the processed logits are
+``float32(x) / float32(T)`` (vLLM divides the float32 logits), the normaliser and the logprobs
+are taken in float64 from them, top-k sorts by (value descending, id ascending) with NaN never
+selected. Ids and ranks must match exactly; logprobs within the bound of test_logprob_rank.py.
+Ties are planted on purpose: equal values straddling the k-th place, ties across tiles, -0.0
+against +0.0.
+
+Batch invariance is checked bit for bit: the same rows in batches of 1, 3, 8 and 17 (at other
+positions, among other rows) through Triton's interpreter and the numpy backend here, and on the
+GPU (marked ``gpu``) at vocab 151,936 for batches 1 to 1024, both adapters and a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trace_replay_core import token_logprob_rank  # noqa: E402
+from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
+
+from logprob_interpreter import run_cases  # noqa: E402
+from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference,  # noqa: E402
+                               make_case, round_to)
+
+
+# -- references and data --------------------------------------------------------------------------
+
+def processed(x: np.ndarray, temp) -> np.ndarray:
+    """float32 logits / float32 T, in float32 (what the kernels compute before reducing)."""
+    x = x.astype(np.float32)
+    if temp is None:
+        return x
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return x / np.asarray(temp, np.float32)[:, None]
+
+
+def topk_reference(y: np.ndarray, top_k: int):
+    """(logprobs float64, ids int64) ``[batch, top_k]`` of float32 ``y``: largest first, ties by
+    the lower id, NaN never selected (-1 and NaN in the places left)."""
+    batch, vocab = y.shape
+    ids = np.full((batch, top_k), -1, np.int64)
+    lps = np.full((batch, top_k), np.nan)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        y64 = y.astype(np.float64)
+        m = y64.max(axis=1, keepdims=True)            # the contract: NaN, +inf or only -inf -> NaN
+        lse = (m + np.log(np.exp(y64 - m).sum(axis=1, keepdims=True)))[:, 0]
+    for r in range(batch):
+        ok = np.flatnonzero(~np.isnan(y[r]))
+        order = ok[np.lexsort((ok, -y64[r, ok]))][:top_k]
+        ids[r, :order.size] = order
+        with np.errstate(invalid="ignore"):
+            lps[r, :order.size] = y64[r, order] - lse[r]
+    return lps, ids
+
+
+def assert_topk(y: np.ndarray, top_k: int, lp, ids, what: str) -> None:
+    ref_lp, ref_ids = topk_reference(y, top_k)
+    ids = np.asarray(ids).astype(np.int64)
+    bad = np.argwhere(ids != ref_ids)
+    assert bad.size == 0, (f"{what}: {len(bad)} top-k id mismatches, first at {bad[:5].tolist()}: got "
+                           f"{ids[tuple(bad[0])]}, want {ref_ids[tuple(bad[0])]}")
+    lp = np.asarray(lp, np.float64)
+    assert np.array_equal(np.isnan(lp), np.isnan(ref_lp)), f"{what}: NaN places differ"
+    fin = np.isfinite(ref_lp)
+    assert np.array_equal(np.isinf(lp), np.isinf(ref_lp)) and np.all(lp[np.isinf(ref_lp)] == ref_lp[np.isinf(ref_lp)])
+    tol = 2e-5 + 3e-7 * (np.abs(np.where(fin, ref_lp, 0)) + 2 * np.abs(np.where(fin, y[np.arange(y.shape[0])[:, None],
+                                                                                         np.maximum(ref_ids, 0)], 0)))
+    err = np.where(fin, np.abs(np.where(fin, lp, 0) - np.where(fin, ref_lp, 0)), 0)
+    bad = np.argwhere(err > tol)
+    assert bad.size == 0, f"{what}: top-k logprob error above bound at {bad[:5].tolist()}: {err[tuple(bad[0])]}"
+
+
+def tied_case(rng, batch: int, vocab: int, dtype: str, top_k: int):
+    """make_case's rows plus top-k ties: in odd rows the values around the k-th place repeat
+    (several ids share them, spread over the row), some -0.0/+0.0 pairs, and a temperature."""
+    x, ids = make_case(rng, batch, vocab, dtype)
+    for r in range(1, batch, 2):
+        if vocab < 8:
+            break
+        order = np.argsort(-x[r], kind="stable")
+        k = min(top_k, vocab - 1)
+        v = x[r, order[max(0, k - 1)]]
+        spots = rng.choice(vocab, size=min(vocab, 4), replace=False)
+        x[r, spots] = v
+        x[r, rng.choice(vocab, size=2, replace=False)] = [0.0, -0.0]
+    temp = rng.uniform(0.5, 2.0, size=batch).astype(np.float32)
+    return round_to(x, dtype), ids, temp
+
+
+# -- the numpy backend ---------------------------------------------------------------------------
+
+def run_cpu(x, ids, dtype, *, temp=None, top_k=0, rank_dtype=np.int64):
+    logits = torch.from_numpy(x).to(TORCH_DTYPES[dtype])
+    batch = x.shape[0]
+    lp = np.full(batch, POISON_LOGPROB, np.float32)
+    rk = np.full(batch, POISON_RANK, rank_dtype)
+    tlp = np.full((batch, top_k), POISON_LOGPROB, np.float32) if top_k else None
+    tid = np.full((batch, top_k), POISON_RANK, rank_dtype) if top_k else None
+    token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0, top_k=top_k,
+                       temperature=None if temp is None else np.asarray(temp, np.float32),
+                       out_topk_logprobs=tlp, out_topk_ids=tid)
+    return dict(lp=lp, rk=rk, tlp=tlp, tid=tid)
+
+
+CPU_TOPK = [(b, v, d, k) for d in TORCH_DTYPES for b, v in ((1, 1), (5, 7), (9, 1000), (4, 32000))
+            for k in (1, 5, 20, 64) if k <= v]
+
+
+@pytest.mark.parametrize("batch,vocab,dtype,top_k", CPU_TOPK, ids=[f"b{b}-v{v}-{d}-k{k}" for b, v, d, k in CPU_TOPK])
+@pytest.mark.parametrize("with_temp", [False, True])
+def test_cpu_topk_and_temperature_match_reference(batch, vocab, dtype, top_k, with_temp):
+    rng = np.random.default_rng(batch * 7 + vocab + top_k)
+    x, ids, temp = tied_case(rng, batch, vocab, dtype, top_k)
+    temp = temp if with_temp else None
+    out = run_cpu(x, ids, dtype, temp=temp, top_k=top_k)
+    y = processed(x, temp)
+    assert_matches_reference(y, ids, out["lp"], out["rk"], f"cpu {batch}x{vocab}")
+    assert_topk(y, top_k, out["tlp"], out["tid"], f"cpu top-{top_k}")
+
+
+# -- special rows ----------------------------------------------------------------------------------
+
+def special_rows(vocab: int, tile: int, rng):
+    """Rows of issue 16: 0 mostly -inf (3 finite), 1 whole tiles of -inf, 2 one finite entry,
+    3 a NaN, 4 all NaN, 5 all -inf, 6 all equal, 7 -0.0 and +0.0 at the top, 8 a plain row with
+    the big values packed into a few groups of one tile (the top-k filter lets too many through:
+    the tile is merged piece by piece), 9 +inf."""
+    x = (rng.standard_normal((10, vocab)) * 3).astype(np.float32)
+    x[x == 0] = 0.5
+    ids = rng.integers(0, vocab, size=10).astype(np.int64)
+    x[0, :] = -np.inf
+    x[0, rng.choice(vocab, 3, replace=False)] = [1.0, 2.0, 1.0]
+    x[1, :min(vocab, 2 * tile)] = -np.inf
+    x[2, :] = -np.inf
+    x[2, vocab // 2] = 0.25
+    x[3, vocab // 3] = np.nan
+    x[4, :] = np.nan
+    x[5, :] = -np.inf
+    x[6, :] = 1.5
+    x[7, :] = -5.0
+    x[7, [vocab // 2, 1]] = [-0.0, 0.0]
+    x[8, :] = -50.0 - np.arange(vocab) * 1e-3
+    x[8, :28] = 100.0 + np.arange(28)
+    x[9, vocab - 1] = np.inf
+    return x, ids
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 20, 64])
+def test_cpu_special_rows(top_k):
+    vocab = 1000
+    x, ids = special_rows(vocab, 128, np.random.default_rng(3))
+    out = run_cpu(x, ids, "float32", top_k=top_k)
+    assert_matches_reference(x, ids, out["lp"], out["rk"], "cpu special")
+    assert_topk(x, top_k, out["tlp"], out["tid"], "cpu special top-k")
+    assert out["tid"][0, :3].tolist() == sorted(out["tid"][0, :3].tolist(), key=lambda i: (-x[0, i], i))
+    assert out["tid"][7, :2].tolist() == [1, vocab // 2][:top_k]  # -0.0 ties +0.0: the lower id first
+    assert np.all(out["tid"][4] == -1) and np.all(np.isnan(out["tlp"][4]))
+
+
+# -- batch invariance: the same rows in other batches ------------------------------------------------
+
+BATCHES = (1, 3, 8, 17)
+N_WATCHED = 6
+
+
+def invariance_batches(n_rows: int, rng):
+    """For each batch size, batches of row indices: the first ``N_WATCHED`` rows are watched,
+    each appears in some batch of every size at a changing position; the other rows fill up."""
+    plans = {}
+    for b in BATCHES:
+        watched = rng.permutation(N_WATCHED)
+        batches = []
+        for s in range(0, N_WATCHED, b):
+            rows = list(watched[s:s + b]) + list(rng.choice(np.arange(N_WATCHED, n_rows), b - len(watched[s:s + b])))
+            batches.append(rng.permutation(np.array(rows, dtype=np.int64)))
+        plans[b] = batches
+    return plans
+
+
+def assert_same_bits(results, plans, what):
+    """``results[b][i]`` the outputs of batch ``i`` of size ``b``: every watched row's bits agree."""
+    first = {}
+    for b, batches in plans.items():
+        for i, rows in enumerate(batches):
+            out = results[b][i]
+            for pos, row in enumerate(rows):
+                if row >= N_WATCHED:
+                    continue
+                got = tuple(np.asarray(out[k][pos]).tobytes() for k in ("lp", "rk", "tlp", "tid") if out.get(k) is not None)
+                want = first.setdefault(int(row), (got, b, pos))
+                assert got == want[0], (f"{what}: row {row} differs between batch {want[1]} (position {want[2]}) "
+                                        f"and batch {b} (position {pos})")
+    assert len(first) == N_WATCHED
+
+
+def test_numpy_backend_is_batch_invariant():
+    rng = np.random.default_rng(8)
+    x, ids, temp = tied_case(rng, 23, 1500, "bfloat16", 20)
+    plans = invariance_batches(23, rng)
+    results = {b: [run_cpu(x[rows], ids[rows], "bfloat16", temp=temp[rows], top_k=20) for rows in batches]
+               for b, batches in plans.items()}
+    assert_same_bits(results, plans, "numpy backend")
+
+
+def _interpreter_invariance_cases():
+    rng = np.random.default_rng(21)
+    cases, index = [], []
+    # The interpreter runs about two top-k programs a second: few tiles per row there.
+    for dtype, vocab, tile, top_k, with_temp in (("bfloat16", 1000, 512, 5, True), ("float32", 300, None, 0, False),
+                                                 ("float16", 999, 128, 0, True)):
+        x, ids, temp = tied_case(rng, 23, vocab, dtype, max(top_k, 1))
+        temp = temp if with_temp else None
+        plans = invariance_batches(23, rng)
+        for b, batches in plans.items():
+            for i, rows in enumerate(batches):
+                name = f"{dtype}-v{vocab}-b{b}-{i}"
+                cases.append(dict(name=name, x=x[rows], ids=ids[rows], temp=None if temp is None else temp[rows],
+                                  dtype=dtype, tile=tile, top_k=top_k))
+        index.append((dtype, vocab, plans, x, ids, temp, top_k))
+    return cases, index
+
+
+@pytest.fixture(scope="module")
+def interpreted_invariance(tmp_path_factory):
+    pytest.importorskip("triton")
+    cases, index = _interpreter_invariance_cases()
+    return run_cases(cases, str(tmp_path_factory.mktemp("inv"))), index
+
+
+def test_kernels_in_interpreter_are_batch_invariant_and_exact(interpreted_invariance):
+    out, index = interpreted_invariance
+    for dtype, vocab, plans, x, ids, temp, top_k in index:
+        results = {b: [out[f"{dtype}-v{vocab}-b{b}-{i}"] for i in range(len(batches))] for b, batches in plans.items()}
+        assert_same_bits(results, plans, f"interpreter {dtype} v{vocab}")
+        whole = results[17][0]
+        rows = plans[17][0]
+        y = processed(x[rows], None if temp is None else temp[rows])
+        assert_matches_reference(y, ids[rows], whole["lp"], whole["rk"], f"interpreter {dtype} v{vocab}")
+        if top_k:
+            assert_topk(y, top_k, whole["tlp"], whole["tid"], f"interpreter {dtype} v{vocab} top-{top_k}")
+
+
+def _interpreter_topk_cases():
+    rng = np.random.default_rng(5)
+    cases = []
+    for top_k, vocab, tile in ((1, 1000, 256), (5, 1000, 256), (20, 1000, 256), (64, 300, None)):
+        x, ids = special_rows(vocab, tile or 512, rng)
+        cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", tile=tile, top_k=top_k))
+        x, ids, temp = tied_case(rng, 3, 3000, "bfloat16", top_k)
+        cases.append(dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k,
+                          pad=3, shift=1))
+    # The real tile (the last one has 808 logits); row 8 would run the piecewise merge over 4096
+    # logits, minutes in the interpreter: the GPU tier covers it.
+    x, ids = special_rows(9000, 4096, rng)
+    keep = np.array([0, 1, 2, 3, 5, 7, 9])
+    cases.append(dict(name="special-v9000-k20", x=round_to(x[keep], "bfloat16"), ids=ids[keep], dtype="bfloat16",
+                      top_k=20))
+    cases.append(dict(name="vocab1-k1", x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
+                      ids=np.array([0, 0, 1]), dtype="float32", top_k=1))
+    x, ids = make_case(rng, 3, 1000, "float32")
+    cases.append(dict(name="top0-same-bits", x=x, ids=ids, dtype="float32", top_k=0))
+    cases.append(dict(name="top20-same-bits", x=x, ids=ids, dtype="float32", top_k=20))
+    cases.append(dict(name="t1-same-bits", x=x, ids=ids, temp=np.ones(3, np.float32), dtype="float32", top_k=0))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interpreted_topk(tmp_path_factory):
+    pytest.importorskip("triton")
+    cases = _interpreter_topk_cases()
+    return {c["name"]: (c, r) for c, r in zip(cases, run_cases(cases, str(tmp_path_factory.mktemp("topk"))).values())}
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"]])
+def test_kernels_in_interpreter_topk_special_rows(interpreted_topk, name):
+    case, out = interpreted_topk[name]
+    y = processed(case["x"], case.get("temp"))
+    assert_matches_reference(y, case["ids"], out["lp"], out["rk"], f"interpreter {name}")
+    assert_topk(y, case["top_k"], out["tlp"], out["tid"], f"interpreter {name}")
+
+
+def test_kernels_in_interpreter_topk_and_unit_temperature_do_the_same_arithmetic(interpreted_topk):
+    # The interpreter runs the same numpy operations with or without top-k and T = 1; on the GPU
+    # the compiled variants may differ in summation order (see LOGPROB_TREE).
+    base = interpreted_topk["top0-same-bits"][1]
+    for other in ("top20-same-bits", "t1-same-bits"):
+        out = interpreted_topk[other][1]
+        assert out["lp"].tobytes() == base["lp"].tobytes() and out["rk"].tobytes() == base["rk"].tobytes(), other
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+def _bad_calls():
+    x = np.ones((3, 10), np.float32) * 0.5
+    tlp, tid = np.empty((3, 4), np.float32), np.empty((3, 4), np.int64)
+    return {
+        "top-k-above-64": (dict(top_k=65), ValueError, r"^top_k must be between 0 and 10 .*\(got 65\)"),
+        "top-k-above-vocab": (dict(top_k=11), ValueError, r"^top_k must be between 0 and 10 \(at most 64 and at most "
+                                                          r"the vocabulary, 10\) \(got 11\)"),
+        "top-k-negative": (dict(top_k=-1), ValueError, r"^top_k must be between 0 and 10"),
+        "top-k-bool": (dict(top_k=True), TypeError, r"^top_k must be an int \(got bool True\)"),
+        "top-k-no-outputs": (dict(top_k=4), ValueError, r"^out_topk_logprobs must be given when top_k > 0"),
+        "top-k-shape": (dict(top_k=3, out_topk_logprobs=tlp, out_topk_ids=tid), ValueError,
+                        r"^out_topk_logprobs must have shape \[3, 3\] \(\[batch, top_k\]\) \(got shape \[3, 4\]\)"),
+        "top-k-ids-dtype": (dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=np.empty((3, 4), np.float32)),
+                            TypeError, r"^out_topk_ids must have dtype int32 or int64 \(got float32\)"),
+        "top-k-outputs-without-top-k": (dict(out_topk_logprobs=tlp), ValueError,
+                                        r"^out_topk_logprobs is given but top_k is 0"),
+        "top-k-aliases-logprobs": (dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=tlp.view(np.int32)), ValueError,
+                                   r"^out_topk_logprobs and out_topk_ids overlap in memory"),
+        "temperature-zero": (dict(temperature=np.array([1.0, 0.0, 1.0], np.float32)), ValueError,
+                             r"^temperature must be finite and > 0 in every row \(got 0\.0 in row 1"),
+        "temperature-nan": (dict(temperature=np.array([1.0, 1.0, np.nan], np.float32)), ValueError,
+                            r"^temperature must be finite and > 0 in every row \(got nan in row 2"),
+        "temperature-length": (dict(temperature=np.ones(2, np.float32)), ValueError,
+                               r"^temperature must have 3 rows \(got shape \[2\]\)"),
+        "temperature-f64": (dict(temperature=np.ones(3)), TypeError, r"^temperature must have dtype float32"),
+    }, x
+
+
+BAD, _X = _bad_calls()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_errors_name_the_argument_and_change_nothing(case):
+    override, exc, pattern = BAD[case]
+    lp, rk = np.full(3, POISON_LOGPROB, np.float32), np.full(3, POISON_RANK, np.int64)
+    kwargs = dict(out_logprobs=lp, out_ranks=rk, stream=0) | override
+    outs = [a for a in kwargs.values() if isinstance(a, np.ndarray)]
+    before = [a.copy() for a in outs]
+    with pytest.raises(exc, match=pattern):
+        token_logprob_rank(_X, np.zeros(3, np.int64), **kwargs)
+    for a, b in zip(outs, before):
+        assert a.tobytes() == b.tobytes()
+
+
+# -- adapters on the CPU -------------------------------------------------------------------------
+
+def test_torch_adapter_cpu_named_results_and_out():
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    from trace_replay_torch.logprob import LogprobRank, LogprobRankTopK
+    rng = np.random.default_rng(4)
+    x, ids, temp = tied_case(rng, 6, 500, "float32", 5)
+    logits, ids_t = torch.from_numpy(x), torch.from_numpy(ids)
+    plain = torch_logprob_rank(logits, ids_t)
+    assert isinstance(plain, LogprobRank)
+    lp, rk = plain
+    assert_matches_reference(x, ids, lp.numpy(), rk.numpy(), "torch cpu")
+    res = torch_logprob_rank(logits, ids_t, top_k=5, temperature=torch.from_numpy(temp))
+    assert isinstance(res, LogprobRankTopK) and res.topk_ids.dtype == torch.int64 and res.topk_ids.shape == (6, 5)
+    y = processed(x, temp)
+    assert_matches_reference(y, ids, res.logprobs.numpy(), res.ranks.numpy(), "torch cpu temperature")
+    assert_topk(y, 5, res.topk_logprobs.numpy(), res.topk_ids.numpy(), "torch cpu top-k")
+    out = (torch.empty(6), torch.empty(6, dtype=torch.int32), torch.empty(6, 5), torch.empty(6, 5, dtype=torch.int32))
+    got = torch_logprob_rank(logits, ids_t, top_k=5, temperature=0.5, out=out)
+    assert all(a is b for a, b in zip(got, out))
+    assert_topk(processed(x, np.full(6, 0.5, np.float32)), 5, out[2].numpy(), out[3].numpy(), "torch cpu out")
+    with pytest.raises(ValueError, match=r"^temperature must be finite and > 0 \(got 0\.0\)"):
+        torch_logprob_rank(logits, ids_t, temperature=0.0)
+    with pytest.raises(TypeError, match=r"^out must be a \(logprobs, ranks, topk_logprobs, topk_ids\) tuple"):
+        torch_logprob_rank(logits, ids_t, top_k=5, out=out[:2])
+
+
+@pytest.mark.parametrize("method", ["kernel", "jnp"])
+def test_jax_adapter_cpu_topk_and_temperature(method):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from trace_replay_jax import token_logprob_rank as jax_logprob_rank
+    rng = np.random.default_rng(6)
+    x, ids, temp = tied_case(rng, 7, 700, "float32", 20)
+    for t in (None, temp):
+        fn = jax.jit(lambda a, b, c, m=method: jax_logprob_rank(a, b, method=m, top_k=20, temperature=c))
+        res = fn(jnp.asarray(x), jnp.asarray(ids, jnp.int32), None if t is None else jnp.asarray(t))
+        assert res.topk_ids.dtype == jnp.int32 and res.topk_logprobs.shape == (7, 20)
+        y = processed(x, t)
+        assert_matches_reference(y, ids, np.asarray(res.logprobs), np.asarray(res.ranks), f"jax {method}")
+        assert_topk(y, 20, np.asarray(res.topk_logprobs), np.asarray(res.topk_ids), f"jax {method} top-k")
+    lp, rk = jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, temperature=2.0)
+    assert_matches_reference(processed(x, np.full(7, 2.0, np.float32)), ids, np.asarray(lp), np.asarray(rk), "T=2")
+    with pytest.raises(ValueError, match=r"^top_k must be between 0 and 64"):
+        jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, top_k=65)
+    with pytest.raises(ValueError, match=r"^temperature must be finite and > 0 in every row"):
+        jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method,
+                         temperature=np.zeros(7, np.float32))
+
+
+# -- the GPU --------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+GPU_VOCAB = 151936
+GPU_BATCHES = (1, 7, 64, 255, 256, 257, 1024)
+
+
+def _gpu_base(dtype: str, rows: int, seed: int):
+    """Random logits on the device (exact in dtype), planted ties in a few rows, and ids."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(rows, GPU_VOCAB, device="cuda", generator=g) * 4).to(TORCH_DTYPES[dtype])
+    ids = torch.randint(0, GPU_VOCAB, (rows,), device="cuda", generator=g)
+    x[1::5, 100] = x[1::5].float().amax(dim=1).to(x.dtype)                  # ties at the top
+    r = torch.arange(2, rows, 5, device="cuda")
+    x[r, 150000] = x[r, ids[r]]                                              # ties with the token
+    x[3::5, : 3 * 4096] = float("-inf")                                     # whole tiles of -inf
+    return x, ids
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_gpu_batch_invariant_bitwise(dtype):
+    """The same rows give the same bits in batches of 1 to 1024, at any position, among other
+    rows, through the torch adapter (with and without top-k and temperature) and in a CUDA graph."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    base, ids = _gpu_base(dtype, 1024, 1)
+    temp = torch.rand(1024, device="cuda") + 0.5
+    full = torch_logprob_rank(base, ids)
+    full_k = torch_logprob_rank(base, ids, top_k=20, temperature=temp)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    for batch in GPU_BATCHES:
+        rows = torch.randperm(1024, generator=gen)[:batch].cuda()
+        sub = base[rows].contiguous()
+        got = torch_logprob_rank(sub, ids[rows])
+        assert torch.equal(got.logprobs.view(torch.int32), full.logprobs[rows].view(torch.int32)), f"batch {batch}"
+        assert torch.equal(got.ranks, full.ranks[rows]), f"batch {batch} ranks"
+        got_k = torch_logprob_rank(sub, ids[rows], top_k=20, temperature=temp[rows].contiguous())
+        for name in ("logprobs", "ranks", "topk_logprobs", "topk_ids"):
+            a, b = getattr(got_k, name), getattr(full_k, name)[rows]
+            a, b = (a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else (a, b)
+            assert torch.equal(a, b), f"batch {batch} {name} (top-k 20, temperature)"
+    # Inside a CUDA graph, at batch 257 (the kernels are compiled by the calls above).
+    rows = torch.randperm(1024, generator=gen)[:257].cuda()
+    sub, sub_ids = base[rows].contiguous(), ids[rows].contiguous()
+    out = (torch.empty(257, device="cuda"), torch.empty(257, dtype=torch.int64, device="cuda"))
+    torch_logprob_rank(sub, sub_ids, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch_logprob_rank(sub, sub_ids, out=out)
+    out[0].fill_(POISON_LOGPROB)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0].view(torch.int32), full.logprobs[rows].view(torch.int32)), "CUDA graph"
+    # And a handful of rows against the float64 reference.
+    x = base[:16].float().cpu().numpy()
+    assert_matches_reference(x, ids[:16].cpu().numpy(), full.logprobs[:16].cpu().numpy(),
+                             full.ranks[:16].cpu().numpy(), f"gpu {dtype}")
+    y = processed(x, temp[:16].cpu().numpy())
+    assert_topk(y, 20, full_k.topk_logprobs[:16].cpu().numpy(), full_k.topk_ids[:16].cpu().numpy(), f"gpu {dtype} top-k")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_gpu_jax_kernel_batch_invariant_and_equal_to_torch(dtype):
+    jax = pytest.importorskip("jax")
+    from jax_helpers import jax_gpu
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
+    from trace_replay_jax import token_logprob_rank as jax_logprob_rank
+    gpu = jax_gpu()
+    base, ids = _gpu_base(dtype, 1024, 3)
+    full = torch_logprob_rank(base, ids, top_k=20)
+    step = jax.jit(lambda a, b: jax_logprob_rank(a, b, top_k=20))
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    for batch in GPU_BATCHES:
+        rows = torch.randperm(1024, generator=gen)[:batch].cuda()
+        sub, sub_ids = base[rows].contiguous(), ids[rows].to(torch.int32).contiguous()
+        torch.cuda.synchronize()
+        xj, ij = jax.dlpack.from_dlpack(sub), jax.dlpack.from_dlpack(sub_ids)
+        assert xj.devices() == {gpu}
+        res = jax.block_until_ready(step(xj, ij))
+        want = {k: getattr(full, k)[rows].cpu().numpy() for k in full._fields}
+        assert np.asarray(res.logprobs).tobytes() == want["logprobs"].tobytes(), f"jax batch {batch}"
+        assert np.array_equal(np.asarray(res.ranks), want["ranks"]), f"jax batch {batch} ranks"
+        assert np.array_equal(np.asarray(res.topk_ids), want["topk_ids"]), f"jax batch {batch} top-k ids"
+        assert np.asarray(res.topk_logprobs).tobytes() == want["topk_logprobs"].tobytes(), f"jax batch {batch}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_more_than_2_31_logits():
+    """15,000 x 151,936 bf16 (2.28e9 logits): int64 offsets; the last rows exact and equal in bits
+    to the same rows alone."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    batch = 15000
+    if torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
+        pytest.skip("needs 16 GiB of GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(9)
+    base = torch.empty(batch, GPU_VOCAB, dtype=torch.bfloat16, device="cuda")
+    for r0 in range(0, batch, 1000):
+        base[r0:r0 + 1000] = (torch.randn(min(1000, batch - r0), GPU_VOCAB, device="cuda", generator=g) * 4)
+    ids = torch.randint(0, GPU_VOCAB, (batch,), device="cuda", generator=g)
+    assert base.numel() > 2**31
+    res = torch_logprob_rank(base, ids, top_k=8)
+    tail = slice(batch - 6, batch)
+    alone = torch_logprob_rank(base[tail].contiguous(), ids[tail].contiguous(), top_k=8)
+    assert torch.equal(res.logprobs[tail].view(torch.int32), alone.logprobs.view(torch.int32))
+    x = base[tail].float().cpu().numpy()
+    assert_matches_reference(x, ids[tail].cpu().numpy(), res.logprobs[tail].cpu().numpy(),
+                             res.ranks[tail].cpu().numpy(), "gpu 15000 rows, last rows")
+    assert_topk(x, 8, res.topk_logprobs[tail].cpu().numpy(), res.topk_ids[tail].cpu().numpy(), "gpu 15000 top-k")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("top_k", [1, 5, 20, 64])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_topk_exact_and_special_rows(top_k, dtype):
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    rng = np.random.default_rng(top_k)
+    for vocab, tile in ((GPU_VOCAB, 4096), (1000, 1024), (9000, 4096)):
+        x, ids = special_rows(vocab, tile, rng)
+        xt, idst, temp = tied_case(rng, 7, vocab, dtype, top_k)
+        x = np.concatenate([round_to(x, dtype), xt])
+        ids = np.concatenate([ids, idst])
+        temp = np.concatenate([np.ones(10, np.float32), temp])
+        logits = torch.from_numpy(x).to(TORCH_DTYPES[dtype]).cuda()
+        res = torch_logprob_rank(logits, torch.from_numpy(ids).cuda(), top_k=top_k,
+                                 temperature=torch.from_numpy(temp).cuda())
+        y = processed(x, temp)
+        assert_matches_reference(y, ids, res.logprobs.cpu().numpy(), res.ranks.cpu().numpy(), f"gpu v{vocab}")
+        assert_topk(y, top_k, res.topk_logprobs.cpu().numpy(), res.topk_ids.cpu().numpy(), f"gpu v{vocab} k{top_k}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_workspace_size_is_enforced_for_topk():
+    logits = torch.randn(4, 1000, device="cuda")
+    ids = torch.zeros(4, dtype=torch.int64, device="cuda")
+    lp, rk = torch.full((4,), POISON_LOGPROB, device="cuda"), torch.full((4,), POISON_RANK, device="cuda",
+                                                                         dtype=torch.int64)
+    tlp = torch.full((4, 20), POISON_LOGPROB, device="cuda")
+    tid = torch.full((4, 20), POISON_RANK, device="cuda", dtype=torch.int64)
+    need = logprob_rank_workspace_bytes(4, 1000, 20)
+    ws = torch.empty(need - 16, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match=rf"^workspace must hold at least {need} bytes"):
+        token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0, workspace=ws, top_k=20,
+                           out_topk_logprobs=tlp, out_topk_ids=tid)
+    torch.cuda.synchronize()
+    assert (tlp == POISON_LOGPROB).all() and (lp == POISON_LOGPROB).all()
