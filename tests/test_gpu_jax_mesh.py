@@ -126,5 +126,4 @@ def test_gpu_pinned_host_memory_of_a_host_mapped_table_reaches_jax_without_a_cop
         state.apply_staged_writes()
         state.snapshot()                                     # the commit has landed
         np.testing.assert_array_equal(np.asarray(arr)[5], trace)   # seen through the same bytes
-        np.testing.assert_array_equal(np.asarray(jax.device_put(arr, gpu))[5], trace)
         del arr

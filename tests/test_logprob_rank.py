@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch")
 from trace_replay_core import (bind_logprob_rank, token_logprob_rank,  # noqa: E402
                                token_logprob_rank_reference)
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
-from trace_replay_core.kernels.logprob_rank import LOGPROB_TILE, plan_logprob_rank, workspace_layout  # noqa: E402
+from trace_replay_core.kernels.logprob_rank import (LOGPROB_CHUNKS, LOGPROB_TILE, plan_logprob_rank,  # noqa: E402
+                                                     workspace_layout)
 
 from logprob_interpreter import run_cases  # noqa: E402
 
@@ -339,14 +340,18 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
         for itemsize in (2, 4):
             p = plan_logprob_rank(vocab, itemsize)
             assert p.tile & (p.tile - 1) == 0 and 128 <= p.tile <= LOGPROB_TILE
-            assert (p.n_tiles - 1) * p.tile < vocab <= p.n_tiles * p.tile            # no empty tile
-            assert p.k_pad == 0
-    assert plan_logprob_rank(151936, 2).n_tiles == 38
+            span = p.chunk_blocks * p.tile                                       # logits per chunk
+            assert (p.n_tiles - 1) * span < vocab <= p.n_tiles * span            # no empty chunk
+            assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
+            k = plan_logprob_rank(vocab, itemsize, 1)                            # top-k: one tile per program
+            assert (k.n_tiles - 1) * k.tile < vocab <= k.n_tiles * k.tile
+    assert plan_logprob_rank(151936, 2)[:2] == (4096, 10) and plan_logprob_rank(151936, 2).chunk_blocks == 4
+    assert plan_logprob_rank(151936, 2, 20).n_tiles == 38
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
-    # 12 bytes per tile and row; with top-k, 8 bytes per kept key and 4 per candidate.
+    # 12 bytes per chunk (tile with top-k) and row; with top-k, 8 bytes per kept key and 4 per candidate.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 160                  # 152 bytes rounded to 16
-    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 38 * 4
+    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 48                   # 40 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 10 * 4
     assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 38 * (12 + 32 * 8 + 64 * 4)
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
@@ -416,7 +421,8 @@ def test_kernel_in_interpreter(interpreted, name):
     tile, n_tiles = out["plan"][:2].tolist()
     vocab = case["x"].shape[1]
     assert tile == (case.get("tile") or min(LOGPROB_TILE, max(128, 1 << (vocab - 1).bit_length())))
-    assert n_tiles == -(-vocab // tile)
+    span = tile * -(-(-(-vocab // tile)) // LOGPROB_CHUNKS)           # whole blocks per chunk, from the vocabulary
+    assert n_tiles == -(-vocab // span)
     if case["special"]:
         _, _, expect = special_case()
         assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")

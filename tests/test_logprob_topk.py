@@ -283,13 +283,16 @@ def test_kernels_in_interpreter_topk_special_rows(interpreted_topk, name):
     assert_topk(y, case["top_k"], out["tlp"], out["tid"], f"interpreter {name}")
 
 
-def test_kernels_in_interpreter_topk_and_unit_temperature_do_the_same_arithmetic(interpreted_topk):
-    # The interpreter runs the same numpy operations with or without top-k and T = 1; on the GPU
-    # the compiled variants may differ in summation order (see LOGPROB_TREE).
+def test_kernels_in_interpreter_topk_and_unit_temperature_agree(interpreted_topk):
+    # T = 1 runs the same kernels as no temperature: the same bits. A call with top-k runs the
+    # tile kernel, which sums in another order than the chunk kernel of a call without it: the
+    # same ranks, logprobs equal to float32 rounding (kernels/logprob_rank.py says so).
     base = interpreted_topk["top0-same-bits"][1]
-    for other in ("top20-same-bits", "t1-same-bits"):
-        out = interpreted_topk[other][1]
-        assert out["lp"].tobytes() == base["lp"].tobytes() and out["rk"].tobytes() == base["rk"].tobytes(), other
+    unit = interpreted_topk["t1-same-bits"][1]
+    assert unit["lp"].tobytes() == base["lp"].tobytes() and unit["rk"].tobytes() == base["rk"].tobytes()
+    topk = interpreted_topk["top20-same-bits"][1]
+    assert topk["rk"].tobytes() == base["rk"].tobytes()
+    np.testing.assert_allclose(topk["lp"], base["lp"], rtol=2e-6, atol=2e-6)
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -9,7 +9,15 @@ and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exact
 - optionally the ``top_k`` largest ``y`` as logprobs and their token ids, sorted descending,
   ties broken by the lower id; NaN entries are never selected.
 
-Batch invariance. Each row is cut into ``n_tiles = cdiv(vocab, tile)`` tiles of ``tile`` logits,
+Batch invariance, without top-k (the common call). Each row is cut into ``n_chunks`` chunks of
+``chunk_blocks`` whole blocks of ``BLOCK`` logits, both fixed by the vocabulary alone
+(:func:`plan_logprob_rank`; 151,936 logits: 10 chunks of 4 blocks of 4096). Program ``(b, c)``
+of :func:`logprob_rank_chunk_kernel` streams chunk ``c`` of row ``b`` once, keeping a running
+maximum and sum of exponentials per 16-byte line of the block inside each thread and a count of
+``y >= y[t]``, reduces its lines in a fixed order at the end and writes the partial
+``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in chunk order.
+
+Batch invariance, with top-k. Each row is cut into ``n_tiles = cdiv(vocab, tile)`` tiles of ``tile`` logits,
 ``tile`` chosen from the vocabulary alone (:func:`plan_logprob_rank`). Program ``p`` of
 :func:`logprob_rank_tile_kernel` owns tile ``p % n_tiles`` of row ``p // n_tiles``: it loads the
 tile once (16-byte vectors where rows are aligned), takes its maximum ``m`` (exact in any order),
@@ -21,7 +29,9 @@ batch size; or, with ``plan.tree``, a fixed binary tree over the column index bi
 order. Nothing depends on the batch, the row's position or the other rows: a row gives the same
 bits in a batch of 1 and of 10,000 (the compiled kernels depend on the dtypes, the vocabulary,
 whether rows are 16-byte aligned (a property of the layout, see :func:`_aligned`), top-k and
-temperature, never on the batch).
+temperature, never on the batch). The two paths sum in different orders: a call with top-k
+gives the same ranks and top-k, but logprobs that may differ in the last bits from a call
+without it.
 
 Top-k. Per tile, a cheap filter finds the candidates: ``tau`` = the ``K_PAD``-th largest of
 ``N_GROUPS`` group maxima, so at least ``K_PAD >= top_k`` logits are ``>= tau`` and the tile's
@@ -50,6 +60,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "logprob_rank_chunk_kernel",
     "logprob_rank_tile_kernel",
     "logprob_rank_combine_kernel",
     "LogprobRankPlan",
@@ -72,6 +83,19 @@ __all__ = [
 # and 16384 x 8 were slower than 4096 x 4 everywhere.
 LOGPROB_TILE = 4096
 LOGPROB_MIN_TILE = 128
+# Without top-k (the common call) a row is cut into about LOGPROB_CHUNKS chunks of whole blocks
+# of LOGPROB_BLOCK logits, fixed by the vocabulary (151,936: 10 chunks of 4 blocks); each chunk is
+# one program of LOGPROB_CHUNK_WARPS warps that streams its blocks, keeping a running maximum and
+# sum per 16-byte line of the block inside each thread (no shuffles or barriers per block), and
+# reduces across its lines once at the end. The same loop as the former batch-dependent kernel
+# (26 us at batch 256 bf16, 303 us at 4096 on the H200, one program per row there), with the
+# split now fixed by the vocabulary. The single-tile programs of the top-k kernel held a whole
+# tile in registers and reduced it three times across the CTA: 42 us at batch 256 bf16, 545 us
+# at 4096 (H200, 2026-12-01).
+LOGPROB_BLOCK = 4096
+LOGPROB_CHUNK_WARPS = 16
+LOGPROB_CHUNKS = 10
+_NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 LOGPROB_ELEMENTS_PER_THREAD = 32
 LOGPROB_MAX_WARPS = 8
 # Sum a tile with tl.sum (False) or in the fixed tree of _tree_sum (True). Both are batch-invariant
@@ -94,8 +118,9 @@ class LogprobRankPlan(NamedTuple):
     """How rows of ``vocab`` logits are cut and reduced; a function of the vocabulary (and
     ``top_k``) only, never of the batch: that is what makes the results batch-invariant.
 
-    ``tile`` logits per program (a power of two), ``n_tiles`` programs per row, ``num_warps``
-    per program; ``high_bits`` index bits the tree sum folds first (bits above one register
+    With top-k: ``tile`` logits per program (a power of two), ``n_tiles`` programs per row,
+    ``num_warps`` per program. Without top-k: ``n_tiles`` chunks per row, each one program that
+    streams ``chunk_blocks`` blocks of ``tile`` logits (:func:`logprob_rank_chunk_kernel`); ``high_bits`` index bits the tree sum folds first (bits above one register
     pass of the CTA); top-k: ``k_pad`` (0 without top-k; a power of two >= top_k), ``n_groups``
     group maxima for the filter, ``cap`` candidates kept per tile; ``tree`` sums tiles in the
     fixed tree of ``_tree_sum`` instead of ``tl.sum`` (default ``LOGPROB_TREE``).
@@ -108,6 +133,7 @@ class LogprobRankPlan(NamedTuple):
     n_groups: int
     cap: int
     tree: bool
+    chunk_blocks: int = 0      # without top-k: blocks of ``tile`` logits per program (0 with top-k)
 
 
 class LogprobRankArgs(NamedTuple):
@@ -146,13 +172,29 @@ def _k_pad(top_k: int) -> int:
     return 0 if top_k <= 0 else (8 if top_k <= 8 else (32 if top_k <= 32 else 64))
 
 
+def _plan_chunks(vocab: int, *, block: Optional[int], num_warps: Optional[int],
+                 chunk_blocks: Optional[int]) -> LogprobRankPlan:
+    """Without top-k: rows cut into about :data:`LOGPROB_CHUNKS` chunks of whole blocks."""
+    if block is None:
+        block = min(LOGPROB_BLOCK, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
+    if num_warps is None:
+        num_warps = max(1, min(LOGPROB_CHUNK_WARPS, block // 256))
+    n_blocks = _cdiv(vocab, block)
+    if chunk_blocks is None:
+        chunk_blocks = _cdiv(n_blocks, LOGPROB_CHUNKS)
+    return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, 0, 0, 0, 0, False, chunk_blocks)
+
+
 def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Optional[int] = None,
-                      num_warps: Optional[int] = None, tree: Optional[bool] = None) -> LogprobRankPlan:
+                      num_warps: Optional[int] = None, tree: Optional[bool] = None,
+                      chunk_blocks: Optional[int] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure).
 
-    ``tile``, ``num_warps`` and ``tree`` override the defaults for tuning
-    (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
+    ``tile``, ``num_warps``, ``tree`` and (without top-k) ``chunk_blocks`` override the defaults
+    for tuning (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
     """
+    if top_k <= 0:
+        return _plan_chunks(vocab, block=tile, num_warps=num_warps, chunk_blocks=chunk_blocks)
     if tile is None:
         tile = min(LOGPROB_TILE, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
     if tree is None:
@@ -198,6 +240,8 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     itemsize = _ITEMSIZE[dtypes.logits]
     if plan is None:
         plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
+    if plan.k_pad == 0:
+        return _chunk_specs(args, dtypes, plan, itemsize)
     off_m, off_s, off_c, off_k, off_cand, _ = workspace_layout(args.batch, plan)
     ws = args.workspace
     has_temp = args.temperature != 0
@@ -227,6 +271,32 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
          tile_const, plan.num_warps),
         (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes, tile_ints, comb_const,
          COMBINE_NUM_WARPS),
+    ]
+
+
+def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: LogprobRankPlan, itemsize: int):
+    """The two launches without top-k: the chunk kernel, then the combine kernel."""
+    off_m, off_s, off_c, _, _, _ = workspace_layout(args.batch, plan)
+    ws = args.workspace
+    has_temp = args.temperature != 0
+    temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
+    aligned = args.logits % 16 == 0 and (args.batch <= 1 or (args.row_stride * itemsize) % 16 == 0)
+    chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c)
+    chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
+    chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles)
+    chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp}
+    comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.logprobs, args.ranks,
+                 ws + off_m, ws + off_s, ws + off_c, ws + off_m)
+    comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", dtypes.ranks,
+                   "float32", "float32", "int32", "int64")
+    block = min(COMBINE_BLOCK, _next_pow2(max(plan.n_tiles, 2)))
+    comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp, "K_PAD": 0,
+                  "KEY_TILES": 2, "TREE": False}
+    return [
+        (logprob_rank_chunk_kernel, (args.batch, plan.n_tiles, 1), chunk_ptrs, chunk_dtypes, chunk_ints,
+         chunk_const, plan.num_warps),
+        (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes,
+         (args.vocab, args.row_stride, plan.n_tiles, 0), comb_const, COMBINE_NUM_WARPS),
     ]
 
 
@@ -372,7 +442,74 @@ def _tile_topk(y, cols, valid, row_ptr, t, cand_dst, start, vocab, top_k, TILE: 
     return best
 
 
+@triton.jit
+def _online_update(x, m, s):
+    """Fold the ``[LINES, VEC]`` block ``x`` into the per-line running max ``m`` and sum ``s``
+    (an online log-sum-exp: ``m' = max(m, max(x))``, ``s' = s * exp(m - m') + sum(exp(x - m'))``).
+    Each thread owns whole lines of ``VEC`` contiguous logits (one 16-byte vector), so the line
+    max and line sum stay inside the thread: no shuffles, no barriers."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    scale = tl.exp2((m - m_new) * _LOG2E)                 # m = m_new = +inf: NaN, as it should
+    terms = tl.exp2((x - m_new[:, None]) * _LOG2E)        # x = -inf: 0; x = NaN: NaN
+    return m_new, s * scale + tl.sum(terms, axis=1)
+
+
 # -- kernels ----------------------------------------------------------------------------------------
+
+@triton.jit(
+    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks"],
+    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
+                                    "part_c_ptr"],
+)
+def logprob_rank_chunk_kernel(
+    logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
+    ids_ptr,            # [batch] int32/int64 token per row
+    temp_ptr,           # [batch] float32 temperature (read when HAS_TEMP)
+    part_m_ptr,         # [batch * n_chunks] float32 out: chunk maximum (-FLT_MAX for a chunk of -inf)
+    part_s_ptr,         # [batch * n_chunks] float32 out: sum of exp(y - max)
+    part_c_ptr,         # [batch * n_chunks] int32 out: count of y >= y[token]
+    vocab,
+    row_stride,         # elements between rows
+    chunk_blocks,       # blocks of BLOCK logits per chunk
+    n_chunks,           # chunks per row (grid axis 1)
+    BLOCK: tl.constexpr,    # logits per loop step
+    VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
+    ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
+    HAS_TEMP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row * row_stride
+    if ALIGNED:
+        row_ptr = tl.multiple_of(row_ptr, 16)
+    valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    start = chunk * (chunk_blocks * BLOCK)
+    n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
+    full_end = start + (n_here // BLOCK) * BLOCK
+    end = start + n_here
+    LINES: tl.constexpr = BLOCK // VEC
+    cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    count = tl.zeros([LINES, VEC], tl.int32)
+    # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+        y = _scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
+        count += (y >= chosen).to(tl.int32)
+        m, s = _online_update(y, m, s)
+    # The partial last block (all masked off when there is none).
+    idx = full_end + cols
+    inside = idx < end
+    y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+    count += ((y >= chosen) & inside).to(tl.int32)
+    m, s = _online_update(y, m, s)
+    big = tl.max(m, axis=0)
+    total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
+    part = row * n_chunks + chunk
+    tl.store(part_m_ptr + part, big)
+    tl.store(part_s_ptr + part, total)
+    tl.store(part_c_ptr + part, tl.sum(tl.sum(count, axis=1), axis=0))
+
 
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
