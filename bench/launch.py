@@ -205,6 +205,16 @@ def main() -> None:
         sync()
         same = all(all(torch.equal(a, b) for a, b in zip(results["sampler_eager"], r)) for r in results.values())
         print(f"B={batch}: compiled samplers equal the eager one (tokens, logprobs, ranks): {same}", flush=True)
+        if not same:   # which outputs part, and whether rows whose maximum is tied explain it
+            top2 = logits.float().topk(2, dim=-1).values
+            tied = (top2[:, 0] == top2[:, 1]).cpu()
+            ref = results["sampler_eager"]
+            for name, r in results.items():
+                parts = [int((a != b).sum()) for a, b in zip(ref, r)]
+                rows = (ref[0] != r[0]).cpu()
+                print(f"  {name}: rows differing in tokens/logprobs/ranks {parts}; token rows differing with a "
+                      f"tied maximum {int((rows & tied).sum())} of {int(rows.sum())} (rows with a tie: "
+                      f"{int(tied.sum())})", flush=True)
 
     for st in states.values():
         st.close()
