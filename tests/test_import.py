@@ -70,3 +70,14 @@ def test_the_walk_sees_every_kind_of_import(tmp_path):
 def test_adapters_never_import_the_application():
     for package in ("adapters/trace_replay_torch", "adapters/trace_replay_jax"):
         assert _offenders(package, ("trace_replay_app",)) == []
+
+
+def test_adapters_use_only_the_core_public_names():
+    """An adapter that needs a private module of the core is a sign the core lacks a public name."""
+    found = []
+    for package in ("adapters/trace_replay_torch", "adapters/trace_replay_jax"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name, line in _imported_names(ast.parse(path.read_text(), str(path))):
+                if name.startswith("trace_replay_core."):
+                    found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert found == []

@@ -26,7 +26,7 @@ from ._bound_cache import BoundCache
 from ._devices import default_device, parse_device
 from ._dlpack import ArrayView, as_view
 from ._dtypes import INDEX_DTYPES, LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
-from ._logprob import (MAX_VOCAB, BoundLogprobRank, bind_logprob_rank, logprob_rank_workspace_bytes,
+from ._logprob import (MAX_VOCAB, TOPK_MAX, BoundLogprobRank, bind_logprob_rank, logprob_rank_workspace_bytes,
                        token_logprob_rank)
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
@@ -43,6 +43,7 @@ __all__ = [
     "BoundLogprobRank",
     "logprob_rank_workspace_bytes",
     "MAX_VOCAB",
+    "TOPK_MAX",
     # the numpy reference of both ops
     "replay_reference",
     "token_logprob_rank_reference",

@@ -24,14 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
+from trace_replay_core import INDEX_DTYPES, TOKEN_DTYPES
+
 from .kernel_replay import kernel_replay
 
 __all__ = ["ReplayTables", "replay", "replay_at_step", "METHODS"]
 
 METHODS = ("jnp", "kernel")
 
-_TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-_INDEX_DTYPES = _TOKEN_DTYPES
+_TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
+_INDEX_DTYPES = tuple(np.dtype(d) for d in INDEX_DTYPES)
 
 
 @jax.tree_util.register_dataclass

@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from trace_replay_core import replay_reference
-from trace_replay_core._bound_cache import BoundCache
+from trace_replay_core import BoundCache
 
 __all__ = ["register_table", "unregister_table", "kernel_replay"]
 

@@ -36,16 +36,15 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from trace_replay_core import bind_logprob_rank
 from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
-from trace_replay_core._bound_cache import BoundCache
-from trace_replay_core._dtypes import LOGITS_DTYPES
-from trace_replay_core._logprob import MAX_VOCAB, TOPK_MAX, logprob_rank_workspace_bytes
+from trace_replay_core import (LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX, BoundCache,
+                               logprob_rank_workspace_bytes)
 
 from .jnp_replay import is_vmap_tracer
 
 __all__ = ["token_logprob_rank", "METHODS", "LogprobRank", "LogprobRankTopK"]
 
 METHODS = ("kernel", "jnp")
-_TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
 
 _VMAP_MESSAGE = ("trace_replay_jax.token_logprob_rank does not support jax.vmap: it already takes a whole "
                  "batch. Call it on the batched arrays instead (fold the mapped axis into the batch axis: "

@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from trace_replay_core._logprob import LOGITS_DTYPES
+from trace_replay_core import LOGITS_DTYPES, TOKEN_DTYPES
 
 __all__ = ["token_logprob_rank_sharded", "token_logprob_rank_in_shard_map"]
 
-_TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
 
 
 def _check_block(logits: Any, token_ids: Any) -> None:

@@ -19,8 +19,7 @@ import torch
 
 from trace_replay_core import bind_logprob_rank
 from trace_replay_core import token_logprob_rank as core_token_logprob_rank
-from trace_replay_core._bound_cache import BoundCache
-from trace_replay_core._logprob import logprob_rank_workspace_bytes
+from trace_replay_core import BoundCache, logprob_rank_workspace_bytes
 
 from .views import layout_key, raw_stream
 
