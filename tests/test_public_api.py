@@ -80,6 +80,7 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                        'parse_device': '(device)',
                        'replay_reference': '(sampled, idx_mapping, table, trace_len, total_len=None, '
                                            'prompt_len=None, step=None)',
+                       'split_device': '(device)',
                        'stream_handle': "(stream, *, name='stream')",
                        'token_logprob_rank': '(logits, token_ids, *, out_logprobs, out_ranks, stream, '
                                              'workspace=None, temperature=None, top_k=0, '

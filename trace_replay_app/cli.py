@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 from typing import Optional, Sequence, TextIO
+
+from trace_replay_core import split_device
 
 from . import __version__, demo
 from .models import FRAMEWORKS, families
@@ -36,7 +37,6 @@ from .schedule import COMPUTE_DTYPES
 
 __all__ = ["main", "build_parser", "cmd_run", "cmd_compare"]
 
-_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 def _decode_options(args) -> dict:
@@ -176,8 +176,10 @@ def _seed(text: str) -> int:
 
 
 def _device(text: str) -> str:
-    if not _DEVICE.match(text):
-        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N (got {text!r})")
+    try:
+        split_device(text)                   # the core's one device parser
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N (got {text!r})") from None
     return text
 
 

@@ -29,6 +29,8 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from trace_replay_core import split_device
+
 from .records import RequestResult, TraceRequest
 
 __all__ = ["Schedule", "plan", "check_run", "check_device", "check_sampling", "request_arrays", "collect_results",
@@ -161,9 +163,7 @@ def check_device(device: Any) -> None:
     is for the framework to say)."""
     if not isinstance(device, str):
         raise TypeError(f"device must be a str: 'cpu', 'cuda' or 'cuda:N' (got {type(device).__name__})")
-    kind, colon, index = device.partition(":")
-    if not (device == "cpu" or (kind == "cuda" and (not colon or index.isdigit()))):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})")
+    split_device(device)                     # the core's one device parser
 
 
 def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:

@@ -23,7 +23,7 @@ Importing this package loads neither torch nor jax.
 """
 
 from ._bound_cache import BoundCache
-from ._devices import default_device, parse_device
+from ._devices import default_device, parse_device, split_device
 from ._dlpack import ArrayView, as_view
 from ._dtypes import INDEX_DTYPES, LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
 from ._logprob import (MAX_VOCAB, TOPK_MAX, BoundLogprobRank, bind_logprob_rank, logprob_rank_workspace_bytes,
@@ -52,6 +52,7 @@ __all__ = [
     "as_view",
     "stream_handle",
     "parse_device",
+    "split_device",
     "default_device",
     "BoundCache",
     "TOKEN_DTYPES",

@@ -13,6 +13,8 @@ from typing import Any, Optional, Tuple
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from trace_replay_core import split_device
+
 __all__ = ["resolve_device", "resolve_placement", "core_device"]
 
 
@@ -22,9 +24,10 @@ def resolve_device(device: Any) -> jax.Device:
     if device is None:
         device = jax.devices()[0]
     elif isinstance(device, str):
-        kind, _, index = device.partition(":")
-        if kind not in ("cpu", "cuda", "gpu") or (index and not index.isdigit()) or (kind == "cpu" and index):
-            raise ValueError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None (got {device!r})")
+        try:                                 # the core's one device parser ("gpu" is JAX's name for cuda)
+            kind, ordinal = split_device("cuda" + device[3:] if device.startswith("gpu") else device)
+        except ValueError:
+            raise ValueError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None (got {device!r})") from None
         platform = "cpu" if kind == "cpu" else "gpu"
         try:
             devices = jax.devices(platform)
@@ -34,7 +37,7 @@ def resolve_device(device: Any) -> jax.Device:
         if kind == "cpu":
             device = devices[0]
         else:
-            wanted = int(index or 0)
+            wanted = ordinal
             match = [d for d in devices if getattr(d, "local_hardware_id", d.id) == wanted]
             if not match:
                 raise ValueError(f"device {device!r} is not available: JAX sees CUDA devices "
