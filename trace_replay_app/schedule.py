@@ -163,7 +163,10 @@ def check_device(device: Any) -> None:
     is for the framework to say)."""
     if not isinstance(device, str):
         raise TypeError(f"device must be a str: 'cpu', 'cuda' or 'cuda:N' (got {type(device).__name__})")
-    split_device(device)                     # the core's one device parser
+    try:
+        split_device(device)                 # the core's one device parser
+    except ValueError:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})") from None
 
 
 def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:

@@ -44,18 +44,10 @@ from trace_replay_jax import ReplayTables, TraceReplayState, replay, token_logpr
 
 from ...records import RequestResult, TraceRequest
 from ...schedule import check_device, check_run, check_sampling, collect_results, plan
+from ..decode_buffers import CHUNK, bucket, fresh_outputs, outputs
 from .config import GPT2Config, check_weights
 
 __all__ = ["run_decode"]
-
-_MIN_BUCKET = 8
-_CHUNK = 256         # decode steps per chunk of on-device outputs (a fixed shape: no recompiling per run)
-
-
-def _bucket(n: int, limit: int) -> int:
-    """The power of two >= ``n`` (at least ``_MIN_BUCKET``), capped at ``limit``."""
-    return min(limit, max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length()))
-
 
 def _jax_device(device: str) -> jax.Device:
     """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> the ``jax.Device``; ``ValueError``
@@ -83,9 +75,9 @@ class _Carry(NamedTuple):
     ``cache``: ``[n_layer, 2 (keys, values), max_batch (slots), kv_len, n_head, head_dim]``
     in the compute dtype. ``prompt_len``/``total_len``: per slot, int32 (``total_len`` = prompt + tokens
     decoded so far). ``last``: the token each row feeds next. ``step``: the next step's index
-    within the current chunk of ``_CHUNK`` steps; ``t``: the next step's index in the run (the
+    within the current chunk of ``CHUNK`` steps; ``t``: the next step's index in the run (the
     sampling noise of step ``t`` is drawn from ``fold_in(key, t)``). ``tokens``, ``argmax``, ``logprobs``,
-    ``ranks``: that chunk's per-step outputs ``[_CHUNK, max_batch]``.
+    ``ranks``: that chunk's per-step outputs ``[CHUNK, max_batch]``.
     """
 
     cache: jax.Array
@@ -260,55 +252,43 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
                 seed) -> Dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     rows, steps = schedule.max_batch, schedule.n_steps
-    kv_len = _bucket(schedule.kv_positions([len(p) for p in prompts]), config.n_positions)
+    kv_len = bucket(schedule.kv_positions([len(p) for p in prompts]), config.n_positions)
     put = functools.partial(jax.device_put, device=dev)
     params = put({name: np.asarray(w, dtype=np.float32) for name, w in weights.items()})
     if dtype != jnp.float32:
         params = jax.tree.map(lambda w: w.astype(dtype), params)
     key = put(jax.random.key(seed))
     temp = put(np.float32(temperature if temperature > 0 else 1.0))
-    # The schedule in chunks of _CHUNK steps (padded with empty rows), like the outputs.
-    n_chunks = -(-steps // _CHUNK)
-    idx_all = np.full((n_chunks * _CHUNK, rows), -1, dtype=np.int32)
+    # The schedule in chunks of CHUNK steps (padded with empty rows), like the outputs.
+    n_chunks = -(-steps // CHUNK)
+    idx_all = np.full((n_chunks * CHUNK, rows), -1, dtype=np.int32)
     idx_all[:steps] = schedule.idx_mapping
     idx_chunks = [put(c) for c in np.split(idx_all, n_chunks)]
     carry = put(_Carry(
         cache=jnp.zeros((config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim), dtype),
         prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32), last=np.zeros(rows, np.int32),
-        t=np.zeros((), np.int32), **_fresh_outputs(rows)))
+        t=np.zeros((), np.int32), **fresh_outputs(rows)))
     chunks = []                  # outputs of finished chunks, still on the device
     # The table's shape is part of the step program's signature: bucket its row length too.
-    max_trace = _bucket(max((len(t) for t in traces if t is not None), default=1), config.n_positions)
+    max_trace = bucket(max((len(t) for t in traces if t is not None), default=1), config.n_positions)
     per_step = schedule.tokens_per_step.tolist()
     with TraceReplayState(rows, max_trace, device=dev, vocab_size=config.vocab_size) as state:
         for step in range(steps):
-            if step and step % _CHUNK == 0:
-                chunks.append(_outputs(carry))
-                carry = carry._replace(**put(_fresh_outputs(rows)))
+            if step and step % CHUNK == 0:
+                chunks.append(outputs(carry))
+                carry = carry._replace(**put(fresh_outputs(rows)))
             for i in schedule.admitted(step).tolist():
                 slot, prompt = int(schedule.slot[i]), prompts[i]
-                prefix = np.zeros(_bucket(len(prompt) - 1, kv_len), np.int32)
+                prefix = np.zeros(bucket(len(prompt) - 1, kv_len), np.int32)
                 prefix[:len(prompt) - 1] = prompt[:-1]
                 carry = _admit(params, carry, np.int32(slot), put(prefix), np.int32(len(prompt)),
                                np.int32(prompt[-1]), config=config)
                 state.add_request(slot, traces[i])     # None: untraced (forgets the slot's old trace)
             state.apply_staged_writes()
-            carry = _step(params, state.tables, idx_chunks[step // _CHUNK], carry, key, temp, config=config,
+            carry = _step(params, state.tables, idx_chunks[step // CHUNK], carry, key, temp, config=config,
                           sample=temperature > 0)
             if on_step is not None:
                 on_step(per_step[step])
-        chunks.append(_outputs(carry))
+        chunks.append(outputs(carry))
         host = jax.device_get(chunks)             # the one wait for the device, and one copy
     return {name: np.concatenate([c[name] for c in host])[:steps] for name in host[0]}
-
-
-def _fresh_outputs(rows: int) -> Dict[str, np.ndarray]:
-    """Host zeros for one chunk of per-step outputs, and the step counter at its start."""
-    shape = (_CHUNK, rows)
-    return {"step": np.zeros((), np.int32), "tokens": np.zeros(shape, np.int32),
-            "argmax": np.zeros(shape, np.int32), "logprobs": np.zeros(shape, np.float32),
-            "ranks": np.zeros(shape, np.int32)}
-
-
-def _outputs(carry: _Carry) -> Dict[str, jax.Array]:
-    return {"tokens": carry.tokens, "argmax": carry.argmax, "logprobs": carry.logprobs, "ranks": carry.ranks}

@@ -41,18 +41,10 @@ from trace_replay_jax import ReplayTables, TraceReplayState, replay, token_logpr
 
 from ...records import RequestResult, TraceRequest
 from ...schedule import check_device, check_run, check_sampling, collect_results, plan
+from ..decode_buffers import CHUNK, bucket, fresh_outputs, outputs
 from .config import LlamaConfig, check_weights, inv_freq
 
 __all__ = ["run_decode"]
-
-_MIN_BUCKET = 8
-_CHUNK = 256         # decode steps per chunk of on-device outputs (a fixed shape: no recompiling per run)
-
-
-def _bucket(n: int, limit: int) -> int:
-    """The power of two >= ``n`` (at least ``_MIN_BUCKET``), capped at ``limit``."""
-    return min(limit, max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length()))
-
 
 def _jax_device(device: str) -> jax.Device:
     """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> the ``jax.Device``; ``ValueError``
@@ -80,9 +72,9 @@ class _Carry(NamedTuple):
     ``keys``/``values``: one ``[slots, kv_heads, kv_len, head_dim]`` buffer per layer, in the
     compute dtype. ``prompt_len``/``total_len``: per slot, int32 (``total_len`` = prompt + tokens
     decoded so far). ``last``: the token each row feeds next. ``step``: the next step's index
-    within the current chunk of ``_CHUNK`` steps; ``t``: its index in the run (the sampling
+    within the current chunk of ``CHUNK`` steps; ``t``: its index in the run (the sampling
     noise of step ``t`` comes from ``fold_in(key, t)``). ``tokens``, ``argmax``, ``logprobs``,
-    ``ranks``: that chunk's per-step outputs ``[_CHUNK, max_batch]``.
+    ``ranks``: that chunk's per-step outputs ``[CHUNK, max_batch]``.
     """
 
     keys: Tuple[jax.Array, ...]
@@ -311,13 +303,13 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     c = config
     rows, steps = schedule.max_batch, schedule.n_steps
-    kv_len = _bucket(schedule.kv_positions([len(p) for p in prompts]), c.n_positions)
+    kv_len = bucket(schedule.kv_positions([len(p) for p in prompts]), c.n_positions)
     put = functools.partial(jax.device_put, device=dev)
     params = jax.tree.map(lambda w: put(w).astype(dtype), _params(c, weights))
     key = put(jax.random.key(seed))
     temp = put(np.float32(temperature if temperature > 0 else 1.0))
-    n_chunks = -(-steps // _CHUNK)
-    idx_all = np.full((n_chunks * _CHUNK, rows), -1, dtype=np.int32)
+    n_chunks = -(-steps // CHUNK)
+    idx_all = np.full((n_chunks * CHUNK, rows), -1, dtype=np.int32)
     idx_all[:steps] = schedule.idx_mapping
     idx_chunks = [put(chunk) for chunk in np.split(idx_all, n_chunks)]
     cache_shape = (rows, c.num_key_value_heads, kv_len, c.head_dim)
@@ -325,39 +317,27 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
         empty = [jnp.zeros(cache_shape, dtype) for _ in range(2 * c.num_hidden_layers)]
     carry = _Carry(keys=tuple(empty[:c.num_hidden_layers]), values=tuple(empty[c.num_hidden_layers:]),
                    **put(dict(prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32),
-                              last=np.zeros(rows, np.int32), t=np.zeros((), np.int32), **_fresh_outputs(rows))))
+                              last=np.zeros(rows, np.int32), t=np.zeros((), np.int32), **fresh_outputs(rows))))
     chunks = []                  # outputs of finished chunks, still on the device
-    max_trace = _bucket(max((len(t) for t in traces if t is not None), default=1), c.n_positions)
+    max_trace = bucket(max((len(t) for t in traces if t is not None), default=1), c.n_positions)
     per_step = schedule.tokens_per_step.tolist()
     with TraceReplayState(rows, max_trace, device=dev, vocab_size=c.vocab_size) as state:
         for step in range(steps):
-            if step and step % _CHUNK == 0:
-                chunks.append(_outputs(carry))
-                carry = carry._replace(**put(_fresh_outputs(rows)))
+            if step and step % CHUNK == 0:
+                chunks.append(outputs(carry))
+                carry = carry._replace(**put(fresh_outputs(rows)))
             for i in schedule.admitted(step).tolist():
                 slot, prompt = int(schedule.slot[i]), prompts[i]
-                prefix = np.zeros(_bucket(len(prompt) - 1, kv_len), np.int32)
+                prefix = np.zeros(bucket(len(prompt) - 1, kv_len), np.int32)
                 prefix[:len(prompt) - 1] = prompt[:-1]
                 kv = _prefill(params, put(prefix), config=c)
                 carry = _admit(carry, kv, np.int32(slot), np.int32(len(prompt)), np.int32(prompt[-1]))
                 state.add_request(slot, traces[i])     # None: untraced (forgets the slot's old trace)
             state.apply_staged_writes()
-            carry = _step(params, state.tables, idx_chunks[step // _CHUNK], carry, key, temp, config=c,
+            carry = _step(params, state.tables, idx_chunks[step // CHUNK], carry, key, temp, config=c,
                           sample=temperature > 0)
             if on_step is not None:
                 on_step(per_step[step])
-        chunks.append(_outputs(carry))
+        chunks.append(outputs(carry))
         host = jax.device_get(chunks)             # the one wait for the device, and one copy
     return {name: np.concatenate([chunk[name] for chunk in host])[:steps] for name in host[0]}
-
-
-def _fresh_outputs(rows: int) -> Dict[str, np.ndarray]:
-    """Host zeros for one chunk of per-step outputs, and the step counter at its start."""
-    shape = (_CHUNK, rows)
-    return {"step": np.zeros((), np.int32), "tokens": np.zeros(shape, np.int32),
-            "argmax": np.zeros(shape, np.int32), "logprobs": np.zeros(shape, np.float32),
-            "ranks": np.zeros(shape, np.int32)}
-
-
-def _outputs(carry: _Carry) -> Dict[str, jax.Array]:
-    return {"tokens": carry.tokens, "argmax": carry.argmax, "logprobs": carry.logprobs, "ranks": carry.ranks}
