@@ -82,20 +82,12 @@ class _Buffers:
         raise KeyError(f"no buffer holds address 0x{address:x}")
 
 
-_DEFAULT_TARGET_PROGRAMS: list = []      # the module's own value, read at the first case
-
-
 def run_case(x, ids, temp, case: dict) -> dict:
     """Child side: one call through the interpreter; returns the outputs as numpy arrays."""
     import torch
 
-    from trace_replay_core.kernels import logprob_rank as module
     from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, launch_specs,
                                                         plan_logprob_rank, workspace_layout)
-    # How many programs share a row's chunks (a batch-driven choice), for this case only.
-    if not _DEFAULT_TARGET_PROGRAMS:
-        _DEFAULT_TARGET_PROGRAMS.append(module.LOGPROB_TARGET_PROGRAMS)
-    module.LOGPROB_TARGET_PROGRAMS = case.get("target_programs") or _DEFAULT_TARGET_PROGRAMS[0]
     td = _torch_dtypes()
     dtype, top_k = case["dtype"], case.get("top_k", 0)
     ids_dtype, rank_dtype = case.get("ids_dtype", "int64"), case.get("rank_dtype", "int64")

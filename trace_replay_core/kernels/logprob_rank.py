@@ -12,12 +12,10 @@ and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exact
 Batch invariance, without top-k (the common call). Each row is cut into ``n_chunks`` chunks of
 ``chunk_blocks`` whole blocks of ``BLOCK`` logits, both fixed by the vocabulary alone
 (:func:`plan_logprob_rank`; 151,936 logits: 10 chunks of 4 blocks of 4096). Program ``(b, c)``
-of :func:`logprob_rank_chunk_kernel` computes chunk ``c`` of row ``b`` from fresh accumulators,
-streaming it once with a running maximum and sum of exponentials per 16-byte line of the block
-inside each thread and a count of ``y >= y[t]``, reduces its lines in a fixed order and writes
-the partial ``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in
-chunk order. How many chunks one program computes follows the batch (few rows: one chunk per
-program, for parallelism; many rows: a whole row per program); a chunk's partial does not.
+of :func:`logprob_rank_chunk_kernel` streams chunk ``c`` of row ``b`` once, keeping a running
+maximum and sum of exponentials per 16-byte line of the block inside each thread and a count of
+``y >= y[t]``, reduces its lines in a fixed order at the end and writes the partial
+``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in chunk order.
 
 Batch invariance, with top-k. Each row is cut into ``n_tiles = cdiv(vocab, tile)`` tiles of ``tile`` logits,
 ``tile`` chosen from the vocabulary alone (:func:`plan_logprob_rank`). Program ``p`` of
@@ -97,9 +95,6 @@ LOGPROB_MIN_TILE = 128
 LOGPROB_BLOCK = 4096
 LOGPROB_CHUNK_WARPS = 16
 LOGPROB_CHUNKS = 10
-# Programs a call aims for, the chunks of a row shared among them (two per SM of a 132-SM H200):
-# few rows get a program per chunk, many rows one program per row that computes every chunk of it.
-LOGPROB_TARGET_PROGRAMS = 264
 _NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 LOGPROB_ELEMENTS_PER_THREAD = 32
 LOGPROB_MAX_WARPS = 8
@@ -288,12 +283,7 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     aligned = args.logits % 16 == 0 and (args.batch <= 1 or (args.row_stride * itemsize) % 16 == 0)
     chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c)
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
-    # How many programs share a row's chunks follows the batch (about LOGPROB_TARGET_PROGRAMS in
-    # all, each with its share of consecutive chunks); what a chunk computes, and how the chunks
-    # merge, does not: the results are the same bits at any batch.
-    per_row = max(1, min(plan.n_tiles, _cdiv(LOGPROB_TARGET_PROGRAMS, max(args.batch, 1))))
-    per_program = _cdiv(plan.n_tiles, per_row)
-    chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles, per_program)
+    chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles)
     chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp}
     comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.logprobs, args.ranks,
                  ws + off_m, ws + off_s, ws + off_c, ws + off_m)
@@ -303,8 +293,7 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp, "K_PAD": 0,
                   "KEY_TILES": 2, "TREE": False}
     return [
-        (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_tiles, per_program), 1), chunk_ptrs, chunk_dtypes,
-         chunk_ints,
+        (logprob_rank_chunk_kernel, (args.batch, plan.n_tiles, 1), chunk_ptrs, chunk_dtypes, chunk_ints,
          chunk_const, plan.num_warps),
         (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes,
          (args.vocab, args.row_stride, plan.n_tiles, 0), comb_const, COMBINE_NUM_WARPS),
@@ -468,7 +457,7 @@ def _online_update(x, m, s):
 # -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "chunks_per_program"],
+    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
                                     "part_c_ptr"],
 )
@@ -482,49 +471,44 @@ def logprob_rank_chunk_kernel(
     vocab,
     row_stride,         # elements between rows
     chunk_blocks,       # blocks of BLOCK logits per chunk
-    n_chunks,           # chunks per row
-    chunks_per_program, # consecutive chunks of a row each program computes (grid axis 1 covers them)
+    n_chunks,           # chunks per row (grid axis 1)
     BLOCK: tl.constexpr,    # logits per loop step
     VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     row_ptr = logits_ptr + row * row_stride
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
     valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    start = chunk * (chunk_blocks * BLOCK)
+    n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
+    full_end = start + (n_here // BLOCK) * BLOCK
+    end = start + n_here
     LINES: tl.constexpr = BLOCK // VEC
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    first = tl.program_id(1) * chunks_per_program
-    last = tl.minimum(first + chunks_per_program, n_chunks)
-    # Each chunk is computed the same way, from fresh accumulators, whichever program computes
-    # it and whatever else that program computes: its partial has the same bits at any batch.
-    for chunk in range(first, last):
-        start = chunk * (chunk_blocks * BLOCK)
-        n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
-        full_end = start + (n_here // BLOCK) * BLOCK
-        end = start + n_here
-        m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
-        s = tl.zeros([LINES], tl.float32)
-        count = tl.zeros([LINES, VEC], tl.int32)
-        # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
-        for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-            y = _scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
-            count += (y >= chosen).to(tl.int32)
-            m, s = _online_update(y, m, s)
-        # The partial last block (all masked off when there is none).
-        idx = full_end + cols
-        inside = idx < end
-        y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
-        count += ((y >= chosen) & inside).to(tl.int32)
+    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    count = tl.zeros([LINES, VEC], tl.int32)
+    # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+        y = _scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
+        count += (y >= chosen).to(tl.int32)
         m, s = _online_update(y, m, s)
-        big = tl.max(m, axis=0)
-        total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
-        part = row * n_chunks + chunk
-        tl.store(part_m_ptr + part, big)
-        tl.store(part_s_ptr + part, total)
-        tl.store(part_c_ptr + part, tl.sum(tl.sum(count, axis=1), axis=0))
+    # The partial last block (all masked off when there is none).
+    idx = full_end + cols
+    inside = idx < end
+    y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+    count += ((y >= chosen) & inside).to(tl.int32)
+    m, s = _online_update(y, m, s)
+    big = tl.max(m, axis=0)
+    total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
+    part = row * n_chunks + chunk
+    tl.store(part_m_ptr + part, big)
+    tl.store(part_s_ptr + part, total)
+    tl.store(part_c_ptr + part, tl.sum(tl.sum(count, axis=1), axis=0))
 
 
 @triton.jit(
