@@ -80,16 +80,16 @@ def test_gpu_cuda_graph_equals_eager(checkpoints, dtype, temperature, rng):
 
 
 def test_gpu_torch_and_jax_agree(checkpoints, rng):
-    _, config, weights = checkpoints["llama-tied-llama3-sharded"]
+    folder, config, weights = checkpoints["llama-tied-llama3-sharded"]
     requests = make_requests(rng, config.vocab_size, n=9)
     a = _loop("torch")(config, weights, requests, device="cuda", max_batch=3)
     b = _loop("jax")(config, weights, requests, device="cuda", max_batch=3)
-    check_same(a, b, "torch vs jax on cuda", atol=2e-5)
+    check_same(a, b, "torch vs jax on cuda", atol=2e-5, reference=hf_model(folder), requests=requests)
 
 
 def test_gpu_matches_cpu(checkpoints, rng):
-    _, config, weights = checkpoints["mistral-window-bf16"]
+    folder, config, weights = checkpoints["mistral-window-bf16"]
     requests = make_requests(rng, config.vocab_size, n=9)
     gpu = torch_loop.run_decode(config, weights, requests, device="cuda:0", max_batch=3)
     cpu = torch_loop.run_decode(config, weights, requests, device="cpu", max_batch=3)
-    check_same(gpu, cpu, "torch cuda vs cpu", atol=2e-5)
+    check_same(gpu, cpu, "torch cuda vs cpu", atol=2e-5, reference=hf_model(folder), requests=requests)

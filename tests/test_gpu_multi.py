@@ -27,7 +27,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import check_same, load, make_checkpoint, make_requests  # noqa: E402
+from llama_cases import check_same, hf_model, hf_reference, load, make_checkpoint, make_requests  # noqa: E402
 from multi_device_workers import NO_MULTICAST, run_ranks  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
@@ -50,13 +50,16 @@ def _bf16_close(got, ref, what, atol=0.05):
 
 
 def test_nccl_two_ranks_equal_one_gpu(tmp_path, rng):
-    jobs = []
+    jobs, models = [], {}
     for i, case in enumerate(("qwen2", "llama-untied-llama3-biases", "qwen3")):
-        config, weights = load(make_checkpoint(case, str(tmp_path / case), seed=i))
+        folder = make_checkpoint(case, str(tmp_path / case), seed=i)
+        config, weights = load(folder)
         requests = make_requests(rng, config.vocab_size, n=7)
         jobs.append((case, config, weights, requests, dict(max_batch=4)))
         jobs.append((case + "-eager", config, weights, requests, dict(max_batch=4, cuda_graph=False)))
+        models[case] = models[case + "-eager"] = hf_model(folder)
     big = seeded_weights(QWEN_HEADS, seed=int(rng.integers(2**31)))
+    models["qwen-heads"] = models["qwen-heads-sampled"] = hf_reference(QWEN_HEADS, big, str(tmp_path / "qwen-heads"))
     big_requests = make_requests(rng, QWEN_HEADS.vocab_size, n=6)
     jobs.append(("qwen-heads", QWEN_HEADS, big, big_requests, dict(max_batch=3)))
     traced = [r for r in big_requests if r.trace is not None]
@@ -70,7 +73,8 @@ def test_nccl_two_ranks_equal_one_gpu(tmp_path, rng):
         if options.get("dtype") == "bfloat16":
             _bf16_close(per_rank[0][name], ref, f"{name}: 2 GPUs vs 1")
         else:
-            check_same(per_rank[0][name], ref, f"{name}: 2 GPUs vs 1", atol=2e-5)
+            check_same(per_rank[0][name], ref, f"{name}: 2 GPUs vs 1", atol=2e-5, reference=models[name],
+                       requests=requests)
         check_same(per_rank[1][name], per_rank[0][name], f"{name}: cuda:1 vs cuda:0", atol=0)
 
 

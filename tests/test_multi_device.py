@@ -3,10 +3,12 @@ JAX loop on a 2-device mesh of CPU host devices with the logits sharded over the
 
 Torch: two ranks spawned once (``torch.multiprocessing``, gloo) run every job; each job's
 results must equal the one-process loop's (``torch_loop.run_decode``) token for token (traced
-and untraced greedy requests, and seeded sampling), ranks equal, logprobs within 1e-5
-(float32), and be the same bits on both ranks. Models: transformers' own tiny models of every
-case in ``llama_cases.CASES`` (tensor-parallel layers) and a seeded model whose sizes do not
-split (one key/value head, a prime vocabulary: replicated layers, uneven vocabulary blocks).
+and untraced greedy requests, and seeded sampling), logprobs within 1e-5 (float32), ranks and
+argmax those of transformers' logits wherever no near-tie leaves them open (an all-reduce sums
+in another order: a rank 190 against 191 was seen), and be the same bits on both ranks.
+Models: transformers' own tiny models of every case in ``llama_cases.CASES`` (tensor-parallel
+layers) and a seeded model whose sizes do not split (one key/value head, a prime vocabulary:
+replicated layers, uneven vocabulary blocks), written as a transformers checkpoint.
 
 JAX: ``jax_mesh_loop_cases.py`` in a process of its own with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (JAX fixes its CPU device count at start).
@@ -24,8 +26,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import (CASES, check_against_hf, check_same, hf_model, load, make_checkpoint,  # noqa: E402
-                         make_requests)
+from llama_cases import (CASES, check_against_hf, check_same, hf_model, hf_reference, load,  # noqa: E402
+                         make_checkpoint, make_requests)
 from multi_device_workers import run_ranks  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
@@ -64,28 +66,28 @@ def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
         config, weights = load(folder)
         requests = make_requests(rng, config.vocab_size, n=5, longest=16)
         jobs.append((case, config, weights, requests, dict(max_batch=3)))
-        models[case] = (folder, requests)
+        models[case] = hf_model(folder)
     odd_requests = make_requests(rng, ODD.vocab_size, n=5, longest=16)
     odd_weights = seeded_weights(ODD, seed=int(rng.integers(2**31)))
     jobs.append(("odd-sizes", ODD, odd_weights, odd_requests, dict(max_batch=2)))
+    models["odd-sizes"] = hf_reference(ODD, odd_weights, str(tmp_path / "odd-sizes"))
     sampled = jobs[sorted(CASES).index("qwen3")]
     jobs.append(("qwen3-sampled", sampled[1], sampled[2], sampled[3], dict(max_batch=3, temperature=1.5, seed=7)))
+    models["qwen3-sampled"] = models["qwen3"]
 
     per_rank = run_ranks(jobs, str(tmp_path))
 
     for name, config, weights, requests, options in jobs:
         ref = torch_loop.run_decode(config, weights, requests, **options)
-        check_same(per_rank[0][name], ref, f"{name}: 2 ranks vs 1 process", atol=1e-5)
+        check_same(per_rank[0][name], ref, f"{name}: 2 ranks vs 1 process", atol=1e-5, reference=models[name],
+                   requests=requests)
         check_same(per_rank[1][name], per_rank[0][name], f"{name}: rank 1 vs rank 0", atol=0)
-        for a, b in zip(per_rank[0][name], ref):
-            assert a.argmax.tolist() == b.argmax.tolist(), f"{name}, request {a.id}: argmax differs"
-            assert a.forced.tolist() == b.forced.tolist()
         if name == "qwen3-sampled":
             greedy = per_rank[0]["qwen3"]
             untraced = [i for i, r in enumerate(requests) if r.trace is None]
             assert any(per_rank[0][name][i].tokens.tolist() != greedy[i].tokens.tolist() for i in untraced)
-    folder, requests = models["qwen2"]                    # and against transformers itself
-    check_against_hf(hf_model(folder), requests, per_rank[0]["qwen2"], "qwen2 on 2 ranks")
+    qwen2 = next(job for job in jobs if job[0] == "qwen2")   # and against transformers itself
+    check_against_hf(models["qwen2"], qwen2[3], per_rank[0]["qwen2"], "qwen2 on 2 ranks")
 
 
 def test_jax_loop_on_a_two_device_mesh(rng):
