@@ -252,6 +252,12 @@ def test_add_requests_matches_add_request(rng):
         with pytest.raises(ValueError, match=rf"^traces\[1\] must be below vocab_size={VOCAB}"):
             many.add_requests([0, 1], [[1], [VOCAB]])
         assert many.pending == 0
+        for slots, traces, slot, first, again in (([0, 3, 1, 3], [[1], [2], [3], [4]], 3, 1, 3),
+                                                  (np.array([1, 0, 0, 1]), np.ones((4, 2), np.int32), 0, 1, 2)):
+            with pytest.raises(ValueError, match=rf"^slots gives slot {slot} twice \(positions {first} and "
+                                                 rf"{again}\): each request takes its own slot$"):
+                many.add_requests(slots, traces)
+            assert many.pending == 0
 
 
 def test_traced_trace_data_is_refused_with_the_fix():

@@ -69,7 +69,7 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                                                        'prompt_len=None, step=None, *, stream)',
                                       'snapshot': '(self)',
                                       'stage': '(self, slot, tokens)',
-                                      'stage_many': '(self, slots, traces)',
+                                      'stage_many': '(self, slots, traces, *, distinct=False)',
                                       'synchronize': '(self)'},
                        'as_view': '(obj, *, name, stream=None)',
                        'bind_logprob_rank': '(logits, token_ids, *, out_logprobs, out_ranks, stream, '

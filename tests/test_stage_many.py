@@ -150,6 +150,27 @@ def test_refused_calls_change_nothing(rng, make_table):
     t.close()
 
 
+def test_distinct_refuses_a_repeated_slot_and_changes_nothing(rng, make_table):
+    max_slots, max_len, vocab = 8, 40, 1000
+    t = make_table(max_slots, max_len, vocab_size=vocab)
+    t.stage_many([2, 6], rng.integers(1, vocab, (2, 5)))
+    state0 = everything(t)
+    for slots, traces, pattern in (
+            ([0, 3, 1, 3], [[1], [2], [3], [4]], r"^slots gives slot 3 twice \(positions 1 and 3\): each request "
+                                                 r"takes its own slot$"),
+            (np.array([1, 0, 0, 1]), rng.integers(1, vocab, (4, 3)), r"^slots gives slot 0 twice \(positions 1 and 2\)"),
+            ([4, 4], [[1], [vocab]], r"^slots gives slot 4 twice")):         # the slots are judged before the traces
+        with pytest.raises(ValueError, match=pattern):
+            t.stage_many(slots, traces, distinct=True)
+        assert_unchanged(t, state0, f"distinct {slots}")
+    with pytest.raises(TypeError, match=r"^distinct must be True or False \(got 1\)$"):
+        t.stage_many([0, 1], [[1], [2]], distinct=1)
+    assert_unchanged(t, state0, "distinct=1")
+    t.stage_many([0, 1], [[1], [2]], distinct=True)
+    assert t.pending == 4
+    t.close()
+
+
 def test_gpu_backend_block_grows_staging_once(rng, fake_cuda):
     """A block larger than the staging buffer grows it once, rows padded to 16 bytes; one scatter
     launch covers every entry."""

@@ -17,7 +17,7 @@ from ._devices import parse_device
 from ._dlpack import ArrayView, as_view, check_view
 from ._dtypes import INDEX_DTYPES, TOKEN_DTYPES
 from ._streams import stream_handle
-from ._validate import check_positive_int, check_slot, check_slots, trace_array, trace_block
+from ._validate import check_distinct_slots, check_positive_int, check_slot, check_slots, trace_array, trace_block
 
 __all__ = ["TraceTable", "BoundReplay", "PLACEMENTS"]
 
@@ -144,7 +144,7 @@ class TraceTable:
                 self._live()
             self._backend.stage(slot, arr, self.vocab_size)
 
-    def stage_many(self, slots: Any, traces: Any) -> None:
+    def stage_many(self, slots: Any, traces: Any, *, distinct: bool = False) -> None:
         """Stage ``traces[i]`` as the trace of ``slots[i]`` for every ``i``: the same as calling
         :meth:`stage` for each pair in order, in one call. Host-only.
 
@@ -152,12 +152,18 @@ class TraceTable:
         host array ``[len(slots), length]`` (every trace ``length`` tokens: the whole block is
         copied into staging memory and checked in one pass, the fast way to admit many requests
         at once), or a sequence of ``len(slots)`` 1-D traces of any lengths. Each trace follows
-        :meth:`stage`'s rules and is copied. A slot given twice takes its last trace. A
-        rejected call changes nothing: no trace of it is staged.
+        :meth:`stage`'s rules and is copied. A slot given twice takes its last trace, as in
+        calls of :meth:`stage` in order; with ``distinct=True`` (one request per slot, as the
+        adapters' ``add_requests``) it is refused instead (``ValueError`` naming the slot and
+        both positions). A rejected call changes nothing: no trace of it is staged.
         """
         if self._closed:
             self._live()                              # raises
         slots = check_slots(slots, self.max_slots)
+        if distinct is not False:
+            if distinct is not True:
+                raise TypeError(f"distinct must be True or False (got {distinct!r})")
+            check_distinct_slots(slots)
         if isinstance(traces, (list, tuple)):
             if len(traces) != len(slots):
                 raise ValueError(f"traces has {len(traces)} traces but slots has {len(slots)} entries")

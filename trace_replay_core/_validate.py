@@ -58,6 +58,17 @@ def check_slots(slots: Any, max_slots: int, *, name: str = "slots") -> list:
     return values
 
 
+def check_distinct_slots(slots: list, *, name: str = "slots") -> None:
+    """Raise ``ValueError`` naming the earliest slot that ``slots`` (valid ints, from
+    :func:`check_slots`) gives a second time, and both of its positions."""
+    seen: dict = {}
+    for i, slot in enumerate(slots):
+        if slot in seen:
+            raise ValueError(f"{name} gives slot {slot} twice (positions {seen[slot]} and {i}): each request "
+                             f"takes its own slot")
+        seen[slot] = i
+
+
 def _host_array(tokens: Any, name: str) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         return tokens

@@ -258,8 +258,9 @@ class TraceReplayState:
 
         ``traces``: a 2-D host array ``[len(slots), length]`` (numpy, or a JAX array on the CPU;
         the whole block is copied and checked in one pass), or a list of 1-D traces of any
-        lengths. Takes effect at the next :meth:`apply_staged_writes`. Host-only (refused under
-        a JAX trace); a rejected call changes nothing. See
+        lengths. Each request takes its own slot: a slot given twice is refused (``ValueError``
+        naming it and both positions). Takes effect at the next :meth:`apply_staged_writes`.
+        Host-only (refused under a JAX trace); a rejected call changes nothing. See
         :meth:`trace_replay_core.TraceTable.stage_many`.
         """
         self._live()
@@ -271,7 +272,7 @@ class TraceReplayState:
         refuse_under_trace("add_requests")
         self._wait()
         for core in self._cores:
-            core.stage_many(slots, traces)
+            core.stage_many(slots, traces, distinct=True)
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 
 from trace_replay_core import TraceTable, parse_device
@@ -27,27 +26,6 @@ def _not_a_tensor(**arrays) -> Optional[TypeError]:
         if not isinstance(value, torch.Tensor):
             return TypeError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
     return None
-
-
-def _repeated_slot(slots, max_slots: int) -> Optional[ValueError]:
-    """A ``ValueError`` naming the first slot that ``slots`` gives twice (and both positions),
-    else None. Slots that are not a 1-D integer host array of valid slots are left to the core
-    to judge (its errors name them)."""
-    try:
-        arr = np.asarray(slots)
-    except Exception:  # noqa: BLE001 - not array-like (or on a device): the core names the problem
-        return None
-    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.size < 2 or arr.min() < 0 or arr.max() >= max_slots:
-        return None
-    order = np.argsort(arr, kind="stable")          # equal slots end up adjacent, positions ascending
-    ranked = arr[order]
-    pairs = np.nonzero(ranked[1:] == ranked[:-1])[0]
-    if pairs.size == 0:
-        return None
-    k = pairs[np.argmin(order[pairs + 1])]          # the earliest repeat in the caller's order
-    first, again = int(order[k]), int(order[k + 1])
-    return ValueError(f"slots gives slot {int(arr[again])} twice (positions {first} and {again}): "
-                      f"each request takes its own slot")
 
 
 def _check_host(trace, name: str) -> None:
@@ -191,10 +169,7 @@ class TraceReplayState:
             _check_host(traces, "traces")
         if isinstance(slots, torch.Tensor):
             _check_host(slots, "slots")
-        repeated = _repeated_slot(slots, self.table.max_slots)
-        if repeated is not None:
-            raise repeated
-        self.table.stage_many(slots, traces)
+        self.table.stage_many(slots, traces, distinct=True)
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply."""
