@@ -254,57 +254,57 @@ def _prefill_groups(admitted: List[int], prompts) -> List[List[int]]:
     return groups + ([group] if group else [])
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed,
-                use_graph) -> Dict[str, np.ndarray]:
-    """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
-    c = config
-    model = _Llama(c, weights, dev, dtype)
-    rows, steps = schedule.max_batch, schedule.n_steps
-    kv_len = schedule.kv_positions([len(p) for p in prompts])
-    cache = torch.zeros(c.num_hidden_layers, 2, rows, c.num_key_value_heads, kv_len, c.head_dim, dtype=dtype,
-                        device=dev)
-    prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)    # per slot, read by replay
-    total_len = torch.zeros(rows, dtype=torch.int32, device=dev)     # prompt + tokens decoded so far
-    last = torch.zeros(rows, dtype=torch.int64, device=dev)          # the token each row feeds next
-    idx_all = torch.from_numpy(schedule.idx_mapping).to(dev)
-    idx_mapping = torch.full((rows,), -1, dtype=torch.int32, device=dev)   # fixed buffers: bound once
-    sampled = torch.zeros(rows, dtype=torch.int64, device=dev)
-    logprobs = torch.zeros(rows, dtype=torch.float32, device=dev)
-    ranks = torch.zeros(rows, dtype=torch.int64, device=dev)
-    step_t = torch.zeros(1, dtype=torch.int64, device=dev)           # the step the graph writes
-    out = {"tokens": torch.zeros(steps, rows, dtype=torch.int64, device=dev),
-           "argmax": torch.zeros(steps, rows, dtype=torch.int64, device=dev),
-           "logprobs": torch.zeros(steps, rows, dtype=torch.float32, device=dev),
-           "ranks": torch.zeros(steps, rows, dtype=torch.int64, device=dev)}
-    generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    uniform = torch.full((rows, c.vocab_size), 0.5, dtype=torch.float32, device=dev) if generator else None
+class _Buffers:
+    """The fixed device buffers of one run, made once and never reallocated (a CUDA graph
+    replays their addresses): per-slot ``prompt_len``/``total_len`` (bound to the replay
+    state), the token each row feeds next, the step's ``idx_mapping`` and ``sampled`` tokens,
+    the step counter, the per-step outputs ``[n_steps, max_batch]`` and, when sampling, the
+    uniform noise ``[max_batch, vocab_size]`` of a ``torch.Generator`` seeded with ``seed``."""
+
+    def __init__(self, schedule, vocab_size: int, dev: torch.device, temperature: float, seed: int):
+        rows, steps = schedule.max_batch, schedule.n_steps
+        self.prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)    # per slot, read by replay
+        self.total_len = torch.zeros(rows, dtype=torch.int32, device=dev)     # prompt + tokens decoded so far
+        self.last = torch.zeros(rows, dtype=torch.int64, device=dev)          # the token each row feeds next
+        self.idx_all = torch.from_numpy(schedule.idx_mapping).to(dev)
+        self.idx_mapping = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+        self.sampled = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.step_t = torch.zeros(1, dtype=torch.int64, device=dev)           # the step the graph writes
+        self.out = {name: torch.zeros(steps, rows, dtype=dt, device=dev)
+                    for name, dt in (("tokens", torch.int64), ("argmax", torch.int64),
+                                     ("logprobs", torch.float32), ("ranks", torch.int64))}
+        self.generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+        self.uniform = (torch.full((rows, vocab_size), 0.5, dtype=torch.float32, device=dev)
+                        if self.generator is not None else None)
+
+    def positions(self) -> "tuple[torch.Tensor, torch.Tensor]":
+        """``(active, positions)`` of the step: rows in use, and each one's cache position
+        (empty rows: 0, anywhere in range)."""
+        active = self.idx_mapping >= 0
+        return active, torch.where(active, self.total_len.long() - 1, 0)
+
+    def record(self, active: torch.Tensor, argmax: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor) -> None:
+        """The step's tail: its outputs into row ``step_t``, active rows one token longer and
+        fed their ``sampled`` token next, the counter advanced (all on the device)."""
+        for name, value in (("tokens", self.sampled), ("argmax", argmax), ("logprobs", logprobs), ("ranks", ranks)):
+            self.out[name].index_copy_(0, self.step_t, value[None])
+        self.total_len.add_(active.to(torch.int32))
+        self.last.copy_(torch.where(active, self.sampled, self.last))
+        self.step_t.add_(1)
+
+
+def _run_steps(model, cache: torch.Tensor, buf: _Buffers, schedule, prompts, traces, vocab_size: int,
+               dev: torch.device, step: Callable[[TraceReplayState], None], use_graph: bool,
+               on_step: Optional[Callable[[int], None]]) -> Dict[str, np.ndarray]:
+    """Every step of ``schedule``: prefill and admit the step's requests (lengths, last tokens,
+    traces), ``apply_staged_writes``, then ``step(state)`` on ``buf`` (captured once in a CUDA
+    graph when ``use_graph``). Returns the outputs on the host, copied once at the end."""
     max_trace = max((len(t) for t in traces if t is not None), default=1)
     per_step = schedule.tokens_per_step.tolist()
-
-    def step():
-        """One decode step of every row, on fixed buffers (no host sync, no allocation the
-        graph cannot own)."""
-        active = idx_mapping >= 0
-        positions = torch.where(active, total_len.long() - 1, 0)    # empty rows: anywhere in range
-        logits = model.decode(cache, last, positions)
-        argmax = logits.argmax(dim=-1)                               # ties: the lowest id
-        if uniform is None:
-            sampled.copy_(argmax)
-        else:                                                        # Gumbel-max over logits / temperature
-            gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
-            sampled.copy_((logits.float() / temperature + gumbel).argmax(dim=-1))
-        state.replay(sampled, idx_mapping)                           # traced rows take their trace token
-        token_logprob_rank(logits, sampled, out=(logprobs, ranks))   # from the unmodified logits
-        for name, value in (("tokens", sampled), ("argmax", argmax), ("logprobs", logprobs), ("ranks", ranks)):
-            out[name].index_copy_(0, step_t, value[None])
-        total_len.add_(active.to(torch.int32))
-        last.copy_(torch.where(active, sampled, last))
-        step_t.add_(1)
-
-    with TraceReplayState(rows, max_trace, device=dev, total_len=total_len, prompt_len=prompt_len,
-                          vocab_size=c.vocab_size) as state:
-        graph = _capture(step, step_t) if use_graph else None
-        for k in range(steps):
+    with TraceReplayState(schedule.max_batch, max_trace, device=dev, total_len=buf.total_len,
+                          prompt_len=buf.prompt_len, vocab_size=vocab_size) as state:
+        graph = _capture(lambda: step(state), buf.step_t) if use_graph else None
+        for k in range(schedule.n_steps):
             admitted = schedule.admitted(k).tolist()
             for group in _prefill_groups(admitted, prompts):
                 n = max(len(prompts[i]) - 1 for i in group)
@@ -316,22 +316,53 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
             if admitted:
                 slots = _upload([schedule.slot[i] for i in admitted], torch.int64, dev)
                 lens = _upload([len(prompts[i]) for i in admitted], torch.int32, dev)
-                prompt_len[slots] = lens
-                total_len[slots] = lens
-                last[slots] = _upload([prompts[i][-1] for i in admitted], torch.int64, dev)
+                buf.prompt_len[slots] = lens
+                buf.total_len[slots] = lens
+                buf.last[slots] = _upload([prompts[i][-1] for i in admitted], torch.int64, dev)
                 for i in admitted:
                     state.add_request(int(schedule.slot[i]), traces[i])   # None: untraced
             state.apply_staged_writes()                              # outside the graph, between replays
-            idx_mapping.copy_(idx_all[k])
-            if uniform is not None:
-                torch.rand(uniform.shape, generator=generator, device=dev, out=uniform)
+            buf.idx_mapping.copy_(buf.idx_all[k])
+            if buf.uniform is not None:
+                torch.rand(buf.uniform.shape, generator=buf.generator, device=dev, out=buf.uniform)
             if graph is None:
-                step()
+                step(state)
             else:
                 graph.replay()
             if on_step is not None:
                 on_step(per_step[k])
-        return {name: t.cpu().numpy() for name, t in out.items()}
+        return {name: t.cpu().numpy() for name, t in buf.out.items()}
+
+
+def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed,
+                use_graph) -> Dict[str, np.ndarray]:
+    """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
+    c = config
+    model = _Llama(c, weights, dev, dtype)
+    rows = schedule.max_batch
+    kv_len = schedule.kv_positions([len(p) for p in prompts])
+    cache = torch.zeros(c.num_hidden_layers, 2, rows, c.num_key_value_heads, kv_len, c.head_dim, dtype=dtype,
+                        device=dev)
+    buf = _Buffers(schedule, c.vocab_size, dev, temperature, seed)
+    logprobs = torch.zeros(rows, dtype=torch.float32, device=dev)
+    ranks = torch.zeros(rows, dtype=torch.int64, device=dev)
+
+    def step(state: TraceReplayState) -> None:
+        """One decode step of every row, on fixed buffers (no host sync, no allocation the
+        graph cannot own)."""
+        active, positions = buf.positions()
+        logits = model.decode(cache, buf.last, positions)
+        argmax = logits.argmax(dim=-1)                               # ties: the lowest id
+        if buf.uniform is None:
+            buf.sampled.copy_(argmax)
+        else:                                                        # Gumbel-max over logits / temperature
+            gumbel = -torch.log(-torch.log(buf.uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+            buf.sampled.copy_((logits.float() / temperature + gumbel).argmax(dim=-1))
+        state.replay(buf.sampled, buf.idx_mapping)                   # traced rows take their trace token
+        token_logprob_rank(logits, buf.sampled, out=(logprobs, ranks))   # from the unmodified logits
+        buf.record(active, argmax, logprobs, ranks)
+
+    return _run_steps(model, cache, buf, schedule, prompts, traces, c.vocab_size, dev, step, use_graph, on_step)
 
 
 def _capture(step: Callable[[], None], step_t: torch.Tensor) -> "torch.cuda.CUDAGraph":

@@ -56,7 +56,7 @@ from trace_replay_torch import TraceReplayState
 from ...records import RequestResult, TraceRequest
 from ...schedule import check_run, check_sampling, collect_results, plan
 from .config import LlamaConfig, check_weights
-from .torch_loop import _capture, _Llama, _prefill_groups, _rms, _rotate, _torch_device, _upload
+from .torch_loop import _Buffers, _Llama, _rms, _rotate, _run_steps, _torch_device
 
 __all__ = ["run_decode_tp", "vocab_blocks", "splits_layers"]
 
@@ -281,75 +281,26 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
 
     model = _ShardedLlama(c, weights, dev, dtype, rank=rank, world=world, tp=tp, reduce=reduce)
     lc = model.config                                                  # this rank's heads
-    rows, steps = schedule.max_batch, schedule.n_steps
+    rows = schedule.max_batch
     kv_len = schedule.kv_positions([len(p) for p in prompts])
     cache = torch.zeros(lc.num_hidden_layers, 2, rows, lc.num_key_value_heads, kv_len, lc.head_dim, dtype=dtype,
                         device=dev)
     merge = _Merge(rows, c.vocab_size, rank, world, group, dev)
-    prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)
-    total_len = torch.zeros(rows, dtype=torch.int32, device=dev)
-    last = torch.zeros(rows, dtype=torch.int64, device=dev)
-    idx_all = torch.from_numpy(schedule.idx_mapping).to(dev)
-    idx_mapping = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    sampled = torch.zeros(rows, dtype=torch.int64, device=dev)
-    step_t = torch.zeros(1, dtype=torch.int64, device=dev)
-    out = {"tokens": torch.zeros(steps, rows, dtype=torch.int64, device=dev),
-           "argmax": torch.zeros(steps, rows, dtype=torch.int64, device=dev),
-           "logprobs": torch.zeros(steps, rows, dtype=torch.float32, device=dev),
-           "ranks": torch.zeros(steps, rows, dtype=torch.int64, device=dev)}
-    generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
     # The whole vocabulary's noise, as the one-process loop draws it; this rank reads its block.
-    uniform = torch.full((rows, c.vocab_size), 0.5, dtype=torch.float32, device=dev) if generator else None
-    max_trace = max((len(t) for t in traces if t is not None), default=1)
-    per_step = schedule.tokens_per_step.tolist()
+    buf = _Buffers(schedule, c.vocab_size, dev, temperature, seed)
 
-    def step():
+    def step(state: TraceReplayState) -> None:
         """One decode step of every row on fixed buffers, collectives included."""
-        active = idx_mapping >= 0
-        positions = torch.where(active, total_len.long() - 1, 0)
-        x = model.decode(cache, last, positions).float()               # this rank's block of the logits
+        active, positions = buf.positions()
+        x = model.decode(cache, buf.last, positions).float()           # this rank's block of the logits
         perturbed = None
-        if uniform is not None:
-            u = uniform[:, model.start:model.end]
+        if buf.uniform is not None:
+            u = buf.uniform[:, model.start:model.end]
             perturbed = x / temperature - torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
         argmax, m, drawn = merge.argmax(x, perturbed)
-        sampled.copy_(drawn)
-        state.replay(sampled, idx_mapping)                             # local, the same on every rank
-        logprobs, ranks = merge.logprob_rank(x, m, sampled)
-        for name, value in (("tokens", sampled), ("argmax", argmax), ("logprobs", logprobs), ("ranks", ranks)):
-            out[name].index_copy_(0, step_t, value[None])
-        total_len.add_(active.to(torch.int32))
-        last.copy_(torch.where(active, sampled, last))
-        step_t.add_(1)
+        buf.sampled.copy_(drawn)
+        state.replay(buf.sampled, buf.idx_mapping)                     # local, the same on every rank
+        logprobs, ranks = merge.logprob_rank(x, m, buf.sampled)
+        buf.record(active, argmax, logprobs, ranks)
 
-    with TraceReplayState(rows, max_trace, device=dev, total_len=total_len, prompt_len=prompt_len,
-                          vocab_size=c.vocab_size) as state:
-        graph = _capture(step, step_t) if use_graph else None
-        for k in range(steps):
-            admitted = schedule.admitted(k).tolist()
-            for group_ in _prefill_groups(admitted, prompts):
-                n = max(len(prompts[i]) - 1 for i in group_)
-                block = np.zeros((len(group_), n), dtype=np.int64)
-                for j, i in enumerate(group_):
-                    block[j, :len(prompts[i]) - 1] = prompts[i][:-1]
-                model.prefill(cache, _upload([schedule.slot[i] for i in group_], torch.int64, dev),
-                              _upload(block, torch.int64, dev))
-            if admitted:
-                slots = _upload([schedule.slot[i] for i in admitted], torch.int64, dev)
-                lens = _upload([len(prompts[i]) for i in admitted], torch.int32, dev)
-                prompt_len[slots] = lens
-                total_len[slots] = lens
-                last[slots] = _upload([prompts[i][-1] for i in admitted], torch.int64, dev)
-                for i in admitted:
-                    state.add_request(int(schedule.slot[i]), traces[i])
-            state.apply_staged_writes()
-            idx_mapping.copy_(idx_all[k])
-            if uniform is not None:
-                torch.rand(uniform.shape, generator=generator, device=dev, out=uniform)
-            if graph is None:
-                step()
-            else:
-                graph.replay()
-            if on_step is not None:
-                on_step(per_step[k])
-        return {name: t.cpu().numpy() for name, t in out.items()}
+    return _run_steps(model, cache, buf, schedule, prompts, traces, c.vocab_size, dev, step, use_graph, on_step)
