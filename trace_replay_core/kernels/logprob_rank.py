@@ -50,14 +50,15 @@ Special values fall out of the arithmetic (the host documents them as the contra
 The host side of one call is integers only: :class:`LogprobRankArgs` (byte addresses and
 sizes) and :class:`LogprobRankDtypes` (element type names); :func:`launch_logprob_rank` queues
 the two kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once.
+This module is the op's host side (plan, workspace, launch on integers); its ``@triton.jit``
+kernels and device helpers are in :mod:`._logprob_rank_jit`, re-exported here.
 """
 
 from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
-import triton
-import triton.language as tl
+from ._logprob_rank_jit import logprob_rank_chunk_kernel, logprob_rank_combine_kernel, logprob_rank_tile_kernel
 
 __all__ = [
     "logprob_rank_chunk_kernel",
@@ -95,7 +96,6 @@ LOGPROB_MIN_TILE = 128
 LOGPROB_BLOCK = 4096
 LOGPROB_CHUNK_WARPS = 16
 LOGPROB_CHUNKS = 10
-_NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
 LOGPROB_ELEMENTS_PER_THREAD = 32
 LOGPROB_MAX_WARPS = 8
 # Sum a tile with tl.sum (False) or in the fixed tree of _tree_sum (True). Both are batch-invariant
@@ -108,10 +108,6 @@ TOPK_MAX = 64
 COMBINE_BLOCK = 256
 COMBINE_KEYS = 1024
 COMBINE_NUM_WARPS = 4
-_INT64_MIN = -(2**63)
-
-_LOG2E = tl.constexpr(1.4426950408889634)
-_KEY_PAD = tl.constexpr(_INT64_MIN)
 
 
 class LogprobRankPlan(NamedTuple):
@@ -327,292 +323,3 @@ def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, d
         second(stream)
 
     return launch
-
-
-# -- device helpers -------------------------------------------------------------------------------
-
-@triton.jit
-def _tree_sum(x, LOG_N: tl.constexpr, HIGH_BITS: tl.constexpr, TREE: tl.constexpr):
-    """Sum of the ``2**LOG_N`` elements of ``x`` in a fixed binary tree over the index bits:
-    the ``HIGH_BITS`` highest bits first (elements one register pass apart), then the others
-    from the lowest up. Every node adds two values (a + b == b + a), so the result depends on
-    the indices alone, never on which thread holds which element."""
-    if TREE:
-        h = tl.reshape(x, [2] * LOG_N)
-        for i in tl.static_range(HIGH_BITS):
-            h = tl.sum(h, axis=0)
-        for i in tl.static_range(LOG_N - HIGH_BITS):
-            h = tl.sum(h, axis=LOG_N - HIGH_BITS - 1 - i)
-        return h
-    else:
-        return tl.sum(x, axis=0)
-
-
-@triton.jit
-def _scaled(x, t, HAS_TEMP: tl.constexpr):
-    if HAS_TEMP:
-        return tl.math.div_rn(x, t)      # IEEE division, as logits / T in torch and numpy
-    else:
-        return x
-
-
-@triton.jit
-def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
-    """The row's token id, whether it is valid, its scaled logit (NaN when invalid) and T."""
-    token = tl.load(ids_ptr + row).to(tl.int64)
-    valid = (token >= 0) & (token < vocab)
-    if HAS_TEMP:
-        t = tl.load(temp_ptr + row)
-    else:
-        t = 1.0
-    chosen = _scaled(tl.load(row_ptr + tl.where(valid, token, 0)).to(tl.float32), t, HAS_TEMP)
-    return valid, tl.where(valid, chosen, float("nan")), t
-
-
-@triton.jit
-def _keys(y, cols, ok):
-    """64-bit keys ordering (value descending, then column ascending); NaN and masked lanes get
-    the smallest key. -0.0 is keyed as +0.0 (they compare equal, so the lower id wins)."""
-    y = tl.where(y == 0.0, 0.0, y)
-    b = y.to(tl.int32, bitcast=True)
-    o = b ^ ((b >> 31) & 0x7FFFFFFF)
-    low = (~cols).to(tl.uint32, bitcast=True).to(tl.int64)        # 2**32 - 1 - column
-    key = (o.to(tl.int64) << 32) | low
-    return tl.where(ok & (y == y), key, _KEY_PAD)
-
-
-@triton.jit
-def _merge_top(a, b, K_PAD: tl.constexpr):
-    """The best ``K_PAD`` of two sets of ``K_PAD`` keys (order of the inputs is irrelevant)."""
-    both = tl.reshape(tl.join(a, b), [2 * K_PAD])
-    return tl.topk(both, K_PAD)
-
-
-@triton.jit
-def _keys_at(row_ptr, cols, ok, t, HAS_TEMP: tl.constexpr):
-    x = tl.load(row_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    return _keys(_scaled(x, t, HAS_TEMP), cols, ok)
-
-
-@triton.jit
-def _compact(sel, cols, dst):
-    """Write the columns where ``sel`` holds to ``dst[0..)``, in column order."""
-    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    tl.store(dst + pos, cols, mask=sel)
-
-
-@triton.jit
-def _tile_topk(y, cols, valid, row_ptr, t, cand_dst, start, vocab, top_k, TILE: tl.constexpr,
-               HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr, N_GROUPS: tl.constexpr, CAP: tl.constexpr):
-    """The tile's best ``K_PAD`` keys (exact for its best ``top_k``; see the module docstring)."""
-    real = valid & (y == y)
-    yk = tl.where(real, y, float("-inf"))
-    gmax = tl.max(tl.reshape(yk, [N_GROUPS, TILE // N_GROUPS]), axis=1)
-    tau = tl.min(tl.topk(gmax, K_PAD), axis=0)
-    # K_PAD groups have a maximum >= tau, so at least K_PAD >= top_k real logits are >= tau
-    # (or tau = -inf and every real logit passes): the tile's best top_k all pass.
-    ge = real & (yk >= tau)
-    n_sel = tl.sum(ge.to(tl.int32), axis=0)
-    if n_sel <= CAP:
-        _compact(ge, cols, cand_dst)
-    else:
-        # Many ties at tau (a tile of -inf, say): only the top_k lowest columns equal to tau
-        # can be selected.
-        gt = real & (yk > tau)
-        eq = real & (yk == tau)
-        n_eq = tl.sum(eq.to(tl.int32), axis=0)
-        n_sel = tl.sum(gt.to(tl.int32), axis=0) + tl.minimum(n_eq, top_k)
-        if n_sel <= CAP:
-            eq_i = eq.to(tl.int32)
-            before = tl.cumsum(eq_i, axis=0) - eq_i
-            _compact(gt | (eq & (before < top_k)), cols, cand_dst)
-        else:
-            n_sel = -1
-    tl.debug_barrier()              # the compacted columns are read by other threads below
-    j = tl.arange(0, CAP)
-    if n_sel >= 0:
-        ok = j < n_sel
-        c = tl.load(cand_dst + j, mask=ok, other=0)
-        best = tl.topk(_keys_at(row_ptr, c, ok, t, HAS_TEMP), K_PAD)
-    else:
-        best = tl.full([K_PAD], _KEY_PAD, tl.int64)
-        for off in range(0, TILE, CAP):
-            c = start + off + j
-            best = _merge_top(best, tl.topk(_keys_at(row_ptr, c, c < vocab, t, HAS_TEMP), K_PAD), K_PAD)
-    return best
-
-
-@triton.jit
-def _online_update(x, m, s):
-    """Fold the ``[LINES, VEC]`` block ``x`` into the per-line running max ``m`` and sum ``s``
-    (an online log-sum-exp: ``m' = max(m, max(x))``, ``s' = s * exp(m - m') + sum(exp(x - m'))``).
-    Each thread owns whole lines of ``VEC`` contiguous logits (one 16-byte vector), so the line
-    max and line sum stay inside the thread: no shuffles, no barriers."""
-    m_new = tl.maximum(m, tl.max(x, axis=1))
-    scale = tl.exp2((m - m_new) * _LOG2E)                 # m = m_new = +inf: NaN, as it should
-    terms = tl.exp2((x - m_new[:, None]) * _LOG2E)        # x = -inf: 0; x = NaN: NaN
-    return m_new, s * scale + tl.sum(terms, axis=1)
-
-
-# -- kernels ----------------------------------------------------------------------------------------
-
-@triton.jit(
-    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
-                                    "part_c_ptr"],
-)
-def logprob_rank_chunk_kernel(
-    logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
-    ids_ptr,            # [batch] int32/int64 token per row
-    temp_ptr,           # [batch] float32 temperature (read when HAS_TEMP)
-    part_m_ptr,         # [batch * n_chunks] float32 out: chunk maximum (-FLT_MAX for a chunk of -inf)
-    part_s_ptr,         # [batch * n_chunks] float32 out: sum of exp(y - max)
-    part_c_ptr,         # [batch * n_chunks] int32 out: count of y >= y[token]
-    vocab,
-    row_stride,         # elements between rows
-    chunk_blocks,       # blocks of BLOCK logits per chunk
-    n_chunks,           # chunks per row (grid axis 1)
-    BLOCK: tl.constexpr,    # logits per loop step
-    VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
-    ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
-    HAS_TEMP: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    row_ptr = logits_ptr + row * row_stride
-    if ALIGNED:
-        row_ptr = tl.multiple_of(row_ptr, 16)
-    valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-    start = chunk * (chunk_blocks * BLOCK)
-    n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
-    full_end = start + (n_here // BLOCK) * BLOCK
-    end = start + n_here
-    LINES: tl.constexpr = BLOCK // VEC
-    cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    count = tl.zeros([LINES, VEC], tl.int32)
-    # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
-    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-        y = _scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
-        count += (y >= chosen).to(tl.int32)
-        m, s = _online_update(y, m, s)
-    # The partial last block (all masked off when there is none).
-    idx = full_end + cols
-    inside = idx < end
-    y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
-    count += ((y >= chosen) & inside).to(tl.int32)
-    m, s = _online_update(y, m, s)
-    big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
-    part = row * n_chunks + chunk
-    tl.store(part_m_ptr + part, big)
-    tl.store(part_s_ptr + part, total)
-    tl.store(part_c_ptr + part, tl.sum(tl.sum(count, axis=1), axis=0))
-
-
-@triton.jit(
-    do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
-                                    "part_c_ptr", "part_k_ptr", "cand_ptr"],
-)
-def logprob_rank_tile_kernel(
-    logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
-    ids_ptr,            # [batch] int32/int64 token per row
-    temp_ptr,           # [batch] float32 temperature (read when HAS_TEMP)
-    part_m_ptr,         # [batch * n_tiles] float32 out: tile maximum
-    part_s_ptr,         # [batch * n_tiles] float32 out: sum of exp(y - max)
-    part_c_ptr,         # [batch * n_tiles] int32 out: count of y >= y[token]
-    part_k_ptr,         # [batch * n_tiles, K_PAD] int64 out: the tile's best keys (K_PAD > 0)
-    cand_ptr,           # [batch * n_tiles, CAP] int32 scratch: candidate columns (K_PAD > 0)
-    vocab,
-    row_stride,         # elements between rows
-    n_tiles,            # programs per row
-    top_k,
-    TILE: tl.constexpr, LOG_TILE: tl.constexpr, HIGH_BITS: tl.constexpr, ALIGNED: tl.constexpr,
-    HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr, N_GROUPS: tl.constexpr, CAP: tl.constexpr, TREE: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // n_tiles
-    start = ((pid - row * n_tiles) * TILE).to(tl.int32)
-    row_ptr = logits_ptr + row * row_stride
-    if ALIGNED:
-        row_ptr = tl.multiple_of(row_ptr, 16)
-    valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-    cols = start + tl.arange(0, TILE)
-    valid = cols < vocab
-    if start + TILE <= vocab:
-        # A whole tile: unmasked, so the loads are 16-byte vectors (a mask on a runtime vocab
-        # would make every load a scalar one).
-        x = tl.load(row_ptr + cols)
-    else:
-        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
-    y = _scaled(x.to(tl.float32), t, HAS_TEMP)
-    y = tl.where(valid, y, float("-inf"))
-    m = tl.max(y, axis=0)                                   # NaN is skipped here, but poisons the sum
-    m_safe = tl.where(m == float("-inf"), 0.0, m)           # a tile of -inf: sum 0, not NaN
-    s = _tree_sum(tl.exp2((y - m_safe) * _LOG2E), LOG_TILE, HIGH_BITS, TREE)
-    count = tl.sum(((y >= chosen) & valid).to(tl.int32), axis=0)
-    tl.store(part_m_ptr + pid, m)
-    tl.store(part_s_ptr + pid, s)
-    tl.store(part_c_ptr + pid, count)
-    if K_PAD > 0:
-        best = _tile_topk(y, cols, valid, row_ptr, t, cand_ptr + pid * CAP, start, vocab, top_k, TILE,
-                          HAS_TEMP, K_PAD, N_GROUPS, CAP)
-        tl.store(part_k_ptr + pid * K_PAD + tl.arange(0, K_PAD), best)
-
-
-@triton.jit(
-    do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "logprob_ptr", "rank_ptr",
-                                    "topk_lp_ptr", "topk_id_ptr", "part_m_ptr", "part_s_ptr", "part_c_ptr",
-                                    "part_k_ptr"],
-)
-def logprob_rank_combine_kernel(
-    logits_ptr, ids_ptr, temp_ptr,   # as in the tile kernel (only the token's own logit is read)
-    logprob_ptr,        # [batch] float32 out
-    rank_ptr,           # [batch] int32/int64 out
-    topk_lp_ptr,        # [batch, top_k] float32 out (K_PAD > 0)
-    topk_id_ptr,        # [batch, top_k] int32/int64 out (K_PAD > 0)
-    part_m_ptr, part_s_ptr, part_c_ptr, part_k_ptr,
-    vocab, row_stride, n_tiles, top_k,
-    BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr,
-    KEY_TILES: tl.constexpr, TREE: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
-    valid, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-    base = row * n_tiles
-    j = tl.arange(0, BLOCK)
-    big = float("-inf")
-    for j0 in range(0, n_tiles, BLOCK):
-        big = tl.maximum(big, tl.max(tl.load(part_m_ptr + base + j0 + j, mask=j0 + j < n_tiles,
-                                             other=float("-inf")), axis=0))
-    big_safe = tl.where(big == float("-inf"), 0.0, big)
-    total = 0.0
-    count = 0
-    for j0 in range(0, n_tiles, BLOCK):
-        inside = j0 + j < n_tiles
-        m = tl.load(part_m_ptr + base + j0 + j, mask=inside, other=float("-inf"))
-        s = tl.load(part_s_ptr + base + j0 + j, mask=inside, other=0.0)
-        total += _tree_sum(s * tl.exp2((m - big_safe) * _LOG2E), LOG_BLOCK, 0, TREE)
-        count += tl.sum(tl.load(part_c_ptr + base + j0 + j, mask=inside, other=0), axis=0)
-    lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
-    tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
-    tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
-    if K_PAD > 0:
-        kk = tl.arange(0, K_PAD)
-        tt = tl.arange(0, KEY_TILES)
-        best = tl.full([K_PAD], _KEY_PAD, tl.int64)
-        for t0 in range(0, n_tiles, KEY_TILES):
-            ptrs = part_k_ptr + (base + t0 + tt)[:, None] * K_PAD + kk[None, :]
-            keys = tl.load(ptrs, mask=(t0 + tt < n_tiles)[:, None], other=_KEY_PAD)
-            best = _merge_top(best, tl.topk(tl.reshape(keys, [KEY_TILES * K_PAD]), K_PAD), K_PAD)
-        pad = best == _KEY_PAD
-        o = (best >> 32).to(tl.int32)
-        y = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        col = ~(best.to(tl.int32))                  # the padding key decodes to -1
-        out = row * top_k + kk
-        keep = kk < top_k
-        tl.store(topk_lp_ptr + out, tl.where(pad, float("nan"), y - lse), mask=keep)
-        tl.store(topk_id_ptr + out, col.to(topk_id_ptr.dtype.element_ty), mask=keep)
