@@ -60,8 +60,7 @@ def small_jax_chunks(monkeypatch):
     """JAX keeps per-step outputs on the device in chunks of steps: small chunks here, so that
     every run crosses chunk boundaries (and all tests share one chunk shape: fewer compilations)."""
     from trace_replay_app.models import decode_buffers
-    monkeypatch.setattr(jax_gpt2, "CHUNK", 16)             # the loop's chunking
-    monkeypatch.setattr(decode_buffers, "CHUNK", 16)       # and the buffers it allocates
+    monkeypatch.setattr(decode_buffers, "CHUNK", 16)       # the driver's chunking and the buffers it allocates
 
 
 # -- data ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from trace_replay_jax import ReplayTables, TraceReplayState, replay, token_logpr
 from ...records import RequestResult, TraceRequest
 from ...schedule import check_run, check_sampling, collect_results, plan
 from .config import LlamaConfig, check_weights
-from ..decode_buffers import CHUNK, bucket, fresh_outputs, outputs
+from ..decode_buffers import bucket, fresh_outputs, prompt_prefix, run_chunks
 from .jax_loop import _admit, _Carry, _decode, _params, _prefill
 
 __all__ = ["run_decode_mesh", "placed_params"]
@@ -147,42 +147,28 @@ def _decode_all(config, weights, prompts, traces, schedule, mesh, vocab_axis, on
                 seed) -> Dict[str, np.ndarray]:
     """Run every step of ``schedule`` on ``mesh``; the per-step outputs ``[n_steps, max_batch]`` on the host."""
     c = config
-    rows, steps = schedule.max_batch, schedule.n_steps
+    rows = schedule.max_batch
     kv_len = bucket(schedule.kv_positions([len(p) for p in prompts]), c.n_positions)
     everywhere = NamedSharding(mesh, P())
     put = functools.partial(jax.device_put, device=everywhere)
     params = placed_params(c, weights, mesh, vocab_axis, dtype)
     key = put(jax.random.key(seed))
     temp = put(np.float32(temperature if temperature > 0 else 1.0))
-    n_chunks = -(-steps // CHUNK)
-    idx_all = np.full((n_chunks * CHUNK, rows), -1, dtype=np.int32)
-    idx_all[:steps] = schedule.idx_mapping
-    idx_chunks = [put(chunk) for chunk in np.split(idx_all, n_chunks)]
     cache_shape = (rows, c.num_key_value_heads, kv_len, c.head_dim)
     empty = [jnp.zeros(cache_shape, dtype, device=everywhere) for _ in range(2 * c.num_hidden_layers)]
     carry = _Carry(keys=tuple(empty[:c.num_hidden_layers]), values=tuple(empty[c.num_hidden_layers:]),
                    **put(dict(prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32),
                               last=np.zeros(rows, np.int32), t=np.zeros((), np.int32), **fresh_outputs(rows))))
-    chunks = []
+
+    def admit(carry: _Carry, slot: int, prompt) -> _Carry:
+        kv = _prefill(params, put(prompt_prefix(prompt, kv_len)), config=c)
+        return _admit(carry, kv, put(np.int32(slot)), put(np.int32(len(prompt))), put(np.int32(prompt[-1])))
+
+    def step(carry: _Carry, tables, idx_chunk) -> _Carry:
+        return _step(params, tables, idx_chunk, carry, key, temp, config=c, sample=temperature > 0, mesh=mesh,
+                     vocab_axis=vocab_axis)
+
     max_trace = bucket(max((len(t) for t in traces if t is not None), default=1), c.n_positions)
-    per_step = schedule.tokens_per_step.tolist()
     with TraceReplayState(rows, max_trace, mesh=mesh, vocab_size=c.vocab_size) as state:
-        for step in range(steps):
-            if step and step % CHUNK == 0:
-                chunks.append(outputs(carry))
-                carry = carry._replace(**put(fresh_outputs(rows)))
-            for i in schedule.admitted(step).tolist():
-                slot, prompt = int(schedule.slot[i]), prompts[i]
-                prefix = np.zeros(bucket(len(prompt) - 1, kv_len), np.int32)
-                prefix[:len(prompt) - 1] = prompt[:-1]
-                kv = _prefill(params, put(prefix), config=c)
-                carry = _admit(carry, kv, put(np.int32(slot)), put(np.int32(len(prompt))), put(np.int32(prompt[-1])))
-                state.add_request(slot, traces[i])
-            state.apply_staged_writes()
-            carry = _step(params, state.tables, idx_chunks[step // CHUNK], carry, key, temp, config=c,
-                          sample=temperature > 0, mesh=mesh, vocab_axis=vocab_axis)
-            if on_step is not None:
-                on_step(per_step[step])
-        chunks.append(outputs(carry))
-        fetched = jax.device_get(chunks)
-    return {name: np.concatenate([chunk[name] for chunk in fetched])[:steps] for name in fetched[0]}
+        return run_chunks(schedule, prompts, traces, state, carry, put=put, fetch=jax.device_get, admit=admit,
+                          step=step, on_step=on_step)
