@@ -106,6 +106,7 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                                            'snapshot': '(self)',
                                            'tables': 'property'},
                       'replay': "(tables, sampled, idx_mapping, total_len, prompt_len, *, method='jnp')",
+                      'resolve_device': '(device)',
                       'replay_at_step': "(tables, sampled, idx_mapping, step, *, method='jnp')",
                       'token_logprob_rank': "(logits, token_ids, *, method='kernel', top_k=0, "
                                             'temperature=None)',

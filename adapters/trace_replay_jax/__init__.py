@@ -31,16 +31,18 @@ on one device or over a ``jax.sharding.Mesh``), :func:`replay` and :func:`replay
 ``"kernel"``), :class:`ReplayTables` (the committed table as JAX arrays, a pytree),
 :func:`token_logprob_rank` (logprob and rank of the chosen token from the unmodified logits,
 one read of the logits), :func:`token_logprob_rank_sharded` and
-:func:`token_logprob_rank_in_shard_map` (the same on logits sharded over a vocabulary axis).
+:func:`token_logprob_rank_in_shard_map` (the same on logits sharded over a vocabulary axis),
+:func:`resolve_device` (the ``jax.Device`` a ``device=`` argument names).
 
 Importing this package loads neither torch nor jax-triton, and changes no environment
 variable.
 """
 
+from .devices import resolve_device
 from .jnp_replay import ReplayTables, replay, replay_at_step
 from .logprob import token_logprob_rank
 from .sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 from .state import TraceReplayState
 
 __all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step", "token_logprob_rank",
-           "token_logprob_rank_sharded", "token_logprob_rank_in_shard_map"]
+           "token_logprob_rank_sharded", "token_logprob_rank_in_shard_map", "resolve_device"]

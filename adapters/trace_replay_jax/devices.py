@@ -20,7 +20,12 @@ __all__ = ["resolve_device", "resolve_placement", "core_device"]
 
 def resolve_device(device: Any) -> jax.Device:
     """``None`` (JAX's default device), a ``jax.Device``, ``"cpu"``, ``"cuda"``/``"gpu"`` or
-    ``"cuda:N"``/``"gpu:N"`` (N = CUDA device ordinal) -> a ``jax.Device``."""
+    ``"cuda:N"``/``"gpu:N"`` (N = CUDA device ordinal) -> a ``jax.Device`` (host-only).
+
+    ``ValueError`` naming ``device`` when JAX has no such device (no gpu backend, or no CUDA
+    device of that ordinal: the message lists those it sees) or it is not a CPU or CUDA device;
+    ``TypeError`` for another type. What ``TraceReplayState(device=...)`` uses.
+    """
     if device is None:
         device = jax.devices()[0]
     elif isinstance(device, str):

@@ -36,8 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_replay_core import parse_device
-from trace_replay_jax import ReplayTables, TraceReplayState, replay, token_logprob_rank
+from trace_replay_jax import ReplayTables, TraceReplayState, replay, resolve_device, token_logprob_rank
 
 from ...records import RequestResult, TraceRequest
 from ...schedule import check_device, check_run, check_sampling, collect_results, plan
@@ -45,25 +44,6 @@ from ..decode_buffers import bucket, fresh_outputs, prompt_prefix, run_chunks
 from .config import LlamaConfig, check_weights, inv_freq
 
 __all__ = ["run_decode"]
-
-def _jax_device(device: str) -> jax.Device:
-    """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> the ``jax.Device``; ``ValueError``
-    naming the device when this process (or JAX) has no such device."""
-    check_device(device)
-    name = parse_device(device)
-    if name == "cpu":
-        return jax.devices("cpu")[0]
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as exc:
-        raise ValueError(f"device {device!r} is not available: JAX has no gpu backend here ({exc}); "
-                         f"use device='cpu'") from None
-    wanted = int(name.split(":")[1])
-    match = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == wanted]
-    if not match:
-        raise ValueError(f"device {device!r} is not available: JAX sees CUDA devices "
-                         f"{[getattr(d, 'local_hardware_id', d.id) for d in gpus]}")
-    return match[0]
 
 
 class _Carry(NamedTuple):
@@ -289,7 +269,8 @@ def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests:
     prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=LlamaConfig,
                                 check_weights=check_weights)
     temperature = check_sampling(dtype, temperature, seed)
-    dev = _jax_device(device)
+    check_device(device)
+    dev = resolve_device(device)                # ValueError when JAX has no such device
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:
