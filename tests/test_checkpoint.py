@@ -176,6 +176,14 @@ BAD_CHECKPOINTS = {
         {"transformer.ln_f.bias": t["ln_f.bias"]})) or str(d), r"tensor 'ln_f\.bias' appears twice"),
     "unexpected": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"h.9.ln_1.weight": np.ones(16)}))
                    or str(d), r"weights hold unexpected parameters \['h\.9\.ln_1\.weight'\]"),
+    "config_not_utf8": (lambda d: _bytes(d / "config.json", b'{"model_type": "gpt\xff"}', d),
+                        r"config\.json: cannot read \('utf-8' codec can't decode byte 0xff"),
+    "config_nested_deeply": (lambda d: _bytes(d / "config.json", b"[" * 100_000 + b"]" * 100_000, d),
+                             r"config\.json: cannot read \(JSON nested too deeply\)$"),
+    "config_integer_too_long": (lambda d: _bytes(d / "config.json", b'{"vocab_size": ' + b"7" * 5000 + b"}", d),
+                                r"config\.json: cannot read \(Exceeds the limit \(4300 digits\)"),
+    "epsilon_not_a_number": (lambda d: _edit_config(_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),
+                             r"config\.json: layer_norm_epsilon must be a number \(got '1e-5'\)$"),
 }
 
 

@@ -81,6 +81,19 @@ def test_old_style_rope_keys():
     ({"num_key_value_heads": 3}, r"num_attention_heads must be a multiple of num_key_value_heads"),
     ({"vocab_size": None}, r"config.json lacks 'vocab_size'"),
     ({"sliding_window": -4}, r"sliding_window must be a positive int"),
+    # Values of the wrong JSON type are refused by name, never truncated or misread.
+    ({"vocab_size": 256.5}, r"^vocab_size must be an integer \(got 256\.5\)$"),
+    ({"hidden_size": "64"}, r"^hidden_size must be an integer \(got '64'\)$"),
+    ({"num_hidden_layers": True}, r"^num_hidden_layers must be an integer \(got True\)$"),
+    ({"rms_norm_eps": "1e-6"}, r"^rms_norm_eps must be a number \(got '1e-6'\)$"),
+    ({"tie_word_embeddings": "false"}, r"^tie_word_embeddings must be true or false \(got 'false'\)$"),
+    ({"rope_parameters": [1]}, r"^rope_parameters must be a JSON object or null \(got \[1\]\)$"),
+    ({"rope_scaling": "x", "rope_parameters": None}, r"^rope_scaling must be a JSON object or null \(got 'x'\)$"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+     r"^rope_parameters\.rope_theta must be a number \(got '1e4'\)$"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": [8], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "rope_theta": 1e4}}, r"^rope_scaling\.factor must be a number \(got \[8\]\)$"),
+    ({"rope_parameters": {"rope_type": ["llama3"], "rope_theta": 1e4}}, r"rope_scaling type \['llama3'\] is not"),
 ])
 def test_refused_configs(change, message):
     hf = dict(_hf("mistral-window-bf16").to_dict(), **change)

@@ -117,6 +117,37 @@ def test_error_attributes(tmp_path):
     assert (exc.value.path, exc.value.line, exc.value.field) == (path, 2, "prompt")
 
 
+# id -> (file bytes, anchored regex after the file name): files no JSON Lines reader should trust.
+GOOD_LINE = b'{"id": "a", "prompt": [1, 2], "trace": [3]}\n'
+BAD_BYTES = {
+    "not_utf8": (GOOD_LINE + b'{"id": "b", "prompt": [1], "trace": [2]}\xff\n', r"line 2: not UTF-8 \(byte 0xff "
+                                                                                 r"at column 41\)$"),
+    "latin1": (b'{"id": "caf\xe9", "prompt": [1], "trace": [2]}\n', r"line 1: not UTF-8 \(byte 0xe9 at column 12\)$"),
+    "nested_deeply": (b'{"id": "a", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+                      r"line 1: not valid JSON here \(nested too deeply to read\)$"),
+    "integer_too_long": (b'{"id": "a", "prompt": [' + b"9" * 5000 + b'], "trace": [1]}\n',
+                         r"line 1: not valid JSON here \(Exceeds the limit \(4300 digits\) for integer string "
+                         r"conversion: value has 5000 digits\)$"),
+    "bom_not_first": (GOOD_LINE + b"\xef\xbb\xbf" + GOOD_LINE.replace(b'"a"', b'"b"'),
+                      r"line 2: not valid JSON \(.*\)$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BYTES))
+def test_bad_bytes_name_the_line_and_raise_no_other_error(tmp_path, case):
+    data, pattern = BAD_BYTES[case]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(TraceFileError, match="^" + re.escape(str(path)) + ", " + pattern):
+        read_traces(str(path), CONFIG)
+
+
+def test_a_leading_byte_order_mark_is_skipped(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + GOOD_LINE.replace(b'"a"', b'"b"'))
+    assert [r.id for r in read_traces(str(path), CONFIG)] == ["a", "b"]
+
+
 def test_without_config_only_the_syntax_is_checked(tmp_path):
     path = _file(tmp_path, '{"id": "a", "prompt": [100000], "trace": [200000]}')
     assert read_traces(path)[0].trace == (200000,)

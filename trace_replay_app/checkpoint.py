@@ -99,7 +99,9 @@ def _read_json(path: str) -> Any:
             return json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise CheckpointError(f"{path}: cannot read (JSON nested too deeply)") from None
+    except (OSError, ValueError) as exc:          # ValueError: not UTF-8, not JSON, an over-long integer
         raise CheckpointError(f"{path}: cannot read ({exc})") from None
 
 

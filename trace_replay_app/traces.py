@@ -22,6 +22,7 @@ renamed over the target only when complete, so a failed run leaves nothing behin
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import os
@@ -136,19 +137,32 @@ def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
     """Every request of the JSON Lines file ``path``, in file order; checked against ``config``
     (token ids below ``vocab_size``, lengths within ``n_positions``) when one is given.
 
-    Raises :class:`TraceFileError` naming the line and field of the first problem (also for
-    duplicate ids and a file without requests), ``OSError`` if the file cannot be read.
+    The file is UTF-8 (a leading byte-order mark is skipped). Raises :class:`TraceFileError`
+    naming the line and field of the first problem (also for bytes that are not UTF-8, JSON
+    nested too deeply or an integer literal too long for Python to read, duplicate ids and a
+    file without requests), ``OSError`` if the file cannot be read.
     """
     requests: List[TraceRequest] = []
     first_line: Dict[str, int] = {}
-    with open(path, "r", encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFileError(path, number, None, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                                         f"{exc.start + 1})") from None
             if not text.strip():
                 continue
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise TraceFileError(path, number, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise TraceFileError(path, number, None, "not valid JSON here (nested too deeply to read)") from None
+            except ValueError as exc:     # an integer literal of more digits than Python converts
+                raise TraceFileError(path, number, None, f"not valid JSON here ({str(exc).split(';')[0]})") from None
             try:
                 request = parse_request(obj)
                 if config is not None:

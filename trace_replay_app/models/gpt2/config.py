@@ -71,7 +71,10 @@ class GPT2Config:
         missing = [k for k, v in fields.items() if v is None]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
-        return cls(**fields, layer_norm_epsilon=float(config.get("layer_norm_epsilon", 1e-5)))
+        eps = config.get("layer_norm_epsilon", 1e-5)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise ValueError(f"layer_norm_epsilon must be a number (got {eps!r})")
+        return cls(**fields, layer_norm_epsilon=float(eps))
 
     def to_hf(self) -> Dict[str, Any]:
         """The Hugging Face ``config.json`` mapping of this model."""
