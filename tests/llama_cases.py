@@ -92,9 +92,12 @@ def teacher_forced(model, prompt: Sequence[int], tokens: Sequence[int]):
     """``(logprobs, ranks, argmax)`` of ``tokens`` continuing ``prompt`` under transformers' own
     forward over ``prompt + tokens[:-1]`` (logprobs in float64 from its logits, float32 on the
     host; rank = entries whose logit is >= the token's own)."""
-    logits = reference_logits(model, prompt, tokens)
-    tok = np.asarray(tokens)
-    own = logits[np.arange(tok.size), tok]
+    return _stats(reference_logits(model, prompt, tokens), np.asarray(tokens))
+
+
+def _stats(logits: np.ndarray, tokens: np.ndarray):
+    """``(logprobs, ranks, argmax)`` of ``tokens`` under float64 ``logits``."""
+    own = logits[np.arange(tokens.size), tokens]
     top = logits.max(axis=1, keepdims=True)
     logprobs = own - (top[:, 0] + np.log(np.exp(logits - top).sum(axis=1)))
     ranks = (logits >= own[:, None]).sum(axis=1)
@@ -108,10 +111,11 @@ RANK_EPS = 1e-4
 
 
 def rank_bounds(logits: np.ndarray, tokens: np.ndarray, eps: float = RANK_EPS):
-    """Per position, the ranks ``(lo, hi)`` that any computation within ``eps`` of ``logits``
-    may give ``tokens`` (rank = entries whose logit is >= the token's own): ``lo`` counts the
-    token and the entries above it by more than ``eps``, ``hi`` every entry within ``eps``
-    below it or higher. Where no other logit lies within ``eps`` of the token's, ``lo == hi``."""
+    """Per position, the ranks ``(lo, hi)`` that any computation whose logits each lie within
+    ``eps / 2`` of ``logits`` may give ``tokens`` (rank = entries whose logit is >= the
+    token's own): ``lo`` counts the token and the entries above it by more than ``eps``, ``hi``
+    every entry within ``eps`` below it or higher. Where no other logit lies within ``eps`` of
+    the token's, ``lo == hi``: the rank is exact."""
     own = logits[np.arange(tokens.size), tokens][:, None]
     return (logits > own + eps).sum(axis=1) + 1, (logits >= own - eps).sum(axis=1)
 
@@ -166,7 +170,7 @@ def check_against_hf(model, requests, results, what: str, *, atol: float = 1e-5,
             assert res.tokens.tolist() == want, f"{who}: greedy tokens {res.tokens.tolist()} != generate {want}"
             assert not res.forced.any(), who
         logits = reference_logits(model, r.prompt, res.tokens.tolist())
-        logprobs, _, _ = teacher_forced(model, r.prompt, res.tokens.tolist())
+        logprobs, _, _ = _stats(logits, res.tokens)
         diff = np.abs(res.logprobs - logprobs)
         bad = np.nonzero(diff > atol)[0]
         assert bad.size == 0, f"{who}: logprob off by {diff.max():.3g} at positions {bad[:8].tolist()}"
