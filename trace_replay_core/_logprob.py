@@ -23,7 +23,7 @@ Example (CPU backend; on a GPU pass device arrays, a workspace and a stream hand
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ._dlpack import CPU, ArrayView, as_view
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES

@@ -26,7 +26,6 @@ Example (CPU; ``device="cuda"`` on a GPU)::
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
