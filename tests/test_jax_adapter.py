@@ -1,6 +1,7 @@
-"""The JAX adapter: semantics, ownership, ordering, refusals; CPU tier and GPU tier.
+"""The JAX adapter on the CPU: semantics, ownership, ordering and its building blocks.
 
-Cross-framework parity over long randomised scenarios lives in ``test_parity.py``; here each
+Its refusals are ``test_jax_adapter_refusals.py``, its GPU tier ``test_gpu_jax_adapter.py``;
+cross-framework parity over long randomised scenarios lives in ``test_parity.py``. Here each
 property is checked on its own, with poisoned inputs (rows the code forgot stay visibly
 wrong) and fresh random data every run.
 """
@@ -11,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import trace_replay_jax as trj  # noqa: E402
-from jax_helpers import jax_gpu, x64  # noqa: E402
+from jax_helpers import x64  # noqa: E402
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
 
@@ -302,103 +302,6 @@ def test_close_is_idempotent_and_final():
             call()
 
 
-# -- refusals -------------------------------------------------------------------------------------
-I32 = jnp.int32
-
-
-def _args(n=4):
-    return (jnp.full(n, POISON, I32), jnp.array([1, 2, -1, 1][:n], I32), jnp.arange(8, dtype=I32),
-            jnp.zeros(8, I32))
-
-
-# Errors raised while JAX traces the caller's function (jit, vmap) carry JAX's traceback note
-# after the message, so those patterns are anchored at the start only.
-REFUSALS = {
-    "sampled-float": (lambda st: st.replay(_args()[0].astype(jnp.float32), *_args()[1:]), TypeError,
-                      r"^sampled must have dtype int32 or int64 \(got float32\); replay overwrites integer token ids "
-                      r"and has no gradient: apply it to the sampler's token ids, outside jax\.grad$"),
-    "sampled-speculative": (lambda st: st.replay(jnp.zeros((4, 2), I32), *_args()[1:]), ValueError,
-                            r"^sampled has 2 tokens per row \(shape \[4, 2\]\): speculative decoding is not "
-                            r"supported; replay takes exactly one token per request per step$"),
-    "sampled-3d": (lambda st: st.replay(jnp.zeros((4, 1, 1), I32), *_args()[1:]), ValueError,
-                   r"^sampled must be 1-D \[batch\] or \[batch, 1\] \(got shape \[4, 1, 1\]\)$"),
-    "sampled-list": (lambda st: st.replay([1, 2, 3, 4], *_args()[1:]), TypeError,
-                     r"^sampled must be a JAX or numpy array \(got list\)$"),
-    "idx-float": (lambda st: st.replay(_args()[0], _args()[1].astype(jnp.float32), *_args()[2:]), TypeError,
-                  r"^idx_mapping must have dtype int32 or int64 \(got float32\)$"),
-    "idx-length": (lambda st: st.replay(_args()[0], _args()[1][:3], *_args()[2:]), ValueError,
-                   r"^idx_mapping must be 1-D with 4 rows like sampled \(got shape \[3\]\)$"),
-    "total-short": (lambda st: st.replay(*_args()[:2], jnp.zeros(5, I32), _args()[3]), ValueError,
-                    r"^total_len must be 1-D with at least max_slots=8 entries \(got shape \[5\]\)$"),
-    "prompt-int16": (lambda st: st.replay(*_args()[:3], jnp.zeros(8, jnp.int16)), TypeError,
-                     r"^prompt_len must have dtype int32 or int64 \(got int16\)$"),
-    "step-length": (lambda st: st.replay_at_step(*_args()[:2], jnp.zeros(2, I32)), ValueError,
-                    r"^step must be 1-D with 4 rows like sampled \(got shape \[2\]\)$"),
-    "tables-type": (lambda st: trj.replay((st.tables.table, st.tables.trace_len), *_args()), TypeError,
-                    r"^tables must be a ReplayTables \(state\.tables\) \(got tuple\)$"),
-    "vmap-state": (lambda st: jax.vmap(lambda s: st.replay(s, *_args()[1:]))(_args()[0][None]), ValueError,
-                   r"^trace_replay_jax\.replay does not support jax\.vmap: it already replays a whole batch\. Call "
-                   r"it on the batched arrays instead .*without vmap"),
-    "vmap-function": (lambda st: jax.jit(jax.vmap(trj.replay, in_axes=(None, 0, 0, None, None)))(
-        st.tables, _args()[0][None], _args()[1][None], *_args()[2:]), ValueError,
-        r"^trace_replay_jax\.replay does not support jax\.vmap"),
-    "state-replay-in-jit": (lambda st: jax.jit(lambda s: st.replay(s, *_args()[1:]))(_args()[0]), ValueError,
-                            r"^state\.replay\(\) cannot be used inside jax\.jit, lax loops or other transformations "
-                            r"\(got traced arrays\): pass state\.tables into the jitted function as an argument and "
-                            r"call trace_replay_jax\.replay\(tables, \.\.\.\) there"),
-    "tables-closed-over-in-jit": (lambda st: jax.jit(lambda s: trj.replay(st.tables, s, *_args()[1:]))(_args()[0]),
-                                  ValueError, r"^tables must be passed into the jitted function as an argument "
-                                  r"\(got a concrete array while sampled/idx_mapping are traced\)"),
-    "trace-too-long": (lambda st: st.add_request(0, list(range(9))), ValueError,
-                       r"^tokens has 9 tokens; the table holds at most max_trace_len=8$"),
-    "trace-above-vocab": (lambda st: st.add_request(0, [VOCAB]), ValueError,
-                          r"^tokens must be below vocab_size=50000 \(got 50000 at index 0\)$"),
-    "trace-negative": (lambda st: st.add_request(0, [1, -2]), ValueError,
-                       r"^tokens must be non-negative \(got -2 at index 1\)$"),
-    "trace-traced": (lambda st: jax.jit(lambda tr: st.add_request(0, tr))(jnp.ones(2, I32)), TypeError,
-                     r"^trace must be concrete host data; add_request\(\) is host-only"),
-    "slot-out-of-range": (lambda st: st.add_request(8, [1]), ValueError, r"^slot must be in \[0, 8\) \(got 8\)$"),
-    "device-string": (lambda st: TraceReplayState(2, 2, device="tpu"), ValueError,
-                      r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got 'tpu'\)$"),
-    "device-type": (lambda st: TraceReplayState(2, 2, device=3.0), TypeError,
-                    r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got float\)$"),
-    "max-slots": (lambda st: TraceReplayState(0, 2, device="cpu"), ValueError,
-                  r"^max_slots must be between 1 and \d+ \(got 0\)$"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(REFUSALS))
-def test_refusals_change_nothing(case):
-    call, exc, pattern = REFUSALS[case]
-    with TraceReplayState(8, 8, device="cpu", vocab_size=VOCAB) as state:
-        state.add_request(1, [5, 6, 7])
-        state.apply_staged_writes()
-        state.add_request(2, [8, 9, 10])                 # staged, not applied
-        tables = state.tables
-        before = [np.asarray(x).copy() for x in (tables.table, tables.trace_len)]
-        with pytest.raises(exc, match=pattern):
-            call(state)
-        assert state.pending == 1
-        assert state.tables is tables
-        for x, b in zip((tables.table, tables.trace_len), before):
-            np.testing.assert_array_equal(np.asarray(x), b)
-        out = state.replay(*_args())
-        assert np.asarray(out).tolist() == [6, POISON, POISON, 6]   # slot 1 at step 1; slot 2 not applied
-        state.apply_staged_writes()
-        assert np.asarray(state.replay(*_args())).tolist() == [6, 10, POISON, 6]
-
-
-def test_cuda_device_without_a_gpu_is_refused_with_the_fix():
-    try:
-        jax.devices("gpu")
-        pytest.skip("this machine has a GPU")
-    except RuntimeError:
-        pass
-    with pytest.raises(ValueError, match=r"^device 'cuda' is not available: JAX has no gpu backend here .*; "
-                                         r"use device='cpu'$"):
-        TraceReplayState(2, 2, device="cuda")
-
-
 # -- building blocks, testable on the CPU ---------------------------------------------------------
 def test_external_view_is_zero_copy_and_frees_only_its_descriptor(rng):
     from trace_replay_jax.views import external_view
@@ -445,7 +348,7 @@ def test_xla_commit_runs_inside_a_jitted_op_and_reports_errors_later():
 
     table = _FakeTable()
     op = XlaCommit(table, stream_of=lambda ctx: 12345)
-    anchor = jnp.zeros((), I32)
+    anchor = jnp.zeros((), jnp.int32)
     op(anchor)
     op(anchor)
     op.wait()
@@ -467,220 +370,3 @@ def test_import_loads_neither_torch_nor_jax_triton_and_changes_no_environment():
             "sys.exit(1 if bad or changed else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-# -- GPU tier -------------------------------------------------------------------------------------
-def _slow_gpu_fn(device, seconds=0.5):
-    """A jitted fn(x) -> x-dependent int32 zeros that keeps the GPU busy for about ``seconds``.
-
-    Python-unrolled matmuls (no loop: a device-side loop might sync inside XLA)."""
-    x = jax.device_put(jnp.ones((8192, 8192), jnp.float32) / 8192, device)
-
-    def make(k):
-        def f(x):
-            for _ in range(k):
-                x = jnp.tanh(jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
-            return x
-        return jax.jit(f)
-
-    probe = make(4)
-    probe(x).block_until_ready()
-    t0 = time.perf_counter()
-    probe(x).block_until_ready()
-    per = (time.perf_counter() - t0) / 4
-    k = int(min(400, max(4, seconds / max(per, 1e-6))))
-    slow = make(k)
-    slow(x).block_until_ready()
-    t0 = time.perf_counter()
-    slow(x).block_until_ready()
-    return slow, x, time.perf_counter() - t0
-
-
-@jax.jit
-def _dep_zero(slow_out):
-    return (slow_out[0, :1] * 0).astype(jnp.int32)
-
-
-def _dep_tokens(slow_out, values, device):
-    """int32 tokens equal to ``values`` that JAX can only compute after ``slow_out`` (one program)."""
-    return _dep_zero(slow_out) + jax.device_put(np.asarray(values, np.int32), device)
-
-
-@pytest.mark.gpu
-def test_gpu_trace_data_on_the_gpu_is_refused_with_the_fix():
-    gpu = jax_gpu()
-    on_gpu = jax.device_put(np.arange(1, 7, dtype=np.int32).reshape(2, 3), gpu)
-    with TraceReplayState(4, 8, device=gpu) as state:
-        with pytest.raises(ValueError, match=r"^trace must be host data .*: pass np\.asarray\(trace\) \(a device"):
-            state.add_request(0, on_gpu[0])
-        with pytest.raises(ValueError, match=r"^traces must be host data .*: pass np\.asarray\(traces\)"):
-            state.add_requests([0, 1], on_gpu)
-        with pytest.raises(ValueError, match=r"^traces\[1\] must be host data .*: pass np\.asarray\(traces\[1\]\)"):
-            state.add_requests([0, 1], [[1], on_gpu[1]])
-        assert state.pending == 0
-        state.add_requests([0, 1], np.asarray(on_gpu))
-        assert state.pending == 2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("placement", ["device", "host_mapped"])
-def test_gpu_tables_are_zero_copy_views_of_the_core_table(placement, rng):
-    gpu = jax_gpu()
-    with TraceReplayState(16, 64, device=gpu, placement=placement) as state:
-        table_view, lengths_view = state.table.device_views()
-        assert state.tables.table.unsafe_buffer_pointer() == table_view.ptr
-        assert state.tables.trace_len.unsafe_buffer_pointer() == lengths_view.ptr
-        assert state.tables.table.devices() == {gpu}
-        tr = rng.integers(0, VOCAB, 64)
-        state.add_request(5, tr)
-        state.apply_staged_writes()
-        table, lens = state.snapshot()
-        np.testing.assert_array_equal(np.asarray(state.tables.table), table)
-        np.testing.assert_array_equal(np.asarray(state.tables.trace_len), lens)
-        assert lens[5] == 64 and (table[5] == tr).all()
-        views = state.tables
-    assert views.table.is_deleted() and views.trace_len.is_deleted()
-
-
-@pytest.mark.gpu
-def test_gpu_apply_is_ordered_behind_queued_programs_without_host_sync(rng):
-    """Write-after-read and read-after-write across apply_staged_writes(), all queued behind
-    a slow kernel: a commit that ran early (another stream, or the host) would make the first
-    replay read the new trace; a host sync would make the slow kernel finish first."""
-    gpu = jax_gpu()
-    slow, x, seconds = _slow_gpu_fn(gpu)
-    a, b = rng.integers(0, VOCAB, 16), rng.integers(0, VOCAB, 16)
-    step = int(rng.integers(0, 16))
-    jitted = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl))
-    with TraceReplayState(8, 16, device=gpu) as state:
-        state.add_request(3, a)
-        state.apply_staged_writes()
-        idx = jax.device_put(np.array([3, -1, 3], np.int32), gpu)
-        total = np.zeros(8, np.int32)
-        total[3] = step
-        tl, pl = jax.device_put(total, gpu), jax.device_put(np.zeros(8, np.int32), gpu)
-        warm = _dep_tokens(x, [0, 0, 0], gpu)                  # compile everything first
-        jax.block_until_ready((state.replay(warm, idx, tl, pl), jitted(state.tables, warm, idx, tl, pl)))
-        t0 = time.perf_counter()
-        busy = slow(x)
-        sampled = _dep_tokens(busy, [POISON] * 3, gpu)
-        first = state.replay(sampled, idx, tl, pl)            # reads the table after the slow kernel
-        first_jit = jitted(state.tables, sampled, idx, tl, pl)
-        state.add_request(3, b)
-        state.apply_staged_writes()                          # must land after the two replays
-        second = state.replay(sampled, idx, tl, pl)
-        second_jit = jitted(state.tables, sampled, idx, tl, pl)
-        queued = time.perf_counter() - t0
-        assert not busy.is_ready(), f"something waited for the device ({queued:.3f} s vs {seconds:.3f} s)"
-        assert np.asarray(first).tolist() == [a[step], POISON, a[step]]
-        assert np.asarray(first_jit).tolist() == [a[step], POISON, a[step]]
-        assert np.asarray(second).tolist() == [b[step], POISON, b[step]]
-        assert np.asarray(second_jit).tolist() == [b[step], POISON, b[step]]
-
-
-@pytest.mark.gpu
-def test_gpu_many_steps_queue_behind_a_slow_kernel(rng):
-    """Steps (eager and jitted, fresh buffers each) and an apply, all queued behind a slow
-    kernel, return before it finishes. JAX itself lets at most 32 programs per device run
-    ahead of the GPU (XLA's max_inflight_computations), so the test stays below that."""
-    gpu = jax_gpu()
-    slow, x, seconds = _slow_gpu_fn(gpu, seconds=1.0)
-    tr = rng.integers(0, VOCAB, 300)
-    steps = 12                                   # 2 programs per step + 4 others < 32
-    with TraceReplayState(4, 300, device=gpu) as state:
-        state.add_request(2, tr)
-        state.apply_staged_writes()
-
-        @jax.jit
-        def step(tables, sampled, idx, total, prompt):
-            out = trj.replay(tables, sampled, idx, total, prompt)
-            return out, total.at[jnp.where(idx >= 0, idx, total.shape[0])].add(1, mode="drop")
-
-        idx = jax.device_put(np.array([2, -1], np.int32), gpu)
-        total = jax.device_put(np.zeros(4, np.int32), gpu)
-        prompt = jax.device_put(np.zeros(4, np.int32), gpu)
-        warm = _dep_tokens(x, [0, 0], gpu)                                   # compile everything first
-        jax.block_until_ready((state.replay(warm, idx, total, prompt), step(state.tables, warm, idx, total, prompt)))
-        t0 = time.perf_counter()
-        busy = slow(x)
-        sampled = _dep_tokens(busy, [POISON, POISON], gpu)
-        outs = []
-        for k in range(steps):
-            outs.append(state.replay(sampled, idx, total, prompt))
-            out, total = step(state.tables, sampled, idx, total, prompt)      # a new total buffer each step
-            outs.append(out)
-            if k == steps // 2:
-                state.add_request(1, [7])        # an apply in the middle, queued as well
-                state.apply_staged_writes()
-        queued = time.perf_counter() - t0
-        assert not busy.is_ready(), f"a step waited for the device ({queued:.3f} s vs {seconds:.3f} s)"
-        got = np.stack([np.asarray(o) for o in outs])
-        want = np.array([[tr[k // 2], POISON] for k in range(2 * steps)])
-        np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.gpu
-def test_gpu_commit_runs_on_xlas_stream():
-    from jax.experimental.buffer_callback import buffer_callback
-
-    gpu = jax_gpu()
-    seen = []
-    probe = jax.jit(buffer_callback(lambda ctx, out, x: seen.append(int(ctx.stream)),
-                                    jax.ShapeDtypeStruct((), np.int32), has_side_effect=True))
-    with TraceReplayState(4, 4, device=gpu) as state:
-        probe(state.tables.trace_len).block_until_ready()
-        streams = []
-        original = state.table.commit
-
-        def recording(*, stream):
-            streams.append(stream)
-            original(stream=stream)
-
-        state.table.commit = recording
-        state.add_request(0, [1, 2])
-        state.apply_staged_writes()
-        state.add_request(1, [3])                 # waits until the commit op has run
-        assert streams == seen and seen[0] != 0
-
-
-@pytest.mark.gpu
-def test_gpu_torch_adapter_in_the_same_process(rng):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA device")
-    from trace_replay_torch import TraceReplayState as TorchState
-
-    gpu = jax_gpu()
-    env = dict(os.environ)
-    tr = rng.integers(0, VOCAB, 8)
-    with TraceReplayState(4, 8, device=gpu) as jstate:
-        jstate.add_request(1, tr)
-        jstate.apply_staged_writes()
-        jout = jstate.replay(*_one_row_step(jstate, 1, 5, gpu))
-        dev = f"cuda:{gpu.local_hardware_id}"
-        with TorchState(4, 8, device=dev) as tstate:
-            tstate.add_request(1, tr)
-            tstate.apply_staged_writes()
-            s = torch.full((1,), POISON, dtype=torch.int64, device=dev)
-            total = torch.zeros(4, dtype=torch.int32, device=dev)
-            total[1] = 5
-            tstate.replay(s, torch.tensor([1], dtype=torch.int32, device=dev), total,
-                          torch.zeros(4, dtype=torch.int32, device=dev))
-            assert s.item() == tr[5]
-        assert int(jout[0]) == tr[5]
-    assert "jax_triton" not in sys.modules
-    assert dict(os.environ) == env
-
-
-@pytest.mark.gpu
-def test_gpu_parity_with_command_buffers_in_a_subprocess():
-    """XLA command buffers for custom calls, loops and conditionals: replay still reads the
-    table as committed between calls (the fori loop is one recorded graph)."""
-    jax_gpu()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
-                        "CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1").strip()
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "test_parity.py"), "gpu"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "parity ok" in proc.stdout
