@@ -53,7 +53,7 @@ for part in "${parts[@]}"; do
         san memcheck memcheck_replay tests/test_gpu_torch.py tests/test_gpu_reliability.py -k "not without_guard"
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 san racecheck racecheck_replay tests/test_gpu_torch.py -k "not without_guard"
       for tool in memcheck racecheck; do
-        san "$tool" "${tool}_logprob" tests/test_logprob_rank.py -k "not 262144 and not 151936"
+        san "$tool" "${tool}_logprob" tests/test_gpu_logprob_rank.py -k "not 262144 and not 151936"
       done ;;
     demo)
       python3 -m trace_replay_app demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;

@@ -1,0 +1,75 @@
+"""token_logprob_rank's Triton kernels in Triton's interpreter, on the CPU: the launches the GPU
+path makes, on poisoned buffers, against the float64 reference with the tolerance of
+``test_logprob_rank.py`` (its data and checks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_logprob_rank import (TORCH_DTYPES, assert_matches_reference, assert_planted, assert_special,  # noqa: E402
+                               make_case, round_to, special_case)
+from trace_replay_core.kernels.logprob_rank import LOGPROB_CHUNKS, LOGPROB_TILE  # noqa: E402
+
+from logprob_interpreter import run_cases  # noqa: E402
+
+
+# -- the Triton kernels, in Triton's interpreter ---------------------------------------------
+#
+# The kernels run in a child process with TRITON_INTERPRET=1 (tests/logprob_interpreter.py):
+# poisoned torch CPU buffers, exactly the launches the GPU path makes (``launch_specs``).
+
+def _interpreter_cases():
+    """Cases: name, x float32 (exact in dtype), ids, and the driver's options."""
+    rng = np.random.default_rng(11)
+    cases = []
+
+    def add(name, batch, vocab, dtype, *, data=None, **options):
+        x, ids = data if data is not None else make_case(rng, batch, vocab, dtype)
+        cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, special=data is not None,
+                          **options))
+
+    # The real tile (4096): vocab 32,000 is 8 tiles, the last one partial.
+    add("f32-5x32000", 5, 32000, "float32")
+    add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, ids_dtype="int32", rank_dtype="int32")
+    add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3, shift=1)
+    add("bf16-1x1", 1, 1, "bfloat16")
+    add("bf16-2x8193", 2, 8193, "bfloat16")                         # a last tile of one logit
+    add("f32-3x8192-t4096-tree", 3, 8192, "float32", tree=True)      # the fixed-tree sum
+    # A small tile, to run many tiles, partial tiles and the combine's loop on small rows.
+    add("f32-40x1000-t128", 40, 1000, "float32", tile=128)
+    add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", tile=128, pad=5)
+    add("f16-7x999-t128", 7, 999, "float16", tile=128, rank_dtype="int32")
+    add("f32-3x40000-t128", 3, 40000, "float32", tile=128)            # 313 tiles: two combine steps
+    for dtype in TORCH_DTYPES:
+        for tile in (None, 128):
+            x, ids, _ = special_case()
+            add(f"special-{dtype}-t{tile}", 10, 300, dtype, tile=tile, data=(x, ids))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    pytest.importorskip("triton")
+    cases = _interpreter_cases()
+    out = run_cases(cases, str(tmp_path_factory.mktemp("interp")))
+    return {c["name"]: (c, out[c["name"]]) for c in cases}
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in _interpreter_cases()])
+def test_kernel_in_interpreter(interpreted, name):
+    case, out = interpreted[name]
+    lp, rk = out["lp"], out["rk"]
+    tile, n_tiles = out["plan"][:2].tolist()
+    vocab = case["x"].shape[1]
+    assert tile == (case.get("tile") or min(LOGPROB_TILE, max(128, 1 << (vocab - 1).bit_length())))
+    span = tile * -(-(-(-vocab // tile)) // LOGPROB_CHUNKS)           # whole blocks per chunk, from the vocabulary
+    assert n_tiles == -(-vocab // span)
+    if case["special"]:
+        _, _, expect = special_case()
+        assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")
+    else:
+        assert_matches_reference(case["x"], case["ids"], lp, rk, f"interpreter {name}")
+        assert_planted(case["x"], case["ids"], rk)
