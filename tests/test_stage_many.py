@@ -1,7 +1,7 @@
 """``TraceTable.stage_many``: many traces in one call, the same result as one ``stage`` each.
 
 CPU tier on the numpy backend and on the GPU backend's real staging code over the stand-in
-driver of ``test_staging.py``; the GPU tier repeats the equivalence on a real device for both
+driver of ``staging_doubles.py``; the GPU tier repeats the equivalence on a real device for both
 table placements.
 """
 
@@ -10,13 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import test_staging
-from test_staging import assert_unchanged, everything, expect_rows
+from staging_doubles import assert_unchanged, everything, expect_rows, fake_cuda, make_table  # noqa: F401
 
 from trace_replay_core import TraceTable
 
-fake_cuda = test_staging.fake_cuda          # the stand-in driver and table fixtures, shared
-make_table = test_staging.make_table
 
 BLOCK_DTYPES = ["int32", "int64", "uint16", ">i4", "uint64"]
 
