@@ -44,7 +44,7 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
 EOF
 stage bench_logprob_rank "${BENCH_S:-120}" python3 bench/logprob_rank.py
 stage bench_logprob_tuning "${TUNING_S:-90}" python3 bench/logprob_tuning.py
-stage tests_topk "${TESTS_S:-200}" python3 -m pytest tests/test_logprob_topk.py -m gpu -q -rfEs -p no:cacheprovider -x
+stage tests_topk "${TESTS_S:-200}" python3 -m pytest tests/test_gpu_logprob_topk.py -m gpu -q -rfEs -p no:cacheprovider -x
 stage tests_rest "${REST_S:-120}" python3 -m pytest tests/test_gpu_logprob_rank.py tests/test_jax_logprob.py -m gpu -q -rfEs \
   -p no:cacheprovider -k "not 262144 and not b1024-v151936"
 cp bench/results/logprob_*.json "$OUT/results/" 2>/dev/null || true
