@@ -19,6 +19,8 @@ from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 
+from ..hf_fields import get_float
+
 __all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits", "config_from_hf",
            "weights_from_tensors", "to_hf", "describe"]
 
@@ -71,10 +73,7 @@ class GPT2Config:
         missing = [k for k, v in fields.items() if v is None]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
-        eps = config.get("layer_norm_epsilon", 1e-5)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-            raise ValueError(f"layer_norm_epsilon must be a number (got {eps!r})")
-        return cls(**fields, layer_norm_epsilon=float(eps))
+        return cls(**fields, layer_norm_epsilon=get_float(config, "layer_norm_epsilon", 1e-5))
 
     def to_hf(self) -> Dict[str, Any]:
         """The Hugging Face ``config.json`` mapping of this model."""

@@ -22,6 +22,8 @@ from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 
+from ..hf_fields import get_bool, get_float, get_int, get_mapping
+
 __all__ = ["LlamaConfig", "MODEL_TYPES", "ROPE_TYPES", "config_from_hf", "default_config", "param_shapes",
            "seeded_weights", "check_weights", "weights_from_tensors", "to_hf", "describe", "inv_freq"]
 
@@ -126,55 +128,11 @@ class LlamaConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
 
-def _get(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False) -> Any:
-    value = hf.get(key, default)
-    if value is None and required:
-        raise ValueError(f"config.json lacks {key!r}")
-    return default if value is None else value
-
-
-def _int(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False, *, name: str = "") -> int:
-    """``hf[key]`` (or ``default``) as an int; a float, string, bool or other type is refused,
-    naming the key (``name`` when the key sits inside another mapping)."""
-    value = _get(hf, key, default, required)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name or key} must be an integer (got {value!r})")
-    return value
-
-
-def _float(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False, *, name: str = "") -> float:
-    """``hf[key]`` (or ``default``) as a float; only JSON numbers are accepted, naming the key."""
-    value = _get(hf, key, default, required)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name or key} must be a number (got {value!r})")
-    return float(value)
-
-
-def _bool(hf: Mapping[str, Any], key: str) -> bool:
-    """``hf[key]`` as a bool (missing or null: False); only JSON true/false, naming the key."""
-    value = hf.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false (got {value!r})")
-    return value
-
-
-def _mapping(hf: Mapping[str, Any], key: str) -> Dict[str, Any]:
-    """``hf[key]`` as a dict (missing or null: empty), else ``ValueError`` naming the key."""
-    value = hf.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{key} must be a JSON object or null (got {value!r})")
-    return dict(value)
-
-
 def _rope(hf: Mapping[str, Any]) -> Dict[str, Any]:
     """The rotary options of ``hf``: transformers 5 writes ``rope_parameters``, older files
     ``rope_theta`` and ``rope_scaling`` (``"type"`` or ``"rope_type"``)."""
-    params = _mapping(hf, "rope_parameters")
-    scaling = _mapping(hf, "rope_scaling")
+    params = get_mapping(hf, "rope_parameters")
+    scaling = get_mapping(hf, "rope_scaling")
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
@@ -184,18 +142,18 @@ def _rope(hf: Mapping[str, Any]) -> Dict[str, Any]:
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor={partial!r} is not supported (rotary over the whole head only)")
     where = "rope_parameters" if "rope_theta" in params else ("rope_scaling" if "rope_theta" in scaling else "")
-    theta = (_float(merged, "rope_theta", name=f"{where}.rope_theta") if where
-             else _float(hf, "rope_theta", 10000.0))
+    theta = (get_float(merged, "rope_theta", name=f"{where}.rope_theta") if where
+             else get_float(hf, "rope_theta", 10000.0))
     out = {"rope_theta": theta, "rope_type": rope_type}
     if rope_type == "llama3":
         for key, field in (("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
                            ("high_freq_factor", "rope_high_freq_factor")):
             if merged.get(key) is None:
                 raise ValueError(f"rope_scaling type 'llama3' lacks {key!r}")
-            out[field] = _float(merged, key, name=f"rope_scaling.{key}")
+            out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
         out["rope_original_max_positions"] = (
-            _int(merged, "original_max_position_embeddings", name="rope_scaling.original_max_position_embeddings")
-            if merged.get("original_max_position_embeddings") else _int(hf, "max_position_embeddings", required=True))
+            get_int(merged, "original_max_position_embeddings", name="rope_scaling.original_max_position_embeddings")
+            if merged.get("original_max_position_embeddings") else get_int(hf, "max_position_embeddings", required=True))
     return out
 
 
@@ -210,11 +168,11 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> Tuple[int, 
         raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
     if model_type == "mistral":
         return (window,) * layers
-    if not _bool(hf, "use_sliding_window"):
+    if not get_bool(hf, "use_sliding_window"):
         return ()
     types = hf.get("layer_types")
     if types is None:
-        start = _int(hf, "max_window_layers", layers)
+        start = get_int(hf, "max_window_layers", layers)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or not all(
             t in ("sliding_attention", "full_attention") for t in types):
@@ -235,22 +193,22 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (the loops implement SwiGLU with 'silu')")
-    heads = _int(hf, "num_attention_heads", required=True)
-    layers = _int(hf, "num_hidden_layers", required=True)
-    attention_bias = _bool(hf, "attention_bias")
+    heads = get_int(hf, "num_attention_heads", required=True)
+    layers = get_int(hf, "num_hidden_layers", required=True)
+    attention_bias = get_bool(hf, "attention_bias")
     return LlamaConfig(
-        model_type=model_type, vocab_size=_int(hf, "vocab_size", required=True),
-        hidden_size=_int(hf, "hidden_size", required=True),
-        intermediate_size=_int(hf, "intermediate_size", required=True),
+        model_type=model_type, vocab_size=get_int(hf, "vocab_size", required=True),
+        hidden_size=get_int(hf, "hidden_size", required=True),
+        intermediate_size=get_int(hf, "intermediate_size", required=True),
         num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=_int(hf, "num_key_value_heads", heads),
-        head_dim=_int(hf, "head_dim", 0),
-        max_position_embeddings=_int(hf, "max_position_embeddings", required=True),
-        rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
-        tie_word_embeddings=_bool(hf, "tie_word_embeddings"),
+        num_key_value_heads=get_int(hf, "num_key_value_heads", heads),
+        head_dim=get_int(hf, "head_dim", 0),
+        max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
+        rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
+        tie_word_embeddings=get_bool(hf, "tie_word_embeddings"),
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
         o_bias=attention_bias and model_type in ("llama", "qwen3"),
-        mlp_bias=_bool(hf, "mlp_bias") and model_type == "llama",
+        mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
         qk_norm=model_type == "qwen3", layer_windows=_windows(hf, model_type, layers), **_rope(hf))
 
 
