@@ -151,9 +151,9 @@ def _rope(hf: Mapping[str, Any]) -> Dict[str, Any]:
             if merged.get(key) is None:
                 raise ValueError(f"rope_scaling type 'llama3' lacks {key!r}")
             out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
-        out["rope_original_max_positions"] = (
-            get_int(merged, "original_max_position_embeddings", name="rope_scaling.original_max_position_embeddings")
-            if merged.get("original_max_position_embeddings") else get_int(hf, "max_position_embeddings", required=True))
+        key = "original_max_position_embeddings"
+        out["rope_original_max_positions"] = (get_int(merged, key, name=f"rope_scaling.{key}") if merged.get(key)
+                                              else get_int(hf, "max_position_embeddings", required=True))
     return out
 
 

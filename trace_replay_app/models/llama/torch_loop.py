@@ -137,10 +137,15 @@ class _Llama:
             v = v.reshape(n, c.num_key_value_heads, c.head_dim)
             if c.qk_norm:
                 q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
-            x = x + F.linear(attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v), w["o_w"], w["o_b"])
+            x = x + self._row_parallel(attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v), w["o_w"], w["o_b"])
             gate, up = F.linear(_rms(x, w["ln2"], eps), w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["down_w"], w["down_b"])
+            x = x + self._row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"])
         return _rms(x, self.norm, eps)
+
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+        """The output and down projections, ``x @ w.T + b`` (the tensor-parallel loop sums them
+        over its ranks here)."""
+        return F.linear(x, w, b)
 
     def prefill(self, cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Store the keys and values of ``tokens`` ``[requests, n]`` (positions ``0 .. n-1``,

@@ -56,7 +56,7 @@ from trace_replay_torch import TraceReplayState
 from ...records import RequestResult, TraceRequest
 from ...schedule import check_run, check_sampling, collect_results, plan
 from .config import LlamaConfig, check_weights
-from .torch_loop import _Buffers, _Llama, _rms, _rotate, _run_steps, _torch_device
+from .torch_loop import _Buffers, _Llama, _run_steps, _torch_device
 
 __all__ = ["run_decode_tp", "vocab_blocks", "splits_layers"]
 
@@ -122,32 +122,13 @@ class _ShardedLlama(_Llama):
         self.tp, self.reduce = tp, reduce
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the output or down projection, summed over the ranks (one
+        ``all_reduce``) with the bias added after; the whole product where layers replicate."""
         if not self.tp:
             return F.linear(x, w, b)
         y = F.linear(x, w)
         self.reduce(y)                                         # in place, the sum over the ranks
         return y if b is None else y + b
-
-    def _layers(self, tokens, positions, attend):
-        """As :meth:`_Llama._layers`, with the output and down projections summed over the ranks."""
-        c, eps = self.config, self.config.rms_norm_eps
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        x = self.embed[tokens]
-        n = x.shape[0]
-        for i, w in enumerate(self.layers):
-            h = _rms(x, w["ln1"], eps)
-            q, k, v = F.linear(h, w["qkv_w"], w["qkv_b"]).split(self.split, dim=-1)
-            q = q.reshape(n, c.num_attention_heads, c.head_dim)
-            k = k.reshape(n, c.num_key_value_heads, c.head_dim)
-            v = v.reshape(n, c.num_key_value_heads, c.head_dim)
-            if c.qk_norm:
-                q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
-            x = x + self._row_parallel(attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v), w["o_w"], w["o_b"])
-            gate, up = F.linear(_rms(x, w["ln2"], eps), w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
-            x = x + self._row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"])
-        return _rms(x, self.norm, eps)
 
 
 class _Merge:
