@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import RANK_EPS, check_ranks, check_same, rank_bounds  # noqa: E402
+from llama_cases import RANK_EPS, check_against_hf, check_ranks, check_same, rank_bounds  # noqa: E402
 
 from trace_replay_app.records import RequestResult, TraceRequest  # noqa: E402
 
@@ -59,6 +59,12 @@ class _TableModel:
     def __call__(self, ids):
         return SimpleNamespace(logits=self.table[None, : ids.shape[1]])
 
+    def generate(self, ids, *, max_new_tokens, **_):
+        """Greedy: at position p the argmax of ``table[p]`` (ties: the lowest id)."""
+        start = ids.shape[1]
+        new = self.table[start - 1: start - 1 + max_new_tokens].argmax(dim=1)
+        return torch.cat([ids[0], new])[None]
+
 
 def _run(tokens, logits, prompt_len, traced):
     tokens = np.asarray(tokens)
@@ -91,3 +97,21 @@ def test_check_same_lets_free_runs_part_only_at_a_near_tie_at_the_top(rng):
     worse.ranks[2] += 1
     with pytest.raises(AssertionError, match="ranks"):
         check_same([a], [worse], "rank off by one", reference=model, requests=[free])
+
+
+def test_check_against_hf_lets_greedy_part_from_generate_only_at_a_near_tie(rng):
+    table = rng.standard_normal((8, 40))
+    prompt = (1, 2)
+    table[3, 9] = table[3].max() + 1.0
+    table[3, 7] = table[3, 9] - RANK_EPS / 4           # decode position 2: 9 (generate's) and 7 nearly tie
+    model = _TableModel(table)
+    free = TraceRequest("r", prompt=prompt, max_new_tokens=4)
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=4)[0, 2:].tolist()
+    exact = _run(want, table.astype(np.float64), len(prompt), False)
+    check_against_hf(model, [free], [exact], "equal to generate")
+    parted = _run(want[:2] + [7, 0], table.astype(np.float64), len(prompt), False)
+    check_against_hf(model, [free], [parted], "parted at the tie")
+    other = int(np.argsort(table[3])[0])                # the lowest logit: no tie with generate's token
+    with pytest.raises(AssertionError, match="without a near-tie"):
+        check_against_hf(model, [free], [_run(want[:2] + [other, 0], table.astype(np.float64), len(prompt), False)],
+                         "parted without a tie")
