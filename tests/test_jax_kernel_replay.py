@@ -68,6 +68,12 @@ def test_kernel_method_equals_jnp_and_the_reference(batch, rng):
     cpu = jax.devices("cpu")[0]
     with _state_with_traces(rng, cpu) as state:
         sampled, idx, total, prompt, step = _inputs(rng, batch, state.max_slots, state.max_trace_len)
+        if batch >= 100:
+            # Random lengths leave every traced slot outside its trace about once in 70 runs: put
+            # one traced slot at step 0 in row 0, with a sampled token its trace replaces.
+            table, lens = state.snapshot()
+            slot = int(np.flatnonzero(lens > 0)[0])
+            total[slot], idx[0], sampled[0] = prompt[slot], slot, (table[slot, 0] + 1) % 5000
         args = [jnp.asarray(a) for a in (sampled, idx, total, prompt)]
         got = {m: np.asarray(trj.replay(state.tables, *args, method=m)) for m in trj.jnp_replay.METHODS}
         want = _want(state, sampled, idx, total, prompt)
@@ -79,7 +85,7 @@ def test_kernel_method_equals_jnp_and_the_reference(batch, rng):
         for m, g in rows.items():
             np.testing.assert_array_equal(g, want_rows, err_msg=m)
         if batch >= 100:                  # both kinds of rows occur (small batches may have one kind)
-            assert (want != sampled).any() and (want == sampled).any()
+            assert want[0] != sampled[0] and (want == sampled).any()
 
 
 @pytest.mark.parametrize("token_dtype, index_dtype",
