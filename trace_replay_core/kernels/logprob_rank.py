@@ -201,7 +201,7 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Option
     pass_elems = vec * 32 * num_warps
     high_bits = max(0, (tile // pass_elems).bit_length() - 1) if tile > pass_elems else 0
     k_pad = _k_pad(top_k)
-    n_groups = min(4 * k_pad, tile // 2) if k_pad else 0
+    n_groups = min(4 * k_pad, tile // 2)
     cap = 2 * k_pad
     return LogprobRankPlan(tile, _cdiv(vocab, tile), num_warps, high_bits, k_pad, n_groups, cap, tree)
 
@@ -238,28 +238,25 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
         plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
     if plan.k_pad == 0:
         return _chunk_specs(args, dtypes, plan, itemsize)
+    # With top-k (plan.k_pad > 0): the tile kernel, then the combine kernel.
     off_m, off_s, off_c, off_k, off_cand, _ = workspace_layout(args.batch, plan)
     ws = args.workspace
     has_temp = args.temperature != 0
     temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
-    part_k = ws + off_k if plan.k_pad else ws + off_m             # never read without top-k
-    cand = ws + off_cand if plan.k_pad else ws + off_m
-    topk_lp = args.topk_logprobs if plan.k_pad else args.logprobs
-    topk_id = args.topk_ids if plan.k_pad else args.ranks
-    tile_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c, part_k, cand)
+    part_k = ws + off_k
+    tile_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c, part_k, ws + off_cand)
     tile_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "int64", "int32")
     tile_ints = (args.vocab, args.row_stride, plan.n_tiles, args.top_k)
     log_tile = plan.tile.bit_length() - 1
     tile_const = {"TILE": plan.tile, "LOG_TILE": log_tile, "HIGH_BITS": plan.high_bits,
                   "ALIGNED": _aligned(args, itemsize, plan), "HAS_TEMP": has_temp, "K_PAD": plan.k_pad,
-                  "N_GROUPS": max(plan.n_groups, 2), "CAP": max(plan.cap, 2), "TREE": plan.tree}
-    comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, topk_lp, topk_id,
+                  "N_GROUPS": max(plan.n_groups, 2), "CAP": plan.cap, "TREE": plan.tree}
+    comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.topk_logprobs, args.topk_ids,
                  ws + off_m, ws + off_s, ws + off_c, part_k)
-    topk_id_dtype = dtypes.topk_ids if plan.k_pad else dtypes.ranks
-    comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", topk_id_dtype,
+    comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", dtypes.topk_ids,
                    "float32", "float32", "int32", "int64")
     block = min(COMBINE_BLOCK, _next_pow2(max(plan.n_tiles, 2)))
-    key_tiles = min(_next_pow2(max(plan.n_tiles, 2)), max(2, COMBINE_KEYS // max(plan.k_pad, 1)))
+    key_tiles = min(_next_pow2(max(plan.n_tiles, 2)), max(2, COMBINE_KEYS // plan.k_pad))
     comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp,
                   "K_PAD": plan.k_pad, "KEY_TILES": key_tiles, "TREE": plan.tree}
     return [
