@@ -167,6 +167,21 @@ def rotating(fns: List[Callable[[], None]]) -> Callable[[], None]:
     return lambda: next(it)()
 
 
+def rows_alone_same_bits(run_row: Callable[[int], tuple], result: tuple, batch: int) -> bool:
+    """Whether rows 0, ``batch // 2`` and ``batch - 1`` run alone (``run_row(r)``: the outputs
+    of row ``r`` by itself, each with one row) give the bits they have in the batch's ``result``
+    (torch tensors; float32 compared as its int32 bits, so NaN equals the same NaN)."""
+    import torch
+    for r in sorted({0, batch // 2, batch - 1}):
+        for a, b in zip(run_row(r), result):
+            a, b = a[0], b[r]
+            if a.dtype == torch.float32:
+                a, b = a.view(torch.int32), b.view(torch.int32)
+            if not torch.equal(a, b):
+                return False
+    return True
+
+
 def bandwidth(nbytes: int, stats: Dict[str, float]) -> Dict[str, float]:
     """GB/s (1 GB = 1e9 bytes) percentiles for ``nbytes`` moved in the time ``stats`` (us).
 

@@ -43,8 +43,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (bandwidth, copy_bandwidth, percentiles, provenance, rotating, table,  # noqa: E402
-                     time_cuda, time_cuda_queued, write_results)
+from harness import (bandwidth, copy_bandwidth, percentiles, provenance, rotating, rows_alone_same_bits,  # noqa: E402
+                     table, time_cuda, time_cuda_queued, write_results)
 
 VOCAB = 151_936
 BATCHES = tuple(int(b) for b in os.environ.get("LOGPROB_BENCH_BATCHES", "1,64,256,1024,4096").split(","))
@@ -111,17 +111,8 @@ def compare(ref, got):
 
 def invariant(fn, logits, ids, result) -> bool:
     """Whether rows 0, batch // 2 and batch - 1 alone give the bits they have in the batch."""
-    import torch
-    batch = logits.shape[0]
-    for r in sorted({0, batch // 2, batch - 1}):
-        alone = fn(logits[r:r + 1].clone(), ids[r:r + 1].clone())
-        for a, b in zip(alone, result):
-            a, b = a[0], b[r]
-            if a.dtype == torch.float32:
-                a, b = a.view(torch.int32), b.view(torch.int32)
-            if not torch.equal(a, b):
-                return False
-    return True
+    return rows_alone_same_bits(lambda r: fn(logits[r:r + 1].clone(), ids[r:r + 1].clone()), result,
+                                logits.shape[0])
 
 
 def main() -> None:
