@@ -1,13 +1,15 @@
-"""Which tile, warp count and summation for the batch-invariant logprob kernels?
+"""Which block, warp count, chunking and loop form for the batch-invariant logprob kernels?
 
-Question: rows are cut into tiles of ``tile`` logits, one program of ``num_warps`` warps per
-tile, each tile summed by ``tl.sum`` (``tree=False``, the shipped way) or in a fixed tree
-(``tree=True``: the bits do not depend on the compiler's register layout either). Which choice reads the
-logits fastest at vocab 151,936, for bfloat16 and float32, at batch 1 to 4096, and with top-k 20?
+Question: without top-k, rows are cut into chunks of ``chunk_blocks`` blocks of ``block`` logits,
+one program of ``num_warps`` warps per chunk, whose block loop is unrolled twice (``stages=0``),
+double-buffered in registers (1) or software-pipelined ``stages`` deep by Triton (>= 2). With
+top-k, into tiles of ``tile`` logits, each summed by ``tl.sum`` (``tree=False``, the shipped way)
+or in a fixed tree. Which choice reads the logits fastest at vocab 151,936, for bfloat16 and
+float32, at batch 1 to 4096, and with top-k 20?
 Every choice is batch-invariant by construction; the ``invariant`` column checks it (three rows
 of the batch against the same rows alone, bit for bit).
 
-Method: each variant's plan (``plan_logprob_rank(..., tile=, num_warps=, tree=)``) is bound
+Method: each variant's plan (``plan_logprob_rank(..., tile=, num_warps=, chunk_blocks=, stages=, tree=)``) is bound
 through ``bind_logprob_rank_launch`` (the kernels' launch function, integers only) and timed
 with ``harness.time_cuda_queued`` (calls queued behind a busy kernel, host cost hidden) on
 copies of the logits rotated so that L2 does not serve them (256 MiB in all, at most 32 copies).
@@ -30,10 +32,14 @@ from harness import (bandwidth, copy_bandwidth, rotating, rows_alone_same_bits, 
                      write_results)
 
 VOCAB = 151_936
-BATCHES = (1, 256, 4096)
+BATCHES = (1, 64, 256, 4096)
 DTYPES = ("bfloat16", "float32")
-# (tile, num_warps, tree); the shipped default first.
-VARIANTS = ((4096, 4, False), (4096, 4, True), (8192, 8, False), (8192, 8, True), (2048, 4, False), (4096, 8, False))
+# Without top-k: (block, num_warps, chunk_blocks, stages); the shipped default first.
+CHUNK_VARIANTS = ((4096, 16, 4, 0), (4096, 16, 4, 1), (4096, 16, 4, 3), (4096, 16, 4, 4), (4096, 8, 4, 0),
+                  (4096, 8, 4, 3), (8192, 16, 2, 0), (8192, 16, 2, 3), (2048, 8, 8, 3), (4096, 16, 8, 3),
+                  (4096, 16, 2, 3), (4096, 16, 2, 0), (4096, 8, 2, 0), (2048, 4, 4, 0), (4096, 4, 1, 0),
+                  (8192, 16, 1, 0))
+# With top-k: (tile, num_warps, tree); the shipped default first.
 TOPK_VARIANTS = ((4096, 4, False), (8192, 8, False))
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
@@ -99,8 +105,8 @@ def main() -> None:
     copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
-    cases = [(d, b, 0, VARIANTS) for d in DTYPES for b in BATCHES] + [("bfloat16", b, TOP_K, TOPK_VARIANTS)
-                                                                      for b in (256,)]
+    cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
+             + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256,)])
     for dtype_name, batch, top_k, variants in cases:
         logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(getattr(torch, dtype_name))
         ids = torch.randint(0, VOCAB, (batch,), device=dev)
@@ -109,9 +115,16 @@ def main() -> None:
         calls = [Call(torch, logits, ids, top_k)] + [Call(torch, logits.clone(), ids, top_k)
                                                      for _ in range(n_copies - 1)]
         shipped = None
-        for tile, warps, tree in variants:
-            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, tile=tile, num_warps=warps, tree=tree)
-            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, tile=tile, num_warps=warps, tree=tree,
+        for variant in variants:
+            if top_k:
+                tile, warps, tree = variant
+                knobs = dict(tile=tile, num_warps=warps, tree=tree)
+            else:
+                tile, warps, chunk_blocks, stages = variant
+                knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks, stages=stages)
+            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
+            name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
+            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_tiles,
                        bytes=nbytes, copy_gbps=copy_gbps)
             try:
                 result = run_once(torch, calls[0], plan, stream)
@@ -123,20 +136,20 @@ def main() -> None:
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
                            max_abs_logprob_diff_to_shipped=diff)
-                print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} tile {tile:5d} warps {warps:2d} tree {tree!s:5s} "
+                print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} {name} "
                       f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
                       f"{row['gbps_p50']:6.0f} GB/s invariant {inv} same {same} diff {diff:.1e}", flush=True)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
                 row.update(error=f"{type(exc).__name__}: {exc}"[:400])
-                print(f"{dtype_name} B={batch} tile {tile} warps {warps} tree {tree}: FAILED {row['error']}", flush=True)
+                print(f"{dtype_name} B={batch} {name}: FAILED {row['error']}", flush=True)
                 traceback.print_exc()
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
     path = write_results("logprob_tuning", rows)
     print(f"\nwrote {path}\n")
-    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "tree",
-                                                     "us_p50", "gbps_p50", "invariant"]))
+    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "chunk_blocks",
+                                                     "stages", "tree", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

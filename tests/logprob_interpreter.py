@@ -19,7 +19,8 @@ from typing import Dict, List
 
 import numpy as np
 
-CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "tile", "num_warps", "tree")
+CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "tile", "num_warps", "tree",
+             "chunk_blocks", "stages")
 
 
 def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
@@ -112,7 +113,8 @@ def run_case(x, ids, temp, case: dict) -> dict:
         t_buf = out(batch, "float32")
         t_buf.copy_(torch.from_numpy(np.asarray(temp, dtype=np.float32)))
     plan = plan_logprob_rank(vocab, itemsize, top_k, tile=case.get("tile"), num_warps=case.get("num_warps"),
-                             tree=case.get("tree", True))
+                             tree=case.get("tree", True), chunk_blocks=case.get("chunk_blocks"),
+                             stages=case.get("stages"))
     ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
     args = LogprobRankArgs(logits.data_ptr(), ids_t.data_ptr(), t_buf.data_ptr() if t_buf is not None else 0,
                            lp.data_ptr(), rk.data_ptr(), tlp.data_ptr() if top_k else 0,

@@ -43,10 +43,20 @@ def _interpreter_cases():
     add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", tile=128, pad=5)
     add("f16-7x999-t128", 7, 999, "float16", tile=128, rank_dtype="int32")
     add("f32-3x40000-t128", 3, 40000, "float32", tile=128)            # 313 tiles: two combine steps
+    # The block loop's other forms (plan.stages): the register double buffer (1; chunks of one
+    # block, of several, and a last chunk that is only a partial block) and the pipelined loop
+    # (3; Triton's interpreter runs it as a plain loop).
+    add("bf16-4x1000-t128-s1", 4, 1000, "bfloat16", tile=128, stages=1)
+    add("f32-3x2000-t128-c5-s1", 3, 2000, "float32", tile=128, chunk_blocks=5, stages=1)
+    add("f16-2x200-t128-c1-s1", 2, 200, "float16", tile=128, chunk_blocks=1, stages=1, pad=3, shift=1)
+    add("bf16-3x32000-s1", 3, 32000, "bfloat16", stages=1)
+    add("f32-3x1000-t128-s3", 3, 1000, "float32", tile=128, stages=3)
     for dtype in TORCH_DTYPES:
         for tile in (None, 128):
             x, ids, _ = special_case()
             add(f"special-{dtype}-t{tile}", 10, 300, dtype, tile=tile, data=(x, ids))
+        x, ids, _ = special_case()
+        add(f"special-{dtype}-t128-s1", 10, 300, dtype, tile=128, stages=1, data=(x, ids))
     return cases
 
 
@@ -65,7 +75,8 @@ def test_kernel_in_interpreter(interpreted, name):
     tile, n_tiles = out["plan"][:2].tolist()
     vocab = case["x"].shape[1]
     assert tile == (case.get("tile") or min(LOGPROB_TILE, max(128, 1 << (vocab - 1).bit_length())))
-    span = tile * -(-(-(-vocab // tile)) // LOGPROB_CHUNKS)           # whole blocks per chunk, from the vocabulary
+    chunk_blocks = case.get("chunk_blocks") or -(-(-(-vocab // tile)) // LOGPROB_CHUNKS)
+    span = tile * chunk_blocks                                       # whole blocks per chunk, from the vocabulary
     assert n_tiles == -(-vocab // span)
     if case["special"]:
         _, _, expect = special_case()

@@ -96,6 +96,7 @@ LOGPROB_MIN_TILE = 128
 LOGPROB_BLOCK = 4096
 LOGPROB_CHUNK_WARPS = 16
 LOGPROB_CHUNKS = 10
+LOGPROB_STAGES = 0
 LOGPROB_ELEMENTS_PER_THREAD = 32
 LOGPROB_MAX_WARPS = 8
 # Sum a tile with tl.sum (False) or in the fixed tree of _tree_sum (True). Both are batch-invariant
@@ -130,6 +131,7 @@ class LogprobRankPlan(NamedTuple):
     cap: int
     tree: bool
     chunk_blocks: int = 0      # without top-k: blocks of ``tile`` logits per program (0 with top-k)
+    stages: int = 0            # without top-k: software-pipelining depth of the block loop (0: unrolled x2)
 
 
 class LogprobRankArgs(NamedTuple):
@@ -169,7 +171,7 @@ def _k_pad(top_k: int) -> int:
 
 
 def _plan_chunks(vocab: int, *, block: Optional[int], num_warps: Optional[int],
-                 chunk_blocks: Optional[int]) -> LogprobRankPlan:
+                 chunk_blocks: Optional[int], stages: Optional[int]) -> LogprobRankPlan:
     """Without top-k: rows cut into about :data:`LOGPROB_CHUNKS` chunks of whole blocks."""
     if block is None:
         block = min(LOGPROB_BLOCK, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
@@ -178,19 +180,22 @@ def _plan_chunks(vocab: int, *, block: Optional[int], num_warps: Optional[int],
     n_blocks = _cdiv(vocab, block)
     if chunk_blocks is None:
         chunk_blocks = _cdiv(n_blocks, LOGPROB_CHUNKS)
-    return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, 0, 0, 0, 0, False, chunk_blocks)
+    if stages is None:
+        stages = LOGPROB_STAGES
+    return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, 0, 0, 0, 0, False, chunk_blocks,
+                           stages)
 
 
 def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Optional[int] = None,
                       num_warps: Optional[int] = None, tree: Optional[bool] = None,
-                      chunk_blocks: Optional[int] = None) -> LogprobRankPlan:
+                      chunk_blocks: Optional[int] = None, stages: Optional[int] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure).
 
-    ``tile``, ``num_warps``, ``tree`` and (without top-k) ``chunk_blocks`` override the defaults
+    ``tile``, ``num_warps``, ``tree`` and (without top-k) ``chunk_blocks`` and ``stages`` override the defaults
     for tuning (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
     """
     if top_k <= 0:
-        return _plan_chunks(vocab, block=tile, num_warps=num_warps, chunk_blocks=chunk_blocks)
+        return _plan_chunks(vocab, block=tile, num_warps=num_warps, chunk_blocks=chunk_blocks, stages=stages)
     if tile is None:
         tile = min(LOGPROB_TILE, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
     if tree is None:
@@ -277,7 +282,8 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c)
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles)
-    chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp}
+    chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
+                   "STAGES": plan.stages}
     comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.logprobs, args.ranks,
                  ws + off_m, ws + off_s, ws + off_c, ws + off_m)
     comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", dtypes.ranks,
