@@ -1,15 +1,14 @@
 """Which block, warp count, chunking and loop form for the batch-invariant logprob kernels?
 
 Question: without top-k, rows are cut into chunks of ``chunk_blocks`` blocks of ``block`` logits,
-one program of ``num_warps`` warps per chunk, whose block loop is unrolled twice (``stages=0``),
-double-buffered in registers (1) or software-pipelined ``stages`` deep by Triton (>= 2). With
-top-k, into tiles of ``tile`` logits, each summed by ``tl.sum`` (``tree=False``, the shipped way)
-or in a fixed tree. Which choice reads the logits fastest at vocab 151,936, for bfloat16 and
+streamed by programs of ``num_warps`` warps (one or several chunks per program, chosen from the
+batch: ``_chunk_group``). With top-k, into tiles of ``tile`` logits, each summed by ``tl.sum``
+(``tree=False``, the shipped way) or in a fixed tree. Which choice reads the logits fastest at vocab 151,936, for bfloat16 and
 float32, at batch 1 to 4096, and with top-k 20?
 Every choice is batch-invariant by construction; the ``invariant`` column checks it (three rows
 of the batch against the same rows alone, bit for bit).
 
-Method: each variant's plan (``plan_logprob_rank(..., tile=, num_warps=, chunk_blocks=, stages=, tree=)``) is bound
+Method: each variant's plan (``plan_logprob_rank(..., tile=, num_warps=, chunk_blocks=, tree=)``) is bound
 through ``bind_logprob_rank_launch`` (the kernels' launch function, integers only) and timed
 with ``harness.time_cuda_queued`` (calls queued behind a busy kernel, host cost hidden) on
 copies of the logits rotated so that L2 does not serve them (256 MiB in all, at most 32 copies).
@@ -34,13 +33,10 @@ from harness import (bandwidth, copy_bandwidth, rotating, rows_alone_same_bits, 
 VOCAB = 151_936
 BATCHES = (1, 64, 256, 4096)
 DTYPES = ("bfloat16", "float32")
-# Without top-k: (block, num_warps, chunk_blocks, stages); the shipped default first.
-CHUNK_VARIANTS = ((4096, 16, 4, 0), (4096, 16, 4, 1), (4096, 16, 4, 3), (4096, 16, 4, 4), (4096, 8, 4, 0),
-                  (4096, 8, 4, 3), (8192, 16, 2, 0), (8192, 16, 2, 3), (2048, 8, 8, 3), (4096, 16, 8, 3),
-                  (4096, 16, 2, 3), (4096, 16, 2, 0), (4096, 8, 2, 0), (2048, 4, 4, 0), (4096, 4, 1, 0),
-                  (8192, 16, 1, 0))
+# Without top-k: (block, num_warps, chunk_blocks); the shipped default first.
+CHUNK_VARIANTS = ((2048, 4, 4), (4096, 16, 4), (2048, 4, 8), (2048, 4, 16), (1024, 2, 8), (4096, 8, 4))
 # With top-k: (tile, num_warps, tree); the shipped default first.
-TOPK_VARIANTS = ((4096, 4, False), (8192, 8, False))
+TOPK_VARIANTS = ((8192, 8, False), (4096, 4, False), (8192, 16, False))
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -120,8 +116,8 @@ def main() -> None:
                 tile, warps, tree = variant
                 knobs = dict(tile=tile, num_warps=warps, tree=tree)
             else:
-                tile, warps, chunk_blocks, stages = variant
-                knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks, stages=stages)
+                tile, warps, chunk_blocks = variant
+                knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks)
             plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
             row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_tiles,
@@ -149,7 +145,7 @@ def main() -> None:
     path = write_results("logprob_tuning", rows)
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "chunk_blocks",
-                                                     "stages", "tree", "us_p50", "gbps_p50", "invariant"]))
+                                                     "tree", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Dict, List
 import numpy as np
 
 CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "tile", "num_warps", "tree",
-             "chunk_blocks", "stages")
+             "chunk_blocks", "min_programs")
 
 
 def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
@@ -50,6 +50,9 @@ def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
         r = {k: out[f"{k}{i}"] for k in ("lp", "rk", "tlp", "tid", "plan") if f"{k}{i}" in out}
         results[c["name"]] = r
     return results
+
+
+_MIN_PROGRAMS = None    # the module's own value, read by the child before any case changes it
 
 
 def _torch_dtypes():
@@ -87,6 +90,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
     """Child side: one call through the interpreter; returns the outputs as numpy arrays."""
     import torch
 
+    from trace_replay_core.kernels import logprob_rank
     from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, launch_specs,
                                                         plan_logprob_rank, workspace_layout)
     td = _torch_dtypes()
@@ -113,8 +117,12 @@ def run_case(x, ids, temp, case: dict) -> dict:
         t_buf = out(batch, "float32")
         t_buf.copy_(torch.from_numpy(np.asarray(temp, dtype=np.float32)))
     plan = plan_logprob_rank(vocab, itemsize, top_k, tile=case.get("tile"), num_warps=case.get("num_warps"),
-                             tree=case.get("tree", True), chunk_blocks=case.get("chunk_blocks"),
-                             stages=case.get("stages"))
+                             tree=case.get("tree", True), chunk_blocks=case.get("chunk_blocks"))
+    # min_programs=1: several chunks per program even at a small batch (this case only).
+    global _MIN_PROGRAMS
+    if _MIN_PROGRAMS is None:
+        _MIN_PROGRAMS = logprob_rank.LOGPROB_MIN_PROGRAMS
+    logprob_rank.LOGPROB_MIN_PROGRAMS = case.get("min_programs") or _MIN_PROGRAMS
     ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
     args = LogprobRankArgs(logits.data_ptr(), ids_t.data_ptr(), t_buf.data_ptr() if t_buf is not None else 0,
                            lp.data_ptr(), rk.data_ptr(), tlp.data_ptr() if top_k else 0,

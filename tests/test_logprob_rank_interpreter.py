@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from test_logprob_rank import (TORCH_DTYPES, assert_matches_reference, assert_planted, assert_special,  # noqa: E402
                                make_case, round_to, special_case)
-from trace_replay_core.kernels.logprob_rank import LOGPROB_CHUNKS, LOGPROB_TILE  # noqa: E402
+from trace_replay_core.kernels.logprob_rank import LOGPROB_BLOCK, LOGPROB_CHUNKS  # noqa: E402
 
 from logprob_interpreter import run_cases  # noqa: E402
 
@@ -21,15 +21,18 @@ from logprob_interpreter import run_cases  # noqa: E402
 # The kernels run in a child process with TRITON_INTERPRET=1 (tests/logprob_interpreter.py):
 # poisoned torch CPU buffers, exactly the launches the GPU path makes (``launch_specs``).
 
+GROUP_DATA = make_case(np.random.default_rng(12), 5, 3000, "bfloat16")
+
+
 def _interpreter_cases():
     """Cases: name, x float32 (exact in dtype), ids, and the driver's options."""
     rng = np.random.default_rng(11)
     cases = []
 
-    def add(name, batch, vocab, dtype, *, data=None, **options):
+    def add(name, batch, vocab, dtype, *, data=None, special=None, **options):
         x, ids = data if data is not None else make_case(rng, batch, vocab, dtype)
-        cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, special=data is not None,
-                          **options))
+        special = data is not None if special is None else special
+        cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, special=special, **options))
 
     # The real tile (4096): vocab 32,000 is 8 tiles, the last one partial.
     add("f32-5x32000", 5, 32000, "float32")
@@ -43,20 +46,19 @@ def _interpreter_cases():
     add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", tile=128, pad=5)
     add("f16-7x999-t128", 7, 999, "float16", tile=128, rank_dtype="int32")
     add("f32-3x40000-t128", 3, 40000, "float32", tile=128)            # 313 tiles: two combine steps
-    # The block loop's other forms (plan.stages): the register double buffer (1; chunks of one
-    # block, of several, and a last chunk that is only a partial block) and the pipelined loop
-    # (3; Triton's interpreter runs it as a plain loop).
-    add("bf16-4x1000-t128-s1", 4, 1000, "bfloat16", tile=128, stages=1)
-    add("f32-3x2000-t128-c5-s1", 3, 2000, "float32", tile=128, chunk_blocks=5, stages=1)
-    add("f16-2x200-t128-c1-s1", 2, 200, "float16", tile=128, chunk_blocks=1, stages=1, pad=3, shift=1)
-    add("bf16-3x32000-s1", 3, 32000, "bfloat16", stages=1)
-    add("f32-3x1000-t128-s3", 3, 1000, "float32", tile=128, stages=3)
+    # Chunks of several blocks and of one, a last chunk that is only a partial block.
+    add("f32-3x2000-t128-c5", 3, 2000, "float32", tile=128, chunk_blocks=5)
+    add("f16-2x200-t128-c1", 2, 200, "float16", tile=128, chunk_blocks=1, pad=3, shift=1)
+    # Several chunks per program (min_programs=1: group 4 at any batch), against the same rows
+    # with one chunk per program: the bits must be the same (test_group_changes_no_bit).
+    for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"min_programs": 1})):
+        add(name, 5, 3000, "bfloat16", tile=128, data=GROUP_DATA, special=False, **extra)
     for dtype in TORCH_DTYPES:
         for tile in (None, 128):
             x, ids, _ = special_case()
             add(f"special-{dtype}-t{tile}", 10, 300, dtype, tile=tile, data=(x, ids))
         x, ids, _ = special_case()
-        add(f"special-{dtype}-t128-s1", 10, 300, dtype, tile=128, stages=1, data=(x, ids))
+        add(f"special-{dtype}-t128-g4", 10, 300, dtype, tile=128, min_programs=1, data=(x, ids))
     return cases
 
 
@@ -74,7 +76,7 @@ def test_kernel_in_interpreter(interpreted, name):
     lp, rk = out["lp"], out["rk"]
     tile, n_tiles = out["plan"][:2].tolist()
     vocab = case["x"].shape[1]
-    assert tile == (case.get("tile") or min(LOGPROB_TILE, max(128, 1 << (vocab - 1).bit_length())))
+    assert tile == (case.get("tile") or min(LOGPROB_BLOCK, max(128, 1 << (vocab - 1).bit_length())))
     chunk_blocks = case.get("chunk_blocks") or -(-(-(-vocab // tile)) // LOGPROB_CHUNKS)
     span = tile * chunk_blocks                                       # whole blocks per chunk, from the vocabulary
     assert n_tiles == -(-vocab // span)
@@ -84,3 +86,10 @@ def test_kernel_in_interpreter(interpreted, name):
     else:
         assert_matches_reference(case["x"], case["ids"], lp, rk, f"interpreter {name}")
         assert_planted(case["x"], case["ids"], rk)
+
+
+def test_group_changes_no_bit(interpreted):
+    """Which program runs a chunk (one chunk per program, or four) changes no bit of the result."""
+    (_, one), (_, four) = interpreted["bf16-5x3000-t128"], interpreted["bf16-5x3000-t128-g4"]
+    assert np.array_equal(one["lp"].view(np.uint32), four["lp"].view(np.uint32))
+    assert np.array_equal(one["rk"], four["rk"])

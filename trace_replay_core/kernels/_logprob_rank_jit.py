@@ -154,7 +154,7 @@ def _fold_block(x, chosen, t, m, s, count, HAS_TEMP: tl.constexpr):
 # -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks"],
+    do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
                                     "part_c_ptr"],
 )
@@ -168,66 +168,49 @@ def logprob_rank_chunk_kernel(
     vocab,
     row_stride,         # elements between rows
     chunk_blocks,       # blocks of BLOCK logits per chunk
-    n_chunks,           # chunks per row (grid axis 1)
+    n_chunks,           # chunks per row
+    group,              # consecutive chunks per program (grid axis 1 = cdiv(n_chunks, group))
     BLOCK: tl.constexpr,    # logits per loop step
     VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
-    STAGES: tl.constexpr,   # the block loop: 0 unrolled twice, 1 register double buffer, >= 2 pipelined
 ):
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    first = tl.program_id(1) * group
+    last = tl.minimum(first + group, n_chunks)
     row_ptr = logits_ptr + row * row_stride
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
-    start = chunk * (chunk_blocks * BLOCK)
-    n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
-    full_end = start + (n_here // BLOCK) * BLOCK
-    end = start + n_here
+    valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     LINES: tl.constexpr = BLOCK // VEC
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    count = tl.zeros([LINES], tl.int32)
-    # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
-    if STAGES == 1:
-        # Register double buffering: the chunk's first block is requested before the token's two
-        # dependent loads (their latency overlaps it), and every step requests the next block
-        # before it reduces the current one (the last step re-reads its own block, from L1).
-        if start < full_end:
-            nxt = tl.load(row_ptr + start + cols)
-        else:
-            nxt = tl.zeros([LINES, VEC], logits_ptr.dtype.element_ty)
-        valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-        for off in tl.range(start, full_end, BLOCK):
-            cur = nxt
-            nxt = tl.load(row_ptr + tl.minimum(off + BLOCK, full_end - BLOCK) + cols)
-            m, s, count = _fold_block(cur, chosen, t, m, s, count, HAS_TEMP)
-    else:
-        valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-        if STAGES > 1:
-            # Triton's pipeliner keeps the next blocks' loads in flight (cp.async into shared
-            # memory) while one is reduced.
-            for off in tl.range(start, full_end, BLOCK, num_stages=STAGES):
-                m, s, count = _fold_block(tl.load(row_ptr + off + cols), chosen, t, m, s, count, HAS_TEMP)
-        else:
-            for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-                m, s, count = _fold_block(tl.load(row_ptr + off + cols), chosen, t, m, s, count, HAS_TEMP)
-    # The partial last block, where there is one (at 151,936 only the last of the 10 chunks has
-    # one). A fully masked block of -inf leaves finite m, s and count as they are, so skipping it
-    # changes no result; it was 1 block of compute in 5 of the other chunks.
-    if full_end < end:
-        idx = full_end + cols
-        inside = idx < end
-        y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
-        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-        m, s = _online_update(y, m, s)
-    big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
-    part = row * n_chunks + chunk
-    tl.store(part_m_ptr + part, big)
-    tl.store(part_s_ptr + part, total)
-    tl.store(part_c_ptr + part, tl.sum(count, axis=0))
+    # ``group`` (a runtime value: one compiled kernel for every batch) only says which program
+    # computes which chunk; each chunk's partial is computed by the same instructions either way.
+    for chunk in range(first, last):
+        start = chunk * (chunk_blocks * BLOCK)
+        n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
+        full_end = start + (n_here // BLOCK) * BLOCK
+        end = start + n_here
+        m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
+        s = tl.zeros([LINES], tl.float32)
+        count = tl.zeros([LINES], tl.int32)
+        # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
+        for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+            m, s, count = _fold_block(tl.load(row_ptr + off + cols), chosen, t, m, s, count, HAS_TEMP)
+        # The partial last block, where there is one (only in a row's last chunk). A fully masked
+        # block of -inf would leave finite m, s and count as they are, so it is skipped.
+        if full_end < end:
+            idx = full_end + cols
+            inside = idx < end
+            y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+            count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+            m, s = _online_update(y, m, s)
+        big = tl.max(m, axis=0)
+        total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
+        part = row * n_chunks + chunk
+        tl.store(part_m_ptr + part, big)
+        tl.store(part_s_ptr + part, total)
+        tl.store(part_c_ptr + part, tl.sum(count, axis=0))
 
 
 @triton.jit(

@@ -11,8 +11,10 @@ and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exact
 
 Batch invariance, without top-k (the common call). Each row is cut into ``n_chunks`` chunks of
 ``chunk_blocks`` whole blocks of ``BLOCK`` logits, both fixed by the vocabulary alone
-(:func:`plan_logprob_rank`; 151,936 logits: 10 chunks of 4 blocks of 4096). Program ``(b, c)``
-of :func:`logprob_rank_chunk_kernel` streams chunk ``c`` of row ``b`` once, keeping a running
+(:func:`plan_logprob_rank`; 151,936 logits: 19 chunks of 4 blocks of 2048). Program ``(b, g)``
+of :func:`logprob_rank_chunk_kernel` streams chunks ``g * group ...`` of row ``b`` once (``group``
+consecutive chunks per program, a runtime value chosen from the batch for speed: the same
+compiled kernel and the same instructions per chunk at every batch size), keeping a running
 maximum and sum of exponentials per 16-byte line of the block inside each thread and a count of
 ``y >= y[t]``, reduces its lines in a fixed order at the end and writes the partial
 ``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in chunk order.
@@ -76,27 +78,33 @@ __all__ = [
     "TOPK_MAX",
 ]
 
-# Logits per program: a row of 151,936 is 38 tiles of 4096 (8 KiB of bf16 per program, 4 warps,
-# 32 logits per thread); smaller vocabularies get the next power of two. bench/logprob_tuning.py
-# on the H200 (2026-12-01, vocab 151,936, device time, an earlier build whose tile loads were all
-# masked, i.e. not vectorised): 4096 x 4 warps against 8192 x 8 at batch 256 bf16 48.4 vs 64.7 us,
-# float32 54.1 vs 72.3 us; at batch 4096 bf16 645 vs 914 us; batch 1 6.27 vs 6.56 us; 8192 x 4
-# and 16384 x 8 were slower than 4096 x 4 everywhere.
-LOGPROB_TILE = 4096
+# With top-k, logits per program: a row of 151,936 is 19 tiles of 8192 (16 KiB of bf16 per
+# program, 8 warps, 32 logits per thread); smaller vocabularies get the next power of two.
+# bench/logprob_tuning.py, H200, 2026-12-02, top-k 20 at batch 256 bf16, device time p50 in two
+# runs: 8192 x 8 warps 355 / 356 us, 4096 x 4 447 / 448 us, 8192 x 16 401 us, 16384 x 16 1,238 us.
+LOGPROB_TILE = 8192
 LOGPROB_MIN_TILE = 128
 # Without top-k (the common call) a row is cut into about LOGPROB_CHUNKS chunks of whole blocks
-# of LOGPROB_BLOCK logits, fixed by the vocabulary (151,936: 10 chunks of 4 blocks); each chunk is
-# one program of LOGPROB_CHUNK_WARPS warps that streams its blocks, keeping a running maximum and
-# sum per 16-byte line of the block inside each thread (no shuffles or barriers per block), and
-# reduces across its lines once at the end. The same loop as the former batch-dependent kernel
-# (26 us at batch 256 bf16, 303 us at 4096 on the H200, one program per row there), with the
-# split now fixed by the vocabulary. The single-tile programs of the top-k kernel held a whole
-# tile in registers and reduced it three times across the CTA: 42 us at batch 256 bf16, 545 us
-# at 4096 (H200, 2026-12-01).
-LOGPROB_BLOCK = 4096
-LOGPROB_CHUNK_WARPS = 16
-LOGPROB_CHUNKS = 10
-LOGPROB_STAGES = 0
+# of LOGPROB_BLOCK logits, fixed by the vocabulary (151,936: 19 chunks of 4 blocks of 2048); a
+# program of LOGPROB_CHUNK_WARPS warps streams the blocks of ``group`` consecutive chunks
+# (:func:`_chunk_group`, from the batch: where to run a chunk, never how to sum it), keeping a
+# running maximum and sum per 16-byte line of the block inside each thread (no shuffles or
+# barriers per block), and reduces across its lines at the end of each chunk.
+# bench/logprob_tuning.py, H200, 2026-12-02, bf16 vocab 151,936, device time p50 (one program per
+# chunk): the former 10 chunks of 4 x 4096 at 16 warps 6.33 / 14.0 / 31.8 / 402 us at batch
+# 1 / 64 / 256 / 4096; 19 chunks of 4 x 2048 at 4 warps 5.74 / 12.7 / 28.2 / 339 us; 10 chunks of
+# 8 x 2048 27.5 us at 256 and 305 us at 4096 but 6.65 us at 1; 5 chunks of 16 x 2048 291 us at
+# 4096 but 8.34 at 1: more logits per program pays at large batches (the token's two dependent
+# loads and the CTA-wide reductions are paid once per program), more programs at small ones,
+# hence the fine split with ``group`` chunks per program. Triton's software pipelining of the
+# block loop (cp.async, 3-4 stages) and a register double buffer were slower or no faster.
+LOGPROB_BLOCK = 2048
+LOGPROB_CHUNK_WARPS = 4
+LOGPROB_CHUNKS = 19
+# Chunks per program: the largest of LOGPROB_GROUPS that leaves at least LOGPROB_MIN_PROGRAMS
+# programs in the grid (about 1.5 waves of 4-warp programs on an H200's 132 SMs).
+LOGPROB_GROUPS = (4, 2, 1)
+LOGPROB_MIN_PROGRAMS = 2048
 LOGPROB_ELEMENTS_PER_THREAD = 32
 LOGPROB_MAX_WARPS = 8
 # Sum a tile with tl.sum (False) or in the fixed tree of _tree_sum (True). Both are batch-invariant
@@ -131,7 +139,6 @@ class LogprobRankPlan(NamedTuple):
     cap: int
     tree: bool
     chunk_blocks: int = 0      # without top-k: blocks of ``tile`` logits per program (0 with top-k)
-    stages: int = 0            # without top-k: software-pipelining depth of the block loop (0: unrolled x2)
 
 
 class LogprobRankArgs(NamedTuple):
@@ -171,31 +178,28 @@ def _k_pad(top_k: int) -> int:
 
 
 def _plan_chunks(vocab: int, *, block: Optional[int], num_warps: Optional[int],
-                 chunk_blocks: Optional[int], stages: Optional[int]) -> LogprobRankPlan:
+                 chunk_blocks: Optional[int]) -> LogprobRankPlan:
     """Without top-k: rows cut into about :data:`LOGPROB_CHUNKS` chunks of whole blocks."""
     if block is None:
         block = min(LOGPROB_BLOCK, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
     if num_warps is None:
-        num_warps = max(1, min(LOGPROB_CHUNK_WARPS, block // 256))
+        num_warps = max(1, min(LOGPROB_CHUNK_WARPS, block // 512))
     n_blocks = _cdiv(vocab, block)
     if chunk_blocks is None:
         chunk_blocks = _cdiv(n_blocks, LOGPROB_CHUNKS)
-    if stages is None:
-        stages = LOGPROB_STAGES
-    return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, 0, 0, 0, 0, False, chunk_blocks,
-                           stages)
+    return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, 0, 0, 0, 0, False, chunk_blocks)
 
 
 def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Optional[int] = None,
                       num_warps: Optional[int] = None, tree: Optional[bool] = None,
-                      chunk_blocks: Optional[int] = None, stages: Optional[int] = None) -> LogprobRankPlan:
+                      chunk_blocks: Optional[int] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure).
 
-    ``tile``, ``num_warps``, ``tree`` and (without top-k) ``chunk_blocks`` and ``stages`` override the defaults
+    ``tile``, ``num_warps``, ``tree`` and (without top-k) ``chunk_blocks`` override the defaults
     for tuning (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
     """
     if top_k <= 0:
-        return _plan_chunks(vocab, block=tile, num_warps=num_warps, chunk_blocks=chunk_blocks, stages=stages)
+        return _plan_chunks(vocab, block=tile, num_warps=num_warps, chunk_blocks=chunk_blocks)
     if tile is None:
         tile = min(LOGPROB_TILE, max(LOGPROB_MIN_TILE, _next_pow2(vocab)))
     if tree is None:
@@ -272,6 +276,15 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     ]
 
 
+def _chunk_group(batch: int, n_chunks: int) -> int:
+    """Consecutive chunks per program of the chunk kernel: a question of speed only (each chunk
+    is summed by the same instructions whichever program runs it)."""
+    for group in LOGPROB_GROUPS:
+        if group == 1 or batch * _cdiv(n_chunks, group) >= LOGPROB_MIN_PROGRAMS:
+            return group
+    return 1
+
+
 def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: LogprobRankPlan, itemsize: int):
     """The two launches without top-k: the chunk kernel, then the combine kernel."""
     off_m, off_s, off_c, _, _, _ = workspace_layout(args.batch, plan)
@@ -281,9 +294,9 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     aligned = args.logits % 16 == 0 and (args.batch <= 1 or (args.row_stride * itemsize) % 16 == 0)
     chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c)
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
-    chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles)
-    chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
-                   "STAGES": plan.stages}
+    group = _chunk_group(args.batch, plan.n_tiles)
+    chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles, group)
+    chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp}
     comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.logprobs, args.ranks,
                  ws + off_m, ws + off_s, ws + off_c, ws + off_m)
     comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", dtypes.ranks,
@@ -292,7 +305,7 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp, "K_PAD": 0,
                   "KEY_TILES": 2, "TREE": False}
     return [
-        (logprob_rank_chunk_kernel, (args.batch, plan.n_tiles, 1), chunk_ptrs, chunk_dtypes, chunk_ints,
+        (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_tiles, group), 1), chunk_ptrs, chunk_dtypes, chunk_ints,
          chunk_const, plan.num_warps),
         (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes,
          (args.vocab, args.row_stride, plan.n_tiles, 0), comb_const, COMBINE_NUM_WARPS),
