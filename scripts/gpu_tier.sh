@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU test tier and the GPU benchmarks on a machine with a CUDA GPU, using the
 # packages already installed there (no install step). Logs and results go to $OUT (default
-# ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [demo] [cli] [bench-launch] [bench-logprob] [bench-jax] ...
+# ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [tests-parallel] [sanitizer] [sanitizer-logprob]
+# [profile-logprob] [demo] [cli] [bench-NAME] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -54,6 +55,31 @@ for part in "${parts[@]}"; do
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 san racecheck racecheck_replay tests/test_gpu_torch.py -k "not without_guard"
       for tool in memcheck racecheck; do
         san "$tool" "${tool}_logprob" tests/test_gpu_logprob_rank.py -k "not 262144 and not 151936"
+      done ;;
+    sanitizer-logprob)
+      # memcheck and racecheck over the logprob op's GPU tests alone (vocabularies up to 32,000).
+      for tool in memcheck racecheck; do
+        timeout -k 5 "${SANITIZER_S:-150}" compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
+          --report-api-errors no python3 -m pytest tests/test_gpu_logprob_rank.py -m gpu -q -p no:cacheprovider \
+          -k "not 262144 and not 151936" > "$OUT/sanitizer_${tool}_logprob.log" 2>&1
+        rc=$?; echo "compute-sanitizer --tool $tool (logprob): exit $rc"
+        grep -E "passed|failed|SUMMARY" "$OUT/sanitizer_${tool}_logprob.log" | tail -n 3; [ $rc -eq 0 ] || status=1
+      done ;;
+    profile-logprob)
+      # Hardware counters of the logprob kernels (bf16, vocabulary 151,936, batch 256 and 4096):
+      # speed of light, occupancy, launch and warp-state sections; the clocks are left alone.
+      for b in 256 4096; do
+        ncu --clock-control none -k regex:logprob_rank_ --launch-skip 2 --launch-count 2 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          python3 -c 'import sys, torch
+from trace_replay_torch import token_logprob_rank
+b = int(sys.argv[1])
+x = (torch.randn(b, 151936, device="cuda") * 4).bfloat16()
+ids = torch.randint(0, 151936, (b,), device="cuda")
+for _ in range(3):
+    token_logprob_rank(x, ids)
+torch.cuda.synchronize()' "$b" > "$OUT/ncu_logprob_b$b.txt" 2>&1 || status=1
+        grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu_logprob_b$b.txt" | head -n 12
       done ;;
     demo)
       python3 -m trace_replay_app demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;

@@ -124,9 +124,12 @@ class LogprobRankPlan(NamedTuple):
     ``top_k``) only, never of the batch: that is what makes the results batch-invariant.
 
     With top-k: ``tile`` logits per program (a power of two), ``n_tiles`` programs per row,
-    ``num_warps`` per program. Without top-k: ``n_tiles`` chunks per row, each one program that
-    streams ``chunk_blocks`` blocks of ``tile`` logits (:func:`logprob_rank_chunk_kernel`); ``high_bits`` index bits the tree sum folds first (bits above one register
-    pass of the CTA); top-k: ``k_pad`` (0 without top-k; a power of two >= top_k), ``n_groups``
+    ``num_warps`` per program. Without top-k: ``n_tiles`` chunks per row of ``chunk_blocks``
+    blocks of ``tile`` logits, streamed by programs of ``num_warps`` warps
+    (:func:`logprob_rank_chunk_kernel`; how many chunks one program takes is chosen at launch from
+    the batch, :func:`_chunk_group`, and changes no bit). ``high_bits``: index bits the tree sum
+    folds first (bits above one register pass of the CTA); top-k: ``k_pad`` (0 without top-k; a
+    power of two >= top_k), ``n_groups``
     group maxima for the filter, ``cap`` candidates kept per tile; ``tree`` sums tiles in the
     fixed tree of ``_tree_sum`` instead of ``tl.sum`` (default ``LOGPROB_TREE``).
     """
