@@ -94,15 +94,18 @@ LOGPROB_MIN_TILE = 128
 # chunk): the former 10 chunks of 4 x 4096 at 16 warps 6.33 / 14.0 / 31.8 / 402 us at batch
 # 1 / 64 / 256 / 4096; 19 chunks of 4 x 2048 at 4 warps 5.74 / 12.7 / 28.2 / 339 us; 10 chunks of
 # 8 x 2048 27.5 us at 256 and 305 us at 4096 but 6.65 us at 1; 5 chunks of 16 x 2048 291 us at
-# 4096 but 8.34 at 1: more logits per program pays at large batches (the token's two dependent
-# loads and the CTA-wide reductions are paid once per program), more programs at small ones,
-# hence the fine split with ``group`` chunks per program. Triton's software pipelining of the
-# block loop (cp.async, 3-4 stages) and a register double buffer were slower or no faster.
+# 4096 but 8.34 at 1: more logits per program pays at large batches (a program's launch and the
+# token's two dependent loads are paid once per program), more programs at small ones, hence the
+# fine split with ``group`` chunks per program (bench/logprob_rank.py, 01:32 UTC: 5.77 / 29.4 /
+# 325 us at batch 1 / 256 / 4096; each chunk of a group still ends with its own CTA-wide
+# reductions). Triton's software pipelining of the block loop (cp.async, 3-4 stages) and a
+# register double buffer were slower or no faster.
 LOGPROB_BLOCK = 2048
 LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 19
 # Chunks per program: the largest of LOGPROB_GROUPS that leaves at least LOGPROB_MIN_PROGRAMS
-# programs in the grid (about 1.5 waves of 4-warp programs on an H200's 132 SMs).
+# programs in the grid (about 1.7 waves on an H200's 132 SMs at 9 programs per SM, the occupancy
+# ncu reported for 56 registers per thread).
 LOGPROB_GROUPS = (4, 2, 1)
 LOGPROB_MIN_PROGRAMS = 2048
 LOGPROB_ELEMENTS_PER_THREAD = 32
