@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from typing import Dict, List
+from unittest import mock
 
 import numpy as np
 
@@ -50,9 +51,6 @@ def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
         r = {k: out[f"{k}{i}"] for k in ("lp", "rk", "tlp", "tid", "plan") if f"{k}{i}" in out}
         results[c["name"]] = r
     return results
-
-
-_MIN_PROGRAMS = None    # the module's own value, read by the child before any case changes it
 
 
 def _torch_dtypes():
@@ -118,17 +116,16 @@ def run_case(x, ids, temp, case: dict) -> dict:
         t_buf.copy_(torch.from_numpy(np.asarray(temp, dtype=np.float32)))
     plan = plan_logprob_rank(vocab, itemsize, top_k, tile=case.get("tile"), num_warps=case.get("num_warps"),
                              tree=case.get("tree", True), chunk_blocks=case.get("chunk_blocks"))
-    # min_programs=1: several chunks per program even at a small batch (this case only).
-    global _MIN_PROGRAMS
-    if _MIN_PROGRAMS is None:
-        _MIN_PROGRAMS = logprob_rank.LOGPROB_MIN_PROGRAMS
-    logprob_rank.LOGPROB_MIN_PROGRAMS = case.get("min_programs") or _MIN_PROGRAMS
     ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
     args = LogprobRankArgs(logits.data_ptr(), ids_t.data_ptr(), t_buf.data_ptr() if t_buf is not None else 0,
                            lp.data_ptr(), rk.data_ptr(), tlp.data_ptr() if top_k else 0,
                            tid.data_ptr() if top_k else 0, ws.data_ptr(), batch, vocab, stride, top_k)
     dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype)
-    for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in launch_specs(args, dtypes, plan):
+    # min_programs=1: several chunks per program even at a small batch (for this case's launches only).
+    min_programs = case.get("min_programs") or logprob_rank.LOGPROB_MIN_PROGRAMS
+    with mock.patch.object(logprob_rank, "LOGPROB_MIN_PROGRAMS", min_programs):
+        specs = launch_specs(args, dtypes, plan)
+    for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
         kernel[grid](*[bufs.at(p, d) for p, d in zip(ptrs, ptr_dtypes)], *ints, **constexprs)
     result = {"lp": lp[:batch].numpy().copy(), "rk": rk[:batch].numpy().astype(np.int64),
               "plan": np.array([plan.tile, plan.n_tiles, plan.k_pad, plan.cap])}
