@@ -13,6 +13,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # carried pure-Python wheels (benchmarks
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+san() {  # san <tool> <log name> <pytest args...>: one compute-sanitizer run of GPU tests (kernel errors
+         # only), at most SANITIZER_S seconds (0 or unset: no limit)
+  local tool="$1" name="$2"; shift 2
+  timeout -k 5 "${SANITIZER_S:-0}" compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
+    --report-api-errors no python3 -m pytest "$@" -m gpu -q -p no:cacheprovider > "$OUT/sanitizer_${name}.log" 2>&1
+  local rc=$?
+  echo "compute-sanitizer --tool $tool ($name): exit $rc"; grep -E "passed|failed|SUMMARY" "$OUT/sanitizer_${name}.log" | tail -n 3
+  [ $rc -eq 0 ] || status=1
+}
+san_logprob() {  # memcheck and racecheck over the logprob GPU tests (the two largest vocabularies skipped)
+  for tool in memcheck racecheck; do
+    san "$tool" "${tool}_logprob" tests/test_gpu_logprob_rank.py -k "not 262144 and not 151936"
+  done
+}
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench-launch)
 status=0
@@ -42,29 +56,14 @@ for part in "${parts[@]}"; do
       # tier. Soak and lifetime are shortened: the sanitizer slows every launch a lot. The logprob
       # tier keeps torch's caching allocator (its CUDA-graph test allocates from the graph pool)
       # and skips the two largest vocabularies for time.
-      san() {  # san <tool> <log name> <pytest args...>
-        local tool="$1" name="$2"; shift 2
-        compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all --report-api-errors no \
-          python3 -m pytest "$@" -m gpu -q -p no:cacheprovider > "$OUT/sanitizer_${name}.log" 2>&1
-        local rc=$?
-        echo "compute-sanitizer --tool $tool ($name): exit $rc"; grep -E "passed|failed|SUMMARY" "$OUT/sanitizer_${name}.log" | tail -n 3
-        [ $rc -eq 0 ] || status=1
-      }
       TRACE_REPLAY_SOAK_STEPS=2000 TRACE_REPLAY_LIFETIME_CYCLES=100 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
         san memcheck memcheck_replay tests/test_gpu_torch.py tests/test_gpu_reliability.py -k "not without_guard"
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 san racecheck racecheck_replay tests/test_gpu_torch.py -k "not without_guard"
-      for tool in memcheck racecheck; do
-        san "$tool" "${tool}_logprob" tests/test_gpu_logprob_rank.py -k "not 262144 and not 151936"
-      done ;;
+      san_logprob ;;
     sanitizer-logprob)
-      # memcheck and racecheck over the logprob op's GPU tests alone (vocabularies up to 32,000).
-      for tool in memcheck racecheck; do
-        timeout -k 5 "${SANITIZER_S:-150}" compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
-          --report-api-errors no python3 -m pytest tests/test_gpu_logprob_rank.py -m gpu -q -p no:cacheprovider \
-          -k "not 262144 and not 151936" > "$OUT/sanitizer_${tool}_logprob.log" 2>&1
-        rc=$?; echo "compute-sanitizer --tool $tool (logprob): exit $rc"
-        grep -E "passed|failed|SUMMARY" "$OUT/sanitizer_${tool}_logprob.log" | tail -n 3; [ $rc -eq 0 ] || status=1
-      done ;;
+      # memcheck and racecheck over the logprob op's GPU tests alone, each run at most
+      # SANITIZER_S seconds (default 150).
+      SANITIZER_S="${SANITIZER_S:-150}" san_logprob ;;
     profile-logprob)
       # Hardware counters of the logprob kernels (bf16, vocabulary 151,936, batch 256 and 4096):
       # speed of light, occupancy, launch and warp-state sections; the clocks are left alone.
