@@ -21,9 +21,11 @@ Run: ``python bench/logprob_tuning.py`` on a GPU; writes ``bench/results/logprob
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
+from unittest import mock
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,8 +35,12 @@ from harness import (bandwidth, copy_bandwidth, rotating, rows_alone_same_bits, 
 VOCAB = 151_936
 BATCHES = (1, 64, 256, 4096)
 DTYPES = ("bfloat16", "float32")
-# Without top-k: (block, num_warps, chunk_blocks); the shipped default first.
-CHUNK_VARIANTS = ((2048, 4, 4), (4096, 16, 4), (2048, 4, 8), (2048, 4, 16), (1024, 2, 8), (4096, 8, 4))
+# Without top-k: (block, num_warps, chunk_blocks, words, group); the shipped default first.
+# ``words`` False: the element path (the kernel before the fused bfloat16 path; float32 always
+# takes it, so float32 runs only the variants with words True). ``group``: chunks per program
+# forced (None: ``_chunk_group``'s choice from the batch).
+CHUNK_VARIANTS = ((2048, 4, 4, True, None), (2048, 4, 4, False, None), (2048, 4, 4, True, 1), (2048, 4, 4, True, 2),
+                  (2048, 4, 4, True, 4), (2048, 4, 8, True, None))
 # With top-k: (tile, num_warps, tree); the shipped default first.
 TOPK_VARIANTS = ((8192, 8, False), (4096, 4, False), (8192, 16, False))
 TOP_K = 20
@@ -73,6 +79,14 @@ class Call:
         if self.top_k:
             out += [self.tlp[:, :self.top_k].clone(), self.tid[:, :self.top_k].clone()]
         return out
+
+
+def forced_group(group):
+    """Bind with ``group`` chunks per program (None: the shipped choice from the batch)."""
+    from trace_replay_core.kernels import logprob_rank
+    if group is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(logprob_rank, "LOGPROB_GROUPS", (group,))
 
 
 def run_once(torch, call, plan, stream):
@@ -116,19 +130,26 @@ def main() -> None:
                 tile, warps, tree = variant
                 knobs = dict(tile=tile, num_warps=warps, tree=tree)
             else:
-                tile, warps, chunk_blocks = variant
-                knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks)
+                tile, warps, chunk_blocks, words, group = variant
+                if dtype_name == "float32" and (not words or group is not None):
+                    continue
+                knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
+            group = None if top_k else group
             plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
+            if group is not None:
+                knobs["group"] = group
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
             row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_tiles,
                        bytes=nbytes, copy_gbps=copy_gbps)
             try:
-                result = run_once(torch, calls[0], plan, stream)
+                with forced_group(group):
+                    result = run_once(torch, calls[0], plan, stream)
                 inv = invariant(torch, logits, ids, top_k, plan, stream, result)
                 shipped = shipped if shipped is not None else result
                 same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
                 diff = float((result[0] - shipped[0]).abs().max())
-                launches = [c.bind(plan) for c in calls]
+                with forced_group(group):
+                    launches = [c.bind(plan) for c in calls]
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
                            max_abs_logprob_diff_to_shipped=diff)
@@ -145,7 +166,7 @@ def main() -> None:
     path = write_results("logprob_tuning", rows)
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "chunk_blocks",
-                                                     "tree", "us_p50", "gbps_p50", "invariant"]))
+                                                     "words", "group", "tree", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, BATCHES, VOCABS,  # noqa: E402
-                               assert_matches_reference, assert_planted, assert_special, make_case,
+                               assert_matches_reference, assert_planted, assert_special, huge_case, make_case,
                                round_to, special_case)
 from trace_replay_core import bind_logprob_rank, token_logprob_rank  # noqa: E402
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
@@ -83,6 +83,26 @@ def test_gpu_special_values(dtype, vocab):
         ws = torch.full((logprob_rank_workspace_bytes(10, vocab) + extra,), 0xFF, dtype=torch.uint8, device="cuda")
         token_logprob_rank(logits, ids_t, out_logprobs=lp, out_ranks=rk, stream=stream, workspace=ws)
         assert_special(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), expect, f"gpu special {dtype} extra={extra}")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+@pytest.mark.parametrize("vocab", [3000, 151936])
+def test_gpu_logits_beyond_2_20(dtype, vocab):
+    """Rows masked with finfo.min, logits of +-3e38 and rows near -1.5e38: the bfloat16 fast path
+    flags such chunks and the combine kernel re-sums those that matter (huge_case's rows)."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    x, ids = huge_case(vocab)
+    x = round_to(x, dtype)
+    if dtype == "float16":                      # beyond float16's range: only -inf masks there
+        x = np.where(np.abs(x) > 6e4, -np.inf, x).astype(np.float32)
+    logits = _gpu_logits(x, dtype)
+    lp, rk = torch_logprob_rank(logits, torch.from_numpy(ids).cuda())
+    lp, rk = lp.cpu().numpy(), rk.cpu().numpy()
+    assert_matches_reference(x, ids, lp, rk, f"gpu beyond 2**20 {dtype} {vocab}")
+    one, _ = torch_logprob_rank(logits[1:2], torch.from_numpy(ids[1:2]).cuda())
+    assert one.cpu().numpy().view(np.uint32)[0] == lp.view(np.uint32)[1]       # the same bits alone
 
 
 @pytest.mark.gpu

@@ -194,6 +194,38 @@ def special_case(vocab: int = 300, *, rng_seed: int = 7):
     return x, ids, expect
 
 
+BF16_MIN = -3.3895313892515355e38          # torch.finfo(torch.bfloat16).min, exact in every dtype here
+
+
+def huge_case(vocab: int = 3000, *, rng_seed: int = 5):
+    """Rows whose logits reach beyond 2**127 in magnitude, where the fused exponent of the
+    bfloat16 fast path would overflow (the chunk kernel flags such chunks, the combine kernel
+    re-sums them): 0 masked with bfloat16's finfo.min except 5 entries (the token among them),
+    1 only finfo.min, 2 one logit of 3e38 (not the token), 3 the same with that logit as the
+    token, 4 all near -1.5e38 (below 2**127 in magnitude: the fast path itself), 5 -2.5e38 in
+    the first half, -inf in the rest, one plain entry, 6 a plain row, 7 masked with -1e9 except
+    every 97th entry, 8 all within 1 of -1e6 (inside the clamp, at its edge)."""
+    rng = np.random.default_rng(rng_seed)
+    x = rng.standard_normal((9, vocab), dtype=np.float32) * 3.0
+    ids = rng.integers(0, vocab, size=9).astype(np.int64)
+    keep = rng.choice(vocab, size=5, replace=False)
+    x[0, :] = BF16_MIN
+    x[0, keep] = rng.standard_normal(5) * 3.0
+    ids[0] = keep[2]
+    x[1, :] = BF16_MIN
+    x[2, (ids[2] + 5) % vocab] = 3e38
+    x[3, ids[3]] = 3e38
+    x[4, :] = -1.5e38 * (1.0 + rng.random(vocab, dtype=np.float32) * 0.01)
+    x[5, : vocab // 2] = -2.5e38
+    x[5, vocab // 2:] = -np.inf
+    x[5, vocab - 7] = 1.0
+    ids[5] = vocab - 7
+    x[7, np.arange(vocab) % 97 != 0] = -1e9
+    ids[7] = 97 * (ids[7] // 97)
+    x[8, :] = -1e6 + rng.random(vocab, dtype=np.float32)
+    return x, ids
+
+
 def assert_special(x, ids, lp, rk, expect, what):
     lp = np.asarray(lp, dtype=np.float64)
     rk = np.asarray(rk).astype(np.int64)

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_logprob_rank import (TORCH_DTYPES, assert_matches_reference, assert_planted, assert_special,  # noqa: E402
-                               make_case, round_to, special_case)
+                               huge_case, make_case, round_to, special_case)
 from trace_replay_core.kernels.logprob_rank import LOGPROB_BLOCK, LOGPROB_CHUNKS  # noqa: E402
 
 from logprob_interpreter import run_cases  # noqa: E402
@@ -53,6 +53,13 @@ def _interpreter_cases():
     # with one chunk per program: the bits must be the same (test_group_changes_no_bit).
     for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"min_programs": 1})):
         add(name, 5, 3000, "bfloat16", tile=128, data=GROUP_DATA, special=False, **extra)
+    # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_chunk_fast); the
+    # same special rows and logits beyond 2**127 (flagged chunks, re-summed by the combine).
+    for tile in (None, 128):
+        x, ids, _ = special_case(304)
+        add(f"special-bf16-aligned-t{tile}", 10, 304, "bfloat16", tile=tile, data=(x, ids))
+        add(f"huge-bf16-t{tile}", 9, 3000, "bfloat16", tile=tile, data=huge_case(3000), special=False, planted=False)
+    add("huge-f32-t128", 9, 3000, "float32", tile=128, data=huge_case(3000), special=False, planted=False)
     for dtype in TORCH_DTYPES:
         for tile in (None, 128):
             x, ids, _ = special_case()
@@ -81,11 +88,12 @@ def test_kernel_in_interpreter(interpreted, name):
     span = tile * chunk_blocks                                       # whole blocks per chunk, from the vocabulary
     assert n_tiles == -(-vocab // span)
     if case["special"]:
-        _, _, expect = special_case()
+        _, _, expect = special_case(vocab)
         assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")
     else:
         assert_matches_reference(case["x"], case["ids"], lp, rk, f"interpreter {name}")
-        assert_planted(case["x"], case["ids"], rk)
+        if case.get("planted", True):
+            assert_planted(case["x"], case["ids"], rk)
 
 
 def test_group_changes_no_bit(interpreted):

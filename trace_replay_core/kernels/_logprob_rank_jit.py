@@ -15,6 +15,7 @@ __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_tile_kernel", "logprob_ran
 
 _NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)     # a chunk of only -inf keeps a finite maximum
 _LOG2E = tl.constexpr(1.4426950408889634)
+_TAME = tl.constexpr(2.0 ** 20)      # _chunk_fast: line maxima clamped to +-_TAME; a chunk beyond it is flagged
 _KEY_PAD = tl.constexpr(-(2**63))                       # the smallest top-k key: padding, NaN, masked lanes
 
 
@@ -151,6 +152,116 @@ def _fold_block(x, chosen, t, m, s, count, HAS_TEMP: tl.constexpr):
     return m, s, count + tl.sum((y >= chosen).to(tl.int32), axis=1)
 
 
+@triton.jit
+def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, LINES: tl.constexpr, BLOCK: tl.constexpr,
+                HAS_TEMP: tl.constexpr):
+    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)``, element loads,
+    exponentials as ``exp2((y - m) * log2(e))``: exact for any finite logits."""
+    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    count = tl.zeros([LINES], tl.int32)
+    # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+        m, s, count = _fold_block(tl.load(row_ptr + off + cols), chosen, t, m, s, count, HAS_TEMP)
+    # The partial last block, where there is one (only in a row's last chunk). A fully masked
+    # block of -inf would leave finite m, s and count as they are, so it is skipped.
+    if full_end < end:
+        idx = full_end + cols
+        inside = idx < end
+        y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        m, s = _online_update(y, m, s)
+    big = tl.max(m, axis=0)
+    total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
+    return big, total, tl.sum(count, axis=0)
+
+
+@triton.jit
+def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
+    """The max and sum of :func:`_chunk_safe` for the chunk ``[start, end)`` of a row (no
+    temperature), in one plain masked loop: the combine kernel's rare path for chunks that
+    :func:`_chunk_fast` flagged."""
+    m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
+        idx = off + cols
+        m, s = _online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
+    big = tl.max(m, axis=0)
+    return big, tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)
+
+
+@triton.jit
+def _mc(m):
+    """The offset of a line's exponents: ``m * log2(e)`` with ``m`` clamped to ``[-2**20, 2**20]``,
+    so that its rounding error (at most ``2**20 * log2(e) * 2**-24`` < 0.1) keeps every exponent
+    ``y * log2(e) - mc`` of the line's logits ``y <= m`` below 0.1: no term overflows. A line
+    below ``-2**20`` only loses terms to underflow that are ``< 2**-150`` next to a chunk maximum
+    above ``-2**20``; a chunk whose maximum is beyond ``+-2**20`` is flagged (see the chunk kernel)."""
+    return tl.minimum(tl.maximum(m, -_TAME), _TAME) * _LOG2E
+
+
+@triton.jit
+def _online_fast(y, m, s):
+    """:func:`_online_update` with one fused multiply-add per exponent: ``s`` sums
+    ``2**(y * log2(e) - mc)`` with ``mc = _mc(m')`` (rescaled by ``2**(mc_old - mc)`` when the line
+    maximum grows). The chunk's end multiplies each line's sum by ``2**(mc - big * log2(e))``
+    (one rounding), which undoes ``mc``'s own rounding error: the result is that of
+    :func:`_online_update` to within the rounding of the exponents."""
+    m_new = tl.maximum(m, tl.max(y, axis=1))
+    mc = _mc(m_new)
+    terms = tl.sum(tl.exp2(tl.fma(y, _LOG2E, -mc[:, None])), axis=1)
+    return m_new, s * tl.exp2(_mc(m) - mc) + terms
+
+
+@triton.jit
+def _ge_masks(w, chosen_w):
+    """Per 32-bit word of two bfloat16 logits: ``0xFFFF`` in each half whose logit is ``>=`` the
+    chosen one (``chosen_w`` holds it in both halves; NaN compares false), else 0. One packed
+    compare per two logits (PTX ``set.ge.u32.bf16x2``, sm_90)."""
+    return tl.inline_asm_elementwise("set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", [w, chosen_w],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, LINES: tl.constexpr,
+                BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr):
+    """:func:`_chunk_safe` for aligned bfloat16 rows without a temperature: whole blocks read as
+    32-bit words (two logits each, widened by a shift and a mask), exponentials by
+    :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
+    The maximum of a chunk of only -inf is -inf here (``_chunk_safe``: -FLT_MAX); the combine
+    kernel treats both alike."""
+    m = tl.full([LINES], float("-inf"), tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    count = tl.zeros([LINES], tl.int32)
+    masks = tl.zeros([LINES], tl.uint32)
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+        w = tl.load(words + off // 2 + wcols)
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+        m, s = _online_fast(tl.join(lo, hi).reshape([LINES, BLOCK // LINES]), m, s)
+        if PACKED_COUNT:
+            masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded below
+        else:
+            count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
+    if PACKED_COUNT:
+        # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
+        # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most
+        # 4 * chunk_blocks < 2**16 logits: the host checks the plan).
+        packed = masks * 0xFFFEFFFF
+        count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
+    if full_end < end:
+        idx = full_end + cols
+        inside = idx < end
+        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        m, s = _online_fast(y, m, s)
+    big = tl.max(m, axis=0)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
+    total = tl.sum(s * tl.exp2(tl.fma(-big_safe, _LOG2E, _mc(m))), axis=0)
+    return big, total, tl.sum(count, axis=0)
+
+
 # -- kernels ----------------------------------------------------------------------------------------
 
 @triton.jit(
@@ -174,6 +285,8 @@ def logprob_rank_chunk_kernel(
     VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
+    WORDS: tl.constexpr,    # bfloat16, ALIGNED, no temperature: _chunk_fast
+    PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
 ):
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * group
@@ -184,6 +297,11 @@ def logprob_rank_chunk_kernel(
     valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     LINES: tl.constexpr = BLOCK // VEC
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    if WORDS:
+        words = row_ptr.to(tl.pointer_type(tl.int32))
+        wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        bits = (chosen.to(tl.uint32, bitcast=True) >> 16)          # the token's bfloat16 bits
+        chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
     # ``group`` (a runtime value: one compiled kernel for every batch) only says which program
     # computes which chunk; each chunk's partial is computed by the same instructions either way.
     for chunk in range(first, last):
@@ -191,26 +309,21 @@ def logprob_rank_chunk_kernel(
         n_here = tl.minimum(chunk_blocks * BLOCK, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
         end = start + n_here
-        m = tl.full([LINES], _NEG_FLT_MAX, tl.float32)
-        s = tl.zeros([LINES], tl.float32)
-        count = tl.zeros([LINES], tl.int32)
-        # Whole blocks: unmasked (16-byte vector loads when ALIGNED).
-        for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-            m, s, count = _fold_block(tl.load(row_ptr + off + cols), chosen, t, m, s, count, HAS_TEMP)
-        # The partial last block, where there is one (only in a row's last chunk). A fully masked
-        # block of -inf would leave finite m, s and count as they are, so it is skipped.
-        if full_end < end:
-            idx = full_end + cols
-            inside = idx < end
-            y = _scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
-            count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-            m, s = _online_update(y, m, s)
-        big = tl.max(m, axis=0)
-        total = tl.sum(s * tl.exp2((m - big) * _LOG2E), axis=0)   # a line whose max is +inf: NaN
+        if WORDS:
+            big, total, count = _chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen,
+                                            chosen_w, LINES, BLOCK, PACKED_COUNT)
+            # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
+            # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
+            # combine kernel sums it again in the safe form if it can matter to the row (the count
+            # is exact either way). Whether a chunk is flagged depends on its own logits alone.
+            total = tl.where((tl.abs(big) > _TAME) & (tl.abs(big) < float("inf")), -1.0, total)
+        else:
+            big, total, count = _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, LINES, BLOCK,
+                                            HAS_TEMP)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
-        tl.store(part_c_ptr + part, tl.sum(count, axis=0))
+        tl.store(part_c_ptr + part, count)
 
 
 @triton.jit(
@@ -265,7 +378,7 @@ def logprob_rank_tile_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
+    do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k", "chunk_span"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "logprob_ptr", "rank_ptr",
                                     "topk_lp_ptr", "topk_id_ptr", "part_m_ptr", "part_s_ptr", "part_c_ptr",
                                     "part_k_ptr"],
@@ -278,8 +391,11 @@ def logprob_rank_combine_kernel(
     topk_id_ptr,        # [batch, top_k] int32/int64 out (K_PAD > 0)
     part_m_ptr, part_s_ptr, part_c_ptr, part_k_ptr,
     vocab, row_stride, n_tiles, top_k,
+    chunk_span,         # logits per chunk (read where RESUM)
     BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr,
     KEY_TILES: tl.constexpr, TREE: tl.constexpr,
+    RESUM: tl.constexpr,        # the chunk kernel ran _chunk_fast: partials with sum -1 are re-summed
+    RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
@@ -287,9 +403,25 @@ def logprob_rank_combine_kernel(
     base = row * n_tiles
     j = tl.arange(0, BLOCK)
     big = float("-inf")
+    flagged = 0
     for j0 in range(0, n_tiles, BLOCK):
-        big = tl.maximum(big, tl.max(tl.load(part_m_ptr + base + j0 + j, mask=j0 + j < n_tiles,
-                                             other=float("-inf")), axis=0))
+        inside = j0 + j < n_tiles
+        big = tl.maximum(big, tl.max(tl.load(part_m_ptr + base + j0 + j, mask=inside, other=float("-inf")), axis=0))
+        if RESUM:
+            flagged += tl.sum((tl.load(part_s_ptr + base + j0 + j, mask=inside, other=0.0) < 0).to(tl.int32), axis=0)
+    if RESUM:
+        if flagged > 0:
+            # Rare: a flagged chunk (maximum beyond +-2**20) within 128 of the row's maximum is
+            # summed again here; a flagged chunk further below adds s * 2**(< -184) = 0 as it is.
+            LINES: tl.constexpr = RESUM_BLOCK // VEC
+            cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+            for c in range(0, n_tiles):
+                if (tl.load(part_s_ptr + base + c) < 0) & (tl.load(part_m_ptr + base + c) >= big - 128.0):
+                    start = c * chunk_span
+                    m_c, s_c = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES,
+                                           RESUM_BLOCK)
+                    tl.store(part_s_ptr + base + c, s_c)
+            tl.debug_barrier()          # the re-summed partials are read by every thread below
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     total = 0.0
     count = 0
