@@ -39,8 +39,8 @@ DTYPES = ("bfloat16", "float32")
 # ``words`` False: the element path (the kernel before the fused bfloat16 path; float32 always
 # takes it, so float32 runs only the variants with words True). ``group``: chunks per program
 # forced (None: ``_chunk_group``'s choice from the batch).
-CHUNK_VARIANTS = ((2048, 4, 4, True, None), (2048, 4, 4, False, None), (2048, 4, 4, True, 1), (2048, 4, 4, True, 2),
-                  (2048, 4, 4, True, 4), (2048, 4, 8, True, None))
+CHUNK_VARIANTS = ((2048, 4, 4, True, None), (2048, 4, 4, False, None), (2048, 4, 5, True, None),
+                  (2048, 4, 6, True, None), (2048, 4, 8, True, None))
 # With top-k: (tile, num_warps, tree); the shipped default first.
 TOPK_VARIANTS = ((8192, 8, False), (4096, 4, False), (8192, 16, False))
 TOP_K = 20

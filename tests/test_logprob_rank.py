@@ -383,11 +383,12 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
     assert all(_chunk_group(b, n) in (1, 2, 4) for b in (1, 5, 10_000) for n in (1, 2, 3, 19))
     assert plan_logprob_rank(151936, 2, 20)[:3] == (LOGPROB_TILE, 19, 8)
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
-    # 12 bytes per chunk (tile with top-k) and row; with top-k, 8 bytes per kept key and 4 per candidate.
+    # 12 bytes per chunk (tile with top-k) and row; with top-k, 8 bytes per kept key and 4 per
+    # candidate; 8 bytes per row for the token's logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 80                   # 76 bytes rounded to 16
-    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 19 * 4
-    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 19 * (12 + 32 * 8 + 64 * 4)
+    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 80 + 2 * 16           # 76 and 4 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 19 * 4 + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 19 * (12 + 32 * 8 + 64 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
             for top_k in (0, 1, 20, 64):
@@ -397,7 +398,7 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
                 offsets = workspace_layout(batch, plan)
                 assert all(o % 16 == 0 for o in offsets)
                 assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
-                assert offsets[-1] >= batch * plan.n_tiles * (12 + 8 * plan.k_pad + 4 * plan.cap)
+                assert offsets[-1] >= batch * plan.n_tiles * (12 + 8 * plan.k_pad + 4 * plan.cap) + 8 * batch
 
 
 def test_core_imports_no_framework():

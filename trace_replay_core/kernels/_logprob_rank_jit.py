@@ -267,7 +267,7 @@ def _chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chose
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
-                                    "part_c_ptr"],
+                                    "part_c_ptr", "tok_y_ptr", "tok_ok_ptr"],
 )
 def logprob_rank_chunk_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -276,6 +276,8 @@ def logprob_rank_chunk_kernel(
     part_m_ptr,         # [batch * n_chunks] float32 out: chunk maximum (-FLT_MAX for a chunk of -inf)
     part_s_ptr,         # [batch * n_chunks] float32 out: sum of exp(y - max)
     part_c_ptr,         # [batch * n_chunks] int32 out: count of y >= y[token]
+    tok_y_ptr,          # [batch] float32 out: the token's scaled logit (NaN for an invalid id)
+    tok_ok_ptr,         # [batch] int32 out: whether the id is in [0, vocab)
     vocab,
     row_stride,         # elements between rows
     chunk_blocks,       # blocks of BLOCK logits per chunk
@@ -295,6 +297,9 @@ def logprob_rank_chunk_kernel(
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
     valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    if first == 0:          # the row's token, for the combine kernel (it need not load it again)
+        tl.store(tok_y_ptr + row, chosen)
+        tl.store(tok_ok_ptr + row, valid_tok.to(tl.int32))
     LINES: tl.constexpr = BLOCK // VEC
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     if WORDS:
@@ -329,7 +334,7 @@ def logprob_rank_chunk_kernel(
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
-                                    "part_c_ptr", "part_k_ptr", "cand_ptr"],
+                                    "part_c_ptr", "part_k_ptr", "cand_ptr", "tok_y_ptr", "tok_ok_ptr"],
 )
 def logprob_rank_tile_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -340,6 +345,8 @@ def logprob_rank_tile_kernel(
     part_c_ptr,         # [batch * n_tiles] int32 out: count of y >= y[token]
     part_k_ptr,         # [batch * n_tiles, K_PAD] int64 out: the tile's best keys (K_PAD > 0)
     cand_ptr,           # [batch * n_tiles, CAP] int32 scratch: candidate columns (K_PAD > 0)
+    tok_y_ptr,          # [batch] float32 out: the token's scaled logit (NaN for an invalid id)
+    tok_ok_ptr,         # [batch] int32 out: whether the id is in [0, vocab)
     vocab,
     row_stride,         # elements between rows
     n_tiles,            # programs per row
@@ -354,6 +361,9 @@ def logprob_rank_tile_kernel(
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
     valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    if start == 0:          # the row's token, for the combine kernel
+        tl.store(tok_y_ptr + row, chosen)
+        tl.store(tok_ok_ptr + row, valid_tok.to(tl.int32))
     cols = start + tl.arange(0, TILE)
     valid = cols < vocab
     if start + TILE <= vocab:
@@ -379,27 +389,29 @@ def logprob_rank_tile_kernel(
 
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "n_tiles", "top_k", "chunk_span"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "logprob_ptr", "rank_ptr",
-                                    "topk_lp_ptr", "topk_id_ptr", "part_m_ptr", "part_s_ptr", "part_c_ptr",
-                                    "part_k_ptr"],
+    do_not_specialize_on_alignment=["logits_ptr", "logprob_ptr", "rank_ptr", "topk_lp_ptr", "topk_id_ptr",
+                                    "part_m_ptr", "part_s_ptr", "part_c_ptr", "part_k_ptr", "tok_y_ptr",
+                                    "tok_ok_ptr"],
 )
 def logprob_rank_combine_kernel(
-    logits_ptr, ids_ptr, temp_ptr,   # as in the tile kernel (only the token's own logit is read)
+    logits_ptr,         # as in the chunk kernel (read only to re-sum flagged chunks, RESUM)
     logprob_ptr,        # [batch] float32 out
     rank_ptr,           # [batch] int32/int64 out
     topk_lp_ptr,        # [batch, top_k] float32 out (K_PAD > 0)
     topk_id_ptr,        # [batch, top_k] int32/int64 out (K_PAD > 0)
     part_m_ptr, part_s_ptr, part_c_ptr, part_k_ptr,
+    tok_y_ptr, tok_ok_ptr,   # the token's scaled logit and validity, written by the first kernel
     vocab, row_stride, n_tiles, top_k,
     chunk_span,         # logits per chunk (read where RESUM)
-    BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr, K_PAD: tl.constexpr,
     KEY_TILES: tl.constexpr, TREE: tl.constexpr,
     RESUM: tl.constexpr,        # the chunk kernel ran _chunk_fast: partials with sum -1 are re-summed
     RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
-    valid, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    chosen = tl.load(tok_y_ptr + row)
+    valid = tl.load(tok_ok_ptr + row) != 0
     base = row * n_tiles
     j = tl.arange(0, BLOCK)
     big = float("-inf")

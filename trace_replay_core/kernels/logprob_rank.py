@@ -17,7 +17,21 @@ consecutive chunks per program, a runtime value chosen from the batch for speed:
 compiled kernel and the same instructions per chunk at every batch size), keeping a running
 maximum and sum of exponentials per 16-byte line of the block inside each thread and a count of
 ``y >= y[t]``, reduces its lines in a fixed order at the end and writes the partial
-``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in chunk order.
+``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in chunk order
+(one warp per row). The program that holds a row's first chunk (or tile) also writes the row's
+token logit and whether its id is valid to the workspace, so the combine kernel reads them with
+the partials instead of loading the id and then its logit (two dependent round trips less).
+
+The bfloat16 fast path (rows 16-byte aligned, no temperature: ``WORDS``). The chunk kernel reads
+whole blocks as 32-bit words of two logits (widened by a shift and a mask), computes each
+exponent with one fused multiply-add against a per-line offset ``mc = clamp(m, +-2**20) *
+log2(e)`` and undoes the offset's rounding at the chunk's end (``2**(mc - max * log2(e))``, one
+rounding), and counts ``y >= y[t]`` with one packed ``bf16x2`` compare per word. A chunk whose
+maximum is finite beyond ``+-2**20`` (a row masked with ``finfo.min`` instead of -inf, say) has
+its sum flagged (-1); the combine kernel sums such a chunk again in the plain form when it lies
+within 128 of the row's maximum (else it adds nothing either way). Which chunks are flagged
+depends on their own logits only, so the path is as batch-invariant as the other; its bits
+differ from the element path's (other dtypes) in the last places.
 
 Batch invariance, with top-k. Each row is cut into ``n_tiles = cdiv(vocab, tile)`` tiles of ``tile`` logits,
 ``tile`` chosen from the vocabulary alone (:func:`plan_logprob_rank`). Program ``p`` of
@@ -105,8 +119,12 @@ LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 19
 # Aligned bfloat16 rows without a temperature take _chunk_fast: whole blocks read as 32-bit words
 # of two logits, one fused multiply-add per exponent, the rank counted with one packed compare
-# per word: 222 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
-# 3.9), 48 registers instead of 54.
+# per word: 229 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
+# 3.9), 48 registers instead of 54. bench/logprob_tuning.py, H200, 2026-12-02 03:25 UTC, bf16
+# device time p50, fast path vs element path side by side: 5.98 / 5.96 us at batch 1, 12.98 /
+# 13.34 at 64, 27.43 / 29.10 at 256, 314.5 / 327.5 at 4096 (less than the instruction count
+# suggests: the loop is mostly waiting on loads). Chunks of 8 blocks read faster at large batches
+# (302.9 us at 4096, 26.7 at 256) but slower at batch 1 (6.52 us), so the split stays at 4.
 LOGPROB_WORDS = True
 # Chunks per program: the largest of LOGPROB_GROUPS that leaves at least LOGPROB_MIN_PROGRAMS
 # programs in the grid (about 1.7 waves on an H200's 132 SMs at 9 programs per SM, the occupancy
@@ -125,6 +143,10 @@ TOPK_MAX = 64
 COMBINE_BLOCK = 256
 COMBINE_KEYS = 1024
 COMBINE_NUM_WARPS = 4
+# Without top-k the combine kernel merges a row's few partials (19 at vocabulary 151,936) in one
+# warp: shuffles only, no CTA-wide barriers. Its rare re-sum of flagged chunks reads one 16-byte
+# vector per thread per step (47 registers without that path, 70 with it; 118 at two vectors).
+COMBINE_CHUNK_WARPS = 1
 
 
 class LogprobRankPlan(NamedTuple):
@@ -229,13 +251,15 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, tile: Option
     return LogprobRankPlan(tile, _cdiv(vocab, tile), num_warps, high_bits, k_pad, n_groups, cap, tree)
 
 
-def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, int, int, int, int, int]:
-    """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidates) and the
-    total size. ``batch * n_tiles`` partials; each region starts on 16 bytes."""
+def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, int, int, int, int, int, int, int]:
+    """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidates, the
+    token's logit, its validity) and the total size. ``batch * n_tiles`` partials and one token
+    per row; each region starts on 16 bytes."""
     parts = batch * plan.n_tiles
     offsets = []
     at = 0
-    for nbytes in (4 * parts, 4 * parts, 4 * parts, 8 * parts * plan.k_pad, 4 * parts * plan.cap):
+    for nbytes in (4 * parts, 4 * parts, 4 * parts, 8 * parts * plan.k_pad, 4 * parts * plan.cap, 4 * batch,
+                   4 * batch):
         offsets.append(at)
         at += _cdiv(nbytes, 16) * 16
     return (*offsets, at)
@@ -262,25 +286,27 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     if plan.k_pad == 0:
         return _chunk_specs(args, dtypes, plan, itemsize)
     # With top-k (plan.k_pad > 0): the tile kernel, then the combine kernel.
-    off_m, off_s, off_c, off_k, off_cand, _ = workspace_layout(args.batch, plan)
+    off_m, off_s, off_c, off_k, off_cand, off_ty, off_tok, _ = workspace_layout(args.batch, plan)
     ws = args.workspace
     has_temp = args.temperature != 0
     temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
     part_k = ws + off_k
-    tile_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c, part_k, ws + off_cand)
-    tile_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "int64", "int32")
+    tok = (ws + off_ty, ws + off_tok)
+    tile_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c, part_k, ws + off_cand) + tok
+    tile_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "int64", "int32",
+                   "float32", "int32")
     tile_ints = (args.vocab, args.row_stride, plan.n_tiles, args.top_k)
     log_tile = plan.tile.bit_length() - 1
     tile_const = {"TILE": plan.tile, "LOG_TILE": log_tile, "HIGH_BITS": plan.high_bits,
                   "ALIGNED": _aligned(args, itemsize, plan), "HAS_TEMP": has_temp, "K_PAD": plan.k_pad,
                   "N_GROUPS": max(plan.n_groups, 2), "CAP": plan.cap, "TREE": plan.tree}
-    comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.topk_logprobs, args.topk_ids,
-                 ws + off_m, ws + off_s, ws + off_c, part_k)
-    comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", dtypes.topk_ids,
-                   "float32", "float32", "int32", "int64")
+    comb_ptrs = (args.logits, args.logprobs, args.ranks, args.topk_logprobs, args.topk_ids,
+                 ws + off_m, ws + off_s, ws + off_c, part_k) + tok
+    comb_dtypes = (dtypes.logits, "float32", dtypes.ranks, "float32", dtypes.topk_ids,
+                   "float32", "float32", "int32", "int64", "float32", "int32")
     block = min(COMBINE_BLOCK, _next_pow2(max(plan.n_tiles, 2)))
     key_tiles = min(_next_pow2(max(plan.n_tiles, 2)), max(2, COMBINE_KEYS // plan.k_pad))
-    comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp,
+    comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1,
                   "K_PAD": plan.k_pad, "KEY_TILES": key_tiles, "TREE": plan.tree, "RESUM": False,
                   "RESUM_BLOCK": plan.tile, "VEC": 16 // itemsize}
     return [
@@ -302,31 +328,33 @@ def _chunk_group(batch: int, n_chunks: int) -> int:
 
 def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: LogprobRankPlan, itemsize: int):
     """The two launches without top-k: the chunk kernel, then the combine kernel."""
-    off_m, off_s, off_c, _, _, _ = workspace_layout(args.batch, plan)
+    off_m, off_s, off_c, _, _, off_ty, off_tok, _ = workspace_layout(args.batch, plan)
     ws = args.workspace
     has_temp = args.temperature != 0
     temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
     aligned = args.logits % 16 == 0 and (args.batch <= 1 or (args.row_stride * itemsize) % 16 == 0)
-    chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c)
-    chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
+    tok = (ws + off_ty, ws + off_tok)
+    chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c) + tok
+    chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "float32", "int32")
     group = _chunk_group(args.batch, plan.n_tiles)
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles, group)
     words = plan.words and aligned and dtypes.logits == "bfloat16" and not has_temp
     chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
                    "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16}
-    comb_ptrs = (args.logits, args.token_ids, temp, args.logprobs, args.ranks, args.logprobs, args.ranks,
-                 ws + off_m, ws + off_s, ws + off_c, ws + off_m)
-    comb_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", dtypes.ranks, "float32", dtypes.ranks,
-                   "float32", "float32", "int32", "int64")
+    comb_ptrs = (args.logits, args.logprobs, args.ranks, args.logprobs, args.ranks,
+                 ws + off_m, ws + off_s, ws + off_c, ws + off_m) + tok
+    comb_dtypes = (dtypes.logits, "float32", dtypes.ranks, "float32", dtypes.ranks,
+                   "float32", "float32", "int32", "int64", "float32", "int32")
     block = min(COMBINE_BLOCK, _next_pow2(max(plan.n_tiles, 2)))
-    comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "HAS_TEMP": has_temp, "K_PAD": 0,
-                  "KEY_TILES": 2, "TREE": False, "RESUM": words, "RESUM_BLOCK": plan.tile, "VEC": 16 // itemsize}
+    comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "K_PAD": 0,
+                  "KEY_TILES": 2, "TREE": False, "RESUM": words,
+                  "RESUM_BLOCK": 32 * COMBINE_CHUNK_WARPS * (16 // itemsize), "VEC": 16 // itemsize}
     return [
         (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_tiles, group), 1), chunk_ptrs, chunk_dtypes, chunk_ints,
          chunk_const, plan.num_warps),
         (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes,
          (args.vocab, args.row_stride, plan.n_tiles, 0, plan.chunk_blocks * plan.tile), comb_const,
-         COMBINE_NUM_WARPS),
+         COMBINE_CHUNK_WARPS),
     ]
 
 
