@@ -35,12 +35,13 @@ from harness import (bandwidth, copy_bandwidth, rotating, rows_alone_same_bits, 
 VOCAB = 151_936
 BATCHES = (1, 64, 256, 4096)
 DTYPES = ("bfloat16", "float32")
-# Without top-k: (block, num_warps, chunk_blocks, words, group); the shipped default first.
+# Without top-k: (block, num_warps, chunk_blocks, words, group, pdl); the shipped default first.
 # ``words`` False: the element path (the kernel before the fused bfloat16 path; float32 always
 # takes it, so float32 runs only the variants with words True). ``group``: chunks per program
-# forced (None: ``_chunk_group``'s choice from the batch).
-CHUNK_VARIANTS = ((2048, 4, 4, True, None), (2048, 4, 4, False, None), (2048, 4, 5, True, None),
-                  (2048, 4, 6, True, None), (2048, 4, 8, True, None))
+# forced (None: ``_chunk_group``'s choice from the batch). ``pdl`` False: the combine kernel
+# launched the ordinary way instead of as a programmatic dependent launch.
+CHUNK_VARIANTS = ((2048, 4, 4, True, None, True), (2048, 4, 4, True, None, False), (2048, 4, 4, False, None, True),
+                  (2048, 4, 6, True, None, True), (2048, 4, 8, True, None, True))
 # With top-k: (tile, num_warps, tree); the shipped default first.
 TOPK_VARIANTS = ((8192, 8, False), (4096, 4, False), (8192, 16, False))
 TOP_K = 20
@@ -89,6 +90,12 @@ def forced_group(group):
     return mock.patch.object(logprob_rank, "LOGPROB_GROUPS", (group,))
 
 
+def forced_pdl(pdl):
+    """Bind with the combine kernel launched the ordinary way where ``pdl`` is False."""
+    from trace_replay_core.kernels import logprob_rank
+    return contextlib.nullcontext() if pdl else mock.patch.object(logprob_rank, "LOGPROB_PDL", False)
+
+
 def run_once(torch, call, plan, stream):
     call.bind(plan)(stream)
     torch.cuda.synchronize()
@@ -130,25 +137,27 @@ def main() -> None:
                 tile, warps, tree = variant
                 knobs = dict(tile=tile, num_warps=warps, tree=tree)
             else:
-                tile, warps, chunk_blocks, words, group = variant
-                if dtype_name == "float32" and (not words or group is not None):
+                tile, warps, chunk_blocks, words, group, pdl = variant
+                if dtype_name == "float32" and (not words or group is not None or not pdl):
                     continue
                 knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
-            group = None if top_k else group
+            group, pdl = (None, True) if top_k else (group, pdl)
             plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
             if group is not None:
                 knobs["group"] = group
+            if not pdl:
+                knobs["pdl"] = False
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
             row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_tiles,
                        bytes=nbytes, copy_gbps=copy_gbps)
             try:
-                with forced_group(group):
+                with forced_group(group), forced_pdl(pdl):
                     result = run_once(torch, calls[0], plan, stream)
                 inv = invariant(torch, logits, ids, top_k, plan, stream, result)
                 shipped = shipped if shipped is not None else result
                 same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
                 diff = float((result[0] - shipped[0]).abs().max())
-                with forced_group(group):
+                with forced_group(group), forced_pdl(pdl):
                     launches = [c.bind(plan) for c in calls]
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
@@ -166,7 +175,7 @@ def main() -> None:
     path = write_results("logprob_tuning", rows)
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "chunk_blocks",
-                                                     "words", "group", "tree", "us_p50", "gbps_p50", "invariant"]))
+                                                     "words", "group", "pdl", "tree", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,26 @@ def test_gpu_logits_beyond_2_20(dtype, vocab):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_combine_is_a_programmatic_dependent_launch_on_sm90():
+    """On sm_90+ the kernels carry griddepcontrol and bound calls launch the combine kernel as a
+    programmatic dependent launch (the path every GPU test here and the benchmarks exercise)."""
+    from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, _compiled_launches,
+                                                        bind_logprob_rank_launch)
+    major = torch.cuda.get_device_capability()[0]
+    x = torch.randn(3, 1000, device="cuda").bfloat16()
+    ids = torch.tensor([1, 2, 3], device="cuda")
+    lp, rk = torch.full((3,), POISON_LOGPROB, device="cuda"), torch.full((3,), POISON_RANK, device="cuda")
+    ws = torch.empty(logprob_rank_workspace_bytes(3, 1000), dtype=torch.uint8, device="cuda")
+    args = LogprobRankArgs(x.data_ptr(), ids.data_ptr(), 0, lp.data_ptr(), rk.data_ptr(), 0, 0, ws.data_ptr(),
+                           3, 1000, x.stride(0), 0)
+    dtypes = LogprobRankDtypes("bfloat16", "int64", "int64")
+    assert [gdc for *_, gdc in _compiled_launches(args, dtypes, 0, None)] == [major >= 9] * 2
+    bind_logprob_rank_launch(args, dtypes, 0)(torch.cuda.current_stream().cuda_stream)
+    assert_matches_reference(x.float().cpu().numpy(), ids.cpu().numpy(), lp.cpu().numpy(), rk.cpu().numpy(), "pdl")
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_workspace_errors_change_nothing():
     logits = torch.randn(4, 151936, device="cuda")
     ids = torch.zeros(4, dtype=torch.int64, device="cuda")

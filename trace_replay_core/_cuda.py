@@ -62,6 +62,20 @@ def gpu_count() -> int:
         return 0
 
 
+@functools.lru_cache(maxsize=None)
+def compute_capability(device_id: int) -> tuple:
+    """``(major, minor)`` of CUDA device ``device_id``. Host-only, cached."""
+    cu = _driver()
+    _check(cu.cuInit(0), "cuInit")
+    device = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
+    attr = cu.CUdevice_attribute
+    major = _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device),
+                   "cuDeviceGetAttribute")
+    minor = _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
+                   "cuDeviceGetAttribute")
+    return int(major), int(minor)
+
+
 _primary_contexts = {}
 _context_lock = threading.Lock()
 

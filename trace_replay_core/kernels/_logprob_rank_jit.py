@@ -22,6 +22,22 @@ _KEY_PAD = tl.constexpr(-(2**63))                       # the smallest top-k key
 # -- device helpers -------------------------------------------------------------------------------
 
 @triton.jit
+def _launch_dependents():
+    """Let the next kernel on the stream, if launched as a programmatic dependent launch, start
+    now (it waits for this grid's results with :func:`_wait_prerequisites`; PTX
+    ``griddepcontrol``, sm_90)."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_prerequisites():
+    """Wait until the grids this one depends on have finished and their writes are visible (a
+    no-op when the kernel was launched the ordinary way)."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _tree_sum(x, LOG_N: tl.constexpr, HIGH_BITS: tl.constexpr, TREE: tl.constexpr):
     """Sum of the ``2**LOG_N`` elements of ``x`` in a fixed binary tree over the index bits:
     the ``HIGH_BITS`` highest bits first (elements one register pass apart), then the others
@@ -289,7 +305,10 @@ def logprob_rank_chunk_kernel(
     HAS_TEMP: tl.constexpr,
     WORDS: tl.constexpr,    # bfloat16, ALIGNED, no temperature: _chunk_fast
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
+    GDC: tl.constexpr,      # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
 ):
+    if GDC:
+        _launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * group
     last = tl.minimum(first + group, n_chunks)
@@ -353,7 +372,10 @@ def logprob_rank_tile_kernel(
     top_k,
     TILE: tl.constexpr, LOG_TILE: tl.constexpr, HIGH_BITS: tl.constexpr, ALIGNED: tl.constexpr,
     HAS_TEMP: tl.constexpr, K_PAD: tl.constexpr, N_GROUPS: tl.constexpr, CAP: tl.constexpr, TREE: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    if GDC:
+        _launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_tiles
     start = ((pid - row * n_tiles) * TILE).to(tl.int32)
@@ -407,7 +429,10 @@ def logprob_rank_combine_kernel(
     KEY_TILES: tl.constexpr, TREE: tl.constexpr,
     RESUM: tl.constexpr,        # the chunk kernel ran _chunk_fast: partials with sum -1 are re-summed
     RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
+    GDC: tl.constexpr,          # wait for the first kernel (launched as its programmatic dependent)
 ):
+    if GDC:
+        _wait_prerequisites()
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     chosen = tl.load(tok_y_ptr + row)

@@ -147,6 +147,9 @@ COMBINE_NUM_WARPS = 4
 # warp: shuffles only, no CTA-wide barriers. Its rare re-sum of flagged chunks reads one 16-byte
 # vector per thread per step (47 registers without that path, 70 with it; 118 at two vectors).
 COMBINE_CHUNK_WARPS = 1
+# Bound launches queue the combine kernel as a programmatic dependent launch of the first kernel
+# (sm_90+): its programs are scheduled while the first kernel's last programs run.
+LOGPROB_PDL = True
 
 
 class LogprobRankPlan(NamedTuple):
@@ -299,7 +302,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     log_tile = plan.tile.bit_length() - 1
     tile_const = {"TILE": plan.tile, "LOG_TILE": log_tile, "HIGH_BITS": plan.high_bits,
                   "ALIGNED": _aligned(args, itemsize, plan), "HAS_TEMP": has_temp, "K_PAD": plan.k_pad,
-                  "N_GROUPS": max(plan.n_groups, 2), "CAP": plan.cap, "TREE": plan.tree}
+                  "N_GROUPS": max(plan.n_groups, 2), "CAP": plan.cap, "TREE": plan.tree, "GDC": False}
     comb_ptrs = (args.logits, args.logprobs, args.ranks, args.topk_logprobs, args.topk_ids,
                  ws + off_m, ws + off_s, ws + off_c, part_k) + tok
     comb_dtypes = (dtypes.logits, "float32", dtypes.ranks, "float32", dtypes.topk_ids,
@@ -308,7 +311,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     key_tiles = min(_next_pow2(max(plan.n_tiles, 2)), max(2, COMBINE_KEYS // plan.k_pad))
     comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1,
                   "K_PAD": plan.k_pad, "KEY_TILES": key_tiles, "TREE": plan.tree, "RESUM": False,
-                  "RESUM_BLOCK": plan.tile, "VEC": 16 // itemsize}
+                  "RESUM_BLOCK": plan.tile, "VEC": 16 // itemsize, "GDC": False}
     return [
         (logprob_rank_tile_kernel, (args.batch * plan.n_tiles, 1, 1), tile_ptrs, tile_dtypes, tile_ints,
          tile_const, plan.num_warps),
@@ -340,7 +343,7 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_tiles, group)
     words = plan.words and aligned and dtypes.logits == "bfloat16" and not has_temp
     chunk_const = {"BLOCK": plan.tile, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
-                   "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16}
+                   "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False}
     comb_ptrs = (args.logits, args.logprobs, args.ranks, args.logprobs, args.ranks,
                  ws + off_m, ws + off_s, ws + off_c, ws + off_m) + tok
     comb_dtypes = (dtypes.logits, "float32", dtypes.ranks, "float32", dtypes.ranks,
@@ -348,7 +351,8 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
     block = min(COMBINE_BLOCK, _next_pow2(max(plan.n_tiles, 2)))
     comb_const = {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "K_PAD": 0,
                   "KEY_TILES": 2, "TREE": False, "RESUM": words,
-                  "RESUM_BLOCK": 32 * COMBINE_CHUNK_WARPS * (16 // itemsize), "VEC": 16 // itemsize}
+                  "RESUM_BLOCK": 32 * COMBINE_CHUNK_WARPS * (16 // itemsize), "VEC": 16 // itemsize,
+                  "GDC": False}
     return [
         (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_tiles, group), 1), chunk_ptrs, chunk_dtypes, chunk_ints,
          chunk_const, plan.num_warps),
@@ -359,9 +363,12 @@ def _chunk_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Logprob
 
 
 def _compiled_launches(args, dtypes, device_id, plan):
+    from .._cuda import compute_capability
     from ._compiled import compiled
+    gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
     for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps in launch_specs(args, dtypes, plan):
-        yield compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps), grid, ptrs, ints
+        constexprs = dict(constexprs, GDC=gdc)
+        yield compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps), grid, ptrs, ints, gdc
 
 
 def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int, stream: int,
@@ -369,15 +376,18 @@ def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device
     """Queue the call's two kernels on ``stream`` (stream-ordered, never blocking; the first
     call per device and signature compiles, host-blocking). The current CUDA context must be
     that of ``device_id``."""
-    for kernel, grid, ptrs, ints in _compiled_launches(args, dtypes, device_id, plan):
+    for kernel, grid, ptrs, ints, _ in _compiled_launches(args, dtypes, device_id, plan):
         kernel.launch(grid, stream, *ptrs, *ints)
 
 
 def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int,
                              plan: Optional[LogprobRankPlan] = None) -> Callable[[int], None]:
     """Return ``launch(stream)`` that queues this exact call (arguments packed once)."""
-    launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints) for kernel, grid, ptrs, ints
-                                             in _compiled_launches(args, dtypes, device_id, plan)]
+    # The combine kernel (the second) as a programmatic dependent launch where the device allows
+    # it: it is scheduled while the first kernel finishes and waits for its results on the device.
+    launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints, pdl=gdc and i == 1)
+                                             for i, (kernel, grid, ptrs, ints, gdc)
+                                             in enumerate(_compiled_launches(args, dtypes, device_id, plan))]
     first, second = launches
 
     def launch(stream: int) -> None:
