@@ -22,7 +22,7 @@ from test_logprob_topk import assert_topk, processed, special_rows, tied_case  #
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 GPU_VOCAB = 151936
-GPU_BATCHES = (1, 7, 64, 255, 256, 257, 1024)
+GPU_BATCHES = (1, 7, 64, 255, 256, 257, 300, 1024)   # 1, 2 (300) and 4 (1024) chunks per program
 
 
 def _gpu_base(dtype: str, rows: int, seed: int):

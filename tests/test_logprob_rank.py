@@ -377,17 +377,18 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
             assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
             k = plan_logprob_rank(vocab, itemsize, 1)                            # top-k: one tile per program
             assert (k.n_tiles - 1) * k.tile < vocab <= k.n_tiles * k.tile
-    assert plan_logprob_rank(151936, 2)[:2] == (2048, 19) and plan_logprob_rank(151936, 2).chunk_blocks == 4
+    assert plan_logprob_rank(151936, 2)[:2] == (2048, 13) and plan_logprob_rank(151936, 2).chunk_blocks == 6
     # Chunks per program: from the batch (speed only); the grid still covers every chunk once.
     assert [_chunk_group(b, 19) for b in (1, 64, 204, 205, 256, 409, 410, 4096)] == [1, 1, 1, 2, 2, 2, 4, 4]
+    assert [_chunk_group(b, 13) for b in (1, 256, 292, 293, 511, 512, 4096)] == [1, 1, 1, 2, 2, 4, 4]
     assert all(_chunk_group(b, n) in (1, 2, 4) for b in (1, 5, 10_000) for n in (1, 2, 3, 19))
     assert plan_logprob_rank(151936, 2, 20)[:3] == (LOGPROB_TILE, 19, 8)
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
     # 12 bytes per chunk (tile with top-k) and row; with top-k, 8 bytes per kept key and 4 per
     # candidate; 8 bytes per row for the token's logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 80 + 2 * 16           # 76 and 4 bytes rounded to 16
-    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 19 * 4 + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 64 + 2 * 16           # 52 and 4 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 13 * 4 + 2 * 256 * 4
     assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 19 * (12 + 32 * 8 + 64 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):

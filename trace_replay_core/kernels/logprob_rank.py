@@ -11,7 +11,7 @@ and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exact
 
 Batch invariance, without top-k (the common call). Each row is cut into ``n_chunks`` chunks of
 ``chunk_blocks`` whole blocks of ``BLOCK`` logits, both fixed by the vocabulary alone
-(:func:`plan_logprob_rank`; 151,936 logits: 19 chunks of 4 blocks of 2048). Program ``(b, g)``
+(:func:`plan_logprob_rank`; 151,936 logits: 13 chunks of 6 blocks of 2048). Program ``(b, g)``
 of :func:`logprob_rank_chunk_kernel` streams chunks ``g * group ...`` of row ``b`` once (``group``
 consecutive chunks per program, a runtime value chosen from the batch for speed: the same
 compiled kernel and the same instructions per chunk at every batch size), keeping a running
@@ -99,7 +99,7 @@ __all__ = [
 LOGPROB_TILE = 8192
 LOGPROB_MIN_TILE = 128
 # Without top-k (the common call) a row is cut into about LOGPROB_CHUNKS chunks of whole blocks
-# of LOGPROB_BLOCK logits, fixed by the vocabulary (151,936: 19 chunks of 4 blocks of 2048); a
+# of LOGPROB_BLOCK logits, fixed by the vocabulary (151,936: 13 chunks of 6 blocks of 2048); a
 # program of LOGPROB_CHUNK_WARPS warps streams the blocks of ``group`` consecutive chunks
 # (:func:`_chunk_group`, from the batch: where to run a chunk, never how to sum it), keeping a
 # running maximum and sum per 16-byte line of the block inside each thread (no shuffles or
@@ -113,10 +113,13 @@ LOGPROB_MIN_TILE = 128
 # fine split with ``group`` chunks per program (bench/logprob_rank.py, 01:32 UTC: 5.77 / 29.4 /
 # 325 us at batch 1 / 256 / 4096; each chunk of a group still ends with its own CTA-wide
 # reductions). Triton's software pipelining of the block loop (cp.async, 3-4 stages) and a
-# register double buffer were slower or no faster.
+# register double buffer were slower or no faster. With the fused bfloat16 path, the token handed
+# to a one-warp combine kernel and that kernel launched as a programmatic dependent launch
+# (bench/logprob_tuning.py, 03:06 UTC): 4 / 6 / 8 blocks per chunk 4.89 / 5.24 / 5.69 us at batch
+# 1, 25.3 / 25.3 / 25.5 at 256, 293.4 / 286.7 / 285.7 at 4096: hence 13 chunks of 6 blocks.
 LOGPROB_BLOCK = 2048
 LOGPROB_CHUNK_WARPS = 4
-LOGPROB_CHUNKS = 19
+LOGPROB_CHUNKS = 13
 # Aligned bfloat16 rows without a temperature take _chunk_fast: whole blocks read as 32-bit words
 # of two logits, one fused multiply-add per exponent, the rank counted with one packed compare
 # per word: 229 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
