@@ -289,8 +289,8 @@ def logprob_rank_chunk_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
     ids_ptr,            # [batch] int32/int64 token per row
     temp_ptr,           # [batch] float32 temperature (read when HAS_TEMP)
-    part_m_ptr,         # [batch * n_chunks] float32 out: chunk maximum (-FLT_MAX for a chunk of -inf)
-    part_s_ptr,         # [batch * n_chunks] float32 out: sum of exp(y - max)
+    part_m_ptr,         # [batch * n_chunks] float32 out: chunk maximum (a chunk of -inf: -FLT_MAX; WORDS: -inf)
+    part_s_ptr,         # [batch * n_chunks] float32 out: sum of exp(y - max) (WORDS: -1 for a flagged chunk)
     part_c_ptr,         # [batch * n_chunks] int32 out: count of y >= y[token]
     tok_y_ptr,          # [batch] float32 out: the token's scaled logit (NaN for an invalid id)
     tok_ok_ptr,         # [batch] int32 out: whether the id is in [0, vocab)
