@@ -198,13 +198,13 @@ BF16_MIN = -3.3895313892515355e38          # torch.finfo(torch.bfloat16).min, ex
 
 
 def huge_case(vocab: int = 3000, *, rng_seed: int = 5):
-    """Rows whose logits reach beyond 2**127 in magnitude, where the fused exponent of the
-    bfloat16 fast path would overflow (the chunk kernel flags such chunks, the combine kernel
-    re-sums them): 0 masked with bfloat16's finfo.min except 5 entries (the token among them),
-    1 only finfo.min, 2 one logit of 3e38 (not the token), 3 the same with that logit as the
-    token, 4 all near -1.5e38 (below 2**127 in magnitude: the fast path itself), 5 -2.5e38 in
-    the first half, -inf in the rest, one plain entry, 6 a plain row, 7 masked with -1e9 except
-    every 97th entry, 8 all within 1 of -1e6 (inside the clamp, at its edge)."""
+    """Rows whose logits reach beyond 2**20 in magnitude, where the bfloat16 fast path's clamped
+    exponent offsets lose terms (its chunk kernel flags a chunk whose maximum is beyond 2**20;
+    the combine kernel re-sums the flagged chunks that can matter to the row): 0 masked with
+    bfloat16's finfo.min except 5 entries (the token among them), 1 only finfo.min, 2 one logit
+    of 3e38 (not the token), 3 the same with that logit as the token, 4 all near -1.5e38, 5
+    -2.5e38 in the first half, -inf in the rest, one plain entry, 6 a plain row, 7 masked with
+    -1e9 except every 97th entry, 8 all within 1 of -1e6 (inside the clamp, near its edge)."""
     rng = np.random.default_rng(rng_seed)
     x = rng.standard_normal((9, vocab), dtype=np.float32) * 3.0
     ids = rng.integers(0, vocab, size=9).astype(np.int64)

@@ -54,7 +54,7 @@ def _interpreter_cases():
     for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"min_programs": 1})):
         add(name, 5, 3000, "bfloat16", tile=128, data=GROUP_DATA, special=False, **extra)
     # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_chunk_fast); the
-    # same special rows and logits beyond 2**127 (flagged chunks, re-summed by the combine).
+    # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
     for tile in (None, 128):
         x, ids, _ = special_case(304)
         add(f"special-bf16-aligned-t{tile}", 10, 304, "bfloat16", tile=tile, data=(x, ids))
