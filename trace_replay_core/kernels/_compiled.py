@@ -12,9 +12,9 @@ parameter block is packed once, from the parameter list of the kernel's own PTX 
 also names the scratch pointers Triton appends), and every call is a single ``cuLaunchKernel``
 through cuda-bindings on the loaded ``CUfunction`` (``cuLaunchKernelEx`` for a programmatic
 dependent launch, ``bind(..., pdl=True)``: the kernel may start while the one before it on the
-stream finishes, and must wait for it with ``griddepcontrol.wait`` before reading its results). Kernels that need what only Triton's
-launcher does (several CTAs per cluster, cooperative or programmatic-dependent launches) keep
-Triton's launcher.
+stream finishes, and must wait for it with ``griddepcontrol.wait`` before reading its results).
+Kernels compiled to need what only Triton's launcher does (several CTAs per cluster, cooperative
+launches, Triton's own ``launch_pdl`` option) keep Triton's launcher.
 
 Kernels here mark every pointer ``do_not_specialize_on_alignment`` and every size
 ``do_not_specialize``, so one binary serves any pointer alignment and any size: the cache key
