@@ -1,26 +1,31 @@
 """Which block, warp count, chunking and loop form for the batch-invariant logprob kernels?
 
-Question: without top-k, rows are cut into chunks of ``chunk_blocks`` blocks of ``block`` logits,
-streamed by programs of ``num_warps`` warps (one or several chunks per program, chosen from the
-batch: ``_chunk_group``). With top-k, into tiles of ``tile`` logits, each summed by ``tl.sum``
-(``tree=False``, the shipped way) or in a fixed tree. Which choice reads the logits fastest at vocab 151,936, for bfloat16 and
-float32, at batch 1 to 4096, and with top-k 20?
+Question: rows are cut into chunks of ``chunk_blocks`` blocks of ``block`` logits, streamed by
+programs of ``num_warps`` warps (one or several chunks per program, chosen from the batch:
+``_chunk_group``); with top-k, each program then selects its best keys from the chunks it
+streamed. Which choice reads the logits fastest at vocab 151,936, for bfloat16 and float32, at
+batch 1 to 4096, and with top-k 20 (where chunks per program also set how often the selection
+runs)?
 Every choice is batch-invariant by construction; the ``invariant`` column checks it (three rows
 of the batch against the same rows alone, bit for bit).
 
-Method: each variant's plan (``plan_logprob_rank(..., tile=, num_warps=, chunk_blocks=, tree=)``) is bound
-through ``bind_logprob_rank_launch`` (the kernels' launch function, integers only) and timed
+Method: each variant's plan (``plan_logprob_rank(..., block=, num_warps=, chunk_blocks=, words=)``)
+and chunks per program (``group``) are bound through ``bind_logprob_rank_launch`` (the kernels'
+launch function, integers only) and timed
 with ``harness.time_cuda_queued`` (calls queued behind a busy kernel, host cost hidden) on
 copies of the logits rotated so that L2 does not serve them (256 MiB in all, at most 32 copies).
 Each variant's logprobs are compared with the shipped variant's (largest difference; ranks
 and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Run: ``python bench/logprob_tuning.py`` on a GPU; writes ``bench/results/logprob_tuning.json``.
+Run: ``python bench/logprob_tuning.py [--topk-only]`` on a GPU; writes
+``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
+and top-k side by side; writes ``logprob_tuning_topk.json``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -35,15 +40,16 @@ from harness import (bandwidth, copy_bandwidth, rotating, rows_alone_same_bits, 
 VOCAB = 151_936
 BATCHES = (1, 64, 256, 4096)
 DTYPES = ("bfloat16", "float32")
-# Without top-k: (block, num_warps, chunk_blocks, words, group, pdl); the shipped default first.
+# Variants: (block, num_warps, chunk_blocks, words, group, pdl); the shipped default first.
 # ``words`` False: the element path (the kernel before the fused bfloat16 path; float32 always
 # takes it, so float32 runs only the variants with words True). ``group``: chunks per program
 # forced (None: ``_chunk_group``'s choice from the batch). ``pdl`` False: the combine kernel
 # launched the ordinary way instead of as a programmatic dependent launch.
-CHUNK_VARIANTS = ((2048, 4, 4, True, None, True), (2048, 4, 4, True, None, False), (2048, 4, 4, False, None, True),
-                  (2048, 4, 6, True, None, True), (2048, 4, 8, True, None, True))
-# With top-k: (tile, num_warps, tree); the shipped default first.
-TOPK_VARIANTS = ((8192, 8, False), (4096, 4, False), (8192, 16, False))
+CHUNK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, None, False), (2048, 4, 6, False, None, True),
+                  (2048, 4, 4, True, None, True), (2048, 4, 8, True, None, True))
+# With top-k: the shipped plan at each number of chunks per program.
+TOPK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, 1, True), (2048, 4, 6, True, 2, True),
+                 (2048, 4, 6, True, 4, True))
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -70,10 +76,10 @@ class Call:
                                     self.ws.data_ptr(), batch, VOCAB, logits.stride(0), top_k)
         self.dtypes = LogprobRankDtypes(str(logits.dtype).replace("torch.", ""), "int64", "int64", "int64")
 
-    def bind(self, plan):
+    def bind(self, plan, group=None):
         from trace_replay_core.kernels.logprob_rank import bind_logprob_rank_launch, workspace_layout
         assert workspace_layout(self.args.batch, plan)[-1] <= self.ws.numel()
-        return bind_logprob_rank_launch(self.args, self.dtypes, self.logits.device.index, plan)
+        return bind_logprob_rank_launch(self.args, self.dtypes, self.logits.device.index, plan, group)
 
     def results(self):
         out = [self.lp.clone(), self.rk.clone()]
@@ -82,34 +88,31 @@ class Call:
         return out
 
 
-def forced_group(group):
-    """Bind with ``group`` chunks per program (None: the shipped choice from the batch)."""
-    from trace_replay_core.kernels import logprob_rank
-    if group is None:
-        return contextlib.nullcontext()
-    return mock.patch.object(logprob_rank, "LOGPROB_GROUPS", (group,))
-
-
 def forced_pdl(pdl):
     """Bind with the combine kernel launched the ordinary way where ``pdl`` is False."""
     from trace_replay_core.kernels import logprob_rank
     return contextlib.nullcontext() if pdl else mock.patch.object(logprob_rank, "LOGPROB_PDL", False)
 
 
-def run_once(torch, call, plan, stream):
-    call.bind(plan)(stream)
+def run_once(torch, call, plan, stream, group=None):
+    call.bind(plan, group)(stream)
     torch.cuda.synchronize()
     return call.results()
 
 
 def invariant(torch, logits, ids, top_k, plan, stream, result) -> bool:
-    """Whether rows 0, batch // 2 and batch - 1 alone give the bits they have in the batch."""
+    """Whether rows 0, batch // 2 and batch - 1 alone give the bits they have in the batch (each
+    alone with the shipped chunks per program)."""
     def alone(r):
         return run_once(torch, Call(torch, logits[r:r + 1].clone(), ids[r:r + 1].clone(), top_k), plan, stream)
     return rows_alone_same_bits(alone, result, logits.shape[0])
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topk-only", action="store_true",
+                    help="bfloat16 at batch 256 and 4096 only: the shipped plain call and the top-k variants")
+    opts = ap.parse_args()
     import torch
 
     from trace_replay_core.kernels.logprob_rank import plan_logprob_rank
@@ -122,8 +125,12 @@ def main() -> None:
     copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
-    cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
-             + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256,)])
+    if opts.topk_only:
+        cases = [c for b in (256, 4096) for c in (("bfloat16", b, 0, CHUNK_VARIANTS[:1]),
+                                                  ("bfloat16", b, TOP_K, TOPK_VARIANTS))]
+    else:
+        cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
+                 + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256, 4096)])
     for dtype_name, batch, top_k, variants in cases:
         logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(getattr(torch, dtype_name))
         ids = torch.randint(0, VOCAB, (batch,), device=dev)
@@ -133,32 +140,27 @@ def main() -> None:
                                                      for _ in range(n_copies - 1)]
         shipped = None
         for variant in variants:
-            if top_k:
-                tile, warps, tree = variant
-                knobs = dict(tile=tile, num_warps=warps, tree=tree)
-            else:
-                tile, warps, chunk_blocks, words, group, pdl = variant
-                if dtype_name == "float32" and (not words or group is not None or not pdl):
-                    continue
-                knobs = dict(tile=tile, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
-            group, pdl = (None, True) if top_k else (group, pdl)
+            block, warps, chunk_blocks, words, group, pdl = variant
+            if dtype_name == "float32" and (not words or group is not None or not pdl):
+                continue
+            knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
             plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
             if group is not None:
                 knobs["group"] = group
             if not pdl:
                 knobs["pdl"] = False
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
-            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_tiles,
+            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_chunks,
                        bytes=nbytes, copy_gbps=copy_gbps)
             try:
-                with forced_group(group), forced_pdl(pdl):
-                    result = run_once(torch, calls[0], plan, stream)
+                with forced_pdl(pdl):
+                    result = run_once(torch, calls[0], plan, stream, group)
                 inv = invariant(torch, logits, ids, top_k, plan, stream, result)
                 shipped = shipped if shipped is not None else result
                 same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
                 diff = float((result[0] - shipped[0]).abs().max())
-                with forced_group(group), forced_pdl(pdl):
-                    launches = [c.bind(plan) for c in calls]
+                with forced_pdl(pdl):
+                    launches = [c.bind(plan, group) for c in calls]
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
                            max_abs_logprob_diff_to_shipped=diff)
@@ -172,10 +174,10 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning", rows)
+    path = write_results("logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
-    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "tile", "num_warps", "chunk_blocks",
-                                                     "words", "group", "pdl", "tree", "us_p50", "gbps_p50", "invariant"]))
+    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "block", "num_warps", "chunk_blocks",
+                                                     "words", "group", "pdl", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ import os
 import subprocess
 import sys
 from typing import Dict, List
-from unittest import mock
 
 import numpy as np
 
-CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "tile", "num_warps", "tree",
-             "chunk_blocks", "min_programs")
+CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "block", "num_warps", "chunk_blocks",
+             "group")
 
 
 def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
@@ -88,7 +87,6 @@ def run_case(x, ids, temp, case: dict) -> dict:
     """Child side: one call through the interpreter; returns the outputs as numpy arrays."""
     import torch
 
-    from trace_replay_core.kernels import logprob_rank
     from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, launch_specs,
                                                         plan_logprob_rank, workspace_layout)
     td = _torch_dtypes()
@@ -114,24 +112,22 @@ def run_case(x, ids, temp, case: dict) -> dict:
     if temp is not None:
         t_buf = out(batch, "float32")
         t_buf.copy_(torch.from_numpy(np.asarray(temp, dtype=np.float32)))
-    plan = plan_logprob_rank(vocab, itemsize, top_k, tile=case.get("tile"), num_warps=case.get("num_warps"),
-                             tree=case.get("tree", True), chunk_blocks=case.get("chunk_blocks"))
+    plan = plan_logprob_rank(vocab, itemsize, top_k, block=case.get("block"), num_warps=case.get("num_warps"),
+                             chunk_blocks=case.get("chunk_blocks"))
     ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
     args = LogprobRankArgs(logits.data_ptr(), ids_t.data_ptr(), t_buf.data_ptr() if t_buf is not None else 0,
                            lp.data_ptr(), rk.data_ptr(), tlp.data_ptr() if top_k else 0,
                            tid.data_ptr() if top_k else 0, ws.data_ptr(), batch, vocab, stride, top_k)
     dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype)
-    # min_programs=1: several chunks per program even at a small batch (for this case's launches only).
-    min_programs = case.get("min_programs") or logprob_rank.LOGPROB_MIN_PROGRAMS
-    with mock.patch.object(logprob_rank, "LOGPROB_MIN_PROGRAMS", min_programs):
-        specs = launch_specs(args, dtypes, plan)
+    # group: chunks per program forced (several even at a small batch); None: the shipped choice.
+    specs = launch_specs(args, dtypes, plan, case.get("group"))
     for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
         # The interpreter cannot run inline PTX: the chunk kernel counts per logit here instead of
         # with packed compares (an exact integer either way; the GPU tier checks the packed count).
         constexprs = dict(constexprs, PACKED_COUNT=False) if constexprs.get("PACKED_COUNT") else constexprs
         kernel[grid](*[bufs.at(p, d) for p, d in zip(ptrs, ptr_dtypes)], *ints, **constexprs)
     result = {"lp": lp[:batch].numpy().copy(), "rk": rk[:batch].numpy().astype(np.int64),
-              "plan": np.array([plan.tile, plan.n_tiles, plan.k_pad, plan.cap])}
+              "plan": np.array([plan.block, plan.n_chunks, plan.k_pad, plan.cap])}
     if top_k:
         result["tlp"] = tlp[:batch * top_k].numpy().reshape(batch, top_k).copy()
         result["tid"] = tid[:batch * top_k].numpy().reshape(batch, top_k).astype(np.int64)

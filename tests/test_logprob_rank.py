@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from trace_replay_core import (bind_logprob_rank, token_logprob_rank,  # noqa: E402
                                token_logprob_rank_reference)
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
-from trace_replay_core.kernels.logprob_rank import (LOGPROB_BLOCK, LOGPROB_TILE, _chunk_group,  # noqa: E402
+from trace_replay_core.kernels.logprob_rank import (LOGPROB_BLOCK, _chunk_group,  # noqa: E402
                                                     plan_logprob_rank, workspace_layout)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -366,30 +366,31 @@ def test_errors_name_the_argument_and_change_nothing(case):
 
 
 def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
-    # Rows are cut into tiles of a size chosen from the vocabulary alone (the batch is not an
-    # argument): that is what makes the results batch-invariant.
+    # Rows are cut into chunks of whole blocks of a size chosen from the vocabulary alone (the
+    # batch is not an argument): that is what makes the results batch-invariant.
     for vocab in (1, 1000, 4097, 32000, 151936, 262144, 2**30):
         for itemsize in (2, 4):
             p = plan_logprob_rank(vocab, itemsize)
-            assert p.tile & (p.tile - 1) == 0 and 128 <= p.tile <= LOGPROB_BLOCK
-            span = p.chunk_blocks * p.tile                                       # logits per chunk
-            assert (p.n_tiles - 1) * span < vocab <= p.n_tiles * span            # no empty chunk
+            assert p.block & (p.block - 1) == 0 and 128 <= p.block <= LOGPROB_BLOCK
+            span = p.chunk_blocks * p.block                                      # logits per chunk
+            assert (p.n_chunks - 1) * span < vocab <= p.n_chunks * span          # no empty chunk
             assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
-            k = plan_logprob_rank(vocab, itemsize, 1)                            # top-k: one tile per program
-            assert (k.n_tiles - 1) * k.tile < vocab <= k.n_tiles * k.tile
+            for top_k in (1, 20, 64):                                            # top-k: the same chunks
+                k = plan_logprob_rank(vocab, itemsize, top_k)
+                assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == k.cap_l == 2 * k.k_pad
+                assert k.sel == min(128, p.block // (16 // itemsize))
     assert plan_logprob_rank(151936, 2)[:2] == (2048, 13) and plan_logprob_rank(151936, 2).chunk_blocks == 6
     # Chunks per program: from the batch (speed only); the grid still covers every chunk once.
     assert [_chunk_group(b, 19) for b in (1, 64, 204, 205, 256, 409, 410, 4096)] == [1, 1, 1, 2, 2, 2, 4, 4]
     assert [_chunk_group(b, 13) for b in (1, 256, 292, 293, 511, 512, 4096)] == [1, 1, 1, 2, 2, 4, 4]
     assert all(_chunk_group(b, n) in (1, 2, 4) for b in (1, 5, 10_000) for n in (1, 2, 3, 19))
-    assert plan_logprob_rank(151936, 2, 20)[:3] == (LOGPROB_TILE, 19, 8)
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
-    # 12 bytes per chunk (tile with top-k) and row; with top-k, 8 bytes per kept key and 4 per
-    # candidate; 8 bytes per row for the token's logit and validity.
+    # 12 bytes per chunk and row; with top-k, per chunk 8 bytes per kept key and per candidate
+    # key and 4 per candidate line; 8 bytes per row for the token's logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
     assert logprob_rank_workspace_bytes(1, 151936) == 3 * 64 + 2 * 16           # 52 and 4 bytes rounded to 16
     assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 13 * 4 + 2 * 256 * 4
-    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 19 * (12 + 32 * 8 + 64 * 4) + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (12 + 32 * 8 + 64 * 8 + 64 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
             for top_k in (0, 1, 20, 64):
@@ -399,7 +400,8 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
                 offsets = workspace_layout(batch, plan)
                 assert all(o % 16 == 0 for o in offsets)
                 assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
-                assert offsets[-1] >= batch * plan.n_tiles * (12 + 8 * plan.k_pad + 4 * plan.cap) + 8 * batch
+                per_chunk = 12 + (8 * plan.k_pad + 8 * plan.cap + 4 * plan.cap_l if top_k else 0)
+                assert offsets[-1] >= batch * plan.n_chunks * per_chunk + 8 * batch
 
 
 def test_core_imports_no_framework():

@@ -34,38 +34,37 @@ def _interpreter_cases():
         special = data is not None if special is None else special
         cases.append(dict(name=name, x=round_to(x, dtype), ids=ids, dtype=dtype, special=special, **options))
 
-    # The real tile (4096): vocab 32,000 is 8 tiles, the last one partial.
+    # The real block (2048): vocab 32,000 is 8 chunks of 2 blocks, the last one partial.
     add("f32-5x32000", 5, 32000, "float32")
     add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, ids_dtype="int32", rank_dtype="int32")
     add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3, shift=1)
     add("bf16-1x1", 1, 1, "bfloat16")
-    add("bf16-2x8193", 2, 8193, "bfloat16")                         # a last tile of one logit
-    add("f32-3x8192-t4096-tree", 3, 8192, "float32", tree=True)      # the fixed-tree sum
-    # A small tile, to run many tiles, partial tiles and the combine's loop on small rows.
-    add("f32-40x1000-t128", 40, 1000, "float32", tile=128)
-    add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", tile=128, pad=5)
-    add("f16-7x999-t128", 7, 999, "float16", tile=128, rank_dtype="int32")
-    add("f32-3x40000-t128", 3, 40000, "float32", tile=128)            # 313 tiles: two combine steps
+    add("bf16-2x8193", 2, 8193, "bfloat16")                         # a last block of one logit
+    # A small block, to run many chunks, partial blocks and the combine's loop on small rows.
+    add("f32-40x1000-t128", 40, 1000, "float32", block=128)
+    add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", block=128, pad=5)
+    add("f16-7x999-t128", 7, 999, "float16", block=128, rank_dtype="int32")
+    add("f32-3x40000-t128", 3, 40000, "float32", block=128)            # 313 blocks: 13 chunks of 25
     # Chunks of several blocks and of one, a last chunk that is only a partial block.
-    add("f32-3x2000-t128-c5", 3, 2000, "float32", tile=128, chunk_blocks=5)
-    add("f16-2x200-t128-c1", 2, 200, "float16", tile=128, chunk_blocks=1, pad=3, shift=1)
-    # Several chunks per program (min_programs=1: group 4 at any batch), against the same rows
+    add("f32-3x2000-t128-c5", 3, 2000, "float32", block=128, chunk_blocks=5)
+    add("f16-2x200-t128-c1", 2, 200, "float16", block=128, chunk_blocks=1, pad=3, shift=1)
+    # Several chunks per program (group 4 forced), against the same rows
     # with one chunk per program: the bits must be the same (test_group_changes_no_bit).
-    for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"min_programs": 1})):
-        add(name, 5, 3000, "bfloat16", tile=128, data=GROUP_DATA, special=False, **extra)
+    for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"group": 4})):
+        add(name, 5, 3000, "bfloat16", block=128, data=GROUP_DATA, special=False, **extra)
     # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_chunk_fast); the
     # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
-    for tile in (None, 128):
+    for block in (None, 128):
         x, ids, _ = special_case(304)
-        add(f"special-bf16-aligned-t{tile}", 10, 304, "bfloat16", tile=tile, data=(x, ids))
-        add(f"huge-bf16-t{tile}", 9, 3000, "bfloat16", tile=tile, data=huge_case(3000), special=False, planted=False)
-    add("huge-f32-t128", 9, 3000, "float32", tile=128, data=huge_case(3000), special=False, planted=False)
+        add(f"special-bf16-aligned-t{block}", 10, 304, "bfloat16", block=block, data=(x, ids))
+        add(f"huge-bf16-t{block}", 9, 3000, "bfloat16", block=block, data=huge_case(3000), special=False, planted=False)
+    add("huge-f32-t128", 9, 3000, "float32", block=128, data=huge_case(3000), special=False, planted=False)
     for dtype in TORCH_DTYPES:
-        for tile in (None, 128):
+        for block in (None, 128):
             x, ids, _ = special_case()
-            add(f"special-{dtype}-t{tile}", 10, 300, dtype, tile=tile, data=(x, ids))
+            add(f"special-{dtype}-t{block}", 10, 300, dtype, block=block, data=(x, ids))
         x, ids, _ = special_case()
-        add(f"special-{dtype}-t128-g4", 10, 300, dtype, tile=128, min_programs=1, data=(x, ids))
+        add(f"special-{dtype}-t128-g4", 10, 300, dtype, block=128, group=4, data=(x, ids))
     return cases
 
 
@@ -81,12 +80,12 @@ def interpreted(tmp_path_factory):
 def test_kernel_in_interpreter(interpreted, name):
     case, out = interpreted[name]
     lp, rk = out["lp"], out["rk"]
-    tile, n_tiles = out["plan"][:2].tolist()
+    block, n_chunks = out["plan"][:2].tolist()
     vocab = case["x"].shape[1]
-    assert tile == (case.get("tile") or min(LOGPROB_BLOCK, max(128, 1 << (vocab - 1).bit_length())))
-    chunk_blocks = case.get("chunk_blocks") or -(-(-(-vocab // tile)) // LOGPROB_CHUNKS)
-    span = tile * chunk_blocks                                       # whole blocks per chunk, from the vocabulary
-    assert n_tiles == -(-vocab // span)
+    assert block == (case.get("block") or min(LOGPROB_BLOCK, max(128, 1 << (vocab - 1).bit_length())))
+    chunk_blocks = case.get("chunk_blocks") or -(-(-(-vocab // block)) // LOGPROB_CHUNKS)
+    span = block * chunk_blocks                                      # whole blocks per chunk, from the vocabulary
+    assert n_chunks == -(-vocab // span)
     if case["special"]:
         _, _, expect = special_case(vocab)
         assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")

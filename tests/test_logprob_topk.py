@@ -4,7 +4,7 @@ References are float64 numpy, separate from the code under test: the processed l
 ``float32(x) / float32(T)`` (vLLM divides the float32 logits), the normaliser and the logprobs
 are taken in float64 from them, top-k sorts by (value descending, id ascending) with NaN never
 selected. Ids and ranks must match exactly; logprobs within the bound of test_logprob_rank.py.
-Ties are planted on purpose: equal values straddling the k-th place, ties across tiles, -0.0
+Ties are planted on purpose: equal values straddling the k-th place, ties across chunks, -0.0
 against +0.0.
 
 Batch invariance is checked bit for bit: the same rows in batches of 1, 3, 8 and 17 (at other
@@ -124,17 +124,17 @@ def test_cpu_topk_and_temperature_match_reference(batch, vocab, dtype, top_k, wi
 
 # -- special rows ----------------------------------------------------------------------------------
 
-def special_rows(vocab: int, tile: int, rng):
-    """Rows of issue 16: 0 mostly -inf (3 finite), 1 whole tiles of -inf, 2 one finite entry,
+def special_rows(vocab: int, block: int, rng):
+    """Rows of issue 16: 0 mostly -inf (3 finite), 1 whole blocks of -inf, 2 one finite entry,
     3 a NaN, 4 all NaN, 5 all -inf, 6 all equal, 7 -0.0 and +0.0 at the top, 8 a plain row with
-    the big values packed into a few groups of one tile (the top-k filter lets too many through:
-    the tile is merged piece by piece), 9 +inf."""
+    the big values packed into a few lines of one block (the top-k filter lets too many through:
+    that program's logits are merged piece by piece), 9 +inf."""
     x = (rng.standard_normal((10, vocab)) * 3).astype(np.float32)
     x[x == 0] = 0.5
     ids = rng.integers(0, vocab, size=10).astype(np.int64)
     x[0, :] = -np.inf
     x[0, rng.choice(vocab, 3, replace=False)] = [1.0, 2.0, 1.0]
-    x[1, :min(vocab, 2 * tile)] = -np.inf
+    x[1, :min(vocab, 2 * block)] = -np.inf
     x[2, :] = -np.inf
     x[2, vocab // 2] = 0.25
     x[3, vocab // 3] = np.nan
@@ -209,8 +209,8 @@ def test_numpy_backend_is_batch_invariant():
 def _interpreter_invariance_cases():
     rng = np.random.default_rng(21)
     cases, index = [], []
-    # The interpreter runs about two top-k programs a second: few tiles per row there.
-    for dtype, vocab, tile, top_k, with_temp in (("bfloat16", 1000, 512, 5, True), ("float32", 300, None, 0, False),
+    # The interpreter is slow: few chunks per row there.
+    for dtype, vocab, block, top_k, with_temp in (("bfloat16", 1000, 512, 5, True), ("float32", 300, None, 0, False),
                                                  ("float16", 999, 128, 0, True)):
         x, ids, temp = tied_case(rng, 23, vocab, dtype, max(top_k, 1))
         temp = temp if with_temp else None
@@ -219,7 +219,7 @@ def _interpreter_invariance_cases():
             for i, rows in enumerate(batches):
                 name = f"{dtype}-v{vocab}-b{b}-{i}"
                 cases.append(dict(name=name, x=x[rows], ids=ids[rows], temp=None if temp is None else temp[rows],
-                                  dtype=dtype, tile=tile, top_k=top_k))
+                                  dtype=dtype, block=block, top_k=top_k))
         index.append((dtype, vocab, plans, x, ids, temp, top_k))
     return cases, index
 
@@ -247,18 +247,20 @@ def test_kernels_in_interpreter_are_batch_invariant_and_exact(interpreted_invari
 def _interpreter_topk_cases():
     rng = np.random.default_rng(5)
     cases = []
-    for top_k, vocab, tile in ((1, 1000, 256), (5, 1000, 256), (20, 1000, 256), (64, 300, None)):
-        x, ids = special_rows(vocab, tile or 512, rng)
-        cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", tile=tile, top_k=top_k))
+    for top_k, vocab, block in ((1, 1000, 256), (5, 1000, 256), (20, 1000, 256), (64, 300, None)):
+        x, ids = special_rows(vocab, block or 512, rng)
+        cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", block=block, top_k=top_k))
         x, ids, temp = tied_case(rng, 3, 3000, "bfloat16", top_k)
         cases.append(dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k,
                           pad=3, shift=1))
-    # The real tile (the last one has 808 logits); row 8 would run the piecewise merge over 4096
-    # logits, minutes in the interpreter: the GPU tier covers it.
-    x, ids = special_rows(9000, 4096, rng)
-    keep = np.array([0, 1, 2, 3, 5, 7, 9])
-    cases.append(dict(name="special-v9000-k20", x=round_to(x[keep], "bfloat16"), ids=ids[keep], dtype="bfloat16",
-                      top_k=20))
+        if top_k == 20:     # the same rows with 4 chunks per program (block 256: 12 chunks of 1 block)
+            for group in (1, 4):
+                cases.append(dict(name=f"tied-bf16-k20-b256-g{group}", x=x, ids=ids, dtype="bfloat16", top_k=20,
+                                  block=256, group=group))
+    # The real block (vocab 9000: 5 chunks of one block, the last of 808 logits), aligned bfloat16
+    # rows without a temperature (the fused path); row 8 runs the piecewise merge.
+    x, ids = special_rows(9000, 2048, rng)
+    cases.append(dict(name="special-v9000-k20", x=round_to(x, "bfloat16"), ids=ids, dtype="bfloat16", top_k=20))
     cases.append(dict(name="vocab1-k1", x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
                       ids=np.array([0, 0, 1]), dtype="float32", top_k=1))
     x, ids = make_case(rng, 3, 1000, "float32")
@@ -275,7 +277,8 @@ def interpreted_topk(tmp_path_factory):
     return {c["name"]: (c, r) for c, r in zip(cases, run_cases(cases, str(tmp_path_factory.mktemp("topk"))).values())}
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"]])
+@pytest.mark.parametrize("name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"]
+                                  and "-g" not in c["name"]])
 def test_kernels_in_interpreter_topk_special_rows(interpreted_topk, name):
     case, out = interpreted_topk[name]
     y = processed(case["x"], case.get("temp"))
@@ -285,14 +288,22 @@ def test_kernels_in_interpreter_topk_special_rows(interpreted_topk, name):
 
 def test_kernels_in_interpreter_topk_and_unit_temperature_agree(interpreted_topk):
     # T = 1 runs the same kernels as no temperature: the same bits. A call with top-k runs the
-    # tile kernel, which sums in another order than the chunk kernel of a call without it: the
-    # same ranks, logprobs equal to float32 rounding (kernels/logprob_rank.py says so).
+    # chunk kernel with the top-k step on the same plan: the same logprob and rank bits too.
     base = interpreted_topk["top0-same-bits"][1]
     unit = interpreted_topk["t1-same-bits"][1]
     assert unit["lp"].tobytes() == base["lp"].tobytes() and unit["rk"].tobytes() == base["rk"].tobytes()
     topk = interpreted_topk["top20-same-bits"][1]
-    assert topk["rk"].tobytes() == base["rk"].tobytes()
-    np.testing.assert_allclose(topk["lp"], base["lp"], rtol=2e-6, atol=2e-6)
+    assert topk["lp"].tobytes() == base["lp"].tobytes() and topk["rk"].tobytes() == base["rk"].tobytes()
+
+
+def test_kernels_in_interpreter_topk_chunks_per_program_change_no_bit(interpreted_topk):
+    # Four chunks per program select from 4 blocks at once (one threshold, one candidate set):
+    # the same top-k (an exact set), logprobs and ranks as one chunk per program.
+    case, one = interpreted_topk["tied-bf16-k20-b256-g1"]
+    four = interpreted_topk["tied-bf16-k20-b256-g4"][1]
+    for k in ("lp", "rk", "tlp", "tid"):
+        assert one[k].tobytes() == four[k].tobytes(), k
+    assert_topk(processed(case["x"], None), 20, one["tlp"], one["tid"], "interpreter block 256")
 
 
 # -- errors ------------------------------------------------------------------------------------------

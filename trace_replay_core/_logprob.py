@@ -51,10 +51,10 @@ TOPK_MAX = LOGPROB_TOPK_MAX
 
 def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     """Bytes of device workspace a ``[batch, vocab]`` call needs (host-only, pure; the same for
-    every logits dtype): 12 bytes per tile of each row (``cdiv(vocab, 4096)`` tiles for large
-    vocabularies), plus ``8 * k_pad + 8 * k_pad`` per tile with ``top_k`` (``k_pad`` = 8, 32 or 64,
-    the power of two used for ``top_k``). At vocab 151,936: 456 bytes per row, 19.4 KiB per row
-    with ``top_k = 20``. 0 for an empty batch."""
+    every logits dtype): 12 bytes per chunk of each row (13 chunks at vocab 151,936) and 8 per
+    row, plus ``32 * k_pad`` per chunk with ``top_k`` (``k_pad`` = 8, 32 or 64, the power of two
+    used for ``top_k``), each region rounded up to 16 bytes. At vocab 151,936: about 164 bytes
+    per row, 13.5 KiB per row with ``top_k = 20``. 0 for an empty batch."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
     if batch <= 0:
         return 0
@@ -78,12 +78,13 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
 
     Batch-invariant: a row's results have the same bits whatever the batch size, the row's
     position, padding rows or the other rows, for each logits dtype and vocabulary: the
-    reduction order depends on the vocabulary alone (rows are cut into fixed tiles, each summed
-    in one order fixed by the compiled kernel, the tiles merged in order; no atomics). The
+    reduction order depends on the vocabulary alone (rows are cut into fixed chunks, each summed
+    in one order fixed by the compiled kernel, the chunks merged in order; no atomics). The
     compiled kernel depends on the dtypes, the vocabulary, ``top_k > 0``, whether a temperature
     is given and whether rows start on 16-byte boundaries (fixed by the layout: every row of a
-    contiguous array whose rows are a multiple of 16 bytes), never on the batch. The CPU backend
-    is batch-invariant too (numpy, row by row), but its bits differ from the GPU's.
+    contiguous array whose rows are a multiple of 16 bytes), never on the batch. A call with
+    ``top_k`` gives the same logprob and rank bits as one without. The CPU backend is
+    batch-invariant too (numpy, row by row), but its bits differ from the GPU's.
 
     Special values (the same on the GPU and the CPU backend):
 
@@ -254,10 +255,11 @@ def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, te
     check_disjoint([("workspace", wsv)] + named)
     if batch == 0:
         return None
-    from .kernels.logprob_rank import LOGPROB_TILE, LogprobRankArgs, LogprobRankDtypes
-    if -(-vocab // LOGPROB_TILE) * batch > INT32_MAX:
+    from .kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes, plan_logprob_rank
+    n_chunks = plan_logprob_rank(vocab, 2, top_k).n_chunks
+    if n_chunks * batch > INT32_MAX:
         raise ValueError(f"logits has too many rows for one call (got shape {[batch, vocab]}; at most "
-                         f"{INT32_MAX // -(-vocab // LOGPROB_TILE)} rows at this vocabulary)")
+                         f"{INT32_MAX // n_chunks} rows at this vocabulary)")
     # One row: its stride only tells the alignment of the layout (never used to address).
     row_stride = lv.strides[0] if 0 <= lv.strides[0] <= INT32_MAX else 0
     args = LogprobRankArgs(lv.ptr, iv.ptr, tv.ptr if tv is not None else 0, lpv.ptr, rkv.ptr,

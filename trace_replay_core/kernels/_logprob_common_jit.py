@@ -1,0 +1,33 @@
+"""Device helpers that every part of the logprob-and-rank op's ``@triton.jit`` code shares: its
+constants, the temperature, and the online log-sum-exp of one block."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)     # a chunk of only -inf keeps a finite maximum
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def scaled(x, t, HAS_TEMP: tl.constexpr):
+    """``x / t`` where there is a temperature (IEEE division, as ``logits / T`` in torch and
+    numpy), else ``x``."""
+    if HAS_TEMP:
+        return tl.math.div_rn(x, t)
+    else:
+        return x
+
+
+@triton.jit
+def online_update(x, m, s):
+    """Fold the ``[LINES, VEC]`` block ``x`` into the per-line running max ``m`` and sum ``s``
+    (an online log-sum-exp: ``m' = max(m, max(x))``, ``s' = s * exp(m - m') + sum(exp(x - m'))``).
+    Each thread owns whole lines of ``VEC`` contiguous logits (one 16-byte vector), so the line
+    max and line sum stay inside the thread: no shuffles, no barriers. A NaN never becomes a
+    line maximum (IEEE maxNum), but poisons the sum."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    scale = tl.exp2((m - m_new) * LOG2E)                 # m = m_new = +inf: NaN, as it should
+    terms = tl.exp2((x - m_new[:, None]) * LOG2E)        # x = -inf: 0; x = NaN: NaN
+    return m_new, s * scale + tl.sum(terms, axis=1)

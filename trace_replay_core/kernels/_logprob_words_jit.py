@@ -1,0 +1,85 @@
+"""The fused path of the logprob chunk kernel for aligned bfloat16 rows without a temperature
+(``WORDS``): whole blocks read as 32-bit words of two logits, one fused multiply-add per
+exponent, the rank counted with one packed compare per word. The contract and the handling of
+logits beyond ``+-2**20`` are described in :mod:`.logprob_rank`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._logprob_common_jit import LOG2E
+
+TAME = tl.constexpr(2.0 ** 20)      # line maxima clamped to +-TAME; a chunk beyond it is flagged
+
+
+@triton.jit
+def _mc(m):
+    """The offset of a line's exponents: ``m * log2(e)`` with ``m`` clamped to ``[-2**20, 2**20]``,
+    so that its rounding error (at most ``2**20 * log2(e) * 2**-24`` < 0.1) keeps every exponent
+    ``y * log2(e) - mc`` of the line's logits ``y <= m`` below 0.1: no term overflows. A line
+    below ``-2**20`` only loses terms to underflow that are ``< 2**-150`` next to a chunk maximum
+    above ``-2**20``; a chunk whose maximum is beyond ``+-2**20`` is flagged (see the chunk kernel)."""
+    return tl.minimum(tl.maximum(m, -TAME), TAME) * LOG2E
+
+
+@triton.jit
+def _online_fast(y, m, s):
+    """``online_update`` with one fused multiply-add per exponent: ``s`` sums
+    ``2**(y * log2(e) - mc)`` with ``mc = _mc(m')`` (rescaled by ``2**(mc_old - mc)`` when the line
+    maximum grows). The chunk's end multiplies each line's sum by ``2**(mc - big * log2(e))``
+    (one rounding), which undoes ``mc``'s own rounding error: the result is that of
+    ``online_update`` to within the rounding of the exponents."""
+    m_new = tl.maximum(m, tl.max(y, axis=1))
+    mc = _mc(m_new)
+    terms = tl.sum(tl.exp2(tl.fma(y, LOG2E, -mc[:, None])), axis=1)
+    return m_new, s * tl.exp2(_mc(m) - mc) + terms
+
+
+@triton.jit
+def _ge_masks(w, chosen_w):
+    """Per 32-bit word of two bfloat16 logits: ``0xFFFF`` in each half whose logit is ``>=`` the
+    chosen one (``chosen_w`` holds it in both halves; NaN compares false), else 0. One packed
+    compare per two logits (PTX ``set.ge.u32.bf16x2``, sm_90)."""
+    return tl.inline_asm_elementwise("set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", [w, chosen_w],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, LINES: tl.constexpr,
+               BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr):
+    """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature: whole
+    blocks read as 32-bit words (two logits each, widened by a shift and a mask), exponentials by
+    :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
+    Returns ``(max, sum, count, line maxima)``. The maximum of a chunk of only -inf is -inf here
+    (``chunk_safe``: -FLT_MAX); the combine kernel treats both alike."""
+    m = tl.full([LINES], float("-inf"), tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    count = tl.zeros([LINES], tl.int32)
+    masks = tl.zeros([LINES], tl.uint32)
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+        w = tl.load(words + off // 2 + wcols)
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+        m, s = _online_fast(tl.join(lo, hi).reshape([LINES, BLOCK // LINES]), m, s)
+        if PACKED_COUNT:
+            masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded below
+        else:
+            count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
+    if PACKED_COUNT:
+        # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
+        # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most
+        # 4 * chunk_blocks < 2**16 logits: the host checks the plan).
+        packed = masks * 0xFFFEFFFF
+        count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
+    if full_end < end:
+        idx = full_end + cols
+        inside = idx < end
+        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        m, s = _online_fast(y, m, s)
+    big = tl.max(m, axis=0)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
+    total = tl.sum(s * tl.exp2(tl.fma(-big_safe, LOG2E, _mc(m))), axis=0)
+    return big, total, tl.sum(count, axis=0), m
