@@ -377,7 +377,7 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
             assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
             for top_k in (1, 20, 64):                                            # top-k: the same chunks
                 k = plan_logprob_rank(vocab, itemsize, top_k)
-                assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == k.cap_l == 2 * k.k_pad
+                assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == 2 * k.k_pad and k.cap_p == 4 * k.k_pad
                 assert k.sel == min(128, p.block // (16 // itemsize))
     assert plan_logprob_rank(151936, 2)[:2] == (2048, 13) and plan_logprob_rank(151936, 2).chunk_blocks == 6
     # Chunks per program: from the batch (speed only); the grid still covers every chunk once.
@@ -386,11 +386,11 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
     assert all(_chunk_group(b, n) in (1, 2, 4) for b in (1, 5, 10_000) for n in (1, 2, 3, 19))
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
     # 12 bytes per chunk and row; with top-k, per chunk 8 bytes per kept key and per candidate
-    # key and 4 per candidate line; 8 bytes per row for the token's logit and validity.
+    # key and 4 per candidate vector; 8 bytes per row for the token's logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
     assert logprob_rank_workspace_bytes(1, 151936) == 3 * 64 + 2 * 16           # 52 and 4 bytes rounded to 16
     assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 13 * 4 + 2 * 256 * 4
-    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (12 + 32 * 8 + 64 * 8 + 64 * 4) + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (12 + 32 * 8 + 64 * 8 + 128 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
             for top_k in (0, 1, 20, 64):
@@ -400,7 +400,7 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
                 offsets = workspace_layout(batch, plan)
                 assert all(o % 16 == 0 for o in offsets)
                 assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
-                per_chunk = 12 + (8 * plan.k_pad + 8 * plan.cap + 4 * plan.cap_l if top_k else 0)
+                per_chunk = 12 + (8 * plan.k_pad + 8 * plan.cap + 4 * plan.cap_p if top_k else 0)
                 assert offsets[-1] >= batch * plan.n_chunks * per_chunk + 8 * batch
 
 

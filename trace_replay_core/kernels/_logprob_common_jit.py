@@ -31,3 +31,19 @@ def online_update(x, m, s):
     scale = tl.exp2((m - m_new) * LOG2E)                 # m = m_new = +inf: NaN, as it should
     terms = tl.exp2((x - m_new[:, None]) * LOG2E)        # x = -inf: 0; x = NaN: NaN
     return m_new, s * scale + tl.sum(terms, axis=1)
+
+
+@triton.jit
+def track_lines(y, off, g1, g2, gab, TRACK: tl.constexpr):
+    """With ``TRACK`` (top-k), fold the ``[LINES, VEC]`` block ``y`` that starts at column ``off``
+    into each line's running maximum ``g1``, the block where it was first reached ``gab`` (its
+    starting column) and the maximum over the line's other blocks ``g2``. A line's logits
+    ``>= tau`` then lie in its vector at ``gab`` alone when ``g2 < tau`` (top-k reads back that one
+    vector). Without ``TRACK``, the inputs are returned as they are."""
+    if TRACK:
+        bm = tl.max(y, axis=1)
+        up = bm > g1
+        g2 = tl.where(up, g1, tl.maximum(g2, bm))
+        gab = tl.where(up, off, gab)
+        g1 = tl.maximum(g1, bm)
+    return g1, g2, gab

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E, NEG_FLT_MAX, online_update, scaled
+from ._logprob_common_jit import LOG2E, NEG_FLT_MAX, online_update, scaled, track_lines
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
 from ._logprob_words_jit import TAME, chunk_fast
 
@@ -51,24 +51,20 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _fold_block(x, chosen, t, m, s, count, HAS_TEMP: tl.constexpr):
-    """Fold one whole loaded block into the running line maxima, sums and counts."""
-    y = scaled(x.to(tl.float32), t, HAS_TEMP)
-    m, s = online_update(y, m, s)
-    return m, s, count + tl.sum((y >= chosen).to(tl.int32), axis=1)
-
-
-@triton.jit
-def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, LINES: tl.constexpr, BLOCK: tl.constexpr,
-                HAS_TEMP: tl.constexpr):
-    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen, line maxima)``,
-    element loads, exponentials as ``exp2((y - m) * log2(e))``: exact for any finite logits."""
+def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LINES: tl.constexpr,
+                BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr):
+    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
+    tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
+    for any finite logits."""
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-        m, s, count = _fold_block(tl.load(row_ptr + off + cols), chosen, t, m, s, count, HAS_TEMP)
+        y = scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
+        g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+        m, s = online_update(y, m, s)
+        count += tl.sum((y >= chosen).to(tl.int32), axis=1)
     # The partial last block, where there is one (only in a row's last chunk). A fully masked
     # block of -inf would leave finite m, s and count as they are, so it is skipped.
     if full_end < end:
@@ -76,10 +72,11 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, LINES: tl.conste
         inside = idx < end
         y = scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
         count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
     big = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)   # a line whose max is +inf: NaN
-    return big, total, tl.sum(count, axis=0), m
+    return big, total, tl.sum(count, axis=0), g1, g2, gab
 
 
 @triton.jit
@@ -101,7 +98,7 @@ def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.conste
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
                                     "part_c_ptr", "tok_y_ptr", "tok_ok_ptr", "part_k_ptr", "cand_ptr",
-                                    "lines_ptr"],
+                                    "pairs_ptr"],
 )
 def logprob_rank_chunk_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -114,7 +111,7 @@ def logprob_rank_chunk_kernel(
     tok_ok_ptr,         # [batch] int32 out: whether the id is in [0, vocab)
     part_k_ptr,         # [batch * n_chunks, TOPK] int64 out: a program's best keys at its first chunk (TOPK > 0)
     cand_ptr,           # [batch * n_chunks, CAP] int64 scratch: candidate keys (TOPK > 0)
-    lines_ptr,          # [batch * n_chunks, CAP_L] int32 scratch: candidate lines (TOPK > 0)
+    pairs_ptr,          # [batch * n_chunks, CAP_P] int32 scratch: first columns of candidate vectors (TOPK > 0)
     vocab,
     row_stride,         # elements between rows
     chunk_blocks,       # blocks of BLOCK logits per chunk
@@ -129,7 +126,8 @@ def logprob_rank_chunk_kernel(
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,      # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
     TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
-    SEL: tl.constexpr, CAP_L: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr, PIECE: tl.constexpr,
+    SEL: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr,
+    PIECE: tl.constexpr,
 ):
     if GDC:
         _launch_dependents()
@@ -150,8 +148,10 @@ def logprob_rank_chunk_kernel(
         wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
         bits = (chosen.to(tl.uint32, bitcast=True) >> 16)          # the token's bfloat16 bits
         chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
-    if TOPK > 0:
-        gacc = tl.full([LINES], float("-inf"), tl.float32)         # each line's maximum over the program
+    # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
+    g1 = tl.full([LINES], float("-inf"), tl.float32)
+    g2 = tl.full([LINES], float("-inf"), tl.float32)
+    gab = tl.zeros([LINES], tl.int32) + first * (chunk_blocks * BLOCK)
     span = chunk_blocks * BLOCK
     # ``group`` (a runtime value: one compiled kernel for every batch) only says which program
     # computes which chunk; each chunk's partial is computed by the same instructions either way.
@@ -161,28 +161,26 @@ def logprob_rank_chunk_kernel(
         full_end = start + (n_here // BLOCK) * BLOCK
         end = start + n_here
         if WORDS:
-            big, total, count, m = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen,
-                                              chosen_w, LINES, BLOCK, PACKED_COUNT)
+            big, total, count, g1, g2, gab = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen,
+                                                        chosen_w, g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
             # is exact either way). Whether a chunk is flagged depends on its own logits alone.
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
-            big, total, count, m = _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, LINES, BLOCK,
-                                               HAS_TEMP)
+            big, total, count, g1, g2, gab = _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2,
+                                                         gab, LINES, BLOCK, HAS_TEMP, TOPK > 0)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
         tl.store(part_c_ptr + part, count)
-        if TOPK > 0:
-            gacc = tl.maximum(gacc, m)
     if TOPK > 0:
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
         # the row's top-k), at its first chunk's slot; its other slots get padding.
         slot = row * n_chunks + first
-        best = program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), gacc, t, top_k,
-                            lines_ptr + slot * CAP_L, cand_ptr + slot * CAP, LINES, VEC, BLOCK, SEL, TOPK, CAP_L,
+        best = program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), g1, g2, gab, t, top_k,
+                            pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, LINES, VEC, BLOCK, SEL, TOPK, CAP_P, PAIRS,
                             CAP, RESCAN, PIECE, HAS_TEMP)
         kk = tl.arange(0, TOPK)
         tl.store(part_k_ptr + slot * TOPK + kk, best)

@@ -3,14 +3,16 @@ logits it streamed, reading back only what can be among them.
 
 A key orders (value descending, then id ascending) as one 64-bit integer, so selection is by a
 total order: the same set whatever order the candidates are found in. The filter, after the
-program's one streaming pass (which leaves each 16-byte line's maximum over the program's blocks
-in registers, ``gacc``):
+program's one streaming pass (which leaves in registers, per 16-byte line, its maximum over the
+program's blocks ``g1``, the block where it was first reached ``gab`` and the maximum over the
+line's other blocks ``g2``: ``track_lines``):
 
 1. ``tau`` = the ``top_k``-th largest of ``SEL`` group maxima (each the maximum of a few lines):
    ``top_k`` distinct logits are ``>= tau``, so the program's best ``top_k`` are all ``>= tau``.
-2. Lines: only lines with ``gacc >= tau`` can hold a logit ``>= tau``. When at most ``CAP_L`` do
-   (the common case: about ``top_k``), their vectors are read back (the program's data is still
-   in cache), and the logits ``>= tau`` are compacted into ``CAP`` slots of the workspace.
+2. Vectors: only lines with ``g1 >= tau`` can hold a logit ``>= tau``, and only in their vector
+   at ``gab`` unless ``g2 >= tau`` too (then in any of their blocks). When at most ``CAP_P``
+   vectors are needed (the common case: about ``top_k``), they are read back (the program's data
+   is still in cache) and their logits ``>= tau`` compacted into ``CAP`` slots of the workspace.
 3. Otherwise (many lines tie at ``tau``: a row masked with -inf, say), or when more than ``CAP``
    logits pass, the program's logits are read back in column order and compacted with the ties at
    ``tau`` cut to the ``top_k`` lowest columns (only those can be selected).
@@ -75,12 +77,12 @@ def _compact_capped(sel, vals, dst, n, CAP: tl.constexpr):
 
 
 @triton.jit
-def _tau(gacc, top_k, LINES: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr):
+def _tau(g1, top_k, LINES: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr):
     """The ``top_k``-th largest of ``SEL`` group maxima (lines ``g, g + SEL, ...`` per group: one
     thread's lines, so the first reduction stays in registers); -inf where that is ``-FLT_MAX``
     (the element path's start value, not a logit) or when there are fewer than ``K_PAD`` groups."""
     if SEL >= K_PAD:
-        g = tl.max(tl.reshape(gacc, [LINES // SEL, SEL]), axis=0)
+        g = tl.max(tl.reshape(g1, [LINES // SEL, SEL]), axis=0)
         top = tl.topk(g, K_PAD)                                    # sorted, largest first
         tau = tl.max(tl.where(tl.arange(0, K_PAD) == top_k - 1, top, float("-inf")), axis=0)
         return tl.where(tau <= NEG_FLT_MAX, float("-inf"), tau)
@@ -89,24 +91,33 @@ def _tau(gacc, top_k, LINES: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexp
 
 
 @triton.jit
-def _from_lines(row_ptr, lo, hi, gacc, tau, t, lines_dst, cand_dst, LINES: tl.constexpr, VEC: tl.constexpr,
-                BLOCK: tl.constexpr, CAP_L: tl.constexpr, CAP: tl.constexpr, HAS_TEMP: tl.constexpr):
-    """Step 2: the logits ``>= tau`` of the lines that can hold one, into ``cand_dst``; their
-    number, or -1 if more than ``CAP_L`` lines or ``CAP`` logits would be needed."""
-    cand_lines = gacc >= tau
-    n_lines = tl.sum(cand_lines.to(tl.int32), axis=0)
+def _from_vectors(row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LINES: tl.constexpr, VEC: tl.constexpr,
+                  BLOCK: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr,
+                  HAS_TEMP: tl.constexpr):
+    """Step 2: the logits ``>= tau`` of the vectors that can hold one, into ``cand_dst``; their
+    number, or -1 if more than ``CAP_P`` vectors or ``CAP`` logits would be needed. A line with
+    ``g1 >= tau`` needs its vector at ``gab`` alone when ``g2 < tau``, else all its blocks."""
+    cand = g1 >= tau
+    every = cand & (g2 >= tau)
+    n_blocks = (hi - lo + BLOCK - 1) // BLOCK
+    per_line = tl.where(every, n_blocks, cand.to(tl.int32))
+    n_vec = tl.sum(per_line, axis=0)
     n = -1
-    if n_lines <= CAP_L:
-        _compact(cand_lines, tl.arange(0, LINES), lines_dst, 0)
-        tl.debug_barrier()                       # the line ids are read by other threads below
-        jl = tl.arange(0, CAP_L)
-        line_ok = jl < n_lines
-        line = tl.load(lines_dst + jl, mask=line_ok, other=0)
-        offs = line[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    if n_vec <= CAP_P:
+        at = tl.cumsum(per_line, axis=0) - per_line
+        line_col = tl.arange(0, LINES) * VEC
+        tl.store(pairs_dst + at, gab + line_col, mask=cand & ~every)
+        if tl.sum(every.to(tl.int32), axis=0) > 0:
+            for b in range(0, n_blocks):
+                tl.store(pairs_dst + at + b, lo + b * BLOCK + line_col, mask=every)
+        tl.debug_barrier()                   # the vectors' columns are read by other threads below
+        jp = tl.arange(0, PAIRS)
         n = 0
-        for off in range(lo, hi, BLOCK):
-            cols = off + offs
-            ok = line_ok[:, None] & (cols < hi)
+        for p0 in range(0, n_vec, PAIRS):
+            vec_ok = p0 + jp < n_vec
+            first = tl.load(pairs_dst + p0 + jp, mask=vec_ok, other=0)
+            cols = first[:, None] + tl.arange(0, VEC)[None, :]
+            ok = vec_ok[:, None] & (cols < hi)
             y = _load_scaled(row_ptr, cols, ok, t, HAS_TEMP)
             ge = ok & (y >= tau)
             n += _compact_capped(ge, keys_of(y, cols, ge), cand_dst, n, CAP)
@@ -150,13 +161,16 @@ def _pieces(row_ptr, lo, hi, t, K_PAD: tl.constexpr, PIECE: tl.constexpr, HAS_TE
 
 
 @triton.jit
-def program_topk(row_ptr, lo, hi, gacc, t, top_k, lines_dst, cand_dst, LINES: tl.constexpr, VEC: tl.constexpr,
-                 BLOCK: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr, CAP_L: tl.constexpr,
-                 CAP: tl.constexpr, RESCAN: tl.constexpr, PIECE: tl.constexpr, HAS_TEMP: tl.constexpr):
+def program_topk(row_ptr, lo, hi, g1, g2, gab, t, top_k, pairs_dst, cand_dst, LINES: tl.constexpr,
+                 VEC: tl.constexpr, BLOCK: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr, CAP_P: tl.constexpr,
+                 PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr, PIECE: tl.constexpr,
+                 HAS_TEMP: tl.constexpr):
     """The best ``K_PAD`` keys of columns ``[lo, hi)`` of the row (exact for the best ``top_k``),
-    sorted, largest first; ``gacc`` holds each line's maximum over those columns."""
-    tau = _tau(gacc, top_k, LINES, SEL, K_PAD)
-    n = _from_lines(row_ptr, lo, hi, gacc, tau, t, lines_dst, cand_dst, LINES, VEC, BLOCK, CAP_L, CAP, HAS_TEMP)
+    sorted, largest first; ``g1``, ``g2``, ``gab``: the line tracking of ``track_lines`` over
+    those columns."""
+    tau = _tau(g1, top_k, LINES, SEL, K_PAD)
+    n = _from_vectors(row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LINES, VEC, BLOCK, CAP_P, PAIRS,
+                      CAP, HAS_TEMP)
     if n < 0:
         n = _rescan(row_ptr, lo, hi, tau, t, top_k, cand_dst, CAP, RESCAN, HAS_TEMP)
     if n >= 0:

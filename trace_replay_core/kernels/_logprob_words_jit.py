@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E
+from ._logprob_common_jit import LOG2E, track_lines
 
 TAME = tl.constexpr(2.0 ** 20)      # line maxima clamped to +-TAME; a chunk beyond it is flagged
 
@@ -46,13 +46,13 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, LINES: tl.constexpr,
-               BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr):
+def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, g1, g2, gab, LINES: tl.constexpr,
+               BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr):
     """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature: whole
     blocks read as 32-bit words (two logits each, widened by a shift and a mask), exponentials by
     :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
-    Returns ``(max, sum, count, line maxima)``. The maximum of a chunk of only -inf is -inf here
-    (``chunk_safe``: -FLT_MAX); the combine kernel treats both alike."""
+    Returns ``(max, sum, count)`` and the line tracking of ``track_lines``. The maximum of a chunk
+    of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel treats both alike."""
     m = tl.full([LINES], float("-inf"), tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
@@ -61,7 +61,9 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
         w = tl.load(words + off // 2 + wcols)
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
-        m, s = _online_fast(tl.join(lo, hi).reshape([LINES, BLOCK // LINES]), m, s)
+        y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
+        g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+        m, s = _online_fast(y, m, s)
         if PACKED_COUNT:
             masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded below
         else:
@@ -77,9 +79,10 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
         inside = idx < end
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
         count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
         m, s = _online_fast(y, m, s)
     big = tl.max(m, axis=0)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
     total = tl.sum(s * tl.exp2(tl.fma(-big_safe, LOG2E, _mc(m))), axis=0)
-    return big, total, tl.sum(count, axis=0), m
+    return big, total, tl.sum(count, axis=0), g1, g2, gab

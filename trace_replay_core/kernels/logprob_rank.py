@@ -41,7 +41,7 @@ Top-k, from the same read. With ``top_k``, the chunk kernel is compiled with the
 bits as a call without top-k. Each program keeps, per 16-byte line, the maximum over its blocks
 (the line maxima the online sum keeps anyway), and after its chunks finds their best ``k_pad``
 keys (orderable float bits, then the inverted column: larger value first, then lower id) by a
-threshold from those maxima and a read-back of only the lines that can pass it
+threshold from those maxima and a read-back of only the vectors that can pass it
 (:mod:`._logprob_topk_jit` describes the filter and its exact fallbacks); the combine kernel keeps
 the row's best ``k_pad`` of its programs' keys. Selection by a total order does not depend on
 the order of evaluation or on which program held which chunk, so top-k is batch-invariant too.
@@ -115,9 +115,11 @@ LOGPROB_GROUPS = (4, 2, 1)
 LOGPROB_MIN_PROGRAMS = 2048
 # With top-k, the same plan and the top-k step after each program's chunks
 # (_logprob_topk_jit): the threshold from LOGPROB_TOPK_SEL group maxima (one per thread of a
-# 4-warp program), then at most 2 * k_pad candidate lines and 2 * k_pad candidate logits kept; the
-# fallbacks read back LOGPROB_TOPK_RESCAN logits per step, or merge LOGPROB_TOPK_PIECE at a time.
+# 4-warp program), then at most 4 * k_pad candidate vectors (read back LOGPROB_TOPK_PAIRS at a
+# time) and 2 * k_pad candidate logits kept; the fallbacks read back LOGPROB_TOPK_RESCAN logits per
+# step, or merge LOGPROB_TOPK_PIECE at a time.
 LOGPROB_TOPK_SEL = 128
+LOGPROB_TOPK_PAIRS = 64
 LOGPROB_TOPK_RESCAN = 512
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
@@ -143,7 +145,7 @@ class LogprobRankPlan(NamedTuple):
     program takes is chosen at launch from the batch, :func:`_chunk_group`, and changes no bit).
     ``words``: aligned bfloat16 rows without a temperature take the fused path. With top-k:
     ``k_pad`` (0 without top-k; 8, 32 or 64, a power of two >= top_k), ``sel`` group maxima for
-    the threshold, ``cap_l`` candidate lines and ``cap`` candidate logits kept per program.
+    the threshold, ``cap_p`` candidate vectors and ``cap`` candidate logits kept per program.
     """
     block: int
     n_chunks: int
@@ -152,7 +154,7 @@ class LogprobRankPlan(NamedTuple):
     words: bool = True
     k_pad: int = 0
     sel: int = 1
-    cap_l: int = 1
+    cap_p: int = 1
     cap: int = 1
 
 
@@ -212,12 +214,12 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
     lines = block // (16 // itemsize)
     return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, chunk_blocks,
                            LOGPROB_WORDS if words is None else words, k_pad,
-                           min(LOGPROB_TOPK_SEL, lines) if k_pad else 1, 2 * k_pad or 1, 2 * k_pad or 1)
+                           min(LOGPROB_TOPK_SEL, lines) if k_pad else 1, 4 * k_pad or 1, 2 * k_pad or 1)
 
 
 def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
     """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidate keys,
-    candidate lines, the token's logit, its validity) and the total size: ``batch * n_chunks``
+    candidate vectors, the token's logit, its validity) and the total size: ``batch * n_chunks``
     partials and one token per row, each region starting on 16 bytes (the top-k regions are
     empty without top-k)."""
     parts = batch * plan.n_chunks
@@ -225,7 +227,7 @@ def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
     offsets = []
     at = 0
     for nbytes in (4 * parts, 4 * parts, 4 * parts, 8 * parts * plan.k_pad, 8 * parts * plan.cap * k,
-                   4 * parts * plan.cap_l * k, 4 * batch, 4 * batch):
+                   4 * parts * plan.cap_p * k, 4 * batch, 4 * batch):
         offsets.append(at)
         at += _cdiv(nbytes, 16) * 16
     return (*offsets, at)
@@ -251,14 +253,14 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     itemsize = _ITEMSIZE[dtypes.logits]
     if plan is None:
         plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
-    off_m, off_s, off_c, off_k, off_cand, off_lines, off_ty, off_tok, _ = workspace_layout(args.batch, plan)
+    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, _ = workspace_layout(args.batch, plan)
     ws = args.workspace
     has_temp = args.temperature != 0
     temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
     aligned = args.logits % 16 == 0 and (args.batch <= 1 or (args.row_stride * itemsize) % 16 == 0)
     tok = (ws + off_ty, ws + off_tok)
     part_k = ws + off_k if plan.k_pad else ws + off_m             # never read without top-k
-    topk_ws = (ws + off_cand, ws + off_lines) if plan.k_pad else (ws + off_m, ws + off_m)
+    topk_ws = (ws + off_cand, ws + off_pairs) if plan.k_pad else (ws + off_m, ws + off_m)
     chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c) + tok + (part_k,) + topk_ws
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "float32", "int32",
                     "int64", "int64", "int32")
@@ -268,7 +270,8 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     words = plan.words and aligned and dtypes.logits == "bfloat16" and not has_temp
     chunk_const = {"BLOCK": plan.block, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
                    "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
-                   "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_L": plan.cap_l, "CAP": plan.cap,
+                   "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
+                   "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad)}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
@@ -291,7 +294,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     ]
 
 
-def _compiled_launches(args, dtypes, device_id, plan, group):
+def _compiled_launches(args, dtypes, device_id, plan, group=None):
     from .._cuda import compute_capability
     from ._compiled import compiled
     gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
