@@ -47,9 +47,11 @@ DTYPES = ("bfloat16", "float32")
 # launched the ordinary way instead of as a programmatic dependent launch.
 CHUNK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, None, False), (2048, 4, 6, False, None, True),
                   (2048, 4, 4, True, None, True), (2048, 4, 8, True, None, True))
-# With top-k: the shipped plan at each number of chunks per program.
-TOPK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, 1, True), (2048, 4, 6, True, 2, True),
-                 (2048, 4, 6, True, 4, True))
+# With top-k, a seventh knob: the chunk kernel's register cap (``maxnreg``; None: the shipped one,
+# 0: uncapped); the shipped plan first, then other caps and chunks per program.
+TOPK_VARIANTS = ((2048, 4, 6, True, None, True, None), (2048, 4, 6, True, None, True, 0),
+                 (2048, 4, 6, True, None, True, 56), (2048, 4, 6, True, None, True, 48),
+                 (2048, 4, 6, True, 1, True, None))
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -140,10 +142,12 @@ def main() -> None:
                                                      for _ in range(n_copies - 1)]
         shipped = None
         for variant in variants:
-            block, warps, chunk_blocks, words, group, pdl = variant
+            block, warps, chunk_blocks, words, group, pdl, *cap = variant
             if dtype_name == "float32" and (not words or group is not None or not pdl):
                 continue
             knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
+            if cap and cap[0] is not None:
+                knobs["maxnreg"] = cap[0]
             plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
             if group is not None:
                 knobs["group"] = group
@@ -177,7 +181,7 @@ def main() -> None:
     path = write_results("logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "block", "num_warps", "chunk_blocks",
-                                                     "words", "group", "pdl", "us_p50", "gbps_p50", "invariant"]))
+                                                     "words", "group", "pdl", "maxnreg", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

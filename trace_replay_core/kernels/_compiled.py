@@ -54,8 +54,10 @@ class CompiledKernel:
     __slots__ = ("name", "_run", "_function", "_metadata", "_constexprs", "_params", "_n_args", "_threads",
                  "_shared", "driver_launch")
 
-    def __init__(self, jit_fn, args: Sequence[Any], constexprs: Dict[str, Any], num_warps: int):
-        kernel = jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
+    def __init__(self, jit_fn, args: Sequence[Any], constexprs: Dict[str, Any], num_warps: int,
+                 maxnreg: Optional[int] = None):
+        options = {} if maxnreg is None else {"maxnreg": maxnreg}
+        kernel = jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, **options, **constexprs)
         self.name = kernel.name
         self._run = kernel.run               # loads the binary on first access
         self._function = kernel.function
@@ -212,14 +214,15 @@ _lock = threading.Lock()
 
 
 def compiled(jit_fn, device_id: int, pointer_dtypes: Sequence[str], n_ints: int,
-             constexprs: Dict[str, Any], num_warps: int) -> CompiledKernel:
+             constexprs: Dict[str, Any], num_warps: int, maxnreg: Optional[int] = None) -> CompiledKernel:
     """Return the compiled kernel for this device and signature, compiling it on first use.
 
     Kernels take their pointer arguments first, then ``n_ints`` integer arguments, then the
-    constexprs (in the order given). Compilation happens on the calling thread, host-blocking;
-    it must not happen during CUDA graph capture (warm up first).
+    constexprs (in the order given). ``maxnreg`` caps the registers per thread (ptxas
+    ``.maxnreg``; None: the compiler's choice). Compilation happens on the calling thread,
+    host-blocking; it must not happen during CUDA graph capture (warm up first).
     """
-    key = (jit_fn, device_id, tuple(pointer_dtypes), n_ints, tuple(constexprs.items()), num_warps)
+    key = (jit_fn, device_id, tuple(pointer_dtypes), n_ints, tuple(constexprs.items()), num_warps, maxnreg)
     kernel = _cache.get(key)
     if kernel is None:
         with _lock:
@@ -231,7 +234,7 @@ def compiled(jit_fn, device_id: int, pointer_dtypes: Sequence[str], n_ints: int,
                     driver.active.set_current_device(device_id)
                 try:
                     args = [Pointer(d) for d in pointer_dtypes] + [1] * n_ints
-                    kernel = CompiledKernel(jit_fn, args, constexprs, num_warps)
+                    kernel = CompiledKernel(jit_fn, args, constexprs, num_warps, maxnreg)
                 finally:
                     if previous != device_id:  # leave the caller's current device as it was
                         driver.active.set_current_device(previous)

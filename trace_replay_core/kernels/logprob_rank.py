@@ -120,6 +120,11 @@ LOGPROB_MIN_PROGRAMS = 2048
 # step, or merge LOGPROB_TOPK_PIECE at a time.
 LOGPROB_TOPK_SEL = 128
 LOGPROB_TOPK_PAIRS = 64
+# The top-k chunk kernel's registers per thread, capped (ptxas .maxnreg; 0: uncapped), and its
+# chunks per program: LOGPROB_TOPK_GROUPS as LOGPROB_GROUPS, at least LOGPROB_TOPK_MIN_PROGRAMS.
+LOGPROB_TOPK_MAXNREG = 64
+LOGPROB_TOPK_GROUPS = (2, 1)
+LOGPROB_TOPK_MIN_PROGRAMS = 1024
 LOGPROB_TOPK_RESCAN = 512
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
@@ -145,7 +150,8 @@ class LogprobRankPlan(NamedTuple):
     program takes is chosen at launch from the batch, :func:`_chunk_group`, and changes no bit).
     ``words``: aligned bfloat16 rows without a temperature take the fused path. With top-k:
     ``k_pad`` (0 without top-k; 8, 32 or 64, a power of two >= top_k), ``sel`` group maxima for
-    the threshold, ``cap_p`` candidate vectors and ``cap`` candidate logits kept per program.
+    the threshold, ``cap_p`` candidate vectors and ``cap`` candidate logits kept per program;
+    ``maxnreg`` caps the chunk kernel's registers (speed only).
     """
     block: int
     n_chunks: int
@@ -156,6 +162,7 @@ class LogprobRankPlan(NamedTuple):
     sel: int = 1
     cap_p: int = 1
     cap: int = 1
+    maxnreg: int = 0           # the chunk kernel's register cap per thread (0: the compiler's choice)
 
 
 class LogprobRankArgs(NamedTuple):
@@ -196,11 +203,11 @@ def _k_pad(top_k: int) -> int:
 
 def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optional[int] = None,
                       num_warps: Optional[int] = None, chunk_blocks: Optional[int] = None,
-                      words: Optional[bool] = None) -> LogprobRankPlan:
+                      words: Optional[bool] = None, maxnreg: Optional[int] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure): rows cut
     into about :data:`LOGPROB_CHUNKS` chunks of whole blocks, the same with and without top-k.
 
-    ``block``, ``num_warps``, ``chunk_blocks`` and ``words`` override the defaults for tuning
+    ``block``, ``num_warps``, ``chunk_blocks``, ``words`` and ``maxnreg`` override the defaults for tuning
     (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
     """
     if block is None:
@@ -214,7 +221,8 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
     lines = block // (16 // itemsize)
     return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, chunk_blocks,
                            LOGPROB_WORDS if words is None else words, k_pad,
-                           min(LOGPROB_TOPK_SEL, lines) if k_pad else 1, 4 * k_pad or 1, 2 * k_pad or 1)
+                           min(LOGPROB_TOPK_SEL, lines) if k_pad else 1, 4 * k_pad or 1, 2 * k_pad or 1,
+                           (LOGPROB_TOPK_MAXNREG if k_pad else 0) if maxnreg is None else maxnreg)
 
 
 def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
@@ -236,13 +244,15 @@ def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _chunk_group(batch: int, n_chunks: int) -> int:
+def _chunk_group(batch: int, n_chunks: int, top_k: int = 0) -> int:
     """Consecutive chunks per program of the chunk kernel: a question of speed only (each chunk
-    is summed by the same instructions whichever program runs it)."""
-    for group in LOGPROB_GROUPS:
-        if batch * _cdiv(n_chunks, group) >= LOGPROB_MIN_PROGRAMS:
+    is summed by the same instructions whichever program runs it, and top-k is an exact set)."""
+    groups, least = (LOGPROB_TOPK_GROUPS, LOGPROB_TOPK_MIN_PROGRAMS) if top_k else (LOGPROB_GROUPS,
+                                                                                 LOGPROB_MIN_PROGRAMS)
+    for group in groups:
+        if batch * _cdiv(n_chunks, group) >= least:
             return group
-    return LOGPROB_GROUPS[-1]
+    return groups[-1]
 
 
 def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optional[LogprobRankPlan] = None,
@@ -265,7 +275,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "float32", "int32",
                     "int64", "int64", "int32")
     if group is None:
-        group = _chunk_group(args.batch, plan.n_chunks)
+        group = _chunk_group(args.batch, plan.n_chunks, plan.k_pad)
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_chunks, group, args.top_k)
     words = plan.words and aligned and dtypes.logits == "bfloat16" and not has_temp
     chunk_const = {"BLOCK": plan.block, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
@@ -297,10 +307,15 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
 def _compiled_launches(args, dtypes, device_id, plan, group=None):
     from .._cuda import compute_capability
     from ._compiled import compiled
+    if plan is None:
+        plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k)
     gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
-    for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps in launch_specs(args, dtypes, plan, group):
+    for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
+            launch_specs(args, dtypes, plan, group)):
         constexprs = dict(constexprs, GDC=gdc)
-        yield compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps), grid, ptrs, ints, gdc
+        maxnreg = plan.maxnreg if i == 0 and plan.maxnreg else None
+        yield (compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps, maxnreg), grid, ptrs, ints,
+               gdc)
 
 
 def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int, stream: int,
