@@ -49,9 +49,11 @@ CHUNK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, None, False
                   (2048, 4, 4, True, None, True), (2048, 4, 8, True, None, True))
 # With top-k, a seventh knob: the chunk kernel's register cap (``maxnreg``; None: the shipped one,
 # 0: uncapped); the shipped plan first, then other caps and chunks per program.
+# (results/logprob_tuning_topk_caps.json, 05:20 UTC: caps 56 and 48 and one chunk per program
+# were slower at batch 256 and 4096.)
 TOPK_VARIANTS = ((2048, 4, 6, True, None, True, None), (2048, 4, 6, True, None, True, 0),
-                 (2048, 4, 6, True, None, True, 56), (2048, 4, 6, True, None, True, 48),
-                 (2048, 4, 6, True, 1, True, None))
+                 (2048, 4, 6, True, 4, True, None), (2048, 4, 6, True, 4, True, 72),
+                 (2048, 4, 6, True, None, True, 72))
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32

@@ -122,6 +122,12 @@ LOGPROB_TOPK_SEL = 128
 LOGPROB_TOPK_PAIRS = 64
 # The top-k chunk kernel's registers per thread, capped (ptxas .maxnreg; 0: uncapped), and its
 # chunks per program: LOGPROB_TOPK_GROUPS as LOGPROB_GROUPS, at least LOGPROB_TOPK_MIN_PROGRAMS.
+# bench/logprob_tuning.py --topk-only, H200, 2026-12-02, top-k 20 bf16, device time p50 at batch
+# 256 / 4096 (plain call 25.5 / 291.8 us): cap 64 with 2 chunks per program 46.8 / 496.0 us;
+# uncapped (85 registers under Triton 3.6, so 5 programs per SM instead of 8) 51.4 / 570.4; cap 72
+# 47.5 / 500.2; cap 56 54.9 / 569.5 and 48 61.6 / 645.8 (spills in the block loop); one chunk per
+# program 50.9 / 601.2; four 169.4 / 558.4. Reading back every block of each candidate line instead
+# of its one vector (the first version): 57.3 / 576.6 (uncapped).
 LOGPROB_TOPK_MAXNREG = 64
 LOGPROB_TOPK_GROUPS = (2, 1)
 LOGPROB_TOPK_MIN_PROGRAMS = 1024
