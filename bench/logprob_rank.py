@@ -8,7 +8,7 @@ floor is ``bytes / copy ceiling``: each logit is read once.
 
 Providers:
 - ``trace_replay``: ``trace_replay_torch.token_logprob_rank(logits, ids, out=...)``: two
-  kernels (tiles, then a per-row merge), bound once per tensor layout, so a call only launches.
+  kernels (chunks, then a per-row merge), bound once per tensor layout, so a call only launches.
 - ``trace_replay_topk20``: the same with ``top_k=20``.
 - ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
 - ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of

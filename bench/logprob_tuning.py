@@ -71,7 +71,7 @@ class Call:
         self.rk = torch.empty(batch, dtype=torch.int64, device=dev)
         self.tlp = torch.empty(batch, max(top_k, 1), device=dev)
         self.tid = torch.empty(batch, max(top_k, 1), dtype=torch.int64, device=dev)
-        # Room for any variant's plan (smaller tiles need more partials).
+        # Room for any variant's plan (smaller blocks need more partials).
         self.ws = torch.empty(logprob_rank_workspace_bytes(batch, VOCAB, top_k) * 8 + 64, dtype=torch.uint8,
                               device=dev)
         self.logits, self.ids, self.top_k = logits, ids, top_k

@@ -33,7 +33,7 @@ def _gpu_base(dtype: str, rows: int, seed: int):
     x[1::5, 100] = x[1::5].float().amax(dim=1).to(x.dtype)                  # ties at the top
     r = torch.arange(2, rows, 5, device="cuda")
     x[r, 150000] = x[r, ids[r]]                                              # ties with the token
-    x[3::5, : 3 * 4096] = float("-inf")                                     # whole tiles of -inf
+    x[3::5, : 3 * 4096] = float("-inf")                                     # whole blocks of -inf
     return x, ids
 
 
@@ -140,8 +140,8 @@ def test_gpu_more_than_2_31_logits():
 def test_gpu_topk_exact_and_special_rows(top_k, dtype):
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
     rng = np.random.default_rng(top_k)
-    for vocab, tile in ((GPU_VOCAB, 4096), (1000, 1024), (9000, 4096)):
-        x, ids = special_rows(vocab, tile, rng)
+    for vocab, block in ((GPU_VOCAB, 4096), (1000, 1024), (9000, 4096)):
+        x, ids = special_rows(vocab, block, rng)
         xt, idst, temp = tied_case(rng, 7, vocab, dtype, top_k)
         x = np.concatenate([round_to(x, dtype), xt])
         ids = np.concatenate([ids, idst])
