@@ -151,8 +151,8 @@ def logprob_rank_chunk_kernel(
     # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
     g1 = tl.full([LINES], float("-inf"), tl.float32)
     g2 = tl.full([LINES], float("-inf"), tl.float32)
-    gab = tl.zeros([LINES], tl.int32) + first * (chunk_blocks * BLOCK)
     span = chunk_blocks * BLOCK
+    gab = tl.zeros([LINES], tl.int32) + first * span
     # ``group`` (a runtime value: one compiled kernel for every batch) only says which program
     # computes which chunk; each chunk's partial is computed by the same instructions either way.
     for chunk in range(first, last):

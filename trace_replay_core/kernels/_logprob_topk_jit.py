@@ -58,18 +58,9 @@ def _load_scaled(row_ptr, cols, ok, t, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _compact(sel, vals, dst, n):
-    """Write ``vals`` where ``sel`` holds to ``dst[n..)``, in index order; returns how many."""
-    s = tl.reshape(sel, [sel.numel]).to(tl.int32)
-    pos = n + tl.cumsum(s, axis=0) - 1
-    tl.store(dst + pos, tl.reshape(vals, [sel.numel]), mask=s != 0)
-    return tl.sum(s, axis=0)
-
-
-@triton.jit
 def _compact_capped(sel, vals, dst, n, CAP: tl.constexpr):
-    """:func:`_compact` into ``dst[0..CAP)`` (what falls beyond is dropped); returns how many
-    were selected, dropped ones included."""
+    """Write ``vals`` where ``sel`` holds to ``dst[n..CAP)``, in index order (what falls beyond
+    ``CAP`` is dropped); returns how many were selected, dropped ones included."""
     s = tl.reshape(sel, [sel.numel]).to(tl.int32)
     pos = n + tl.cumsum(s, axis=0) - 1
     tl.store(dst + pos, tl.reshape(vals, [sel.numel]), mask=(s != 0) & (pos < CAP))
