@@ -126,11 +126,11 @@ class CompiledKernel:
     def _bind_driver(self, grid: Tuple[int, int, int], args: Sequence[int], pdl: bool = False):
         block = _ParamBlock(self)
         block.pack(block.view, 0, *args)
+        params, function = block.params, block.function
+        threads, shared, launch_kernel, ok = block.threads, block.shared, block.launch_kernel, block.ok
         g0, g1, g2 = (int(g) for g in grid)
         if pdl:
             return _bind_pdl(block, (g0, g1, g2))
-        params, function = block.params, block.function
-        threads, shared, launch_kernel, ok = block.threads, block.shared, block.launch_kernel, block.ok
 
         def launch(stream: int) -> None:
             err = launch_kernel(function, g0, g1, g2, threads, 1, 1, shared, stream, params, 0)[0]
