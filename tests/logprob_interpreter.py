@@ -20,12 +20,13 @@ from typing import Dict, List
 import numpy as np
 
 CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "block", "num_warps", "chunk_blocks",
-             "group")
+             "group", "argmax")
 
 
 def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
     """Parent side: ``cases`` have ``name``, ``x`` (float32, exact in ``dtype``), ``ids``, optional
-    ``temp`` and any of :data:`CASE_KEYS`; returns ``{name: {"lp", "rk", ["tlp", "tid"], "plan"}}``."""
+    ``temp`` and any of :data:`CASE_KEYS`; returns ``{name: {"lp", "rk", ["tlp", "tid"], ["am"], "plan"}}``
+    (``am``: the greedy tokens, for a case with ``argmax`` true)."""
     in_path, out_path = os.path.join(tmp_dir, "cases"), os.path.join(tmp_dir, "out.npz")
     meta = [{k: c[k] for k in ("name",) + CASE_KEYS if k in c} | {"has_temp": c.get("temp") is not None}
             for c in cases]
@@ -47,7 +48,7 @@ def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
     out = np.load(out_path)
     results = {}
     for i, c in enumerate(cases):
-        r = {k: out[f"{k}{i}"] for k in ("lp", "rk", "tlp", "tid", "plan") if f"{k}{i}" in out}
+        r = {k: out[f"{k}{i}"] for k in ("lp", "rk", "tlp", "tid", "am", "plan") if f"{k}{i}" in out}
         results[c["name"]] = r
     return results
 
@@ -108,6 +109,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
 
     lp, rk = out(batch, "float32"), out(batch, rank_dtype)
     tlp, tid = out(batch * top_k, "float32"), out(batch * top_k, rank_dtype)
+    am = out(batch, rank_dtype) if case.get("argmax") else None
     t_buf = None
     if temp is not None:
         t_buf = out(batch, "float32")
@@ -117,8 +119,9 @@ def run_case(x, ids, temp, case: dict) -> dict:
     ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
     args = LogprobRankArgs(logits.data_ptr(), ids_t.data_ptr(), t_buf.data_ptr() if t_buf is not None else 0,
                            lp.data_ptr(), rk.data_ptr(), tlp.data_ptr() if top_k else 0,
-                           tid.data_ptr() if top_k else 0, ws.data_ptr(), batch, vocab, stride, top_k)
-    dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype)
+                           tid.data_ptr() if top_k else 0, ws.data_ptr(), batch, vocab, stride, top_k,
+                           am.data_ptr() if am is not None else 0)
+    dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype, rank_dtype)
     # group: chunks per program forced (several even at a small batch); None: the shipped choice.
     specs = launch_specs(args, dtypes, plan, case.get("group"))
     for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
@@ -128,6 +131,8 @@ def run_case(x, ids, temp, case: dict) -> dict:
         kernel[grid](*[bufs.at(p, d) for p, d in zip(ptrs, ptr_dtypes)], *ints, **constexprs)
     result = {"lp": lp[:batch].numpy().copy(), "rk": rk[:batch].numpy().astype(np.int64),
               "plan": np.array([plan.block, plan.n_chunks, plan.k_pad, plan.cap])}
+    if am is not None:
+        result["am"] = am[:batch].numpy().astype(np.int64)
     if top_k:
         result["tlp"] = tlp[:batch * top_k].numpy().reshape(batch, top_k).copy()
         result["tid"] = tid[:batch * top_k].numpy().reshape(batch, top_k).astype(np.int64)

@@ -345,6 +345,14 @@ def _bad_inputs():
         "out-aliases-logits": (dict(logits=shared[:12].reshape(3, 4), out_logprobs=shared[9:12]), ValueError,
                                r"^out_logprobs and logits overlap in memory"),
         "workspace-2d": (dict(workspace=np.empty((2, 8), np.uint8)), ValueError, r"^workspace must be 1-D"),
+        "out-argmax-dtype": (dict(out_argmax=np.empty(3, np.float32)), TypeError,
+                             r"^out_argmax must have dtype int32 or int64 \(got float32\)"),
+        "out-argmax-length": (dict(out_argmax=np.empty(4, np.int64)), ValueError,
+                              r"^out_argmax must have 3 rows \(got shape \[4\]\)"),
+        "out-argmax-read-only": (dict(out_argmax=ro), ValueError,
+                                 r"^out_argmax is written in place and must be writable"),
+        "out-argmax-aliases-ids": (dict(token_ids=shared.view(np.int32)[:3], out_argmax=shared.view(np.int32)[2:5]),
+                                   ValueError, r"^out_argmax and token_ids overlap in memory"),
     }, good
 
 
@@ -385,12 +393,13 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
     assert [_chunk_group(b, 13) for b in (1, 256, 292, 293, 511, 512, 4096)] == [1, 1, 1, 2, 2, 4, 4]
     assert all(_chunk_group(b, n) in (1, 2, 4) for b in (1, 5, 10_000) for n in (1, 2, 3, 19))
     assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
-    # 12 bytes per chunk and row; with top-k, per chunk 8 bytes per kept key and per candidate
-    # key and 4 per candidate vector; 8 bytes per row for the token's logit and validity.
+    # 20 bytes per chunk and row (max, sum, count, and the greedy maximum and column, used with
+    # out_argmax); with top-k, per chunk 8 bytes per kept key and per candidate key and 4 per
+    # candidate vector; 8 bytes per row for the token's logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 3 * 64 + 2 * 16           # 52 and 4 bytes rounded to 16
-    assert logprob_rank_workspace_bytes(256, 151936) == 3 * 256 * 13 * 4 + 2 * 256 * 4
-    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (12 + 32 * 8 + 64 * 8 + 128 * 4) + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(1, 151936) == 5 * 64 + 2 * 16           # 52 and 4 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 5 * 256 * 13 * 4 + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (20 + 32 * 8 + 64 * 8 + 128 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
             for top_k in (0, 1, 20, 64):

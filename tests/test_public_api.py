@@ -74,7 +74,7 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                        'as_view': '(obj, *, name, stream=None)',
                        'bind_logprob_rank': '(logits, token_ids, *, out_logprobs, out_ranks, stream, '
                                             'workspace=None, temperature=None, top_k=0, '
-                                            'out_topk_logprobs=None, out_topk_ids=None)',
+                                            'out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)',
                        'default_device': '()',
                        'logprob_rank_workspace_bytes': '(batch, vocab, top_k=0)',
                        'parse_device': '(device)',
@@ -84,8 +84,9 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                        'stream_handle': "(stream, *, name='stream')",
                        'token_logprob_rank': '(logits, token_ids, *, out_logprobs, out_ranks, stream, '
                                              'workspace=None, temperature=None, top_k=0, '
-                                             'out_topk_logprobs=None, out_topk_ids=None)',
-                       'token_logprob_rank_reference': '(logits, token_ids)'},
+                                             'out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)',
+                       'token_logprob_rank_reference': '(logits, token_ids)',
+                       'greedy_argmax_reference': '(logits)'},
  'trace_replay_jax': {'ReplayTables': {'__init__': '(self, table, trace_len)'},
                       'TraceReplayState': {'__enter__': '(self)',
                                            '__exit__': '(self, *exc)',

@@ -30,7 +30,7 @@ from ._logprob import (MAX_VOCAB, TOPK_MAX, BoundLogprobRank, bind_logprob_rank,
                        token_logprob_rank)
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
-from .reference import replay_reference, token_logprob_rank_reference
+from .reference import greedy_argmax_reference, replay_reference, token_logprob_rank_reference
 
 __all__ = [
     # the trace table and its replays
@@ -47,6 +47,7 @@ __all__ = [
     # the numpy reference of both ops
     "replay_reference",
     "token_logprob_rank_reference",
+    "greedy_argmax_reference",
     # arrays, streams, devices, dtypes
     "ArrayView",
     "as_view",

@@ -51,10 +51,11 @@ TOPK_MAX = LOGPROB_TOPK_MAX
 
 def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     """Bytes of device workspace a ``[batch, vocab]`` call needs (host-only, pure; the same for
-    every logits dtype): 12 bytes per chunk of each row (13 chunks at vocab 151,936) and 8 per
-    row, plus ``32 * k_pad`` per chunk with ``top_k`` (``k_pad`` = 8, 32 or 64, the power of two
-    used for ``top_k``), each region rounded up to 16 bytes. At vocab 151,936: about 164 bytes
-    per row, 13.5 KiB per row with ``top_k = 20``. 0 for an empty batch."""
+    every logits dtype, with or without ``out_argmax``): 20 bytes per chunk of each row (13
+    chunks at vocab 151,936) and 8 per row, plus ``32 * k_pad`` per chunk with ``top_k``
+    (``k_pad`` = 8, 32 or 64, the power of two used for ``top_k``), each region rounded up to
+    16 bytes. At vocab 151,936: about 268 bytes per row, 13.6 KiB per row with ``top_k = 20``.
+    0 for an empty batch."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
     if batch <= 0:
         return 0
@@ -63,9 +64,10 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
 
 def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ranks: Any, stream: Any,
                        workspace: Any = None, temperature: Any = None, top_k: int = 0,
-                       out_topk_logprobs: Any = None, out_topk_ids: Any = None) -> None:
+                       out_topk_logprobs: Any = None, out_topk_ids: Any = None, out_argmax: Any = None) -> None:
     """Write the log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``
-    (and, with ``top_k``, the row's ``top_k`` most likely tokens).
+    (and, with ``top_k``, the row's ``top_k`` most likely tokens; with ``out_argmax``, the row's
+    greedy token).
 
     For each row ``b`` with token ``t = token_ids[b]`` and ``y = logits[b, :] / T`` (``T =
     temperature[b]``, 1 without a temperature; float32, the logits converted exactly):
@@ -74,7 +76,14 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     - ``out_ranks[b]`` = the number of vocabulary entries with ``y >= y[t]`` (vLLM's definition):
       a unique argmax has rank 1, and ties count against the token;
     - with ``top_k > 0``: ``out_topk_ids[b]`` the ids of the ``top_k`` largest ``y``, sorted
-      descending, ties broken by the lower id, and ``out_topk_logprobs[b]`` their logprobs.
+      descending, ties broken by the lower id, and ``out_topk_logprobs[b]`` their logprobs;
+    - with ``out_argmax``: ``out_argmax[b]`` = the row's greedy token, the lowest id among the
+      largest non-NaN ``y`` (0 when every entry is NaN), from the same read. A row whose token
+      id is negative (``-1``: "not sampled yet") is then scored as its greedy token: its logprob
+      and rank are those of ``out_argmax[b]``, with the same bits as a call that passes that id.
+      So a greedy decode step is one pass over the logits: fill ``token_ids`` with -1, replay
+      (traced rows get their trace token), call this, and take ``out_argmax`` where the id is
+      negative. Without ``out_argmax`` a negative id is out of range (below).
 
     Batch-invariant: a row's results have the same bits whatever the batch size, the row's
     position, padding rows or the other rows, for each logits dtype and vocabulary: the
@@ -130,6 +139,10 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     out_topk_logprobs, out_topk_ids:
         With ``top_k > 0``, caller-owned ``[batch, top_k]`` outputs, contiguous, writable:
         float32 and int32/int64.
+    out_argmax:
+        Optional caller-owned ``[batch]`` output, contiguous, writable, int32 or int64. Every
+        row is written. The kernels that fill it are compiled apart from the ones without it,
+        so a call without ``out_argmax`` runs exactly as before.
 
     Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
     ``stream`` and returns without synchronising; it allocates nothing, so it may be captured in
@@ -139,7 +152,7 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     call (any exception from validation) writes nothing.
     """
     checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
-                         out_topk_logprobs, out_topk_ids)
+                         out_topk_logprobs, out_topk_ids, out_argmax)
     if checked is None:
         return
     views, args, dtypes, handle = checked
@@ -185,7 +198,8 @@ class BoundLogprobRank:
 
 def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ranks: Any, stream: Any,
                       workspace: Any = None, temperature: Any = None, top_k: int = 0,
-                      out_topk_logprobs: Any = None, out_topk_ids: Any = None) -> BoundLogprobRank:
+                      out_topk_logprobs: Any = None, out_topk_ids: Any = None,
+                      out_argmax: Any = None) -> BoundLogprobRank:
     """Validate the arrays of a :func:`token_logprob_rank` call once and return a
     :class:`BoundLogprobRank` that repeats exactly that call.
 
@@ -197,7 +211,7 @@ def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ran
     first time for a device and signature).
     """
     checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
-                         out_topk_logprobs, out_topk_ids)
+                         out_topk_logprobs, out_topk_ids, out_argmax)
     if checked is None:
         return BoundLogprobRank(None, ())
     views, args, dtypes, _ = checked
@@ -213,7 +227,7 @@ def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ran
 
 
 def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
-               out_topk_logprobs, out_topk_ids):
+               out_topk_logprobs, out_topk_ids, out_argmax):
     """Every check of a call: ``None`` when there is nothing to compute (empty batch), else
     ``(numpy backend arguments, kernel args or None, kernel dtypes or None, stream)``; the
     kernel args are None on the CPU backend."""
@@ -231,18 +245,22 @@ def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, te
         else None
     tidv = as_view(out_topk_ids, name="out_topk_ids", stream=handle) if out_topk_ids is not None else None
     check_topk_outputs(tlpv, tidv, batch, top_k, device)
+    amv = None
+    if out_argmax is not None:
+        amv = as_view(out_argmax, name="out_argmax", stream=handle)
+        check_view(amv, name="out_argmax", dtypes=RANK_DTYPES, device=device, ndim=1, length=batch, writable=True)
     tv = None
     if temperature is not None:
         tv = check_temperature(as_view(temperature, name="temperature", stream=handle), batch, device)
     named = [("out_logprobs", lpv), ("out_ranks", rkv), ("out_topk_logprobs", tlpv), ("out_topk_ids", tidv),
-             ("logits", lv), ("token_ids", iv), ("temperature", tv)]
+             ("out_argmax", amv), ("logits", lv), ("token_ids", iv), ("temperature", tv)]
     check_disjoint(named)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
         if tv is not None and batch:
             check_temperature_values(numpy_of(tv))
-        return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k), None, None, handle) if batch else None
+        return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
     need = logprob_rank_workspace_bytes(batch, vocab, top_k)
@@ -264,7 +282,8 @@ def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, te
     row_stride = lv.strides[0] if 0 <= lv.strides[0] <= INT32_MAX else 0
     args = LogprobRankArgs(lv.ptr, iv.ptr, tv.ptr if tv is not None else 0, lpv.ptr, rkv.ptr,
                            tlpv.ptr if tlpv is not None else 0, tidv.ptr if tidv is not None else 0, wsv.ptr,
-                           batch, vocab, row_stride, top_k)
-    dtypes = LogprobRankDtypes(lv.dtype, iv.dtype, rkv.dtype, tidv.dtype if tidv is not None else "int32")
-    views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv)
+                           batch, vocab, row_stride, top_k, amv.ptr if amv is not None else 0)
+    dtypes = LogprobRankDtypes(lv.dtype, iv.dtype, rkv.dtype, tidv.dtype if tidv is not None else "int32",
+                               amv.dtype if amv is not None else "int32")
+    views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv, amv)
     return views, args, dtypes, handle

@@ -171,7 +171,7 @@ def topk_decode(keys: np.ndarray):
 
 def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[ArrayView], out_lp: ArrayView,
                        out_rank: ArrayView, topk_lp: Optional[ArrayView], topk_ids: Optional[ArrayView],
-                       top_k: int) -> None:
+                       top_k: int, out_argmax: Optional[ArrayView] = None) -> None:
     """``token_logprob_rank`` on host arrays (already validated), computed before it returns."""
     x_all = _strided_numpy(logits)
     ids_all = numpy_of(ids).reshape(-1)
@@ -179,6 +179,7 @@ def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[
     lp_all, rank_all = numpy_of(out_lp), numpy_of(out_rank)
     tlp_all = numpy_of(topk_lp) if top_k else None
     tid_all = numpy_of(topk_ids) if top_k else None
+    am_all = numpy_of(out_argmax) if out_argmax is not None else None
     batch, vocab = logits.shape
     rows = max(1, _LOGPROB_ROWS_ELEMENTS // vocab)
     for r0 in range(0, batch, rows):
@@ -188,6 +189,10 @@ def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[
             if t_all is not None:
                 y = y / t_all[r0:r1, None]
             tok = ids_all[r0:r1].astype(np.int64)
+            if am_all is not None:        # the lowest id of the largest non-NaN y (all NaN: 0)
+                greedy = np.argmax(np.where(np.isnan(y), -np.inf, y), axis=1)
+                am_all[r0:r1] = greedy
+                tok = np.where(tok < 0, greedy, tok)    # negative ids are scored as the greedy token
             valid = (tok >= 0) & (tok < vocab)
             chosen = np.where(valid, y[np.arange(r1 - r0), np.where(valid, tok, 0)], np.float32(np.nan))
             m = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y))   # NaN skipped: it poisons the sum

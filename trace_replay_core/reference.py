@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["replay_reference", "token_logprob_rank_reference"]
+__all__ = ["replay_reference", "token_logprob_rank_reference", "greedy_argmax_reference"]
 
 
 def replay_reference(sampled: np.ndarray, idx_mapping: np.ndarray, table: np.ndarray,
@@ -64,3 +64,13 @@ def token_logprob_rank_reference(logits: np.ndarray, token_ids: np.ndarray):
         logprobs = chosen - lse
         ranks = (x >= chosen[:, None]).sum(axis=1)
     return np.where(valid, logprobs, np.nan), np.where(valid, ranks, -1).astype(np.int64)
+
+
+def greedy_argmax_reference(logits: np.ndarray) -> np.ndarray:
+    """The greedy token of each row of ``logits`` (int64 ``[batch]``): the lowest id among the
+    row's largest non-NaN entries, 0 when every entry is NaN, as
+    :func:`trace_replay_core.token_logprob_rank` writes to ``out_argmax``. A negative token id
+    scored with ``out_argmax`` is scored as this token (pass it to
+    :func:`token_logprob_rank_reference`)."""
+    x = np.asarray(logits, dtype=np.float64)
+    return np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1).astype(np.int64)

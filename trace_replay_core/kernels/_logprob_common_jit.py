@@ -47,3 +47,34 @@ def track_lines(y, off, g1, g2, gab, TRACK: tl.constexpr):
         gab = tl.where(up, off, gab)
         g1 = tl.maximum(g1, bm)
     return g1, g2, gab
+
+
+INT32_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def argmax_lines(y, off, ag, ab):
+    """Fold the ``[LINES, VEC]`` block ``y`` that starts at column ``off`` into each line's
+    running maximum ``ag`` (never NaN: maxNum) and the block where it was first reached ``ab``.
+    Returns ``(up, ag, ab)``, ``up`` telling the lines whose maximum grew in this block."""
+    bm = tl.max(y, axis=1)
+    up = bm > ag
+    return up, tl.maximum(ag, bm), tl.where(up, off, ab)
+
+
+@triton.jit
+def argmax_chunk(row_ptr, cols, end, ag, ab, count, t, greedy, HAS_TEMP: tl.constexpr):
+    """At a chunk's end, from the line tracking of :func:`argmax_lines`: the chunk's largest
+    non-NaN ``y`` (-inf if none), the lowest column holding it (``INT32_MAX`` if none: every
+    logit NaN), and the count the chunk stores. For a greedy row each line's ``count`` holds the
+    ties at the line's own maximum, so the chunk's count is the sum over the lines that reach the
+    chunk's maximum; else the plain sum. The column is found by reading back, for the lines that
+    reach the maximum (usually one), the one 16-byte vector where they first reached it."""
+    amax = tl.max(ag, axis=0)
+    cand = ag == amax
+    idx = ab[:, None] + cols
+    v = scaled(tl.load(row_ptr + idx, mask=cand[:, None] & (idx < end), other=float("nan")).to(tl.float32), t,
+               HAS_TEMP)
+    acol = tl.min(tl.min(tl.where(v == amax, idx, INT32_MAX), axis=1), axis=0)
+    ties = tl.sum(tl.where(cand, count, 0), axis=0)
+    return amax, acol, tl.where(greedy, ties, tl.sum(count, axis=0))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E, NEG_FLT_MAX, online_update, scaled, track_lines
+from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
+                                  track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
 from ._logprob_words_jit import TAME, chunk_fast
 
@@ -39,7 +40,8 @@ def _wait_prerequisites():
 
 @triton.jit
 def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
-    """The row's token id, whether it is valid, its scaled logit (NaN when invalid) and T."""
+    """Whether the row's token id is valid, its scaled logit (NaN when invalid), T, and whether
+    the id is negative (with ``ARGMAX``: a greedy row, scored as its argmax)."""
     token = tl.load(ids_ptr + row).to(tl.int64)
     valid = (token >= 0) & (token < vocab)
     if HAS_TEMP:
@@ -47,36 +49,53 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
     else:
         t = 1.0
     chosen = scaled(tl.load(row_ptr + tl.where(valid, token, 0)).to(tl.float32), t, HAS_TEMP)
-    return valid, tl.where(valid, chosen, float("nan")), t
+    return valid, tl.where(valid, chosen, float("nan")), t, token < 0
 
 
 @triton.jit
-def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LINES: tl.constexpr,
-                BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr):
+def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, greedy, g1, g2, gab, LINES: tl.constexpr,
+                BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
-    for any finite logits."""
+    for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
+    (:func:`argmax_chunk`), and for a ``greedy`` row the count of the ties at that maximum."""
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
+    ag = tl.full([LINES], float("-inf"), tl.float32)       # ARGMAX: the line maximum, from -inf
+    ab = tl.zeros([LINES], tl.int32) + start
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
         y = scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
-        count += tl.sum((y >= chosen).to(tl.int32), axis=1)
+        if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
+            up, ag, ab = argmax_lines(y, off, ag, ab)
+            ref = tl.where(greedy, ag, chosen)
+            count = tl.where(greedy & up, 0, count) + tl.sum((y >= ref[:, None]).to(tl.int32), axis=1)
+        else:
+            count += tl.sum((y >= chosen).to(tl.int32), axis=1)
     # The partial last block, where there is one (only in a row's last chunk). A fully masked
     # block of -inf would leave finite m, s and count as they are, so it is skipped.
     if full_end < end:
         idx = full_end + cols
         inside = idx < end
         y = scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
-        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        if ARGMAX:
+            up, ag, ab = argmax_lines(y, full_end, ag, ab)
+            ref = tl.where(greedy, ag, chosen)
+            count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref[:, None]) & inside).to(tl.int32), axis=1)
+        else:
+            count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
         g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
     big = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)   # a line whose max is +inf: NaN
-    return big, total, tl.sum(count, axis=0), g1, g2, gab
+    if ARGMAX:
+        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, greedy, HAS_TEMP)
+    else:
+        amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
+    return big, total, n, g1, g2, gab, amax, acol
 
 
 @triton.jit
@@ -98,7 +117,7 @@ def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.conste
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
                                     "part_c_ptr", "tok_y_ptr", "tok_ok_ptr", "part_k_ptr", "cand_ptr",
-                                    "pairs_ptr"],
+                                    "pairs_ptr", "part_am_ptr", "part_a_ptr"],
 )
 def logprob_rank_chunk_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -112,6 +131,8 @@ def logprob_rank_chunk_kernel(
     part_k_ptr,         # [batch * n_chunks, TOPK] int64 out: a program's best keys at its first chunk (TOPK > 0)
     cand_ptr,           # [batch * n_chunks, CAP] int64 scratch: candidate keys (TOPK > 0)
     pairs_ptr,          # [batch * n_chunks, CAP_P] int32 scratch: first columns of candidate vectors (TOPK > 0)
+    part_am_ptr,        # [batch * n_chunks] float32 out: the chunk's largest non-NaN logit (ARGMAX)
+    part_a_ptr,         # [batch * n_chunks] int32 out: its lowest column, INT32_MAX if none (ARGMAX)
     vocab,
     row_stride,         # elements between rows
     chunk_blocks,       # blocks of BLOCK logits per chunk
@@ -128,6 +149,7 @@ def logprob_rank_chunk_kernel(
     TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
     SEL: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr,
     PIECE: tl.constexpr,
+    ARGMAX: tl.constexpr,   # each chunk's greedy maximum and column; negative ids are greedy rows
 ):
     if GDC:
         _launch_dependents()
@@ -137,10 +159,13 @@ def logprob_rank_chunk_kernel(
     row_ptr = logits_ptr + row * row_stride
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
-    valid_tok, chosen, t = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
+    valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:          # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
-        tl.store(tok_ok_ptr + row, valid_tok.to(tl.int32))
+        if ARGMAX:          # 0: invalid id, 1: valid, 2: greedy row
+            tl.store(tok_ok_ptr + row, tl.where(greedy, 2, valid_tok.to(tl.int32)))
+        else:
+            tl.store(tok_ok_ptr + row, valid_tok.to(tl.int32))
     LINES: tl.constexpr = BLOCK // VEC
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     if WORDS:
@@ -161,20 +186,25 @@ def logprob_rank_chunk_kernel(
         full_end = start + (n_here // BLOCK) * BLOCK
         end = start + n_here
         if WORDS:
-            big, total, count, g1, g2, gab = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen,
-                                                        chosen_w, g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0)
+            big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end,
+                                                                    chosen, chosen_w, greedy, g1, g2, gab, LINES,
+                                                                    BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
             # is exact either way). Whether a chunk is flagged depends on its own logits alone.
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
-            big, total, count, g1, g2, gab = _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2,
-                                                         gab, LINES, BLOCK, HAS_TEMP, TOPK > 0)
+            big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t,
+                                                                     greedy, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
+                                                                     TOPK > 0, ARGMAX)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
         tl.store(part_c_ptr + part, count)
+        if ARGMAX:
+            tl.store(part_am_ptr + part, amax)
+            tl.store(part_a_ptr + part, acol)
     if TOPK > 0:
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
         # the row's top-k), at its first chunk's slot; its other slots get padding.
@@ -192,7 +222,7 @@ def logprob_rank_chunk_kernel(
     do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span"],
     do_not_specialize_on_alignment=["logits_ptr", "logprob_ptr", "rank_ptr", "topk_lp_ptr", "topk_id_ptr",
                                     "part_m_ptr", "part_s_ptr", "part_c_ptr", "part_k_ptr", "tok_y_ptr",
-                                    "tok_ok_ptr"],
+                                    "tok_ok_ptr", "argmax_ptr", "part_am_ptr", "part_a_ptr"],
 )
 def logprob_rank_combine_kernel(
     logits_ptr,         # as in the chunk kernel (read only to re-sum flagged chunks, RESUM)
@@ -202,19 +232,23 @@ def logprob_rank_combine_kernel(
     topk_id_ptr,        # [batch, top_k] int32/int64 out (K_PAD > 0)
     part_m_ptr, part_s_ptr, part_c_ptr, part_k_ptr,
     tok_y_ptr, tok_ok_ptr,   # the token's scaled logit and validity, written by the chunk kernel
+    argmax_ptr,         # [batch] int32/int64 out: the row's greedy token (ARGMAX)
+    part_am_ptr, part_a_ptr,   # each chunk's greedy maximum and its column (ARGMAX)
     vocab, row_stride, n_chunks, top_k,
     chunk_span,         # logits per chunk (read where RESUM)
     BLOCK: tl.constexpr, K_PAD: tl.constexpr, KEY_TILES: tl.constexpr,
     RESUM: tl.constexpr,        # the chunk kernel ran chunk_fast: partials with sum -1 are re-summed
     RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,          # wait for the chunk kernel (launched as its programmatic dependent)
+    ARGMAX: tl.constexpr,       # write the greedy token; score greedy rows (validity code 2) as it
 ):
     if GDC:
         _wait_prerequisites()
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     chosen = tl.load(tok_y_ptr + row)
-    valid = tl.load(tok_ok_ptr + row) != 0
+    code = tl.load(tok_ok_ptr + row)
+    valid = code == 1
     base = row * n_chunks
     j = tl.arange(0, BLOCK)
     big = float("-inf")
@@ -246,6 +280,27 @@ def logprob_rank_combine_kernel(
         total += tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
         count += tl.sum(tl.load(part_c_ptr + base + j0 + j, mask=inside, other=0), axis=0)
     lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
+    if ARGMAX:
+        # The row's greedy maximum, its lowest column over the chunks that hold it (exact: no
+        # order of evaluation matters), and the ties at it; a row of only NaN gets column 0.
+        amax = float("-inf")
+        for j0 in range(0, n_chunks, BLOCK):
+            inside = j0 + j < n_chunks
+            amax = tl.maximum(amax, tl.max(tl.load(part_am_ptr + base + j0 + j, mask=inside, other=float("-inf")),
+                                           axis=0))
+        acol = INT32_MAX
+        ties = 0
+        for j0 in range(0, n_chunks, BLOCK):
+            inside = j0 + j < n_chunks
+            sel = inside & (tl.load(part_am_ptr + base + j0 + j, mask=inside, other=float("-inf")) == amax)
+            acol = tl.minimum(acol, tl.min(tl.load(part_a_ptr + base + j0 + j, mask=sel, other=INT32_MAX), axis=0))
+            ties += tl.sum(tl.load(part_c_ptr + base + j0 + j, mask=sel, other=0), axis=0)
+        acol = tl.where(acol == INT32_MAX, 0, acol)
+        tl.store(argmax_ptr + row, acol.to(argmax_ptr.dtype.element_ty))
+        greedy = code == 2
+        chosen = tl.where(greedy, amax, chosen)
+        count = tl.where(greedy, ties, count)
+        valid = valid | greedy
     tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
     tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
     if K_PAD > 0:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E, track_lines
+from ._logprob_common_jit import LOG2E, argmax_chunk, track_lines
 
 TAME = tl.constexpr(2.0 ** 20)      # line maxima clamped to +-TAME; a chunk beyond it is flagged
 
@@ -46,25 +46,43 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, g1, g2, gab, LINES: tl.constexpr,
-               BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr):
+def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2, gab,
+               LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr,
+               ARGMAX: tl.constexpr):
     """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature: whole
     blocks read as 32-bit words (two logits each, widened by a shift and a mask), exponentials by
     :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
-    Returns ``(max, sum, count)`` and the line tracking of ``track_lines``. The maximum of a chunk
-    of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel treats both alike."""
+    Returns ``(max, sum, count)``, the line tracking of ``track_lines`` and, with ``ARGMAX``, the
+    chunk's greedy maximum and column (``chunk_safe``'s, from the line maxima ``m``, which start
+    at -inf here too; a ``greedy`` row compares with its line maximum instead of the token). The
+    maximum of a chunk of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel
+    treats both alike."""
     m = tl.full([LINES], float("-inf"), tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
     masks = tl.zeros([LINES], tl.uint32)
+    ab = tl.zeros([LINES], tl.int32) + start               # ARGMAX: the block of each line's maximum
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
         w = tl.load(words + off // 2 + wcols)
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
         y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+        if ARGMAX:
+            up = tl.max(y, axis=1) > m
+            ab = tl.where(up, off, ab)
         m, s = _online_fast(y, m, s)
-        if PACKED_COUNT:
+        if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
+            restart = greedy & up
+            if PACKED_COUNT:
+                bits = m.to(tl.uint32, bitcast=True) >> 16     # the line maximum's bfloat16 bits
+                ref_w = tl.where(greedy, (bits | (bits << 16))[:, None], chosen_w)
+                masks = tl.where(restart, tl.zeros_like(masks), masks) + tl.sum(_ge_masks(w, ref_w), axis=1)
+            else:
+                ref = tl.where(greedy, m, chosen)[:, None]
+                count = tl.where(restart, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32),
+                                                             axis=1)
+        elif PACKED_COUNT:
             masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded below
         else:
             count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
@@ -78,11 +96,22 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
         idx = full_end + cols
         inside = idx < end
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
-        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
         g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
-        m, s = _online_fast(y, m, s)
+        if ARGMAX:
+            up = tl.max(y, axis=1) > m
+            ab = tl.where(up, full_end, ab)
+            m, s = _online_fast(y, m, s)
+            ref = tl.where(greedy, m, chosen)[:, None]
+            count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref) & inside).to(tl.int32), axis=1)
+        else:
+            count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+            m, s = _online_fast(y, m, s)
     big = tl.max(m, axis=0)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
     total = tl.sum(s * tl.exp2(tl.fma(-big_safe, LOG2E, _mc(m))), axis=0)
-    return big, total, tl.sum(count, axis=0), g1, g2, gab
+    if ARGMAX:
+        amax, acol, n = argmax_chunk(row_ptr, cols, end, m, ab, count, 1.0, greedy, False)
+    else:
+        amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
+    return big, total, n, g1, g2, gab, amax, acol

@@ -185,6 +185,7 @@ class LogprobRankArgs(NamedTuple):
     vocab: int
     row_stride: int       # elements between rows (0 for one row)
     top_k: int
+    argmax: int = 0       # [batch] int32/int64 greedy tokens out (ARGMAX), or 0
 
 
 class LogprobRankDtypes(NamedTuple):
@@ -193,6 +194,7 @@ class LogprobRankDtypes(NamedTuple):
     token_ids: str
     ranks: str
     topk_ids: str = "int32"
+    argmax: str = "int32"
 
 
 def _next_pow2(n: int) -> int:
@@ -233,15 +235,15 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
 
 def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
     """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidate keys,
-    candidate vectors, the token's logit, its validity) and the total size: ``batch * n_chunks``
-    partials and one token per row, each region starting on 16 bytes (the top-k regions are
-    empty without top-k)."""
+    candidate vectors, the token's logit, its validity, the greedy maximum and its column) and
+    the total size: ``batch * n_chunks`` partials and one token per row, each region starting on
+    16 bytes (the top-k regions are empty without top-k)."""
     parts = batch * plan.n_chunks
     k = plan.k_pad > 0
     offsets = []
     at = 0
     for nbytes in (4 * parts, 4 * parts, 4 * parts, 8 * parts * plan.k_pad, 8 * parts * plan.cap * k,
-                   4 * parts * plan.cap_p * k, 4 * batch, 4 * batch):
+                   4 * parts * plan.cap_p * k, 4 * batch, 4 * batch, 4 * parts, 4 * parts):
         offsets.append(at)
         at += _cdiv(nbytes, 16) * 16
     return (*offsets, at)
@@ -269,7 +271,8 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     itemsize = _ITEMSIZE[dtypes.logits]
     if plan is None:
         plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
-    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, _ = workspace_layout(args.batch, plan)
+    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, off_am, off_a, _ = workspace_layout(args.batch,
+                                                                                                       plan)
     ws = args.workspace
     has_temp = args.temperature != 0
     temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
@@ -277,9 +280,12 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     tok = (ws + off_ty, ws + off_tok)
     part_k = ws + off_k if plan.k_pad else ws + off_m             # never read without top-k
     topk_ws = (ws + off_cand, ws + off_pairs) if plan.k_pad else (ws + off_m, ws + off_m)
-    chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c) + tok + (part_k,) + topk_ws
+    has_argmax = args.argmax != 0
+    greedy_ws = (ws + off_am, ws + off_a)                         # written and read only with ARGMAX
+    chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c) + tok + (part_k,) + topk_ws \
+        + greedy_ws
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "float32", "int32",
-                    "int64", "int64", "int32")
+                    "int64", "int64", "int32", "float32", "int32")
     if group is None:
         group = _chunk_group(args.batch, plan.n_chunks, plan.k_pad)
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_chunks, group, args.top_k)
@@ -288,20 +294,23 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
-                   "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad)}
+                   "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad), "ARGMAX": has_argmax}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
     else:                                                         # never written without top-k
         comb_out, comb_out_dtypes = (args.logprobs, args.ranks), ("float32", dtypes.ranks)
-    comb_ptrs = (args.logits, args.logprobs, args.ranks) + comb_out + (ws + off_m, ws + off_s, ws + off_c, part_k) + tok
+    argmax_out = (args.argmax, dtypes.argmax) if has_argmax else (args.ranks, dtypes.ranks)   # never written without
+    comb_ptrs = (args.logits, args.logprobs, args.ranks) + comb_out + (ws + off_m, ws + off_s, ws + off_c, part_k) + tok \
+        + (argmax_out[0],) + greedy_ws
     comb_dtypes = (dtypes.logits, "float32", dtypes.ranks) + comb_out_dtypes + ("float32", "float32", "int32",
-                                                                               "int64", "float32", "int32")
+                                                                               "int64", "float32", "int32",
+                                                                               argmax_out[1], "float32", "int32")
     comb_warps = COMBINE_NUM_WARPS if plan.k_pad else COMBINE_CHUNK_WARPS
     comb_const = {"BLOCK": min(COMBINE_BLOCK, _next_pow2(max(plan.n_chunks, 2))), "K_PAD": plan.k_pad,
                   "KEY_TILES": min(_next_pow2(max(plan.n_chunks, 2)), max(2, COMBINE_KEYS // max(plan.k_pad, 1))),
                   "RESUM": words, "RESUM_BLOCK": 32 * comb_warps * (16 // itemsize), "VEC": 16 // itemsize,
-                  "GDC": False}
+                  "GDC": False, "ARGMAX": has_argmax}
     comb_ints = (args.vocab, args.row_stride, plan.n_chunks, args.top_k, plan.chunk_blocks * plan.block)
     return [
         (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_chunks, group), 1), chunk_ptrs, chunk_dtypes,
