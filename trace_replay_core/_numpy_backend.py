@@ -190,7 +190,8 @@ def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[
                 y = y / t_all[r0:r1, None]
             tok = ids_all[r0:r1].astype(np.int64)
             if am_all is not None:        # the lowest id of the largest non-NaN y (all NaN: 0)
-                greedy = np.argmax(np.where(np.isnan(y), -np.inf, y), axis=1)
+                top = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y), keepdims=True)
+                greedy = np.argmax(y == top, axis=1)
                 am_all[r0:r1] = greedy
                 tok = np.where(tok < 0, greedy, tok)    # negative ids are scored as the greedy token
             valid = (tok >= 0) & (tok < vocab)

@@ -73,4 +73,5 @@ def greedy_argmax_reference(logits: np.ndarray) -> np.ndarray:
     scored with ``out_argmax`` is scored as this token (pass it to
     :func:`token_logprob_rank_reference`)."""
     x = np.asarray(logits, dtype=np.float64)
-    return np.argmax(np.where(np.isnan(x), -np.inf, x), axis=1).astype(np.int64)
+    top = np.max(x, axis=1, initial=-np.inf, where=~np.isnan(x), keepdims=True)
+    return np.argmax(x == top, axis=1).astype(np.int64)       # the first entry equal to it; none: 0
