@@ -10,6 +10,10 @@ Providers:
 - ``trace_replay``: ``trace_replay_torch.token_logprob_rank(logits, ids, out=...)``: two
   kernels (chunks, then a per-row merge), bound once per tensor layout, so a call only launches.
 - ``trace_replay_topk20``: the same with ``top_k=20``.
+- ``trace_replay_argmax``: the same with ``argmax=True`` (each row's greedy token from the same
+  read; every other row's id is -1, a greedy row scored as its argmax): a greedy sampler and the
+  logprob/rank in one pass. ``torch_argmax``: ``logits.argmax(-1)`` alone, the pass a greedy
+  loop makes anyway: ``trace_replay_argmax`` minus it is what scoring adds to a greedy step.
 - ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
 - ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of
   ``trace_replay_jax.token_logprob_rank(logits, ids, method=...)`` (the core kernels through a
@@ -147,6 +151,11 @@ def main() -> None:
                                                                              device=dev))
             ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
             ours_inv = invariant(lambda x, i: token_logprob_rank(x, i), logits, ids, token_logprob_rank(logits, ids))
+            gids = ids.clone()
+            gids[1::2] = -1                                  # greedy rows, scored as their argmax
+            out_a = out + (torch.empty(batch, dtype=torch.int64, device=dev),)
+            argmax_inv = invariant(lambda x, i: token_logprob_rank(x, i, argmax=True), logits, gids,
+                                   token_logprob_rank(logits, gids, argmax=True))
             topk_inv = invariant(lambda x, i: token_logprob_rank(x, i, top_k=TOP_K), logits, ids,
                                  token_logprob_rank(logits, ids, top_k=TOP_K))
             naive = tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))
@@ -168,6 +177,8 @@ def main() -> None:
                 (f"trace_replay_topk{TOP_K}", lambda x: token_logprob_rank(x, ids, top_k=TOP_K, out=out_k), None,
                  topk_inv),
                 ("torch", lambda x: torch_logprob_rank(x, ids), naive, None),
+                ("trace_replay_argmax", lambda x: token_logprob_rank(x, gids, argmax=True, out=out_a), None, argmax_inv),
+                ("torch_argmax", lambda x: x.argmax(-1), None, None),
             ]
             for name, fn, result, inv in providers:
                 record(name, QUEUED, time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result,
@@ -189,7 +200,7 @@ def main() -> None:
                     stats = time_wall(rotating([lambda x_j=x_j: fn(x_j, ids_j) for x_j in xs_j]))
                     record(name, f"wall clock incl. dispatch, {len(xs_j)} copies rotated", stats, result, inv)
                 xs_j = ids_j = ids32 = None
-            logits = ids = out = out_k = copies = None     # drop the references before the next size
+            logits = ids = gids = out = out_k = out_a = copies = None     # drop the references before the next size
             torch.cuda.empty_cache()
 
     def pick(provider, batch, dtype_name):
@@ -211,6 +222,15 @@ def main() -> None:
         ratio = topk["us_p50"] / plain["us_p50"]
         rows.append(dict(provider="target", batch=256, vocab=VOCAB, dtype="bfloat16", timing=QUEUED,
                          field=f"topk{TOP_K}_over_plain", value=ratio, limit=1.5, met=bool(ratio <= 1.5)))
+
+    for batch in BATCHES:                       # what scoring adds to a greedy pass that reads the logits anyway
+        fused, alone = pick("trace_replay_argmax", batch, "bfloat16"), pick("torch_argmax", batch, "bfloat16")
+        if fused and alone:
+            rows.append(dict(provider="argmax_fused_minus_torch_argmax", batch=batch, vocab=VOCAB, dtype="bfloat16",
+                             timing=QUEUED, us_p50=fused["us_p50"] - alone["us_p50"],
+                             fused_us_p50=fused["us_p50"], torch_argmax_us_p50=alone["us_p50"]))
+            print(f"bf16 B={batch}: greedy + logprob/rank in one pass {fused['us_p50']:.2f} us, torch argmax alone "
+                  f"{alone['us_p50']:.2f} us: scoring adds {fused['us_p50'] - alone['us_p50']:.2f} us", flush=True)
 
     path = write_results("logprob_rank", rows)
     prov = provenance()

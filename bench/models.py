@@ -23,9 +23,13 @@ of one token (``generate``: ``max_new_tokens=1``): the prefill and every fixed c
 ``generate``); ``call_tokens_per_s`` = the traces' tokens / the whole call, fixed costs and
 prefill included (``generate`` decodes ``B * steps`` tokens for them). ``floor_ms`` = bytes one step must
 read (every weight once, bf16, plus the mean KV cache filled over the steps) / the
-device-to-device copy bandwidth measured in this run. ``replay_logprob_us``: device time of
-one replay + logprob/rank over ``[B, 151,936]`` bf16 logits (torch: CUDA events over queued
-calls; JAX: 32 calls in one ``lax.fori_loop``), and its share of the decode step.
+device-to-device copy bandwidth measured in this run. ``replay_logprob_us``: what replay and
+logprob/rank add to a greedy step over ``[B, 151,936]`` bf16 logits: the loops' fused pass
+(replay into ids of -1, then one ``token_logprob_rank(..., argmax=True)`` that also yields the
+greedy tokens) minus an argmax pass alone (torch: CUDA events over queued calls; JAX: 32 steps
+in one ``lax.fori_loop``), and its share of the decode step; ``replay_logprob_parts_us`` has the
+three times, and ``replay_logprob_separate_share`` the share of the former step (argmax pass,
+replay, separate logprob pass).
 
 Run: ``python bench/models.py`` on the GPU (about 3 minutes on an H200); writes
 ``bench/results/models.json`` and prints a table last. ``--quick``: a CPU dry run with a tiny
@@ -118,69 +122,99 @@ def _floor_bytes(config, requests, weight_bytes):
 
 
 def _replay_logprob_us(framework, batch, vocab, device):
-    """Device time of one replay + logprob/rank over ``[batch, vocab]`` bf16 logits (us)."""
+    """What replay + logprob/rank add to a greedy step over ``[batch, vocab]`` bf16 logits (us of
+    device time per step), half the rows traced. ``fused``: what the loops run, replay into ids of
+    -1 and one ``token_logprob_rank(..., argmax=True)`` pass that also yields the greedy tokens;
+    ``separate``: the loops' former step, an argmax pass, replay, then a logprob/rank pass;
+    ``argmax``: the argmax pass alone, which a greedy step makes anyway. Returns the three times
+    and ``added`` = fused - argmax (``added_separate`` = separate - argmax). torch: CUDA events
+    over queued calls; JAX: 32 steps in one ``lax.fori_loop``, wall clock."""
     rng = np.random.default_rng(1)
     traces = rng.integers(0, vocab, (batch, 64))
+    traced = list(range(0, batch, 2))
     if framework == "torch":
         import torch
         from trace_replay_torch import TraceReplayState, token_logprob_rank
         prompt_len = torch.full((batch,), 10, dtype=torch.int32, device=device)
         total_len = prompt_len + 3
         logits = torch.randn(batch, vocab, device=device).to(torch.bfloat16)
-        sampled = logits.argmax(-1)
+        sampled = torch.full((batch,), -1, dtype=torch.int64, device=device)
         idx = torch.arange(batch, dtype=torch.int32, device=device)
-        out = (torch.empty(batch, device=device), torch.empty(batch, dtype=torch.int64, device=device))
+        out = (torch.empty(batch, device=device), torch.empty(batch, dtype=torch.int64, device=device),
+               torch.empty(batch, dtype=torch.int64, device=device))
         with TraceReplayState(batch, 64, device=device, total_len=total_len, prompt_len=prompt_len) as state:
-            state.add_requests(list(range(batch)), traces)
+            state.add_requests(traced, traces[traced])
             state.apply_staged_writes()
 
-            def fn():
+            def fused():
+                sampled.fill_(-1)
                 state.replay(sampled, idx)
-                token_logprob_rank(logits, sampled, out=out)
+                token_logprob_rank(logits, sampled, argmax=True, out=out)
+                torch.where(sampled < 0, out[2], sampled, out=sampled)
+
+            def separate():
+                torch.argmax(logits, -1, out=sampled)
+                state.replay(sampled, idx)
+                token_logprob_rank(logits, sampled, out=out[:2])
+
+            def argmax():
+                torch.argmax(logits, -1, out=sampled)
+            fns = {"fused": fused, "separate": separate, "argmax": argmax}
             if device != "cuda":
-                fn()
-                return float("nan")
-            return time_cuda_queued(fn)["us_p50"]
-    import jax
-    import jax.numpy as jnp
-    import trace_replay_jax
-    from trace_replay_jax import TraceReplayState
-    dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
-    n_calls = 32
-    with TraceReplayState(batch, 64, device=dev) as state:
-        state.add_requests(list(range(batch)), traces)
-        state.apply_staged_writes()
-        put = lambda x: jax.device_put(x, dev)   # noqa: E731
-        logits = put(jnp.asarray(rng.standard_normal((batch, vocab)), jnp.bfloat16))
-        idx, prompt_len = put(np.arange(batch, dtype=np.int32)), put(np.full(batch, 10, np.int32))
+                for fn in fns.values():
+                    fn()
+                return {}
+            times = {name: time_cuda_queued(fn)["us_p50"] for name, fn in fns.items()}
+    else:
+        import jax
+        import jax.numpy as jnp
+        import trace_replay_jax
+        from trace_replay_jax import TraceReplayState
+        dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+        n_calls = 32
+        with TraceReplayState(batch, 64, device=dev) as state:
+            state.add_requests(traced, traces[traced])
+            state.apply_staged_writes()
+            put = lambda x: jax.device_put(x, dev)   # noqa: E731
+            logits = put(jnp.asarray(rng.standard_normal((batch, vocab)), jnp.bfloat16))
+            idx, prompt_len = put(np.arange(batch, dtype=np.int32)), put(np.full(batch, 10, np.int32))
 
-        @jax.jit
-        def loop(tables, logits, total_len):
-            def body(k, acc):
-                tok = trace_replay_jax.replay(tables, jnp.argmax(logits, -1).astype(jnp.int32), idx,
-                                              total_len + (k % 8), prompt_len)
+            def loop_of(step):
+                @jax.jit
+                def loop(tables, logits, total_len):
+                    def body(k, acc):
+                        return acc + step(tables, logits, total_len + (k % 8))
+                    return jax.lax.fori_loop(0, n_calls, body, jnp.float32(0))
+                return loop
+
+            def fused(tables, logits, total_len):
+                tok = trace_replay_jax.replay(tables, jnp.full((batch,), -1, jnp.int32), idx, total_len, prompt_len)
+                lp, rk, am = trace_replay_jax.token_logprob_rank(logits, tok, argmax=True)
+                return lp.sum() + rk.sum() + jnp.where(tok < 0, am, tok).sum()
+
+            def separate(tables, logits, total_len):
+                tok = trace_replay_jax.replay(tables, jnp.argmax(logits, -1).astype(jnp.int32), idx, total_len,
+                                              prompt_len)
                 lp, rk = trace_replay_jax.token_logprob_rank(logits, tok)
-                return acc + lp.sum() + rk.sum()
-            return jax.lax.fori_loop(0, n_calls, body, jnp.float32(0))
+                return lp.sum() + rk.sum() + tok.sum()
 
-        @jax.jit
-        def argmax_only(logits, total_len):     # the loop's own argmax, timed to subtract it
-            def body(k, acc):
-                return acc + jnp.argmax(logits, -1).astype(jnp.float32).sum() + (k % 8)
-            return jax.lax.fori_loop(0, n_calls, body, jnp.float32(0))
+            def argmax(tables, logits, total_len):
+                return jnp.argmax(logits, -1).astype(jnp.float32).sum() + total_len[0]
 
-        total_len = put(np.full(batch, 13, np.int32))
-        times = {}
-        for name, fn in (("with", lambda: loop(state.tables, logits, total_len)),
-                         ("argmax", lambda: argmax_only(logits, total_len))):
-            fn().block_until_ready()
-            runs = []
-            for _ in range(5):
-                t0 = time.perf_counter()
+            total_len = put(np.full(batch, 13, np.int32))
+            times = {}
+            for name, step in (("fused", fused), ("separate", separate), ("argmax", argmax)):
+                loop = loop_of(step)
+                fn = lambda: loop(state.tables, logits, total_len)   # noqa: E731
                 fn().block_until_ready()
-                runs.append(time.perf_counter() - t0)
-            times[name] = float(np.median(runs))
-        return max(0.0, times["with"] - times["argmax"]) / n_calls * 1e6
+                runs = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    fn().block_until_ready()
+                    runs.append(time.perf_counter() - t0)
+                times[name] = float(np.median(runs)) / n_calls * 1e6
+    return dict(times, added=max(0.0, times["fused"] - times["argmax"]),
+                added_separate=max(0.0, times["separate"] - times["argmax"]))
 
 
 def main() -> None:
@@ -226,7 +260,7 @@ def main() -> None:
                 call(requests, 8)                                      # warm-up
                 whole, _ = _timed(lambda: call(requests, steps), device)
                 prefill, _ = _timed(lambda: call(requests, 1), device)
-                exact, replay_us = None, None
+                exact, replay_us, replay = None, None, {}
             else:
                 call = _our_loop(provider, config, weights, device)
                 call(requests)                                         # warm-up: compile, capture
@@ -234,7 +268,8 @@ def main() -> None:
                 call(prefill_only)                                     # its own warm-up (JAX: another program)
                 prefill, _ = _timed(lambda: call(prefill_only), device)
                 exact = all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))
-                replay_us = _replay_logprob_us(provider, batch, config.vocab_size, device)
+                replay = _replay_logprob_us(provider, batch, config.vocab_size, device)
+                replay_us = replay.get("added", float("nan"))
             step_ms = (whole - prefill) / max(1, steps - 1) * 1e3
             row = {"provider": provider, "batch": batch, "steps": steps, "useful_tokens": useful,
                    "whole_s": whole, "prefill_s": prefill, "tokens_per_s": batch / step_ms * 1e3,
@@ -243,6 +278,9 @@ def main() -> None:
                    "x_floor": step_ms / floor_ms if floor_ms == floor_ms else None,
                    "replay_logprob_us": replay_us,
                    "replay_logprob_share": None if replay_us is None else replay_us / (step_ms * 1e3),
+                   "replay_logprob_parts_us": replay,
+                   "replay_logprob_separate_share": (replay["added_separate"] / (step_ms * 1e3)
+                                                     if "added_separate" in replay else None),
                    "traces_reproduced": exact, "bench_s": time.perf_counter() - t_start}
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
@@ -259,7 +297,7 @@ def main() -> None:
         print("wrote", write_results("models", [dict(r, **shape) for r in rows]))
     print(table(rows, ["provider", "batch", "tokens_per_s", "call_tokens_per_s", "decode_ms_per_step", "floor_ms",
                        "x_floor", "x_generate_tokens_per_s", "replay_logprob_us", "replay_logprob_share",
-                       "traces_reproduced"]))
+                       "replay_logprob_separate_share", "traces_reproduced"]))
 
 
 if __name__ == "__main__":

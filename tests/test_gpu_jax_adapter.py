@@ -1,6 +1,7 @@
 """The JAX adapter on a GPU: zero-copy tables, commits ordered on XLA's stream behind queued
 programs without a host sync, many steps behind a slow kernel, the torch adapter in the same
-process, and parity with command buffers forced on (in a subprocess). Skipped without a GPU.
+process, parity with command buffers forced on (in a subprocess), and the logprob kernel's
+``argmax=True`` (greedy rows, batch invariance, inside a fori loop). Skipped without a GPU.
 
 The CPU tier of the same adapter (semantics, ownership, ordering, refusals) is
 ``test_jax_adapter.py``, whose helpers these tests share.
@@ -239,3 +240,58 @@ def test_gpu_parity_with_command_buffers_in_a_subprocess():
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity ok" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_argmax_vocab_151936_greedy_rows_batch_invariant():
+    """token_logprob_rank(argmax=True) at vocab 151,936 bf16, batches 1 and 257, greedy (-1) and
+    explicit rows mixed: the argmax is jnp.argmax's (rows without NaN), a greedy row has the bits
+    of a call passing its argmax id, and a row has the same bits alone as in the batch of 257."""
+    from test_jax_argmax import assert_greedy
+    from test_logprob_rank import make_case
+    gpu = jax_gpu()
+    x, ids = make_case(np.random.default_rng(257), 257, 151936, "bfloat16")     # ties, -inf; no NaN
+    ids[1::2] = -1
+    logits = jax.device_put(jnp.asarray(x).astype(jnp.bfloat16), gpu)
+    ids_j = jax.device_put(jnp.asarray(ids, jnp.int32), gpu)
+    lp, rk, am = trj.token_logprob_rank(logits, ids_j, argmax=True)
+    assert_greedy(x, ids, lp, rk, am, "gpu 257x151936 bf16")
+    assert np.array_equal(np.asarray(am), np.asarray(jnp.argmax(logits, axis=1)))
+    explicit = trj.token_logprob_rank(logits, jnp.where(ids_j < 0, am, ids_j))
+    assert np.array_equal(np.asarray(explicit.logprobs).view(np.uint32), np.asarray(lp).view(np.uint32))
+    assert np.array_equal(np.asarray(explicit.ranks), np.asarray(rk))
+    for r in (0, 1, 2, 3, 4, 5, 128, 255, 256):
+        one = trj.token_logprob_rank(logits[r:r + 1], ids_j[r:r + 1], argmax=True)
+        got = (np.asarray(one.logprobs).view(np.uint32)[0], int(one.ranks[0]), int(one.argmax[0]))
+        assert got == (np.asarray(lp).view(np.uint32)[r], int(rk[r]), int(am[r])), r
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_argmax_inside_a_jitted_fori_loop_equals_eager_calls():
+    """8 steps of greedy and explicit rows in one jitted lax.fori_loop (one compiled program,
+    the callback's buffers bound once) give the bits of 8 eager calls."""
+    gpu = jax_gpu()
+    rng = np.random.default_rng(8)
+    steps, batch, vocab = 8, 5, 151936
+    xs = jax.device_put(jnp.asarray(rng.standard_normal((steps, batch, vocab), dtype=np.float32) * 3)
+                        .astype(jnp.bfloat16), gpu)
+    ids = rng.integers(0, vocab, size=(steps, batch)).astype(np.int32)
+    ids[:, ::2] = -1
+    ids = jax.device_put(jnp.asarray(ids), gpu)
+
+    @jax.jit
+    def loop(xs, ids):
+        def body(k, acc):
+            res = trj.token_logprob_rank(xs[k], ids[k], argmax=True)
+            return tuple(a.at[k].set(v) for a, v in zip(acc, res))
+        init = (jnp.zeros((steps, batch), jnp.float32), jnp.zeros((steps, batch), jnp.int32),
+                jnp.zeros((steps, batch), jnp.int32))
+        return jax.lax.fori_loop(0, steps, body, init)
+
+    lp, rk, am = loop(xs, ids)
+    for k in range(steps):
+        want = trj.token_logprob_rank(xs[k], ids[k], argmax=True)
+        assert np.array_equal(np.asarray(want.logprobs).view(np.uint32), np.asarray(lp[k]).view(np.uint32)), k
+        assert np.array_equal(np.asarray(want.ranks), np.asarray(rk[k])), k
+        assert np.array_equal(np.asarray(want.argmax), np.asarray(am[k])), k
+        assert np.array_equal(np.asarray(am[k]), np.asarray(jnp.argmax(xs[k], axis=1))), k

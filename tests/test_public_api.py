@@ -87,7 +87,11 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                                              'out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)',
                        'token_logprob_rank_reference': '(logits, token_ids)',
                        'greedy_argmax_reference': '(logits)'},
- 'trace_replay_jax': {'ReplayTables': {'__init__': '(self, table, trace_len)'},
+ 'trace_replay_jax': {'LogprobRank': {},
+                      'LogprobRankArgmax': {},
+                      'LogprobRankTopK': {},
+                      'LogprobRankTopKArgmax': {},
+                      'ReplayTables': {'__init__': '(self, table, trace_len)'},
                       'TraceReplayState': {'__enter__': '(self)',
                                            '__exit__': '(self, *exc)',
                                            '__init__': '(self, max_slots, max_trace_len, *, device=None, '
@@ -110,12 +114,14 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                       'resolve_device': '(device)',
                       'replay_at_step': "(tables, sampled, idx_mapping, step, *, method='jnp')",
                       'token_logprob_rank': "(logits, token_ids, *, method='kernel', top_k=0, "
-                                            'temperature=None)',
+                                            'temperature=None, argmax=False)',
                       'token_logprob_rank_in_shard_map': '(logits, token_ids, *, vocab_axis)',
                       'token_logprob_rank_sharded': '(logits, token_ids, *, mesh, vocab_axis, '
                                                     'batch_axis=None)'},
  'trace_replay_torch': {'LogprobRank': {},
+                        'LogprobRankArgmax': {},
                         'LogprobRankTopK': {},
+                        'LogprobRankTopKArgmax': {},
                         'TraceReplayState': {'__enter__': '(self)',
                                              '__exit__': '(self, *exc)',
                                              '__init__': '(self, max_slots, max_trace_len, *, device, '
@@ -135,8 +141,10 @@ PINNED = {'trace_replay_app': {'Family': {'__init__': '(self, name, label, model
                                              'replay_at_step': '(self, sampled, idx_mapping, step)'},
                         'replay_at_step_op': '(state, sampled, idx_mapping, step)',
                         'replay_op': '(state, sampled, idx_mapping, total_len=None, prompt_len=None)',
-                        'token_logprob_rank': '(logits, token_ids, *, top_k=0, temperature=None, out=None)',
-                        'token_logprob_rank_op': '(logits, token_ids, *, top_k=0, temperature=None)'}}
+                        'token_logprob_rank': '(logits, token_ids, *, top_k=0, temperature=None, out=None, '
+                                              'argmax=False)',
+                        'token_logprob_rank_op': '(logits, token_ids, *, top_k=0, temperature=None, '
+                                                 'argmax=False)'}}
 
 
 @pytest.mark.parametrize("package", sorted(PINNED))

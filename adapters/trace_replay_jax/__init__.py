@@ -30,7 +30,10 @@ on one device or over a ``jax.sharding.Mesh``), :func:`replay` and :func:`replay
 (replay given the tables; eager, traced or inside ``shard_map``; ``method="jnp"`` or
 ``"kernel"``), :class:`ReplayTables` (the committed table as JAX arrays, a pytree),
 :func:`token_logprob_rank` (logprob and rank of the chosen token from the unmodified logits,
-one read of the logits), :func:`token_logprob_rank_sharded` and
+one read of the logits; with ``argmax=True`` also each row's greedy token, and rows with id -1
+scored as it) and its results :class:`LogprobRank`, :class:`LogprobRankTopK`,
+:class:`LogprobRankArgmax`, :class:`LogprobRankTopKArgmax` (pytrees),
+:func:`token_logprob_rank_sharded` and
 :func:`token_logprob_rank_in_shard_map` (the same on logits sharded over a vocabulary axis),
 :func:`resolve_device` (the ``jax.Device`` a ``device=`` argument names).
 
@@ -40,9 +43,11 @@ variable.
 
 from .devices import resolve_device
 from .jnp_replay import ReplayTables, replay, replay_at_step
-from .logprob import token_logprob_rank
+from .logprob import (LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRankTopKArgmax,
+                      token_logprob_rank)
 from .sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 from .state import TraceReplayState
 
 __all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step", "token_logprob_rank",
+           "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax", "LogprobRankTopKArgmax",
            "token_logprob_rank_sharded", "token_logprob_rank_in_shard_map", "resolve_device"]

@@ -19,6 +19,10 @@ Two implementations of one contract (the core's, see
   promised to be batch-invariant: XLA picks how to split a row's reduction from the whole
   shape, so the last bits of a row's logprob may change with the batch size.
 
+With ``argmax=True`` either method also returns each row's greedy token from the same pass
+and scores rows whose token id is negative as that token: a greedy decode step reads the
+logits once (see :func:`token_logprob_rank`).
+
 ``bench/logprob_rank.py`` measures both inside ``jax.jit`` next to the torch versions.
 """
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, NamedTuple, Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +45,8 @@ from trace_replay_core import (LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX,
 
 from .jnp_replay import is_vmap_tracer
 
-__all__ = ["token_logprob_rank", "METHODS", "LogprobRank", "LogprobRankTopK"]
+__all__ = ["token_logprob_rank", "METHODS", "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax",
+           "LogprobRankTopKArgmax"]
 
 METHODS = ("kernel", "jnp")
 _TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
@@ -66,6 +71,34 @@ class LogprobRankTopK(NamedTuple):
     ranks: jax.Array
     topk_logprobs: jax.Array
     topk_ids: jax.Array
+
+
+class LogprobRankArgmax(NamedTuple):
+    """``token_logprob_rank``'s result with ``argmax=True`` and no top-k (a pytree):
+    ``logprobs, ranks, argmax`` (``argmax``: int32 ``[batch]``, each row's greedy token)."""
+    logprobs: jax.Array
+    ranks: jax.Array
+    argmax: jax.Array
+
+
+class LogprobRankTopKArgmax(NamedTuple):
+    """``token_logprob_rank``'s result with ``top_k > 0`` and ``argmax=True`` (a pytree):
+    ``logprobs, ranks, topk_logprobs, topk_ids, argmax``."""
+    logprobs: jax.Array
+    ranks: jax.Array
+    topk_logprobs: jax.Array
+    topk_ids: jax.Array
+    argmax: jax.Array
+
+
+LogprobResult = Union[LogprobRank, LogprobRankTopK, LogprobRankArgmax, LogprobRankTopKArgmax]
+
+
+def _result(fields: Sequence[jax.Array], top_k: int, argmax: bool) -> LogprobResult:
+    """The named result for ``(logprobs, ranks[, topk_logprobs, topk_ids][, argmax])``."""
+    if top_k:
+        return LogprobRankTopKArgmax(*fields) if argmax else LogprobRankTopK(*fields)
+    return LogprobRankArgmax(*fields) if argmax else LogprobRank(*fields)
 
 
 def _check(logits: Any, token_ids: Any, method: Any) -> Tuple[int, int]:
@@ -103,6 +136,12 @@ def _check_top_k(top_k: Any, vocab: int) -> int:
     return int(top_k)
 
 
+def _check_argmax(argmax: Any) -> bool:
+    if not isinstance(argmax, (bool, np.bool_)):
+        raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
+    return bool(argmax)
+
+
 def _temperature(temperature: Any, batch: int) -> Optional[Any]:
     """None, or a float32 [batch] array (a float is checked and broadcast; host numpy data is
     checked; a JAX array is not read on the host)."""
@@ -129,15 +168,24 @@ def _temperature(temperature: Any, batch: int) -> Optional[Any]:
 
 # -- method="jnp" -------------------------------------------------------------------------------
 
-def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int):
+def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int,
+                      argmax: bool = False):
     """The contract in jnp ops: float32 log-sum-exp with the row maximum subtracted, a count of
     ``y >= y[t]`` (IEEE: NaN never counts), NaN/-1 for an id outside ``[0, vocab)``, and
-    ``lax.top_k`` (ties: the lower index first) with NaN ranked as ``-inf`` and reported as -1."""
+    ``lax.top_k`` (ties: the lower index first) with NaN ranked as ``-inf`` and reported as -1.
+    With ``argmax``: the first entry equal to the largest non-NaN ``y`` (as
+    ``greedy_argmax_reference``: a row of NaN and ``-inf`` gives its first ``-inf``, which a plain
+    argmax with NaN as ``-inf`` would not; an all-NaN row gives 0), and negative ids scored as it."""
     vocab = logits.shape[1]
     y = logits.astype(jnp.float32)
     if temperature is not None:
         y = y / temperature.astype(jnp.float32)[:, None]
     ids = ids.reshape(-1)
+    greedy = None
+    if argmax:
+        top = jax.lax.stop_gradient(jnp.max(jnp.where(jnp.isnan(y), -jnp.inf, y), axis=1))
+        greedy = jnp.argmax(y == top[:, None], axis=1).astype(jnp.int32)     # no entry equal: 0
+        ids = jnp.where(ids < 0, greedy.astype(ids.dtype), ids)
     valid = (ids >= 0) & (ids < vocab)
     safe = jnp.where(valid, ids, 0).astype(jnp.int32)
     chosen = jnp.take_along_axis(y, safe[:, None], axis=1)[:, 0]
@@ -147,14 +195,15 @@ def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[j
     logprob = jnp.where(valid, chosen - lse, jnp.nan)
     rank = jnp.sum(y >= jax.lax.stop_gradient(chosen)[:, None], axis=1, dtype=jnp.int32)
     rank = jnp.where(valid, rank, -1).astype(jnp.int32)
+    extra = (greedy,) if argmax else ()
     if not top_k:
-        return LogprobRank(logprob, rank)
+        return _result((logprob, rank) + extra, 0, argmax)
     keyed = jax.lax.stop_gradient(jnp.where(jnp.isnan(y), -jnp.inf, jnp.where(y == 0, 0.0, y)))
     _, top_ids = jax.lax.top_k(keyed, top_k)
     top_y = jnp.take_along_axis(y, top_ids, axis=1)
     nan = jnp.isnan(top_y)
-    return LogprobRankTopK(logprob, rank, jnp.where(nan, jnp.nan, top_y - lse[:, None]),
-                           jnp.where(nan, -1, top_ids).astype(jnp.int32))
+    return _result((logprob, rank, jnp.where(nan, jnp.nan, top_y - lse[:, None]),
+                    jnp.where(nan, -1, top_ids).astype(jnp.int32)) + extra, top_k, argmax)
 
 
 # -- method="kernel" ----------------------------------------------------------------------------
@@ -163,7 +212,7 @@ _BOUND_CACHE_SIZE = 64
 
 
 class _KernelCallback:
-    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature) signature.
+    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature, argmax) signature.
 
     XLA hands it its buffers; on a GPU it queues the core's kernels on ``ctx.stream``. A call is
     bound (validated over DLPack, parameters packed) once per set of buffer addresses and then
@@ -171,9 +220,10 @@ class _KernelCallback:
     A bound entry holds addresses, never the buffers (they belong to XLA).
     """
 
-    def __init__(self, top_k: int):
+    def __init__(self, top_k: int, argmax: bool):
         self._bound = BoundCache(_BOUND_CACHE_SIZE)
         self._top_k = top_k
+        self._argmax = argmax
 
     def __call__(self, ctx, outs, logits, ids, *temperature) -> None:
         if ctx.stage != ExecutionStage.EXECUTE:
@@ -181,34 +231,41 @@ class _KernelCallback:
         top_k = self._top_k
         logprobs, ranks = outs[0], outs[1]
         top_lp, top_ids = (outs[2], outs[3]) if top_k else (None, None)
+        greedy = outs[-2] if self._argmax else None
         workspace = outs[-1]
         temp = temperature[0] if temperature else None
         if logits.__dlpack_device__()[0] == 1:   # host buffers: the core computes them in numpy
             _core_token_logprob_rank(logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=0,
                                      workspace=workspace, temperature=temp, top_k=top_k,
-                                     out_topk_logprobs=top_lp, out_topk_ids=top_ids)
+                                     out_topk_logprobs=top_lp, out_topk_ids=top_ids, out_argmax=greedy)
             return
         stream = int(ctx.stream)
-        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids) if b is not None]
+        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy)
+                   if b is not None]
         key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
         bound = self._bound.bind(key, lambda: bind_logprob_rank(
             logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=stream, workspace=workspace,
-            temperature=temp, top_k=top_k, out_topk_logprobs=top_lp, out_topk_ids=top_ids))
+            temperature=temp, top_k=top_k, out_topk_logprobs=top_lp, out_topk_ids=top_ids, out_argmax=greedy))
         bound(stream=stream)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool):
+def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool,
+               argmax: bool):
+    """The jitted-callable op of one signature; its outputs are ``logprobs, ranks[, topk_logprobs,
+    topk_ids][, argmax], workspace`` (the workspace is scratch and dropped)."""
     outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
     if top_k:
         outs += [jax.ShapeDtypeStruct((batch, top_k), jnp.float32), jax.ShapeDtypeStruct((batch, top_k), jnp.int32)]
+    if argmax:
+        outs.append(jax.ShapeDtypeStruct((batch,), jnp.int32))
     outs.append(jax.ShapeDtypeStruct((max(16, logprob_rank_workspace_bytes(batch, vocab, top_k)),), jnp.uint8))
-    op = buffer_callback(_KernelCallback(top_k), outs, command_buffer_compatible=True)
+    op = buffer_callback(_KernelCallback(top_k, argmax), outs, command_buffer_compatible=True)
 
     @jax.custom_jvp
     def run(logits, ids, *temperature):
         out = op(logits, ids, *temperature)
-        return LogprobRankTopK(*out[:4]) if top_k else LogprobRank(*out[:2])
+        return _result(out[:-1], top_k, argmax)
 
     @run.defjvp
     def _no_grad(primals, tangents):
@@ -217,24 +274,27 @@ def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k:
     return run
 
 
-def _kernel_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int):
+def _kernel_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int,
+                         argmax: bool = False):
     batch, vocab = logits.shape
     if batch == 0:
-        empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32))
+        empty = [jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)]
         if top_k:
-            return LogprobRankTopK(*empty, jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32))
-        return LogprobRank(*empty)
+            empty += [jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)]
+        if argmax:
+            empty.append(jnp.zeros((0,), jnp.int32))
+        return _result(empty, top_k, argmax)
     run = _kernel_op(batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k,
-                     temperature is not None)
+                     temperature is not None, argmax)
     return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))
 
 
 _IMPL = {"kernel": _kernel_logprob_rank, "jnp": _jnp_logprob_rank}
-_EAGER = {name: jax.jit(impl, static_argnums=(3,)) for name, impl in _IMPL.items()}
+_EAGER = {name: jax.jit(impl, static_argnums=(3, 4)) for name, impl in _IMPL.items()}
 
 
 def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *, method: str = "kernel", top_k: int = 0,
-                       temperature: Union[None, float, jax.Array] = None) -> Union[LogprobRank, LogprobRankTopK]:
+                       temperature: Union[None, float, jax.Array] = None, argmax: bool = False) -> LogprobResult:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
     optionally the row's ``top_k`` most likely tokens.
 
@@ -247,8 +307,12 @@ def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *, method: str =
     ``[batch]`` array (numpy data is checked; a JAX array is not read on the host: T <= 0 gives
     NaN logprobs); the results are then those of ``logits / T`` (vLLM's processed logprobs).
 
+    ``argmax``: a bool (static); see below.
+
     Returns new arrays, :class:`LogprobRank` ``(logprobs, ranks)`` when ``top_k == 0``, else
-    :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``: ``logprobs``
+    :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``; with
+    ``argmax=True``, :class:`LogprobRankArgmax` / :class:`LogprobRankTopKArgmax`, the same
+    fields followed by ``argmax``. ``logprobs``
     float32 ``[batch]`` (natural log of the softmax probability, float32); ``ranks`` int32
     ``[batch]`` = the number of vocabulary entries greater than or equal to the token's own
     (vLLM's definition: a unique argmax has rank 1; ties count against the token);
@@ -261,17 +325,34 @@ def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *, method: str =
     token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (no error: checking would
     need a host sync).
 
+    ``argmax=True``: ``argmax`` is int32 ``[batch]``, each row's greedy token: the lowest id
+    among the largest non-NaN entries of ``y`` (``logits / T``; 0 when every entry is NaN),
+    found in the same pass over the logits. A row whose token id is negative (e.g. -1) is then
+    scored as that greedy token: its logprob and rank are those of ``argmax[b]`` (with the
+    kernel method, the same bits as a call that passes that id). A greedy decode step is thus
+    one read of the logits::
+
+        drawn = jnp.full((rows,), -1, jnp.int32)              # nothing sampled yet
+        tok = trace_replay_jax.replay(tables, drawn, idx_mapping, total_len, prompt_len)
+        lp, rk, am = token_logprob_rank(logits, tok, argmax=True)   # traced rows: their trace token
+        tok = jnp.where(tok < 0, am, tok)                     # the other rows: greedy
+
+    The kernel method stays batch-invariant with ``argmax``: the argmax is exact (a comparison,
+    no rounding), so a row's ``argmax`` and its greedy-row logprob and rank have the same bits
+    in any batch. Without ``argmax`` a negative id is out of range (logprob NaN, rank -1).
+
     Works eagerly (one jitted dispatch; never waits for the device) and inside ``jax.jit``,
     ``lax.fori_loop`` and ``lax.while_loop``. ``jax.vmap`` is refused (the function already
     takes a batch); gradients exist only for ``method="jnp"``.
     """
     batch, vocab = _check(logits, token_ids, method)
     top_k = _check_top_k(top_k, vocab)
+    argmax = _check_argmax(argmax)
     temperature = _temperature(temperature, batch)
     args = (logits, token_ids) + ((temperature,) if temperature is not None else ())
     traced = [a for a in args if isinstance(a, jax.core.Tracer)]
     if any(is_vmap_tracer(a) for a in traced):
         raise ValueError(_VMAP_MESSAGE)
     if traced:
-        return _IMPL[method](logits, token_ids, temperature, top_k)
-    return _EAGER[method](logits, token_ids, temperature, top_k)
+        return _IMPL[method](logits, token_ids, temperature, top_k, argmax)
+    return _EAGER[method](logits, token_ids, temperature, top_k, argmax)

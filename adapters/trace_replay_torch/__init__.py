@@ -17,11 +17,15 @@ Example (runs on the CPU; use ``device="cuda"`` on a GPU)::
 Inside ``torch.compile`` (``fullgraph=True``) and CUDA graphs, call the registered-op forms
 ``replay_op(state, sampled, idx_mapping)``, ``replay_at_step_op`` and ``token_logprob_rank_op``
 (see :mod:`trace_replay_torch.ops`); eager code keeps the direct methods above.
+
+A greedy step reads the logits once: fill ``sampled`` with -1, replay, then
+``token_logprob_rank(logits, sampled, argmax=True)`` returns each row's greedy token and scores
+the rows still at -1 as it (see :func:`token_logprob_rank`).
 """
 
-from .logprob import LogprobRank, LogprobRankTopK, token_logprob_rank
+from .logprob import LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRankTopKArgmax, token_logprob_rank
 from .ops import replay_at_step_op, replay_op, token_logprob_rank_op
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "token_logprob_rank", "LogprobRank", "LogprobRankTopK",
-           "replay_op", "replay_at_step_op", "token_logprob_rank_op"]
+__all__ = ["TraceReplayState", "token_logprob_rank", "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax",
+           "LogprobRankTopKArgmax", "replay_op", "replay_at_step_op", "token_logprob_rank_op"]

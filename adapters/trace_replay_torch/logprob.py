@@ -1,4 +1,4 @@
-"""``token_logprob_rank`` for torch tensors: logprob, rank and optional top-k of one token per row.
+"""``token_logprob_rank`` for torch tensors: logprob, rank, optional top-k and greedy token per row.
 
 Runs :func:`trace_replay_core.token_logprob_rank` on torch's current stream of the logits'
 device (or in numpy for CPU tensors); no host synchronisation, capturable in a CUDA graph
@@ -23,7 +23,7 @@ from trace_replay_core import BoundCache, logprob_rank_workspace_bytes
 
 from .views import layout_key, raw_stream
 
-__all__ = ["token_logprob_rank", "LogprobRank", "LogprobRankTopK"]
+__all__ = ["token_logprob_rank", "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax", "LogprobRankTopKArgmax"]
 
 
 class LogprobRank(NamedTuple):
@@ -41,19 +41,40 @@ class LogprobRankTopK(NamedTuple):
     topk_ids: torch.Tensor
 
 
+class LogprobRankArgmax(NamedTuple):
+    """``token_logprob_rank``'s result with ``argmax=True`` and no top-k:
+    ``logprobs, ranks, argmax``."""
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    argmax: torch.Tensor
+
+
+class LogprobRankTopKArgmax(NamedTuple):
+    """``token_logprob_rank``'s result with ``argmax=True`` and ``top_k > 0``:
+    ``logprobs, ranks, topk_logprobs, topk_ids, argmax``."""
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    topk_logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    argmax: torch.Tensor
+
+
+LogprobRankResult = Union[LogprobRank, LogprobRankTopK, LogprobRankArgmax, LogprobRankTopKArgmax]
+
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
 _BOUND = BoundCache(64)     # bound calls by tensor layout
 
 
 def _bound(tensors, top_k, stream):
     """The bound call for this exact layout of tensors, binding (over DLPack) on a miss.
-    ``tensors``: logits, ids, logprobs, ranks, workspace, temperature, topk logprobs, topk ids
-    (the last three may be None)."""
+    ``tensors``: logits, ids, logprobs, ranks, workspace, temperature, topk logprobs, topk ids,
+    argmax (the last four may be None); every one of them is part of the key."""
 
     def bind():
         t = [None if x is None else x.detach() for x in tensors]   # logits may require grad: read-only use
         return bind_logprob_rank(t[0], t[1], out_logprobs=t[2], out_ranks=t[3], stream=stream, workspace=t[4],
-                                 temperature=t[5], top_k=top_k, out_topk_logprobs=t[6], out_topk_ids=t[7])
+                                 temperature=t[5], top_k=top_k, out_topk_logprobs=t[6], out_topk_ids=t[7],
+                                 out_argmax=t[8])
 
     key = (top_k,) + tuple(None if x is None else layout_key(x) for x in tensors)
     return _BOUND.bind(key, bind)
@@ -74,30 +95,47 @@ def _temperature(temperature, batch: int, device) -> Optional[torch.Tensor]:
 
 def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: int = 0,
                        temperature: Union[None, float, torch.Tensor] = None,
-                       out: Optional[Sequence[torch.Tensor]] = None) -> Union[LogprobRank, LogprobRankTopK]:
+                       out: Optional[Sequence[torch.Tensor]] = None, argmax: bool = False) -> LogprobRankResult:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
-    optionally the row's ``top_k`` most likely tokens, from one read of the logits.
+    optionally the row's ``top_k`` most likely tokens and its greedy token, from one read of
+    the logits.
 
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, rows may be strided (element
     stride 1 along the vocabulary), never modified. ``token_ids``: ``[batch]`` or
-    ``[batch, 1]`` int32/int64 on the same device (e.g. ``sampled`` after replay).
-    ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a float32
-    ``[batch]`` tensor (a CUDA tensor is not checked: T <= 0 gives NaN logprobs); the results
-    are then those of ``logits / T`` (vLLM's processed logprobs). ``top_k``: 0 to
-    ``min(64, vocab)``.
+    ``[batch, 1]`` int32/int64 on the same device (e.g. ``sampled`` after replay); never
+    modified. ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a
+    float32 ``[batch]`` tensor (a CUDA tensor is not checked: T <= 0 gives NaN logprobs); the
+    results are then those of ``logits / T`` (vLLM's processed logprobs). ``top_k``: 0 to
+    ``min(64, vocab)``. ``argmax``: a bool; True adds each row's greedy token (below).
 
     Returns :class:`LogprobRank` ``(logprobs, ranks)`` when ``top_k == 0``, else
-    :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``:
+    :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``; with
+    ``argmax=True``, :class:`LogprobRankArgmax` ``(logprobs, ranks, argmax)`` or
+    :class:`LogprobRankTopKArgmax` ``(logprobs, ranks, topk_logprobs, topk_ids, argmax)``:
 
     - ``logprobs`` float32 ``[batch]``: natural log of the softmax probability (float32);
     - ``ranks`` ``[batch]``: the number of vocabulary entries greater than or equal to the
       token's own (vLLM's definition: a unique argmax has rank 1; ties count against it);
     - ``topk_logprobs`` float32 and ``topk_ids`` ``[batch, top_k]``: sorted descending, ties
       broken by the lower id; NaN entries are never selected (id -1, logprob NaN where a row
-      has fewer than ``top_k`` others).
+      has fewer than ``top_k`` others);
+    - ``argmax`` ``[batch]``: the row's greedy token, the lowest id among its largest non-NaN
+      entries of ``logits / T`` (``torch.argmax``'s choice for a row without NaN; 0 for a row
+      of only NaN).
 
-    New tensors (ranks and ids int64) unless ``out`` gives caller-owned ones in the same order
-    (float32; ranks and ids int32 or int64; contiguous), which are written and returned.
+    Greedy rows: with ``argmax=True`` a row whose token id is negative (-1: "not sampled
+    yet") is scored as its greedy token: its logprob and rank are those of ``argmax[b]``, with
+    the same bits as a call that passes that id. (Without ``argmax`` a negative id is out of
+    range, below.) A greedy decode step is then one pass over the logits::
+
+        sampled.fill_(-1)                                  # every row greedy ...
+        state.replay(sampled, idx_mapping)                 # ... except traced rows: their trace token
+        token_logprob_rank(logits, sampled, argmax=True, out=(logprobs, ranks, argmax))  # argmax: sampled's dtype
+        torch.where(sampled < 0, argmax, sampled, out=sampled)   # the greedy rows take their token
+
+    New tensors (ranks, ids and argmax int64) unless ``out`` gives caller-owned ones in the
+    order of the result (float32; ranks, ids and argmax int32 or int64; contiguous; ``argmax``
+    last), which are written and returned; ``out`` must not overlap the inputs.
 
     Batch-invariant: the same row gives the same bits in any batch, at any position, for each
     dtype and vocabulary. Special values: a row holding a NaN or ``+inf``, or only ``-inf``
@@ -105,12 +143,15 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: 
     are otherwise fine; a token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (no
     error: that check would need a host sync).
 
+    Errors: ``TypeError``/``ValueError`` naming the argument and the value received; a
+    rejected call writes nothing.
+
     Blocking: ordered on torch's current stream of the logits' device, never synchronises. It
-    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 456 bytes per row at
-    vocab 151,936, about 19 KiB per row with top-k 20; capture-safe through torch's graph
+    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 268 bytes per row at
+    vocab 151,936, about 16.5 KiB per row with top-k 20; capture-safe through torch's graph
     memory pool) and, for a float temperature, a ``[batch]`` tensor. The first call per device
-    and signature compiles the kernels: run one eager call before capturing a CUDA graph. On
-    CPU tensors it computes in numpy before returning.
+    and signature (``argmax`` is part of it) compiles the kernels: run one eager call before
+    capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
     """
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (got {type(logits).__name__})")
@@ -123,33 +164,51 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: 
         raise ValueError(f"logits must be on a cpu or cuda device (got {device})")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    if not isinstance(argmax, bool):
+        raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
     top_k = int(top_k)
     batch, vocab = logits.shape
-    n_out = 4 if top_k > 0 else 2
     if out is None:
         outs = [torch.empty(batch, dtype=torch.float32, device=device),
                 torch.empty(batch, dtype=torch.int64, device=device)]
         if top_k > 0 and 0 < top_k <= min(64, vocab):
             outs += [torch.empty(batch, top_k, dtype=torch.float32, device=device),
                      torch.empty(batch, top_k, dtype=torch.int64, device=device)]
+        else:
+            outs += [None, None]
+        outs.append(torch.empty(batch, dtype=torch.int64, device=device) if argmax else None)
     else:
-        if (not isinstance(out, (tuple, list)) or len(out) != n_out
-                or not all(isinstance(t, torch.Tensor) for t in out)):
-            got = ([type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__)
-            names = "(logprobs, ranks, topk_logprobs, topk_ids)" if top_k > 0 else "(logprobs, ranks)"
-            raise TypeError(f"out must be a {names} tuple of torch.Tensor with top_k={top_k} (got {got})")
-        outs = list(out)
-    outs += [None] * (4 - len(outs))
+        outs = _caller_outs(out, top_k, argmax)
     temp = _temperature(temperature, batch, device)
-    result = LogprobRankTopK(*outs) if top_k > 0 else LogprobRank(*outs[:2])
+    if top_k > 0:
+        result = LogprobRankTopKArgmax(*outs) if argmax else LogprobRankTopK(*outs[:4])
+    else:
+        result = LogprobRankArgmax(outs[0], outs[1], outs[4]) if argmax else LogprobRank(*outs[:2])
     if device.type == "cpu":
         # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
         core_token_logprob_rank(logits.detach(), token_ids, out_logprobs=outs[0], out_ranks=outs[1], stream=0,
-                                temperature=temp, top_k=top_k, out_topk_logprobs=outs[2], out_topk_ids=outs[3])
+                                temperature=temp, top_k=top_k, out_topk_logprobs=outs[2], out_topk_ids=outs[3],
+                                out_argmax=outs[4])
         return result
     stream = raw_stream(device.index)
     nbytes = _workspace_bytes(batch, vocab, top_k) if 0 <= top_k <= min(64, vocab) else 0
     # Freed when this call returns: torch reuses it only for work queued after ours.
     workspace = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, outs[2], outs[3]), top_k, stream)(stream=stream)
+    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, outs[2], outs[3], outs[4]), top_k,
+           stream)(stream=stream)
     return result
+
+
+def _caller_outs(out, top_k: int, argmax: bool) -> list:
+    """``out`` as the five slots the core takes (logprobs, ranks, topk logprobs, topk ids,
+    argmax; None where the call has no such output), or ``TypeError`` naming what it expected
+    and what it got. Shapes and dtypes are the core's to check."""
+    names = ("logprobs", "ranks") + (("topk_logprobs", "topk_ids") if top_k > 0 else ()) + \
+        (("argmax",) if argmax else ())
+    if (not isinstance(out, (tuple, list)) or len(out) != len(names)
+            or not all(isinstance(t, torch.Tensor) for t in out)):
+        got = [type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__
+        raise TypeError(f"out must be a ({', '.join(names)}) tuple of torch.Tensor with top_k={top_k}, "
+                        f"argmax={argmax} (got {got})")
+    outs = list(out[:2]) + (list(out[2:4]) if top_k > 0 else [None, None])
+    return outs + [out[-1] if argmax else None]

@@ -24,6 +24,21 @@ The ops (schemas as registered)::
                                      -> (Tensor, Tensor)
     trace_replay::token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k,
                                           Tensor? temperature=None) -> (Tensor, Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank_argmax(Tensor logits, Tensor token_ids, Tensor? temperature=None)
+                                            -> (Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k,
+                                                 Tensor? temperature=None)
+                                                 -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+
+The ``_argmax`` ops add each row's greedy token (last) and score rows whose id is negative as
+it (``token_logprob_rank(..., argmax=True)``), so a compiled greedy sampler reads the logits once::
+
+    @torch.compile(fullgraph=True)
+    def greedy(state, logits, idx_mapping):
+        sampled = torch.full((logits.shape[0],), -1, dtype=torch.int64, device=logits.device)
+        replay_op(state, sampled, idx_mapping)            # traced rows take their trace
+        logprobs, ranks, argmax = token_logprob_rank_op(logits, sampled, argmax=True)
+        return torch.where(sampled < 0, argmax, sampled), logprobs, ranks
 
 How an op reaches its table: a ``TraceReplayState`` is not a tensor, so the replay ops name it by
 ``state.op_id``, an int issued at construction by :mod:`.registry` (unique in the process, never
@@ -58,7 +73,8 @@ from typing import Optional, Union
 import torch
 
 from . import registry
-from .logprob import LogprobRank, LogprobRankTopK, _temperature, token_logprob_rank
+from .logprob import (LogprobRank, LogprobRankArgmax, LogprobRankResult, LogprobRankTopK, LogprobRankTopKArgmax,
+                      _temperature, token_logprob_rank)
 from .state import TraceReplayState
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
@@ -70,6 +86,12 @@ _LIB.define("replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step,
 _LIB.define("token_logprob_rank(Tensor logits, Tensor token_ids, Tensor? temperature=None) -> (Tensor, Tensor)")
 _LIB.define("token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
             "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("token_logprob_rank_argmax(Tensor logits, Tensor token_ids, Tensor? temperature=None) "
+            "-> (Tensor, Tensor, Tensor)")
+_LIB.define("token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LOGPROB_OPS = ("token_logprob_rank", "token_logprob_rank_topk", "token_logprob_rank_argmax",
+                "token_logprob_rank_topk_argmax")
 
 
 # kernels: real tensors on the CPU or a CUDA device ----------------------------------------------
@@ -89,12 +111,21 @@ def _logprob_topk_kernel(logits, token_ids, top_k, temperature=None):
     return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature))
 
 
+def _logprob_argmax_kernel(logits, token_ids, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, argmax=True))
+
+
+def _logprob_topk_argmax_kernel(logits, token_ids, top_k, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True))
+
+
+_LOGPROB_KERNELS = (_logprob_kernel, _logprob_topk_kernel, _logprob_argmax_kernel, _logprob_topk_argmax_kernel)
 for _key in ("CPU", "CUDA"):
     _LIB.impl("replay", _replay_kernel, _key)
     _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
-    _LIB.impl("token_logprob_rank", _logprob_kernel, _key)
-    _LIB.impl("token_logprob_rank_topk", _logprob_topk_kernel, _key)
-for _name in ("replay", "replay_at_step", "token_logprob_rank", "token_logprob_rank_topk"):
+    for _name, _kernel in zip(_LOGPROB_OPS, _LOGPROB_KERNELS):
+        _LIB.impl(_name, _kernel, _key)
+for _name in ("replay", "replay_at_step") + _LOGPROB_OPS:
     # Not differentiable: integer tokens in and out, and logprobs without a gradient (as the eager
     # function, which reads detached logits). A fallthrough says so: outputs never require grad.
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
@@ -128,6 +159,17 @@ def _logprob_topk_fake(logits, token_ids, top_k, temperature=None):
     batch = _check_logits(logits)
     return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64),
             logits.new_empty(batch, top_k, dtype=torch.float32), logits.new_empty(batch, top_k, dtype=torch.int64))
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_argmax", lib=_LIB)
+def _logprob_argmax_fake(logits, token_ids, temperature=None):
+    return _logprob_fake(logits, token_ids, temperature) + (logits.new_empty(logits.shape[0], dtype=torch.int64),)
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax", lib=_LIB)
+def _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature=None):
+    return (_logprob_topk_fake(logits, token_ids, top_k, temperature)
+            + (logits.new_empty(logits.shape[0], dtype=torch.int64),))
 
 
 # wrappers: the public functions ----------------------------------------------------------------
@@ -177,24 +219,33 @@ def replay_at_step_op(state: TraceReplayState, sampled: torch.Tensor, idx_mappin
 
 
 def token_logprob_rank_op(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: int = 0,
-                          temperature: Union[None, float, torch.Tensor] = None) -> Union[LogprobRank, LogprobRankTopK]:
+                          temperature: Union[None, float, torch.Tensor] = None,
+                          argmax: bool = False) -> LogprobRankResult:
     """:func:`trace_replay_torch.token_logprob_rank` through the registered ops
-    ``trace_replay::token_logprob_rank`` (``top_k == 0``) and ``trace_replay::token_logprob_rank_topk``:
-    the form to call inside ``torch.compile``.
+    ``trace_replay::token_logprob_rank`` (``top_k == 0``), ``trace_replay::token_logprob_rank_topk``
+    and their ``_argmax`` forms (``argmax=True``): the form to call inside ``torch.compile``.
 
-    Same arguments (``out=`` aside) and results: :class:`LogprobRank` ``(logprobs, ranks)``, or
-    :class:`LogprobRankTopK` with ``top_k > 0``; new tensors (float32 logprobs, int64 ranks and
-    ids). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in the eager
+    Same arguments (``out=`` aside) and results: :class:`LogprobRank` ``(logprobs, ranks)``,
+    :class:`LogprobRankTopK` with ``top_k > 0``, and :class:`LogprobRankArgmax` /
+    :class:`LogprobRankTopKArgmax` with ``argmax=True`` (each row's greedy token last; a row
+    whose id is negative is scored as it); new tensors (float32 logprobs, int64 ranks, ids and
+    argmax). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in the eager
     function. ``logits`` is read, never modified, and carries no gradient through these ops (it
     is detached, as the eager function does). Stream-ordered on the current stream, no host sync.
     """
     _check_tensors(logits=logits, token_ids=token_ids)
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    if not isinstance(argmax, bool):
+        raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
     temp = _temperature(temperature, logits.shape[0], logits.device)
+    ops, x = torch.ops.trace_replay, logits.detach()
+    if top_k and argmax:
+        return LogprobRankTopKArgmax(*ops.token_logprob_rank_topk_argmax(x, token_ids, top_k, temp))
     if top_k:
-        return LogprobRankTopK(*torch.ops.trace_replay.token_logprob_rank_topk(logits.detach(), token_ids, top_k,
-                                                                               temp))
-    return LogprobRank(*torch.ops.trace_replay.token_logprob_rank(logits.detach(), token_ids, temp))
+        return LogprobRankTopK(*ops.token_logprob_rank_topk(x, token_ids, top_k, temp))
+    if argmax:
+        return LogprobRankArgmax(*ops.token_logprob_rank_argmax(x, token_ids, temp))
+    return LogprobRank(*ops.token_logprob_rank(x, token_ids, temp))

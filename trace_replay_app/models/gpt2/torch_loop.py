@@ -150,11 +150,13 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
     ``argmax`` (ties: lowest id). Matrix products follow torch's float32 settings (full float32 unless the caller
     allowed TF32, e.g. ``torch.backends.cuda.matmul.allow_tf32``).
 
-    Each step: feed every active row's last token at its position, logits, argmax, replay in
-    place (the step of a slot is ``total_len - prompt_len``, read on the device), logprob/rank,
-    append. Nothing waits for the device between steps; outputs stay on the device until one
-    copy to the host at the end. Arguments are checked before anything runs (``TypeError`` /
-    ``ValueError`` naming the argument); a rejected call does nothing.
+    Each step: feed every active row's last token at its position, logits, sample (greedy:
+    every row -1, "take the argmax"), replay in place (the step of a slot is ``total_len -
+    prompt_len``, read on the device), logprob/rank/argmax in one pass over the logits (rows
+    still at -1 scored as, and then set to, their argmax), append. Nothing waits for the device
+    between steps; outputs stay on the device until one copy to the host at the end. Arguments
+    are checked before anything runs (``TypeError`` / ``ValueError`` naming the argument); a
+    rejected call does nothing.
     """
     prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=GPT2Config,
                                 check_weights=check_weights)
@@ -193,6 +195,10 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     prompt_ids = torch.from_numpy(np.concatenate(prompts)).to(dev)
     idx_mapping = torch.empty(rows, dtype=torch.int32, device=dev)   # fixed buffers: replay binds them once
     sampled = torch.empty(rows, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
+    ranks = torch.empty(rows, dtype=torch.int64, device=dev)
+    argmax = torch.empty(rows, dtype=torch.int64, device=dev)
+    greedy = torch.empty(rows, dtype=torch.bool, device=dev)        # rows that take their argmax
     out = {"tokens": torch.empty(steps, rows, dtype=torch.int64, device=dev),
            "argmax": torch.empty(steps, rows, dtype=torch.int64, device=dev),
            "logprobs": torch.empty(steps, rows, dtype=torch.float32, device=dev),
@@ -215,10 +221,16 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
             active = idx_mapping >= 0
             positions = torch.where(active, total_len.long() - 1, 0)   # empty rows: anywhere in range
             logits = model.decode(cache, last, positions)
-            argmax = logits.argmax(dim=-1)              # ties: the lowest id
-            sampled.copy_(argmax if generator is None else _sample(logits, temperature, generator))
+            if generator is None:
+                sampled.fill_(-1)                        # -1: greedy, the argmax below
+            else:
+                sampled.copy_(_sample(logits, temperature, generator))
             state.replay(sampled, idx_mapping)           # traced rows take their trace token, in place
-            logprobs, ranks = token_logprob_rank(logits, sampled)
+            # From the unmodified logits, one pass; argmax ties: the lowest id, as torch.argmax.
+            token_logprob_rank(logits, sampled, argmax=True, out=(logprobs, ranks, argmax))
+            if generator is None:
+                torch.lt(sampled, 0, out=greedy)
+                torch.where(greedy, argmax, sampled, out=sampled)
             out["tokens"][step] = sampled
             out["argmax"][step] = argmax
             out["logprobs"][step] = logprobs

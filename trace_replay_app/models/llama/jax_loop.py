@@ -226,19 +226,24 @@ def _decode(p, config: LlamaConfig, carry: _Carry, positions):
 @functools.partial(jax.jit, static_argnames=("config", "sample"), donate_argnames=("carry",))
 def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: LlamaConfig,
           sample: bool) -> _Carry:
-    """One decode step of every row: logits, argmax, (sampling), replay, logprob/rank, append."""
+    """One decode step of every row: logits, (sampling), replay, then one pass over the logits
+    (:func:`trace_replay_jax.token_logprob_rank` with ``argmax=True``) for logprob, rank and the
+    greedy token, append. Greedy: rows start at -1 ("not drawn"), replay writes the traced rows,
+    the logprob call scores the -1 rows as their argmax, and those rows take it."""
     k = carry.step
     idx_mapping = idx_chunk[k]                             # row -> slot, -1: empty row (this chunk's schedule)
     active = idx_mapping >= 0
     positions = jnp.where(active, carry.total_len - 1, 0)           # empty rows: anywhere in range
     logits, keys, values = _decode(params, config, carry, positions)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)           # ties: the lowest id
-    drawn = argmax
+    drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)               # greedy: the argmax, chosen below
     if sample:                                                       # Gumbel-max over logits / temperature
         noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32)
         drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
-    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)
-    logprobs, ranks = token_logprob_rank(logits, sampled)
+    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)   # -1 rows stay -1
+    # One read of the logits: logprob and rank of each row's token (a -1 row: of its argmax), and
+    # the argmax (ties: the lowest id; NaN never chosen).
+    logprobs, ranks, argmax = token_logprob_rank(logits, sampled, argmax=True)
+    sampled = jnp.where(sampled < 0, argmax, sampled)
     return _Carry(keys=keys, values=values, prompt_len=carry.prompt_len,
                   total_len=carry.total_len + active.astype(jnp.int32),
                   last=jnp.where(active, sampled, carry.last), step=k + 1, t=carry.t + 1,
@@ -260,8 +265,9 @@ def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests:
     same arguments give the same tokens (not the torch loop's tokens). Token ids are int32 on
     the device and int64 in the results.
 
-    Each step is one jitted program (caches and outputs donated): logits, argmax, replay with
-    ``state.tables`` passed in, logprob/rank, append; ``state.apply_staged_writes()`` runs
+    Each step is one jitted program (caches and outputs donated): logits, (sampling), replay
+    with ``state.tables`` passed in, logprob/rank/argmax in one read of the logits (greedy rows
+    take the argmax), append; ``state.apply_staged_writes()`` runs
     between steps. Nothing waits for the device between steps; outputs are copied to the host
     once at the end. Arguments are checked before anything runs (``TypeError`` / ``ValueError``
     naming the argument); a rejected call does nothing.

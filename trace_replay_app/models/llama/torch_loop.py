@@ -6,10 +6,10 @@ forces traced requests onto their traces with :class:`trace_replay_torch.TraceRe
 and takes the logprob and rank of every token from the unmodified logits with
 :func:`trace_replay_torch.token_logprob_rank`. The JAX twin is ``jax_loop.run_decode``.
 
-On CUDA the fixed-shape decode step of all slots (model, argmax, replay, logprob/rank, the
-appends to the outputs) is captured once in a CUDA graph and replayed each step; prefill,
-admission and ``apply_staged_writes`` run eagerly between replays. On the CPU the same step
-runs eagerly.
+On CUDA the fixed-shape decode step of all slots (model, sampling, replay, one pass of
+logprob/rank/argmax over the logits, the appends to the outputs) is captured once in a CUDA
+graph and replayed each step; prefill, admission and ``apply_staged_writes`` run eagerly
+between replays. On the CPU the same step runs eagerly.
 
 Example (CPU; ``device="cuda"`` on a GPU)::
 
@@ -350,20 +350,26 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     buf = _Buffers(schedule, c.vocab_size, dev, temperature, seed)
     logprobs = torch.zeros(rows, dtype=torch.float32, device=dev)
     ranks = torch.zeros(rows, dtype=torch.int64, device=dev)
+    argmax = torch.zeros(rows, dtype=torch.int64, device=dev)
+    greedy = torch.zeros(rows, dtype=torch.bool, device=dev)         # rows that take their argmax
 
     def step(state: TraceReplayState) -> None:
         """One decode step of every row, on fixed buffers (no host sync, no allocation the
-        graph cannot own)."""
+        graph cannot own). The logits are read once after the model for logprob, rank and
+        argmax (greedy: every untraced row is -1 until then and is scored as its argmax)."""
         active, positions = buf.positions()
         logits = model.decode(cache, buf.last, positions)
-        argmax = logits.argmax(dim=-1)                               # ties: the lowest id
         if buf.uniform is None:
-            buf.sampled.copy_(argmax)
+            buf.sampled.fill_(-1)                                    # -1: greedy, the argmax below
         else:                                                        # Gumbel-max over logits / temperature
             gumbel = -torch.log(-torch.log(buf.uniform.clamp_min(torch.finfo(torch.float32).tiny)))
             buf.sampled.copy_((logits.float() / temperature + gumbel).argmax(dim=-1))
         state.replay(buf.sampled, buf.idx_mapping)                   # traced rows take their trace token
-        token_logprob_rank(logits, buf.sampled, out=(logprobs, ranks))   # from the unmodified logits
+        # From the unmodified logits; argmax ties: the lowest id, as torch.argmax.
+        token_logprob_rank(logits, buf.sampled, argmax=True, out=(logprobs, ranks, argmax))
+        if buf.uniform is None:
+            torch.lt(buf.sampled, 0, out=greedy)
+            torch.where(greedy, argmax, buf.sampled, out=buf.sampled)
         buf.record(active, argmax, logprobs, ranks)
 
     return _run_steps(model, cache, buf, schedule, prompts, traces, c.vocab_size, dev, step, use_graph, on_step)
