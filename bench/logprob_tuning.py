@@ -18,9 +18,10 @@ Each variant's logprobs are compared with the shipped variant's (largest differe
 and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Run: ``python bench/logprob_tuning.py [--topk-only]`` on a GPU; writes
+Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only]`` on a GPU; writes
 ``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
-and top-k side by side; writes ``logprob_tuning_topk.json``).
+and top-k side by side; writes ``logprob_tuning_topk.json``; ``--argmax-only``: both dtypes at
+batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuning_argmax.json``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ CHUNK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, None, False
 TOPK_VARIANTS = ((2048, 4, 6, True, None, True, None), (2048, 4, 6, True, None, True, 0),
                  (2048, 4, 6, True, 4, True, None), (2048, 4, 6, True, 4, True, 72),
                  (2048, 4, 6, True, None, True, 72))
+# With argmax=True (every other row greedy): the chunk kernel's register cap (None: the shipped
+# one, 0: uncapped) per dtype; the plain call (no argmax) is timed beside them.
+ARGMAX_CAPS = {"bfloat16": (None, 48), "float32": (None, 56, 64)}
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -62,7 +66,7 @@ MAX_COPIES = 32
 class Call:
     """The tensors and integer arguments of one call of ``[batch, VOCAB]`` logits."""
 
-    def __init__(self, torch, logits, ids, top_k):
+    def __init__(self, torch, logits, ids, top_k, argmax=False):
         from trace_replay_core._logprob import logprob_rank_workspace_bytes
         from trace_replay_core.kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes
         batch = logits.shape[0]
@@ -71,14 +75,16 @@ class Call:
         self.rk = torch.empty(batch, dtype=torch.int64, device=dev)
         self.tlp = torch.empty(batch, max(top_k, 1), device=dev)
         self.tid = torch.empty(batch, max(top_k, 1), dtype=torch.int64, device=dev)
+        self.am = torch.empty(batch, dtype=torch.int64, device=dev) if argmax else None
         # Room for any variant's plan (smaller blocks need more partials).
         self.ws = torch.empty(logprob_rank_workspace_bytes(batch, VOCAB, top_k) * 8 + 64, dtype=torch.uint8,
                               device=dev)
         self.logits, self.ids, self.top_k = logits, ids, top_k
         self.args = LogprobRankArgs(logits.data_ptr(), ids.data_ptr(), 0, self.lp.data_ptr(), self.rk.data_ptr(),
                                     self.tlp.data_ptr() if top_k else 0, self.tid.data_ptr() if top_k else 0,
-                                    self.ws.data_ptr(), batch, VOCAB, logits.stride(0), top_k)
-        self.dtypes = LogprobRankDtypes(str(logits.dtype).replace("torch.", ""), "int64", "int64", "int64")
+                                    self.ws.data_ptr(), batch, VOCAB, logits.stride(0), top_k,
+                                    self.am.data_ptr() if argmax else 0)
+        self.dtypes = LogprobRankDtypes(str(logits.dtype).replace("torch.", ""), "int64", "int64", "int64", "int64")
 
     def bind(self, plan, group=None):
         from trace_replay_core.kernels.logprob_rank import bind_logprob_rank_launch, workspace_layout
@@ -89,6 +95,8 @@ class Call:
         out = [self.lp.clone(), self.rk.clone()]
         if self.top_k:
             out += [self.tlp[:, :self.top_k].clone(), self.tid[:, :self.top_k].clone()]
+        if self.am is not None:
+            out += [self.am.clone(), self.am.clone()]       # (compared as a rank-like output)
         return out
 
 
@@ -104,11 +112,12 @@ def run_once(torch, call, plan, stream, group=None):
     return call.results()
 
 
-def invariant(torch, logits, ids, top_k, plan, stream, result) -> bool:
+def invariant(torch, logits, ids, top_k, plan, stream, result, argmax=False) -> bool:
     """Whether rows 0, batch // 2 and batch - 1 alone give the bits they have in the batch (each
     alone with the shipped chunks per program)."""
     def alone(r):
-        return run_once(torch, Call(torch, logits[r:r + 1].clone(), ids[r:r + 1].clone(), top_k), plan, stream)
+        return run_once(torch, Call(torch, logits[r:r + 1].clone(), ids[r:r + 1].clone(), top_k, argmax), plan,
+                        stream)
     return rows_alone_same_bits(alone, result, logits.shape[0])
 
 
@@ -116,6 +125,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topk-only", action="store_true",
                     help="bfloat16 at batch 256 and 4096 only: the shipped plain call and the top-k variants")
+    ap.add_argument("--argmax-only", action="store_true",
+                    help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps")
     opts = ap.parse_args()
     import torch
 
@@ -129,19 +140,27 @@ def main() -> None:
     copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
-    if opts.topk_only:
+    if opts.argmax_only:
+        cases = [c for d in DTYPES for b in (256, 4096)
+                 for c in ((d, b, 0, CHUNK_VARIANTS[:1]),
+                           (d, b, "argmax", tuple(CHUNK_VARIANTS[0] + (cap,) for cap in ARGMAX_CAPS[d])))]
+    elif opts.topk_only:
         cases = [c for b in (256, 4096) for c in (("bfloat16", b, 0, CHUNK_VARIANTS[:1]),
                                                   ("bfloat16", b, TOP_K, TOPK_VARIANTS))]
     else:
         cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
                  + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256, 4096)])
     for dtype_name, batch, top_k, variants in cases:
+        argmax = top_k == "argmax"
+        top_k = 0 if argmax else top_k
         logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(getattr(torch, dtype_name))
         ids = torch.randint(0, VOCAB, (batch,), device=dev)
+        if argmax:
+            ids[1::2] = -1                                   # greedy rows
         nbytes = logits.numel() * logits.element_size()
         n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
-        calls = [Call(torch, logits, ids, top_k)] + [Call(torch, logits.clone(), ids, top_k)
-                                                     for _ in range(n_copies - 1)]
+        calls = [Call(torch, logits, ids, top_k, argmax)] + [Call(torch, logits.clone(), ids, top_k, argmax)
+                                                             for _ in range(n_copies - 1)]
         shipped = None
         for variant in variants:
             block, warps, chunk_blocks, words, group, pdl, *cap = variant
@@ -150,18 +169,18 @@ def main() -> None:
             knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
             if cap and cap[0] is not None:
                 knobs["maxnreg"] = cap[0]
-            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
+            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, argmax=argmax, **knobs)
             if group is not None:
                 knobs["group"] = group
             if not pdl:
                 knobs["pdl"] = False
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
-            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, **knobs, n_chunks=plan.n_chunks,
-                       bytes=nbytes, copy_gbps=copy_gbps)
+            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, argmax=argmax, **knobs,
+                       n_chunks=plan.n_chunks, shipped_maxnreg=plan.maxnreg, bytes=nbytes, copy_gbps=copy_gbps)
             try:
                 with forced_pdl(pdl):
                     result = run_once(torch, calls[0], plan, stream, group)
-                inv = invariant(torch, logits, ids, top_k, plan, stream, result)
+                inv = invariant(torch, logits, ids, top_k, plan, stream, result, argmax)
                 shipped = shipped if shipped is not None else result
                 same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
                 diff = float((result[0] - shipped[0]).abs().max())
@@ -170,7 +189,7 @@ def main() -> None:
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
                            max_abs_logprob_diff_to_shipped=diff)
-                print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} {name} "
+                print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "
                       f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
                       f"{row['gbps_p50']:6.0f} GB/s invariant {inv} same {same} diff {diff:.1e}", flush=True)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
@@ -180,10 +199,12 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
+    path = write_results("logprob_tuning_argmax" if opts.argmax_only else
+                         "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
-    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "block", "num_warps", "chunk_blocks",
-                                                     "words", "group", "pdl", "maxnreg", "us_p50", "gbps_p50", "invariant"]))
+    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "argmax", "block", "num_warps",
+                                                     "chunk_blocks", "words", "group", "pdl", "maxnreg",
+                                                     "shipped_maxnreg", "us_p50", "gbps_p50", "invariant"]))
 
 
 if __name__ == "__main__":

@@ -53,12 +53,13 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, greedy, g1, g2, gab, LINES: tl.constexpr,
-                BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr):
+def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LINES: tl.constexpr,
+                BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr,
+                GREEDY: tl.constexpr):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
-    (:func:`argmax_chunk`), and for a ``greedy`` row the count of the ties at that maximum."""
+    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum."""
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
@@ -69,10 +70,10 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, greedy, g1, g2, 
         y = scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
-        if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
+        if ARGMAX:
             up, ag, ab = argmax_lines(y, off, ag, ab)
-            ref = tl.where(greedy, ag, chosen)
-            count = tl.where(greedy & up, 0, count) + tl.sum((y >= ref[:, None]).to(tl.int32), axis=1)
+        if GREEDY:      # the ties at the line's maximum, restarted when it grows
+            count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
         else:
             count += tl.sum((y >= chosen).to(tl.int32), axis=1)
     # The partial last block, where there is one (only in a row's last chunk). A fully masked
@@ -83,8 +84,8 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, greedy, g1, g2, 
         y = scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
         if ARGMAX:
             up, ag, ab = argmax_lines(y, full_end, ag, ab)
-            ref = tl.where(greedy, ag, chosen)
-            count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref[:, None]) & inside).to(tl.int32), axis=1)
+        if GREEDY:
+            count = tl.where(up, 0, count) + tl.sum(((y >= ag[:, None]) & inside).to(tl.int32), axis=1)
         else:
             count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
         g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
@@ -92,7 +93,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, greedy, g1, g2, 
     big = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)   # a line whose max is +inf: NaN
     if ARGMAX:
-        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, greedy, HAS_TEMP)
+        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, HAS_TEMP, GREEDY)
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
     return big, total, n, g1, g2, gab, amax, acol
@@ -185,19 +186,31 @@ def logprob_rank_chunk_kernel(
         n_here = tl.minimum(span, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
         end = start + n_here
+        # With ARGMAX a row takes one of two compiled paths by its own id (greedy or scored),
+        # so that no block pays for the other's work; either way its bits depend on it alone.
         if WORDS:
-            big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end,
-                                                                    chosen, chosen_w, greedy, g1, g2, gab, LINES,
-                                                                    BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
+            if ARGMAX and greedy:
+                big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end,
+                                                                        end, chosen, chosen_w, g1, g2, gab, LINES,
+                                                                        BLOCK, PACKED_COUNT, TOPK > 0, True, True)
+            else:
+                big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end,
+                                                                        end, chosen, chosen_w, g1, g2, gab, LINES,
+                                                                        BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, False)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
             # is exact either way). Whether a chunk is flagged depends on its own logits alone.
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
-            big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t,
-                                                                     greedy, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
-                                                                     TOPK > 0, ARGMAX)
+            if ARGMAX and greedy:
+                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
+                                                                         t, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
+                                                                         TOPK > 0, True, True)
+            else:
+                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
+                                                                         t, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
+                                                                         TOPK > 0, ARGMAX, False)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
