@@ -46,6 +46,17 @@ threshold from those maxima and a read-back of only the vectors that can pass it
 the row's best ``k_pad`` of its programs' keys. Selection by a total order does not depend on
 the order of evaluation or on which program held which chunk, so top-k is batch-invariant too.
 
+The greedy token, from the same read (``ARGMAX``, a call with an argmax output). Each chunk
+also keeps, per 16-byte line, its maximum (never NaN: maxNum), the block where it was first
+reached and, for a row whose id is negative (greedy), the count of the logits equal to it
+instead of the count against a token; a row takes the greedy or the scored form of the block
+loop by its own id. At the chunk's end the lines that reach the chunk's maximum read back their
+one vector at that block to find the lowest column; the combine kernel keeps the largest
+maximum, the lowest column among the chunks that hold it and, for a greedy row, the sum of
+their ties as the rank and ``max - lse`` as the logprob (the bits a call with that id gets).
+Maximum, lowest column and a sum of integer counts do not depend on the order of evaluation,
+so the argmax is batch-invariant as well.
+
 Special values fall out of the arithmetic (the host documents them as the contract): NaN or
 ``+inf`` in a row makes its sum NaN; ``-inf`` adds nothing; a row of only ``-inf`` has
 ``lse = -inf`` and NaN logprobs; a token id outside ``[0, vocab)`` gives NaN and rank -1.
