@@ -3,9 +3,11 @@ over the logits, and rows with a negative token id scored as it. Both methods, e
 ``jax.jit`` and inside ``lax.fori_loop``, against ``greedy_argmax_reference`` and the float64
 ``token_logprob_rank_reference`` (CPU tier; the GPU checks are in ``test_gpu_jax_adapter.py``).
 
-The data is ``make_case``'s (planted ties, ``-inf`` entries) with every odd row greedy (id -1),
-ties at the maximum planted late in some greedy rows, and special rows: only ``-inf``, only NaN,
-NaN among finite values, a ``+inf``.
+The data is ``test_logprob_argmax.greedy_case``'s: every odd row greedy (id -1), ties at the
+maximum (planted late in the row, and on a grid of 0.5), ``-inf`` entries, explicit tokens at the
+maximum, tied with other entries or ``-inf``, and special rows, each once explicit and once
+greedy: only ``-inf``, only NaN, NaN and ``-inf``, one finite entry, a ``+inf``, a NaN among
+finite values.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from jax_helpers import x64  # noqa: E402
-from test_logprob_rank import assert_matches_reference, make_case, round_to  # noqa: E402
+from test_logprob_argmax import greedy_case, assert_greedy  # noqa: E402
 from test_logprob_topk import assert_topk, processed, tied_case  # noqa: E402
-from trace_replay_core import greedy_argmax_reference  # noqa: E402
 
 from trace_replay_jax import (LogprobRank, LogprobRankArgmax, LogprobRankTopKArgmax,  # noqa: E402
                               token_logprob_rank)
@@ -27,40 +28,6 @@ from trace_replay_jax import (LogprobRank, LogprobRankArgmax, LogprobRankTopKArg
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 METHODS = ("kernel", "jnp")
 SIZES = ((1, 1), (1, 1000), (13, 1000), (40, 3000))
-
-
-def greedy_rows_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str):
-    """float32 logits exact in ``dtype`` and int64 ids, odd rows -1 (greedy). Greedy rows
-    ``r % 4 == 1`` get the maximum repeated 3 times in the row's second half; where the batch
-    allows, row 3 holds only NaN (every third entry, the first among them) and ``-inf``, row 5
-    only ``-inf``, row 7 only NaN, row 9 one NaN among finite values, row 11 a ``+inf``."""
-    x, ids = make_case(rng, batch, vocab, dtype)
-    ids[1::2] = -1
-    for r in range(1, batch, 4):
-        if vocab >= 8:
-            x[r, rng.choice(np.arange(vocab // 2, vocab), size=3, replace=False)] = np.max(x[r]) + 0.5
-    if vocab >= 8:
-        nan_inf = np.where(np.arange(vocab) % 3 == 0, np.nan, -np.inf)
-        for r, row in {3: nan_inf, 5: np.full(vocab, -np.inf), 7: np.full(vocab, np.nan)}.items():
-            if r < batch:
-                x[r] = row
-        if batch > 9:
-            x[9, rng.integers(vocab)] = np.nan
-        if batch > 11:
-            x[11, rng.integers(vocab)] = np.inf
-    return round_to(x, dtype), ids
-
-
-def assert_greedy(y: np.ndarray, ids: np.ndarray, lp, rk, am, what: str) -> None:
-    """``am`` is the reference argmax of ``y`` (the logits the call reduces: ``logits / T``);
-    every row matches the reference for its token, a negative id standing for the argmax."""
-    want = greedy_argmax_reference(y)
-    am = np.asarray(am)
-    assert am.dtype == np.int32 and am.shape == (y.shape[0],), (what, am.dtype, am.shape)
-    bad = np.flatnonzero(am.astype(np.int64) != want)
-    assert bad.size == 0, (f"{what}: argmax differs at rows {bad[:10].tolist()}: got {am[bad[:10]].tolist()}, "
-                           f"want {want[bad[:10]].tolist()}")
-    assert_matches_reference(y, np.where(ids < 0, want, ids), lp, rk, what)
 
 
 def _jax(x, ids, dtype):
@@ -71,26 +38,21 @@ def _jax(x, ids, dtype):
 @pytest.mark.parametrize("dtype", list(JNP_DTYPES))
 @pytest.mark.parametrize("batch,vocab", SIZES, ids=[f"b{b}-v{v}" for b, v in SIZES])
 def test_argmax_and_greedy_rows_match_reference(batch, vocab, dtype, method):
-    x, ids = greedy_rows_case(np.random.default_rng(batch * 7919 + vocab), batch, vocab, dtype)
+    x, ids = greedy_case(np.random.default_rng(batch * 7919 + vocab), batch, vocab, dtype)
     logits, ids_j = _jax(x, ids, dtype)
     jitted = jax.jit(lambda a, b: token_logprob_rank(a, b, method=method, argmax=True))
     for mode, fn in (("eager", lambda a, b: token_logprob_rank(a, b, method=method, argmax=True)), ("jit", jitted)):
         res = fn(logits, ids_j)
         assert isinstance(res, LogprobRankArgmax), type(res)
-        assert_greedy(x, ids, res.logprobs, res.ranks, res.argmax, f"{method} {mode} {batch}x{vocab} {dtype}")
-    if batch > 7 and vocab >= 8:                    # the planted rows say what they should
-        am, rk = np.asarray(res.argmax), np.asarray(res.ranks)
-        copies = np.flatnonzero(x[1] == np.max(x[1]))
-        assert am[1] == copies[0] and rk[1] == copies.size >= 3, (am[1], rk[1], copies)
-        assert am[3] == 1 and np.isnan(res.logprobs[3])                          # NaN first, then -inf
-        assert am[5] == 0 and rk[5] == vocab and np.isnan(res.logprobs[5])      # only -inf
-        assert am[7] == 0 and rk[7] == 0 and np.isnan(res.logprobs[7])          # only NaN
-        assert am[11] == np.flatnonzero(np.isposinf(x[11]))[0]                   # +inf wins
+        # planted: the planted rows say what they should (greedy row 1's ties: the first copy wins,
+        # all count; NaN then -inf: the first -inf; only -inf; only NaN; +inf wins), where the batch holds them.
+        assert_greedy(x, ids, res.logprobs, res.ranks, res.argmax, f"{method} {mode} {batch}x{vocab} {dtype}",
+                      planted=True)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_without_argmax_a_negative_id_stays_invalid(method):
-    x, ids = greedy_rows_case(np.random.default_rng(4), 6, 100, "float32")
+    x, ids = greedy_case(np.random.default_rng(4), 6, 100, "float32")
     res = token_logprob_rank(*_jax(x, ids, "float32"), method=method)
     assert isinstance(res, LogprobRank)
     assert np.isnan(np.asarray(res.logprobs)[ids < 0]).all() and (np.asarray(res.ranks)[ids < 0] == -1).all()
@@ -98,7 +60,7 @@ def test_without_argmax_a_negative_id_stays_invalid(method):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_greedy_rows_have_the_bits_of_their_explicit_ids_in_any_batch(dtype):
-    x, ids = greedy_rows_case(np.random.default_rng(8), 24, 3000, dtype)
+    x, ids = greedy_case(np.random.default_rng(8), 24, 3000, dtype)
     logits, ids_j = _jax(x, ids, dtype)
     lp, rk, am = token_logprob_rank(logits, ids_j, argmax=True)
     explicit = jnp.where(ids_j < 0, am, ids_j)
@@ -106,7 +68,7 @@ def test_kernel_greedy_rows_have_the_bits_of_their_explicit_ids_in_any_batch(dty
         got = token_logprob_rank(logits, explicit, argmax=flag)
         assert np.array_equal(np.asarray(got.logprobs).view(np.uint32), np.asarray(lp).view(np.uint32)), flag
         assert np.array_equal(np.asarray(got.ranks), np.asarray(rk)), flag
-    for r in (0, 1, 3, 5, 7, 23):               # one row alone gives that row's bits
+    for r in (0, 1, 3, 4, 5, *range(6, 20), 23):   # one row alone gives that row's bits (6-19: the special rows)
         one = token_logprob_rank(logits[r:r + 1], ids_j[r:r + 1], argmax=True)
         assert np.asarray(one.logprobs).view(np.uint32)[0] == np.asarray(lp).view(np.uint32)[r], r
         assert (int(one.ranks[0]), int(one.argmax[0])) == (int(rk[r]), int(am[r])), r
@@ -116,7 +78,7 @@ def test_kernel_greedy_rows_have_the_bits_of_their_explicit_ids_in_any_batch(dty
 def test_inside_fori_loop_same_as_eager(method):
     steps, batch, vocab = 4, 9, 777
     rng = np.random.default_rng(17)
-    cases = [greedy_rows_case(rng, batch, vocab, "float32") for _ in range(steps)]
+    cases = [greedy_case(rng, batch, vocab, "float32") for _ in range(steps)]
     xs, ids = np.stack([c[0] for c in cases]), np.stack([c[1] for c in cases]).astype(np.int32)
 
     @jax.jit
@@ -156,7 +118,7 @@ def test_top_k_and_temperature_with_argmax(method):
 
 
 def test_int64_ids_empty_batch_and_gradient():
-    x, ids = greedy_rows_case(np.random.default_rng(11), 9, 500, "float32")
+    x, ids = greedy_case(np.random.default_rng(11), 9, 500, "float32")
     with x64():
         for method in METHODS:
             res = token_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int64)[:, None], method=method, argmax=True)

@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_logprob_argmax import greedy_case, assert_greedy  # noqa: E402
 from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES,  # noqa: E402
-                               assert_matches_reference, round_to)
+                               assert_matches_reference)
 from trace_replay_core import greedy_argmax_reference  # noqa: E402
 from trace_replay_torch import (LogprobRank, LogprobRankArgmax, LogprobRankTopK,  # noqa: E402
                                 LogprobRankTopKArgmax, TraceReplayState, replay_op, token_logprob_rank,
@@ -36,45 +37,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def planted_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str):
-    """Logits exact in ``dtype`` (as float32) and ids, every odd row's id -1 (greedy).
-
-    Row ``r`` by ``r % 5``: 0 a unique maximum; 1 the maximum repeated 2-5 times, late in the
-    row; 2 values on a grid of 0.5 (the maximum repeats); 3 ~1% ``-inf`` and one NaN; 4 plain.
-    Where the batch allows, rows 5-9 replace that: 5 all ``-inf``; 6 all NaN; 7 NaN in column
-    0, ``-inf`` elsewhere; 8 one finite entry in a ``-inf`` row; 9 a ``+inf``.
-    """
-    x = rng.standard_normal((batch, vocab), dtype=np.float32) * 3.0
-    x[x == 0] = 0.25
-    for r in range(batch):
-        kind = r % 5
-        if kind == 0:
-            x[r, rng.integers(vocab)] = x[r].max() + 1.0
-        elif kind == 1 and vocab > 8:
-            at = rng.choice(np.arange(vocab // 2, vocab), size=int(rng.integers(2, 6)), replace=False)
-            x[r, at] = x[r].max() + 0.5
-        elif kind == 2:
-            x[r] = np.round(x[r] * 2.0) / 2.0
-        elif kind == 3 and vocab > 8:
-            x[r, rng.integers(0, vocab, size=max(1, vocab // 100))] = -np.inf
-            x[r, rng.integers(vocab)] = np.nan
-    specials = {5: "-inf", 6: "nan", 7: "nan-first", 8: "one", 9: "+inf"}
-    for r, what in specials.items():
-        if r >= batch or vocab < 3:
-            continue
-        x[r] = -np.inf if what != "nan" else np.nan
-        if what == "nan-first":
-            x[r, 0] = np.nan
-        elif what == "one":
-            x[r, vocab // 3] = 1.5
-        elif what == "+inf":
-            x[r] = rng.standard_normal(vocab)
-            x[r, vocab // 2] = np.inf
-    ids = rng.integers(0, vocab, size=batch).astype(np.int64)
-    ids[1::2] = -1
-    return round_to(x, dtype), ids
-
-
 def _logits(x: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(x).to(TORCH_DTYPES[dtype])
 
@@ -83,32 +45,18 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.numpy().view(np.uint32)
 
 
-def assert_greedy_rows(x, ids, result, what: str) -> None:
-    """``argmax`` is the reference's in every row; every row matches the float64 reference for
-    its token, a negative id's token being the argmax."""
-    want = greedy_argmax_reference(x)
-    am = result.argmax.numpy().astype(np.int64)
-    bad = np.flatnonzero(am != want)
-    assert bad.size == 0, (f"{what}: argmax differs at rows {bad[:10].tolist()}: got {am[bad[:10]].tolist()}, "
-                           f"want {want[bad[:10]].tolist()}")
-    has_value = ~np.isnan(x).all(axis=1)          # the greedy entry is never a NaN when the row has another
-    assert not np.isnan(x[has_value, am[has_value]]).any(), f"{what}: an argmax points at a NaN"
-    assert_matches_reference(x, np.where(ids < 0, want, ids), result.logprobs.numpy(), result.ranks.numpy(), what)
-
-
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 @pytest.mark.parametrize("batch,vocab", [(1, 1), (1, 1000), (11, 7), (23, 1000), (100, 32000)])
 def test_argmax_and_greedy_rows_match_the_references(dtype, batch, vocab):
     rng = np.random.default_rng(batch * 131 + vocab)
-    x, ids = planted_case(rng, batch, vocab, dtype)
+    x, ids = greedy_case(rng, batch, vocab, dtype)
     logits, ids_t = _logits(x, dtype), torch.from_numpy(ids)
     got = token_logprob_rank(logits, ids_t, argmax=True)
     assert type(got) is LogprobRankArgmax and got._fields == ("logprobs", "ranks", "argmax")
     assert (got.logprobs.dtype, got.ranks.dtype, got.argmax.dtype) == (torch.float32, torch.int64, torch.int64)
     assert ids_t.tolist() == ids.tolist(), "token_ids must not be written"
-    assert_greedy_rows(x, ids, got, f"{batch}x{vocab} {dtype}")
-    if batch > 1 and vocab > 8:                   # row 1 is greedy, with its maximum repeated
-        assert ids[1] == -1 and (x[1] == np.nanmax(x[1])).sum() >= 2
+    # planted: greedy row 1's maximum repeated, the special rows explicit and greedy.
+    assert_greedy(x, ids, *got, f"{batch}x{vocab} {dtype}", planted=True)
     no_nan = ~np.isnan(x).any(axis=1)             # torch.argmax's choice wherever no NaN interferes
     assert torch.equal(got.argmax[torch.from_numpy(no_nan)], logits.argmax(dim=-1)[torch.from_numpy(no_nan)])
     # A greedy row has the bits of a call that names its argmax; explicit rows are unchanged by argmax=True.
@@ -143,7 +91,7 @@ def test_hand_computed_ties_and_special_rows():
 @pytest.mark.parametrize("top_k", [1, 5])
 def test_argmax_with_top_k_and_temperature(top_k):
     rng = np.random.default_rng(17 + top_k)
-    x, ids = planted_case(rng, 12, 500, "bfloat16")
+    x, ids = greedy_case(rng, 12, 500, "bfloat16")
     logits, ids_t = _logits(x, "bfloat16"), torch.from_numpy(ids)
     temp = torch.from_numpy(rng.uniform(0.3, 2.0, 12).astype(np.float32))
     for temperature in (None, 0.7, temp):
@@ -169,7 +117,7 @@ def test_argmax_with_top_k_and_temperature(top_k):
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_out_with_three_and_five_tensors(rank_dtype, ids_dtype):
     rng = np.random.default_rng(5)
-    x, ids = planted_case(rng, 13, 300, "float16")
+    x, ids = greedy_case(rng, 13, 300, "float16")
     logits, ids_t = _logits(x, "float16"), torch.from_numpy(ids).to(ids_dtype)
     want = token_logprob_rank(logits, ids_t, top_k=4, argmax=True)
 
@@ -267,7 +215,7 @@ def test_bound_call_cache_keys_on_the_argmax_tensor():
     binds argmax with the other tensors: a layout with argmax, one without and one with another
     argmax tensor are three bound calls, and each writes what its own tensors say."""
     from trace_replay_torch.logprob import _bound
-    x, ids = planted_case(np.random.default_rng(9), 6, 200, "float32")
+    x, ids = greedy_case(np.random.default_rng(9), 6, 200, "float32")
     logits, ids_t = torch.from_numpy(x), torch.from_numpy(ids)
     lp, rk = torch.full((6,), POISON_LOGPROB), torch.full((6,), POISON_RANK, dtype=torch.int64)
     ws = torch.empty(16, dtype=torch.uint8)
