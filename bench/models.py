@@ -55,7 +55,7 @@ from harness import copy_bandwidth, table, time_cuda_queued, write_results  # no
 FULL = dict(sizes=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768),
             batches=(64, 256), prompt=(64, 512), trace=(128, 512), device="cuda")
-REPEATS = 3           # timed whole / prefill-only calls of our loops (medians)
+REPEATS = 2           # timed whole / prefill-only calls of our loops (medians)
 QUICK = dict(sizes=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
              batches=(4, 8), prompt=(8, 24), trace=(8, 24), device="cpu")
