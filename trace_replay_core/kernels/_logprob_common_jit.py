@@ -63,10 +63,10 @@ def argmax_lines(y, off, ag, ab):
 
 
 @triton.jit
-def argmax_chunk(row_ptr, cols, end, ag, ab, count, t, HAS_TEMP: tl.constexpr, GREEDY: tl.constexpr):
+def argmax_chunk(row_ptr, cols, end, ag, ab, count, t, greedy, HAS_TEMP: tl.constexpr):
     """At a chunk's end, from the line tracking of :func:`argmax_lines`: the chunk's largest
     non-NaN ``y`` (-inf if none), the lowest column holding it (``INT32_MAX`` if none: every
-    logit NaN), and the count the chunk stores. For a ``GREEDY`` row each line's ``count`` holds the
+    logit NaN), and the count the chunk stores. For a greedy row each line's ``count`` holds the
     ties at the line's own maximum, so the chunk's count is the sum over the lines that reach the
     chunk's maximum; else the plain sum. The column is found by reading back, for the lines that
     reach the maximum (usually one), the one 16-byte vector where they first reached it."""
@@ -76,8 +76,5 @@ def argmax_chunk(row_ptr, cols, end, ag, ab, count, t, HAS_TEMP: tl.constexpr, G
     v = scaled(tl.load(row_ptr + idx, mask=cand[:, None] & (idx < end), other=float("nan")).to(tl.float32), t,
                HAS_TEMP)
     acol = tl.min(tl.min(tl.where(v == amax, idx, INT32_MAX), axis=1), axis=0)
-    if GREEDY:
-        n = tl.sum(tl.where(cand, count, 0), axis=0)
-    else:
-        n = tl.sum(count, axis=0)
-    return amax, acol, n
+    ties = tl.sum(tl.where(cand, count, 0), axis=0)
+    return amax, acol, tl.where(greedy, ties, tl.sum(count, axis=0))

@@ -93,7 +93,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LIN
     big = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)   # a line whose max is +inf: NaN
     if ARGMAX:
-        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, HAS_TEMP, GREEDY)
+        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, GREEDY, HAS_TEMP)
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
     return big, total, n, g1, g2, gab, amax, acol
@@ -186,22 +186,16 @@ def logprob_rank_chunk_kernel(
         n_here = tl.minimum(span, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
         end = start + n_here
-        # With ARGMAX a row takes one of two compiled paths by its own id (greedy or scored),
-        # so that no block pays for the other's work; either way its bits depend on it alone.
+        # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
+        # own id (greedy or scored), so that no block pays for the other's compares; the fused
+        # bfloat16 path selects per line at run time instead, which measured faster there under
+        # the device's Triton 3.6 (bench/README.md, logprob_tuning.py --argmax-only, 08:29 UTC:
+        # 35.9 against 30.4 us at batch 256, 407.7 against 340.7 at 4096). Either way a row's
+        # bits depend on it alone.
         if WORDS:
-            if ARGMAX and greedy:
-                big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end,
-                                                                        end, chosen, chosen_w, g1, g2, gab, LINES,
-                                                                        BLOCK, PACKED_COUNT, TOPK > 0, True, True)
-            else:
-                big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end,
-                                                                        end, chosen, chosen_w, g1, g2, gab, LINES,
-                                                                        BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, False)
-            # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
-            # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
-            # combine kernel sums it again in the safe form if it can matter to the row (the count
-            # is exact either way). Whether a chunk is flagged depends on its own logits alone.
-            total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
+            big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end,
+                                                                    chosen, chosen_w, greedy, g1, g2, gab, LINES,
+                                                                    BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
         else:
             if ARGMAX and greedy:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,

@@ -46,15 +46,15 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, g1, g2, gab, LINES: tl.constexpr,
-               BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr,
-               GREEDY: tl.constexpr):
+def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2, gab,
+               LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr,
+               ARGMAX: tl.constexpr):
     """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature: whole
     blocks read as 32-bit words (two logits each, widened by a shift and a mask), exponentials by
     :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
     Returns ``(max, sum, count)``, the line tracking of ``track_lines`` and, with ``ARGMAX``, the
     chunk's greedy maximum and column (``chunk_safe``'s, from the line maxima ``m``, which start
-    at -inf here too; a ``GREEDY`` row compares with its line maximum instead of the token). The
+    at -inf here too; a ``greedy`` row compares with its line maximum instead of the token). The
     maximum of a chunk of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel
     treats both alike."""
     m = tl.full([LINES], float("-inf"), tl.float32)
@@ -72,14 +72,16 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
             up = tl.max(y, axis=1) > m
             ab = tl.where(up, off, ab)
         m, s = _online_fast(y, m, s)
-        if GREEDY:      # the ties at the line's maximum, restarted when it grows
+        if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
+            restart = greedy & up
             if PACKED_COUNT:
-                bits = m.to(tl.uint32, bitcast=True) >> 16     # the line maximum's bfloat16 bits, twice
-                ref_w = tl.broadcast_to((bits | (bits << 16))[:, None], [LINES, BLOCK // LINES // 2])
-                masks = tl.where(up, tl.zeros_like(masks), masks) + tl.sum(_ge_masks(w, ref_w), axis=1)
+                bits = m.to(tl.uint32, bitcast=True) >> 16     # the line maximum's bfloat16 bits
+                ref_w = tl.where(greedy, (bits | (bits << 16))[:, None], chosen_w)
+                masks = tl.where(restart, tl.zeros_like(masks), masks) + tl.sum(_ge_masks(w, ref_w), axis=1)
             else:
-                ref = m[:, None]
-                count = tl.where(up, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32), axis=1)
+                ref = tl.where(greedy, m, chosen)[:, None]
+                count = tl.where(restart, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32),
+                                                             axis=1)
         elif PACKED_COUNT:
             masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded below
         else:
@@ -99,10 +101,8 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
             up = tl.max(y, axis=1) > m
             ab = tl.where(up, full_end, ab)
             m, s = _online_fast(y, m, s)
-            if GREEDY:
-                count = tl.where(up, 0, count) + tl.sum(((y >= m[:, None]) & inside).to(tl.int32), axis=1)
-            else:
-                count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+            ref = tl.where(greedy, m, chosen)[:, None]
+            count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref) & inside).to(tl.int32), axis=1)
         else:
             count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
             m, s = _online_fast(y, m, s)
@@ -111,7 +111,7 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
     # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
     total = tl.sum(s * tl.exp2(tl.fma(-big_safe, LOG2E, _mc(m))), axis=0)
     if ARGMAX:
-        amax, acol, n = argmax_chunk(row_ptr, cols, end, m, ab, count, 1.0, False, GREEDY)
+        amax, acol, n = argmax_chunk(row_ptr, cols, end, m, ab, count, 1.0, greedy, False)
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
     return big, total, n, g1, g2, gab, amax, acol
