@@ -196,6 +196,11 @@ def logprob_rank_chunk_kernel(
             big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end,
                                                                     chosen, chosen_w, greedy, g1, g2, gab, LINES,
                                                                     BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
+            # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
+            # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
+            # combine kernel sums it again in the safe form if it can matter to the row (the count
+            # is exact either way). Whether a chunk is flagged depends on its own logits alone.
+            total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
             if ARGMAX and greedy:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
