@@ -49,8 +49,8 @@ the order of evaluation or on which program held which chunk, so top-k is batch-
 The greedy token, from the same read (``ARGMAX``, a call with an argmax output). Each chunk
 also keeps, per 16-byte line, its maximum (never NaN: maxNum), the block where it was first
 reached and, for a row whose id is negative (greedy), the count of the logits equal to it
-instead of the count against a token; a row takes the greedy or the scored form of the block
-loop by its own id. At the chunk's end the lines that reach the chunk's maximum read back their
+instead of the count against a token (on the element path a row takes the greedy or the
+scored form of the block loop by its own id; the fused bfloat16 path selects per line). At the chunk's end the lines that reach the chunk's maximum read back their
 one vector at that block to find the lowest column; the combine kernel keeps the largest
 maximum, the lowest column among the chunks that hold it and, for a greedy row, the sum of
 their ties as the rank and ``max - lse`` as the logprob (the bits a call with that id gets).
@@ -144,8 +144,9 @@ LOGPROB_TOPK_GROUPS = (2, 1)
 LOGPROB_TOPK_MIN_PROGRAMS = 1024
 # With out_argmax, the chunk kernel's registers per thread by logits itemsize, capped (as for
 # top-k; absent: uncapped). The greedy tracking (per line: the block of its maximum and the ties
-# at it) raised them from 48 to 56 (bfloat16) and from 56 to 69 (float32) in sm_90 SASS compiled
-# with Triton 3.9, one program per SM fewer.
+# at it) raises them from 48 to 56 (bfloat16) and from 56 to 72 (float32) in sm_90 SASS compiled
+# with Triton 3.9. bench/logprob_tuning.py --argmax-only, H200, 2026-12-02 08:29 and 08:34 UTC:
+# float32 capped at 64 is slower (57.2 against 52.7 us at batch 256, 726 against 658 at 4096).
 LOGPROB_ARGMAX_MAXNREG: dict = {}
 LOGPROB_TOPK_RESCAN = 512
 LOGPROB_TOPK_PIECE = 256
