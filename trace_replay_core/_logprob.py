@@ -142,7 +142,8 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     out_argmax:
         Optional caller-owned ``[batch]`` output, contiguous, writable, int32 or int64. Every
         row is written. The kernels that fill it are compiled apart from the ones without it,
-        so a call without ``out_argmax`` runs exactly as before.
+        so a call without ``out_argmax`` pays nothing for it. With it, the call takes about
+        1.2x the time of one without in bfloat16 (H200, vocab 151,936, batch 256 and 4096).
 
     Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
     ``stream`` and returns without synchronising; it allocates nothing, so it may be captured in
