@@ -55,8 +55,8 @@ CHUNK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, None, False
 TOPK_VARIANTS = ((2048, 4, 6, True, None, True, None), (2048, 4, 6, True, None, True, 0),
                  (2048, 4, 6, True, 4, True, None), (2048, 4, 6, True, 4, True, 72),
                  (2048, 4, 6, True, None, True, 72))
-# With argmax=True (every other row greedy): the chunk kernel's register cap (None: the shipped
-# one, 0: uncapped) per dtype; the plain call (no argmax) is timed beside them.
+# With argmax=True (every other row greedy): the chunk kernel's register cap per dtype (None:
+# the shipped plan, uncapped); the plain call (no argmax) is timed beside them.
 ARGMAX_CAPS = {"bfloat16": (None,), "float32": (None, 64)}
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
@@ -169,7 +169,7 @@ def main() -> None:
             knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
             if cap and cap[0] is not None:
                 knobs["maxnreg"] = cap[0]
-            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, argmax=argmax, **knobs)
+            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
             if group is not None:
                 knobs["group"] = group
             if not pdl:

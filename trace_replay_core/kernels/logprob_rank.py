@@ -142,12 +142,11 @@ LOGPROB_TOPK_PAIRS = 64
 LOGPROB_TOPK_MAXNREG = 64
 LOGPROB_TOPK_GROUPS = (2, 1)
 LOGPROB_TOPK_MIN_PROGRAMS = 1024
-# With out_argmax, the chunk kernel's registers per thread by logits itemsize, capped (as for
-# top-k; absent: uncapped). The greedy tracking (per line: the block of its maximum and the ties
-# at it) raises them from 48 to 56 (bfloat16) and from 56 to 72 (float32) in sm_90 SASS compiled
-# with Triton 3.9. bench/logprob_tuning.py --argmax-only, H200, 2026-12-02 08:29 and 08:34 UTC:
-# float32 capped at 64 is slower (57.2 against 52.7 us at batch 256, 726 against 658 at 4096).
-LOGPROB_ARGMAX_MAXNREG: dict = {}
+# With out_argmax the chunk kernel is left uncapped: the greedy tracking (per line: the block of
+# its maximum and the ties at it) raises its registers from 48 to 56 (bfloat16) and from 56 to 72
+# (float32) in sm_90 SASS compiled with Triton 3.9, but bench/logprob_tuning.py --argmax-only
+# (H200, 2026-12-02 08:29 and 08:34 UTC, the cap passed as plan_logprob_rank(maxnreg=)) found
+# float32 capped at 64 slower: 57.2 against 52.7 us at batch 256, 726 against 658 at 4096.
 LOGPROB_TOPK_RESCAN = 512
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
@@ -228,11 +227,10 @@ def _k_pad(top_k: int) -> int:
 
 def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optional[int] = None,
                       num_warps: Optional[int] = None, chunk_blocks: Optional[int] = None,
-                      words: Optional[bool] = None, maxnreg: Optional[int] = None,
-                      argmax: bool = False) -> LogprobRankPlan:
+                      words: Optional[bool] = None, maxnreg: Optional[int] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure): rows cut
     into about :data:`LOGPROB_CHUNKS` chunks of whole blocks, the same with and without top-k
-    and ``argmax`` (which change only the register cap: speed, never a bit).
+    and with and without an argmax output.
 
     ``block``, ``num_warps``, ``chunk_blocks``, ``words`` and ``maxnreg`` override the defaults for tuning
     (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
@@ -249,13 +247,7 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
     return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, chunk_blocks,
                            LOGPROB_WORDS if words is None else words, k_pad,
                            min(LOGPROB_TOPK_SEL, lines) if k_pad else 1, 4 * k_pad or 1, 2 * k_pad or 1,
-                           _default_maxnreg(k_pad, itemsize, argmax) if maxnreg is None else maxnreg)
-
-
-def _default_maxnreg(k_pad: int, itemsize: int, argmax: bool) -> int:
-    if k_pad:
-        return LOGPROB_TOPK_MAXNREG
-    return LOGPROB_ARGMAX_MAXNREG.get(itemsize, 0) if argmax else 0
+                           (LOGPROB_TOPK_MAXNREG if k_pad else 0) if maxnreg is None else maxnreg)
 
 
 def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
@@ -348,7 +340,7 @@ def _compiled_launches(args, dtypes, device_id, plan, group=None):
     from .._cuda import compute_capability
     from ._compiled import compiled
     if plan is None:
-        plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k, argmax=args.argmax != 0)
+        plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k)
     gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
     for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
             launch_specs(args, dtypes, plan, group)):
