@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E, argmax_chunk, track_lines
+from ._logprob_common_jit import LOG2E, argmax_chunk, argmax_lines, track_lines
 
 TAME = tl.constexpr(2.0 ** 20)      # line maxima clamped to +-TAME; a chunk beyond it is flagged
 
@@ -68,9 +68,8 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
         hi = (w & -65536).to(tl.float32, bitcast=True)
         y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-        if ARGMAX:
-            up = tl.max(y, axis=1) > m
-            ab = tl.where(up, off, ab)
+        if ARGMAX:      # the line maximum is m itself (from -inf, as argmax_lines wants)
+            up, _, ab = argmax_lines(y, off, m, ab)
         m, s = _online_fast(y, m, s)
         if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
             restart = greedy & up
@@ -98,8 +97,7 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
         g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
         if ARGMAX:
-            up = tl.max(y, axis=1) > m
-            ab = tl.where(up, full_end, ab)
+            up, _, ab = argmax_lines(y, full_end, m, ab)
             m, s = _online_fast(y, m, s)
             ref = tl.where(greedy, m, chosen)[:, None]
             count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref) & inside).to(tl.int32), axis=1)
