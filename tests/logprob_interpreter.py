@@ -53,6 +53,12 @@ def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
     return results
 
 
+def run_cases_by_name(cases: List[dict], tmp_dir: str) -> Dict[str, tuple]:
+    """:func:`run_cases`, keyed by case name: ``{name: (case, outputs)}``."""
+    out = run_cases(cases, tmp_dir)
+    return {c["name"]: (c, out[c["name"]]) for c in cases}
+
+
 def _torch_dtypes():
     import torch
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

@@ -14,7 +14,7 @@ from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert
                                huge_case, round_to)
 from trace_replay_core import greedy_argmax_reference, token_logprob_rank  # noqa: E402
 
-from logprob_interpreter import run_cases  # noqa: E402
+from logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
 
 POISON_ARGMAX = -777
 # The special rows of greedy_case where the batch allows, each once with an explicit id and once
@@ -206,9 +206,7 @@ def _interpreter_cases():
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
-    cases = _interpreter_cases()
-    out = run_cases(cases, str(tmp_path_factory.mktemp("interp_argmax")))
-    return {c["name"]: (c, out[c["name"]]) for c in cases}
+    return run_cases_by_name(_interpreter_cases(), str(tmp_path_factory.mktemp("interp_argmax")))
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in _interpreter_cases()])

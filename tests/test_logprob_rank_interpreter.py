@@ -13,7 +13,7 @@ from test_logprob_rank import (TORCH_DTYPES, assert_matches_reference, assert_pl
                                huge_case, make_case, round_to, special_case)
 from trace_replay_core.kernels.logprob_rank import LOGPROB_BLOCK, LOGPROB_CHUNKS  # noqa: E402
 
-from logprob_interpreter import run_cases  # noqa: E402
+from logprob_interpreter import run_cases_by_name  # noqa: E402
 
 
 # -- the Triton kernels, in Triton's interpreter ---------------------------------------------
@@ -71,9 +71,7 @@ def _interpreter_cases():
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
-    cases = _interpreter_cases()
-    out = run_cases(cases, str(tmp_path_factory.mktemp("interp")))
-    return {c["name"]: (c, out[c["name"]]) for c in cases}
+    return run_cases_by_name(_interpreter_cases(), str(tmp_path_factory.mktemp("interp")))
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in _interpreter_cases()])

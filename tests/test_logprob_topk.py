@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from trace_replay_core import token_logprob_rank  # noqa: E402
 
-from logprob_interpreter import run_cases  # noqa: E402
+from logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
 from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference,  # noqa: E402
                                make_case, round_to)
 
@@ -273,8 +273,7 @@ def _interpreter_topk_cases():
 @pytest.fixture(scope="module")
 def interpreted_topk(tmp_path_factory):
     pytest.importorskip("triton")
-    cases = _interpreter_topk_cases()
-    return {c["name"]: (c, r) for c, r in zip(cases, run_cases(cases, str(tmp_path_factory.mktemp("topk"))).values())}
+    return run_cases_by_name(_interpreter_topk_cases(), str(tmp_path_factory.mktemp("topk")))
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"]
