@@ -18,10 +18,13 @@ Each variant's logprobs are compared with the shipped variant's (largest differe
 and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only]`` on a GPU; writes
+Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency]`` on a GPU; writes
 ``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
 and top-k side by side; writes ``logprob_tuning_topk.json``; ``--argmax-only``: both dtypes at
-batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuning_argmax.json``).
+batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuning_argmax.json``;
+``--latency``: the shipped plan with the chunk kernel launched the ordinary way and as a chained
+programmatic dependent launch, bfloat16 at batch 1 to 4096 with and without top-k and argmax,
+float32; ``logprob_tuning_latency.json``). Each row also records the chunk kernel's registers.
 """
 
 from __future__ import annotations
@@ -58,6 +61,17 @@ TOPK_VARIANTS = ((2048, 4, 6, True, None, True, None), (2048, 4, 6, True, None, 
 # With argmax=True (every other row greedy): the chunk kernel's register cap per dtype (None:
 # the shipped plan, uncapped); the plain call (no argmax) is timed beside them.
 ARGMAX_CAPS = {"bfloat16": (None,), "float32": (None, 64)}
+# --latency: on the shipped plan, with and without the chained programmatic launch
+# (``LOGPROB_PDL_CHAIN``: the chunk kernel a dependent of the kernel before it), and for top-k the
+# threshold's group maxima (``plan.sel``) and register cap.
+# (results/logprob_tuning_prefetch.json, 2026-12-02 09:32 UTC: an L2 prefetch of the blocks ahead
+# with cp.async.bulk.prefetch.L2, 2 or 4 blocks ahead or a program's whole range at its start, was
+# slower everywhere: bf16 batch 256 31.8-57.1 against 25.4 us, 4096 448-838 against 288. The
+# 09:39 UTC run, results/logprob_tuning_latency.json at that commit: the block loops unrolled by
+# 1, 3 or 4 instead of 2 were slower or no faster; top-k with 64 group maxima or a cap of 72
+# registers 46.1 against 45.3 us at batch 256.)
+LATENCY_VARIANTS = ({"chain": False}, {})
+LATENCY_TOPK_VARIANTS = ({"chain": False}, {})
 TOP_K = 20
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -91,6 +105,12 @@ class Call:
         assert workspace_layout(self.args.batch, plan)[-1] <= self.ws.numel()
         return bind_logprob_rank_launch(self.args, self.dtypes, self.logits.device.index, plan, group)
 
+    def chunk_registers(self, plan, group=None):
+        """Registers per thread and spilled bytes of the chunk kernel this plan compiles to."""
+        from trace_replay_core.kernels.logprob_rank import _compiled_launches
+        kernel = next(_compiled_launches(self.args, self.dtypes, self.logits.device.index, plan, group))[0]
+        return kernel.n_regs, kernel.n_spills
+
     def results(self):
         out = [self.lp.clone(), self.rk.clone()]
         if self.top_k:
@@ -104,6 +124,14 @@ def forced_pdl(pdl):
     """Bind with the combine kernel launched the ordinary way where ``pdl`` is False."""
     from trace_replay_core.kernels import logprob_rank
     return contextlib.nullcontext() if pdl else mock.patch.object(logprob_rank, "LOGPROB_PDL", False)
+
+
+def forced_chain(chain):
+    """Bind with the chunk kernel launched as a programmatic dependent launch (``chain`` True) or
+    the ordinary way (False); None: the shipped choice."""
+    from trace_replay_core.kernels import logprob_rank
+    return contextlib.nullcontext() if chain is None else mock.patch.object(logprob_rank, "LOGPROB_PDL_CHAIN",
+                                                                             bool(chain))
 
 
 def run_once(torch, call, plan, stream, group=None):
@@ -127,6 +155,9 @@ def main() -> None:
                     help="bfloat16 at batch 256 and 4096 only: the shipped plain call and the top-k variants")
     ap.add_argument("--argmax-only", action="store_true",
                     help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps")
+    ap.add_argument("--latency", action="store_true",
+                    help="the shipped plan with and without the chained launch (bfloat16 plain, top-k and "
+                         "argmax, float32)")
     opts = ap.parse_args()
     import torch
 
@@ -140,7 +171,13 @@ def main() -> None:
     copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
-    if opts.argmax_only:
+    if opts.latency:
+        base = CHUNK_VARIANTS[0] + (None,)
+        plain, topk = (tuple(base + (v,) for v in vs) for vs in (LATENCY_VARIANTS, LATENCY_TOPK_VARIANTS))
+        cases = ([("bfloat16", b, 0, plain) for b in (1, 256, 4096)]
+                 + [("bfloat16", b, TOP_K, topk) for b in (256, 4096)]
+                 + [("float32", b, 0, plain) for b in (256, 4096)] + [("bfloat16", 256, "argmax", plain)])
+    elif opts.argmax_only:
         cases = [c for d in DTYPES for b in (256, 4096)
                  for c in ((d, b, 0, CHUNK_VARIANTS[:1]),
                            (d, b, "argmax", tuple(CHUNK_VARIANTS[0] + (cap,) for cap in ARGMAX_CAPS[d])))]
@@ -163,35 +200,47 @@ def main() -> None:
                                                              for _ in range(n_copies - 1)]
         shipped = None
         for variant in variants:
-            block, warps, chunk_blocks, words, group, pdl, *cap = variant
+            block, warps, chunk_blocks, words, group, pdl, *extra = variant
+            cap = extra[:1]
+            more = dict(extra[1]) if len(extra) > 1 else {}      # --latency: plan and launch knobs
+            chain = more.pop("chain", None)
+            sel = more.pop("sel", None)
             if dtype_name == "float32" and (not words or group is not None or not pdl):
                 continue
             knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
             if cap and cap[0] is not None:
                 knobs["maxnreg"] = cap[0]
+            knobs.update(more)
             plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
+            if sel is not None:
+                plan = plan._replace(sel=sel)
+                knobs["sel"] = sel
             if group is not None:
                 knobs["group"] = group
             if not pdl:
                 knobs["pdl"] = False
+            if chain is not None:
+                knobs["chain"] = chain
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
             row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, argmax=argmax, **knobs,
                        n_chunks=plan.n_chunks, shipped_maxnreg=plan.maxnreg, bytes=nbytes, copy_gbps=copy_gbps)
             try:
-                with forced_pdl(pdl):
+                with forced_pdl(pdl), forced_chain(chain):
                     result = run_once(torch, calls[0], plan, stream, group)
                 inv = invariant(torch, logits, ids, top_k, plan, stream, result, argmax)
                 shipped = shipped if shipped is not None else result
                 same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
                 diff = float((result[0] - shipped[0]).abs().max())
-                with forced_pdl(pdl):
+                with forced_pdl(pdl), forced_chain(chain):
                     launches = [c.bind(plan, group) for c in calls]
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
+                regs, spills = calls[0].chunk_registers(plan, group)
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
-                           max_abs_logprob_diff_to_shipped=diff)
+                           max_abs_logprob_diff_to_shipped=diff, chunk_regs=regs, chunk_spills=spills)
                 print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "
                       f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
-                      f"{row['gbps_p50']:6.0f} GB/s invariant {inv} same {same} diff {diff:.1e}", flush=True)
+                      f"{row['gbps_p50']:6.0f} GB/s invariant {inv} same {same} diff {diff:.1e} regs {regs}/{spills}",
+                      flush=True)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
                 row.update(error=f"{type(exc).__name__}: {exc}"[:400])
                 print(f"{dtype_name} B={batch} {name}: FAILED {row['error']}", flush=True)
@@ -199,11 +248,13 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_argmax" if opts.argmax_only else
+    path = write_results("logprob_tuning_latency" if opts.latency else
+                         "logprob_tuning_argmax" if opts.argmax_only else
                          "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "argmax", "block", "num_warps",
                                                      "chunk_blocks", "words", "group", "pdl", "maxnreg",
+                                                     "sel", "chain", "chunk_regs",
                                                      "shipped_maxnreg", "us_p50", "gbps_p50", "invariant"]))
 
 

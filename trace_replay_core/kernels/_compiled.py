@@ -52,7 +52,7 @@ class CompiledKernel:
     """A loaded Triton binary and its launcher. :meth:`launch` is stream-ordered, never blocks."""
 
     __slots__ = ("name", "_run", "_function", "_metadata", "_constexprs", "_params", "_n_args", "_threads",
-                 "_shared", "driver_launch")
+                 "_shared", "driver_launch", "n_regs", "n_spills")
 
     def __init__(self, jit_fn, args: Sequence[Any], constexprs: Dict[str, Any], num_warps: int,
                  maxnreg: Optional[int] = None):
@@ -61,6 +61,9 @@ class CompiledKernel:
         self.name = kernel.name
         self._run = kernel.run               # loads the binary on first access
         self._function = kernel.function
+        #: registers per thread and bytes spilled per thread, as the loaded binary reports them
+        self.n_regs = int(getattr(kernel, "n_regs", 0) or 0)
+        self.n_spills = int(getattr(kernel, "n_spills", 0) or 0)
         self._metadata = kernel.packed_metadata
         self._constexprs = tuple(constexprs.values())
         md = kernel.metadata

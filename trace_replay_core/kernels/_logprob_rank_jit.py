@@ -154,6 +154,7 @@ def logprob_rank_chunk_kernel(
 ):
     if GDC:
         _launch_dependents()
+        _wait_prerequisites()   # launched as a dependent of the kernel before it: wait for its writes
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * group
     last = tl.minimum(first + group, n_chunks)
@@ -248,7 +249,8 @@ def logprob_rank_combine_kernel(
     part_am_ptr, part_a_ptr,   # each chunk's greedy maximum and its column (ARGMAX)
     vocab, row_stride, n_chunks, top_k,
     chunk_span,         # logits per chunk (read where RESUM)
-    BLOCK: tl.constexpr, K_PAD: tl.constexpr, KEY_TILES: tl.constexpr,
+    BLOCK: tl.constexpr,        # a power of two >= n_chunks: one tile holds a row's partials
+    K_PAD: tl.constexpr, KEY_TILES: tl.constexpr,
     RESUM: tl.constexpr,        # the chunk kernel ran chunk_fast: partials with sum -1 are re-summed
     RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,          # wait for the chunk kernel (launched as its programmatic dependent)
@@ -256,57 +258,48 @@ def logprob_rank_combine_kernel(
 ):
     if GDC:
         _wait_prerequisites()
+        _launch_dependents()    # a chained call's chunk kernel may be scheduled now (it waits for this grid)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
+    base = row * n_chunks
+    # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
+    # together with the token's: the merge below runs on registers.
+    j = tl.arange(0, BLOCK)
+    inside = j < n_chunks
+    m = tl.load(part_m_ptr + base + j, mask=inside, other=float("-inf"))
+    s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0)
+    c = tl.load(part_c_ptr + base + j, mask=inside, other=0)
+    if ARGMAX:
+        am = tl.load(part_am_ptr + base + j, mask=inside, other=float("-inf"))
+        a = tl.load(part_a_ptr + base + j, mask=inside, other=INT32_MAX)
     chosen = tl.load(tok_y_ptr + row)
     code = tl.load(tok_ok_ptr + row)
     valid = code == 1
-    base = row * n_chunks
-    j = tl.arange(0, BLOCK)
-    big = float("-inf")
-    flagged = 0
-    for j0 in range(0, n_chunks, BLOCK):
-        inside = j0 + j < n_chunks
-        big = tl.maximum(big, tl.max(tl.load(part_m_ptr + base + j0 + j, mask=inside, other=float("-inf")), axis=0))
-        if RESUM:
-            flagged += tl.sum((tl.load(part_s_ptr + base + j0 + j, mask=inside, other=0.0) < 0).to(tl.int32), axis=0)
+    big = tl.max(m, axis=0)
     if RESUM:
-        if flagged > 0:
+        if tl.sum((s < 0).to(tl.int32), axis=0) > 0:
             # Rare: a flagged chunk (maximum beyond +-2**20) within 128 of the row's maximum is
             # summed again here; a flagged chunk further below adds s * 2**(< -184) = 0 as it is.
             LINES: tl.constexpr = RESUM_BLOCK // VEC
             cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-            for c in range(0, n_chunks):
-                if (tl.load(part_s_ptr + base + c) < 0) & (tl.load(part_m_ptr + base + c) >= big - 128.0):
-                    start = c * chunk_span
-                    s_c = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
-                    tl.store(part_s_ptr + base + c, s_c)
+            for k in range(0, n_chunks):
+                if (tl.load(part_s_ptr + base + k) < 0) & (tl.load(part_m_ptr + base + k) >= big - 128.0):
+                    start = k * chunk_span
+                    s_k = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
+                    tl.store(part_s_ptr + base + k, s_k)
             tl.debug_barrier()          # the re-summed partials are read by every thread below
+            s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
-    total = 0.0
-    count = 0
-    for j0 in range(0, n_chunks, BLOCK):
-        inside = j0 + j < n_chunks
-        m = tl.load(part_m_ptr + base + j0 + j, mask=inside, other=float("-inf"))
-        s = tl.load(part_s_ptr + base + j0 + j, mask=inside, other=0.0)
-        total += tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
-        count += tl.sum(tl.load(part_c_ptr + base + j0 + j, mask=inside, other=0), axis=0)
+    total = tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
+    count = tl.sum(c, axis=0)
     lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
     if ARGMAX:
         # The row's greedy maximum, its lowest column over the chunks that hold it (exact: no
         # order of evaluation matters), and the ties at it; a row of only NaN gets column 0.
-        amax = float("-inf")
-        for j0 in range(0, n_chunks, BLOCK):
-            inside = j0 + j < n_chunks
-            amax = tl.maximum(amax, tl.max(tl.load(part_am_ptr + base + j0 + j, mask=inside, other=float("-inf")),
-                                           axis=0))
-        acol = INT32_MAX
-        ties = 0
-        for j0 in range(0, n_chunks, BLOCK):
-            inside = j0 + j < n_chunks
-            sel = inside & (tl.load(part_am_ptr + base + j0 + j, mask=inside, other=float("-inf")) == amax)
-            acol = tl.minimum(acol, tl.min(tl.load(part_a_ptr + base + j0 + j, mask=sel, other=INT32_MAX), axis=0))
-            ties += tl.sum(tl.load(part_c_ptr + base + j0 + j, mask=sel, other=0), axis=0)
+        amax = tl.max(am, axis=0)
+        sel = inside & (am == amax)
+        acol = tl.min(tl.where(sel, a, INT32_MAX), axis=0)
+        ties = tl.sum(tl.where(sel, c, 0), axis=0)
         acol = tl.where(acol == INT32_MAX, 0, acol)
         tl.store(argmax_ptr + row, acol.to(argmax_ptr.dtype.element_ty))
         greedy = code == 2
