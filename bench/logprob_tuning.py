@@ -71,6 +71,12 @@ ARGMAX_CAPS = {"bfloat16": (None,), "float32": (None, 64)}
 # results/logprob_tuning_unroll.json, 09:39 UTC: the block loops unrolled by 1, 3 or 4 instead of
 # 2 were slower or no faster; top-k with 64 group maxima or a cap of 72 registers 46.1 against
 # 45.3 us at batch 256.
+# results/logprob_tuning_ahead.json, 09:54 UTC: the kernels before and after a chunk's first two
+# blocks were loaded ahead (before the token's loads, or at the end of the previous chunk), in one
+# run. results/logprob_tuning_chunks.json, 10:01 UTC (this script with other variants): 4 or 8
+# blocks per chunk 23.28 / 23.12 against 23.40 us at batch 256 and 296.3 / 286.2 against 288.3 at
+# 4096, but 3.36 / 4.21 against 3.83 at batch 1; two chunks per program at batch 256 25.03; top-k
+# with one chunk per program 48.45 against 43.48, capped at 72 registers 44.91, uncapped 46.00.
 LATENCY_VARIANTS = ({"chain": False}, {})
 LATENCY_TOPK_VARIANTS = ({"chain": False}, {})
 TOP_K = 20
@@ -206,6 +212,7 @@ def main() -> None:
             more = dict(extra[1]) if len(extra) > 1 else {}      # --latency: plan and launch knobs
             chain = more.pop("chain", None)
             sel = more.pop("sel", None)
+            group = more.pop("group", group)
             if dtype_name == "float32" and (not words or group is not None or not pdl):
                 continue
             knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)

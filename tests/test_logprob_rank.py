@@ -379,7 +379,7 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
     for vocab in (1, 1000, 4097, 32000, 151936, 262144, 2**30):
         for itemsize in (2, 4):
             p = plan_logprob_rank(vocab, itemsize)
-            assert p.block & (p.block - 1) == 0 and 128 <= p.block <= LOGPROB_BLOCK
+            assert p.block & (p.block - 1) == 0 and 128 <= p.block <= LOGPROB_BLOCK and p.n_chunks <= 256
             span = p.chunk_blocks * p.block                                      # logits per chunk
             assert (p.n_chunks - 1) * span < vocab <= p.n_chunks * span          # no empty chunk
             assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
@@ -388,6 +388,11 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
                 assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == 2 * k.k_pad and k.cap_p == 4 * k.k_pad
                 assert k.sel == min(128, p.block // (16 // itemsize))
     assert plan_logprob_rank(151936, 2)[:2] == (2048, 13) and plan_logprob_rank(151936, 2).chunk_blocks == 6
+    # The combine kernel holds a row's partials in one tile: a tuning override that would cut a
+    # row into more than 256 chunks is refused, by name, before anything is compiled.
+    assert plan_logprob_rank(2**20, 2, chunk_blocks=2).n_chunks == 256
+    with pytest.raises(ValueError, match=r"chunk_blocks=1 cuts rows of 1048576 logits into more than 256 chunks"):
+        plan_logprob_rank(2**20, 2, chunk_blocks=1)
     # Chunks per program: from the batch (speed only); the grid still covers every chunk once.
     assert [_chunk_group(b, 19) for b in (1, 64, 204, 205, 256, 409, 410, 4096)] == [1, 1, 1, 2, 2, 2, 4, 4]
     assert [_chunk_group(b, 13) for b in (1, 256, 292, 293, 511, 512, 4096)] == [1, 1, 1, 2, 2, 4, 4]

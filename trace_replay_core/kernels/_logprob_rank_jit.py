@@ -15,7 +15,7 @@ import triton.language as tl
 from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
                                   track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import TAME, chunk_fast
+from ._logprob_words_jit import TAME, ahead_blocks, chunk_fast
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel"]
 
@@ -161,6 +161,15 @@ def logprob_rank_chunk_kernel(
     row_ptr = logits_ptr + row * row_stride
     if ALIGNED:
         row_ptr = tl.multiple_of(row_ptr, 16)
+    LINES: tl.constexpr = BLOCK // VEC
+    span = chunk_blocks * BLOCK
+    stop = tl.minimum(last * span, vocab)          # the end of the program's columns
+    if WORDS:
+        words = row_ptr.to(tl.pointer_type(tl.int32))
+        wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
+        # The first chunk's first two blocks, in flight while the token's id and then its logit
+        # load (two dependent round trips that every program starts with).
+        w0, w1 = ahead_blocks(words, wcols, first * span, span, stop, BLOCK)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:          # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
@@ -168,17 +177,13 @@ def logprob_rank_chunk_kernel(
             tl.store(tok_ok_ptr + row, tl.where(greedy, 2, valid_tok.to(tl.int32)))
         else:
             tl.store(tok_ok_ptr + row, valid_tok.to(tl.int32))
-    LINES: tl.constexpr = BLOCK // VEC
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     if WORDS:
-        words = row_ptr.to(tl.pointer_type(tl.int32))
-        wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
         bits = (chosen.to(tl.uint32, bitcast=True) >> 16)          # the token's bfloat16 bits
         chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
     # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
     g1 = tl.full([LINES], float("-inf"), tl.float32)
     g2 = tl.full([LINES], float("-inf"), tl.float32)
-    span = chunk_blocks * BLOCK
     gab = tl.zeros([LINES], tl.int32) + first * span
     # ``group`` (a runtime value: one compiled kernel for every batch) only says which program
     # computes which chunk; each chunk's partial is computed by the same instructions either way.
@@ -194,9 +199,10 @@ def logprob_rank_chunk_kernel(
         # 35.9 against 30.4 us at batch 256, 407.7 against 340.7 at 4096). Either way a row's
         # bits depend on it alone.
         if WORDS:
-            big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, row_ptr, cols, start, full_end, end,
-                                                                    chosen, chosen_w, greedy, g1, g2, gab, LINES,
-                                                                    BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
+            big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, w0, w1, row_ptr, cols, start,
+                                                                    full_end, end, chosen, chosen_w, greedy, g1, g2,
+                                                                    gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
+            w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK)     # the next chunk's, if any
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count

@@ -46,12 +46,55 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2, gab,
+def ahead_blocks(words, wcols, start, span, end, BLOCK: tl.constexpr):
+    """The words of the first two whole blocks of the chunk of ``span`` logits at ``start``
+    (zeros for a block that does not lie whole before ``end``), loaded ahead of the chunk's block
+    loop: the chunk kernel issues a program's first two before the token's two dependent loads,
+    and the next chunk's at the end of a chunk's blocks."""
+    words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
+    w0 = tl.load(words + start // 2 + wcols, mask=wcols < words_in, other=0)
+    w1 = tl.load(words + (start + BLOCK) // 2 + wcols, mask=wcols + BLOCK // 2 < words_in, other=0)
+    return w0, w1
+
+
+@triton.jit
+def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2, gab, LINES: tl.constexpr,
+                BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr):
+    """Fold the whole block of words ``w`` at column ``off`` into the line states of
+    :func:`chunk_fast` (maximum, sum, count or packed count masks, block of the maximum) and the
+    line tracking of ``track_lines``."""
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)
+    y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
+    g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+    if ARGMAX:      # the line maximum is m itself (from -inf, as argmax_lines wants)
+        up, _, ab = argmax_lines(y, off, m, ab)
+    m, s = _online_fast(y, m, s)
+    if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
+        restart = greedy & up
+        if PACKED_COUNT:
+            bits = m.to(tl.uint32, bitcast=True) >> 16     # the line maximum's bfloat16 bits
+            ref_w = tl.where(greedy, (bits | (bits << 16))[:, None], chosen_w)
+            masks = tl.where(restart, tl.zeros_like(masks), masks) + tl.sum(_ge_masks(w, ref_w), axis=1)
+        else:
+            ref = tl.where(greedy, m, chosen)[:, None]
+            count = tl.where(restart, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32), axis=1)
+    elif PACKED_COUNT:
+        masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded in chunk_fast
+    else:
+        count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
+    return m, s, count, masks, ab, g1, g2, gab
+
+
+@triton.jit
+def chunk_fast(words, wcols, w0, w1, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2, gab,
                LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr,
                ARGMAX: tl.constexpr):
     """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature: whole
     blocks read as 32-bit words (two logits each, widened by a shift and a mask), exponentials by
     :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
+    ``w0`` and ``w1`` are the chunk's first two whole blocks (:func:`ahead_blocks`); every chunk
+    folds them in by the same two steps before its block loop, wherever they were loaded.
     Returns ``(max, sum, count)``, the line tracking of ``track_lines`` and, with ``ARGMAX``, the
     chunk's greedy maximum and column (``chunk_safe``'s, from the line maxima ``m``, which start
     at -inf here too; a ``greedy`` row compares with its line maximum instead of the token). The
@@ -62,29 +105,21 @@ def chunk_fast(words, wcols, row_ptr, cols, start, full_end, end, chosen, chosen
     count = tl.zeros([LINES], tl.int32)
     masks = tl.zeros([LINES], tl.uint32)
     ab = tl.zeros([LINES], tl.int32) + start               # ARGMAX: the block of each line's maximum
-    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-        w = tl.load(words + off // 2 + wcols)
-        lo = (w << 16).to(tl.float32, bitcast=True)
-        hi = (w & -65536).to(tl.float32, bitcast=True)
-        y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
-        g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-        if ARGMAX:      # the line maximum is m itself (from -inf, as argmax_lines wants)
-            up, _, ab = argmax_lines(y, off, m, ab)
-        m, s = _online_fast(y, m, s)
-        if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
-            restart = greedy & up
-            if PACKED_COUNT:
-                bits = m.to(tl.uint32, bitcast=True) >> 16     # the line maximum's bfloat16 bits
-                ref_w = tl.where(greedy, (bits | (bits << 16))[:, None], chosen_w)
-                masks = tl.where(restart, tl.zeros_like(masks), masks) + tl.sum(_ge_masks(w, ref_w), axis=1)
-            else:
-                ref = tl.where(greedy, m, chosen)[:, None]
-                count = tl.where(restart, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32),
-                                                             axis=1)
-        elif PACKED_COUNT:
-            masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded below
-        else:
-            count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
+    n_full = (full_end - start) // BLOCK
+    if n_full >= 1:
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(w0, start, m, s, count, masks, ab, chosen, chosen_w, greedy,
+                                                          g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
+    if n_full >= 2:
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(w1, start + BLOCK, m, s, count, masks, ab, chosen, chosen_w,
+                                                          greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK,
+                                                          ARGMAX)
+    # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
+    # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
+    # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
+    for off in tl.range(tl.minimum(start + 2 * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(tl.load(words + off // 2 + wcols), off, m, s, count, masks,
+                                                          ab, chosen, chosen_w, greedy, g1, g2, gab, LINES, BLOCK,
+                                                          PACKED_COUNT, TRACK, ARGMAX)
     if PACKED_COUNT:
         # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
         # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most

@@ -34,7 +34,11 @@ maximum is finite beyond ``+-2**20`` (a row masked with ``finfo.min`` instead of
 its sum flagged (-1); the combine kernel sums such a chunk again in the plain form when it lies
 within 128 of the row's maximum (else it adds nothing either way). Which chunks are flagged
 depends on their own logits only, so the path is as batch-invariant as the other; its bits
-differ from the element path's (other dtypes) in the last places.
+differ from the element path's (other dtypes) in the last places. Each chunk's first two blocks
+are loaded ahead of its block loop: a program's first chunk's before the token's two dependent
+loads (id, then logit), the next chunk's at the end of the previous chunk's blocks. Every chunk
+folds them in by the same two steps, wherever they were loaded, so its bits do not depend on
+which program runs it.
 
 Top-k, from the same read. With ``top_k``, the chunk kernel is compiled with the top-k step
 (``TOPK``) and the plan is the same: the partials, and so the logprobs and ranks, have the same
@@ -50,8 +54,9 @@ The greedy token, from the same read (``ARGMAX``, a call with an argmax output).
 also keeps, per 16-byte line, its maximum (never NaN: maxNum), the block where it was first
 reached and, for a row whose id is negative (greedy), the count of the logits equal to it
 instead of the count against a token (on the element path a row takes the greedy or the
-scored form of the block loop by its own id; the fused bfloat16 path selects per line). At the chunk's end the lines that reach the chunk's maximum read back their
-one vector at that block to find the lowest column; the combine kernel keeps the largest
+scored form of the block loop by its own id; the fused bfloat16 path selects per line). At the
+chunk's end the lines that reach the chunk's maximum read back their one vector at that block to
+find the lowest column; the combine kernel keeps the largest
 maximum, the lowest column among the chunks that hold it and, for a greedy row, the sum of
 their ties as the rank and ``max - lse`` as the logprob (the bits a call with that id gets).
 Maximum, lowest column and a sum of integer counts do not depend on the order of evaluation,
@@ -63,7 +68,11 @@ Special values fall out of the arithmetic (the host documents them as the contra
 
 The host side of one call is integers only: :class:`LogprobRankArgs` (byte addresses and
 sizes) and :class:`LogprobRankDtypes` (element type names); :func:`launch_logprob_rank` queues
-the two kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once.
+the two kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once and, on
+sm_90 and later, queues both as programmatic dependent launches: the chunk kernel's programs are
+scheduled while the kernel before it on the stream ends and wait for it (``griddepcontrol.wait``)
+before they read anything, and the combine kernel's while the chunk kernel's last programs run.
+The combine kernel loads a row's partials once (a plan cuts a row into at most 256 chunks).
 This module is the op's host side (plan, workspace, launch on integers); its ``@triton.jit``
 kernels and device helpers are in :mod:`._logprob_rank_jit`, re-exported here.
 """
