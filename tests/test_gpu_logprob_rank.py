@@ -127,6 +127,36 @@ def test_gpu_combine_is_a_programmatic_dependent_launch_on_sm90():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_chained_calls_read_what_the_kernel_before_wrote():
+    """Bound calls queue the chunk kernel as a programmatic dependent launch of the kernel before
+    it (sm_90+): it must still see that kernel's writes. Each call here follows, with no
+    synchronisation, the kernels that rewrite its logits and ids (and the previous call); every
+    call must match the reference for what was written just before it."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    rng = np.random.default_rng(77)
+    batch, vocab, calls = 64, 151936, 12
+    cases = [make_case(rng, batch, vocab, "bfloat16") for _ in range(3)]
+    srcs = [(torch.from_numpy(x).to(torch.bfloat16).cuda(), torch.from_numpy(ids).cuda()) for x, ids in cases]
+    logits = torch.empty(batch, vocab, dtype=torch.bfloat16, device="cuda")
+    ids_t = torch.empty(batch, dtype=torch.int64, device="cuda")
+    lps = torch.full((calls, batch), POISON_LOGPROB, device="cuda")
+    rks = torch.full((calls, batch), POISON_RANK, dtype=torch.int64, device="cuda")
+    logits.copy_(srcs[0][0])
+    ids_t.copy_(srcs[0][1])
+    torch_logprob_rank(logits, ids_t, out=(lps[0], rks[0]))         # compiled and bound before the loop
+    torch.cuda.synchronize()
+    for k in range(calls):
+        logits.copy_(srcs[k % 3][0])
+        ids_t.copy_(srcs[k % 3][1])
+        torch_logprob_rank(logits, ids_t, out=(lps[k], rks[k]))
+    torch.cuda.synchronize()
+    for k in range(calls):
+        x, ids = cases[k % 3]
+        assert_matches_reference(x, ids, lps[k].cpu().numpy(), rks[k].cpu().numpy(), f"chained call {k}")
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_workspace_errors_change_nothing():
     logits = torch.randn(4, 151936, device="cuda")
     ids = torch.zeros(4, dtype=torch.int64, device="cuda")

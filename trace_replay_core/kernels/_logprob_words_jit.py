@@ -50,7 +50,10 @@ def ahead_blocks(words, wcols, start, span, end, BLOCK: tl.constexpr):
     """The words of the first two whole blocks of the chunk of ``span`` logits at ``start``
     (zeros for a block that does not lie whole before ``end``), loaded ahead of the chunk's block
     loop: the chunk kernel issues a program's first two before the token's two dependent loads,
-    and the next chunk's at the end of a chunk's blocks."""
+    and the next chunk's at the end of a chunk's blocks. bench/logprob_tuning.py --latency, H200,
+    2026-12-02 09:54 UTC, before / after in one run (device time p50, bf16, vocabulary 151,936):
+    4.05 / 3.76 us at batch 1, 23.95 / 23.55 at 256, 292.3 / 293.2 at 4096; top-k 20 44.59 /
+    43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
     w0 = tl.load(words + start // 2 + wcols, mask=wcols < words_in, other=0)
     w1 = tl.load(words + (start + BLOCK) // 2 + wcols, mask=wcols + BLOCK // 2 < words_in, other=0)

@@ -250,8 +250,9 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
     into about :data:`LOGPROB_CHUNKS` chunks of whole blocks, the same with and without top-k
     and with and without an argmax output.
 
-    ``block``, ``num_warps``, ``chunk_blocks``, ``words``, ``maxnreg`` override the defaults for tuning
-    (bench/logprob_tuning.py); results are batch-invariant for any fixed choice.
+    ``block``, ``num_warps``, ``chunk_blocks``, ``words`` and ``maxnreg`` override the defaults for
+    tuning (bench/logprob_tuning.py); results are batch-invariant for any fixed choice. A choice
+    that cuts a row into more than :data:`COMBINE_BLOCK` chunks is refused (ValueError).
     """
     if block is None:
         block = min(LOGPROB_BLOCK, max(LOGPROB_MIN_BLOCK, _next_pow2(vocab)))
@@ -385,8 +386,9 @@ def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, d
                              group: Optional[int] = None) -> Callable[[int], None]:
     """Return ``launch(stream)`` that queues this exact call (arguments packed once). ``plan``
     and ``group`` override the defaults (tuning)."""
-    # The combine kernel (the second) as a programmatic dependent launch where the device allows
-    # it: it is scheduled while the first kernel finishes and waits for its results on the device.
+    # Both kernels as programmatic dependent launches where the device allows it (sm_90+): the
+    # chunk kernel of the kernel before it on the stream (LOGPROB_PDL_CHAIN), the combine kernel
+    # of the chunk kernel; each is scheduled early and waits on the device for the grid before it.
     launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints,
                                                          pdl=gdc and (i == 1 or LOGPROB_PDL_CHAIN))
                                              for i, (kernel, grid, ptrs, ints, gdc)
