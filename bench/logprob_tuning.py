@@ -68,7 +68,7 @@ ARGMAX_CAPS = {"bfloat16": (None,), "float32": (None, 64)}
 # results/logprob_tuning_prefetch.json, 2026-12-02 09:32 UTC: an L2 prefetch of the blocks ahead
 # with cp.async.bulk.prefetch.L2, 2 or 4 blocks ahead or a program's whole range at its start, was
 # slower everywhere: bf16 batch 256 31.8-57.1 against 25.4 us, 4096 448-838 against 288.
-# results/logprob_tuning_unroll.json, 09:39 UTC: the block loops unrolled by 1, 3 or 4 instead of
+# results/logprob_tuning_unroll.json, 09:41 UTC: the block loops unrolled by 1, 3 or 4 instead of
 # 2 were slower or no faster; top-k with 64 group maxima or a cap of 72 registers 46.1 against
 # 45.3 us at batch 256.
 # results/logprob_tuning_ahead.json, 09:54 UTC: the kernels before and after a chunk's first two

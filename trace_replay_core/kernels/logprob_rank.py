@@ -174,7 +174,7 @@ LOGPROB_PDL = True
 # Bound launches also queue the chunk kernel as a programmatic dependent launch of whatever kernel
 # precedes it on the stream: its programs are scheduled while that kernel ends and wait for it
 # (griddepcontrol.wait) before they read anything; the combine kernel lets the next kernel start
-# early in turn. bench/logprob_tuning.py --latency, H200, 2026-12-02 09:39 UTC, device time p50
+# early in turn. bench/logprob_tuning.py --latency, H200, 2026-12-02 09:41 UTC, device time p50
 # without / with: bf16 5.42 / 4.63 us at batch 1, 25.63 / 24.43 at 256, 293.5 / 292.3 at 4096;
 # top-k 20 47.26 / 45.34 at 256; float32 42.99 / 41.32 at 256; argmax=True 30.71 / 29.23 at 256.
 # In the same run unrolling the block loops by 1, 3 or 4 instead of 2 was slower or no faster.
