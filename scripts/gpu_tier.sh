@@ -65,20 +65,25 @@ for part in "${parts[@]}"; do
       # SANITIZER_S seconds (default 150).
       SANITIZER_S="${SANITIZER_S:-150}" san_logprob ;;
     profile-logprob)
-      # Hardware counters of the logprob kernels (bf16, vocabulary 151,936, batch 256 and 4096):
-      # speed of light, occupancy, launch and warp-state sections; the clocks are left alone.
-      for b in 256 4096; do
+      # Hardware counters of the logprob kernels (bf16, vocabulary 151,936: batch 256 and 4096,
+      # and batch 256 with top-k 20): speed of light, occupancy, launch, scheduler and warp-state
+      # sections; the clocks are left alone.
+      for case in "256 0" "4096 0" "256 20"; do
+        set -- $case
+        name="b$1"; [ "$2" != 0 ] && name="b$1_topk$2"
         ncu --clock-control none -k regex:logprob_rank_ --launch-skip 2 --launch-count 2 \
-          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+          --section WarpStateStats \
           python3 -c 'import sys, torch
 from trace_replay_torch import token_logprob_rank
-b = int(sys.argv[1])
+b, k = int(sys.argv[1]), int(sys.argv[2])
 x = (torch.randn(b, 151936, device="cuda") * 4).bfloat16()
 ids = torch.randint(0, 151936, (b,), device="cuda")
 for _ in range(3):
-    token_logprob_rank(x, ids)
-torch.cuda.synchronize()' "$b" > "$OUT/ncu_logprob_b$b.txt" 2>&1 || status=1
-        grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu_logprob_b$b.txt" | head -n 12
+    token_logprob_rank(x, ids, top_k=k)
+torch.cuda.synchronize()' "$1" "$2" > "$OUT/ncu_logprob_$name.txt" 2>&1 || status=1
+        grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
+          "$OUT/ncu_logprob_$name.txt" | head -n 16
       done ;;
     demo)
       python3 -m trace_replay_app demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;
