@@ -189,14 +189,13 @@ def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[
             if t_all is not None:
                 y = y / t_all[r0:r1, None]
             tok = ids_all[r0:r1].astype(np.int64)
+            m = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y))   # NaN skipped: it poisons the sum
             if am_all is not None:        # the lowest id of the largest non-NaN y (all NaN: 0)
-                top = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y), keepdims=True)
-                greedy = np.argmax(y == top, axis=1)
+                greedy = np.argmax(y == m[:, None], axis=1)
                 am_all[r0:r1] = greedy
                 tok = np.where(tok < 0, greedy, tok)    # negative ids are scored as the greedy token
             valid = (tok >= 0) & (tok < vocab)
             chosen = np.where(valid, y[np.arange(r1 - r0), np.where(valid, tok, 0)], np.float32(np.nan))
-            m = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y))   # NaN skipped: it poisons the sum
             m_safe = np.where(m == -np.inf, np.float32(0), m).astype(np.float32)
             total = np.exp(y - m_safe[:, None]).sum(axis=1)             # NaN or +inf in the row: NaN
             lse = (m + np.log(total)).astype(np.float32)                 # all -inf: -inf (NaN logprob)
