@@ -18,13 +18,15 @@ Each variant's logprobs are compared with the shipped variant's (largest differe
 and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency]`` on a GPU; writes
+Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency | --groups]`` on a GPU; writes
 ``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
 and top-k side by side; writes ``logprob_tuning_topk.json``; ``--argmax-only``: both dtypes at
 batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuning_argmax.json``;
 ``--latency``: the shipped plan with the chunk kernel launched the ordinary way and as a chained
 programmatic dependent launch, bfloat16 at batch 1 to 4096 with and without top-k and argmax,
-float32; ``logprob_tuning_latency.json``). Each row also records the chunk kernel's registers.
+float32; ``logprob_tuning_latency.json``; ``--groups``: the trials of ``GROUP_TRIALS``, chunks per
+program and module constants of ``kernels.logprob_rank`` patched per variant;
+``logprob_tuning_groups.json``). Each row also records the chunk kernel's registers.
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ ARGMAX_CAPS = {"bfloat16": (None,), "float32": (None, 64)}
 LATENCY_VARIANTS = ({"chain": False}, {})
 LATENCY_TOPK_VARIANTS = ({"chain": False}, {})
 TOP_K = 20
+# --groups: chunks per program on the shipped plan (each program issues its next chunk's first
+# blocks before a chunk's reductions), blocks per chunk, and for top-k the combine kernel's warps.
+A4 = {"LOGPROB_AHEAD": 4}
+COUNT = {"LOGPROB_TOPK_COUNT": True}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, {"patch": A4}),
+                ("bfloat16", 256, 0): ({}, {"patch": A4}, {"patch": A4, "maxnreg": 64}),
+                ("bfloat16", 1024, 0): ({}, {"group": 2}, {"group": 2, "patch": A4}),
+                ("bfloat16", 4096, 0): ({}, {"patch": A4}, {"group": 2}),
+                ("bfloat16", 256, TOP_K): ({}, {"patch": COUNT}, {"patch": dict(A4, **COUNT)}),
+                ("bfloat16", 4096, TOP_K): ({}, {"patch": COUNT}),
+                ("float32", 256, 0): ({},),
+                ("bfloat16", 256, "argmax"): ({}, {"patch": A4})}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -141,6 +155,12 @@ def forced_chain(chain):
                                                                              bool(chain))
 
 
+def patched(constants):
+    """Bind with module constants of ``kernels.logprob_rank`` replaced (trials)."""
+    from trace_replay_core.kernels import logprob_rank
+    return mock.patch.multiple(logprob_rank, **constants) if constants else contextlib.nullcontext()
+
+
 def run_once(torch, call, plan, stream, group=None):
     call.bind(plan, group)(stream)
     torch.cuda.synchronize()
@@ -162,6 +182,8 @@ def main() -> None:
                     help="bfloat16 at batch 256 and 4096 only: the shipped plain call and the top-k variants")
     ap.add_argument("--argmax-only", action="store_true",
                     help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps")
+    ap.add_argument("--groups", action="store_true",
+                    help="chunks per program (GROUP_TRIALS) on the shipped plan")
     ap.add_argument("--latency", action="store_true",
                     help="the shipped plan with and without the chained launch (bfloat16 plain, top-k and "
                          "argmax, float32)")
@@ -178,7 +200,10 @@ def main() -> None:
     copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
     rows = []
-    if opts.latency:
+    if opts.groups:
+        base = CHUNK_VARIANTS[0] + (None,)
+        cases = [(d, b, k, tuple(base + (v,) for v in vs)) for (d, b, k), vs in GROUP_TRIALS.items()]
+    elif opts.latency:
         base = CHUNK_VARIANTS[0] + (None,)
         plain, topk = (tuple(base + (v,) for v in vs) for vs in (LATENCY_VARIANTS, LATENCY_TOPK_VARIANTS))
         cases = ([("bfloat16", b, 0, plain) for b in (1, 256, 4096)]
@@ -211,6 +236,7 @@ def main() -> None:
             cap = extra[:1]
             more = dict(extra[1]) if len(extra) > 1 else {}      # --latency: plan and launch knobs
             chain = more.pop("chain", None)
+            patch = more.pop("patch", {})             # module constants of kernels.logprob_rank
             sel = more.pop("sel", None)
             group = more.pop("group", group)
             if dtype_name == "float32" and (not words or group is not None or not pdl):
@@ -229,17 +255,18 @@ def main() -> None:
                 knobs["pdl"] = False
             if chain is not None:
                 knobs["chain"] = chain
+            knobs.update(patch)
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
             row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, argmax=argmax, **knobs,
                        n_chunks=plan.n_chunks, shipped_maxnreg=plan.maxnreg, bytes=nbytes, copy_gbps=copy_gbps)
             try:
-                with forced_pdl(pdl), forced_chain(chain):
+                with forced_pdl(pdl), forced_chain(chain), patched(patch):
                     result = run_once(torch, calls[0], plan, stream, group)
-                inv = invariant(torch, logits, ids, top_k, plan, stream, result, argmax)
+                    inv = invariant(torch, logits, ids, top_k, plan, stream, result, argmax)
                 shipped = shipped if shipped is not None else result
                 same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
                 diff = float((result[0] - shipped[0]).abs().max())
-                with forced_pdl(pdl), forced_chain(chain):
+                with forced_pdl(pdl), forced_chain(chain), patched(patch):
                     launches = [c.bind(plan, group) for c in calls]
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
                 regs, spills = calls[0].chunk_registers(plan, group)
@@ -256,13 +283,13 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_latency" if opts.latency else
+    path = write_results("logprob_tuning_groups" if opts.groups else "logprob_tuning_latency" if opts.latency else
                          "logprob_tuning_argmax" if opts.argmax_only else
                          "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "argmax", "block", "num_warps",
                                                      "chunk_blocks", "words", "group", "pdl", "maxnreg",
-                                                     "sel", "chain", "chunk_regs",
+                                                     "sel", "chain", "COMBINE_NUM_WARPS", "chunk_regs",
                                                      "shipped_maxnreg", "us_p50", "gbps_p50", "invariant"]))
 
 

@@ -2,7 +2,7 @@
 # Run the GPU test tier and the GPU benchmarks on a machine with a CUDA GPU, using the
 # packages already installed there (no install step). Logs and results go to $OUT (default
 # ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [tests-parallel] [sanitizer] [sanitizer-logprob]
-# [profile-logprob] [demo] [cli] [bench-NAME] ...
+# [profile-logprob] [profile-logprob-source] [demo] [cli] [bench-NAME] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -84,6 +84,22 @@ for _ in range(3):
 torch.cuda.synchronize()' "$1" "$2" > "$OUT/ncu_logprob_$name.txt" 2>&1 || status=1
         grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
           "$OUT/ncu_logprob_$name.txt" | head -n 16
+      done ;;
+    profile-logprob-source)
+      # Warp-state samples per SASS instruction of the chunk kernel (bf16, vocabulary 151,936,
+      # batch 256, plain and with top-k 20), as CSV (gzipped) for reading next to the SASS.
+      for k in 0 20; do
+        ncu --clock-control none -k regex:logprob_rank_chunk --launch-skip 2 --launch-count 1 \
+          --section SourceCounters --section WarpStateStats -f -o "/tmp/src_k$k" \
+          python3 -c 'import sys, torch
+from trace_replay_torch import token_logprob_rank
+k = int(sys.argv[1])
+x = (torch.randn(256, 151936, device="cuda") * 4).bfloat16()
+ids = torch.randint(0, 151936, (256,), device="cuda")
+for _ in range(3):
+    token_logprob_rank(x, ids, top_k=k)
+torch.cuda.synchronize()' "$k" > "$OUT/ncu_src_k$k.log" 2>&1 || status=1
+        ncu -i "/tmp/src_k$k.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu_src_k$k.csv.gz"
       done ;;
     demo)
       python3 -m trace_replay_app demo --device cuda 2>&1 | tee "$OUT/demo_cuda.log" || status=1 ;;

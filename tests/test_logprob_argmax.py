@@ -195,6 +195,10 @@ def _interpreter_cases():
     same = greedy_case(rng, 12, 3000, "bfloat16")
     add("bf16-12x3000-t128-g1", 12, 3000, "bfloat16", data=same, block=128, group=1)
     add("bf16-12x3000-t128-g4", 12, 3000, "bfloat16", data=same, block=128, group=4)
+    add("bf16-12x3000-t128-g5", 12, 3000, "bfloat16", data=same, block=128, group=5)      # 12 chunks: 5, 5, 2
+    same = greedy_case(rng, 12, 999, "float16")
+    add("f16-12x999-t128-g1", 12, 999, "float16", data=same, block=128, group=1, pad=3, shift=1)
+    add("f16-12x999-t128-g5", 12, 999, "float16", data=same, block=128, group=5, pad=3, shift=1)
     add("f32-12x3000-t128-topk5", 12, 3000, "float32", block=128, top_k=5)
     # Logits beyond 2**20: the fused path flags and re-sums such chunks; the argmax is exact.
     x, ids = huge_case(3000)
@@ -218,10 +222,14 @@ def test_kernel_argmax_in_interpreter(interpreted, name):
         assert np.array_equal(out["tid"][finite, 0], out["am"][finite])
 
 
-def test_kernel_group_changes_no_bit_of_argmax(interpreted):
-    (_, one), (_, four) = interpreted["bf16-12x3000-t128-g1"], interpreted["bf16-12x3000-t128-g4"]
+@pytest.mark.parametrize("name", ["bf16-12x3000-t128-g4", "bf16-12x3000-t128-g5", "f16-12x999-t128-g5"])
+def test_kernel_group_changes_no_bit_of_argmax(interpreted, name):
+    """Several chunks per program (four, or five with a shorter last program; the element path
+    and the fused path): the bits of one chunk per program."""
+    _, other = interpreted[name]
+    _, one = interpreted[name.rsplit("-g", 1)[0] + "-g1"]
     for k in ("lp", "rk", "am"):
-        assert np.array_equal(one[k].view(np.uint8), four[k].view(np.uint8)), k
+        assert np.array_equal(one[k].view(np.uint8), other[k].view(np.uint8)), k
 
 
 def test_kernel_greedy_row_has_the_bits_of_its_explicit_id(tmp_path):

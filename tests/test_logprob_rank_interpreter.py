@@ -48,11 +48,12 @@ def _interpreter_cases():
     # Chunks of several blocks and of one, a last chunk that is only a partial block.
     add("f32-3x2000-t128-c5", 3, 2000, "float32", block=128, chunk_blocks=5)
     add("f16-2x200-t128-c1", 2, 200, "float16", block=128, chunk_blocks=1, pad=3, shift=1)
-    # Several chunks per program (group 4 forced), against the same rows
-    # with one chunk per program: the bits must be the same (test_group_changes_no_bit).
-    for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"group": 4})):
+    # Several chunks per program (group 4 forced; 5: a row's 12 chunks as 5, 5 and 2), against the
+    # same rows with one chunk per program: the bits must be the same (test_group_changes_no_bit).
+    for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"group": 4}),
+                        ("bf16-5x3000-t128-g5", {"group": 5})):
         add(name, 5, 3000, "bfloat16", block=128, data=GROUP_DATA, special=False, **extra)
-    # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_chunk_fast); the
+    # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_logprob_words_jit); the
     # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
     for block in (None, 128):
         x, ids, _ = special_case(304)
@@ -94,7 +95,10 @@ def test_kernel_in_interpreter(interpreted, name):
 
 
 def test_group_changes_no_bit(interpreted):
-    """Which program runs a chunk (one chunk per program, or four) changes no bit of the result."""
-    (_, one), (_, four) = interpreted["bf16-5x3000-t128"], interpreted["bf16-5x3000-t128-g4"]
-    assert np.array_equal(one["lp"].view(np.uint32), four["lp"].view(np.uint32))
-    assert np.array_equal(one["rk"], four["rk"])
+    """Which program runs a chunk (one chunk per program, four, or five) changes no bit of the
+    result."""
+    _, one = interpreted["bf16-5x3000-t128"]
+    for group in (4, 5):
+        _, other = interpreted[f"bf16-5x3000-t128-g{group}"]
+        assert np.array_equal(one["lp"].view(np.uint32), other["lp"].view(np.uint32)), group
+        assert np.array_equal(one["rk"], other["rk"]), group

@@ -15,7 +15,7 @@ import triton.language as tl
 from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
                                   track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import TAME, ahead_blocks, chunk_fast
+from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel"]
 
@@ -102,7 +102,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LIN
 @triton.jit
 def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
     """The sum of :func:`_chunk_safe` for the chunk ``[start, end)`` of a row (no temperature),
-    in one plain masked loop: the combine kernel's rare path for chunks that ``chunk_fast``
+    in one plain masked loop: the combine kernel's rare path for chunks that the fused path
     flagged."""
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
@@ -110,6 +110,16 @@ def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.conste
         idx = off + cols
         m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
     return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)
+
+
+@triton.jit
+def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.constexpr, KEY_TILES: tl.constexpr):
+    """The best ``K_PAD`` keys of a row's programs ``p0 .. p0 + KEY_TILES`` (those that exist),
+    sorted, largest first."""
+    p = p0 + tt
+    slots = base + p * group
+    keys = tl.load(part_k_ptr + slots[:, None] * K_PAD + kk[None, :], mask=(p < n_progs)[:, None], other=KEY_PAD)
+    return tl.topk(tl.reshape(keys, [KEY_TILES * K_PAD]), K_PAD)
 
 
 # -- kernels ----------------------------------------------------------------------------------------
@@ -144,13 +154,15 @@ def logprob_rank_chunk_kernel(
     VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
-    WORDS: tl.constexpr,    # bfloat16, ALIGNED, no temperature: chunk_fast
+    WORDS: tl.constexpr,    # bfloat16, ALIGNED, no temperature: chunk_lines_fast and chunk_end_fast
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,      # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
     TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
     SEL: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr,
     PIECE: tl.constexpr,
+    TOPK_COUNT: tl.constexpr,   # the selection's threshold and order by counting instead of sorting
     ARGMAX: tl.constexpr,   # each chunk's greedy maximum and column; negative ids are greedy rows
+    AHEAD: tl.constexpr,    # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
 ):
     if GDC:
         _launch_dependents()
@@ -167,9 +179,9 @@ def logprob_rank_chunk_kernel(
     if WORDS:
         words = row_ptr.to(tl.pointer_type(tl.int32))
         wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
-        # The first chunk's first two blocks, in flight while the token's id and then its logit
+        # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
-        w0, w1 = ahead_blocks(words, wcols, first * span, span, stop, BLOCK)
+        w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, BLOCK, AHEAD)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:          # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
@@ -199,10 +211,14 @@ def logprob_rank_chunk_kernel(
         # 35.9 against 30.4 us at batch 256, 407.7 against 340.7 at 4096). Either way a row's
         # bits depend on it alone.
         if WORDS:
-            big, total, count, g1, g2, gab, amax, acol = chunk_fast(words, wcols, w0, w1, row_ptr, cols, start,
-                                                                    full_end, end, chosen, chosen_w, greedy, g1, g2,
-                                                                    gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX)
-            w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK)     # the next chunk's, if any
+            line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
+                words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2,
+                gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD)
+            # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
+            # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
+            w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK, AHEAD)
+            big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy,
+                                                           ARGMAX)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
@@ -226,19 +242,15 @@ def logprob_rank_chunk_kernel(
             tl.store(part_a_ptr + part, acol)
     if TOPK > 0:
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
-        # the row's top-k), at its first chunk's slot; its other slots get padding.
+        # the row's top-k), at its first chunk's slot (the combine kernel reads no other).
         slot = row * n_chunks + first
-        best = program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), g1, g2, gab, t, top_k,
-                            pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, LINES, VEC, BLOCK, SEL, TOPK, CAP_P, PAIRS,
-                            CAP, RESCAN, PIECE, HAS_TEMP)
-        kk = tl.arange(0, TOPK)
-        tl.store(part_k_ptr + slot * TOPK + kk, best)
-        for c in range(first + 1, last):
-            tl.store(part_k_ptr + (row * n_chunks + c) * TOPK + kk, tl.full([TOPK], KEY_PAD, tl.int64))
+        program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), g1, g2, gab, t, top_k,
+                     pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, part_k_ptr + slot * TOPK, LINES, VEC, BLOCK, SEL,
+                     TOPK, CAP_P, PAIRS, CAP, RESCAN, PIECE, HAS_TEMP, TOPK_COUNT)
 
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span"],
+    do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span", "group"],
     do_not_specialize_on_alignment=["logits_ptr", "logprob_ptr", "rank_ptr", "topk_lp_ptr", "topk_id_ptr",
                                     "part_m_ptr", "part_s_ptr", "part_c_ptr", "part_k_ptr", "tok_y_ptr",
                                     "tok_ok_ptr", "argmax_ptr", "part_am_ptr", "part_a_ptr"],
@@ -255,9 +267,11 @@ def logprob_rank_combine_kernel(
     part_am_ptr, part_a_ptr,   # each chunk's greedy maximum and its column (ARGMAX)
     vocab, row_stride, n_chunks, top_k,
     chunk_span,         # logits per chunk (read where RESUM)
+    group,              # the chunk kernel's chunks per program (K_PAD > 0: where a row's programs' keys are)
     BLOCK: tl.constexpr,        # a power of two >= n_chunks: one tile holds a row's partials
-    K_PAD: tl.constexpr, KEY_TILES: tl.constexpr,
-    RESUM: tl.constexpr,        # the chunk kernel ran chunk_fast: partials with sum -1 are re-summed
+    K_PAD: tl.constexpr,
+    KEY_TILES: tl.constexpr,    # programs' key sets merged per step
+    RESUM: tl.constexpr,        # the chunk kernel ran the fused path: partials with sum -1 are re-summed
     RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,          # wait for the chunk kernel (launched as its programmatic dependent)
     ARGMAX: tl.constexpr,       # write the greedy token; score greedy rows (validity code 2) as it
@@ -315,13 +329,15 @@ def logprob_rank_combine_kernel(
     tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
     tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
     if K_PAD > 0:
+        # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), each
+        # set sorted: the row's best K_PAD of KEY_TILES programs at a time.
         kk = tl.arange(0, K_PAD)
         tt = tl.arange(0, KEY_TILES)
-        best = tl.full([K_PAD], KEY_PAD, tl.int64)
-        for t0 in range(0, n_chunks, KEY_TILES):
-            ptrs = part_k_ptr + (base + t0 + tt)[:, None] * K_PAD + kk[None, :]
-            keys = tl.load(ptrs, mask=(t0 + tt < n_chunks)[:, None], other=KEY_PAD)
-            best = merge_top(best, tl.topk(tl.reshape(keys, [KEY_TILES * K_PAD]), K_PAD), K_PAD)
+        n_progs = (n_chunks + group - 1) // group
+        best = _program_keys(part_k_ptr, base, 0, tt, kk, n_progs, group, K_PAD, KEY_TILES)
+        for p0 in range(KEY_TILES, n_progs, KEY_TILES):
+            best = merge_top(best, _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD, KEY_TILES),
+                             K_PAD)
         pad = best == KEY_PAD
         o = (best >> 32).to(tl.int32)
         y = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)

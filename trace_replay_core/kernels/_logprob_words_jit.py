@@ -46,25 +46,39 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def ahead_blocks(words, wcols, start, span, end, BLOCK: tl.constexpr):
-    """The words of the first two whole blocks of the chunk of ``span`` logits at ``start``
-    (zeros for a block that does not lie whole before ``end``), loaded ahead of the chunk's block
-    loop: the chunk kernel issues a program's first two before the token's two dependent loads,
-    and the next chunk's at the end of a chunk's blocks. bench/logprob_tuning.py --latency, H200,
-    2026-12-02 09:54 UTC, before / after in one run (device time p50, bf16, vocabulary 151,936):
+def _whole_block(words, wcols, at, words_in, BLOCK: tl.constexpr):
+    """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
+    chunk's first ``words_in`` words)."""
+    return tl.load(words + wcols + at * (BLOCK // 2), mask=wcols + at * (BLOCK // 2) < words_in, other=0)
+
+
+@triton.jit
+def ahead_blocks(words, wcols, start, span, end, BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+    """The words of the first ``AHEAD`` (2 or 4) whole blocks of the chunk of ``span`` logits at
+    ``start`` (zeros for a block that does not lie whole before ``end``; with ``AHEAD`` 2 the last
+    two returned are the first two again, unused), loaded ahead of the chunk's block loop: the
+    chunk kernel issues a program's first before the token's two dependent loads, and the next
+    chunk's at the end of a chunk's blocks. bench/logprob_tuning.py --latency, H200, 2026-12-02
+    09:54 UTC, before / after (two blocks) in one run (device time p50, bf16, vocabulary 151,936):
     4.05 / 3.76 us at batch 1, 23.95 / 23.55 at 256, 292.3 / 293.2 at 4096; top-k 20 44.59 /
     43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
-    w0 = tl.load(words + start // 2 + wcols, mask=wcols < words_in, other=0)
-    w1 = tl.load(words + (start + BLOCK) // 2 + wcols, mask=wcols + BLOCK // 2 < words_in, other=0)
-    return w0, w1
+    chunk_words = words + start // 2
+    w0 = _whole_block(chunk_words, wcols, 0, words_in, BLOCK)
+    w1 = _whole_block(chunk_words, wcols, 1, words_in, BLOCK)
+    if AHEAD == 4:
+        w2 = _whole_block(chunk_words, wcols, 2, words_in, BLOCK)
+        w3 = _whole_block(chunk_words, wcols, 3, words_in, BLOCK)
+    else:
+        w2, w3 = w0, w1
+    return w0, w1, w2, w3
 
 
 @triton.jit
 def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2, gab, LINES: tl.constexpr,
                 BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr):
     """Fold the whole block of words ``w`` at column ``off`` into the line states of
-    :func:`chunk_fast` (maximum, sum, count or packed count masks, block of the maximum) and the
+    :func:`chunk_lines_fast` (maximum, sum, count or packed count masks, block of the maximum) and the
     line tracking of ``track_lines``."""
     lo = (w << 16).to(tl.float32, bitcast=True)
     hi = (w & -65536).to(tl.float32, bitcast=True)
@@ -83,26 +97,24 @@ def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2
             ref = tl.where(greedy, m, chosen)[:, None]
             count = tl.where(restart, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32), axis=1)
     elif PACKED_COUNT:
-        masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded in chunk_fast
+        masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded in chunk_lines_fast
     else:
         count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
     return m, s, count, masks, ab, g1, g2, gab
 
 
 @triton.jit
-def chunk_fast(words, wcols, w0, w1, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2, gab,
-               LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr,
-               ARGMAX: tl.constexpr):
-    """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature: whole
-    blocks read as 32-bit words (two logits each, widened by a shift and a mask), exponentials by
-    :func:`_online_fast`, the count by packed compares where ``PACKED_COUNT`` (else per logit).
-    ``w0`` and ``w1`` are the chunk's first two whole blocks (:func:`ahead_blocks`); every chunk
-    folds them in by the same two steps before its block loop, wherever they were loaded.
-    Returns ``(max, sum, count)``, the line tracking of ``track_lines`` and, with ``ARGMAX``, the
-    chunk's greedy maximum and column (``chunk_safe``'s, from the line maxima ``m``, which start
-    at -inf here too; a ``greedy`` row compares with its line maximum instead of the token). The
-    maximum of a chunk of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel
-    treats both alike."""
+def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1,
+                     g2, gab, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
+                     TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr):
+    """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature, up to
+    its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
+    (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
+    count by packed compares where ``PACKED_COUNT`` (else per logit). ``w0`` to ``w3`` are the
+    chunk's first ``AHEAD`` whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
+    same steps before its block loop, wherever they were loaded. Returns each line's maximum
+    (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
+    ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token."""
     m = tl.full([LINES], float("-inf"), tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
@@ -116,10 +128,19 @@ def chunk_fast(words, wcols, w0, w1, row_ptr, cols, start, full_end, end, chosen
         m, s, count, masks, ab, g1, g2, gab = _fast_block(w1, start + BLOCK, m, s, count, masks, ab, chosen, chosen_w,
                                                           greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK,
                                                           ARGMAX)
+    if AHEAD == 4:
+        if n_full >= 3:
+            m, s, count, masks, ab, g1, g2, gab = _fast_block(w2, start + 2 * BLOCK, m, s, count, masks, ab, chosen,
+                                                              chosen_w, greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT,
+                                                              TRACK, ARGMAX)
+        if n_full >= 4:
+            m, s, count, masks, ab, g1, g2, gab = _fast_block(w3, start + 3 * BLOCK, m, s, count, masks, ab, chosen,
+                                                              chosen_w, greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT,
+                                                              TRACK, ARGMAX)
     # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
     # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
     # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
-    for off in tl.range(tl.minimum(start + 2 * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
+    for off in tl.range(tl.minimum(start + AHEAD * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
         m, s, count, masks, ab, g1, g2, gab = _fast_block(tl.load(words + off // 2 + wcols), off, m, s, count, masks,
                                                           ab, chosen, chosen_w, greedy, g1, g2, gab, LINES, BLOCK,
                                                           PACKED_COUNT, TRACK, ARGMAX)
@@ -142,6 +163,15 @@ def chunk_fast(words, wcols, w0, w1, row_ptr, cols, start, full_end, end, chosen
         else:
             count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
             m, s = _online_fast(y, m, s)
+    return m, s, count, ab, g1, g2, gab
+
+
+@triton.jit
+def chunk_end_fast(row_ptr, cols, end, m, s, count, ab, greedy, ARGMAX: tl.constexpr):
+    """A chunk's ``(max, sum, count)`` from the line states of :func:`chunk_lines_fast` and, with
+    ``ARGMAX``, its greedy maximum and column (``chunk_safe``'s, from the line maxima ``m``). The
+    maximum of a chunk of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel
+    treats both alike."""
     big = tl.max(m, axis=0)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
@@ -150,4 +180,4 @@ def chunk_fast(words, wcols, w0, w1, row_ptr, cols, start, full_end, end, chosen
         amax, acol, n = argmax_chunk(row_ptr, cols, end, m, ab, count, 1.0, greedy, False)
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
-    return big, total, n, g1, g2, gab, amax, acol
+    return big, total, n, amax, acol

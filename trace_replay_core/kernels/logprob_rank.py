@@ -34,11 +34,12 @@ maximum is finite beyond ``+-2**20`` (a row masked with ``finfo.min`` instead of
 its sum flagged (-1); the combine kernel sums such a chunk again in the plain form when it lies
 within 128 of the row's maximum (else it adds nothing either way). Which chunks are flagged
 depends on their own logits only, so the path is as batch-invariant as the other; its bits
-differ from the element path's (other dtypes) in the last places. Each chunk's first two blocks
-are loaded ahead of its block loop: a program's first chunk's before the token's two dependent
-loads (id, then logit), the next chunk's at the end of the previous chunk's blocks. Every chunk
-folds them in by the same two steps, wherever they were loaded, so its bits do not depend on
-which program runs it.
+differ from the element path's (other dtypes) in the last places. Each chunk's first
+``LOGPROB_AHEAD`` blocks are loaded ahead of its block loop: a program's first chunk's with the
+token's two dependent loads (id, then logit), the next chunk's after the previous chunk's blocks
+and before its reductions (their barriers), so that a program keeps loads in flight across a
+chunk boundary. Every chunk folds them in by the same steps, wherever they were loaded, so its
+bits do not depend on which program runs it.
 
 Top-k, from the same read. With ``top_k``, the chunk kernel is compiled with the top-k step
 (``TOPK``) and the plan is the same: the partials, and so the logprobs and ranks, have the same
@@ -46,8 +47,9 @@ bits as a call without top-k. Each program keeps, per 16-byte line, the maximum 
 (the line maxima the online sum keeps anyway), and after its chunks finds their best ``k_pad``
 keys (orderable float bits, then the inverted column: larger value first, then lower id) by a
 threshold from those maxima and a read-back of only the vectors that can pass it
-(:mod:`._logprob_topk_jit` describes the filter and its exact fallbacks); the combine kernel keeps
-the row's best ``k_pad`` of its programs' keys. Selection by a total order does not depend on
+(:mod:`._logprob_topk_jit` describes the filter and its exact fallbacks), sorted, at its first
+chunk's slot; the combine kernel reads only those slots (``group`` tells it where) and keeps the
+row's best ``k_pad`` of its programs' keys. Selection by a total order does not depend on
 the order of evaluation or on which program held which chunk, so top-k is batch-invariant too.
 
 The greedy token, from the same read (``ARGMAX``, a call with an argmax output). Each chunk
@@ -120,7 +122,7 @@ LOGPROB_MIN_BLOCK = 128
 LOGPROB_BLOCK = 2048
 LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 13
-# Aligned bfloat16 rows without a temperature take _chunk_fast: whole blocks read as 32-bit words
+# Aligned bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole blocks read as 32-bit words
 # of two logits, one fused multiply-add per exponent, the rank counted with one packed compare
 # per word: 229 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
 # 3.9), 48 registers instead of 54. bench/logprob_tuning.py, H200, 2026-12-02 02:46 UTC, bf16
@@ -157,12 +159,18 @@ LOGPROB_TOPK_MIN_PROGRAMS = 1024
 # (H200, 2026-12-02 08:29 and 08:34 UTC, the cap passed as plan_logprob_rank(maxnreg=)) found
 # float32 capped at 64 slower: 57.2 against 52.7 us at batch 256, 726 against 658 at 4096.
 LOGPROB_TOPK_RESCAN = 512
+# Each program's threshold (the top_k-th of its group maxima) and the order of its candidates by
+# counting (all pairs compared) instead of by sorting: the same keys.
+LOGPROB_TOPK_COUNT = False
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
 # The most chunks a plan may cut a row into (the combine kernel holds a row's partials in one
 # tile of registers), and top-k keys per merge step.
 COMBINE_BLOCK = 256
 COMBINE_KEYS = 1024
+# With top-k the combine kernel merges the key sets of KEY_TILES programs per step: a row's
+# programs at COMBINE_TOPK_GROUP chunks per program in one step (more programs take more steps).
+COMBINE_TOPK_GROUP = 2
 COMBINE_NUM_WARPS = 4
 # Without top-k the combine kernel merges a row's few partials (13 at vocabulary 151,936) in one
 # warp: shuffles only, no CTA-wide barriers. Its rare re-sum of flagged chunks reads one 16-byte
@@ -179,6 +187,10 @@ LOGPROB_PDL = True
 # top-k 20 47.26 / 45.34 at 256; float32 42.99 / 41.32 at 256; argmax=True 30.71 / 29.23 at 256.
 # In the same run unrolling the block loops by 1, 3 or 4 instead of 2 was slower or no faster.
 LOGPROB_PDL_CHAIN = True
+# Whole blocks of each chunk that the fused path loads ahead of its block loop (2 or 4): a
+# program's first chunk's while the token's two dependent loads run, the next chunk's before a
+# chunk's reductions.
+LOGPROB_AHEAD = 2
 
 
 class LogprobRankPlan(NamedTuple):
@@ -333,7 +345,9 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
-                   "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad), "ARGMAX": has_argmax}
+                   "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
+                   "TOPK_COUNT": LOGPROB_TOPK_COUNT, "ARGMAX": has_argmax,
+                   "AHEAD": LOGPROB_AHEAD}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
@@ -347,10 +361,11 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                                                                                argmax_out[1], "float32", "int32")
     comb_warps = COMBINE_NUM_WARPS if plan.k_pad else COMBINE_CHUNK_WARPS
     comb_const = {"BLOCK": _next_pow2(max(plan.n_chunks, 2)), "K_PAD": plan.k_pad,
-                  "KEY_TILES": min(_next_pow2(max(plan.n_chunks, 2)), max(2, COMBINE_KEYS // max(plan.k_pad, 1))),
+                  "KEY_TILES": min(_next_pow2(max(_cdiv(plan.n_chunks, COMBINE_TOPK_GROUP), 2)),
+                                   max(2, COMBINE_KEYS // max(plan.k_pad, 1))),
                   "RESUM": words, "RESUM_BLOCK": 32 * comb_warps * (16 // itemsize), "VEC": 16 // itemsize,
                   "GDC": False, "ARGMAX": has_argmax}
-    comb_ints = (args.vocab, args.row_stride, plan.n_chunks, args.top_k, plan.chunk_blocks * plan.block)
+    comb_ints = (args.vocab, args.row_stride, plan.n_chunks, args.top_k, plan.chunk_blocks * plan.block, group)
     return [
         (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_chunks, group), 1), chunk_ptrs, chunk_dtypes,
          chunk_ints, chunk_const, plan.num_warps),
