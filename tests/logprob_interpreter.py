@@ -20,7 +20,7 @@ from typing import Dict, List
 import numpy as np
 
 CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "block", "num_warps", "chunk_blocks",
-             "group", "argmax")
+             "group", "argmax", "constants")
 
 
 def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
@@ -129,7 +129,16 @@ def run_case(x, ids, temp, case: dict) -> dict:
                            am.data_ptr() if am is not None else 0)
     dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype, rank_dtype)
     # group: chunks per program forced (several even at a small batch); None: the shipped choice.
-    specs = launch_specs(args, dtypes, plan, case.get("group"))
+    # constants: module constants of kernels.logprob_rank for this case (the kernels' options).
+    from trace_replay_core.kernels import logprob_rank
+    shipped = {k: getattr(logprob_rank, k) for k in case.get("constants", {})}
+    for k, v in case.get("constants", {}).items():
+        setattr(logprob_rank, k, v)
+    try:
+        specs = launch_specs(args, dtypes, plan, case.get("group"))
+    finally:
+        for k, v in shipped.items():
+            setattr(logprob_rank, k, v)
     for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
         # The interpreter cannot run inline PTX: the chunk kernel counts per logit here instead of
         # with packed compares (an exact integer either way; the GPU tier checks the packed count).

@@ -22,6 +22,7 @@ from logprob_interpreter import run_cases_by_name  # noqa: E402
 # poisoned torch CPU buffers, exactly the launches the GPU path makes (``launch_specs``).
 
 GROUP_DATA = make_case(np.random.default_rng(12), 5, 3000, "bfloat16")
+AHEAD_DATA = make_case(np.random.default_rng(13), 7, 3000, "bfloat16")
 
 
 def _interpreter_cases():
@@ -53,6 +54,11 @@ def _interpreter_cases():
     for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"group": 4}),
                         ("bf16-5x3000-t128-g5", {"group": 5})):
         add(name, 5, 3000, "bfloat16", block=128, data=GROUP_DATA, special=False, **extra)
+    # The fused path with 4 blocks of each chunk loaded ahead instead of 2 (LOGPROB_AHEAD): the
+    # same bits (test_blocks_ahead_change_no_bit); chunks of 5 blocks of 128, the last partial.
+    for ahead in (2, 4):
+        add(f"bf16-7x3000-t128-c5-ahead{ahead}", 7, 3000, "bfloat16", block=128, chunk_blocks=5, data=AHEAD_DATA,
+            special=False, constants={"LOGPROB_AHEAD": ahead})
     # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_logprob_words_jit); the
     # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
     for block in (None, 128):
@@ -92,6 +98,14 @@ def test_kernel_in_interpreter(interpreted, name):
         assert_matches_reference(case["x"], case["ids"], lp, rk, f"interpreter {name}")
         if case.get("planted", True):
             assert_planted(case["x"], case["ids"], rk)
+
+
+def test_blocks_ahead_change_no_bit(interpreted):
+    """Four blocks of each chunk loaded ahead of its block loop instead of two: the same bits (every
+    chunk folds its blocks in the same order wherever they were loaded)."""
+    (_, two), (_, four) = interpreted["bf16-7x3000-t128-c5-ahead2"], interpreted["bf16-7x3000-t128-c5-ahead4"]
+    assert np.array_equal(two["lp"].view(np.uint32), four["lp"].view(np.uint32))
+    assert np.array_equal(two["rk"], four["rk"])
 
 
 def test_group_changes_no_bit(interpreted):
