@@ -83,15 +83,19 @@ LATENCY_VARIANTS = ({"chain": False}, {})
 LATENCY_TOPK_VARIANTS = ({"chain": False}, {})
 TOP_K = 20
 # --groups: chunks per program on the shipped plan (each program issues its next chunk's first
-# blocks before a chunk's reductions), blocks per chunk, and for top-k the combine kernel's warps.
+# blocks before a chunk's reductions) and module constants of kernels.logprob_rank patched per
+# variant (``patch``). results/logprob_tuning_groups.json, 2026-12-02 11:50 UTC (bench/README.md):
+# 4 blocks ahead faster at batch 1 (3.71 against 3.80 us) and with argmax (28.01 against 29.34)
+# but slower at 256 (23.96 against 23.34) and 4096 (288.5 against 286.0); two chunks per program
+# at 1024 74.97 against 75.98 (four), at 4096 291.2 against 286.0. The same run's top-k threshold
+# and order by counting (a trial since removed) took 90.8 against 37.7 us at 256.
 A4 = {"LOGPROB_AHEAD": 4}
-COUNT = {"LOGPROB_TOPK_COUNT": True}
 GROUP_TRIALS = {("bfloat16", 1, 0): ({}, {"patch": A4}),
                 ("bfloat16", 256, 0): ({}, {"patch": A4}, {"patch": A4, "maxnreg": 64}),
                 ("bfloat16", 1024, 0): ({}, {"group": 2}, {"group": 2, "patch": A4}),
                 ("bfloat16", 4096, 0): ({}, {"patch": A4}, {"group": 2}),
-                ("bfloat16", 256, TOP_K): ({}, {"patch": COUNT}, {"patch": dict(A4, **COUNT)}),
-                ("bfloat16", 4096, TOP_K): ({}, {"patch": COUNT}),
+                ("bfloat16", 256, TOP_K): ({},),
+                ("bfloat16", 4096, TOP_K): ({},),
                 ("float32", 256, 0): ({},),
                 ("bfloat16", 256, "argmax"): ({}, {"patch": A4})}
 ROTATE_BYTES = 256 << 20

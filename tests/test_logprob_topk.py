@@ -257,15 +257,10 @@ def _interpreter_topk_cases():
             for group in (1, 4):
                 cases.append(dict(name=f"tied-bf16-k20-b256-g{group}", x=x, ids=ids, dtype="bfloat16", top_k=20,
                                   block=256, group=group))
-            # and with each program's threshold and order by counting (LOGPROB_TOPK_COUNT)
-            cases.append(dict(name="tied-bf16-k20-b256-g4-count", x=x, ids=ids, dtype="bfloat16", top_k=20,
-                              block=256, group=4, constants={"LOGPROB_TOPK_COUNT": True}))
     # The real block (vocab 9000: 5 chunks of one block, the last of 808 logits), aligned bfloat16
     # rows without a temperature (the fused path); row 8 runs the piecewise merge.
     x, ids = special_rows(9000, 2048, rng)
     cases.append(dict(name="special-v9000-k20", x=round_to(x, "bfloat16"), ids=ids, dtype="bfloat16", top_k=20))
-    cases.append(dict(name="special-v9000-k20-count", x=round_to(x, "bfloat16"), ids=ids, dtype="bfloat16", top_k=20,
-                      constants={"LOGPROB_TOPK_COUNT": True}))
     cases.append(dict(name="vocab1-k1", x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
                       ids=np.array([0, 0, 1]), dtype="float32", top_k=1))
     x, ids = make_case(rng, 3, 1000, "float32")
@@ -298,16 +293,6 @@ def test_kernels_in_interpreter_topk_and_unit_temperature_agree(interpreted_topk
     assert unit["lp"].tobytes() == base["lp"].tobytes() and unit["rk"].tobytes() == base["rk"].tobytes()
     topk = interpreted_topk["top20-same-bits"][1]
     assert topk["lp"].tobytes() == base["lp"].tobytes() and topk["rk"].tobytes() == base["rk"].tobytes()
-
-
-@pytest.mark.parametrize("name", ["tied-bf16-k20-b256-g4", "special-v9000-k20"])
-def test_kernels_in_interpreter_topk_by_counting_same_bits(interpreted_topk, name):
-    # Each program's threshold and candidate order by counting instead of by sorting: the same
-    # keys, so the same outputs (the special rows include one that takes the piecewise merge).
-    sorted_ = interpreted_topk[name][1]
-    counted = interpreted_topk[name + "-count"][1]
-    for k in ("lp", "rk", "tlp", "tid"):
-        assert sorted_[k].tobytes() == counted[k].tobytes(), k
 
 
 def test_kernels_in_interpreter_topk_chunks_per_program_change_no_bit(interpreted_topk):

@@ -160,7 +160,6 @@ def logprob_rank_chunk_kernel(
     TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
     SEL: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr,
     PIECE: tl.constexpr,
-    TOPK_COUNT: tl.constexpr,   # the selection's threshold and order by counting instead of sorting
     ARGMAX: tl.constexpr,   # each chunk's greedy maximum and column; negative ids are greedy rows
     AHEAD: tl.constexpr,    # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
 ):
@@ -246,7 +245,7 @@ def logprob_rank_chunk_kernel(
         slot = row * n_chunks + first
         program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), g1, g2, gab, t, top_k,
                      pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, part_k_ptr + slot * TOPK, LINES, VEC, BLOCK, SEL,
-                     TOPK, CAP_P, PAIRS, CAP, RESCAN, PIECE, HAS_TEMP, TOPK_COUNT)
+                     TOPK, CAP_P, PAIRS, CAP, RESCAN, PIECE, HAS_TEMP)
 
 
 @triton.jit(

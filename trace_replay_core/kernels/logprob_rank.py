@@ -159,9 +159,6 @@ LOGPROB_TOPK_MIN_PROGRAMS = 1024
 # (H200, 2026-12-02 08:29 and 08:34 UTC, the cap passed as plan_logprob_rank(maxnreg=)) found
 # float32 capped at 64 slower: 57.2 against 52.7 us at batch 256, 726 against 658 at 4096.
 LOGPROB_TOPK_RESCAN = 512
-# Each program's threshold (the top_k-th of its group maxima) and the order of its candidates by
-# counting (all pairs compared) instead of by sorting: the same keys.
-LOGPROB_TOPK_COUNT = False
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
 # The most chunks a plan may cut a row into (the combine kernel holds a row's partials in one
@@ -189,7 +186,11 @@ LOGPROB_PDL = True
 LOGPROB_PDL_CHAIN = True
 # Whole blocks of each chunk that the fused path loads ahead of its block loop (2 or 4): a
 # program's first chunk's while the token's two dependent loads run, the next chunk's before a
-# chunk's reductions.
+# chunk's reductions. bench/logprob_tuning.py --groups, H200, 2026-12-02 11:50 UTC, 2 / 4 in one
+# run (device time p50, bf16, vocabulary 151,936): 3.80 / 3.71 us at batch 1, 23.34 / 23.96 at
+# 256, 286.0 / 288.5 at 4096, argmax=True at 256 29.34 / 28.01 (4: 16 more registers of words).
+# The two compile to different fused multiply-adds on the GPU (logprobs 1.9e-6 apart; each
+# batch-invariant).
 LOGPROB_AHEAD = 2
 
 
@@ -346,7 +347,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
-                   "TOPK_COUNT": LOGPROB_TOPK_COUNT, "ARGMAX": has_argmax,
+                   "ARGMAX": has_argmax,
                    "AHEAD": LOGPROB_AHEAD}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
