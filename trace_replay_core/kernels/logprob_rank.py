@@ -122,9 +122,9 @@ LOGPROB_MIN_BLOCK = 128
 LOGPROB_BLOCK = 2048
 LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 13
-# Aligned bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole blocks read as 32-bit words
-# of two logits, one fused multiply-add per exponent, the rank counted with one packed compare
-# per word: 229 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
+# Aligned bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole
+# blocks read as 32-bit words of two logits, one fused multiply-add per exponent, the rank
+# counted with one packed compare per word: 229 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
 # 3.9), 48 registers instead of 54. bench/logprob_tuning.py, H200, 2026-12-02 02:46 UTC, bf16
 # device time p50, fast path vs element path side by side (19 chunks of 4 blocks then): 5.98 /
 # 5.96 us at batch 1, 12.98 / 13.34 at 64, 27.43 / 29.10 at 256, 314.5 / 327.5 at 4096 (less than
@@ -347,8 +347,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
-                   "ARGMAX": has_argmax,
-                   "AHEAD": LOGPROB_AHEAD}
+                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
