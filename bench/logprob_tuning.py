@@ -145,24 +145,21 @@ class Call:
         return out
 
 
+def patched(constants):
+    """Bind with module constants of ``kernels.logprob_rank`` replaced (trials)."""
+    from trace_replay_core.kernels import logprob_rank
+    return mock.patch.multiple(logprob_rank, **constants) if constants else contextlib.nullcontext()
+
+
 def forced_pdl(pdl):
     """Bind with the combine kernel launched the ordinary way where ``pdl`` is False."""
-    from trace_replay_core.kernels import logprob_rank
-    return contextlib.nullcontext() if pdl else mock.patch.object(logprob_rank, "LOGPROB_PDL", False)
+    return patched({} if pdl else {"LOGPROB_PDL": False})
 
 
 def forced_chain(chain):
     """Bind with the chunk kernel launched as a programmatic dependent launch (``chain`` True) or
     the ordinary way (False); None: the shipped choice."""
-    from trace_replay_core.kernels import logprob_rank
-    return contextlib.nullcontext() if chain is None else mock.patch.object(logprob_rank, "LOGPROB_PDL_CHAIN",
-                                                                             bool(chain))
-
-
-def patched(constants):
-    """Bind with module constants of ``kernels.logprob_rank`` replaced (trials)."""
-    from trace_replay_core.kernels import logprob_rank
-    return mock.patch.multiple(logprob_rank, **constants) if constants else contextlib.nullcontext()
+    return patched({} if chain is None else {"LOGPROB_PDL_CHAIN": bool(chain)})
 
 
 def run_once(torch, call, plan, stream, group=None):

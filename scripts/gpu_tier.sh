@@ -27,6 +27,16 @@ san_logprob() {  # memcheck and racecheck over the logprob GPU tests (the two la
     san "$tool" "${tool}_logprob" tests/test_gpu_logprob_rank.py -k "not 262144 and not 151936"
   done
 }
+# Three torch calls of the logprob op (bf16, vocabulary 151,936; batch and top_k from argv), the
+# workload the profile parts record (they skip the first launches: compilation and warm-up).
+LOGPROB_CALLS='import sys, torch
+from trace_replay_torch import token_logprob_rank
+b, k = int(sys.argv[1]), int(sys.argv[2])
+x = (torch.randn(b, 151936, device="cuda") * 4).bfloat16()
+ids = torch.randint(0, 151936, (b,), device="cuda")
+for _ in range(3):
+    token_logprob_rank(x, ids, top_k=k)
+torch.cuda.synchronize()'
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench-launch)
 status=0
@@ -74,14 +84,7 @@ for part in "${parts[@]}"; do
         ncu --clock-control none -k regex:logprob_rank_ --launch-skip 2 --launch-count 2 \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
           --section WarpStateStats \
-          python3 -c 'import sys, torch
-from trace_replay_torch import token_logprob_rank
-b, k = int(sys.argv[1]), int(sys.argv[2])
-x = (torch.randn(b, 151936, device="cuda") * 4).bfloat16()
-ids = torch.randint(0, 151936, (b,), device="cuda")
-for _ in range(3):
-    token_logprob_rank(x, ids, top_k=k)
-torch.cuda.synchronize()' "$1" "$2" > "$OUT/ncu_logprob_$name.txt" 2>&1 || status=1
+          python3 -c "$LOGPROB_CALLS" "$1" "$2" > "$OUT/ncu_logprob_$name.txt" 2>&1 || status=1
         grep -E "Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible" \
           "$OUT/ncu_logprob_$name.txt" | head -n 16
       done ;;
@@ -91,14 +94,7 @@ torch.cuda.synchronize()' "$1" "$2" > "$OUT/ncu_logprob_$name.txt" 2>&1 || statu
       for k in 0 20; do
         ncu --clock-control none -k regex:logprob_rank_chunk --launch-skip 2 --launch-count 1 \
           --section SourceCounters --section WarpStateStats -f -o "/tmp/src_k$k" \
-          python3 -c 'import sys, torch
-from trace_replay_torch import token_logprob_rank
-k = int(sys.argv[1])
-x = (torch.randn(256, 151936, device="cuda") * 4).bfloat16()
-ids = torch.randint(0, 151936, (256,), device="cuda")
-for _ in range(3):
-    token_logprob_rank(x, ids, top_k=k)
-torch.cuda.synchronize()' "$k" > "$OUT/ncu_src_k$k.log" 2>&1 || status=1
+          python3 -c "$LOGPROB_CALLS" 256 "$k" > "$OUT/ncu_src_k$k.log" 2>&1 || status=1
         ncu -i "/tmp/src_k$k.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu_src_k$k.csv.gz"
       done ;;
     demo)

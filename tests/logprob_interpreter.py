@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 import subprocess
 import sys
 from typing import Dict, List
@@ -130,15 +131,11 @@ def run_case(x, ids, temp, case: dict) -> dict:
     dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype, rank_dtype)
     # group: chunks per program forced (several even at a small batch); None: the shipped choice.
     # constants: module constants of kernels.logprob_rank for this case (the kernels' options).
+    from unittest import mock
+
     from trace_replay_core.kernels import logprob_rank
-    shipped = {k: getattr(logprob_rank, k) for k in case.get("constants", {})}
-    for k, v in case.get("constants", {}).items():
-        setattr(logprob_rank, k, v)
-    try:
+    with mock.patch.multiple(logprob_rank, **case.get("constants", {})) if case.get("constants") else nullcontext():
         specs = launch_specs(args, dtypes, plan, case.get("group"))
-    finally:
-        for k, v in shipped.items():
-            setattr(logprob_rank, k, v)
     for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
         # The interpreter cannot run inline PTX: the chunk kernel counts per logit here instead of
         # with packed compares (an exact integer either way; the GPU tier checks the packed count).

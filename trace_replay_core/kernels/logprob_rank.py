@@ -124,8 +124,8 @@ LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 13
 # Aligned bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole
 # blocks read as 32-bit words of two logits, one fused multiply-add per exponent, the rank
-# counted with one packed compare per word: 229 instead of 342 instructions per 32 logits in the block loop (sm_90 SASS, Triton
-# 3.9), 48 registers instead of 54. bench/logprob_tuning.py, H200, 2026-12-02 02:46 UTC, bf16
+# counted with one packed compare per word: 229 instead of 342 instructions per 32 logits in the
+# block loop (sm_90 SASS, Triton 3.9), 48 registers instead of 54. bench/logprob_tuning.py, H200, 2026-12-02 02:46 UTC, bf16
 # device time p50, fast path vs element path side by side (19 chunks of 4 blocks then): 5.98 /
 # 5.96 us at batch 1, 12.98 / 13.34 at 64, 27.43 / 29.10 at 256, 314.5 / 327.5 at 4096 (less than
 # the instruction count suggests: the loop is mostly waiting on loads).
@@ -165,9 +165,6 @@ TOPK_MAX = 64
 # tile of registers), and top-k keys per merge step.
 COMBINE_BLOCK = 256
 COMBINE_KEYS = 1024
-# With top-k the combine kernel merges the key sets of KEY_TILES programs per step: a row's
-# programs at COMBINE_TOPK_GROUP chunks per program in one step (more programs take more steps).
-COMBINE_TOPK_GROUP = 2
 COMBINE_NUM_WARPS = 4
 # Without top-k the combine kernel merges a row's few partials (13 at vocabulary 151,936) in one
 # warp: shuffles only, no CTA-wide barriers. Its rare re-sum of flagged chunks reads one 16-byte
@@ -361,7 +358,9 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                                                                                argmax_out[1], "float32", "int32")
     comb_warps = COMBINE_NUM_WARPS if plan.k_pad else COMBINE_CHUNK_WARPS
     comb_const = {"BLOCK": _next_pow2(max(plan.n_chunks, 2)), "K_PAD": plan.k_pad,
-                  "KEY_TILES": min(_next_pow2(max(_cdiv(plan.n_chunks, COMBINE_TOPK_GROUP), 2)),
+                  # with top-k, the key sets of a row's programs at the largest top-k group in one
+                  # merge step (a row of more programs takes more steps)
+                  "KEY_TILES": min(_next_pow2(max(_cdiv(plan.n_chunks, max(LOGPROB_TOPK_GROUPS)), 2)),
                                    max(2, COMBINE_KEYS // max(plan.k_pad, 1))),
                   "RESUM": words, "RESUM_BLOCK": 32 * comb_warps * (16 // itemsize), "VEC": 16 // itemsize,
                   "GDC": False, "ARGMAX": has_argmax}
