@@ -16,12 +16,19 @@ from llama_cases import RANK_EPS, check_against_hf, check_ranks, check_same, ran
 from trace_replay_app.records import RequestResult, TraceRequest  # noqa: E402
 
 
+def _spaced(rng, rows, vocab):
+    """Random logits whose entries of a row lie at least 0.009 apart (a grid of 0.01 in a random
+    order, jittered by under 0.001): no near-tie within ``RANK_EPS`` unless a test plants one."""
+    grid = np.stack([rng.permutation(vocab) for _ in range(rows)]) * 0.01 - vocab * 0.005
+    return grid + rng.uniform(0.0, 1e-3, size=(rows, vocab))
+
+
 def _result(ranks, argmax, tokens):
     return SimpleNamespace(ranks=np.asarray(ranks), argmax=np.asarray(argmax), tokens=np.asarray(tokens))
 
 
 def test_bounds_are_exact_without_a_near_tie_and_open_inside_one(rng):
-    logits = rng.standard_normal((3, 257))
+    logits = _spaced(rng, 3, 257)
     tokens = np.array([5, 17, 200])
     own = logits[np.arange(3), tokens]
     logits[1, 99] = own[1] + RANK_EPS / 3          # a near-tie just above token 17
@@ -34,7 +41,7 @@ def test_bounds_are_exact_without_a_near_tie_and_open_inside_one(rng):
 
 
 def test_check_ranks_refuses_an_off_by_one_and_a_wrong_argmax(rng):
-    logits = rng.standard_normal((2, 101))
+    logits = _spaced(rng, 2, 101)
     tokens = np.argsort(logits, axis=1)[:, 50]        # mid-vocabulary: neither the top nor the runner-up
     ranks = (logits >= logits[np.arange(2), tokens][:, None]).sum(axis=1)
     top = logits.argmax(axis=1)
