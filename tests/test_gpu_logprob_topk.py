@@ -1,6 +1,7 @@
 """token_logprob_rank on the GPU (marked ``gpu``, skipped without one): bitwise batch
 invariance at vocabulary 151,936 for batches 1 to 1024 in three dtypes (torch adapter, inside a
-CUDA graph, and the JAX kernel method equal to torch), more than 2**31 logits, top-k exact with
+CUDA graph, and the JAX kernel method equal to torch) and at GPT-2's 50,257 (rows not 16-byte
+aligned) for a row alone and in batches, more than 2**31 logits, top-k exact with
 special rows, the top-k workspace size enforced. References and checks: ``test_logprob_topk.py``.
 """
 
@@ -48,6 +49,10 @@ def test_gpu_batch_invariant_bitwise(dtype):
     temp = torch.rand(1024, device="cuda") + 0.5
     full = torch_logprob_rank(base, ids)
     full_k = torch_logprob_rank(base, ids, top_k=20, temperature=temp)
+    # The top-k kernels run the same reduction: the same logprob and rank bits as without top-k.
+    only_k = torch_logprob_rank(base, ids, top_k=20)
+    assert torch.equal(only_k.logprobs.view(torch.int32), full.logprobs.view(torch.int32)), "top-k logprobs"
+    assert torch.equal(only_k.ranks, full.ranks), "top-k ranks"
     gen = torch.Generator(device="cpu").manual_seed(2)
     for batch in GPU_BATCHES:
         rows = torch.randperm(1024, generator=gen)[:batch].cuda()
@@ -106,6 +111,43 @@ def test_gpu_jax_kernel_batch_invariant_and_equal_to_torch(dtype):
         assert np.array_equal(np.asarray(res.ranks), want["ranks"]), f"jax batch {batch} ranks"
         assert np.array_equal(np.asarray(res.topk_ids), want["topk_ids"]), f"jax batch {batch} top-k ids"
         assert np.asarray(res.topk_logprobs).tobytes() == want["topk_logprobs"].tobytes(), f"jax batch {batch}"
+
+
+ODD_VOCAB = 50257          # GPT-2's: rows of 100,514 bytes in bfloat16 (201,028 in float32)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_gpu_odd_vocabulary_rows_alone_same_bits(dtype):
+    """Rows whose length is not a multiple of 16 bytes: a contiguous batch's rows are not all
+    16-byte aligned while one row alone, freshly allocated, is. The kernels follow the layout of
+    contiguous rows of the vocabulary, so the same rows give the same bits alone and in batches,
+    with top-k too; a few rows against the float64 reference."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    g = torch.Generator(device="cuda").manual_seed(5)
+    base = (torch.randn(257, ODD_VOCAB, device="cuda", generator=g) * 4).to(TORCH_DTYPES[dtype])
+    ids = torch.randint(0, ODD_VOCAB, (257,), device="cuda", generator=g)
+    full = torch_logprob_rank(base, ids, top_k=20)
+    plain = torch_logprob_rank(base, ids)
+    assert torch.equal(plain.logprobs.view(torch.int32), full.logprobs.view(torch.int32))
+    gen = torch.Generator(device="cpu").manual_seed(6)
+    for batch in (1, 1, 2, 7, 64):
+        rows = torch.randperm(257, generator=gen)[:batch].cuda()
+        sub = base[rows].contiguous()                       # one row: a fresh, aligned allocation
+        assert batch > 1 or sub.data_ptr() % 16 == 0
+        got = torch_logprob_rank(sub, ids[rows], top_k=20)
+        for name in ("logprobs", "ranks", "topk_logprobs", "topk_ids"):
+            a, b = getattr(got, name), getattr(full, name)[rows]
+            a, b = (a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else (a, b)
+            assert torch.equal(a, b), f"batch {batch} {name}"
+        one = torch_logprob_rank(sub, ids[rows])            # and without top-k
+        assert torch.equal(one.logprobs.view(torch.int32), plain.logprobs[rows].view(torch.int32)), f"batch {batch}"
+    x = base[:8].float().cpu().numpy()
+    assert_matches_reference(x, ids[:8].cpu().numpy(), full.logprobs[:8].cpu().numpy(), full.ranks[:8].cpu().numpy(),
+                             f"gpu {dtype} vocab {ODD_VOCAB}")
+    assert_topk(x, 20, full.topk_logprobs[:8].cpu().numpy(), full.topk_ids[:8].cpu().numpy(),
+                f"gpu {dtype} vocab {ODD_VOCAB} top-k")
 
 
 @pytest.mark.gpu

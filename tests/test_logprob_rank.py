@@ -29,8 +29,8 @@ torch = pytest.importorskip("torch")
 from trace_replay_core import (bind_logprob_rank, token_logprob_rank,  # noqa: E402
                                token_logprob_rank_reference)
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
-from trace_replay_core.kernels.logprob_rank import (LOGPROB_BLOCK, _chunk_group,  # noqa: E402
-                                                    plan_logprob_rank, workspace_layout)
+from trace_replay_core.kernels.logprob_rank import (LOGPROB_BLOCK, LogprobRankArgs, LogprobRankDtypes,  # noqa: E402
+                                                    _chunk_group, launch_specs, plan_logprob_rank, workspace_layout)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHES = (1, 7, 256, 1024)
@@ -416,6 +416,30 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
                 assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
                 per_chunk = 12 + (8 * plan.k_pad + 8 * plan.cap + 4 * plan.cap_p if top_k else 0)
                 assert offsets[-1] >= batch * plan.n_chunks * per_chunk + 8 * batch
+
+
+def test_kernels_follow_the_layout_of_contiguous_rows_at_every_batch_size():
+    """Whether rows count as 16-byte aligned picks the compiled kernels (for bfloat16 the fused
+    path or the element path, whose bits differ on the GPU), so it must not change with the
+    batch: contiguous rows of a vocabulary are aligned alike at every batch size, one row alone
+    included, whatever stride a one-row layout reports below the vocabulary."""
+    def chunk_constexprs(batch, vocab, stride, dtype, base=1 << 20):
+        args = LogprobRankArgs(base, 2 << 20, 0, 3 << 20, 4 << 20, 0, 0, 5 << 20, batch, vocab, stride, 0)
+        return launch_specs(args, LogprobRankDtypes(dtype, "int64", "int64"))[0][5]
+
+    for dtype, itemsize in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
+        for vocab in (151936, 50257, 32000, 1001, 1000, 1):
+            aligned = vocab * itemsize % 16 == 0
+            for batch, stride in ((1, vocab), (1, 0), (1, 1), (2, vocab), (7, vocab), (1024, vocab)):
+                const = chunk_constexprs(batch, vocab, stride, dtype)
+                where = f"{dtype} vocab {vocab} batch {batch} stride {stride}"
+                assert const["ALIGNED"] == aligned, where
+                assert const["WORDS"] == (aligned and dtype == "bfloat16"), where
+            # A layout that changes the alignment: rows padded to 151,939, one of them alone or a
+            # batch; an array that starts 2 bytes off a 16-byte boundary.
+            padded = [chunk_constexprs(b, vocab, 151939, dtype)["ALIGNED"] for b in (1, 7)]
+            assert padded == [False, False], f"{dtype} vocab {vocab} padded"
+            assert not chunk_constexprs(1, vocab, vocab, dtype, base=(1 << 20) + 2)["ALIGNED"]
 
 
 def test_core_imports_no_framework():

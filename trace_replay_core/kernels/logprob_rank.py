@@ -20,7 +20,10 @@ maximum and sum of exponentials per 16-byte line of the block inside each thread
 ``(m, s, count)``; :func:`logprob_rank_combine_kernel` merges a row's partials in chunk order
 (one warp per row; four with top-k). Nothing depends on the batch, the row's position or the
 other rows: the compiled kernels depend on the dtypes, the vocabulary, whether rows are 16-byte
-aligned (a property of the layout), top-k and temperature, never on the batch. The program that
+aligned (a property of the layout: contiguous rows of a vocabulary are aligned alike at every
+batch size, one row alone included, :func:`_layout_stride`), top-k and temperature, never on the
+batch. A layout that changes the alignment (rows padded to a stride that is not a multiple of 16
+bytes, a base address off 16 bytes) takes other kernels and may give other bits. The program that
 holds a row's first chunk also writes the row's token logit and whether its id is valid to the
 workspace, so the combine kernel reads them with the partials instead of loading the id and then
 its logit (two dependent round trips less).
@@ -227,7 +230,7 @@ class LogprobRankArgs(NamedTuple):
     workspace: int        # 16-byte aligned, workspace_layout(...)[-1] bytes
     batch: int
     vocab: int
-    row_stride: int       # elements between rows (0 for one row)
+    row_stride: int       # elements between rows (for one row: its layout's, or 0; see _layout_stride)
     top_k: int
     argmax: int = 0       # [batch] int32/int64 greedy tokens out (ARGMAX), or 0
 
@@ -312,6 +315,16 @@ def _chunk_group(batch: int, n_chunks: int, top_k: int = 0) -> int:
     return groups[-1]
 
 
+def _layout_stride(args: LogprobRankArgs) -> int:
+    """The row stride (elements) that decides whether rows are 16-byte aligned, which picks the
+    compiled kernels and so the bits: the call's own for several rows; for one row, the larger
+    stride its layout reports, else that of contiguous rows of the vocabulary. A row alone thus
+    takes the kernels of the same rows in a contiguous batch: with 50,257 bfloat16 logits per row
+    (not a multiple of 16 bytes) both take the unaligned ones, where one aligned row alone would
+    otherwise take the fused path and give other bits."""
+    return args.row_stride if args.batch > 1 or args.row_stride >= args.vocab else args.vocab
+
+
 def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optional[LogprobRankPlan] = None,
                  group: Optional[int] = None):
     """The two launches of one call, as plain data, in order:
@@ -325,7 +338,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     ws = args.workspace
     has_temp = args.temperature != 0
     temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
-    aligned = args.logits % 16 == 0 and (args.batch <= 1 or (args.row_stride * itemsize) % 16 == 0)
+    aligned = args.logits % 16 == 0 and (_layout_stride(args) * itemsize) % 16 == 0
     tok = (ws + off_ty, ws + off_tok)
     part_k = ws + off_k if plan.k_pad else ws + off_m             # never read without top-k
     topk_ws = (ws + off_cand, ws + off_pairs) if plan.k_pad else (ws + off_m, ws + off_m)
