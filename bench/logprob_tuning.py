@@ -88,16 +88,21 @@ TOP_K = 20
 # 4 blocks ahead faster at batch 1 (3.71 against 3.80 us) and with argmax (28.01 against 29.34)
 # but slower at 256 (23.96 against 23.34) and 4096 (288.5 against 286.0); two chunks per program
 # at 1024 74.97 against 75.98 (four), at 4096 291.2 against 286.0. The same run's top-k threshold
-# and order by counting (a trial since removed) took 90.8 against 37.7 us at 256.
+# and order by counting (a trial since removed) took 90.8 against 37.7 us at 256. The trials
+# below (L2 prefetch of each chunk in two forms, LOGPROB_PREFETCH; argmax with its chunk end
+# before the next chunk's loads, now shipped) have not run yet.
 A4 = {"LOGPROB_AHEAD": 4}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, {"patch": A4}),
-                ("bfloat16", 256, 0): ({}, {"patch": A4}, {"patch": A4, "maxnreg": 64}),
-                ("bfloat16", 1024, 0): ({}, {"group": 2}, {"group": 2, "patch": A4}),
-                ("bfloat16", 4096, 0): ({}, {"patch": A4}, {"group": 2}),
-                ("bfloat16", 256, TOP_K): ({},),
-                ("bfloat16", 4096, TOP_K): ({},),
-                ("float32", 256, 0): ({},),
-                ("bfloat16", 256, "argmax"): ({}, {"patch": A4})}
+PF1, PF2 = {"LOGPROB_PREFETCH": 1}, {"LOGPROB_PREFETCH": 2}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, {"patch": PF1}, {"patch": PF2}),
+                ("bfloat16", 256, 0): ({}, {"patch": PF1}, {"patch": PF2}, {"group": 2}, {"patch": A4}),
+                ("bfloat16", 1024, 0): ({}, {"patch": PF1}, {"group": 2}),
+                ("bfloat16", 4096, 0): ({}, {"patch": PF1}, {"patch": PF2}, {"group": 2}),
+                ("bfloat16", 256, TOP_K): ({}, {"patch": PF1}, {"patch": PF2}, {"group": 1}),
+                ("bfloat16", 4096, TOP_K): ({}, {"patch": PF1}),
+                ("float32", 256, 0): ({}, {"patch": PF1}, {"patch": PF2}),
+                ("float32", 4096, 0): ({}, {"patch": PF1}),
+                ("bfloat16", 256, "argmax"): ({}, {"patch": PF1}, {"patch": PF2}),
+                ("bfloat16", 4096, "argmax"): ({}, {"patch": PF1})}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 

@@ -2,7 +2,7 @@
 # Run the GPU test tier and the GPU benchmarks on a machine with a CUDA GPU, using the
 # packages already installed there (no install step). Logs and results go to $OUT (default
 # ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [tests-parallel] [sanitizer] [sanitizer-logprob]
-# [profile-logprob] [profile-logprob-source] [demo] [cli] [bench-NAME] ...
+# [profile-logprob] [profile-logprob-source] [tune-groups] [demo] [cli] [bench-NAME] ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
@@ -128,6 +128,10 @@ print("wrote", out + "/traces.jsonl", "and a checkpoint in", out + "/ckpt")' "$O
           --temperature 0.8 --sampling-seed 1 --out "$OUT/cli/run_sampled_torch.json" &&
         python3 -m trace_replay_app compare --traces "$OUT/cli/traces.jsonl" --device cuda --out-dir "$OUT/cli"
       } 2>&1 | tee "$OUT/cli.log" || status=1 ;;
+    tune-groups)
+      # The logprob trials of bench/logprob_tuning.py --groups (GROUP_TRIALS: knobs of the shipped
+      # plan side by side, each checked for invariance and against the shipped bits).
+      python3 bench/logprob_tuning.py --groups 2>&1 | tee "$OUT/tune_groups.log" || status=1 ;;
     bench-all)
       BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-400}" BENCH_LOG_DIR="$OUT/logs" bash bench/run_all.sh 2>&1 | tee "$OUT/bench_all.log" || status=1 ;;
     bench-*)

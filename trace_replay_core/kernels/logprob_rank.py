@@ -41,8 +41,9 @@ differ from the element path's (other dtypes) in the last places. Each chunk's f
 ``LOGPROB_AHEAD`` blocks are loaded ahead of its block loop: a program's first chunk's with the
 token's two dependent loads (id, then logit), the next chunk's after the previous chunk's blocks
 and before its reductions (their barriers), so that a program keeps loads in flight across a
-chunk boundary. Every chunk folds them in by the same steps, wherever they were loaded, so its
-bits do not depend on which program runs it.
+chunk boundary (with ``ARGMAX`` after its reductions, whose read-back would hold both in
+registers). Every chunk folds them in by the same steps, wherever they were loaded, so its bits
+do not depend on which program runs it.
 
 Top-k, from the same read. With ``top_k``, the chunk kernel is compiled with the top-k step
 (``TOPK``) and the plan is the same: the partials, and so the logprobs and ranks, have the same
@@ -192,6 +193,16 @@ LOGPROB_PDL_CHAIN = True
 # The two compile to different fused multiply-adds on the GPU (logprobs 1.9e-6 apart; each
 # batch-invariant).
 LOGPROB_AHEAD = 2
+# sm_90+ (compiled launches only), off by default and not yet measured: each program asks L2
+# for its first chunk before the token's loads (and before griddepcontrol.wait, which ptxas
+# would otherwise schedule it behind) and for its next chunk at each chunk's start (1: one bulk
+# prefetch per chunk by the program's first thread; 2: one prefetch per 128-byte line, spread
+# over the threads), so that its block loads hit L2 after the token's round trips. A bulk
+# prefetch of each program's range was slower in an earlier trial whose code is not in the
+# history (bench/README.md, results/logprob_tuning_prefetch.json, 09:32 UTC: 31.8 against 25.4
+# us at batch 256), so bench/logprob_tuning.py --groups measures both forms against none before
+# either is shipped. With 0 the kernels compile as without the option.
+LOGPROB_PREFETCH = 0
 
 
 class LogprobRankPlan(NamedTuple):
@@ -357,7 +368,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
-                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD}
+                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD, "PREFETCH": 0}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
@@ -390,10 +401,13 @@ def _compiled_launches(args, dtypes, device_id, plan, group=None):
     from ._compiled import compiled
     if plan is None:
         plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k)
-    gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
+    sm90 = compute_capability(device_id) >= (9, 0)
+    gdc = LOGPROB_PDL and sm90
     for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
             launch_specs(args, dtypes, plan, group)):
         constexprs = dict(constexprs, GDC=gdc)
+        if i == 0:
+            constexprs["PREFETCH"] = LOGPROB_PREFETCH if sm90 else 0
         maxnreg = plan.maxnreg if i == 0 and plan.maxnreg else None
         yield (compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps, maxnreg), grid, ptrs, ints,
                gdc)
