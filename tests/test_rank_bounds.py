@@ -83,7 +83,7 @@ def _run(tokens, logits, prompt_len, traced):
 
 
 def test_check_same_lets_free_runs_part_only_at_a_near_tie_at_the_top(rng):
-    table = rng.standard_normal((8, 40))
+    table = _spaced(rng, 8, 40)
     prompt = (1, 2)
     table[2, 7] = table[2].max() + 1.0
     table[2, 9] = table[2, 7] - RANK_EPS / 4            # position 1 of the decode: 7 and 9 nearly tie at the top
@@ -107,7 +107,7 @@ def test_check_same_lets_free_runs_part_only_at_a_near_tie_at_the_top(rng):
 
 
 def test_check_against_hf_lets_greedy_part_from_generate_only_at_a_near_tie(rng):
-    table = rng.standard_normal((8, 40))
+    table = _spaced(rng, 8, 40)
     prompt = (1, 2)
     table[3, 9] = table[3].max() + 1.0
     table[3, 7] = table[3, 9] - RANK_EPS / 4           # decode position 2: 9 (generate's) and 7 nearly tie
