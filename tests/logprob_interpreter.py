@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import nullcontext
 import subprocess
 import sys
+from contextlib import nullcontext
 from typing import Dict, List
 
 import numpy as np

@@ -253,16 +253,15 @@ def logprob_rank_chunk_kernel(
                 gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD)
             # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
             # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
-            # Not with ARGMAX: its read-back at the chunk's end would then hold them in registers
-            # too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per SM, not 9).
+            # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
+            # registers too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per
+            # SM, not 9).
+            if not ARGMAX:
+                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK, AHEAD)
+            big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy,
+                                                           ARGMAX)
             if ARGMAX:
-                big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b,
-                                                               greedy, ARGMAX)
                 w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK, AHEAD)
-            else:
-                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK, AHEAD)
-                big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b,
-                                                               greedy, ARGMAX)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count

@@ -129,10 +129,11 @@ LOGPROB_CHUNKS = 13
 # Aligned bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole
 # blocks read as 32-bit words of two logits, one fused multiply-add per exponent, the rank
 # counted with one packed compare per word: 229 instead of 342 instructions per 32 logits in the
-# block loop (sm_90 SASS, Triton 3.9), 48 registers instead of 54. bench/logprob_tuning.py, H200, 2026-12-02 02:46 UTC, bf16
-# device time p50, fast path vs element path side by side (19 chunks of 4 blocks then): 5.98 /
-# 5.96 us at batch 1, 12.98 / 13.34 at 64, 27.43 / 29.10 at 256, 314.5 / 327.5 at 4096 (less than
-# the instruction count suggests: the loop is mostly waiting on loads).
+# block loop (sm_90 SASS, Triton 3.9), 48 registers instead of 54. bench/logprob_tuning.py,
+# H200, 2026-12-02 02:46 UTC, bf16 device time p50, fast path vs element path side by side (19
+# chunks of 4 blocks then): 5.98 / 5.96 us at batch 1, 12.98 / 13.34 at 64, 27.43 / 29.10 at
+# 256, 314.5 / 327.5 at 4096 (less than the instruction count suggests: the loop is mostly
+# waiting on loads).
 LOGPROB_WORDS = True
 # Chunks per program: the largest of LOGPROB_GROUPS that leaves at least LOGPROB_MIN_PROGRAMS
 # programs in the grid (about 1.7 waves on an H200's 132 SMs at 9 programs per SM, the occupancy
