@@ -83,26 +83,32 @@ LATENCY_VARIANTS = ({"chain": False}, {})
 LATENCY_TOPK_VARIANTS = ({"chain": False}, {})
 TOP_K = 20
 # --groups: chunks per program on the shipped plan (each program issues its next chunk's first
-# blocks before a chunk's reductions) and module constants of kernels.logprob_rank patched per
-# variant (``patch``). results/logprob_tuning_groups.json, 2026-12-02 11:50 UTC (bench/README.md):
-# 4 blocks ahead faster at batch 1 (3.71 against 3.80 us) and with argmax (28.01 against 29.34)
-# but slower at 256 (23.96 against 23.34) and 4096 (288.5 against 286.0); two chunks per program
-# at 1024 74.97 against 75.98 (four), at 4096 291.2 against 286.0. The same run's top-k threshold
-# and order by counting (a trial since removed) took 90.8 against 37.7 us at 256. The trials
-# below (L2 prefetch of each chunk in two forms, LOGPROB_PREFETCH; argmax with its chunk end
-# before the next chunk's loads, now shipped) have not run yet.
+# blocks before a chunk's reductions), other plan knobs, and module constants of
+# kernels.logprob_rank patched per variant (``patch``); each trial is a dict of them. Earlier runs
+# (bench/README.md has the tables), device time p50, bf16 unless said:
+# - 11:50 UTC: 4 blocks ahead faster at batch 1 (3.71 against 3.80 us) and with argmax (28.01
+#   against 29.34) but slower at 256 (23.96 against 23.34) and 4096 (288.5 against 286.0); two
+#   chunks per program at 1024 74.97 against 75.98 (four), at 4096 291.2 against 286.0.
+# - 14:16 UTC (log only): an L2 prefetch of each program's chunks, as one
+#   cp.async.bulk.prefetch.L2 per chunk or one prefetch.global.L2 per 128-byte line, slower
+#   everywhere: 25.81 / 26.30 against 23.57 us at batch 256, 384.1 / 402.6 against 291.3 at 4096,
+#   float32 at 256 48.83 / 52.18 against 40.90, top-k 20 at 256 40.42 / 40.71 against 37.86
+#   (removed). argmax=True with its chunk end before the next chunk's loads (shipped): 27.35 at 256.
+# - 14:19 UTC (results/logprob_tuning_grid.json): three chunks per program at 256 23.56 against
+#   23.38 (and 75.49 against 76.05 at 1024, 288.5 against 286.1 at 4096); a cap of 48 registers
+#   (10 programs per SM instead of 9, 6 bytes of spills) slower everywhere (24.04 at 256); 8 or 5
+#   blocks per chunk 23.10 / 24.04 at 256; top-k with three chunks per program 130.4 against 37.65.
+# The trials below ran at 14:25 UTC (results/logprob_tuning_groups.json): 8 warps per program.
 A4 = {"LOGPROB_AHEAD": 4}
-PF1, PF2 = {"LOGPROB_PREFETCH": 1}, {"LOGPROB_PREFETCH": 2}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, {"patch": PF1}, {"patch": PF2}),
-                ("bfloat16", 256, 0): ({}, {"patch": PF1}, {"patch": PF2}, {"group": 2}, {"patch": A4}),
-                ("bfloat16", 1024, 0): ({}, {"patch": PF1}, {"group": 2}),
-                ("bfloat16", 4096, 0): ({}, {"patch": PF1}, {"patch": PF2}, {"group": 2}),
-                ("bfloat16", 256, TOP_K): ({}, {"patch": PF1}, {"patch": PF2}, {"group": 1}),
-                ("bfloat16", 4096, TOP_K): ({}, {"patch": PF1}),
-                ("float32", 256, 0): ({}, {"patch": PF1}, {"patch": PF2}),
-                ("float32", 4096, 0): ({}, {"patch": PF1}),
-                ("bfloat16", 256, "argmax"): ({}, {"patch": PF1}, {"patch": PF2}),
-                ("bfloat16", 4096, "argmax"): ({}, {"patch": PF1})}
+W8, W8A4 = {"num_warps": 8}, {"num_warps": 8, "patch": A4}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, W8, W8A4),
+                ("bfloat16", 256, 0): ({}, W8, W8A4, {"num_warps": 8, "chunk_blocks": 12, "patch": A4},
+                                       {"num_warps": 8, "maxnreg": 32}, {"num_warps": 8, "chunk_blocks": 3},
+                                       {"num_warps": 8, "chunk_blocks": 4}),
+                ("bfloat16", 4096, 0): ({}, W8, W8A4),
+                ("bfloat16", 256, TOP_K): ({}, W8),
+                ("float32", 256, 0): ({}, W8),
+                ("bfloat16", 256, "argmax"): ({}, W8)}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 

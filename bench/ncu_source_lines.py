@@ -40,14 +40,14 @@ def compiled_chunk_kernel(top_k: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from trace_replay_core.kernels.logprob_rank import (LOGPROB_PREFETCH, LogprobRankArgs, LogprobRankDtypes,
-                                                        launch_specs, plan_logprob_rank)
+    from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, launch_specs,
+                                                        plan_logprob_rank)
     args = LogprobRankArgs(1 << 20, 2 << 20, 0, 4 << 20, 5 << 20, (6 << 20) if top_k else 0,
                            (7 << 20) if top_k else 0, 8 << 20, BATCH, VOCAB, VOCAB, top_k, 0)
     plan = plan_logprob_rank(VOCAB, 2, top_k)
     kernel, _, _, ptr_dtypes, ints, constexprs, num_warps = launch_specs(
         args, LogprobRankDtypes("bfloat16", "int64", "int64", "int64", "int64"), plan)[0]
-    constexprs = dict(constexprs, GDC=True, PREFETCH=LOGPROB_PREFETCH)
+    constexprs = dict(constexprs, GDC=True)
     names = kernel.arg_names
     signature = dict(zip(names, [PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * len(ints)))
     fixed = {}

@@ -39,32 +39,6 @@ def _wait_prerequisites():
 
 
 @triton.jit
-def _prefetch_chunk(row_ptr, start, span, vocab, LINES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-                    PREFETCH: tl.constexpr):
-    """Ask L2 for the chunk of ``span`` logits of the row at column ``start`` (up to ``vocab``; a
-    hint: no registers held, no wait, no change to any result), so that a program's loads of
-    them later hit L2. ``PREFETCH`` 1: one bulk prefetch by the program's first thread (PTX
-    ``cp.async.bulk.prefetch.L2``, sm_90; 16-byte aligned rows only, whole 16-byte pieces); 2: one
-    ``prefetch.global.L2`` per 128-byte line, spread over the threads. Inline PTX: not in
-    Triton's interpreter."""
-    nbytes = tl.minimum(span, vocab - start) * (16 // VEC)
-    if PREFETCH == 1:
-        if ALIGNED:
-            row_ptr = tl.multiple_of(row_ptr, 16)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "setp.ne.and.u32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [row_ptr + start, (nbytes // 16 * 16).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    elif PREFETCH == 2:
-        first = (row_ptr + start).to(tl.pointer_type(tl.int8))
-        n_lines = tl.cdiv(nbytes, 128)
-        for i in range(0, n_lines, LINES):
-            line = tl.minimum(i + tl.arange(0, LINES), n_lines - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [first + line * 128],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
     """Whether the row's token id is valid, its scaled logit (NaN when invalid), T, and whether
     the id is negative (with ``ARGMAX``: a greedy row, scored as its argmax)."""
@@ -188,16 +162,7 @@ def logprob_rank_chunk_kernel(
     PIECE: tl.constexpr,
     ARGMAX: tl.constexpr,   # each chunk's greedy maximum and column; negative ids are greedy rows
     AHEAD: tl.constexpr,    # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
-    PREFETCH: tl.constexpr,  # sm_90+: each chunk prefetched into L2 ahead of its loads (_prefetch_chunk)
 ):
-    if PREFETCH:
-        # The program's first chunk, in flight while the token's two dependent loads run. Issued
-        # before the wait for the kernel before (which may write the logits): a prefetch only
-        # fills L2, where those writes land, and returns nothing, so it cannot read a stale
-        # value; after the wait, ptxas schedules it behind the token's loads.
-        _prefetch_chunk(logits_ptr + tl.program_id(0).to(tl.int64) * row_stride,
-                        tl.program_id(1) * group * chunk_blocks * BLOCK, chunk_blocks * BLOCK, vocab, BLOCK // VEC,
-                        VEC, ALIGNED, PREFETCH)
     if GDC:
         _launch_dependents()
         _wait_prerequisites()   # launched as a dependent of the kernel before it: wait for its writes
@@ -238,9 +203,6 @@ def logprob_rank_chunk_kernel(
         n_here = tl.minimum(span, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
         end = start + n_here
-        if PREFETCH:    # the program's next chunk, if any, while this one streams
-            if chunk + 1 < last:
-                _prefetch_chunk(row_ptr, start + span, span, vocab, LINES, VEC, ALIGNED, PREFETCH)
         # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
         # own id (greedy or scored), so that no block pays for the other's compares; the fused
         # bfloat16 path selects per line at run time instead, which measured faster there under

@@ -194,16 +194,6 @@ LOGPROB_PDL_CHAIN = True
 # The two compile to different fused multiply-adds on the GPU (logprobs 1.9e-6 apart; each
 # batch-invariant).
 LOGPROB_AHEAD = 2
-# sm_90+ (compiled launches only), off by default and not yet measured: each program asks L2
-# for its first chunk before the token's loads (and before griddepcontrol.wait, which ptxas
-# would otherwise schedule it behind) and for its next chunk at each chunk's start (1: one bulk
-# prefetch per chunk by the program's first thread; 2: one prefetch per 128-byte line, spread
-# over the threads), so that its block loads hit L2 after the token's round trips. A bulk
-# prefetch of each program's range was slower in an earlier trial whose code is not in the
-# history (bench/README.md, results/logprob_tuning_prefetch.json, 09:32 UTC: 31.8 against 25.4
-# us at batch 256), so bench/logprob_tuning.py --groups measures both forms against none before
-# either is shipped. With 0 the kernels compile as without the option.
-LOGPROB_PREFETCH = 0
 
 
 class LogprobRankPlan(NamedTuple):
@@ -369,7 +359,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
-                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD, "PREFETCH": 0}
+                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
@@ -407,8 +397,6 @@ def _compiled_launches(args, dtypes, device_id, plan, group=None):
     for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
             launch_specs(args, dtypes, plan, group)):
         constexprs = dict(constexprs, GDC=gdc)
-        if i == 0:
-            constexprs["PREFETCH"] = LOGPROB_PREFETCH if sm90 else 0
         maxnreg = plan.maxnreg if i == 0 and plan.maxnreg else None
         yield (compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps, maxnreg), grid, ptrs, ints,
                gdc)
