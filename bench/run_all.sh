@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole benchmark suite, on a machine with a CUDA GPU and the packages already installed:
-# launch, staging, placement, scaling (then logprob_rank, jax_step and cli_run when those scripts exist),
-# then the plots and summary tables. Every result lands in bench/results/ (JSON with provenance,
-# PNG, summary.md). Set BENCH_LOG_DIR to also keep each script's output in <dir>/<script>.log.
+# launch, staging, placement, scaling (then logprob_rank, read_floor, jax_step and cli_run when
+# those scripts exist), then the plots and summary tables. Every result lands in bench/results/
+# (JSON with provenance, PNG, summary.md). Set BENCH_LOG_DIR to also keep each script's output in <dir>/<script>.log.
 # A failing script does not stop the others; the exit status is non-zero if any failed.
 # Each script is stopped after BENCH_TIMEOUT_S seconds (default 180) so that one hang cannot
 # take the rest of the run with it.
@@ -36,7 +36,7 @@ run() {
 for script in bench/launch.py bench/staging.py bench/placement.py bench/scaling.py; do
   run "$script"
 done
-for script in bench/logprob_rank.py bench/jax_step.py bench/cli_run.py; do
+for script in bench/logprob_rank.py bench/read_floor.py bench/jax_step.py bench/cli_run.py; do
   if [ -f "$script" ]; then run "$script"; fi
 done
 run bench/plots.py
