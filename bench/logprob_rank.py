@@ -15,6 +15,9 @@ Providers:
   logprob/rank in one pass. ``torch_argmax``: ``logits.argmax(-1)`` alone, the pass a greedy
   loop makes anyway: ``trace_replay_argmax`` minus it is what scoring adds to a greedy step.
 - ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
+- ``trace_replay_unaligned`` / ``torch_unaligned``: ``trace_replay`` and ``torch`` on rows that
+  are not 16-byte aligned (``UNALIGNED``: GPT-2's 50,257 logits per row, and 151,936 logits in
+  rows of 151,937), which the kernels read a logit per load; batch 1, 256 and 4096.
 - ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of
   ``trace_replay_jax.token_logprob_rank(logits, ids, method=...)`` (the core kernels through a
   ``buffer_callback`` on XLA's stream, or the same contract in jnp).
@@ -58,6 +61,11 @@ MAX_COPIES = 32
 QUEUED = "cuda events, queued behind a busy kernel"
 DO_BENCH = "cuda events (do_bench, L2 flushed)"
 TOP_K = 20
+# Rows that are not 16-byte aligned take the element path (one logit per load): GPT-2's
+# vocabulary, and 151,936 logits in rows padded to 151,937 (a view of a wider buffer):
+# (vocabulary, row stride) in elements.
+UNALIGNED = ((50_257, 50_257), (VOCAB, VOCAB + 1))
+UNALIGNED_BATCHES = (1, 256, 4096)
 
 
 def torch_logprob_rank(logits, ids):
@@ -202,6 +210,38 @@ def main() -> None:
                 xs_j = ids_j = ids32 = None
             logits = ids = gids = out = out_k = out_a = copies = None     # drop the references before the next size
             torch.cuda.empty_cache()
+
+    for vocab, stride in UNALIGNED:             # the element path: rows not 16-byte aligned
+        for dtype_name in DTYPES:
+            for batch in UNALIGNED_BATCHES:
+                wide = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))
+                logits = wide[:, :vocab]
+                ids = torch.randint(0, vocab, (batch,), device=dev)
+                nbytes = logits.numel() * logits.element_size()
+                n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
+                copies = [logits] + [wide.clone()[:, :vocab] for _ in range(n_copies - 1)]
+                out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
+                ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
+                # each row alone in the same layout (a fresh row of ``stride`` elements)
+                inv = rows_alone_same_bits(lambda r: token_logprob_rank(wide[r:r + 1].clone()[:, :vocab],
+                                                                        ids[r:r + 1].clone()),
+                                           token_logprob_rank(logits, ids), batch)
+                for provider, fn, result in (("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out),
+                                              None),
+                                             ("torch_unaligned", lambda x: torch_logprob_rank(x, ids),
+                                              tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids)))):
+                    stats = time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies]))
+                    same, diff = compare(ours, result) if result is not None else (True, 0.0)
+                    bw = bandwidth(nbytes, stats)
+                    rows.append(dict(provider=provider, timing=QUEUED, batch=batch, vocab=vocab, row_stride=stride,
+                                     dtype=dtype_name, bytes=nbytes, copy_gbps=copy_gbps, gbps=bw["gbps_p50"],
+                                     invariant=inv if result is None else None, ranks_equal_to_kernel=same,
+                                     max_abs_logprob_diff_to_kernel=diff, **stats, **bw))
+                    print(f"{provider:24s} vocab {vocab} stride {stride} {dtype_name:9s} B={batch:5d} p50 "
+                          f"{stats['us_p50']:9.2f} us {bw['gbps_p50']:7.0f} GB/s  invariant: {rows[-1]['invariant']}  "
+                          f"ranks equal: {same}, max |dlogprob| {diff:.2e}", flush=True)
+                wide = logits = ids = out = copies = None
+                torch.cuda.empty_cache()
 
     def pick(provider, batch, dtype_name):
         return next((r for r in rows if r["provider"] == provider and r.get("timing") == QUEUED
