@@ -152,6 +152,51 @@ def test_gpu_odd_vocabulary_rows_alone_same_bits(dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("vocab", [GPU_VOCAB, ODD_VOCAB, 32000])
+def test_gpu_bfloat16_layouts_same_bits(vocab):
+    """The same bfloat16 logits with 16-byte aligned rows and without (GPT-2's contiguous rows,
+    a padded stride, an array that starts 2 to 14 bytes off a boundary): the fused path shifts
+    each line's words into place, so every layout gives the same bits, with top-k and argmax too
+    (at 32,000 and 50,257 the last block of a row is partial). The memory around the rows holds
+    NaN, which no result may read."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+    g = torch.Generator(device="cuda").manual_seed(21)
+    batch = 64
+    x = (torch.randn(batch, vocab, device="cuda", generator=g) * 4).bfloat16()
+    ids = torch.randint(0, vocab, (batch,), device="cuda", generator=g)
+    gids = ids.clone()
+    gids[1::2] = -1                                          # greedy rows, scored as their argmax
+    aligned = -(-vocab // 8) * 8
+
+    def laid_out(stride, skew):
+        """``x`` in rows of ``stride`` logits, the array ``skew`` logits past a 16-byte boundary."""
+        buf = torch.full((batch * stride + skew + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        rows = buf[skew:skew + batch * stride].view(batch, stride)[:, :vocab]
+        rows.copy_(x)
+        assert buf.data_ptr() % 16 == 0
+        return rows
+
+    def calls(rows):
+        plain = torch_logprob_rank(rows, ids)
+        top = torch_logprob_rank(rows, ids, top_k=20)
+        greedy = torch_logprob_rank(rows, gids, argmax=True)
+        return (plain.logprobs, plain.ranks, top.logprobs, top.ranks, top.topk_logprobs, top.topk_ids,
+                greedy.logprobs, greedy.ranks, greedy.argmax)
+
+    ref = calls(laid_out(aligned, 0))
+    assert ref[0].isfinite().all()
+    for stride, skew in ((vocab, 0), (vocab + 1, 0), (aligned, 3), (vocab + 3, 5), (aligned + 8, 7)):
+        got = calls(laid_out(stride, skew))
+        for i, (a, b) in enumerate(zip(ref, got)):
+            a, b = (a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else (a, b)
+            assert torch.equal(a, b), f"vocab {vocab} stride {stride} skew {skew} output {i}"
+    xs = x[:8].float().cpu().numpy()
+    assert_matches_reference(xs, ids[:8].cpu().numpy(), ref[0][:8].cpu().numpy(), ref[1][:8].cpu().numpy(),
+                             f"gpu bf16 vocab {vocab}")
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_more_than_2_31_logits():
     """15,000 x 151,936 bf16 (2.28e9 logits): int64 offsets; the last rows exact and equal in bits
     to the same rows alone."""

@@ -23,6 +23,12 @@ from logprob_interpreter import run_cases_by_name  # noqa: E402
 
 GROUP_DATA = make_case(np.random.default_rng(12), 5, 3000, "bfloat16")
 AHEAD_DATA = make_case(np.random.default_rng(13), 7, 3000, "bfloat16")
+LAYOUT_DATA = make_case(np.random.default_rng(14), 6, 3000, "bfloat16")
+# The same bfloat16 rows laid out with 16-byte aligned rows and three ways without: rows of 3,001
+# (each row's start 2 bytes further off), the array 6 bytes off (every row alike), rows of 3,005
+# with the array 10 bytes off. Options of the interpreter driver (tests/logprob_interpreter.py).
+LAYOUTS = {"aligned": {}, "stride3001": {"pad": 1}, "skew6": {"shift": 3}, "stride3005-skew10": {"pad": 5, "shift": 5}}
+LAYOUT_CALLS = {"plain": {}, "top5": {"top_k": 5}, "argmax": {"argmax": True}}
 
 
 def _interpreter_cases():
@@ -59,6 +65,12 @@ def _interpreter_cases():
     for ahead in (2, 4):
         add(f"bf16-7x3000-t128-c5-ahead{ahead}", 7, 3000, "bfloat16", block=128, chunk_blocks=5, data=AHEAD_DATA,
             special=False, constants={"LOGPROB_AHEAD": ahead})
+    # bfloat16 rows in every layout take the fused path; unaligned ones shift each line's words
+    # into place (test_bfloat16_layouts_same_bits). Blocks of 128: 23 whole, the last partial.
+    for layout, where in LAYOUTS.items():
+        for call, options in LAYOUT_CALLS.items():
+            add(f"bf16-6x3000-t128-{layout}-{call}", 6, 3000, "bfloat16", block=128, data=LAYOUT_DATA, special=False,
+                **where, **options)
     # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_logprob_words_jit); the
     # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
     for block in (None, 128):
@@ -118,3 +130,19 @@ def test_group_changes_no_bit(interpreted):
         _, other = interpreted[f"bf16-5x3000-t128-g{group}"]
         assert np.array_equal(one["lp"].view(np.uint32), other["lp"].view(np.uint32)), group
         assert np.array_equal(one["rk"], other["rk"]), group
+
+
+def test_bfloat16_layouts_same_bits(interpreted):
+    """The same bfloat16 rows with 16-byte aligned rows and without (a padded stride, an array
+    that starts off a 16-byte boundary, both): the fused path reads each line's two aligned
+    vectors and shifts its words into place, so every layout gives the same bits, with top-k and
+    argmax too, and never reads the NaN poison around the rows into a result."""
+    for call in LAYOUT_CALLS:
+        _, ref = interpreted[f"bf16-6x3000-t128-aligned-{call}"]
+        for layout in LAYOUTS:
+            _, out = interpreted[f"bf16-6x3000-t128-{layout}-{call}"]
+            assert sorted(out) == sorted(ref)
+            for key in ref:
+                a, b = ref[key], out[key]
+                a, b = (a.view(np.uint32), b.view(np.uint32)) if a.dtype == np.float32 else (a, b)
+                assert np.array_equal(a, b), f"{layout} {call} {key}"

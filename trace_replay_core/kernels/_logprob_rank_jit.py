@@ -154,7 +154,8 @@ def logprob_rank_chunk_kernel(
     VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
-    WORDS: tl.constexpr,    # bfloat16, ALIGNED, no temperature: chunk_lines_fast and chunk_end_fast
+    WORDS: tl.constexpr,    # bfloat16, no temperature: chunk_lines_fast and chunk_end_fast
+    SHIFT: tl.constexpr,    # WORDS on rows that are not ALIGNED: each line's words shifted into place
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,      # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
     TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
@@ -176,11 +177,18 @@ def logprob_rank_chunk_kernel(
     span = chunk_blocks * BLOCK
     stop = tl.minimum(last * span, vocab)          # the end of the program's columns
     if WORDS:
-        words = row_ptr.to(tl.pointer_type(tl.int32))
+        if SHIFT:   # the row's start rounded down to 16 bytes, and how far below the row it lies
+            skew = (row_ptr.to(tl.int64) % 16).to(tl.int32)
+            words = tl.multiple_of((row_ptr - skew // 2).to(tl.pointer_type(tl.int32)), 16)
+            row_words = (skew + 2 * vocab + 3) // 4
+        else:
+            skew = 0
+            words = row_ptr.to(tl.pointer_type(tl.int32))
+            row_words = 0
         wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
         # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
-        w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, BLOCK, AHEAD)
+        w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:          # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
@@ -212,18 +220,20 @@ def logprob_rank_chunk_kernel(
         if WORDS:
             line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
                 words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2,
-                gab, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD)
+                gab, skew, row_words, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD, SHIFT)
             # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
             # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
             # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
             # registers too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per
             # SM, not 9).
             if not ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK, AHEAD)
+                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD,
+                                              SHIFT)
             big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy,
                                                            ARGMAX)
             if ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, BLOCK, AHEAD)
+                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD,
+                                              SHIFT)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count

@@ -1,7 +1,11 @@
-"""The fused path of the logprob chunk kernel for aligned bfloat16 rows without a temperature
+"""The fused path of the logprob chunk kernel for bfloat16 rows without a temperature
 (``WORDS``): whole blocks read as 32-bit words of two logits, one fused multiply-add per
-exponent, the rank counted with one packed compare per word. The contract and the handling of
-logits beyond ``+-2**20`` are described in :mod:`.logprob_rank`."""
+exponent, the rank counted with one packed compare per word. Rows that are not 16-byte aligned
+(``SHIFT``: an odd vocabulary such as GPT-2's 50,257, or a padded stride) read the two aligned
+16-byte vectors that hold each line and shift the line's words into place, so every line holds
+the same logits in the same registers as in an aligned row: the same instructions follow, and
+the same bits. The contract and the handling of logits beyond ``+-2**20`` are described in
+:mod:`.logprob_rank`."""
 
 from __future__ import annotations
 
@@ -46,14 +50,76 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def _whole_block(words, wcols, at, words_in, BLOCK: tl.constexpr):
-    """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
-    chunk's first ``words_in`` words)."""
-    return tl.load(words + wcols + at * (BLOCK // 2), mask=wcols + at * (BLOCK // 2) < words_in, other=0)
+def _split4(v):
+    """The four words of each line of ``[LINES, 4]`` words, as four ``[LINES]`` tensors (within
+    each thread: a line's words are one 16-byte vector of its registers)."""
+    even, odd = tl.split(v.reshape([v.shape[0], 2, 2]))       # words 0 and 2, words 1 and 3
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
 
 
 @triton.jit
-def ahead_blocks(words, wcols, start, span, end, BLOCK: tl.constexpr, AHEAD: tl.constexpr):
+def _pick(q, x0, x1, x2, x3):
+    """``(x0, x1, x2, x3)[q]`` for a scalar ``q`` in 0..3."""
+    return tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
+
+
+@triton.jit
+def shift_words(va, vb, skew):
+    """The ``[LINES, 4]`` words of lines that start ``skew`` bytes (even, below 16) into the
+    aligned 16-byte vectors ``va``, continued in the next vectors ``vb``: a line's word ``k`` is
+    bytes ``skew + 4k .. skew + 4k + 4`` of ``va`` then ``vb`` (little-endian: the logit at the
+    lower address is the word's lower half, as in an aligned row)."""
+    a0, a1, a2, a3 = _split4(va)
+    b0, b1, b2, b3 = _split4(vb)
+    q = skew // 4
+    e0 = _pick(q, a0, a1, a2, a3).to(tl.uint32, bitcast=True)
+    e1 = _pick(q, a1, a2, a3, b0).to(tl.uint32, bitcast=True)
+    e2 = _pick(q, a2, a3, b0, b1).to(tl.uint32, bitcast=True)
+    e3 = _pick(q, a3, b0, b1, b2).to(tl.uint32, bitcast=True)
+    if skew % 4 != 0:       # the line starts in the upper half of a word: funnel each pair by 16 bits
+        e4 = _pick(q, b0, b1, b2, b3).to(tl.uint32, bitcast=True)
+        e0 = (e0 >> 16) | (e1 << 16)
+        e1 = (e1 >> 16) | (e2 << 16)
+        e2 = (e2 >> 16) | (e3 << 16)
+        e3 = (e3 >> 16) | (e4 << 16)
+    w = tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape([va.shape[0], 4])
+    return w.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
+    """With ``SHIFT``: the words of the block whose first line starts ``off_w`` words (plus
+    ``skew`` bytes) past the aligned ``words``. Where ``MASKED``, ``mask`` (the same along each
+    line) selects the lines to read (else all); each line's second vector is read only where it
+    starts inside the row (``row_words``: the row's end in words past ``words``, rounded up), so
+    no vector is read that holds no logit of the row."""
+    lines = tl.arange(0, wcols.shape[0])[:, None] * 4            # each line's first word
+    inside = off_w + lines + 4 < row_words
+    if MASKED:
+        va = tl.load(words + off_w + wcols, mask=mask, other=0)
+        vb = tl.load(words + off_w + wcols + 4, mask=mask & inside, other=0)
+    else:
+        va = tl.load(words + off_w + wcols)
+        vb = tl.load(words + off_w + wcols + 4, mask=inside, other=0)
+    return shift_words(va, vb, skew)
+
+
+@triton.jit
+def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
+    chunk's first ``words_in`` words)."""
+    if SHIFT:
+        return _shifted_block(words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words,
+                              True)
+    else:
+        return tl.load(words + wcols + at * (BLOCK // 2), mask=wcols + at * (BLOCK // 2) < words_in, other=0)
+
+
+@triton.jit
+def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.constexpr, AHEAD: tl.constexpr,
+                 SHIFT: tl.constexpr):
     """The words of the first ``AHEAD`` (2 or 4) whole blocks of the chunk of ``span`` logits at
     ``start`` (zeros for a block that does not lie whole before ``end``; with ``AHEAD`` 2 the last
     two returned are the first two again, unused), loaded ahead of the chunk's block loop: the
@@ -64,11 +130,12 @@ def ahead_blocks(words, wcols, start, span, end, BLOCK: tl.constexpr, AHEAD: tl.
     43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
     chunk_words = words + start // 2
-    w0 = _whole_block(chunk_words, wcols, 0, words_in, BLOCK)
-    w1 = _whole_block(chunk_words, wcols, 1, words_in, BLOCK)
+    row_words -= start // 2
+    w0 = _whole_block(chunk_words, wcols, 0, words_in, skew, row_words, BLOCK, SHIFT)
+    w1 = _whole_block(chunk_words, wcols, 1, words_in, skew, row_words, BLOCK, SHIFT)
     if AHEAD == 4:
-        w2 = _whole_block(chunk_words, wcols, 2, words_in, BLOCK)
-        w3 = _whole_block(chunk_words, wcols, 3, words_in, BLOCK)
+        w2 = _whole_block(chunk_words, wcols, 2, words_in, skew, row_words, BLOCK, SHIFT)
+        w3 = _whole_block(chunk_words, wcols, 3, words_in, skew, row_words, BLOCK, SHIFT)
     else:
         w2, w3 = w0, w1
     return w0, w1, w2, w3
@@ -105,14 +172,16 @@ def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2
 
 @triton.jit
 def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1,
-                     g2, gab, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
-                     TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr):
+                     g2, gab, skew, row_words, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
+                     TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr, SHIFT: tl.constexpr):
     """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
     (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
     count by packed compares where ``PACKED_COUNT`` (else per logit). ``w0`` to ``w3`` are the
     chunk's first ``AHEAD`` whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
-    same steps before its block loop, wherever they were loaded. Returns each line's maximum
+    same steps before its block loop, wherever they were loaded. With ``SHIFT`` (rows not 16-byte
+    aligned) ``words`` is the row's start rounded down to 16 bytes, ``skew`` bytes before it, and
+    ``row_words`` the row's end in words past ``words``, rounded up. Returns each line's maximum
     (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
     ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token."""
     m = tl.full([LINES], float("-inf"), tl.float32)
@@ -141,9 +210,12 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
     # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
     # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
     for off in tl.range(tl.minimum(start + AHEAD * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(tl.load(words + off // 2 + wcols), off, m, s, count, masks,
-                                                          ab, chosen, chosen_w, greedy, g1, g2, gab, LINES, BLOCK,
-                                                          PACKED_COUNT, TRACK, ARGMAX)
+        if SHIFT:
+            w = _shifted_block(words, wcols, off // 2, None, skew, row_words, False)
+        else:
+            w = tl.load(words + off // 2 + wcols)
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1,
+                                                          g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
     if PACKED_COUNT:
         # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
         # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most
@@ -153,7 +225,13 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
     if full_end < end:
         idx = full_end + cols
         inside = idx < end
-        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+        if SHIFT:       # the lines that start before the end, shifted as the whole blocks are
+            first_col = full_end + tl.arange(0, LINES)[:, None] * 8          # each line's first column
+            w = _shifted_block(words, wcols, full_end // 2, first_col < end, skew, row_words, True)
+            y = tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
+            y = tl.where(inside, y.reshape([LINES, BLOCK // LINES]), float("-inf"))
+        else:
+            y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
         g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
         if ARGMAX:
             up, _, ab = argmax_lines(y, full_end, m, ab)

@@ -23,13 +23,18 @@ other rows: the compiled kernels depend on the dtypes, the vocabulary, whether r
 aligned (a property of the layout: contiguous rows of a vocabulary are aligned alike at every
 batch size, one row alone included, :func:`_layout_stride`), top-k and temperature, never on the
 batch. A layout that changes the alignment (rows padded to a stride that is not a multiple of 16
-bytes, a base address off 16 bytes) takes other kernels and may give other bits. The program that
+bytes, a base address off 16 bytes) takes other kernels and may give other bits, except for
+bfloat16 without a temperature, whose bits are the same in every layout (``SHIFT`` below). The
+program that
 holds a row's first chunk also writes the row's token logit and whether its id is valid to the
 workspace, so the combine kernel reads them with the partials instead of loading the id and then
 its logit (two dependent round trips less).
 
-The bfloat16 fast path (rows 16-byte aligned, no temperature: ``WORDS``). The chunk kernel reads
-whole blocks as 32-bit words of two logits (widened by a shift and a mask), computes each
+The bfloat16 fast path (no temperature: ``WORDS``). The chunk kernel reads whole blocks as 32-bit
+words of two logits (widened by a shift and a mask); in rows that are not 16-byte aligned
+(``SHIFT``: GPT-2's 50,257 logits per row, a padded stride) it reads the two aligned 16-byte
+vectors around each line and shifts the line's words into place, so each thread holds the same
+logits in the same registers as in an aligned row and every later step is the same. It computes each
 exponent with one fused multiply-add against a per-line offset ``mc = clamp(m, +-2**20) *
 log2(e)`` and undoes the offset's rounding at the chunk's end (``2**(mc - max * log2(e))``, one
 rounding), and counts ``y >= y[t]`` with one packed ``bf16x2`` compare per word. A chunk whose
@@ -126,14 +131,17 @@ LOGPROB_MIN_BLOCK = 128
 LOGPROB_BLOCK = 2048
 LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 13
-# Aligned bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole
+# bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole
 # blocks read as 32-bit words of two logits, one fused multiply-add per exponent, the rank
 # counted with one packed compare per word: 229 instead of 342 instructions per 32 logits in the
 # block loop (sm_90 SASS, Triton 3.9), 48 registers instead of 54. bench/logprob_tuning.py,
 # H200, 2026-12-02 02:46 UTC, bf16 device time p50, fast path vs element path side by side (19
 # chunks of 4 blocks then): 5.98 / 5.96 us at batch 1, 12.98 / 13.34 at 64, 27.43 / 29.10 at
 # 256, 314.5 / 327.5 at 4096 (less than the instruction count suggests: the loop is mostly
-# waiting on loads).
+# waiting on loads). Rows that are not 16-byte aligned took the element path until they too
+# took the fused path with each line's words shifted into place (SHIFT): 64 instead of 123
+# registers per thread in its chunk kernel, and with top-k 20 24 instead of 1,048 bytes of
+# spills (sm_90 SASS, Triton 3.6).
 LOGPROB_WORDS = True
 # Chunks per program: the largest of LOGPROB_GROUPS that leaves at least LOGPROB_MIN_PROGRAMS
 # programs in the grid (about 1.7 waves on an H200's 132 SMs at 9 programs per SM, the occupancy
@@ -203,7 +211,7 @@ class LogprobRankPlan(NamedTuple):
     ``n_chunks`` chunks per row of ``chunk_blocks`` blocks of ``block`` logits, streamed by
     programs of ``num_warps`` warps (:func:`logprob_rank_chunk_kernel`; how many chunks one
     program takes is chosen at launch from the batch, :func:`_chunk_group`, and changes no bit).
-    ``words``: aligned bfloat16 rows without a temperature take the fused path. With top-k:
+    ``words``: bfloat16 rows without a temperature take the fused path. With top-k:
     ``k_pad`` (0 without top-k; 8, 32 or 64, a power of two >= top_k), ``sel`` group maxima for
     the threshold, ``cap_p`` candidate vectors and ``cap`` candidate logits kept per program;
     ``maxnreg`` caps the chunk kernel's registers (speed only).
@@ -319,11 +327,12 @@ def _chunk_group(batch: int, n_chunks: int, top_k: int = 0) -> int:
 
 def _layout_stride(args: LogprobRankArgs) -> int:
     """The row stride (elements) that decides whether rows are 16-byte aligned, which picks the
-    compiled kernels and so the bits: the call's own for several rows; for one row, the larger
-    stride its layout reports, else that of contiguous rows of the vocabulary. A row alone thus
-    takes the kernels of the same rows in a contiguous batch: with 50,257 bfloat16 logits per row
-    (not a multiple of 16 bytes) both take the unaligned ones, where one aligned row alone would
-    otherwise take the fused path and give other bits."""
+    compiled kernels (for float32 and float16 the layout the element path reduces in, and so the
+    bits): the call's own for several rows; for one row, the larger stride its layout reports,
+    else that of contiguous rows of the vocabulary. A row alone thus takes the kernels of the same
+    rows in a contiguous batch: with 50,257 float32 logits per row (not a multiple of 16 bytes)
+    both take the unaligned ones, where one aligned row alone would otherwise reduce in another
+    layout and give other bits."""
     return args.row_stride if args.batch > 1 or args.row_stride >= args.vocab else args.vocab
 
 
@@ -353,9 +362,10 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     if group is None:
         group = _chunk_group(args.batch, plan.n_chunks, plan.k_pad)
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_chunks, group, args.top_k)
-    words = plan.words and aligned and dtypes.logits == "bfloat16" and not has_temp
+    words = plan.words and dtypes.logits == "bfloat16" and not has_temp
     chunk_const = {"BLOCK": plan.block, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
-                   "WORDS": words, "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
+                   "WORDS": words, "SHIFT": words and not aligned,
+                   "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
