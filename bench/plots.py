@@ -277,9 +277,15 @@ def summary(results, launch, staging, placement, scaling, logprob=None) -> None:
         parts += ["## logprob_rank.py: us per call and GB/s of logits read, p50", "",
                   (f"Device-to-device copy: {copy['gbps']:.0f} GB/s (read + write)" if copy else ""), "",
                   table([r for r in logprob if r.get("provider") not in ("d2d_copy", "target")],
-                        ["provider", "timing", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps"]), "",
+                        ["provider", "timing", "dtype", "batch", "vocab", "row_stride", "us_p50", "us_p20", "us_p80",
+                         "gbps"]), "",
                   table([r for r in logprob if r.get("provider") == "target"],
-                        ["dtype", "batch", "timing", "fraction_of_copy", "speedup_vs_torch", "met"]), ""]
+                        ["dtype", "batch", "timing", "field", "value", "limit", "met"]), ""]
+    floor = load(results, "read_floor")
+    if floor:
+        parts += ["## read_floor.py: the simplest kernels that read the logits once, p50", "",
+                  table(floor, ["provider", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps_p50",
+                                "share_of_copy"]), ""]
     out = os.path.join(results, "summary.md")
     with open(out, "w") as f:
         f.write("\n".join(parts))
