@@ -127,7 +127,8 @@ def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.cons
     chunk's at the end of a chunk's blocks. bench/logprob_tuning.py --latency, H200, 2026-12-02
     09:54 UTC, before / after (two blocks) in one run (device time p50, bf16, vocabulary 151,936):
     4.05 / 3.76 us at batch 1, 23.95 / 23.55 at 256, 292.3 / 293.2 at 4096; top-k 20 44.59 /
-    43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256."""
+    43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256. ``skew``,
+    ``row_words`` and ``SHIFT`` as in :func:`chunk_lines_fast`."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
     chunk_words = words + start // 2
     row_words -= start // 2
@@ -174,7 +175,7 @@ def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2
 def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1,
                      g2, gab, skew, row_words, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
                      TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr, SHIFT: tl.constexpr):
-    """The chunk kernel's ``chunk_safe`` for aligned bfloat16 rows without a temperature, up to
+    """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
     (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
     count by packed compares where ``PACKED_COUNT`` (else per logit). ``w0`` to ``w3`` are the
