@@ -98,17 +98,20 @@ TOP_K = 20
 #   23.38 (and 75.49 against 76.05 at 1024, 288.5 against 286.1 at 4096); a cap of 48 registers
 #   (10 programs per SM instead of 9, 6 bytes of spills) slower everywhere (24.04 at 256); 8 or 5
 #   blocks per chunk 23.10 / 24.04 at 256; top-k with three chunks per program 130.4 against 37.65.
-# The trials below ran at 14:25 UTC (results/logprob_tuning_groups.json): 8 warps per program.
-A4 = {"LOGPROB_AHEAD": 4}
-W8, W8A4 = {"num_warps": 8}, {"num_warps": 8, "patch": A4}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, W8, W8A4),
-                ("bfloat16", 256, 0): ({}, W8, W8A4, {"num_warps": 8, "chunk_blocks": 12, "patch": A4},
-                                       {"num_warps": 8, "maxnreg": 32}, {"num_warps": 8, "chunk_blocks": 3},
-                                       {"num_warps": 8, "chunk_blocks": 4}),
-                ("bfloat16", 4096, 0): ({}, W8, W8A4),
-                ("bfloat16", 256, TOP_K): ({}, W8),
-                ("float32", 256, 0): ({}, W8),
-                ("bfloat16", 256, "argmax"): ({}, W8)}
+# - 14:25 UTC (results/logprob_tuning_groups.json): 8 warps per program 25.69 against 23.60 us
+#   at 256, 307.7 against 291.4 at 4096 (4 blocks ahead, 12 blocks per chunk, a 32-register cap:
+#   no better), top-k 20 48.81 against 37.88.
+# The trials below: whether the programmatic dependent launches (the chunk kernel chained to the
+# kernel before it, the combine kernel to the chunk kernel) are what costs the 8-warp plan, as a
+# bare 8-warp read without them takes 20.95 us at 256 (read_floor.py). 15:19 UTC (copied to
+# results/logprob_tuning_pdl.json): no, they help either way: at 256 4 warps 23.54 us, 25.02
+# unchained, 26.54 without them; 8 warps 25.70, 27.56, 28.40; at 4096 8 warps 307.5 / 308.8.
+NO_PDL = {"LOGPROB_PDL": False}
+W8 = {"num_warps": 8}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, W8, dict(W8, patch=NO_PDL)),
+                ("bfloat16", 256, 0): ({}, {"chain": False}, {"patch": NO_PDL}, W8, dict(W8, chain=False),
+                                       dict(W8, patch=NO_PDL)),
+                ("bfloat16", 4096, 0): ({}, W8, dict(W8, patch=NO_PDL))}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
