@@ -103,7 +103,7 @@ TOP_K = 20
 #   no better), top-k 20 48.81 against 37.88.
 # The trials below: whether the programmatic dependent launches (the chunk kernel chained to the
 # kernel before it, the combine kernel to the chunk kernel) are what costs the 8-warp plan, as a
-# bare 8-warp read without them takes 20.95 us at 256 (read_floor.py). 15:19 UTC (copied to
+# bare 8-warp read without them takes 20.95 us at 256 (read_floor.py). 15:16 UTC (copied to
 # results/logprob_tuning_pdl.json): no, they help either way: at 256 4 warps 23.54 us, 25.02
 # unchained, 26.54 without them; 8 warps 25.70, 27.56, 28.40; at 4096 8 warps 307.5 / 308.8.
 NO_PDL = {"LOGPROB_PDL": False}
