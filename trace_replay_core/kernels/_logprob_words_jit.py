@@ -227,7 +227,7 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
         idx = full_end + cols
         inside = idx < end
         if SHIFT:       # the lines that start before the end, shifted as the whole blocks are
-            first_col = full_end + tl.arange(0, LINES)[:, None] * 8          # each line's first column
+            first_col = full_end + tl.arange(0, LINES)[:, None] * (BLOCK // LINES)     # each line's first column
             w = _shifted_block(words, wcols, full_end // 2, first_col < end, skew, row_words, True)
             y = tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
             y = tl.where(inside, y.reshape([LINES, BLOCK // LINES]), float("-inf"))

@@ -402,8 +402,7 @@ def _compiled_launches(args, dtypes, device_id, plan, group=None):
     from ._compiled import compiled
     if plan is None:
         plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k)
-    sm90 = compute_capability(device_id) >= (9, 0)
-    gdc = LOGPROB_PDL and sm90
+    gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
     for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
             launch_specs(args, dtypes, plan, group)):
         constexprs = dict(constexprs, GDC=gdc)
