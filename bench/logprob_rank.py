@@ -17,7 +17,8 @@ Providers:
 - ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
 - ``trace_replay_unaligned`` / ``torch_unaligned``: ``trace_replay`` and ``torch`` on rows that
   are not 16-byte aligned (``UNALIGNED``: GPT-2's 50,257 logits per row, and 151,936 logits in
-  rows of 151,937), which the kernels read a logit per load; batch 1, 256 and 4096.
+  rows of 151,937): bfloat16 on the fused path with each line's words shifted into place,
+  float32 on the element path (a logit per load); batch 1, 256 and 4096.
 - ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of
   ``trace_replay_jax.token_logprob_rank(logits, ids, method=...)`` (the core kernels through a
   ``buffer_callback`` on XLA's stream, or the same contract in jnp).
@@ -61,9 +62,9 @@ MAX_COPIES = 32
 QUEUED = "cuda events, queued behind a busy kernel"
 DO_BENCH = "cuda events (do_bench, L2 flushed)"
 TOP_K = 20
-# Rows that are not 16-byte aligned take the element path (one logit per load): GPT-2's
-# vocabulary, and 151,936 logits in rows padded to 151,937 (a view of a wider buffer):
-# (vocabulary, row stride) in elements.
+# Rows that are not 16-byte aligned (bfloat16: the fused path, shifted; float32: the element
+# path, a logit per load): GPT-2's vocabulary, and 151,936 logits in rows padded to 151,937 (a
+# view of a wider buffer): (vocabulary, row stride) in elements.
 UNALIGNED = ((50_257, 50_257), (VOCAB, VOCAB + 1))
 UNALIGNED_BATCHES = (1, 256, 4096)
 
@@ -211,7 +212,7 @@ def main() -> None:
             logits = ids = gids = out = out_k = out_a = copies = None     # drop the references before the next size
             torch.cuda.empty_cache()
 
-    for vocab, stride in UNALIGNED:             # the element path: rows not 16-byte aligned
+    for vocab, stride in UNALIGNED:             # rows not 16-byte aligned
         for dtype_name in DTYPES:
             for batch in UNALIGNED_BATCHES:
                 wide = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))

@@ -7,8 +7,9 @@ grid shape, and how much of ``token_logprob_rank``'s time is the read itself.
 
 Providers (each reads ``batch x 151,936`` logits and writes one float per program or row):
 - ``sum_grid``: a Triton kernel on the op's grid (one program per row and chunk of
-  ``CHUNK_BLOCKS`` blocks of 2,048 logits, 4 warps, 16-byte vector loads, two blocks unrolled),
-  summing its chunk in float32: the op's memory access pattern with no other work.
+  ``CHUNK_BLOCKS`` blocks of 2,048 logits, 4 warps, two blocks unrolled), summing its chunk in
+  float32: the op's grid with no other work. Its loads are masked per logit, so ptxas issues
+  them a logit at a time (sm_90, Triton 3.6), not as the op's 16-byte vectors.
   ``sum_grid_c<blocks>_w<warps>[_ef][_token]``: the same with other chunks and warps (``_ef``:
   loads marked evict-first; ``_token``: as ``sum_grid_token``), as ``GRID_SHAPES`` lists; 75
   blocks is one program per row.

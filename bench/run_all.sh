@@ -2,7 +2,8 @@
 # The whole benchmark suite, on a machine with a CUDA GPU and the packages already installed:
 # launch, staging, placement, scaling (then logprob_rank, read_floor, jax_step and cli_run when
 # those scripts exist), then the plots and summary tables. Every result lands in bench/results/
-# (JSON with provenance, PNG, summary.md). Set BENCH_LOG_DIR to also keep each script's output in <dir>/<script>.log.
+# (JSON with provenance, PNG, summary.md). Set BENCH_LOG_DIR to also keep each script's output
+# in <dir>/<script>.log.
 # A failing script does not stop the others; the exit status is non-zero if any failed.
 # Each script is stopped after BENCH_TIMEOUT_S seconds (default 180) so that one hang cannot
 # take the rest of the run with it.
