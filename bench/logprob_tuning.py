@@ -101,17 +101,32 @@ TOP_K = 20
 # - 14:25 UTC (results/logprob_tuning_groups.json): 8 warps per program 25.69 against 23.60 us
 #   at 256, 307.7 against 291.4 at 4096 (4 blocks ahead, 12 blocks per chunk, a 32-register cap:
 #   no better), top-k 20 48.81 against 37.88.
-# The trials below: whether the programmatic dependent launches (the chunk kernel chained to the
-# kernel before it, the combine kernel to the chunk kernel) are what costs the 8-warp plan, as a
-# bare 8-warp read without them takes 20.95 us at 256 (read_floor.py). 15:16 UTC (copied to
-# results/logprob_tuning_pdl.json): no, they help either way: at 256 4 warps 23.54 us, 25.02
-# unchained, 26.54 without them; 8 warps 25.70, 27.56, 28.40; at 4096 8 warps 307.5 / 308.8.
-NO_PDL = {"LOGPROB_PDL": False}
-W8 = {"num_warps": 8}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, W8, dict(W8, patch=NO_PDL)),
-                ("bfloat16", 256, 0): ({}, {"chain": False}, {"patch": NO_PDL}, W8, dict(W8, chain=False),
-                                       dict(W8, patch=NO_PDL)),
-                ("bfloat16", 4096, 0): ({}, W8, dict(W8, patch=NO_PDL))}
+# - 15:16 UTC: whether the programmatic dependent launches (the chunk kernel chained to the
+#   kernel before it, the combine kernel to the chunk kernel) are what costs the 8-warp plan, as
+#   a bare 8-warp read without them takes 20.95 us at 256 (read_floor.py): no, they help either
+#   way (results/logprob_tuning_pdl.json): at 256 4 warps 23.54 us, 25.02 unchained, 26.54
+#   without them; 8 warps 25.70, 27.56, 28.40; at 4096 8 warps 307.5 / 308.8.
+# The trials below: the whole blocks loaded evict-first in L1 and L2 (a bare read of the op's grid
+# went from 22.51 to 21.96 us at batch 256 with it, read_floor.py 14:25 UTC), and top-k programs
+# that write their keys unsorted when there are no more than k_pad of them (against sorted).
+EF = {"patch": {"LOGPROB_EVICT_FIRST": True}}
+SORTED = {"patch": {"LOGPROB_TOPK_SORTED": True}}
+EF_AHEAD4 = {"patch": {"LOGPROB_EVICT_FIRST": True, "LOGPROB_AHEAD": 4}}
+EF_SORTED = {"patch": {"LOGPROB_EVICT_FIRST": True, "LOGPROB_TOPK_SORTED": True}}
+# Smaller chunks whose blocks are all loaded ahead of the token's loads: 4 blocks, 4 ahead; 2
+# blocks (2 ahead, as shipped), and with one chunk per program.
+CB4 = {"chunk_blocks": 4, "patch": {"LOGPROB_AHEAD": 4}}
+CB4_EF = {"chunk_blocks": 4, "patch": {"LOGPROB_AHEAD": 4, "LOGPROB_EVICT_FIRST": True}}
+CB2 = {"chunk_blocks": 2}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, EF, CB4, CB2),
+                ("bfloat16", 256, 0): ({}, EF, EF_AHEAD4, CB4, CB4_EF, CB2, dict(CB2, group=1), {}, EF),
+                ("bfloat16", 1024, 0): ({}, EF),
+                ("bfloat16", 4096, 0): ({}, EF, CB4, CB2),
+                ("float32", 256, 0): ({}, EF),
+                ("float32", 4096, 0): ({}, EF),
+                ("bfloat16", 256, "argmax"): ({}, EF),
+                ("bfloat16", 256, 20): ({}, SORTED, EF, EF_SORTED, {}),
+                ("bfloat16", 4096, 20): ({}, SORTED, EF)}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 

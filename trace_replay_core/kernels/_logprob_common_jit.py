@@ -10,6 +10,7 @@ NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)     # a chunk of only -inf ke
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
+
 @triton.jit
 def scaled(x, t, HAS_TEMP: tl.constexpr):
     """``x / t`` where there is a temperature (IEEE division, as ``logits / T`` in torch and
@@ -18,6 +19,23 @@ def scaled(x, t, HAS_TEMP: tl.constexpr):
         return tl.math.div_rn(x, t)
     else:
         return x
+
+
+@triton.jit
+def stream_load(ptr, mask, EVICT_FIRST: tl.constexpr):
+    """Load the logits (or words) at ``ptr`` that the chunk kernel reads once, 0 where ``mask`` is
+    given and false; marked evict-first in L1 and L2 where ``EVICT_FIRST`` (Triton's eviction
+    policy: the lines are the first to go when the caches need room)."""
+    if EVICT_FIRST:
+        if mask is None:
+            return tl.load(ptr, eviction_policy="evict_first")
+        else:
+            return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+    else:
+        if mask is None:
+            return tl.load(ptr)
+        else:
+            return tl.load(ptr, mask=mask, other=0)
 
 
 @triton.jit

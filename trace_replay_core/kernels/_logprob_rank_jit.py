@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
-                                  track_lines)
+                                  stream_load, track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
 from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast
 
@@ -55,11 +55,12 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 @triton.jit
 def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LINES: tl.constexpr,
                 BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr,
-                GREEDY: tl.constexpr):
+                GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
-    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum."""
+    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
+    ``EVICT_FIRST``: whole blocks load evict-first (``stream_load``)."""
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
@@ -67,7 +68,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LIN
     ab = tl.zeros([LINES], tl.int32) + start
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-        y = scaled(tl.load(row_ptr + off + cols).to(tl.float32), t, HAS_TEMP)
+        y = scaled(stream_load(row_ptr + off + cols, None, EVICT_FIRST).to(tl.float32), t, HAS_TEMP)
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
         if ARGMAX:
@@ -163,6 +164,8 @@ def logprob_rank_chunk_kernel(
     PIECE: tl.constexpr,
     ARGMAX: tl.constexpr,   # each chunk's greedy maximum and column; negative ids are greedy rows
     AHEAD: tl.constexpr,    # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
+    EVICT_FIRST: tl.constexpr,  # whole blocks loaded evict-first in L1 and L2 (stream_load)
+    TOPK_SORTED: tl.constexpr,  # TOPK: each program's keys sorted even where they need no selection
 ):
     if GDC:
         _launch_dependents()
@@ -188,7 +191,8 @@ def logprob_rank_chunk_kernel(
         wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
         # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
-        w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT)
+        w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT,
+                                      EVICT_FIRST)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:          # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
@@ -220,7 +224,7 @@ def logprob_rank_chunk_kernel(
         if WORDS:
             line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
                 words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2,
-                gab, skew, row_words, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD, SHIFT)
+                gab, skew, row_words, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD, SHIFT, EVICT_FIRST)
             # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
             # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
             # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
@@ -228,12 +232,12 @@ def logprob_rank_chunk_kernel(
             # SM, not 9).
             if not ARGMAX:
                 w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD,
-                                              SHIFT)
+                                              SHIFT, EVICT_FIRST)
             big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy,
                                                            ARGMAX)
             if ARGMAX:
                 w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD,
-                                              SHIFT)
+                                              SHIFT, EVICT_FIRST)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
@@ -243,11 +247,11 @@ def logprob_rank_chunk_kernel(
             if ARGMAX and greedy:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
                                                                          t, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
-                                                                         TOPK > 0, True, True)
+                                                                         TOPK > 0, True, True, EVICT_FIRST)
             else:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
                                                                          t, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
-                                                                         TOPK > 0, ARGMAX, False)
+                                                                         TOPK > 0, ARGMAX, False, EVICT_FIRST)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
@@ -261,7 +265,7 @@ def logprob_rank_chunk_kernel(
         slot = row * n_chunks + first
         program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), g1, g2, gab, t, top_k,
                      pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, part_k_ptr + slot * TOPK, LINES, VEC, BLOCK, SEL,
-                     TOPK, CAP_P, PAIRS, CAP, RESCAN, PIECE, HAS_TEMP)
+                     TOPK, CAP_P, PAIRS, CAP, RESCAN, PIECE, HAS_TEMP, TOPK_SORTED)
 
 
 @triton.jit(

@@ -155,9 +155,10 @@ def _pieces(row_ptr, lo, hi, t, K_PAD: tl.constexpr, PIECE: tl.constexpr, HAS_TE
 def program_topk(row_ptr, lo, hi, g1, g2, gab, t, top_k, pairs_dst, cand_dst, out, LINES: tl.constexpr,
                  VEC: tl.constexpr, BLOCK: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr, CAP_P: tl.constexpr,
                  PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr, PIECE: tl.constexpr,
-                 HAS_TEMP: tl.constexpr):
+                 HAS_TEMP: tl.constexpr, SORTED: tl.constexpr):
     """Write the best ``K_PAD`` keys of columns ``[lo, hi)`` of the row (exact for the best
-    ``top_k``), sorted, largest first, to ``out[0:K_PAD]``; ``g1``, ``g2``, ``gab``: the line
+    ``top_k``) to ``out[0:K_PAD]``, padded with ``KEY_PAD``, in no particular order unless
+    ``SORTED`` (then largest first; the combine kernel sorts them either way); ``g1``, ``g2``, ``gab``: the line
     tracking of ``track_lines`` over those columns. (Threshold and order by counting all pairs
     instead of by sorting networks measured 2.4x slower: 90.8 against 37.7 us at batch 256,
     bench/README.md, 11:50 UTC.)"""
@@ -169,8 +170,13 @@ def program_topk(row_ptr, lo, hi, g1, g2, gab, t, top_k, pairs_dst, cand_dst, ou
     kk = tl.arange(0, K_PAD)
     if n >= 0:
         tl.debug_barrier()              # the candidates were written by other threads
-        j = tl.arange(0, CAP)
-        keys = tl.load(cand_dst + j, mask=j < n, other=KEY_PAD)
-        tl.store(out + kk, tl.topk(keys, K_PAD))
+        if (n <= K_PAD) & (not SORTED):
+            # All of them fit (the common case): written as they are, padded; the combine kernel
+            # sorts every program's keys anyway.
+            tl.store(out + kk, tl.load(cand_dst + kk, mask=kk < n, other=KEY_PAD))
+        else:
+            j = tl.arange(0, CAP)
+            keys = tl.load(cand_dst + j, mask=j < n, other=KEY_PAD)
+            tl.store(out + kk, tl.topk(keys, K_PAD))
     else:
         tl.store(out + kk, _pieces(row_ptr, lo, hi, t, K_PAD, PIECE, HAS_TEMP))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E, argmax_chunk, argmax_lines, track_lines
+from ._logprob_common_jit import LOG2E, argmax_chunk, argmax_lines, stream_load, track_lines
 
 TAME = tl.constexpr(2.0 ** 20)      # line maxima clamped to +-TAME; a chunk beyond it is flagged
 
@@ -107,19 +107,20 @@ def _shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.conste
 
 
 @triton.jit
-def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
+                 EVICT_FIRST: tl.constexpr):
     """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
-    chunk's first ``words_in`` words)."""
+    chunk's first ``words_in`` words); ``EVICT_FIRST`` as in ``stream_load`` (aligned rows)."""
     if SHIFT:
         return _shifted_block(words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words,
                               True)
     else:
-        return tl.load(words + wcols + at * (BLOCK // 2), mask=wcols + at * (BLOCK // 2) < words_in, other=0)
+        return stream_load(words + wcols + at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, EVICT_FIRST)
 
 
 @triton.jit
 def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.constexpr, AHEAD: tl.constexpr,
-                 SHIFT: tl.constexpr):
+                 SHIFT: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """The words of the first ``AHEAD`` (2 or 4) whole blocks of the chunk of ``span`` logits at
     ``start`` (zeros for a block that does not lie whole before ``end``; with ``AHEAD`` 2 the last
     two returned are the first two again, unused), loaded ahead of the chunk's block loop: the
@@ -128,15 +129,15 @@ def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.cons
     09:54 UTC, before / after (two blocks) in one run (device time p50, bf16, vocabulary 151,936):
     4.05 / 3.76 us at batch 1, 23.95 / 23.55 at 256, 292.3 / 293.2 at 4096; top-k 20 44.59 /
     43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256. ``skew``,
-    ``row_words`` and ``SHIFT`` as in :func:`chunk_lines_fast`."""
+    ``row_words``, ``SHIFT`` and ``EVICT_FIRST`` as in :func:`chunk_lines_fast`."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
     chunk_words = words + start // 2
     row_words -= start // 2
-    w0 = _whole_block(chunk_words, wcols, 0, words_in, skew, row_words, BLOCK, SHIFT)
-    w1 = _whole_block(chunk_words, wcols, 1, words_in, skew, row_words, BLOCK, SHIFT)
+    w0 = _whole_block(chunk_words, wcols, 0, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
+    w1 = _whole_block(chunk_words, wcols, 1, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
     if AHEAD == 4:
-        w2 = _whole_block(chunk_words, wcols, 2, words_in, skew, row_words, BLOCK, SHIFT)
-        w3 = _whole_block(chunk_words, wcols, 3, words_in, skew, row_words, BLOCK, SHIFT)
+        w2 = _whole_block(chunk_words, wcols, 2, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
+        w3 = _whole_block(chunk_words, wcols, 3, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
     else:
         w2, w3 = w0, w1
     return w0, w1, w2, w3
@@ -174,7 +175,8 @@ def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2
 @triton.jit
 def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1,
                      g2, gab, skew, row_words, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
-                     TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr, SHIFT: tl.constexpr):
+                     TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr, SHIFT: tl.constexpr,
+                     EVICT_FIRST: tl.constexpr):
     """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
     (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
@@ -182,7 +184,8 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
     chunk's first ``AHEAD`` whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
     same steps before its block loop, wherever they were loaded. With ``SHIFT`` (rows not 16-byte
     aligned) ``words`` is the row's start rounded down to 16 bytes, ``skew`` bytes before it, and
-    ``row_words`` the row's end in words past ``words``, rounded up. Returns each line's maximum
+    ``row_words`` the row's end in words past ``words``, rounded up. ``EVICT_FIRST``: aligned rows
+    load their whole blocks evict-first (``stream_load``). Returns each line's maximum
     (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
     ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token."""
     m = tl.full([LINES], float("-inf"), tl.float32)
@@ -214,7 +217,7 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
         if SHIFT:
             w = _shifted_block(words, wcols, off // 2, None, skew, row_words, False)
         else:
-            w = tl.load(words + off // 2 + wcols)
+            w = stream_load(words + off // 2 + wcols, None, EVICT_FIRST)
         m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1,
                                                           g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
     if PACKED_COUNT:

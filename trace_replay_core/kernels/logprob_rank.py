@@ -172,6 +172,9 @@ LOGPROB_TOPK_MIN_PROGRAMS = 1024
 # (H200, 2026-12-02 08:29 and 08:34 UTC, the cap passed as plan_logprob_rank(maxnreg=)) found
 # float32 capped at 64 slower: 57.2 against 52.7 us at batch 256, 726 against 658 at 4096.
 LOGPROB_TOPK_RESCAN = 512
+# Whether a program's top-k keys are sorted when they are no more than k_pad (then they need no
+# selection; the combine kernel sorts every program's keys anyway).
+LOGPROB_TOPK_SORTED = False
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
 # The most chunks a plan may cut a row into (the combine kernel holds a row's partials in one
@@ -202,6 +205,9 @@ LOGPROB_PDL_CHAIN = True
 # The two compile to different fused multiply-adds on the GPU (logprobs 1.9e-6 apart; each
 # batch-invariant).
 LOGPROB_AHEAD = 2
+# The chunk kernel loads its whole blocks evict-first in L1 and L2 (_logprob_common_jit.stream_load).
+# Speed only: the same bits either way.
+LOGPROB_EVICT_FIRST = False
 
 
 class LogprobRankPlan(NamedTuple):
@@ -369,7 +375,8 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
-                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD}
+                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD,
+                   "EVICT_FIRST": LOGPROB_EVICT_FIRST, "TOPK_SORTED": LOGPROB_TOPK_SORTED}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
