@@ -106,27 +106,26 @@ TOP_K = 20
 #   a bare 8-warp read without them takes 20.95 us at 256 (read_floor.py): no, they help either
 #   way (results/logprob_tuning_pdl.json): at 256 4 warps 23.54 us, 25.02 unchained, 26.54
 #   without them; 8 warps 25.70, 27.56, 28.40; at 4096 8 warps 307.5 / 308.8.
-# The trials below: the whole blocks loaded evict-first in L1 and L2 (a bare read of the op's grid
-# went from 22.51 to 21.96 us at batch 256 with it, read_floor.py 14:25 UTC), and top-k programs
-# that write their keys unsorted when there are no more than k_pad of them (against sorted).
-EF = {"patch": {"LOGPROB_EVICT_FIRST": True}}
-SORTED = {"patch": {"LOGPROB_TOPK_SORTED": True}}
-EF_AHEAD4 = {"patch": {"LOGPROB_EVICT_FIRST": True, "LOGPROB_AHEAD": 4}}
-EF_SORTED = {"patch": {"LOGPROB_EVICT_FIRST": True, "LOGPROB_TOPK_SORTED": True}}
-# Smaller chunks whose blocks are all loaded ahead of the token's loads: 4 blocks, 4 ahead; 2
-# blocks (2 ahead, as shipped), and with one chunk per program.
-CB4 = {"chunk_blocks": 4, "patch": {"LOGPROB_AHEAD": 4}}
-CB4_EF = {"chunk_blocks": 4, "patch": {"LOGPROB_AHEAD": 4, "LOGPROB_EVICT_FIRST": True}}
-CB2 = {"chunk_blocks": 2}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, EF, CB4, CB2),
-                ("bfloat16", 256, 0): ({}, EF, EF_AHEAD4, CB4, CB4_EF, CB2, dict(CB2, group=1), {}, EF),
-                ("bfloat16", 1024, 0): ({}, EF),
-                ("bfloat16", 4096, 0): ({}, EF, CB4, CB2),
-                ("float32", 256, 0): ({}, EF),
-                ("float32", 4096, 0): ({}, EF),
-                ("bfloat16", 256, "argmax"): ({}, EF),
-                ("bfloat16", 256, 20): ({}, SORTED, EF, EF_SORTED, {}),
-                ("bfloat16", 4096, 20): ({}, SORTED, EF)}
+# - 16:10 UTC (results/logprob_tuning_evict.json): the whole blocks loaded evict-first in L1 and
+#   L2 faster at every batch but 1 (bf16 256 23.40 against 23.55 us, 4096 287.1 against 291.2,
+#   float32 4096 557.9 against 569.4, top-k 20 at 256 35.64 against 36.80): shipped. Top-k
+#   programs writing their keys unsorted when they are no more than k_pad: 36.80 against 37.91 at
+#   256, 423.4 against 440.1 at 4096: shipped. Chunks of 4 blocks all loaded ahead, or of 2: faster
+#   at batch 1 (3.29 / 3.19 against 3.89 us), slower at 256 (23.76 / 24.71, one chunk per program
+#   26.49) and 4096 (295.4 / 319.3): not kept.
+# - 16:13 UTC (results/logprob_tuning_topk_combine.json; top-k 20 at 256, the plain call 23.27 us
+#   beside it): the combine kernel with 2 or 8 warps 36.17 / 36.21 against 35.56 (4); the chunk
+#   kernel capped at 72 registers 35.57, uncapped (91) 38.21; candidate vectors read back 32 at a
+#   time 35.25 against 35.56 / 35.52 (64): shipped. At batch 1 the combine with 8 warps 9.88
+#   against 9.64.
+# - 16:14 UTC (results/logprob_tuning_topk_pairs.json; plain call 23.24 us): candidate vectors
+#   read back 16 at a time 37.45 against 35.25 / 35.18 (32); the combine kernel merging 4 key sets
+#   at a time 36.46, both 38.76.
+# - 16:15 UTC, the trials below (results/logprob_tuning_topk_sel.json; plain call 23.28 us): the
+#   threshold from 256 line maxima (every line) or 64 group maxima 36.19 / 36.22 against 35.23 /
+#   35.17 (128): unchanged.
+GROUP_TRIALS = {("bfloat16", 256, 0): ({},),
+                ("bfloat16", 256, 20): ({}, {"sel": 256}, {"sel": 64}, {})}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 

@@ -257,6 +257,9 @@ def _interpreter_topk_cases():
             for group in (1, 4):
                 cases.append(dict(name=f"tied-bf16-k20-b256-g{group}", x=x, ids=ids, dtype="bfloat16", top_k=20,
                                   block=256, group=group))
+            # ... and with each program's keys sorted even where they need no selection
+            cases.append(dict(name="tied-bf16-k20-b256-g4-sorted", x=x, ids=ids, dtype="bfloat16", top_k=20,
+                              block=256, group=4, constants={"LOGPROB_TOPK_SORTED": True}))
     # The real block (vocab 9000: 5 chunks of one block, the last of 808 logits), aligned bfloat16
     # rows without a temperature (the fused path); row 8 runs the piecewise merge.
     x, ids = special_rows(9000, 2048, rng)
@@ -303,6 +306,15 @@ def test_kernels_in_interpreter_topk_chunks_per_program_change_no_bit(interprete
     for k in ("lp", "rk", "tlp", "tid"):
         assert one[k].tobytes() == four[k].tobytes(), k
     assert_topk(processed(case["x"], None), 20, one["tlp"], one["tid"], "interpreter block 256")
+
+
+def test_kernels_in_interpreter_topk_program_key_order_changes_no_bit(interpreted_topk):
+    # A program writes its keys unsorted when they need no selection (no more than k_pad); the
+    # combine kernel sorts them: the same results as keys sorted in every program.
+    unsorted = interpreted_topk["tied-bf16-k20-b256-g4"][1]
+    _, ordered = interpreted_topk["tied-bf16-k20-b256-g4-sorted"]
+    for k in ("lp", "rk", "tlp", "tid"):
+        assert unsorted[k].tobytes() == ordered[k].tobytes(), k
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.conste
 @triton.jit
 def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.constexpr, KEY_TILES: tl.constexpr):
     """The best ``K_PAD`` keys of a row's programs ``p0 .. p0 + KEY_TILES`` (those that exist),
-    sorted, largest first."""
+    sorted, largest first (the sets need not be sorted)."""
     p = p0 + tt
     slots = base + p * group
     keys = tl.load(part_k_ptr + slots[:, None] * K_PAD + kk[None, :], mask=(p < n_progs)[:, None], other=KEY_PAD)
@@ -348,8 +348,8 @@ def logprob_rank_combine_kernel(
     tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
     tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
     if K_PAD > 0:
-        # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), each
-        # set sorted: the row's best K_PAD of KEY_TILES programs at a time.
+        # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), in no
+        # particular order: the row's best K_PAD of KEY_TILES programs at a time, sorted.
         kk = tl.arange(0, K_PAD)
         tt = tl.arange(0, KEY_TILES)
         n_progs = (n_chunks + group - 1) // group

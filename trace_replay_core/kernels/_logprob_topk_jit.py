@@ -19,8 +19,9 @@ line's other blocks ``g2``: ``track_lines``):
 4. If more than ``CAP`` logits are still above ``tau``, the program's logits are merged piece
    by piece (``PIECE`` keys at a time): exact, slow, for rows whose large values cluster.
 
-Steps 2-4 end in the same exact best ``K_PAD`` keys of the candidates, whose first ``top_k`` are
-the program's best ``top_k``; the combine kernel keeps the row's best ``K_PAD`` of all programs'.
+Steps 2-4 end in the same exact best ``K_PAD`` keys of the candidates (all of them, unsorted,
+when there are no more than ``K_PAD``), among which are the program's best ``top_k``; the combine
+kernel keeps the row's best ``K_PAD`` of all programs', sorted.
 """
 
 from __future__ import annotations

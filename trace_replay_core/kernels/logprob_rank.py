@@ -56,9 +56,10 @@ bits as a call without top-k. Each program keeps, per 16-byte line, the maximum 
 (the line maxima the online sum keeps anyway), and after its chunks finds their best ``k_pad``
 keys (orderable float bits, then the inverted column: larger value first, then lower id) by a
 threshold from those maxima and a read-back of only the vectors that can pass it
-(:mod:`._logprob_topk_jit` describes the filter and its exact fallbacks), sorted, at its first
-chunk's slot; the combine kernel reads only those slots (``group`` tells it where) and keeps the
-row's best ``k_pad`` of its programs' keys. Selection by a total order does not depend on
+(:mod:`._logprob_topk_jit` describes the filter and its exact fallbacks), at its first chunk's
+slot (unsorted when no more than ``k_pad`` keys pass the filter: then they need no selection);
+the combine kernel reads only those slots (``group`` tells it where) and keeps the row's best
+``k_pad`` of its programs' keys, sorted. Selection by a total order does not depend on
 the order of evaluation or on which program held which chunk, so top-k is batch-invariant too.
 
 The greedy token, from the same read (``ARGMAX``, a call with an argmax output). Each chunk
@@ -154,7 +155,11 @@ LOGPROB_MIN_PROGRAMS = 2048
 # time) and 2 * k_pad candidate logits kept; the fallbacks read back LOGPROB_TOPK_RESCAN logits per
 # step, or merge LOGPROB_TOPK_PIECE at a time.
 LOGPROB_TOPK_SEL = 128
-LOGPROB_TOPK_PAIRS = 64
+# Candidate vectors per read-back step: bench/logprob_tuning.py --groups, H200, 2026-12-02 16:13-16:14
+# UTC (results/logprob_tuning_topk_combine.json, _topk_pairs.json), top-k 20 at batch 256, device
+# time p50: 16 / 32 / 64 vectors 37.45 / 35.25 / 35.56 us (the plain call 23.24-23.27 beside them);
+# 64 or 256 group maxima instead of 128 36.22 / 36.19 against 35.23 (_topk_sel.json).
+LOGPROB_TOPK_PAIRS = 32
 # The top-k chunk kernel's registers per thread, capped (ptxas .maxnreg; 0: uncapped), and its
 # chunks per program: LOGPROB_TOPK_GROUPS as LOGPROB_GROUPS, at least LOGPROB_TOPK_MIN_PROGRAMS.
 # bench/logprob_tuning.py --topk-only, H200, 2026-12-02, top-k 20 bf16, device time p50 at batch
@@ -173,7 +178,8 @@ LOGPROB_TOPK_MIN_PROGRAMS = 1024
 # float32 capped at 64 slower: 57.2 against 52.7 us at batch 256, 726 against 658 at 4096.
 LOGPROB_TOPK_RESCAN = 512
 # Whether a program's top-k keys are sorted when they are no more than k_pad (then they need no
-# selection; the combine kernel sorts every program's keys anyway).
+# selection; the combine kernel sorts every program's keys anyway). Same run as LOGPROB_EVICT_FIRST
+# (without it), sorted / unsorted: top-k 20 at batch 256 37.91 / 36.80 us, at 4096 440.1 / 423.4.
 LOGPROB_TOPK_SORTED = False
 LOGPROB_TOPK_PIECE = 256
 TOPK_MAX = 64
@@ -205,9 +211,14 @@ LOGPROB_PDL_CHAIN = True
 # The two compile to different fused multiply-adds on the GPU (logprobs 1.9e-6 apart; each
 # batch-invariant).
 LOGPROB_AHEAD = 2
-# The chunk kernel loads its whole blocks evict-first in L1 and L2 (_logprob_common_jit.stream_load).
-# Speed only: the same bits either way.
-LOGPROB_EVICT_FIRST = False
+# The chunk kernel loads its whole blocks evict-first in L1 and L2 (_logprob_common_jit.stream_load):
+# speed only, the same bits either way. bench/logprob_tuning.py --groups, H200, 2026-12-02 16:10 UTC
+# (results/logprob_tuning_evict.json), device time p50 without / with, side by side: bf16 batch 1
+# 3.89 / 3.91 us, 256 23.55 / 23.40 and 23.51 / 23.38, 1024 77.38 / 76.63, 4096 291.2 / 287.1;
+# float32 256 41.28 / 40.38, 4096 569.4 / 557.9; argmax=True at 256 27.41 / 27.04; top-k 20 at 256
+# 36.80 / 35.64, at 4096 423.4 / 412.5 (the top-k read-back after a program's chunks still finds
+# its vectors in L2 often enough).
+LOGPROB_EVICT_FIRST = True
 
 
 class LogprobRankPlan(NamedTuple):
