@@ -128,6 +128,20 @@ def invariant(fn, logits, ids, result) -> bool:
                                 logits.shape[0])
 
 
+def add_row(rows, base, ours, provider, timing, stats, result=None, inv=None):
+    """Append and print one provider's row: its timing ``stats``, GB/s of the logits read,
+    ``invariant`` (``inv``; None where not checked) and, for another implementation's ``result``,
+    whether its ranks equal the kernel's (``ours``) and how far its logprobs are."""
+    same, diff = compare(ours, result) if result is not None else (True, 0.0)
+    bw = bandwidth(base["bytes"], stats)
+    rows.append(dict(base, provider=provider, timing=timing, gbps=bw["gbps_p50"], invariant=inv,
+                     ranks_equal_to_kernel=same, max_abs_logprob_diff_to_kernel=diff, **stats, **bw))
+    where = f"vocab {base['vocab']} stride {base['row_stride']} " if "row_stride" in base else ""
+    print(f"{provider:24s} {timing[:20]:20s} {where}{base['dtype']:9s} B={base['batch']:5d} p50 "
+          f"{stats['us_p50']:9.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] {bw['gbps_p50']:7.0f} GB/s  "
+          f"invariant: {inv}  ranks equal: {same}, max |dlogprob| {diff:.2e}", flush=True)
+
+
 def main() -> None:
     import torch
 
@@ -172,14 +186,7 @@ def main() -> None:
                         floor_us=nbytes / copy_gbps / 1e3)
 
             def record(provider, timing, stats, result, inv=None):
-                same, diff = compare(ours, result) if result is not None else (True, 0.0)
-                bw = bandwidth(nbytes, stats)
-                rows.append(dict(base, provider=provider, timing=timing, gbps=bw["gbps_p50"], invariant=inv,
-                                 ranks_equal_to_kernel=same, max_abs_logprob_diff_to_kernel=diff, **stats, **bw))
-                r = rows[-1]
-                print(f"{provider:24s} {timing[:20]:20s} {dtype_name:9s} B={batch:5d} p50 {r['us_p50']:9.2f} us "
-                      f"[{r['us_p20']:.2f}, {r['us_p80']:.2f}] {r['gbps']:7.0f} GB/s  invariant: {inv}  "
-                      f"ranks equal: {same}, max |dlogprob| {diff:.2e}", flush=True)
+                add_row(rows, base, ours, provider, timing, stats, result, inv)
 
             providers = [
                 ("trace_replay", lambda x: token_logprob_rank(x, ids, out=out), None, ours_inv),
@@ -227,20 +234,14 @@ def main() -> None:
                 inv = rows_alone_same_bits(lambda r: token_logprob_rank(wide[r:r + 1].clone()[:, :vocab],
                                                                         ids[r:r + 1].clone()),
                                            token_logprob_rank(logits, ids), batch)
-                for provider, fn, result in (("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out),
-                                              None),
-                                             ("torch_unaligned", lambda x: torch_logprob_rank(x, ids),
-                                              tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids)))):
-                    stats = time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies]))
-                    same, diff = compare(ours, result) if result is not None else (True, 0.0)
-                    bw = bandwidth(nbytes, stats)
-                    rows.append(dict(provider=provider, timing=QUEUED, batch=batch, vocab=vocab, row_stride=stride,
-                                     dtype=dtype_name, bytes=nbytes, copy_gbps=copy_gbps, gbps=bw["gbps_p50"],
-                                     invariant=inv if result is None else None, ranks_equal_to_kernel=same,
-                                     max_abs_logprob_diff_to_kernel=diff, **stats, **bw))
-                    print(f"{provider:24s} vocab {vocab} stride {stride} {dtype_name:9s} B={batch:5d} p50 "
-                          f"{stats['us_p50']:9.2f} us {bw['gbps_p50']:7.0f} GB/s  invariant: {rows[-1]['invariant']}  "
-                          f"ranks equal: {same}, max |dlogprob| {diff:.2e}", flush=True)
+                base = dict(batch=batch, vocab=vocab, row_stride=stride, dtype=dtype_name, bytes=nbytes,
+                            copy_gbps=copy_gbps, floor_us=nbytes / copy_gbps / 1e3)
+                for provider, fn, result, row_inv in (
+                        ("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out), None, inv),
+                        ("torch_unaligned", lambda x: torch_logprob_rank(x, ids),
+                         tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids)), None)):
+                    add_row(rows, base, ours, provider, QUEUED,
+                            time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result, row_inv)
                 wide = logits = ids = out = copies = None
                 torch.cuda.empty_cache()
 
