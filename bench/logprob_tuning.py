@@ -121,11 +121,19 @@ TOP_K = 20
 # - 16:14 UTC (results/logprob_tuning_topk_pairs.json; plain call 23.24 us): candidate vectors
 #   read back 16 at a time 37.45 against 35.25 / 35.18 (32); the combine kernel merging 4 key sets
 #   at a time 36.46, both 38.76.
-# - 16:15 UTC, the trials below (results/logprob_tuning_topk_sel.json; plain call 23.28 us): the
+# - 16:15 UTC (results/logprob_tuning_topk_sel.json; plain call 23.28 us): the
 #   threshold from 256 line maxima (every line) or 64 group maxima 36.19 / 36.22 against 35.23 /
 #   35.17 (128): unchanged.
-GROUP_TRIALS = {("bfloat16", 256, 0): ({},),
-                ("bfloat16", 256, 20): ({}, {"sel": 256}, {"sel": 64}, {})}
+# The trials below: rows of 151,936 logits in rows of 151,937 (not 16-byte aligned) on the element
+# path (float32, float16) with each line's words shifted into place (shipped) or a logit per load
+# (LOGPROB_SHIFT_ELEMENTS False, the former kernels); aligned rows beside them.
+NO_SHIFT = {"patch": {"LOGPROB_SHIFT_ELEMENTS": False}}
+GROUP_TRIALS = {("float32", 256, 0): ({},),
+                ("float32", 256, 0, VOCAB + 1): ({}, NO_SHIFT),
+                ("float32", 4096, 0, VOCAB + 1): ({}, NO_SHIFT),
+                ("float16", 256, 0, VOCAB + 1): ({}, NO_SHIFT),
+                ("float16", 4096, 0, VOCAB + 1): ({}, NO_SHIFT),
+                ("float32", 256, 20, VOCAB + 1): ({}, NO_SHIFT)}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -231,7 +239,9 @@ def main() -> None:
     rows = []
     if opts.groups:
         base = CHUNK_VARIANTS[0] + (None,)
-        cases = [(d, b, k, tuple(base + (v,) for v in vs)) for (d, b, k), vs in GROUP_TRIALS.items()]
+        # a key's optional fourth item: the row stride (rows of VOCAB logits, padded: not 16-byte aligned)
+        cases = [(key[0], key[1], key[2], tuple(base + (v,) for v in vs)) + tuple(key[3:])
+                 for key, vs in GROUP_TRIALS.items()]
     elif opts.latency:
         base = CHUNK_VARIANTS[0] + (None,)
         plain, topk = (tuple(base + (v,) for v in vs) for vs in (LATENCY_VARIANTS, LATENCY_TOPK_VARIANTS))
@@ -248,17 +258,19 @@ def main() -> None:
     else:
         cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
                  + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256, 4096)])
-    for dtype_name, batch, top_k, variants in cases:
+    for dtype_name, batch, top_k, variants, *padded in cases:
+        stride = padded[0] if padded else VOCAB
         argmax = top_k == "argmax"
         top_k = 0 if argmax else top_k
-        logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(getattr(torch, dtype_name))
+        logits = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))[:, :VOCAB]
         ids = torch.randint(0, VOCAB, (batch,), device=dev)
         if argmax:
             ids[1::2] = -1                                   # greedy rows
         nbytes = logits.numel() * logits.element_size()
         n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
-        calls = [Call(torch, logits, ids, top_k, argmax)] + [Call(torch, logits.clone(), ids, top_k, argmax)
-                                                             for _ in range(n_copies - 1)]
+        calls = [Call(torch, logits, ids, top_k, argmax)] + [
+            Call(torch, torch.empty(batch, stride, dtype=logits.dtype, device=dev)[:, :VOCAB].copy_(logits), ids, top_k,
+                 argmax) for _ in range(n_copies - 1)]
         shipped = None
         for variant in variants:
             block, warps, chunk_blocks, words, group, pdl, *extra = variant

@@ -153,33 +153,39 @@ def test_gpu_odd_vocabulary_rows_alone_same_bits(dtype):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("vocab", [GPU_VOCAB, ODD_VOCAB, 32000])
-def test_gpu_bfloat16_layouts_same_bits(vocab):
-    """The same bfloat16 logits with 16-byte aligned rows and without (GPT-2's contiguous rows,
-    a padded stride, an array that starts 2 to 14 bytes off a boundary): the fused path shifts
-    each line's words into place, so every layout gives the same bits, with top-k and argmax too
-    (at 32,000 and 50,257 the last block of a row is partial). The memory around the rows holds
-    NaN, which no result may read."""
+@pytest.mark.parametrize("dtype,with_temp", [("bfloat16", False), ("float32", False), ("float16", False),
+                                             ("bfloat16", True)])
+def test_gpu_layouts_same_bits(vocab, dtype, with_temp):
+    """The same logits with 16-byte aligned rows and without (GPT-2's contiguous rows, a padded
+    stride, an array that starts 1 to 7 elements off a boundary), in every dtype, with and
+    without a temperature: unaligned rows read each line's two aligned vectors and shift its
+    words into place, so every layout gives the same bits, with top-k and argmax too (at 32,000
+    and 50,257 the last block of a row is partial). The memory around the rows holds NaN, which
+    no result may read."""
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
     g = torch.Generator(device="cuda").manual_seed(21)
     batch = 64
-    x = (torch.randn(batch, vocab, device="cuda", generator=g) * 4).bfloat16()
+    tdtype = getattr(torch, dtype)
+    x = (torch.randn(batch, vocab, device="cuda", generator=g) * 4).to(tdtype)
     ids = torch.randint(0, vocab, (batch,), device="cuda", generator=g)
+    temp = (torch.rand(batch, device="cuda", generator=g) * 1.5 + 0.5) if with_temp else None
     gids = ids.clone()
     gids[1::2] = -1                                          # greedy rows, scored as their argmax
-    aligned = -(-vocab // 8) * 8
+    per_line = 16 // x.element_size()
+    aligned = -(-vocab // per_line) * per_line
 
     def laid_out(stride, skew):
         """``x`` in rows of ``stride`` logits, the array ``skew`` logits past a 16-byte boundary."""
-        buf = torch.full((batch * stride + skew + 64,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        buf = torch.full((batch * stride + skew + 64,), float("nan"), dtype=tdtype, device="cuda")
         rows = buf[skew:skew + batch * stride].view(batch, stride)[:, :vocab]
         rows.copy_(x)
         assert buf.data_ptr() % 16 == 0
         return rows
 
     def calls(rows):
-        plain = torch_logprob_rank(rows, ids)
-        top = torch_logprob_rank(rows, ids, top_k=20)
-        greedy = torch_logprob_rank(rows, gids, argmax=True)
+        plain = torch_logprob_rank(rows, ids, temperature=temp)
+        top = torch_logprob_rank(rows, ids, top_k=20, temperature=temp)
+        greedy = torch_logprob_rank(rows, gids, argmax=True, temperature=temp)
         return (plain.logprobs, plain.ranks, top.logprobs, top.ranks, top.topk_logprobs, top.topk_ids,
                 greedy.logprobs, greedy.ranks, greedy.argmax)
 
@@ -189,10 +195,12 @@ def test_gpu_bfloat16_layouts_same_bits(vocab):
         got = calls(laid_out(stride, skew))
         for i, (a, b) in enumerate(zip(ref, got)):
             a, b = (a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 else (a, b)
-            assert torch.equal(a, b), f"vocab {vocab} stride {stride} skew {skew} output {i}"
-    xs = x[:8].float().cpu().numpy()
-    assert_matches_reference(xs, ids[:8].cpu().numpy(), ref[0][:8].cpu().numpy(), ref[1][:8].cpu().numpy(),
-                             f"gpu bf16 vocab {vocab}")
+            assert torch.equal(a, b), f"{dtype} temp {with_temp} vocab {vocab} stride {stride} skew {skew} output {i}"
+    xs = x[:8].float()
+    if with_temp:
+        xs = xs / temp[:8, None]
+    assert_matches_reference(xs.cpu().numpy(), ids[:8].cpu().numpy(), ref[0][:8].cpu().numpy(),
+                             ref[1][:8].cpu().numpy(), f"gpu {dtype} temp {with_temp} vocab {vocab}")
 
 
 @pytest.mark.gpu

@@ -29,6 +29,8 @@ LAYOUT_DATA = make_case(np.random.default_rng(14), 6, 3000, "bfloat16")
 # with the array 10 bytes off. Options of the interpreter driver (tests/logprob_interpreter.py).
 LAYOUTS = {"aligned": {}, "stride3001": {"pad": 1}, "skew6": {"shift": 3}, "stride3005-skew10": {"pad": 5, "shift": 5}}
 LAYOUT_CALLS = {"plain": {}, "top5": {"top_k": 5}, "argmax": {"argmax": True}}
+LAYOUT_DTYPES = (("bf16", "bfloat16", {}), ("f32", "float32", {}), ("f16", "float16", {}),
+                 ("bf16temp", "bfloat16", {"temp": np.linspace(0.5, 2.0, 6).astype(np.float32)}))
 
 
 def _interpreter_cases():
@@ -65,12 +67,14 @@ def _interpreter_cases():
     for ahead in (2, 4):
         add(f"bf16-7x3000-t128-c5-ahead{ahead}", 7, 3000, "bfloat16", block=128, chunk_blocks=5, data=AHEAD_DATA,
             special=False, constants={"LOGPROB_AHEAD": ahead})
-    # bfloat16 rows in every layout take the fused path; unaligned ones shift each line's words
-    # into place (test_bfloat16_layouts_same_bits). Blocks of 128: 23 whole, the last partial.
-    for layout, where in LAYOUTS.items():
-        for call, options in LAYOUT_CALLS.items():
-            add(f"bf16-6x3000-t128-{layout}-{call}", 6, 3000, "bfloat16", block=128, data=LAYOUT_DATA, special=False,
-                **where, **options)
+    # Rows in every layout: unaligned ones read each line's two aligned vectors and shift its
+    # words into place (test_layouts_same_bits), on the fused bfloat16 path and on the element
+    # path (float32, float16, bfloat16 with a temperature). Blocks of 128: 23 whole, the last partial.
+    for prefix, dtype, extra in LAYOUT_DTYPES:
+        for layout, where in LAYOUTS.items():
+            for call, options in LAYOUT_CALLS.items():
+                add(f"{prefix}-6x3000-t128-{layout}-{call}", 6, 3000, dtype, block=128, data=LAYOUT_DATA,
+                    special=False, **where, **options, **extra)
     # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_logprob_words_jit); the
     # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
     for block in (None, 128):
@@ -85,6 +89,11 @@ def _interpreter_cases():
         x, ids, _ = special_case()
         add(f"special-{dtype}-t128-g4", 10, 300, dtype, block=128, group=4, data=(x, ids))
     return cases
+
+
+def _processed(case):
+    """The case's logits as the kernels reduce them: ``x / T`` in float32 where it has a temperature."""
+    return case["x"] if case.get("temp") is None else case["x"].astype(np.float32) / case["temp"][:, None]
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +116,10 @@ def test_kernel_in_interpreter(interpreted, name):
         _, _, expect = special_case(vocab)
         assert_special(case["x"], case["ids"], lp, rk, expect, f"interpreter {name}")
     else:
-        assert_matches_reference(case["x"], case["ids"], lp, rk, f"interpreter {name}")
+        y = _processed(case)
+        assert_matches_reference(y, case["ids"], lp, rk, f"interpreter {name}")
         if case.get("planted", True):
-            assert_planted(case["x"], case["ids"], rk)
+            assert_planted(y, case["ids"], rk)
 
 
 def test_blocks_ahead_change_no_bit(interpreted):
@@ -132,17 +142,21 @@ def test_group_changes_no_bit(interpreted):
         assert np.array_equal(one["rk"], other["rk"]), group
 
 
-def test_bfloat16_layouts_same_bits(interpreted):
-    """The same bfloat16 rows with 16-byte aligned rows and without (a padded stride, an array
-    that starts off a 16-byte boundary, both): the fused path reads each line's two aligned
-    vectors and shifts its words into place, so every layout gives the same bits, with top-k and
-    argmax too, and never reads the NaN poison around the rows into a result."""
+@pytest.mark.parametrize("prefix", [p for p, _, _ in LAYOUT_DTYPES])
+def test_layouts_same_bits(interpreted, prefix):
+    """The same rows with 16-byte aligned rows and without (a padded stride, an array that starts
+    off a 16-byte boundary, both), in every dtype, with and without a temperature: unaligned rows
+    read each line's two aligned vectors and shift its words into place, so every layout gives
+    the same bits, with top-k and argmax too, and never reads the NaN poison around the rows into
+    a result."""
     for call in LAYOUT_CALLS:
-        _, ref = interpreted[f"bf16-6x3000-t128-aligned-{call}"]
+        case, ref = interpreted[f"{prefix}-6x3000-t128-aligned-{call}"]
+        if call == "plain":
+            assert_matches_reference(_processed(case), case["ids"], ref["lp"], ref["rk"], f"interpreter {prefix}")
         for layout in LAYOUTS:
-            _, out = interpreted[f"bf16-6x3000-t128-{layout}-{call}"]
+            _, out = interpreted[f"{prefix}-6x3000-t128-{layout}-{call}"]
             assert sorted(out) == sorted(ref)
             for key in ref:
                 a, b = ref[key], out[key]
                 a, b = (a.view(np.uint32), b.view(np.uint32)) if a.dtype == np.float32 else (a, b)
-                assert np.array_equal(a, b), f"{layout} {call} {key}"
+                assert np.array_equal(a, b), f"{prefix} {layout} {call} {key}"

@@ -90,12 +90,10 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     reduction order depends on the vocabulary alone (rows are cut into fixed chunks, each summed
     in one order fixed by the compiled kernel, the chunks merged in order; no atomics). The
     compiled kernel depends on the dtypes, the vocabulary, ``top_k > 0``, whether a temperature
-    is given and whether rows start on 16-byte boundaries (fixed by the layout: every row of a
-    contiguous array whose rows are a multiple of 16 bytes; with any other row length, such as
-    50,257 float32 logits, none, one row alone included), never on the batch. Rows padded to a
-    stride that changes this, or an array starting off a 16-byte boundary, may get other bits
-    than the same rows stored contiguously, except bfloat16 rows without a temperature, which get
-    the same bits in every layout. A call with
+    is given and whether rows start on 16-byte boundaries, never on the batch; rows that do not
+    (a padded stride, an array starting off a 16-byte boundary, 50,257 float32 logits per row)
+    read each 16-byte line as the two aligned vectors around it and shift it into place, so
+    every layout gives the bits of the same rows stored contiguously. A call with
     ``top_k`` gives the same logprob and rank bits as one without. The CPU backend is
     batch-invariant too (numpy, row by row), but its bits differ from the GPU's.
 

@@ -44,10 +44,8 @@ def online_update(x, m, s):
     (an online log-sum-exp: ``m' = max(m, max(x))``, ``s' = s * exp(m - m') + sum(exp(x - m'))``).
     For 16-byte aligned rows each thread owns whole lines of ``VEC`` contiguous logits (one
     16-byte vector), so the line max and line sum stay inside the thread: no shuffles, no
-    barriers (unaligned rows on this path, float32 and float16 or a temperature, are loaded a
-    logit per thread and a line spans threads: another order of the same sums, hence other bits;
-    the fused bfloat16 path shifts unaligned lines into place instead). A NaN never becomes a
-    line maximum (IEEE maxNum), but poisons the sum."""
+    barriers (unaligned rows are shifted into the same lines first, ``SHIFT``). A NaN never
+    becomes a line maximum (IEEE maxNum), but poisons the sum."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
     scale = tl.exp2((m - m_new) * LOG2E)                 # m = m_new = +inf: NaN, as it should
     terms = tl.exp2((x - m_new[:, None]) * LOG2E)        # x = -inf: 0; x = NaN: NaN

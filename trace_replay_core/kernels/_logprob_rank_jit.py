@@ -15,7 +15,7 @@ import triton.language as tl
 from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
                                   stream_load, track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast
+from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, shifted_block
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel"]
 
@@ -53,14 +53,36 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LINES: tl.constexpr,
-                BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr,
-                GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr):
+def _line_values(w, ELEM: tl.constexpr):
+    """The logits of ``[LINES, 4]`` 32-bit words (each line one 16-byte vector) of elements of
+    type ``ELEM``, as ``[LINES, 16 // itemsize]`` float32 in column order (exact)."""
+    if ELEM == tl.float32:
+        return w.to(tl.float32, bitcast=True)
+    else:
+        if ELEM == tl.bfloat16:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.join(lo, hi).reshape([w.shape[0], 8])
+
+
+@triton.jit
+def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, words, wcols, skew, row_words,
+                LINES: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr,
+                ARGMAX: tl.constexpr, GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr, SHIFT: tl.constexpr):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
     (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
-    ``EVICT_FIRST``: whole blocks load evict-first (``stream_load``)."""
+    ``EVICT_FIRST``: whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
+    16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
+    shifted into place (``shifted_block``; ``words``, ``wcols``, ``skew``, ``row_words`` as in the
+    fused path), so every line holds the same logits in the same registers as in an aligned row
+    and the same instructions follow: the same bits in every layout."""
+    ELEM: tl.constexpr = row_ptr.dtype.element_ty
+    PER_WORD: tl.constexpr = BLOCK // LINES // 4      # logits per 32-bit word (lines of 16 bytes)
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
@@ -68,7 +90,11 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LIN
     ab = tl.zeros([LINES], tl.int32) + start
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
-        y = scaled(stream_load(row_ptr + off + cols, None, EVICT_FIRST).to(tl.float32), t, HAS_TEMP)
+        if SHIFT:
+            y = _line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
+        else:
+            y = stream_load(row_ptr + off + cols, None, EVICT_FIRST).to(tl.float32)
+        y = scaled(y, t, HAS_TEMP)
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
         if ARGMAX:
@@ -82,7 +108,13 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, LIN
     if full_end < end:
         idx = full_end + cols
         inside = idx < end
-        y = scaled(tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32), t, HAS_TEMP)
+        if SHIFT:       # the lines that start before the end, shifted as the whole blocks are
+            first_col = full_end + tl.arange(0, LINES)[:, None] * (BLOCK // LINES)     # each line's first column
+            w = shifted_block(words, wcols, full_end // PER_WORD, first_col < end, skew, row_words, True)
+            y = tl.where(inside, _line_values(w, ELEM), float("-inf"))
+        else:
+            y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+        y = scaled(y, t, HAS_TEMP)
         if ARGMAX:
             up, ag, ab = argmax_lines(y, full_end, ag, ab)
         if GREEDY:
@@ -156,7 +188,7 @@ def logprob_rank_chunk_kernel(
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
     WORDS: tl.constexpr,    # bfloat16, no temperature: chunk_lines_fast and chunk_end_fast
-    SHIFT: tl.constexpr,    # WORDS on rows that are not ALIGNED: each line's words shifted into place
+    SHIFT: tl.constexpr,    # rows that are not ALIGNED: each line's words shifted into place
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,      # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
     TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
@@ -179,16 +211,17 @@ def logprob_rank_chunk_kernel(
     LINES: tl.constexpr = BLOCK // VEC
     span = chunk_blocks * BLOCK
     stop = tl.minimum(last * span, vocab)          # the end of the program's columns
+    ITEMSIZE: tl.constexpr = 16 // VEC
+    if SHIFT:       # the row's start rounded down to 16 bytes, and how far below the row it lies
+        skew = (row_ptr.to(tl.int64) % 16).to(tl.int32)
+        words = tl.multiple_of((row_ptr - skew // ITEMSIZE).to(tl.pointer_type(tl.int32)), 16)
+        row_words = (skew + ITEMSIZE * vocab + 3) // 4
+    else:
+        skew = 0
+        words = row_ptr.to(tl.pointer_type(tl.int32))
+        row_words = 0
+    wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]      # each line's four words
     if WORDS:
-        if SHIFT:   # the row's start rounded down to 16 bytes, and how far below the row it lies
-            skew = (row_ptr.to(tl.int64) % 16).to(tl.int32)
-            words = tl.multiple_of((row_ptr - skew // 2).to(tl.pointer_type(tl.int32)), 16)
-            row_words = (skew + 2 * vocab + 3) // 4
-        else:
-            skew = 0
-            words = row_ptr.to(tl.pointer_type(tl.int32))
-            row_words = 0
-        wcols = tl.arange(0, LINES)[:, None] * (VEC // 2) + tl.arange(0, VEC // 2)[None, :]
         # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
         w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT,
@@ -246,12 +279,14 @@ def logprob_rank_chunk_kernel(
         else:
             if ARGMAX and greedy:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
-                                                                         t, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
-                                                                         TOPK > 0, True, True, EVICT_FIRST)
+                                                                         t, g1, g2, gab, words, wcols, skew, row_words,
+                                                                         LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True,
+                                                                         EVICT_FIRST, SHIFT)
             else:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
-                                                                         t, g1, g2, gab, LINES, BLOCK, HAS_TEMP,
-                                                                         TOPK > 0, ARGMAX, False, EVICT_FIRST)
+                                                                         t, g1, g2, gab, words, wcols, skew, row_words,
+                                                                         LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX,
+                                                                         False, EVICT_FIRST, SHIFT)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)

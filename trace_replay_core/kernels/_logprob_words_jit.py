@@ -89,7 +89,7 @@ def shift_words(va, vb, skew):
 
 
 @triton.jit
-def _shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
+def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
     """With ``SHIFT``: the words of the block whose first line starts ``off_w`` words (plus
     ``skew`` bytes) past the aligned ``words``. Where ``MASKED``, ``mask`` (the same along each
     line) selects the lines to read (else all); each line's second vector is read only where it
@@ -112,7 +112,7 @@ def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexp
     """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
     chunk's first ``words_in`` words); ``EVICT_FIRST`` as in ``stream_load`` (aligned rows)."""
     if SHIFT:
-        return _shifted_block(words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words,
+        return shifted_block(words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words,
                               True)
     else:
         return stream_load(words + wcols + at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, EVICT_FIRST)
@@ -215,7 +215,7 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
     # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
     for off in tl.range(tl.minimum(start + AHEAD * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
         if SHIFT:
-            w = _shifted_block(words, wcols, off // 2, None, skew, row_words, False)
+            w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
         else:
             w = stream_load(words + off // 2 + wcols, None, EVICT_FIRST)
         m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1,
@@ -231,7 +231,7 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
         inside = idx < end
         if SHIFT:       # the lines that start before the end, shifted as the whole blocks are
             first_col = full_end + tl.arange(0, LINES)[:, None] * (BLOCK // LINES)     # each line's first column
-            w = _shifted_block(words, wcols, full_end // 2, first_col < end, skew, row_words, True)
+            w = shifted_block(words, wcols, full_end // 2, first_col < end, skew, row_words, True)
             y = tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
             y = tl.where(inside, y.reshape([LINES, BLOCK // LINES]), float("-inf"))
         else:

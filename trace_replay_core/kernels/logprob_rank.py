@@ -23,12 +23,12 @@ other rows: the compiled kernels depend on the dtypes, the vocabulary, whether r
 aligned (a property of the layout: contiguous rows of a vocabulary are aligned alike at every
 batch size, one row alone included, :func:`_layout_stride`), top-k and temperature, never on the
 batch. A layout that changes the alignment (rows padded to a stride that is not a multiple of 16
-bytes, a base address off 16 bytes) takes other kernels and may give other bits, except for
-bfloat16 without a temperature, whose bits are the same in every layout (``SHIFT`` below). The
-program that
-holds a row's first chunk also writes the row's token logit and whether its id is valid to the
-workspace, so the combine kernel reads them with the partials instead of loading the id and then
-its logit (two dependent round trips less).
+bytes, a base address off 16 bytes) takes other kernels (``SHIFT``: each line read as the two
+aligned 16-byte vectors around it and its words shifted into place, so that every thread holds
+the same logits in the same registers as in an aligned row) and gives the same bits. The
+program that holds a row's first chunk also writes the row's token logit and whether its id is
+valid to the workspace, so the combine kernel reads them with the partials instead of loading
+the id and then its logit (two dependent round trips less).
 
 The bfloat16 fast path (no temperature: ``WORDS``). The chunk kernel reads whole blocks as 32-bit
 words of two logits (widened by a shift and a mask); in rows that are not 16-byte aligned
@@ -211,6 +211,11 @@ LOGPROB_PDL_CHAIN = True
 # The two compile to different fused multiply-adds on the GPU (logprobs 1.9e-6 apart; each
 # batch-invariant).
 LOGPROB_AHEAD = 2
+# Rows that are not 16-byte aligned read each line's two aligned 16-byte vectors and shift its
+# words into place on the element path too (float32, float16, a temperature), as on the fused
+# bfloat16 path: the same bits as aligned rows, vector loads instead of a logit per load. False:
+# the element path loads such rows a logit at a time (a line spans threads: other bits).
+LOGPROB_SHIFT_ELEMENTS = True
 # The chunk kernel loads its whole blocks evict-first in L1 and L2 (_logprob_common_jit.stream_load):
 # speed only, the same bits either way. bench/logprob_tuning.py --groups, H200, 2026-12-02 16:10 UTC
 # (results/logprob_tuning_evict.json), device time p50 without / with, side by side: bf16 batch 1
@@ -344,12 +349,12 @@ def _chunk_group(batch: int, n_chunks: int, top_k: int = 0) -> int:
 
 def _layout_stride(args: LogprobRankArgs) -> int:
     """The row stride (elements) that decides whether rows are 16-byte aligned, which picks the
-    compiled kernels (for float32 and float16 the layout the element path reduces in, and so the
-    bits): the call's own for several rows; for one row, the larger stride its layout reports,
-    else that of contiguous rows of the vocabulary. A row alone thus takes the kernels of the same
-    rows in a contiguous batch: with 50,257 float32 logits per row (not a multiple of 16 bytes)
-    both take the unaligned ones, where one aligned row alone would otherwise reduce in another
-    layout and give other bits."""
+    compiled kernels (the same bits either way, unaligned rows shifted into place; with
+    ``LOGPROB_SHIFT_ELEMENTS`` off the element path reduces unaligned rows in another layout and
+    so gives other bits): the call's own for several rows; for one row, the larger stride its
+    layout reports, else that of contiguous rows of the vocabulary. A row alone thus takes the
+    kernels of the same rows in a contiguous batch: with 50,257 float32 logits per row (not a
+    multiple of 16 bytes) both take the unaligned ones."""
     return args.row_stride if args.batch > 1 or args.row_stride >= args.vocab else args.vocab
 
 
@@ -381,7 +386,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_chunks, group, args.top_k)
     words = plan.words and dtypes.logits == "bfloat16" and not has_temp
     chunk_const = {"BLOCK": plan.block, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
-                   "WORDS": words, "SHIFT": words and not aligned,
+                   "WORDS": words, "SHIFT": not aligned and (words or LOGPROB_SHIFT_ELEMENTS),
                    "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
                    "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
                    "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
