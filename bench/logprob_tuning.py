@@ -124,9 +124,12 @@ TOP_K = 20
 # - 16:15 UTC (results/logprob_tuning_topk_sel.json; plain call 23.28 us): the
 #   threshold from 256 line maxima (every line) or 64 group maxima 36.19 / 36.22 against 35.23 /
 #   35.17 (128): unchanged.
-# The trials below: rows of 151,936 logits in rows of 151,937 (not 16-byte aligned) on the element
-# path (float32, float16) with each line's words shifted into place (shipped) or a logit per load
-# (LOGPROB_SHIFT_ELEMENTS False, the former kernels); aligned rows beside them.
+# - 16:43 UTC, the trials below (results/logprob_tuning_shift.json): rows of 151,936 logits in
+#   rows of 151,937 (not 16-byte aligned) on the element path with each line's words shifted into
+#   place (shipped) or a logit per load (LOGPROB_SHIFT_ELEMENTS False, the former kernels), aligned
+#   rows beside them: float32 batch 256 44.13 against 53.96 us (aligned 39.45), 4096 585.3 against
+#   758.3; float16 256 28.77 against 64.63, 4096 364.0 against 936.7; float32 top-k 20 at 256
+#   169.8 against 623.9.
 NO_SHIFT = {"patch": {"LOGPROB_SHIFT_ELEMENTS": False}}
 GROUP_TRIALS = {("float32", 256, 0): ({},),
                 ("float32", 256, 0, VOCAB + 1): ({}, NO_SHIFT),

@@ -215,6 +215,11 @@ LOGPROB_AHEAD = 2
 # words into place on the element path too (float32, float16, a temperature), as on the fused
 # bfloat16 path: the same bits as aligned rows, vector loads instead of a logit per load. False:
 # the element path loads such rows a logit at a time (a line spans threads: other bits).
+# bench/logprob_tuning.py --groups, H200, 2026-12-02 16:43 UTC (results/logprob_tuning_shift.json),
+# rows of 151,936 logits at a stride of 151,937, device time p50, shifted / a logit per load:
+# float32 batch 256 44.13 / 53.96 us (aligned rows 39.45), 4096 585.3 / 758.3; float16 256 28.77 /
+# 64.63, 4096 364.0 / 936.7; float32 top-k 20 at 256 169.8 / 623.9 (aligned 60.9: the top-k
+# selection spills under its 64-register cap, 66 bytes).
 LOGPROB_SHIFT_ELEMENTS = True
 # The chunk kernel loads its whole blocks evict-first in L1 and L2 (_logprob_common_jit.stream_load):
 # speed only, the same bits either way. bench/logprob_tuning.py --groups, H200, 2026-12-02 16:10 UTC
