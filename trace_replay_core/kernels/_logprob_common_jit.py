@@ -10,7 +10,6 @@ NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)     # a chunk of only -inf ke
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-
 @triton.jit
 def scaled(x, t, HAS_TEMP: tl.constexpr):
     """``x / t`` where there is a temperature (IEEE division, as ``logits / T`` in torch and

@@ -159,8 +159,8 @@ def program_topk(row_ptr, lo, hi, g1, g2, gab, t, top_k, pairs_dst, cand_dst, ou
                  HAS_TEMP: tl.constexpr, SORTED: tl.constexpr):
     """Write the best ``K_PAD`` keys of columns ``[lo, hi)`` of the row (exact for the best
     ``top_k``) to ``out[0:K_PAD]``, padded with ``KEY_PAD``, in no particular order unless
-    ``SORTED`` (then largest first; the combine kernel sorts them either way); ``g1``, ``g2``, ``gab``: the line
-    tracking of ``track_lines`` over those columns. (Threshold and order by counting all pairs
+    ``SORTED`` (then largest first; the combine kernel sorts them either way); ``g1``, ``g2``,
+    ``gab``: the line tracking of ``track_lines`` over those columns. (Threshold and order by counting all pairs
     instead of by sorting networks measured 2.4x slower: 90.8 against 37.7 us at batch 256,
     bench/README.md, 11:50 UTC.)"""
     tau = _tau(g1, top_k, LINES, SEL, K_PAD)

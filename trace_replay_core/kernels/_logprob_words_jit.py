@@ -113,7 +113,7 @@ def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexp
     chunk's first ``words_in`` words); ``EVICT_FIRST`` as in ``stream_load`` (aligned rows)."""
     if SHIFT:
         return shifted_block(words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words,
-                              True)
+                             True)
     else:
         return stream_load(words + wcols + at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, EVICT_FIRST)
 
