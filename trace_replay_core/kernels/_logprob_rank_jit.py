@@ -71,7 +71,8 @@ def _line_values(w, ELEM: tl.constexpr):
 @triton.jit
 def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, words, wcols, skew, row_words,
                 LINES: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr,
-                ARGMAX: tl.constexpr, GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr, SHIFT: tl.constexpr):
+                ARGMAX: tl.constexpr, GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr, SHIFT: tl.constexpr,
+                UNROLL: tl.constexpr):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
@@ -80,7 +81,8 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
     16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
     shifted into place (``shifted_block``; ``words``, ``wcols``, ``skew``, ``row_words`` as in the
     fused path), so every line holds the same logits in the same registers as in an aligned row
-    and the same instructions follow: the same bits in every layout."""
+    and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
+    unroll factor (speed only: every block is folded in by the same steps, in column order)."""
     ELEM: tl.constexpr = row_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = BLOCK // LINES // 4      # logits per 32-bit word (lines of 16 bytes)
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
@@ -89,7 +91,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
     ag = tl.full([LINES], float("-inf"), tl.float32)       # ARGMAX: the line maximum, from -inf
     ab = tl.zeros([LINES], tl.int32) + start
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
-    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=2):
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
         if SHIFT:
             y = _line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
         else:
@@ -198,6 +200,7 @@ def logprob_rank_chunk_kernel(
     AHEAD: tl.constexpr,    # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
     EVICT_FIRST: tl.constexpr,  # whole blocks loaded evict-first in L1 and L2 (stream_load)
     TOPK_SORTED: tl.constexpr,  # TOPK: each program's keys sorted even where they need no selection
+    UNROLL: tl.constexpr,   # not WORDS: the block loop's unroll factor
 ):
     if GDC:
         _launch_dependents()
@@ -281,12 +284,12 @@ def logprob_rank_chunk_kernel(
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
                                                                          t, g1, g2, gab, words, wcols, skew, row_words,
                                                                          LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True,
-                                                                         EVICT_FIRST, SHIFT)
+                                                                         EVICT_FIRST, SHIFT, UNROLL)
             else:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
                                                                          t, g1, g2, gab, words, wcols, skew, row_words,
                                                                          LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX,
-                                                                         False, EVICT_FIRST, SHIFT)
+                                                                         False, EVICT_FIRST, SHIFT, UNROLL)
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
