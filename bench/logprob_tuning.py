@@ -130,9 +130,13 @@ TOP_K = 20
 #   rows beside them: float32 batch 256 44.13 against 53.96 us (aligned 39.45), 4096 585.3 against
 #   758.3; float16 256 28.77 against 64.63, 4096 364.0 against 936.7; float32 top-k 20 at 256
 #   169.8 against 623.9.
-# The trials below: float32 rows that are not aligned with the element path's block loop unrolled
-# once (shipped) or twice (LOGPROB_SHIFTED_F32_UNROLL 2, as at 16:43).
-UNROLL2 = {"patch": {"LOGPROB_SHIFTED_F32_UNROLL": 2}}
+# - 17:10 UTC, the trials below (results/logprob_tuning_unroll_f32.json; its chunk_regs column
+#   shows the default build's registers for every variant, fixed since): float32 rows that are not aligned with the
+#   element path's block loop unrolled once or twice (LOGPROB_SHIFTED_F32_UNROLL then, applied
+#   to every call): once 45.39 against 44.17 us at 256, 596.9 against 585.4 at 4096, argmax=True
+#   57.03 against 52.59, but top-k 20 at 256 97.85 against 169.67. Shipped: once with top-k only
+#   (LOGPROB_SHIFTED_F32_TOPK_UNROLL).
+UNROLL2 = {"patch": {"LOGPROB_SHIFTED_F32_TOPK_UNROLL": 2}}
 GROUP_TRIALS = {("float32", 256, 0, VOCAB + 1): ({}, UNROLL2),
                 ("float32", 4096, 0, VOCAB + 1): ({}, UNROLL2),
                 ("float32", 256, 20, VOCAB + 1): ({}, UNROLL2),
@@ -312,8 +316,8 @@ def main() -> None:
                 diff = float((result[0] - shipped[0]).abs().max())
                 with forced_pdl(pdl), forced_chain(chain), patched(patch):
                     launches = [c.bind(plan, group) for c in calls]
+                    regs, spills = calls[0].chunk_registers(plan, group)      # this variant's build
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
-                regs, spills = calls[0].chunk_registers(plan, group)
                 row.update(stats, **bandwidth(nbytes, stats), invariant=inv, equal_to_shipped=same,
                            max_abs_logprob_diff_to_shipped=diff, chunk_regs=regs, chunk_spills=spills)
                 print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "

@@ -221,10 +221,14 @@ LOGPROB_AHEAD = 2
 # 64.63, 4096 364.0 / 936.7; float32 top-k 20 at 256 169.8 / 623.9 (aligned 60.9: the top-k
 # selection spills under its 64-register cap, 66 bytes).
 LOGPROB_SHIFT_ELEMENTS = True
-# The element path unrolls its block loop twice, except on float32 rows that are not aligned:
-# there each line takes two vectors (8 registers), and unrolled twice the loop held 96 registers
-# per thread (56 aligned) and the top-k step spilled 264 bytes; once: 80 and 104 (sm_90 SASS).
-LOGPROB_SHIFTED_F32_UNROLL = 1
+# The element path unrolls its block loop twice, except with top-k (without an argmax output or a
+# temperature: those not measured) on float32 rows that are not aligned: there each line takes two vectors (8 registers) and, unrolled twice, the top-k chunk
+# kernel spilled 264 bytes under its 64-register cap (104 once; sm_90 SASS). bench/logprob_tuning.py
+# --groups, H200, 2026-12-02 17:10 UTC (results/logprob_tuning_unroll_f32.json), rows of 151,936
+# float32 logits at a stride of 151,937, device time p50, once / twice: top-k 20 at batch 256
+# 97.85 / 169.67 us; without top-k 45.39 / 44.17 at 256, 596.9 / 585.4 at 4096, argmax=True
+# 57.03 / 52.59 at 256 (so twice there).
+LOGPROB_SHIFTED_F32_TOPK_UNROLL = 1
 # The chunk kernel loads its whole blocks evict-first in L1 and L2 (_logprob_common_jit.stream_load):
 # speed only, the same bits either way. bench/logprob_tuning.py --groups, H200, 2026-12-02 16:10 UTC
 # (results/logprob_tuning_evict.json), device time p50 without / with, side by side: bf16 batch 1
@@ -402,7 +406,8 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
                    "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD,
                    "EVICT_FIRST": LOGPROB_EVICT_FIRST, "TOPK_SORTED": LOGPROB_TOPK_SORTED,
-                   "UNROLL": LOGPROB_SHIFTED_F32_UNROLL if itemsize == 4 and not aligned else 2}
+                   "UNROLL": (LOGPROB_SHIFTED_F32_TOPK_UNROLL if itemsize == 4 and not aligned and plan.k_pad
+                              and not has_argmax and not has_temp else 2)}
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
