@@ -17,8 +17,9 @@ Providers:
 - ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
 - ``trace_replay_unaligned`` / ``torch_unaligned``: ``trace_replay`` and ``torch`` on rows that
   are not 16-byte aligned (``UNALIGNED``: GPT-2's 50,257 logits per row, and 151,936 logits in
-  rows of 151,937): bfloat16 on the fused path with each line's words shifted into place,
-  float32 on the element path (a logit per load); batch 1, 256 and 4096.
+  rows of 151,937): each line read as the two aligned 16-byte vectors around it and its words
+  shifted into place (bfloat16 on the fused path, float32 on the element path); batch 1, 256
+  and 4096.
 - ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of
   ``trace_replay_jax.token_logprob_rank(logits, ids, method=...)`` (the core kernels through a
   ``buffer_callback`` on XLA's stream, or the same contract in jnp).

@@ -219,12 +219,12 @@ LOGPROB_AHEAD = 2
 # rows of 151,936 logits at a stride of 151,937, device time p50, shifted / a logit per load:
 # float32 batch 256 44.13 / 53.96 us (aligned rows 39.45), 4096 585.3 / 758.3; float16 256 28.77 /
 # 64.63, 4096 364.0 / 936.7; float32 top-k 20 at 256 169.8 / 623.9 (aligned 60.9: the top-k
-# selection spills under its 64-register cap, 66 bytes).
+# chunk kernel spilled 264 bytes under its 64-register cap; see the next constant).
 LOGPROB_SHIFT_ELEMENTS = True
 # The element path unrolls its block loop twice, except with top-k (without an argmax output or a
-# temperature: those not measured) on float32 rows that are not aligned: there each line takes two vectors (8 registers) and, unrolled twice, the top-k chunk
-# kernel spilled 264 bytes under its 64-register cap (104 once; sm_90 SASS). bench/logprob_tuning.py
-# --groups, H200, 2026-12-02 17:10 UTC (results/logprob_tuning_unroll_f32.json), rows of 151,936
+# temperature: those not measured) on float32 rows that are not aligned: there each line takes
+# two vectors (8 registers) and, unrolled twice, the top-k chunk kernel spilled 264 bytes under
+# its 64-register cap (104 once; sm_90 SASS). bench/logprob_tuning.py --groups, H200, 2026-12-02 17:10 UTC (results/logprob_tuning_unroll_f32.json), rows of 151,936
 # float32 logits at a stride of 151,937, device time p50, once / twice: top-k 20 at batch 256
 # 97.85 / 169.67 us; without top-k 45.39 / 44.17 at 256, 596.9 / 585.4 at 4096, argmax=True
 # 57.03 / 52.59 at 256 (so twice there).
