@@ -167,14 +167,20 @@ def rotating(fns: List[Callable[[], None]]) -> Callable[[], None]:
     return lambda: next(it)()
 
 
-def rows_alone_same_bits(run_row: Callable[[int], tuple], result: tuple, batch: int) -> bool:
-    """Whether rows 0, ``batch // 2`` and ``batch - 1`` run alone (``run_row(r)``: the outputs
-    of row ``r`` by itself, each with one row) give the bits they have in the batch's ``result``
-    (torch tensors; float32 compared as its int32 bits, so NaN equals the same NaN)."""
+def rows_same_bits(run_rows: Callable[[list], tuple], result: tuple, batch: int) -> bool:
+    """Whether the batch's rows give the bits they have in ``result`` (torch tensors, one row per
+    batch row; float32 compared as its int32 bits, so NaN equals the same NaN) when run in other
+    batches: ``run_rows(rows)`` returns the outputs of the rows ``rows`` run together as one batch,
+    in that order. Checked: every row at another position (the batch reversed), rows 0,
+    ``batch // 2`` and ``batch - 1`` each alone, and up to 7 rows from ``batch // 3`` as a batch of
+    their own (another batch size, another grid)."""
     import torch
-    for r in sorted({0, batch // 2, batch - 1}):
-        for a, b in zip(run_row(r), result):
-            a, b = a[0], b[r]
+    start = batch // 3
+    batches = [list(range(batch - 1, -1, -1))] + [[r] for r in sorted({0, batch // 2, batch - 1})] \
+        + [list(range(start, min(batch, start + 7)))]
+    for rows in batches:
+        for a, b in zip(run_rows(rows), result):
+            b = b[rows]
             if a.dtype == torch.float32:
                 a, b = a.view(torch.int32), b.view(torch.int32)
             if not torch.equal(a, b):

@@ -37,8 +37,9 @@ Timings (the ``timing`` field of every row):
 Reported: p20/p50/p80 in us and GB/s of logits read (``batch * vocab * itemsize / time``), next
 to the ceiling ``harness.copy_bandwidth()["d2d"]`` (a 256 MiB device-to-device copy, bytes read
 + written per second). Columns ``ranks_equal_to_kernel`` / ``max_abs_logprob_diff_to_kernel``
-compare each provider with the kernel; ``invariant`` says whether three rows of the batch (first,
-middle, last) give the same bits as the same rows in a batch of one.
+compare each provider with the kernel; ``invariant`` says whether the batch's rows give the same
+bits in other batches: every row at another position (the batch reversed), the first, middle and
+last rows each in a batch of one, and up to 7 rows from a third of the way in as a batch of their own.
 
 Run: ``python bench/logprob_rank.py`` on a GPU; writes ``bench/results/logprob_rank.json``.
 """
@@ -52,7 +53,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (bandwidth, copy_bandwidth, percentiles, provenance, rotating, rows_alone_same_bits,  # noqa: E402
+from harness import (bandwidth, copy_bandwidth, percentiles, provenance, rotating, rows_same_bits,  # noqa: E402
                      table, time_cuda, time_cuda_queued, write_results)
 
 VOCAB = 151_936
@@ -124,9 +125,9 @@ def compare(ref, got):
 
 
 def invariant(fn, logits, ids, result) -> bool:
-    """Whether rows 0, batch // 2 and batch - 1 alone give the bits they have in the batch."""
-    return rows_alone_same_bits(lambda r: fn(logits[r:r + 1].clone(), ids[r:r + 1].clone()), result,
-                                logits.shape[0])
+    """Whether the batch's rows give the bits they have in the batch in other batches
+    (``harness.rows_same_bits``: every row at another position, three rows alone, a sub-batch)."""
+    return rows_same_bits(lambda rows: fn(logits[rows].clone(), ids[rows].clone()), result, logits.shape[0])
 
 
 def add_row(rows, base, ours, provider, timing, stats, result=None, inv=None):
@@ -231,10 +232,9 @@ def main() -> None:
                 copies = [logits] + [wide.clone()[:, :vocab] for _ in range(n_copies - 1)]
                 out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
                 ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
-                # each row alone in the same layout (a fresh row of ``stride`` elements)
-                inv = rows_alone_same_bits(lambda r: token_logprob_rank(wide[r:r + 1].clone()[:, :vocab],
-                                                                        ids[r:r + 1].clone()),
-                                           token_logprob_rank(logits, ids), batch)
+                # the rows in other batches of the same layout (fresh rows of ``stride`` elements)
+                inv = rows_same_bits(lambda rows: token_logprob_rank(wide[rows].clone()[:, :vocab], ids[rows].clone()),
+                                     token_logprob_rank(logits, ids), batch)
                 base = dict(batch=batch, vocab=vocab, row_stride=stride, dtype=dtype_name, bytes=nbytes,
                             copy_gbps=copy_gbps, floor_us=nbytes / copy_gbps / 1e3)
                 for provider, fn, result, row_inv in (

@@ -6,8 +6,8 @@ programs of ``num_warps`` warps (one or several chunks per program, chosen from 
 streamed. Which choice reads the logits fastest at vocab 151,936, for bfloat16 and float32, at
 batch 1 to 4096, and with top-k 20 (where chunks per program also set how often the selection
 runs)?
-Every choice is batch-invariant by construction; the ``invariant`` column checks it (three rows
-of the batch against the same rows alone, bit for bit).
+Every choice is batch-invariant by construction; the ``invariant`` column checks it (the batch's
+rows in other batches, bit for bit: ``harness.rows_same_bits``).
 
 Method: each variant's plan (``plan_logprob_rank(..., block=, num_warps=, chunk_blocks=, words=)``)
 and chunks per program (``group``) are bound through ``bind_logprob_rank_launch`` (the kernels'
@@ -40,7 +40,7 @@ from unittest import mock
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (bandwidth, copy_bandwidth, rotating, rows_alone_same_bits, table, time_cuda_queued,  # noqa: E402
+from harness import (bandwidth, copy_bandwidth, rotating, rows_same_bits, table, time_cuda_queued,  # noqa: E402
                      write_results)
 
 VOCAB = 151_936
@@ -136,11 +136,35 @@ TOP_K = 20
 #   to every call): once 45.39 against 44.17 us at 256, 596.9 against 585.4 at 4096, argmax=True
 #   57.03 against 52.59, but top-k 20 at 256 97.85 against 169.67. Shipped: once with top-k only
 #   (LOGPROB_SHIFTED_F32_TOPK_UNROLL).
-UNROLL2 = {"patch": {"LOGPROB_SHIFTED_F32_TOPK_UNROLL": 2}}
-GROUP_TRIALS = {("float32", 256, 0, VOCAB + 1): ({}, UNROLL2),
-                ("float32", 4096, 0, VOCAB + 1): ({}, UNROLL2),
-                ("float32", 256, 20, VOCAB + 1): ({}, UNROLL2),
-                ("float32", 256, "argmax", VOCAB + 1): ({}, UNROLL2)}
+# - 18:05 UTC (results/logprob_tuning_chunk_only.json): the chunk kernel alone (``chunk_only``:
+#   the combine kernel not queued; timing only) 21.48 against 23.23 us for the call at batch 256,
+#   272.53 against 278.57 at 4096: the combine kernel, and the wait for it, cost 1.75 us of a
+#   batch-256 call. Blocks of 1,024 at 4 warps (one line per thread per block, 40 registers)
+#   4.33 / 23.24 / 74.56 / 279.32 us at batch 1 / 256 / 1024 / 4096 against 3.82 / 23.23 /
+#   73.96 / 278.57; blocks of 512 at 4 warps (64 lines over 128 threads) 6.07 / 26.88 / 90.03 /
+#   309.60.
+# - 18:12 UTC (results/logprob_tuning_fused.json; trial code, not kept): the row's last program
+#   merging its partials inside the chunk kernel, no combine kernel (an arrival count per row in
+#   a zeroed workspace, ``atom.acq_rel.gpu`` after the partials' stores, the partials read back
+#   ``.cg``; the same bits as the combine kernel's): slower everywhere, batch 1 4.14 against 3.82
+#   us, 256 23.52 / 23.58 against 23.28 / 23.28, 1024 74.39 against 74.17, 4096 280.07 against
+#   278.85, float32 at 256 40.44 against 39.75, bfloat16 rows of 151,937 at 256 30.52 against
+#   28.49 (70 registers against 64): every program's arrival is a round trip to L2 at its end
+#   while it holds its slot. 2 warps over blocks of 1,024 (the same chunks, two lines per thread
+#   per block): 4.89 / 24.28 / 283.41 us at batch 1 / 256 / 4096; with the fused merge 23.95 at 256.
+# - 18:25 UTC (results/logprob_tuning_release.json): the combine kernel letting the next kernel's
+#   programs be scheduled before it waits for the chunk kernel (LOGPROB_COMBINE_RELEASE_FIRST,
+#   shipped since) against after: bf16 batch 1 4.00 against 3.83 us, 256 22.74 / 22.71 against
+#   23.22 / 23.20, 1024 74.72 against 74.98, 4096 277.72 against 279.36, float32 at 256 39.21
+#   against 39.64, top-k 20 at 256 34.78 against 34.92, argmax=True 26.51 against 26.92. Chunks
+#   of 8 blocks (10 per row, 2.2 waves of programs at 256 against 2.8) with it: 22.38 at 256 and
+#   275.84 at 4096, but 4.36 at batch 1 and top-k 20 35.22 (1.57x the plain call): not taken.
+# The trials below: the shipped plan against the combine kernel waiting first (as before 18:25 UTC).
+WAIT_FIRST = {"patch": {"LOGPROB_COMBINE_RELEASE_FIRST": False}}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, WAIT_FIRST),
+                ("bfloat16", 256, 0): ({}, WAIT_FIRST),
+                ("bfloat16", 4096, 0): ({}, WAIT_FIRST),
+                ("bfloat16", 256, 20): ({}, WAIT_FIRST)}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -172,6 +196,14 @@ class Call:
         from trace_replay_core.kernels.logprob_rank import bind_logprob_rank_launch, workspace_layout
         assert workspace_layout(self.args.batch, plan)[-1] <= self.ws.numel()
         return bind_logprob_rank_launch(self.args, self.dtypes, self.logits.device.index, plan, group)
+
+    def bind_chunk_only(self, plan, group=None):
+        """``launch(stream)`` of the chunk kernel alone, queued as the call queues it (timing only:
+        without the combine kernel the call's outputs are not written)."""
+        from trace_replay_core.kernels.logprob_rank import LOGPROB_PDL_CHAIN, _compiled_launches
+        kernel, grid, ptrs, ints, gdc = next(_compiled_launches(self.args, self.dtypes, self.logits.device.index, plan,
+                                                                 group))
+        return kernel.bind(grid, *ptrs, *ints, pdl=gdc and LOGPROB_PDL_CHAIN)
 
     def chunk_registers(self, plan, group=None):
         """Registers per thread and spilled bytes of the chunk kernel this plan compiles to."""
@@ -212,12 +244,11 @@ def run_once(torch, call, plan, stream, group=None):
 
 
 def invariant(torch, logits, ids, top_k, plan, stream, result, argmax=False) -> bool:
-    """Whether rows 0, batch // 2 and batch - 1 alone give the bits they have in the batch (each
-    alone with the shipped chunks per program)."""
-    def alone(r):
-        return run_once(torch, Call(torch, logits[r:r + 1].clone(), ids[r:r + 1].clone(), top_k, argmax), plan,
-                        stream)
-    return rows_alone_same_bits(alone, result, logits.shape[0])
+    """Whether the batch's rows give the bits they have in the batch in other batches
+    (``harness.rows_same_bits``), each batch with its own chunks per program."""
+    def rows_run(rows):
+        return run_once(torch, Call(torch, logits[rows].clone(), ids[rows].clone(), top_k, argmax), plan, stream)
+    return rows_same_bits(rows_run, result, logits.shape[0])
 
 
 def main() -> None:
@@ -287,6 +318,7 @@ def main() -> None:
             patch = more.pop("patch", {})             # module constants of kernels.logprob_rank
             sel = more.pop("sel", None)
             group = more.pop("group", group)
+            chunk_only = more.pop("chunk_only", False)
             if dtype_name == "float32" and (not words or group is not None or not pdl):
                 continue
             knobs = dict(block=block, num_warps=warps, chunk_blocks=chunk_blocks, words=words)
@@ -304,10 +336,23 @@ def main() -> None:
             if chain is not None:
                 knobs["chain"] = chain
             knobs.update(patch)
+            if chunk_only:
+                knobs["chunk_only"] = True
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
             row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, argmax=argmax, **knobs,
                        n_chunks=plan.n_chunks, shipped_maxnreg=plan.maxnreg, bytes=nbytes, copy_gbps=copy_gbps)
             try:
+                if chunk_only:      # timing only: no outputs to check
+                    with forced_chain(chain), patched(patch):
+                        launches = [c.bind_chunk_only(plan, group) for c in calls]
+                        regs, spills = calls[0].chunk_registers(plan, group)
+                    stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
+                    row.update(stats, **bandwidth(nbytes, stats), chunk_regs=regs, chunk_spills=spills)
+                    print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "
+                          f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
+                          f"{row['gbps_p50']:6.0f} GB/s (chunk kernel only) regs {regs}/{spills}", flush=True)
+                    rows.append(row)
+                    continue
                 with forced_pdl(pdl), forced_chain(chain), patched(patch):
                     result = run_once(torch, calls[0], plan, stream, group)
                     inv = invariant(torch, logits, ids, top_k, plan, stream, result, argmax)
@@ -337,7 +382,7 @@ def main() -> None:
     print(f"\nwrote {path}\n")
     print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "argmax", "block", "num_warps",
                                                      "chunk_blocks", "words", "group", "pdl", "maxnreg",
-                                                     "sel", "chain", "COMBINE_NUM_WARPS", "chunk_regs",
+                                                     "sel", "chain", "chunk_only", "COMBINE_NUM_WARPS", "chunk_regs",
                                                      "shipped_maxnreg", "us_p50", "gbps_p50", "invariant"]))
 
 

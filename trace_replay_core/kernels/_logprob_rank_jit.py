@@ -332,10 +332,17 @@ def logprob_rank_combine_kernel(
     RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,          # wait for the chunk kernel (launched as its programmatic dependent)
     ARGMAX: tl.constexpr,       # write the greedy token; score greedy rows (validity code 2) as it
+    RELEASE_FIRST: tl.constexpr,    # GDC: let the next kernel launch before waiting for the chunk kernel
 ):
     if GDC:
-        _wait_prerequisites()
-        _launch_dependents()    # a chained call's chunk kernel may be scheduled now (it waits for this grid)
+        # A chained kernel's programs may be scheduled now or once this grid's wait is over; either
+        # way they wait for this grid to end before they read anything.
+        if RELEASE_FIRST:
+            _launch_dependents()
+            _wait_prerequisites()
+        else:
+            _wait_prerequisites()
+            _launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks

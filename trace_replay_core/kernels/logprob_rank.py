@@ -83,7 +83,8 @@ sizes) and :class:`LogprobRankDtypes` (element type names); :func:`launch_logpro
 the two kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once and, on
 sm_90 and later, queues both as programmatic dependent launches: the chunk kernel's programs are
 scheduled while the kernel before it on the stream ends and wait for it (``griddepcontrol.wait``)
-before they read anything, and the combine kernel's while the chunk kernel's last programs run.
+before they read anything, and the combine kernel's while the chunk kernel's last programs run;
+the combine kernel in turn lets the next kernel's programs be scheduled before it waits.
 The combine kernel loads a row's partials once (a plan cuts a row into at most 256 chunks).
 This module is the op's host side (plan, workspace, launch on integers); its ``@triton.jit``
 kernels and device helpers are in :mod:`._logprob_rank_jit`, re-exported here.
@@ -198,11 +199,23 @@ LOGPROB_PDL = True
 # Bound launches also queue the chunk kernel as a programmatic dependent launch of whatever kernel
 # precedes it on the stream: its programs are scheduled while that kernel ends and wait for it
 # (griddepcontrol.wait) before they read anything; the combine kernel lets the next kernel start
-# early in turn. bench/logprob_tuning.py --latency, H200, 2026-12-02 09:41 UTC, device time p50
+# early in turn (LOGPROB_COMBINE_RELEASE_FIRST). bench/logprob_tuning.py --latency, H200, 2026-12-02 09:41 UTC, device time p50
 # without / with: bf16 5.42 / 4.63 us at batch 1, 25.63 / 24.43 at 256, 293.5 / 292.3 at 4096;
 # top-k 20 47.26 / 45.34 at 256; float32 42.99 / 41.32 at 256; argmax=True 30.71 / 29.23 at 256.
 # In the same run unrolling the block loops by 1, 3 or 4 instead of 2 was slower or no faster.
 LOGPROB_PDL_CHAIN = True
+# The combine kernel lets the next kernel's programs be scheduled before it waits for the chunk
+# kernel (griddepcontrol.launch_dependents, then .wait; False: the other way round), so that a
+# chained kernel's first programs sit ready on the SMs the chunk kernel frees and start the moment
+# the combine kernel ends (they wait for it before they read anything, and it for the chunk
+# kernel). bench/logprob_tuning.py --groups, H200, 2026-12-02 18:25 UTC
+# (results/logprob_tuning_release.json), device time p50 without / with, side by side: bf16 batch
+# 1 3.83 / 4.00 us, 256 23.22 / 22.74 and 23.20 / 22.71, 1024 74.98 / 74.72, 4096 279.36 /
+# 277.72; float32 256 39.64 / 39.21; top-k 20 at 256 34.92 / 34.78; argmax=True at 256 26.92 /
+# 26.51. Chunks of 8 blocks in the same run (10 per row; 22.84 / 22.38 us at 256, 277.80 /
+# 275.84 at 4096) but 4.25 / 4.36 at batch 1 and top-k 20 at 256 35.34 / 35.22 (1.57x the plain
+# call): not taken.
+LOGPROB_COMBINE_RELEASE_FIRST = True
 # Whole blocks of each chunk that the fused path loads ahead of its block loop (2 or 4): a
 # program's first chunk's while the token's two dependent loads run, the next chunk's before a
 # chunk's reductions. bench/logprob_tuning.py --groups, H200, 2026-12-02 11:50 UTC, 2 / 4 in one
@@ -426,7 +439,7 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                   "KEY_TILES": min(_next_pow2(max(_cdiv(plan.n_chunks, max(LOGPROB_TOPK_GROUPS)), 2)),
                                    max(2, COMBINE_KEYS // max(plan.k_pad, 1))),
                   "RESUM": words, "RESUM_BLOCK": 32 * comb_warps * (16 // itemsize), "VEC": 16 // itemsize,
-                  "GDC": False, "ARGMAX": has_argmax}
+                  "GDC": False, "ARGMAX": has_argmax, "RELEASE_FIRST": LOGPROB_COMBINE_RELEASE_FIRST}
     comb_ints = (args.vocab, args.row_stride, plan.n_chunks, args.top_k, plan.chunk_blocks * plan.block, group)
     return [
         (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_chunks, group), 1), chunk_ptrs, chunk_dtypes,
