@@ -15,7 +15,7 @@ import triton.language as tl
 from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
                                   stream_load, track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, shifted_block
+from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, exact_words, shifted_block
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel"]
 
@@ -69,6 +69,32 @@ def _line_values(w, ELEM: tl.constexpr):
 
 
 @triton.jit
+def _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1, g2, gab, HAS_TEMP: tl.constexpr,
+               TRACK: tl.constexpr, ARGMAX: tl.constexpr, GREEDY: tl.constexpr, SHIFT: tl.constexpr):
+    """Fold the block at column ``off`` into :func:`_chunk_safe`'s line states, a logit per load,
+    masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
+    the values of the whole-block path, the same steps."""
+    idx = off + cols
+    inside = idx < end
+    if SHIFT:
+        ELEM: tl.constexpr = row_ptr.dtype.element_ty
+        y = tl.where(inside, _line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM),
+                     float("-inf"))
+    else:
+        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+    y = scaled(y, t, HAS_TEMP)
+    if ARGMAX:
+        up, ag, ab = argmax_lines(y, off, ag, ab)
+    if GREEDY:
+        count = tl.where(up, 0, count) + tl.sum(((y >= ag[:, None]) & inside).to(tl.int32), axis=1)
+    else:
+        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+    g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+    m, s = online_update(y, m, s)
+    return m, s, count, ag, ab, g1, g2, gab
+
+
+@triton.jit
 def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, words, wcols, skew, row_words,
                 LINES: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr,
                 ARGMAX: tl.constexpr, GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr, SHIFT: tl.constexpr,
@@ -105,26 +131,17 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
             count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
         else:
             count += tl.sum((y >= chosen).to(tl.int32), axis=1)
-    # The partial last block, where there is one (only in a row's last chunk). A fully masked
-    # block of -inf would leave finite m, s and count as they are, so it is skipped.
-    if full_end < end:
-        idx = full_end + cols
-        inside = idx < end
-        if SHIFT:       # the lines that start before the end, shifted as the whole blocks are
-            first_col = full_end + tl.arange(0, LINES)[:, None] * (BLOCK // LINES)     # each line's first column
-            w = shifted_block(words, wcols, full_end // PER_WORD, first_col < end, skew, row_words, True)
-            y = tl.where(inside, _line_values(w, ELEM), float("-inf"))
-        else:
-            y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
-        y = scaled(y, t, HAS_TEMP)
-        if ARGMAX:
-            up, ag, ab = argmax_lines(y, full_end, ag, ab)
-        if GREEDY:
-            count = tl.where(up, 0, count) + tl.sum(((y >= ag[:, None]) & inside).to(tl.int32), axis=1)
-        else:
-            count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-        g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
-        m, s = online_update(y, m, s)
+    # The partial last block, where there is one (only in a row's last chunk), a logit per load;
+    # with SHIFT also a whole block that holds the row's last 16-byte vector (full_end stops
+    # before it), so up to two. A fully masked block of -inf would leave finite m, s and count as
+    # they are, so it is skipped.
+    if SHIFT:
+        for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
+            m, s, count, ag, ab, g1, g2, gab = _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1,
+                                                          g2, gab, HAS_TEMP, TRACK, ARGMAX, GREEDY, True)
+    elif full_end < end:
+        m, s, count, ag, ab, g1, g2, gab = _tail_safe(row_ptr, cols, full_end, end, chosen, t, m, s, count, ag, ab, g1,
+                                                      g2, gab, HAS_TEMP, TRACK, ARGMAX, GREEDY, False)
     big = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)   # a line whose max is +inf: NaN
     if ARGMAX:
@@ -218,11 +235,15 @@ def logprob_rank_chunk_kernel(
     if SHIFT:       # the row's start rounded down to 16 bytes, and how far below the row it lies
         skew = (row_ptr.to(tl.int64) % 16).to(tl.int32)
         words = tl.multiple_of((row_ptr - skew // ITEMSIZE).to(tl.pointer_type(tl.int32)), 16)
-        row_words = (skew + ITEMSIZE * vocab + 3) // 4
+        # The row's last 16-byte boundary, in words past ``words``, and the columns before it: the
+        # vectors of lines that end there lie whole inside the row (no load reads past its end).
+        row_words = (skew + ITEMSIZE * vocab) // 16 * 4
+        safe_cols = tl.maximum(4 * row_words - skew, 0) // ITEMSIZE
     else:
         skew = 0
         words = row_ptr.to(tl.pointer_type(tl.int32))
         row_words = 0
+        safe_cols = vocab
     wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]      # each line's four words
     if WORDS:
         # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
@@ -250,6 +271,8 @@ def logprob_rank_chunk_kernel(
         start = chunk * span
         n_here = tl.minimum(span, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
+        if SHIFT:   # whole blocks up to the row's last 16-byte boundary; the columns after it a logit per load
+            full_end = start + (tl.maximum(tl.minimum(full_end, safe_cols) - start, 0) // BLOCK) * BLOCK
         end = start + n_here
         # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
         # own id (greedy or scored), so that no block pays for the other's compares; the fused

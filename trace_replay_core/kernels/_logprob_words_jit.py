@@ -92,11 +92,13 @@ def shift_words(va, vb, skew):
 def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
     """With ``SHIFT``: the words of the block whose first line starts ``off_w`` words (plus
     ``skew`` bytes) past the aligned ``words``. Where ``MASKED``, ``mask`` (the same along each
-    line) selects the lines to read (else all); each line's second vector is read only where it
-    starts inside the row (``row_words``: the row's end in words past ``words``, rounded up), so
-    no vector is read that holds no logit of the row."""
+    line) selects the lines to read (else all). Every line read must lie whole inside the row;
+    its second vector is read only where it lies whole before ``row_words`` (the row's last
+    16-byte boundary, in words past ``words``): no load reaches past the row's end. A line that
+    needs bytes beyond that boundary does not take this path (the chunk kernel reads the row's
+    last columns a logit at a time: its ``full_end``)."""
     lines = tl.arange(0, wcols.shape[0])[:, None] * 4            # each line's first word
-    inside = off_w + lines + 4 < row_words
+    inside = off_w + lines + 8 <= row_words
     if MASKED:
         va = tl.load(words + off_w + wcols, mask=mask, other=0)
         vb = tl.load(words + off_w + wcols + 4, mask=mask & inside, other=0)
@@ -104,6 +106,34 @@ def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constex
         va = tl.load(words + off_w + wcols)
         vb = tl.load(words + off_w + wcols + 4, mask=inside, other=0)
     return shift_words(va, vb, skew)
+
+
+@triton.jit
+def _exact_word(row_ptr, first, k, end, ITEMSIZE: tl.constexpr):
+    """Word ``k`` of each line whose first column is ``first``: its logits loaded one at a time,
+    masked at ``end`` (zero bits past it)."""
+    if ITEMSIZE == 4:
+        c = first + k
+        return tl.load(row_ptr + c, mask=c < end, other=0).to(tl.int32, bitcast=True)
+    else:
+        c = first + 2 * k
+        lo = tl.load(row_ptr + c, mask=c < end, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi = tl.load(row_ptr + c + 1, mask=c + 1 < end, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (lo | (hi << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
+    """With ``SHIFT``: the ``[LINES, 4]`` words of the block at column ``off`` as
+    :func:`shifted_block` lays them out (each line's four words in its registers), from one load
+    per logit masked at ``end`` (zero bits past it): for the row's last columns, where a vector
+    load would read past the row's end."""
+    first = off + tl.arange(0, LINES) * (16 // ITEMSIZE)          # each line's first column
+    w0 = _exact_word(row_ptr, first, 0, end, ITEMSIZE)
+    w1 = _exact_word(row_ptr, first, 1, end, ITEMSIZE)
+    w2 = _exact_word(row_ptr, first, 2, end, ITEMSIZE)
+    w3 = _exact_word(row_ptr, first, 3, end, ITEMSIZE)
+    return tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape([LINES, 4])
 
 
 @triton.jit
@@ -173,6 +203,32 @@ def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2
 
 
 @triton.jit
+def _tail_fast(row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2, gab, TRACK: tl.constexpr,
+               ARGMAX: tl.constexpr, SHIFT: tl.constexpr):
+    """Fold the block at column ``off`` into the line states of :func:`chunk_lines_fast`, a logit
+    per load, masked at ``end`` (a row's partial last block; with ``SHIFT`` any block past
+    ``full_end``, as words laid out as the whole blocks' by :func:`exact_words`)."""
+    idx = off + cols
+    inside = idx < end
+    if SHIFT:
+        w = exact_words(row_ptr, off, end, cols.shape[0], 2)
+        y = tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
+        y = tl.where(inside, y.reshape([cols.shape[0], cols.shape[1]]), float("-inf"))
+    else:
+        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+    g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+    if ARGMAX:
+        up, _, ab = argmax_lines(y, off, m, ab)
+        m, s = _online_fast(y, m, s)
+        ref = tl.where(greedy, m, chosen)[:, None]
+        count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref) & inside).to(tl.int32), axis=1)
+    else:
+        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+        m, s = _online_fast(y, m, s)
+    return m, s, count, ab, g1, g2, gab
+
+
+@triton.jit
 def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1,
                      g2, gab, skew, row_words, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
                      TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr, SHIFT: tl.constexpr,
@@ -184,7 +240,9 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
     chunk's first ``AHEAD`` whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
     same steps before its block loop, wherever they were loaded. With ``SHIFT`` (rows not 16-byte
     aligned) ``words`` is the row's start rounded down to 16 bytes, ``skew`` bytes before it, and
-    ``row_words`` the row's end in words past ``words``, rounded up. ``EVICT_FIRST``: aligned rows
+    ``row_words`` the row's last 16-byte boundary in words past ``words`` (``full_end`` stops
+    where a line would need a vector beyond it; the rest, at most two blocks, is read a logit per
+    load by :func:`_tail_fast`). ``EVICT_FIRST``: aligned rows
     load their whole blocks evict-first (``stream_load``). Returns each line's maximum
     (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
     ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token."""
@@ -226,25 +284,13 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
         # 4 * chunk_blocks < 2**16 logits: the host checks the plan).
         packed = masks * 0xFFFEFFFF
         count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
-    if full_end < end:
-        idx = full_end + cols
-        inside = idx < end
-        if SHIFT:       # the lines that start before the end, shifted as the whole blocks are
-            first_col = full_end + tl.arange(0, LINES)[:, None] * (BLOCK // LINES)     # each line's first column
-            w = shifted_block(words, wcols, full_end // 2, first_col < end, skew, row_words, True)
-            y = tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
-            y = tl.where(inside, y.reshape([LINES, BLOCK // LINES]), float("-inf"))
-        else:
-            y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
-        g1, g2, gab = track_lines(y, full_end, g1, g2, gab, TRACK)
-        if ARGMAX:
-            up, _, ab = argmax_lines(y, full_end, m, ab)
-            m, s = _online_fast(y, m, s)
-            ref = tl.where(greedy, m, chosen)[:, None]
-            count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref) & inside).to(tl.int32), axis=1)
-        else:
-            count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-            m, s = _online_fast(y, m, s)
+    if SHIFT:       # the row's last columns may reach into a second block (see the chunk kernel's full_end)
+        for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
+            m, s, count, ab, g1, g2, gab = _tail_fast(row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2,
+                                                      gab, TRACK, ARGMAX, True)
+    elif full_end < end:
+        m, s, count, ab, g1, g2, gab = _tail_fast(row_ptr, cols, full_end, end, chosen, greedy, m, s, count, ab, g1, g2,
+                                                  gab, TRACK, ARGMAX, False)
     return m, s, count, ab, g1, g2, gab
 
 
