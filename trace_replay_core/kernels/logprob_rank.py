@@ -232,7 +232,12 @@ LOGPROB_AHEAD = 2
 # rows of 151,936 logits at a stride of 151,937, device time p50, shifted / a logit per load:
 # float32 batch 256 44.13 / 53.96 us (aligned rows 39.45), 4096 585.3 / 758.3; float16 256 28.77 /
 # 64.63, 4096 364.0 / 936.7; float32 top-k 20 at 256 169.8 / 623.9 (aligned 60.9: the top-k
-# chunk kernel spilled 264 bytes under its 64-register cap; see the next constant).
+# chunk kernel spilled 264 bytes under its 64-register cap; see the next constant). Whole blocks
+# stop at the row's last 16-byte boundary and the rest is read a logit per load, so no load reads
+# past the row's end (compute-sanitizer memcheck, 2026-12-02 19:29 UTC: 0 errors; at 18:31 UTC a
+# last row's partial last line read as a whole vector ran 12 bytes past its allocation). Its cost
+# (bench/README.md, 19:33 against 18:37 UTC): GPT-2's 50,257 per row at batch 256 bf16 16.41
+# against 15.80 us, float32 23.24 against 20.33.
 LOGPROB_SHIFT_ELEMENTS = True
 # The element path unrolls its block loop twice, except with top-k (without an argmax output or a
 # temperature: those not measured) on float32 rows that are not aligned: there each line takes
