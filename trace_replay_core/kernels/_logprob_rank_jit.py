@@ -15,7 +15,8 @@ import triton.language as tl
 from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
                                   stream_load, track_lines)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, exact_words, shifted_block
+from ._logprob_words_jit import (TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, exact_words, line_values,
+                                 shifted_block)
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel"]
 
@@ -53,22 +54,6 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _line_values(w, ELEM: tl.constexpr):
-    """The logits of ``[LINES, 4]`` 32-bit words (each line one 16-byte vector) of elements of
-    type ``ELEM``, as ``[LINES, 16 // itemsize]`` float32 in column order (exact)."""
-    if ELEM == tl.float32:
-        return w.to(tl.float32, bitcast=True)
-    else:
-        if ELEM == tl.bfloat16:
-            lo = (w << 16).to(tl.float32, bitcast=True)
-            hi = (w & -65536).to(tl.float32, bitcast=True)
-        else:
-            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        return tl.join(lo, hi).reshape([w.shape[0], 8])
-
-
-@triton.jit
 def _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1, g2, gab, HAS_TEMP: tl.constexpr,
                TRACK: tl.constexpr, ARGMAX: tl.constexpr, GREEDY: tl.constexpr, SHIFT: tl.constexpr):
     """Fold the block at column ``off`` into :func:`_chunk_safe`'s line states, a logit per load,
@@ -78,7 +63,7 @@ def _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1, g2, 
     inside = idx < end
     if SHIFT:
         ELEM: tl.constexpr = row_ptr.dtype.element_ty
-        y = tl.where(inside, _line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM),
+        y = tl.where(inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM),
                      float("-inf"))
     else:
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
@@ -119,7 +104,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
         if SHIFT:
-            y = _line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
+            y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
         else:
             y = stream_load(row_ptr + off + cols, None, EVICT_FIRST).to(tl.float32)
         y = scaled(y, t, HAS_TEMP)
@@ -243,7 +228,6 @@ def logprob_rank_chunk_kernel(
         skew = 0
         words = row_ptr.to(tl.pointer_type(tl.int32))
         row_words = 0
-        safe_cols = vocab
     wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]      # each line's four words
     if WORDS:
         # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit

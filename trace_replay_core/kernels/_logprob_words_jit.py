@@ -89,6 +89,22 @@ def shift_words(va, vb, skew):
 
 
 @triton.jit
+def line_values(w, ELEM: tl.constexpr):
+    """The logits of ``[LINES, 4]`` 32-bit words (each line one 16-byte vector) of elements of
+    type ``ELEM``, as ``[LINES, 16 // itemsize]`` float32 in column order (exact)."""
+    if ELEM == tl.float32:
+        return w.to(tl.float32, bitcast=True)
+    else:
+        if ELEM == tl.bfloat16:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.join(lo, hi).reshape([w.shape[0], 8])
+
+
+@triton.jit
 def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
     """With ``SHIFT``: the words of the block whose first line starts ``off_w`` words (plus
     ``skew`` bytes) past the aligned ``words``. Where ``MASKED``, ``mask`` (the same along each
@@ -211,9 +227,8 @@ def _tail_fast(row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2,
     idx = off + cols
     inside = idx < end
     if SHIFT:
-        w = exact_words(row_ptr, off, end, cols.shape[0], 2)
-        y = tl.join((w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True))
-        y = tl.where(inside, y.reshape([cols.shape[0], cols.shape[1]]), float("-inf"))
+        y = tl.where(inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 2), tl.bfloat16),
+                     float("-inf"))
     else:
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
     g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
