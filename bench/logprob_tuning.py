@@ -159,13 +159,24 @@ TOP_K = 20
 #   against 39.64, top-k 20 at 256 34.78 against 34.92, argmax=True 26.51 against 26.92. Chunks
 #   of 8 blocks (10 per row, 2.2 waves of programs at 256 against 2.8) with it: 22.38 at 256 and
 #   275.84 at 4096, but 4.36 at batch 1 and top-k 20 35.22 (1.57x the plain call): not taken.
-# The trials below: the shipped plan against the combine kernel waiting first (as before 18:25 UTC),
-# and at batch 256 the chunk kernel alone.
-WAIT_FIRST = {"patch": {"LOGPROB_COMBINE_RELEASE_FIRST": False}}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, WAIT_FIRST),
-                ("bfloat16", 256, 0): ({}, WAIT_FIRST, {"chunk_only": True}),
-                ("bfloat16", 4096, 0): ({}, WAIT_FIRST),
-                ("bfloat16", 256, 20): ({}, WAIT_FIRST)}
+# - 20:00 UTC (results/logprob_tuning_release2.json): the same, at commit 97276c9: 22.90 against
+#   23.37 us at 256, the chunk kernel alone 21.62.
+# The trials below: the shipped plan (without top-k on sm_90: one kernel, a row's programs one
+# cluster whose first merges the row, LOGPROB_CLUSTER) against the chunk and combine kernels;
+# at batch 256 also the chunk kernel alone, and the cluster form with 2 chunks per program or
+# chunks of 8 blocks.
+TWO_KERNELS = {"patch": {"LOGPROB_CLUSTER": False}}
+GROUP_TRIALS = {("bfloat16", 1, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 64, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 256, 0): ({}, TWO_KERNELS, {"chunk_only": True, **TWO_KERNELS}, {"group": 2},
+                                       {"chunk_blocks": 8}),
+                ("bfloat16", 1024, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 4096, 0): ({}, TWO_KERNELS),
+                ("float32", 256, 0): ({}, TWO_KERNELS),
+                ("float32", 4096, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 256, "argmax"): ({}, TWO_KERNELS),
+                ("bfloat16", 256, 0, VOCAB + 1): ({}, TWO_KERNELS),
+                ("bfloat16", 256, 20): ({},)}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -202,14 +213,14 @@ class Call:
         """``launch(stream)`` of the chunk kernel alone, queued as the call queues it (timing only:
         without the combine kernel the call's outputs are not written)."""
         from trace_replay_core.kernels.logprob_rank import LOGPROB_PDL_CHAIN, _compiled_launches
-        kernel, grid, ptrs, ints, gdc = next(_compiled_launches(self.args, self.dtypes, self.logits.device.index, plan,
-                                                                 group))
-        return kernel.bind(grid, *ptrs, *ints, pdl=gdc and LOGPROB_PDL_CHAIN)
+        kernel, grid, ptrs, ints, gdc, cluster = _compiled_launches(self.args, self.dtypes, self.logits.device.index,
+                                                                    plan, group)[0]
+        return kernel.bind(grid, *ptrs, *ints, pdl=gdc and LOGPROB_PDL_CHAIN, cluster=cluster)
 
     def chunk_registers(self, plan, group=None):
         """Registers per thread and spilled bytes of the chunk kernel this plan compiles to."""
         from trace_replay_core.kernels.logprob_rank import _compiled_launches
-        kernel = next(_compiled_launches(self.args, self.dtypes, self.logits.device.index, plan, group))[0]
+        kernel = _compiled_launches(self.args, self.dtypes, self.logits.device.index, plan, group)[0][0]
         return kernel.n_regs, kernel.n_spills
 
     def results(self):

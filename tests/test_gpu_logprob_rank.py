@@ -107,22 +107,37 @@ def test_gpu_logits_beyond_2_20(dtype, vocab):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_combine_is_a_programmatic_dependent_launch_on_sm90():
-    """On sm_90+ the kernels carry griddepcontrol and bound calls launch the combine kernel as a
-    programmatic dependent launch (the path every GPU test here and the benchmarks exercise)."""
+def test_gpu_launch_forms_on_sm90():
+    """On sm_90+ a call without top-k is one launch of the chunk kernel, a row's programs in one
+    cluster whose first merges the row, queued as a programmatic dependent launch; with top-k the
+    combine kernel follows as one. Before sm_90, two ordinary launches. Both forms give the
+    reference's results, with the same bits (the merge is the same code in either kernel)."""
     from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, _compiled_launches,
                                                         bind_logprob_rank_launch)
-    major = torch.cuda.get_device_capability()[0]
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
     x = torch.randn(3, 1000, device="cuda").bfloat16()
     ids = torch.tensor([1, 2, 3], device="cuda")
-    lp, rk = torch.full((3,), POISON_LOGPROB, device="cuda"), torch.full((3,), POISON_RANK, device="cuda")
-    ws = torch.empty(logprob_rank_workspace_bytes(3, 1000), dtype=torch.uint8, device="cuda")
-    args = LogprobRankArgs(x.data_ptr(), ids.data_ptr(), 0, lp.data_ptr(), rk.data_ptr(), 0, 0, ws.data_ptr(),
-                           3, 1000, x.stride(0), 0)
-    dtypes = LogprobRankDtypes("bfloat16", "int64", "int64")
-    assert [gdc for *_, gdc in _compiled_launches(args, dtypes, 0, None)] == [major >= 9] * 2
-    bind_logprob_rank_launch(args, dtypes, 0)(torch.cuda.current_stream().cuda_stream)
-    assert_matches_reference(x.float().cpu().numpy(), ids.cpu().numpy(), lp.cpu().numpy(), rk.cpu().numpy(), "pdl")
+    out = {}
+    for k in (0, 8):
+        lp, rk = torch.full((3,), POISON_LOGPROB, device="cuda"), torch.full((3,), POISON_RANK, device="cuda")
+        tlp, tid = torch.full((3, 8), POISON_LOGPROB, device="cuda"), torch.full((3, 8), POISON_RANK, device="cuda")
+        ws = torch.empty(logprob_rank_workspace_bytes(3, 1000, top_k=k), dtype=torch.uint8, device="cuda")
+        args = LogprobRankArgs(x.data_ptr(), ids.data_ptr(), 0, lp.data_ptr(), rk.data_ptr(),
+                               tlp.data_ptr() if k else 0, tid.data_ptr() if k else 0, ws.data_ptr(),
+                               3, 1000, x.stride(0), k)
+        dtypes = LogprobRankDtypes("bfloat16", "int64", "int64", "int64")
+        forms = [(gdc, cluster) for _, grid, _, _, gdc, cluster in _compiled_launches(args, dtypes, 0, None)]
+        if not sm90:
+            assert forms == [(False, None)] * 2
+        elif k:
+            assert forms == [(True, None)] * 2, forms
+        else:
+            assert len(forms) == 1 and forms[0][0] and forms[0][1] is not None and forms[0][1][1] >= 1, forms
+        bind_logprob_rank_launch(args, dtypes, 0)(torch.cuda.current_stream().cuda_stream)
+        assert_matches_reference(x.float().cpu().numpy(), ids.cpu().numpy(), lp.cpu().numpy(), rk.cpu().numpy(),
+                                 f"launch form top_k={k}")
+        out[k] = (lp.clone(), rk.clone())
+    assert torch.equal(out[0][0].view(torch.int32), out[8][0].view(torch.int32)) and torch.equal(out[0][1], out[8][1])
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ parameter block is packed once, from the parameter list of the kernel's own PTX 
 also names the scratch pointers Triton appends), and every call is a single ``cuLaunchKernel``
 through cuda-bindings on the loaded ``CUfunction`` (``cuLaunchKernelEx`` for a programmatic
 dependent launch, ``bind(..., pdl=True)``: the kernel may start while the one before it on the
-stream finishes, and must wait for it with ``griddepcontrol.wait`` before reading its results).
+stream finishes, and must wait for it with ``griddepcontrol.wait`` before reading its results;
+and for a launch in thread-block clusters, ``bind(..., cluster=dims)``).
 Kernels compiled to need what only Triton's launcher does (several CTAs per cluster, cooperative
 launches, Triton's own ``launch_pdl`` option) keep Triton's launcher.
 
@@ -52,7 +53,7 @@ class CompiledKernel:
     """A loaded Triton binary and its launcher. :meth:`launch` is stream-ordered, never blocks."""
 
     __slots__ = ("name", "_run", "_function", "_metadata", "_constexprs", "_params", "_n_args", "_threads",
-                 "_shared", "driver_launch", "n_regs", "n_spills")
+                 "_shared", "driver_launch", "n_regs", "n_spills", "_clusters")
 
     def __init__(self, jit_fn, args: Sequence[Any], constexprs: Dict[str, Any], num_warps: int,
                  maxnreg: Optional[int] = None):
@@ -71,6 +72,7 @@ class CompiledKernel:
         self._shared = int(md.shared)
         self._params = _ptx_params(kernel.asm.get("ptx", ""), kernel.name)
         self._n_args = len(args)
+        self._clusters: Dict[tuple, int] = {}
         simple = (int(getattr(md, "num_ctas", 1)) == 1 and not getattr(md, "launch_cooperative_grid", False)
                   and not getattr(md, "launch_pdl", False))
         #: whether :meth:`bind` launches through cuLaunchKernel (else through Triton's launcher)
@@ -81,18 +83,24 @@ class CompiledKernel:
         self._run(grid[0], grid[1], grid[2], stream, self._function, self._metadata, None, None, None,
                   *args, *self._constexprs)
 
-    def bind(self, grid: Tuple[int, int, int], *args: int, driver: Optional[bool] = None, pdl: bool = False):
+    def bind(self, grid: Tuple[int, int, int], *args: int, driver: Optional[bool] = None, pdl: bool = False,
+             cluster: Optional[Tuple[int, int, int]] = None):
         """Return ``launch(stream)`` that queues this kernel with ``grid`` and ``args`` fixed.
 
         Binding once and launching many times saves the argument handling of every call.
         ``driver`` picks the launch path (default: :attr:`driver_launch`); ``False`` forces
         Triton's launcher. ``pdl``: a programmatic dependent launch (driver path only, sm_90+;
         the kernel must begin with ``griddepcontrol.wait``); Triton's launcher ignores it.
+        ``cluster``: launch the grid in thread-block clusters of these dimensions (driver path
+        only, sm_90+; each must divide the grid's; more than 8 CTAs per cluster is allowed for
+        this kernel here, where the device supports it).
         """
         if driver is None:
             driver = self.driver_launch
+        if cluster is not None and not driver:
+            raise ValueError(f"cluster={cluster!r} needs the driver launch path ({self.name})")
         if driver:
-            return self._bind_driver(grid, args, pdl)
+            return self._bind_driver(grid, args, pdl, cluster)
         run, function, metadata = self._run, self._function, self._metadata
         g0, g1, g2 = grid
         full = tuple(args) + self._constexprs
@@ -126,14 +134,28 @@ class CompiledKernel:
         launch.params = block          # the parameter block lives as long as the launcher
         return launch
 
-    def _bind_driver(self, grid: Tuple[int, int, int], args: Sequence[int], pdl: bool = False):
+    def max_active_clusters(self, grid: Tuple[int, int, int], cluster: Tuple[int, int, int]) -> int:
+        """How many clusters of ``cluster`` CTAs of this kernel the device can hold at once (0: such
+        a cluster cannot be launched; ``cuOccupancyMaxActiveClusters``). Host-only."""
+        key = (tuple(grid), tuple(cluster))
+        n = self._clusters.get(key)
+        if n is None:
+            from cuda.bindings import driver as cu
+            block = _ParamBlock(self)
+            config = _bind_ex(block, tuple(int(g) for g in grid), False, cluster).config[0]
+            err, n = cu.cuOccupancyMaxActiveClusters(block.function, config)
+            n = self._clusters[key] = int(n) if err == cu.CUresult.CUDA_SUCCESS else 0
+        return n
+
+    def _bind_driver(self, grid: Tuple[int, int, int], args: Sequence[int], pdl: bool = False,
+                     cluster: Optional[Tuple[int, int, int]] = None):
         block = _ParamBlock(self)
         block.pack(block.view, 0, *args)
         params, function = block.params, block.function
         threads, shared, launch_kernel, ok = block.threads, block.shared, block.launch_kernel, block.ok
         g0, g1, g2 = (int(g) for g in grid)
-        if pdl:
-            return _bind_pdl(block, (g0, g1, g2))
+        if pdl or cluster is not None:
+            return _bind_ex(block, (g0, g1, g2), pdl, cluster)
 
         def launch(stream: int) -> None:
             err = launch_kernel(function, g0, g1, g2, threads, 1, 1, shared, stream, params, 0)[0]
@@ -144,19 +166,37 @@ class CompiledKernel:
         return launch
 
 
-def _bind_pdl(block: "_ParamBlock", grid: Tuple[int, int, int]):
-    """``launch(stream)`` through ``cuLaunchKernelEx`` with programmatic stream serialization
-    allowed; the launch configuration is built once, only its stream is set per call."""
+def _bind_ex(block: "_ParamBlock", grid: Tuple[int, int, int], pdl: bool,
+             cluster: Optional[Tuple[int, int, int]]):
+    """``launch(stream)`` through ``cuLaunchKernelEx``, with programmatic stream serialization
+    allowed (``pdl``) and/or clusters of ``cluster`` CTAs; the launch configuration is built
+    once, only its stream is set per call."""
     from cuda.bindings import driver as cu
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = []
+    if pdl:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster is not None:
+        dims = tuple(int(c) for c in cluster)
+        if any(c < 1 or g % c for g, c in zip(grid, dims)):
+            raise ValueError(f"cluster={cluster!r} must divide grid={grid!r} ({block.name})")
+        if dims[0] * dims[1] * dims[2] > 8:
+            from .._cuda import _check
+            _check(cu.cuFuncSetAttribute(block.function,
+                                         cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                   f"cuFuncSetAttribute({block.name}, non-portable cluster size)")
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = dims
+        attrs.append(attr)
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block.threads, 1, 1
     config.sharedMemBytes = block.shared
-    config.attrs = [attr]
-    config.numAttrs = 1
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
     params, function, ok, launch_ex = block.params, block.function, block.ok, cu.cuLaunchKernelEx
 
     def launch(stream: int) -> None:
@@ -166,7 +206,7 @@ def _bind_pdl(block: "_ParamBlock", grid: Tuple[int, int, int]):
             block.fail(err)
 
     launch.params = block          # the parameter block lives as long as the launch
-    launch.config = (config, attr)
+    launch.config = (config, attrs)
     return launch
 
 

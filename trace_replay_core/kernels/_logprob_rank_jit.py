@@ -40,6 +40,22 @@ def _wait_prerequisites():
 
 
 @triton.jit
+def _cluster_arrive():
+    """Arrive at the cluster's barrier with release semantics: this thread's earlier writes are
+    visible to every thread of the cluster that then waits on it (PTX ``barrier.cluster``,
+    sm_90). A thread may exit after arriving: an exited thread holds no barrier up."""
+    tl.inline_asm_elementwise("barrier.cluster.arrive.release; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _cluster_wait():
+    """Wait until every thread of the cluster has arrived (or exited), acquiring their writes."""
+    tl.inline_asm_elementwise("barrier.cluster.wait.acquire; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
     """Whether the row's token id is valid, its scaled logit (NaN when invalid), T, and whether
     the id is negative (with ``ARGMAX``: a greedy row, scored as its argmax)."""
@@ -150,6 +166,64 @@ def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def merge_row(row, row_ptr, base, chosen, code, logprob_ptr, rank_ptr, argmax_ptr, part_m_ptr, part_s_ptr, part_c_ptr,
+              part_am_ptr, part_a_ptr, vocab, n_chunks, chunk_span, BLOCK: tl.constexpr, RESUM: tl.constexpr,
+              RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr, ARGMAX: tl.constexpr, CACHE: tl.constexpr):
+    """Merge row ``row``'s ``n_chunks`` partials (at ``base``) in chunk order and store its
+    logprob, rank and (``ARGMAX``) greedy token; return its log-sum-exp. ``chosen`` is the token's
+    scaled logit, ``code`` 0 for an invalid id, 1 for a valid one, 2 for a greedy row. The same
+    instructions whichever kernel runs it (the combine kernel, or a cluster's first program of the
+    chunk kernel, which reads the partials with ``CACHE = ".cg"``: from L2, where the cluster's
+    other programs wrote them): the same bits either way."""
+    # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
+    # together: the merge below runs on registers.
+    j = tl.arange(0, BLOCK)
+    inside = j < n_chunks
+    m = tl.load(part_m_ptr + base + j, mask=inside, other=float("-inf"), cache_modifier=CACHE)
+    s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
+    c = tl.load(part_c_ptr + base + j, mask=inside, other=0, cache_modifier=CACHE)
+    if ARGMAX:
+        am = tl.load(part_am_ptr + base + j, mask=inside, other=float("-inf"), cache_modifier=CACHE)
+        a = tl.load(part_a_ptr + base + j, mask=inside, other=INT32_MAX, cache_modifier=CACHE)
+    valid = code == 1
+    big = tl.max(m, axis=0)
+    if RESUM:
+        if tl.sum((s < 0).to(tl.int32), axis=0) > 0:
+            # Rare: a flagged chunk (maximum beyond +-2**20) within 128 of the row's maximum is
+            # summed again here; a flagged chunk further below adds s * 2**(< -184) = 0 as it is.
+            LINES: tl.constexpr = RESUM_BLOCK // VEC
+            cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+            for k in range(0, n_chunks):
+                if (tl.load(part_s_ptr + base + k, cache_modifier=CACHE) < 0) & (
+                        tl.load(part_m_ptr + base + k, cache_modifier=CACHE) >= big - 128.0):
+                    start = k * chunk_span
+                    s_k = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
+                    tl.store(part_s_ptr + base + k, s_k)
+            tl.debug_barrier()          # the re-summed partials are read by every thread below
+            s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
+    big_safe = tl.where(big == float("-inf"), 0.0, big)
+    total = tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
+    count = tl.sum(c, axis=0)
+    lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
+    if ARGMAX:
+        # The row's greedy maximum, its lowest column over the chunks that hold it (exact: no
+        # order of evaluation matters), and the ties at it; a row of only NaN gets column 0.
+        amax = tl.max(am, axis=0)
+        sel = inside & (am == amax)
+        acol = tl.min(tl.where(sel, a, INT32_MAX), axis=0)
+        ties = tl.sum(tl.where(sel, c, 0), axis=0)
+        acol = tl.where(acol == INT32_MAX, 0, acol)
+        tl.store(argmax_ptr + row, acol.to(argmax_ptr.dtype.element_ty))
+        greedy = code == 2
+        chosen = tl.where(greedy, amax, chosen)
+        count = tl.where(greedy, ties, count)
+        valid = valid | greedy
+    tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
+    tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
+    return lse
+
+
+@triton.jit
 def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.constexpr, KEY_TILES: tl.constexpr):
     """The best ``K_PAD`` keys of a row's programs ``p0 .. p0 + KEY_TILES`` (those that exist),
     sorted, largest first (the sets need not be sorted)."""
@@ -165,7 +239,7 @@ def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.conste
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
     do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
                                     "part_c_ptr", "tok_y_ptr", "tok_ok_ptr", "part_k_ptr", "cand_ptr",
-                                    "pairs_ptr", "part_am_ptr", "part_a_ptr"],
+                                    "pairs_ptr", "part_am_ptr", "part_a_ptr", "logprob_ptr", "rank_ptr", "argmax_ptr"],
 )
 def logprob_rank_chunk_kernel(
     logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -181,6 +255,9 @@ def logprob_rank_chunk_kernel(
     pairs_ptr,          # [batch * n_chunks, CAP_P] int32 scratch: first columns of candidate vectors (TOPK > 0)
     part_am_ptr,        # [batch * n_chunks] float32 out: the chunk's largest non-NaN logit (ARGMAX)
     part_a_ptr,         # [batch * n_chunks] int32 out: its lowest column, INT32_MAX if none (ARGMAX)
+    logprob_ptr,        # [batch] float32 out (CLUSTER)
+    rank_ptr,           # [batch] int32/int64 out (CLUSTER)
+    argmax_ptr,         # [batch] int32/int64 out (CLUSTER and ARGMAX)
     vocab,
     row_stride,         # elements between rows
     chunk_blocks,       # blocks of BLOCK logits per chunk
@@ -203,6 +280,8 @@ def logprob_rank_chunk_kernel(
     EVICT_FIRST: tl.constexpr,  # whole blocks loaded evict-first in L1 and L2 (stream_load)
     TOPK_SORTED: tl.constexpr,  # TOPK: each program's keys sorted even where they need no selection
     UNROLL: tl.constexpr,   # not WORDS: the block loop's unroll factor
+    CLUSTER: tl.constexpr,  # a row's programs form one cluster (sm_90+), whose first merges the row (no TOPK)
+    MERGE_BLOCK: tl.constexpr, RESUM_BLOCK: tl.constexpr,   # CLUSTER: as the combine kernel's BLOCK, RESUM_BLOCK
 ):
     if GDC:
         _launch_dependents()
@@ -304,6 +383,21 @@ def logprob_rank_chunk_kernel(
         if ARGMAX:
             tl.store(part_am_ptr + part, amax)
             tl.store(part_a_ptr + part, acol)
+    if CLUSTER:
+        # The row's programs are one cluster, resident together: each arrives at the cluster's
+        # barrier once its partials are stored (release) and exits; the first waits for the
+        # others (acquire) and merges the row by the combine kernel's instructions, reading the
+        # partials from L2. No second kernel, no atomics: the same bits as the combine kernel.
+        _cluster_arrive()
+        if tl.program_id(1) == 0:
+            _cluster_wait()
+            if ARGMAX:
+                code = tl.where(greedy, 2, valid_tok.to(tl.int32))
+            else:
+                code = valid_tok.to(tl.int32)
+            merge_row(row, row_ptr, row * n_chunks, chosen, code, logprob_ptr, rank_ptr, argmax_ptr, part_m_ptr,
+                      part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, vocab, n_chunks, span, MERGE_BLOCK, WORDS,
+                      RESUM_BLOCK, VEC, ARGMAX, ".cg")
     if TOPK > 0:
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
         # the row's top-k), at its first chunk's slot (the combine kernel reads no other).
@@ -353,52 +447,9 @@ def logprob_rank_combine_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks
-    # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
-    # together with the token's: the merge below runs on registers.
-    j = tl.arange(0, BLOCK)
-    inside = j < n_chunks
-    m = tl.load(part_m_ptr + base + j, mask=inside, other=float("-inf"))
-    s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0)
-    c = tl.load(part_c_ptr + base + j, mask=inside, other=0)
-    if ARGMAX:
-        am = tl.load(part_am_ptr + base + j, mask=inside, other=float("-inf"))
-        a = tl.load(part_a_ptr + base + j, mask=inside, other=INT32_MAX)
-    chosen = tl.load(tok_y_ptr + row)
-    code = tl.load(tok_ok_ptr + row)
-    valid = code == 1
-    big = tl.max(m, axis=0)
-    if RESUM:
-        if tl.sum((s < 0).to(tl.int32), axis=0) > 0:
-            # Rare: a flagged chunk (maximum beyond +-2**20) within 128 of the row's maximum is
-            # summed again here; a flagged chunk further below adds s * 2**(< -184) = 0 as it is.
-            LINES: tl.constexpr = RESUM_BLOCK // VEC
-            cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-            for k in range(0, n_chunks):
-                if (tl.load(part_s_ptr + base + k) < 0) & (tl.load(part_m_ptr + base + k) >= big - 128.0):
-                    start = k * chunk_span
-                    s_k = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
-                    tl.store(part_s_ptr + base + k, s_k)
-            tl.debug_barrier()          # the re-summed partials are read by every thread below
-            s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0)
-    big_safe = tl.where(big == float("-inf"), 0.0, big)
-    total = tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
-    count = tl.sum(c, axis=0)
-    lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
-    if ARGMAX:
-        # The row's greedy maximum, its lowest column over the chunks that hold it (exact: no
-        # order of evaluation matters), and the ties at it; a row of only NaN gets column 0.
-        amax = tl.max(am, axis=0)
-        sel = inside & (am == amax)
-        acol = tl.min(tl.where(sel, a, INT32_MAX), axis=0)
-        ties = tl.sum(tl.where(sel, c, 0), axis=0)
-        acol = tl.where(acol == INT32_MAX, 0, acol)
-        tl.store(argmax_ptr + row, acol.to(argmax_ptr.dtype.element_ty))
-        greedy = code == 2
-        chosen = tl.where(greedy, amax, chosen)
-        count = tl.where(greedy, ties, count)
-        valid = valid | greedy
-    tl.store(logprob_ptr + row, tl.where(valid, chosen - lse, float("nan")))
-    tl.store(rank_ptr + row, tl.where(valid, count, -1).to(rank_ptr.dtype.element_ty))
+    lse = merge_row(row, row_ptr, base, tl.load(tok_y_ptr + row), tl.load(tok_ok_ptr + row), logprob_ptr, rank_ptr,
+                    argmax_ptr, part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, vocab, n_chunks,
+                    chunk_span, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "")
     if K_PAD > 0:
         # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), in no
         # particular order: the row's best K_PAD of KEY_TILES programs at a time, sorted.

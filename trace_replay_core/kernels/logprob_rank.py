@@ -107,6 +107,7 @@ __all__ = [
     "launch_specs",
     "launch_logprob_rank",
     "bind_logprob_rank_launch",
+    "cluster_merge",
     "TOPK_MAX",
 ]
 
@@ -255,6 +256,12 @@ LOGPROB_SHIFTED_F32_TOPK_UNROLL = 1
 # 36.80 / 35.64, at 4096 423.4 / 412.5 (the top-k read-back after a program's chunks still finds
 # its vectors in L2 often enough).
 LOGPROB_EVICT_FIRST = True
+# Without top-k, on sm_90 and later, a row's programs of the chunk kernel are launched as one
+# thread-block cluster (at most LOGPROB_CLUSTER_MAX: a cluster of more than 8 CTAs is non-portable)
+# and the cluster's first program merges the row once the others have arrived at the cluster's
+# barrier: one kernel per call instead of two (cluster_merge).
+LOGPROB_CLUSTER = True
+LOGPROB_CLUSTER_MAX = 16
 
 
 class LogprobRankPlan(NamedTuple):
@@ -390,10 +397,13 @@ def _layout_stride(args: LogprobRankArgs) -> int:
 
 
 def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optional[LogprobRankPlan] = None,
-                 group: Optional[int] = None):
-    """The two launches of one call, as plain data, in order:
+                 group: Optional[int] = None, cluster: bool = False):
+    """The launches of one call, as plain data, in order:
     ``(jit kernel, grid, pointers, pointer dtypes, ints, constexprs, num_warps)``: the chunk
-    kernel, then the combine kernel. ``group`` overrides :func:`_chunk_group` (tuning, tests)."""
+    kernel, then the combine kernel. ``group`` overrides :func:`_chunk_group` (tuning, tests).
+    ``cluster`` (no top-k; sm_90+, see :func:`cluster_merge`): the chunk kernel alone, compiled
+    to merge each row in its first program, to be launched with a row's programs as one
+    cluster (``(1, grid[1], 1)``)."""
     itemsize = _ITEMSIZE[dtypes.logits]
     if plan is None:
         plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
@@ -408,10 +418,12 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     topk_ws = (ws + off_cand, ws + off_pairs) if plan.k_pad else (ws + off_m, ws + off_m)
     has_argmax = args.argmax != 0
     greedy_ws = (ws + off_am, ws + off_a)                         # written and read only with ARGMAX
+    argmax_out = (args.argmax, dtypes.argmax) if has_argmax else (args.ranks, dtypes.ranks)   # never written without
+    cluster = cluster and not plan.k_pad
     chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c) + tok + (part_k,) + topk_ws \
-        + greedy_ws
+        + greedy_ws + (args.logprobs, args.ranks, argmax_out[0])
     chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "float32", "int32",
-                    "int64", "int64", "int32", "float32", "int32")
+                    "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks, argmax_out[1])
     if group is None:
         group = _chunk_group(args.batch, plan.n_chunks, plan.k_pad)
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_chunks, group, args.top_k)
@@ -425,13 +437,18 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                    "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD,
                    "EVICT_FIRST": LOGPROB_EVICT_FIRST, "TOPK_SORTED": LOGPROB_TOPK_SORTED,
                    "UNROLL": (LOGPROB_SHIFTED_F32_TOPK_UNROLL if itemsize == 4 and not aligned and plan.k_pad
-                              and not has_argmax and not has_temp else 2)}
+                              and not has_argmax and not has_temp else 2),
+                   "CLUSTER": cluster, "MERGE_BLOCK": _next_pow2(max(plan.n_chunks, 2)),
+                   "RESUM_BLOCK": 32 * COMBINE_CHUNK_WARPS * (16 // itemsize)}
+    chunk_grid = (args.batch, _cdiv(plan.n_chunks, group), 1)
+    if cluster:
+        return [(logprob_rank_chunk_kernel, chunk_grid, chunk_ptrs, chunk_dtypes, chunk_ints, chunk_const,
+                 plan.num_warps)]
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
     else:                                                         # never written without top-k
         comb_out, comb_out_dtypes = (args.logprobs, args.ranks), ("float32", dtypes.ranks)
-    argmax_out = (args.argmax, dtypes.argmax) if has_argmax else (args.ranks, dtypes.ranks)   # never written without
     comb_ptrs = (args.logits, args.logprobs, args.ranks) + comb_out + (ws + off_m, ws + off_s, ws + off_c, part_k) + tok \
         + (argmax_out[0],) + greedy_ws
     comb_dtypes = (dtypes.logits, "float32", dtypes.ranks) + comb_out_dtypes + ("float32", "float32", "int32",
@@ -447,33 +464,56 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
                   "GDC": False, "ARGMAX": has_argmax, "RELEASE_FIRST": LOGPROB_COMBINE_RELEASE_FIRST}
     comb_ints = (args.vocab, args.row_stride, plan.n_chunks, args.top_k, plan.chunk_blocks * plan.block, group)
     return [
-        (logprob_rank_chunk_kernel, (args.batch, _cdiv(plan.n_chunks, group), 1), chunk_ptrs, chunk_dtypes,
-         chunk_ints, chunk_const, plan.num_warps),
+        (logprob_rank_chunk_kernel, chunk_grid, chunk_ptrs, chunk_dtypes, chunk_ints, chunk_const, plan.num_warps),
         (logprob_rank_combine_kernel, (args.batch, 1, 1), comb_ptrs, comb_dtypes, comb_ints, comb_const, comb_warps),
     ]
 
 
+def cluster_merge(plan: LogprobRankPlan, device_id: int) -> bool:
+    """Whether calls of ``plan`` on ``device_id`` merge each row inside the chunk kernel, a row's
+    programs launched as one cluster (:data:`LOGPROB_CLUSTER`), instead of in a second kernel:
+    sm_90 and later, no top-k, a row's chunks no more than :data:`LOGPROB_CLUSTER_MAX`. It
+    depends on the plan and the device only, never on the batch (the merge is the same
+    instructions either way: the same bits)."""
+    from .._cuda import compute_capability
+    return (LOGPROB_CLUSTER and not plan.k_pad and plan.n_chunks <= LOGPROB_CLUSTER_MAX
+            and compute_capability(device_id) >= (9, 0))
+
+
 def _compiled_launches(args, dtypes, device_id, plan, group=None):
+    """``(compiled kernel, grid, pointers, ints, pdl allowed, cluster dims or None)`` per launch."""
     from .._cuda import compute_capability
     from ._compiled import compiled
     if plan is None:
         plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k)
     gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
-    for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
-            launch_specs(args, dtypes, plan, group)):
-        constexprs = dict(constexprs, GDC=gdc)
-        maxnreg = plan.maxnreg if i == 0 and plan.maxnreg else None
-        yield (compiled(kernel, device_id, ptr_dtypes, len(ints), constexprs, num_warps, maxnreg), grid, ptrs, ints,
-               gdc)
+
+    def build(cluster):
+        return [(compiled(kernel, device_id, ptr_dtypes, len(ints), dict(constexprs, GDC=gdc), num_warps,
+                          plan.maxnreg if i == 0 and plan.maxnreg else None),
+                 grid, ptrs, ints, gdc, (1, grid[1], 1) if cluster else None)
+                for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps)
+                in enumerate(launch_specs(args, dtypes, plan, group, cluster))]
+
+    if cluster_merge(plan, device_id):
+        launches = build(True)
+        kernel, grid, *_, dims = launches[0]
+        if kernel.max_active_clusters(grid, dims) >= 1:
+            return launches
+        # A cluster this device cannot place: the two kernels, the same merge (the same bits).
+    return build(False)
 
 
 def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int, stream: int,
                         plan: Optional[LogprobRankPlan] = None, group: Optional[int] = None) -> None:
-    """Queue the call's two kernels on ``stream`` (stream-ordered, never blocking; the first
-    call per device and signature compiles, host-blocking). The current CUDA context must be
-    that of ``device_id``. ``plan`` and ``group`` override the defaults (tuning)."""
-    for kernel, grid, ptrs, ints, _ in _compiled_launches(args, dtypes, device_id, plan, group):
-        kernel.launch(grid, stream, *ptrs, *ints)
+    """Queue the call's kernels on ``stream`` (stream-ordered, never blocking; the first call per
+    device and signature compiles, host-blocking). The current CUDA context must be that of
+    ``device_id``. ``plan`` and ``group`` override the defaults (tuning)."""
+    for kernel, grid, ptrs, ints, _, cluster in _compiled_launches(args, dtypes, device_id, plan, group):
+        if cluster is None:
+            kernel.launch(grid, stream, *ptrs, *ints)
+        else:
+            kernel.bind(grid, *ptrs, *ints, cluster=cluster)(stream)
 
 
 def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int,
@@ -481,13 +521,15 @@ def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, d
                              group: Optional[int] = None) -> Callable[[int], None]:
     """Return ``launch(stream)`` that queues this exact call (arguments packed once). ``plan``
     and ``group`` override the defaults (tuning)."""
-    # Both kernels as programmatic dependent launches where the device allows it (sm_90+): the
-    # chunk kernel of the kernel before it on the stream (LOGPROB_PDL_CHAIN), the combine kernel
-    # of the chunk kernel; each is scheduled early and waits on the device for the grid before it.
-    launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints,
+    # Programmatic dependent launches where the device allows it (sm_90+): the chunk kernel of
+    # the kernel before it on the stream (LOGPROB_PDL_CHAIN), the combine kernel of the chunk
+    # kernel; each is scheduled early and waits on the device for the grid before it.
+    launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints, cluster=cluster,
                                                          pdl=gdc and (i == 1 or LOGPROB_PDL_CHAIN))
-                                             for i, (kernel, grid, ptrs, ints, gdc)
+                                             for i, (kernel, grid, ptrs, ints, gdc, cluster)
                                              in enumerate(_compiled_launches(args, dtypes, device_id, plan, group))]
+    if len(launches) == 1:
+        return launches[0]
     first, second = launches
 
     def launch(stream: int) -> None:
