@@ -161,22 +161,26 @@ TOP_K = 20
 #   275.84 at 4096, but 4.36 at batch 1 and top-k 20 35.22 (1.57x the plain call): not taken.
 # - 20:00 UTC (results/logprob_tuning_release2.json): the same, at commit 97276c9: 22.90 against
 #   23.37 us at 256, the chunk kernel alone 21.62.
-# The trials below: the shipped plan (without top-k on sm_90: one kernel, a row's programs one
-# cluster whose first merges the row, LOGPROB_CLUSTER) against the chunk and combine kernels;
-# at batch 256 also the chunk kernel alone, and the cluster form with 2 chunks per program or
-# chunks of 8 blocks.
+# - 23:12 UTC (results/logprob_tuning_cluster.json): a row's programs launched as one cluster
+#   whose first merges the row (one kernel, LOGPROB_CLUSTER), at every batch, against the chunk
+#   and combine kernels: batch 1 3.85 against 3.96 us, 64 9.43 against 10.21, but 256 26.91
+#   against 22.98, 1024 92.39 against 76.06, 4096 340.3 against 283.3; float32 256 46.22 against
+#   39.77, argmax=True 35.18 against 26.61, rows of 151,937 36.78 against 28.12; at 256 with 2
+#   chunks per program 25.72, chunks of 8 blocks 26.35. The same bits in every row. Shipped for
+#   calls whose rows' clusters fit on the device at once only.
+# The trials below: the shipped choice (clusters where the rows fit at once) against the two
+# kernels at batches around that limit.
 TWO_KERNELS = {"patch": {"LOGPROB_CLUSTER": False}}
 GROUP_TRIALS = {("bfloat16", 1, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 16, 0): ({}, TWO_KERNELS),
                 ("bfloat16", 64, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 256, 0): ({}, TWO_KERNELS, {"chunk_only": True, **TWO_KERNELS}, {"group": 2},
-                                       {"chunk_blocks": 8}),
-                ("bfloat16", 1024, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 4096, 0): ({}, TWO_KERNELS),
-                ("float32", 256, 0): ({}, TWO_KERNELS),
-                ("float32", 4096, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 256, "argmax"): ({}, TWO_KERNELS),
-                ("bfloat16", 256, 0, VOCAB + 1): ({}, TWO_KERNELS),
-                ("bfloat16", 256, 20): ({},)}
+                ("bfloat16", 96, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 128, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 160, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 256, 0): ({}, TWO_KERNELS),
+                ("float32", 64, 0): ({}, TWO_KERNELS),
+                ("bfloat16", 64, "argmax"): ({}, TWO_KERNELS),
+                ("bfloat16", 64, 0, VOCAB + 1): ({}, TWO_KERNELS)}
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -218,10 +222,14 @@ class Call:
         return kernel.bind(grid, *ptrs, *ints, pdl=gdc and LOGPROB_PDL_CHAIN, cluster=cluster)
 
     def chunk_registers(self, plan, group=None):
-        """Registers per thread and spilled bytes of the chunk kernel this plan compiles to."""
+        """Registers per thread and spilled bytes of the chunk kernel this plan compiles to, and
+        the launch form: the clusters a row's programs form and how many the device holds at
+        once (0, 0 for the two kernels)."""
         from trace_replay_core.kernels.logprob_rank import _compiled_launches
-        kernel = _compiled_launches(self.args, self.dtypes, self.logits.device.index, plan, group)[0][0]
-        return kernel.n_regs, kernel.n_spills
+        kernel, grid, *_, cluster = _compiled_launches(self.args, self.dtypes, self.logits.device.index, plan,
+                                                       group)[0]
+        held = kernel.max_active_clusters(grid, cluster) if cluster else 0
+        return kernel.n_regs, kernel.n_spills, (cluster[1] if cluster else 0, held)
 
     def results(self):
         out = [self.lp.clone(), self.rk.clone()]
@@ -366,12 +374,13 @@ def main() -> None:
                     note = f"invariant {inv} same {same} diff {diff:.1e}"
                 with forced_pdl(pdl), forced_chain(chain), patched(patch):
                     launches = [c.bind_chunk_only(plan, group) if chunk_only else c.bind(plan, group) for c in calls]
-                    regs, spills = calls[0].chunk_registers(plan, group)      # this variant's build
+                    regs, spills, form = calls[0].chunk_registers(plan, group)      # this variant's build
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
-                row.update(stats, **bandwidth(nbytes, stats), **checks, chunk_regs=regs, chunk_spills=spills)
+                row.update(stats, **bandwidth(nbytes, stats), **checks, chunk_regs=regs, chunk_spills=spills,
+                           cluster_ctas=form[0], clusters_held=form[1])
                 print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "
                       f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
-                      f"{row['gbps_p50']:6.0f} GB/s {note} regs {regs}/{spills}", flush=True)
+                      f"{row['gbps_p50']:6.0f} GB/s {note} regs {regs}/{spills} clusters {form}", flush=True)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
                 row.update(error=f"{type(exc).__name__}: {exc}"[:400])
                 print(f"{dtype_name} B={batch} {name}: FAILED {row['error']}", flush=True)

@@ -108,10 +108,11 @@ def test_gpu_logits_beyond_2_20(dtype, vocab):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_launch_forms_on_sm90():
-    """On sm_90+ a call without top-k is one launch of the chunk kernel, a row's programs in one
-    cluster whose first merges the row, queued as a programmatic dependent launch; with top-k the
-    combine kernel follows as one. Before sm_90, two ordinary launches. Both forms give the
-    reference's results, with the same bits (the merge is the same code in either kernel)."""
+    """On sm_90+ a call without top-k whose rows' clusters fit on the device at once is one
+    launch of the chunk kernel, a row's programs in one cluster whose first merges the row,
+    queued as a programmatic dependent launch; with top-k, or more rows than that, the combine
+    kernel follows as one. Before sm_90, two ordinary launches. Both forms give the reference's
+    results, with the same bits (the merge is the same code in either kernel)."""
     from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, _compiled_launches,
                                                         bind_logprob_rank_launch)
     sm90 = torch.cuda.get_device_capability()[0] >= 9
@@ -138,6 +139,10 @@ def test_gpu_launch_forms_on_sm90():
                                  f"launch form top_k={k}")
         out[k] = (lp.clone(), rk.clone())
     assert torch.equal(out[0][0].view(torch.int32), out[8][0].view(torch.int32)) and torch.equal(out[0][1], out[8][1])
+    # 4096 rows of 151,936 (13 chunks): more rows than 13-program clusters fit at once (compiled
+    # only; nothing is launched, so the addresses are never read).
+    big = LogprobRankArgs(16, 32, 0, 48, 64, 0, 0, 80, 4096, 151936, 151936, 0)
+    assert len(_compiled_launches(big, dtypes, 0, None)) == 2
 
 
 @pytest.mark.gpu

@@ -137,7 +137,7 @@ class CompiledKernel:
     def max_active_clusters(self, grid: Tuple[int, int, int], cluster: Tuple[int, int, int]) -> int:
         """How many clusters of ``cluster`` CTAs of this kernel the device can hold at once (0: such
         a cluster cannot be launched; ``cuOccupancyMaxActiveClusters``). Host-only."""
-        key = (tuple(grid), tuple(cluster))
+        key = tuple(cluster)
         n = self._clusters.get(key)
         if n is None:
             from cuda.bindings import driver as cu

@@ -256,10 +256,16 @@ LOGPROB_SHIFTED_F32_TOPK_UNROLL = 1
 # 36.80 / 35.64, at 4096 423.4 / 412.5 (the top-k read-back after a program's chunks still finds
 # its vectors in L2 often enough).
 LOGPROB_EVICT_FIRST = True
-# Without top-k, on sm_90 and later, a row's programs of the chunk kernel are launched as one
-# thread-block cluster (at most LOGPROB_CLUSTER_MAX: a cluster of more than 8 CTAs is non-portable)
-# and the cluster's first program merges the row once the others have arrived at the cluster's
-# barrier: one kernel per call instead of two (cluster_merge).
+# Without top-k, on sm_90 and later, when a call's rows fit in one wave of clusters (no more rows
+# than cuOccupancyMaxActiveClusters), a row's programs of the chunk kernel are launched as one
+# thread-block cluster (at most LOGPROB_CLUSTER_MAX: a cluster of more than 8 CTAs is
+# non-portable) and the cluster's first program merges the row once the others have arrived at
+# the cluster's barrier: one kernel per call instead of two (cluster_merge), the same bits.
+# bench/logprob_tuning.py --groups, H200, 2026-12-02 23:12 UTC (results/logprob_tuning_cluster.json; clusters at every batch against
+# the two kernels, bf16, device time p50): batch 1 3.85 / 3.96 us, 64 9.43 / 10.21, but 256
+# 26.91 / 22.98, 1024 92.39 / 76.06, 4096 340.3 / 283.3, float32 256 46.22 / 39.77 (a cluster
+# waits for 13 free slots in one GPC: once rows no longer fit at once, clusters schedule worse
+# than loose programs). Hence one wave of clusters only.
 LOGPROB_CLUSTER = True
 LOGPROB_CLUSTER_MAX = 16
 
@@ -470,11 +476,12 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
 
 
 def cluster_merge(plan: LogprobRankPlan, device_id: int) -> bool:
-    """Whether calls of ``plan`` on ``device_id`` merge each row inside the chunk kernel, a row's
-    programs launched as one cluster (:data:`LOGPROB_CLUSTER`), instead of in a second kernel:
-    sm_90 and later, no top-k, a row's chunks no more than :data:`LOGPROB_CLUSTER_MAX`. It
-    depends on the plan and the device only, never on the batch (the merge is the same
-    instructions either way: the same bits)."""
+    """Whether calls of ``plan`` on ``device_id`` may merge each row inside the chunk kernel, a
+    row's programs launched as one cluster (:data:`LOGPROB_CLUSTER`), instead of in a second
+    kernel: sm_90 and later, no top-k, a row's chunks no more than :data:`LOGPROB_CLUSTER_MAX`.
+    A call takes that form when its rows' clusters all fit on the device at once
+    (:func:`_compiled_launches`); which kernel merges a row changes no bit of it (the merge is
+    the same instructions either way)."""
     from .._cuda import compute_capability
     return (LOGPROB_CLUSTER and not plan.k_pad and plan.n_chunks <= LOGPROB_CLUSTER_MAX
             and compute_capability(device_id) >= (9, 0))
@@ -498,9 +505,10 @@ def _compiled_launches(args, dtypes, device_id, plan, group=None):
     if cluster_merge(plan, device_id):
         launches = build(True)
         kernel, grid, *_, dims = launches[0]
-        if kernel.max_active_clusters(grid, dims) >= 1:
+        if grid[0] <= kernel.max_active_clusters(grid, dims):
             return launches
-        # A cluster this device cannot place: the two kernels, the same merge (the same bits).
+        # More rows than clusters the device holds at once (or none fits): the two kernels, the
+        # same merge (the same bits).
     return build(False)
 
 
