@@ -148,7 +148,9 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
         1.15x the time of one without in bfloat16 (H200, vocab 151,936, batch 256 and 4096).
 
     Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
-    ``stream`` and returns without synchronising; it allocates nothing, so it may be captured in
+    ``stream`` (one on sm_90 and later without top-k when the rows fit on the device at once:
+    rows of 151,936 logits, up to 67 on an H200; the same bits either way) and returns without
+    synchronising; it allocates nothing, so it may be captured in
     a CUDA graph once the kernels are compiled (the first call for a device and signature
     compiles them, host-blocking: make it before capturing). The arrays must stay alive until
     the queued work has run. On the CPU backend the call computes before it returns. A rejected
@@ -173,7 +175,7 @@ class BoundLogprobRank:
     """A :func:`token_logprob_rank` call whose arrays were validated and fixed by
     :func:`bind_logprob_rank`.
 
-    ``bound(stream=s)`` queues the call on stream ``s`` and returns: two kernel launches, no
+    ``bound(stream=s)`` queues the call on stream ``s`` and returns: one or two kernel launches, no
     validation, no DLPack, stream-ordered, never blocking; capturable in a CUDA graph. On the
     CPU backend it computes in numpy before returning. ``views`` holds the validated arrays
     (their DLPack capsules keep the memory alive while the object lives).
@@ -211,7 +213,7 @@ def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ran
     host time of an unbound call. Arguments and errors as :func:`token_logprob_rank` (a host
     temperature is checked here, once); ``stream`` is used for the DLPack handshake here, each
     call of the result names its own. Host-blocking only when it compiles the kernels (the
-    first time for a device and signature). On sm_90 and later both kernels of a bound call are
+    first time for a device and signature). On sm_90 and later the kernels of a bound call are
     queued as programmatic dependent launches: the first may be scheduled while the kernel before
     it on the stream ends, and waits on the device for that kernel's writes before it reads
     anything; stream order is kept as for any launch.

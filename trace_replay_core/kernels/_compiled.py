@@ -184,8 +184,8 @@ def _bind_ex(block: "_ParamBlock", grid: Tuple[int, int, int], pdl: bool,
             raise ValueError(f"cluster={cluster!r} must divide grid={grid!r} ({block.name})")
         if dims[0] * dims[1] * dims[2] > 8:
             from .._cuda import _check
-            _check(cu.cuFuncSetAttribute(block.function,
-                                         cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+            non_portable = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            _check(cu.cuFuncSetAttribute(block.function, non_portable, 1),
                    f"cuFuncSetAttribute({block.name}, non-portable cluster size)")
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION

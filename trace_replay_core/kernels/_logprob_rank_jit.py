@@ -1,6 +1,7 @@
 """The ``@triton.jit`` kernels of the logprob-and-rank op: the chunk kernel (one read of the
-logits: partial max, sum and count per chunk, and with top-k each program's best keys) and the
-combine kernel (one program per row), with their device helpers. The fused bfloat16 path's
+logits: partial max, sum and count per chunk, and with top-k each program's best keys; launched
+in clusters, it also merges each row in its first program) and the combine kernel (one program
+per row), with their device helpers. The fused bfloat16 path's
 helpers are in :mod:`._logprob_words_jit`, the top-k selection in :mod:`._logprob_topk_jit`.
 
 The contract and the batch-invariance argument are described in :mod:`.logprob_rank`, which
@@ -18,7 +19,7 @@ from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
 from ._logprob_words_jit import (TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, exact_words, line_values,
                                  shifted_block)
 
-__all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel"]
+__all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel", "merge_row"]
 
 
 # -- device helpers -------------------------------------------------------------------------------

@@ -78,14 +78,24 @@ Special values fall out of the arithmetic (the host documents them as the contra
 ``+inf`` in a row makes its sum NaN; ``-inf`` adds nothing; a row of only ``-inf`` has
 ``lse = -inf`` and NaN logprobs; a token id outside ``[0, vocab)`` gives NaN and rank -1.
 
+One kernel where the rows fit at once (``CLUSTER``, sm_90 and later, no top-k). When a call has
+no more rows than the device holds clusters of a row's programs at once, the chunk kernel is
+launched with each row's programs as one thread-block cluster: each program stores its
+partials and arrives at the cluster's barrier (release), and the row's first program waits
+there (acquire) and merges the row by :func:`merge_row`, the combine kernel's own code, reading
+the partials from L2. No second kernel and no atomics; which kernel merges a row changes no bit
+of it, so the choice may follow the batch. With more rows, clusters schedule worse than loose
+programs, and the two kernels run.
+
 The host side of one call is integers only: :class:`LogprobRankArgs` (byte addresses and
 sizes) and :class:`LogprobRankDtypes` (element type names); :func:`launch_logprob_rank` queues
-the two kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once and, on
-sm_90 and later, queues both as programmatic dependent launches: the chunk kernel's programs are
-scheduled while the kernel before it on the stream ends and wait for it (``griddepcontrol.wait``)
-before they read anything, and the combine kernel's while the chunk kernel's last programs run;
-the combine kernel in turn lets the next kernel's programs be scheduled before it waits.
-The combine kernel loads a row's partials once (a plan cuts a row into at most 256 chunks).
+the call's kernels on a stream, :func:`bind_logprob_rank_launch` fixes their arguments once and,
+on sm_90 and later, queues them as programmatic dependent launches: the chunk kernel's programs
+are scheduled while the kernel before it on the stream ends and wait for it
+(``griddepcontrol.wait``) before they read anything, and the combine kernel's while the chunk
+kernel's last programs run; the combine kernel in turn lets the next kernel's programs be
+scheduled before it waits. A row's partials are loaded once for the merge (a plan cuts a row
+into at most 256 chunks).
 This module is the op's host side (plan, workspace, launch on integers); its ``@triton.jit``
 kernels and device helpers are in :mod:`._logprob_rank_jit`, re-exported here.
 """
@@ -94,11 +104,12 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
-from ._logprob_rank_jit import logprob_rank_chunk_kernel, logprob_rank_combine_kernel
+from ._logprob_rank_jit import logprob_rank_chunk_kernel, logprob_rank_combine_kernel, merge_row
 
 __all__ = [
     "logprob_rank_chunk_kernel",
     "logprob_rank_combine_kernel",
+    "merge_row",
     "LogprobRankPlan",
     "LogprobRankArgs",
     "LogprobRankDtypes",
@@ -257,15 +268,18 @@ LOGPROB_SHIFTED_F32_TOPK_UNROLL = 1
 # its vectors in L2 often enough).
 LOGPROB_EVICT_FIRST = True
 # Without top-k, on sm_90 and later, when a call's rows fit in one wave of clusters (no more rows
-# than cuOccupancyMaxActiveClusters), a row's programs of the chunk kernel are launched as one
-# thread-block cluster (at most LOGPROB_CLUSTER_MAX: a cluster of more than 8 CTAs is
-# non-portable) and the cluster's first program merges the row once the others have arrived at
-# the cluster's barrier: one kernel per call instead of two (cluster_merge), the same bits.
-# bench/logprob_tuning.py --groups, H200, 2026-12-02 23:12 UTC (results/logprob_tuning_cluster.json; clusters at every batch against
-# the two kernels, bf16, device time p50): batch 1 3.85 / 3.96 us, 64 9.43 / 10.21, but 256
-# 26.91 / 22.98, 1024 92.39 / 76.06, 4096 340.3 / 283.3, float32 256 46.22 / 39.77 (a cluster
-# waits for 13 free slots in one GPC: once rows no longer fit at once, clusters schedule worse
-# than loose programs). Hence one wave of clusters only.
+# than cuOccupancyMaxActiveClusters: 67 clusters of 13 programs on an H200), a row's programs of
+# the chunk kernel are launched as one thread-block cluster (at most LOGPROB_CLUSTER_MAX: more
+# than 8 CTAs is a non-portable size) and the cluster's first program merges the row once the
+# others have arrived at the cluster's barrier: one kernel per call instead of two
+# (cluster_merge), the same bits. bench/logprob_tuning.py --groups, H200, bf16, device time p50:
+# at 23:12 UTC with clusters at every batch (results/logprob_tuning_cluster.json), clusters /
+# two kernels: batch 1 3.85 / 3.96 us, 64 9.43 / 10.21, but 256 26.91 / 22.98, 1024 92.39 /
+# 76.06, 4096 340.3 / 283.3, float32 at 256 46.22 / 39.77 (not profiled; a cluster can only start
+# where 13 slots are free in one GPC at once). At 23:25 UTC with one wave only
+# (results/logprob_tuning_cluster_wave.json): batch 1 3.84 / 3.96, 16 5.76 / 5.82, 64 9.45 /
+# 10.17, float32 at 64 13.24 / 15.49, argmax=True at 64 11.59 / 12.31; 96 to 256 two kernels in
+# both columns (256: 22.71 / 22.69). The same bits in every row.
 LOGPROB_CLUSTER = True
 LOGPROB_CLUSTER_MAX = 16
 
