@@ -495,7 +495,9 @@ def cluster_merge(plan: LogprobRankPlan, device_id: int) -> bool:
     kernel: sm_90 and later, no top-k, a row's chunks no more than :data:`LOGPROB_CLUSTER_MAX`.
     A call takes that form when its rows' clusters all fit on the device at once
     (:func:`_compiled_launches`); which kernel merges a row changes no bit of it (the merge is
-    the same instructions either way)."""
+    the same code, :func:`merge_row`, over a row's few partials, which fit in one warp either
+    way; ``test_gpu_batch_invariant_bitwise`` compares the bits across batches that take both
+    forms)."""
     from .._cuda import compute_capability
     return (LOGPROB_CLUSTER and not plan.k_pad and plan.n_chunks <= LOGPROB_CLUSTER_MAX
             and compute_capability(device_id) >= (9, 0))
