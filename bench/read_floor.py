@@ -17,6 +17,12 @@ Providers (each reads ``batch x 151,936`` logits and writes one float per progra
   token's logit (the two dependent loads every program of the op starts with) and adds it.
 - ``sum_persistent``: the same chunks as work items of a persistent grid (``PERSISTENT``
   programs per SM, each taking items ``pid, pid + grid, ...``): no wave tail of short programs.
+- ``sum_tma_c<blocks>_w<warps>_s<stages>[_token]``: the op's grid again, but each block read by
+  the Tensor Memory Accelerator into shared memory (a host tensor descriptor of the logits,
+  ``desc.load``), the loop software-pipelined ``stages`` deep by Triton (``tl.range(...,
+  num_stages=)``): a program keeps up to ``stages`` whole blocks in flight without holding them in
+  registers, and reaches its token while they arrive. Does another way of loading move the floor
+  of the op's grid?
 - ``torch_amax``: ``logits.amax(-1)`` (torch's own row reduction).
 - ``trace_replay``: ``trace_replay_torch.token_logprob_rank`` (the op itself, plain call).
 
@@ -25,7 +31,8 @@ up to 32 copies, 256 MiB in all), p20/p50/p80 in us; GB/s of logits read; the de
 copy ceiling of the same run beside it. No provider's result is compared with another's: the sums
 only keep the reads from being optimised away.
 
-Run: ``python bench/read_floor.py`` on a GPU; writes ``bench/results/read_floor.json``.
+Run: ``python bench/read_floor.py [word ...]`` on a GPU (only the providers whose names contain
+one of the words, when given); writes ``bench/results/read_floor.json``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ CHUNK_BLOCKS = 6
 GRID_SHAPES = ((3, 4, False, False), (12, 4, False, False), (38, 4, False, False), (75, 4, False, False),
                (6, 8, False, False), (6, 8, False, True), (12, 8, False, False), (12, 8, False, True),
                (3, 8, False, False), (6, 16, False, False), (6, 4, True, False))
+# Blocks read by the Tensor Memory Accelerator (blocks per chunk, warps, pipeline stages, the token's
+# loads first). Plain loads in such a loop are not pipelined (Triton pipelines the descriptor loads
+# of a loop whose consumer is not a dot, not pointer loads: TTGIR of Triton 3.9, sm_90).
+TMA_FORMS = ((6, 4, 2, False), (6, 4, 3, False), (6, 4, 4, False), (6, 8, 3, False), (6, 4, 3, True),
+             (6, 4, 4, True), (6, 8, 3, True), (12, 4, 3, False), (3, 4, 3, False))
 PERSISTENT = (8, 12)        # programs per SM of the persistent provider
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -80,6 +92,25 @@ def sum_grid_kernel(x_ptr, ids_ptr, out_ptr, vocab, stride, n_chunks, SPAN: tl.c
 
 
 @triton.jit
+def sum_tma_kernel(desc, x_ptr, ids_ptr, out_ptr, vocab, stride, n_chunks, SPAN: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr, TOKEN: tl.constexpr):
+    """``sum_grid_kernel`` with each block read by the TMA into shared memory: ``desc`` views the
+    logits as lines of 128 (a box dimension is at most 256), ``[batch, vocab // 128, 128]``;
+    lines past the row's end read as zeros."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    start = chunk * SPAN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for off in tl.range(start, tl.minimum(start + SPAN, vocab), BLOCK, num_stages=STAGES):
+        acc += desc.load([row, off // 128, 0]).reshape([BLOCK]).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    if TOKEN:
+        row_ptr = x_ptr + row.to(tl.int64) * stride
+        total += tl.load(row_ptr + tl.load(ids_ptr + row)).to(tl.float32)
+    tl.store(out_ptr + row * n_chunks + chunk, total)
+
+
+@triton.jit
 def sum_persistent_kernel(x_ptr, out_ptr, vocab, stride, n_chunks, n_items, SPAN: tl.constexpr,
                           BLOCK: tl.constexpr):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
@@ -95,8 +126,10 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench/read_floor.py needs a CUDA GPU")
+    from triton.tools.tensor_descriptor import TensorDescriptor
     from trace_replay_torch import token_logprob_rank
 
+    only = sys.argv[1:]     # provider names that contain any of these words (default: all)
     dev = torch.device("cuda", 0)
     n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
@@ -127,12 +160,22 @@ def main() -> None:
                 lambda x, chunks=chunks, blocks=blocks, warps=warps, evict=evict, token=token:
                 sum_grid_kernel[(batch, chunks)](x, ids, parts, VOCAB, VOCAB, chunks, blocks * BLOCK, BLOCK, token,
                                                  evict, num_warps=warps))
+        descs = {x.data_ptr(): TensorDescriptor.from_tensor(x.view(batch, VOCAB // 128, 128), [1, BLOCK // 128, 128])
+                 for x in copies}
+        for blocks, warps, stages, token in TMA_FORMS:
+            chunks = triton.cdiv(VOCAB, blocks * BLOCK)
+            providers[f"sum_tma_c{blocks}_w{warps}_s{stages}{'_token' if token else ''}"] = (
+                lambda x, chunks=chunks, blocks=blocks, warps=warps, stages=stages, token=token:
+                sum_tma_kernel[(batch, chunks)](descs[x.data_ptr()], x, ids, parts, VOCAB, VOCAB, chunks,
+                                                blocks * BLOCK, BLOCK, stages, token, num_warps=warps))
         for per_sm in PERSISTENT:
             grid = min(batch * n_chunks, per_sm * n_sms)
             providers[f"sum_persistent_{per_sm}"] = (
                 lambda x, grid=grid: sum_persistent_kernel[(grid,)](x, parts, VOCAB, VOCAB, n_chunks, batch * n_chunks,
                                                                     span, BLOCK, num_warps=4))
         for name, fn in providers.items():
+            if only and not any(word in name for word in only):
+                continue
             stats = time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies]))
             row = dict(provider=name, dtype="bfloat16", batch=batch, vocab=VOCAB, bytes=nbytes, copy_gbps=copy_gbps,
                        timing="cuda events, queued behind a busy kernel", **stats, **bandwidth(nbytes, stats))
