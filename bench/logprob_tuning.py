@@ -18,15 +18,17 @@ Each variant's logprobs are compared with the shipped variant's (largest differe
 and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency | --groups]`` on a GPU; writes
-``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
+Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency | --groups | --vocabs]``
+on a GPU; writes ``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
 and top-k side by side; writes ``logprob_tuning_topk.json``; ``--argmax-only``: both dtypes at
 batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuning_argmax.json``;
 ``--latency``: the shipped plan with the chunk kernel launched the ordinary way and as a chained
 programmatic dependent launch, bfloat16 at batch 1 to 4096 with and without top-k and argmax,
 float32; ``logprob_tuning_latency.json``; ``--groups``: the trials of ``GROUP_TRIALS``, chunks per
 program and module constants of ``kernels.logprob_rank`` patched per variant;
-``logprob_tuning_groups.json``). Each row also records the chunk kernel's registers.
+``logprob_tuning_groups.json``; ``--vocabs``: bfloat16 at the vocabularies of ``VOCAB_TRIALS``,
+the shipped plan against other chunk sizes, ``logprob_tuning_vocabs.json``). Each row also
+records the chunk kernel's registers.
 """
 
 from __future__ import annotations
@@ -181,17 +183,23 @@ GROUP_TRIALS = {("bfloat16", 1, 0): ({}, TWO_KERNELS),
                 ("float32", 64, 0): ({}, TWO_KERNELS),
                 ("bfloat16", 64, "argmax"): ({}, TWO_KERNELS),
                 ("bfloat16", 64, 0, VOCAB + 1): ({}, TWO_KERNELS)}
+# --vocabs: the vocabularies of model families people run (Mistral 32,768; GPT-2 50,257, rows
+# contiguous, so not 16-byte aligned; Llama 3 128,256; Qwen2.5 151,936; Gemma 3 262,144), bfloat16,
+# the shipped plan (about LOGPROB_CHUNKS chunks per row) first, then other chunk sizes in blocks;
+# also with top-k TOP_K at batch 256.
+VOCAB_TRIALS = {32_768: (4, 8, 16), 50_257: (3, 4, 7), 128_256: (4, 8), 151_936: (8,), 262_144: (8, 16)}
+VOCAB_BATCHES = (1, 64, 256, 4096)
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
 
 class Call:
-    """The tensors and integer arguments of one call of ``[batch, VOCAB]`` logits."""
+    """The tensors and integer arguments of one call of ``[batch, vocab]`` logits."""
 
     def __init__(self, torch, logits, ids, top_k, argmax=False):
         from trace_replay_core._logprob import logprob_rank_workspace_bytes
         from trace_replay_core.kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes
-        batch = logits.shape[0]
+        batch, vocab = logits.shape
         dev = logits.device
         self.lp = torch.empty(batch, device=dev)
         self.rk = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -199,12 +207,12 @@ class Call:
         self.tid = torch.empty(batch, max(top_k, 1), dtype=torch.int64, device=dev)
         self.am = torch.empty(batch, dtype=torch.int64, device=dev) if argmax else None
         # Room for any variant's plan (smaller blocks need more partials).
-        self.ws = torch.empty(logprob_rank_workspace_bytes(batch, VOCAB, top_k) * 8 + 64, dtype=torch.uint8,
+        self.ws = torch.empty(logprob_rank_workspace_bytes(batch, vocab, top_k) * 8 + 64, dtype=torch.uint8,
                               device=dev)
         self.logits, self.ids, self.top_k = logits, ids, top_k
         self.args = LogprobRankArgs(logits.data_ptr(), ids.data_ptr(), 0, self.lp.data_ptr(), self.rk.data_ptr(),
                                     self.tlp.data_ptr() if top_k else 0, self.tid.data_ptr() if top_k else 0,
-                                    self.ws.data_ptr(), batch, VOCAB, logits.stride(0), top_k,
+                                    self.ws.data_ptr(), batch, vocab, logits.stride(0), top_k,
                                     self.am.data_ptr() if argmax else 0)
         self.dtypes = LogprobRankDtypes(str(logits.dtype).replace("torch.", ""), "int64", "int64", "int64", "int64")
 
@@ -279,6 +287,8 @@ def main() -> None:
                     help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps")
     ap.add_argument("--groups", action="store_true",
                     help="chunks per program (GROUP_TRIALS) on the shipped plan")
+    ap.add_argument("--vocabs", action="store_true",
+                    help="bfloat16 at the vocabularies of VOCAB_TRIALS: the shipped plan and other chunk sizes")
     ap.add_argument("--latency", action="store_true",
                     help="the shipped plan with and without the chained launch (bfloat16 plain, top-k and "
                          "argmax, float32)")
@@ -300,6 +310,10 @@ def main() -> None:
         # a key's optional fourth item: the row stride (rows of VOCAB logits, padded: not 16-byte aligned)
         cases = [(key[0], key[1], key[2], tuple(base + (v,) for v in vs)) + tuple(key[3:])
                  for key, vs in GROUP_TRIALS.items()]
+    elif opts.vocabs:
+        cases = [("bfloat16", b, k, tuple((2048, 4, c, True, None, True) for c in (None,) + more), vocab, vocab)
+                 for vocab, more in VOCAB_TRIALS.items()
+                 for b, k in [(b, 0) for b in VOCAB_BATCHES] + [(256, TOP_K)]]
     elif opts.latency:
         base = CHUNK_VARIANTS[0] + (None,)
         plain, topk = (tuple(base + (v,) for v in vs) for vs in (LATENCY_VARIANTS, LATENCY_TOPK_VARIANTS))
@@ -316,18 +330,19 @@ def main() -> None:
     else:
         cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
                  + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256, 4096)])
-    for dtype_name, batch, top_k, variants, *padded in cases:
-        stride = padded[0] if padded else VOCAB
+    for dtype_name, batch, top_k, variants, *layout in cases:
+        stride = layout[0] if layout else VOCAB          # rows of vocab logits, stride elements apart
+        vocab = layout[1] if len(layout) > 1 else VOCAB
         argmax = top_k == "argmax"
         top_k = 0 if argmax else top_k
-        logits = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))[:, :VOCAB]
-        ids = torch.randint(0, VOCAB, (batch,), device=dev)
+        logits = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))[:, :vocab]
+        ids = torch.randint(0, vocab, (batch,), device=dev)
         if argmax:
             ids[1::2] = -1                                   # greedy rows
         nbytes = logits.numel() * logits.element_size()
         n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
         calls = [Call(torch, logits, ids, top_k, argmax)] + [
-            Call(torch, torch.empty(batch, stride, dtype=logits.dtype, device=dev)[:, :VOCAB].copy_(logits), ids, top_k,
+            Call(torch, torch.empty(batch, stride, dtype=logits.dtype, device=dev)[:, :vocab].copy_(logits), ids, top_k,
                  argmax) for _ in range(n_copies - 1)]
         shipped = None
         for variant in variants:
@@ -345,7 +360,7 @@ def main() -> None:
             if cap and cap[0] is not None:
                 knobs["maxnreg"] = cap[0]
             knobs.update(more)
-            plan = plan_logprob_rank(VOCAB, logits.element_size(), top_k, **knobs)
+            plan = plan_logprob_rank(vocab, logits.element_size(), top_k, **knobs)
             if sel is not None:
                 plan = plan._replace(sel=sel)
                 knobs["sel"] = sel
@@ -359,7 +374,7 @@ def main() -> None:
             if chunk_only:
                 knobs["chunk_only"] = True
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
-            row = dict(dtype=dtype_name, batch=batch, vocab=VOCAB, top_k=top_k, argmax=argmax, **knobs,
+            row = dict(dtype=dtype_name, batch=batch, vocab=vocab, top_k=top_k, argmax=argmax, **knobs,
                        n_chunks=plan.n_chunks, shipped_maxnreg=plan.maxnreg, bytes=nbytes, copy_gbps=copy_gbps)
             try:
                 checks, note = {}, "(chunk kernel only)"      # chunk_only: timing only, no outputs to check
@@ -388,14 +403,15 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_groups" if opts.groups else "logprob_tuning_latency" if opts.latency else
+    path = write_results("logprob_tuning_groups" if opts.groups else "logprob_tuning_vocabs" if opts.vocabs else "logprob_tuning_latency" if opts.latency else
                          "logprob_tuning_argmax" if opts.argmax_only else
                          "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
-    print(table([r for r in rows if "us_p50" in r], ["dtype", "batch", "top_k", "argmax", "block", "num_warps",
+    print(table([r for r in rows if "us_p50" in r], ["dtype", "vocab", "batch", "top_k", "argmax", "block", "num_warps",
                                                      "chunk_blocks", "words", "group", "pdl", "maxnreg",
                                                      "sel", "chain", "chunk_only", "COMBINE_NUM_WARPS", "chunk_regs",
-                                                     "shipped_maxnreg", "us_p50", "gbps_p50", "invariant"]))
+                                                     "n_chunks", "shipped_maxnreg", "us_p50", "gbps_p50",
+                                                     "invariant"]))
 
 
 if __name__ == "__main__":
