@@ -18,7 +18,7 @@ Each variant's logprobs are compared with the shipped variant's (largest differe
 and top-k ids must be equal). Reported: p20/p50/p80 in us and GB/s of logits read, next to the
 device-to-device copy bandwidth (bytes read + written) measured in the same run.
 
-Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency | --groups | --vocabs]``
+Run: ``python bench/logprob_tuning.py [--topk-only | --argmax-only | --latency | --groups | --vocabs [SET]]``
 on a GPU; writes ``bench/results/logprob_tuning.json`` (``--topk-only``: bfloat16 at batch 256 and 4096, plain
 and top-k side by side; writes ``logprob_tuning_topk.json``; ``--argmax-only``: both dtypes at
 batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuning_argmax.json``;
@@ -26,8 +26,8 @@ batch 256 and 4096, plain and ``argmax=True`` with register caps; ``logprob_tuni
 programmatic dependent launch, bfloat16 at batch 1 to 4096 with and without top-k and argmax,
 float32; ``logprob_tuning_latency.json``; ``--groups``: the trials of ``GROUP_TRIALS``, chunks per
 program and module constants of ``kernels.logprob_rank`` patched per variant;
-``logprob_tuning_groups.json``; ``--vocabs``: bfloat16 at the vocabularies of ``VOCAB_TRIALS``,
-the shipped plan against other chunk sizes, ``logprob_tuning_vocabs.json``). Each row also
+``logprob_tuning_groups.json``; ``--vocabs [SET]``: a set of ``VOCAB_TRIALS``, other vocabularies
+and layouts, the shipped plan against other chunk sizes, ``logprob_tuning_vocabs_<SET>.json``). Each row also
 records the chunk kernel's registers.
 """
 
@@ -183,11 +183,20 @@ GROUP_TRIALS = {("bfloat16", 1, 0): ({}, TWO_KERNELS),
                 ("float32", 64, 0): ({}, TWO_KERNELS),
                 ("bfloat16", 64, "argmax"): ({}, TWO_KERNELS),
                 ("bfloat16", 64, 0, VOCAB + 1): ({}, TWO_KERNELS)}
-# --vocabs: the vocabularies of model families people run (Mistral 32,768; GPT-2 50,257, rows
-# contiguous, so not 16-byte aligned; Llama 3 128,256; Qwen2.5 151,936; Gemma 3 262,144), bfloat16,
-# the shipped plan (about LOGPROB_CHUNKS chunks per row) first, then other chunk sizes in blocks;
-# also with top-k TOP_K at batch 256.
-VOCAB_TRIALS = {32_768: (4, 8, 16), 50_257: (3, 4, 7), 128_256: (4, 8), 151_936: (8,), 262_144: (8, 16)}
+# --vocabs SET: a set of VOCAB_TRIALS, each trial (dtype, vocabulary, row stride, other chunk sizes in
+# blocks), run at VOCAB_BATCHES and with top-k TOP_K at batch 256, the shipped plan (about
+# LOGPROB_CHUNKS chunks per row) first. "survey": the vocabularies of model families people run
+# (Mistral 32,768; GPT-2 50,257, rows contiguous, so not 16-byte aligned; Llama 3 128,256;
+# Qwen2.5 151,936; Gemma 3 262,144). "shift": after the survey (06:49 UTC) found GPT-2's rows
+# faster in chunks of 3 or 4 blocks than in the shipped 2: the same vocabulary in aligned rows
+# (a padded stride) and in float32, Llama 2's 32,000, and a small vocabulary not aligned.
+VOCAB_TRIALS = {
+    "survey": (("bfloat16", 32_768, 32_768, (4, 8, 16)), ("bfloat16", 50_257, 50_257, (3, 4, 7)),
+               ("bfloat16", 128_256, 128_256, (4, 8)), ("bfloat16", VOCAB, VOCAB, (8,)),
+               ("bfloat16", 262_144, 262_144, (8, 16))),
+    "shift": (("bfloat16", 50_257, 50_264, (3, 4)), ("float32", 50_257, 50_257, (3, 4)),
+              ("bfloat16", 32_000, 32_000, (3,)), ("bfloat16", 10_001, 10_001, (3,))),
+}
 VOCAB_BATCHES = (1, 64, 256, 4096)
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
@@ -287,8 +296,8 @@ def main() -> None:
                     help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps")
     ap.add_argument("--groups", action="store_true",
                     help="chunks per program (GROUP_TRIALS) on the shipped plan")
-    ap.add_argument("--vocabs", action="store_true",
-                    help="bfloat16 at the vocabularies of VOCAB_TRIALS: the shipped plan and other chunk sizes")
+    ap.add_argument("--vocabs", nargs="?", const="survey", choices=sorted(VOCAB_TRIALS),
+                    help="a set of VOCAB_TRIALS (default: survey): the shipped plan and other chunk sizes")
     ap.add_argument("--latency", action="store_true",
                     help="the shipped plan with and without the chained launch (bfloat16 plain, top-k and "
                          "argmax, float32)")
@@ -311,8 +320,8 @@ def main() -> None:
         cases = [(key[0], key[1], key[2], tuple(base + (v,) for v in vs)) + tuple(key[3:])
                  for key, vs in GROUP_TRIALS.items()]
     elif opts.vocabs:
-        cases = [("bfloat16", b, k, tuple((2048, 4, c, True, None, True) for c in (None,) + more), vocab, vocab)
-                 for vocab, more in VOCAB_TRIALS.items()
+        cases = [(dtype, b, k, tuple((2048, 4, c, True, None, True) for c in (None,) + more), stride, vocab)
+                 for dtype, vocab, stride, more in VOCAB_TRIALS[opts.vocabs]
                  for b, k in [(b, 0) for b in VOCAB_BATCHES] + [(256, TOP_K)]]
     elif opts.latency:
         base = CHUNK_VARIANTS[0] + (None,)
@@ -403,7 +412,7 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_groups" if opts.groups else "logprob_tuning_vocabs" if opts.vocabs else "logprob_tuning_latency" if opts.latency else
+    path = write_results("logprob_tuning_groups" if opts.groups else f"logprob_tuning_vocabs_{opts.vocabs}" if opts.vocabs else "logprob_tuning_latency" if opts.latency else
                          "logprob_tuning_argmax" if opts.argmax_only else
                          "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
