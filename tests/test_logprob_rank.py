@@ -388,6 +388,14 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
                 assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == 2 * k.k_pad and k.cap_p == 4 * k.k_pad
                 assert k.sel == min(128, p.block // (16 // itemsize))
     assert plan_logprob_rank(151936, 2)[:2] == (2048, 13) and plan_logprob_rank(151936, 2).chunk_blocks == 6
+    assert plan_logprob_rank(32000, 2)[:2] == (2048, 8) and plan_logprob_rank(32000, 4).chunk_blocks == 2
+    # A vocabulary that leaves contiguous rows unaligned (not a multiple of 8 logits) takes chunks
+    # of at least 4 blocks, in every dtype.
+    for itemsize in (2, 4):
+        gpt2 = plan_logprob_rank(50257, itemsize)
+        assert gpt2[:2] == (2048, 7) and gpt2.chunk_blocks == 4
+        assert plan_logprob_rank(10001, itemsize)[:2] == (2048, 2)
+        assert plan_logprob_rank(151937, itemsize).chunk_blocks == 6      # already longer
     # The combine kernel holds a row's partials in one tile: a tuning override that would cut a
     # row into more than 256 chunks is refused, by name, before anything is compiled.
     assert plan_logprob_rank(2**20, 2, chunk_blocks=2).n_chunks == 256

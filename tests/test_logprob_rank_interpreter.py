@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 
 from test_logprob_rank import (TORCH_DTYPES, assert_matches_reference, assert_planted, assert_special,  # noqa: E402
                                huge_case, make_case, round_to, special_case)
-from trace_replay_core.kernels.logprob_rank import LOGPROB_BLOCK, LOGPROB_CHUNKS  # noqa: E402
+from trace_replay_core.kernels.logprob_rank import (LOGPROB_ALIGN_LOGITS, LOGPROB_BLOCK, LOGPROB_CHUNKS,  # noqa: E402
+                                                   LOGPROB_UNALIGNED_CHUNK_BLOCKS)
 
 from logprob_interpreter import run_cases_by_name  # noqa: E402
 
@@ -109,7 +110,8 @@ def test_kernel_in_interpreter(interpreted, name):
     block, n_chunks = out["plan"][:2].tolist()
     vocab = case["x"].shape[1]
     assert block == (case.get("block") or min(LOGPROB_BLOCK, max(128, 1 << (vocab - 1).bit_length())))
-    chunk_blocks = case.get("chunk_blocks") or -(-(-(-vocab // block)) // LOGPROB_CHUNKS)
+    least = LOGPROB_UNALIGNED_CHUNK_BLOCKS if vocab % LOGPROB_ALIGN_LOGITS else 1
+    chunk_blocks = case.get("chunk_blocks") or max(-(-(-(-vocab // block)) // LOGPROB_CHUNKS), least)
     span = block * chunk_blocks                                      # whole blocks per chunk, from the vocabulary
     assert n_chunks == -(-vocab // span)
     if case["special"]:

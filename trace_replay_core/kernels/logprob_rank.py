@@ -11,7 +11,8 @@ and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exact
 
 Batch invariance, without top-k (the common call). Each row is cut into ``n_chunks`` chunks of
 ``chunk_blocks`` whole blocks of ``BLOCK`` logits, both fixed by the vocabulary alone
-(:func:`plan_logprob_rank`; 151,936 logits: 13 chunks of 6 blocks of 2048). Program ``(b, g)``
+(:func:`plan_logprob_rank`; 151,936 logits: 13 chunks of 6 blocks of 2048; GPT-2's 50,257: 7
+chunks of 4 blocks). Program ``(b, g)``
 of :func:`logprob_rank_chunk_kernel` streams chunks ``g * group ...`` of row ``b`` once (``group``
 consecutive chunks per program, a runtime value chosen from the batch for speed: the same
 compiled kernel and the same instructions per chunk at every batch size), keeping a running
@@ -145,6 +146,24 @@ LOGPROB_MIN_BLOCK = 128
 LOGPROB_BLOCK = 2048
 LOGPROB_CHUNK_WARPS = 4
 LOGPROB_CHUNKS = 13
+# A vocabulary that is not a multiple of LOGPROB_ALIGN_LOGITS (16 bytes of 2-byte logits), such as
+# GPT-2's 50,257, leaves the rows of a contiguous batch unaligned, and those take the shifted
+# loads (SHIFT), which cost more per chunk: its rows are cut into chunks of at least
+# LOGPROB_UNALIGNED_CHUNK_BLOCKS blocks (a function of the vocabulary still, so rows in any layout
+# and of any dtype share the plan). bench/logprob_tuning.py --vocabs, H200, 2026-12-03 06:49 and
+# 07:07 UTC (results/logprob_tuning_vocabs_survey.json, _shift.json), device time p50 at batch
+# 1 / 64 / 256 / 4096 and top-k 20 at 256, 50,257 logits in chunks of 2 blocks (the former plan)
+# against 4: bfloat16 rows contiguous 3.41 / 8.18 / 16.26 / 160.78 / 25.48 us against 3.76 /
+# 8.05 / 13.36 / 139.24 / 25.42; float32 contiguous 3.54 / 9.56 / 23.30 / 265.01 / 42.67
+# against 4.32 / 8.37 / 21.01 / 233.62 / 39.04; bfloat16 rows in a padded, aligned stride 3.04 /
+# 5.88 / 11.73 / 111.91 / 21.02 against 3.30 / 5.97 / 10.77 / 103.75 / 20.29 (chunks of 3:
+# 14.55 / 147.41 us contiguous at 256 / 4096, 6.66 us aligned at 64). 10,001 logits (5 blocks),
+# one chunk per block against chunks of 3: 3.47 / 5.31 / 8.52 / 58.44 / 18.38 against 3.51 /
+# 4.64 / 7.64 / 40.84 / 15.21. Aligned vocabularies keep the plan above: 32,000 in chunks of 3
+# instead of 2 was slower (5.84 against 5.58 us at 64, top-k 19.45 against 16.90), and at
+# 32,768, 128,256, 151,936 and 262,144 no other chunk size was faster at every batch.
+LOGPROB_ALIGN_LOGITS = 8
+LOGPROB_UNALIGNED_CHUNK_BLOCKS = 4
 # bfloat16 rows without a temperature take the fused path (_logprob_words_jit): whole
 # blocks read as 32-bit words of two logits, one fused multiply-add per exponent, the rank
 # counted with one packed compare per word: 229 instead of 342 instructions per 32 logits in the
@@ -350,8 +369,10 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
                       num_warps: Optional[int] = None, chunk_blocks: Optional[int] = None,
                       words: Optional[bool] = None, maxnreg: Optional[int] = None) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure): rows cut
-    into about :data:`LOGPROB_CHUNKS` chunks of whole blocks, the same with and without top-k
-    and with and without an argmax output.
+    into about :data:`LOGPROB_CHUNKS` chunks of whole blocks (of at least
+    :data:`LOGPROB_UNALIGNED_CHUNK_BLOCKS` blocks where ``vocab`` is not a multiple of
+    :data:`LOGPROB_ALIGN_LOGITS`), the same with and without top-k and with and without an argmax
+    output, and for every dtype.
 
     ``block``, ``num_warps``, ``chunk_blocks``, ``words`` and ``maxnreg`` override the defaults for
     tuning (bench/logprob_tuning.py); results are batch-invariant for any fixed choice. A choice
@@ -364,6 +385,8 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
     n_blocks = _cdiv(vocab, block)
     if chunk_blocks is None:
         chunk_blocks = _cdiv(n_blocks, LOGPROB_CHUNKS)
+        if vocab % LOGPROB_ALIGN_LOGITS:
+            chunk_blocks = max(chunk_blocks, LOGPROB_UNALIGNED_CHUNK_BLOCKS)
     elif _cdiv(n_blocks, chunk_blocks) > COMBINE_BLOCK:
         raise ValueError(f"chunk_blocks={chunk_blocks} cuts rows of {vocab} logits into more than {COMBINE_BLOCK} "
                          f"chunks of {block}-logit blocks; use chunk_blocks >= {_cdiv(n_blocks, COMBINE_BLOCK)}")
