@@ -320,7 +320,8 @@ def main() -> None:
         cases = [(key[0], key[1], key[2], tuple(base + (v,) for v in vs)) + tuple(key[3:])
                  for key, vs in GROUP_TRIALS.items()]
     elif opts.vocabs:
-        cases = [(dtype, b, k, tuple((2048, 4, c, True, None, True) for c in (None,) + more), stride, vocab)
+        base = CHUNK_VARIANTS[0]            # the shipped plan, its chunk size from the vocabulary (None) or another
+        cases = [(dtype, b, k, tuple(base[:2] + (c,) + base[3:] for c in (None,) + more), stride, vocab)
                  for dtype, vocab, stride, more in VOCAB_TRIALS[opts.vocabs]
                  for b, k in [(b, 0) for b in VOCAB_BATCHES] + [(256, TOP_K)]]
     elif opts.latency:
@@ -412,7 +413,9 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_groups" if opts.groups else f"logprob_tuning_vocabs_{opts.vocabs}" if opts.vocabs else "logprob_tuning_latency" if opts.latency else
+    path = write_results("logprob_tuning_groups" if opts.groups else
+                         f"logprob_tuning_vocabs_{opts.vocabs}" if opts.vocabs else
+                         "logprob_tuning_latency" if opts.latency else
                          "logprob_tuning_argmax" if opts.argmax_only else
                          "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
     print(f"\nwrote {path}\n")
