@@ -45,8 +45,10 @@ from trace_replay_app.traces import random_requests, write_traces  # noqa: E402
 
 REPEATS = 3
 MAX_BATCHES = (8, 64)
-MODELS = {"tiny": GPT2Config(),
-          "small": GPT2Config(vocab_size=16_384, n_positions=256, n_embd=512, n_layer=6, n_head=8)}
+MODELS = {
+    "tiny": GPT2Config(),
+    "small": GPT2Config(vocab_size=16_384, n_positions=256, n_embd=512, n_layer=6, n_head=8),
+}
 
 
 def _pcts(values):
@@ -57,8 +59,21 @@ def _pcts(values):
 def bench_one(framework: str, device: str, traces: str, model_args, out: str, repeats: int):
     """Warm up once, then time ``repeats`` runs; return the per-run summaries and wall times."""
     # float32 compute, as in the committed results (the command line defaults to bfloat16 on a GPU)
-    args = ["run", "--framework", framework, "--traces", traces, "--device", device, "--out", out, "--quiet",
-            "--dtype", "float32", *model_args]
+    args = [
+        "run",
+        "--framework",
+        framework,
+        "--traces",
+        traces,
+        "--device",
+        device,
+        "--out",
+        out,
+        "--quiet",
+        "--dtype",
+        "float32",
+        *model_args,
+    ]
     runs = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -66,7 +81,7 @@ def bench_one(framework: str, device: str, traces: str, model_args, out: str, re
         wall = time.perf_counter() - t0
         with open(out) as f:
             summary = json.load(f)["summary"]
-        if i:                                   # run 0 is the warm-up
+        if i:  # run 0 is the warm-up
             runs.append((summary, wall, status))
     return runs
 
@@ -99,26 +114,60 @@ def main() -> None:
             tokens = sum(r.new_tokens for r in requests)
             for max_batch in (int(b) for b in args.max_batches.split(",")):
                 for framework in cli.FRAMEWORKS:
-                    runs = bench_one(framework, args.device, traces, model_args + ["--max-batch", str(max_batch)],
-                                     os.path.join(tmp, "out.json"), args.repeats)
+                    runs = bench_one(
+                        framework,
+                        args.device,
+                        traces,
+                        model_args + ["--max-batch", str(max_batch)],
+                        os.path.join(tmp, "out.json"),
+                        args.repeats,
+                    )
                     loop = _pcts([s["tokens_per_s"] for s, _, _ in runs])
                     e2e = _pcts([tokens / wall for _, wall, _ in runs])
-                    exact = all(s["exact_reproductions"] == s["traced_requests"] == len(requests) and status == 0
-                                for s, _, status in runs)
-                    row = {"framework": framework, "model": model, "device": args.device, "max_batch": max_batch,
-                           "requests": len(requests), "tokens": tokens, "repeats": len(runs),
-                           "loop_tokens_per_s_p20": loop[0], "loop_tokens_per_s_p50": loop[1],
-                           "loop_tokens_per_s_p80": loop[2], "end_to_end_tokens_per_s_p20": e2e[0],
-                           "end_to_end_tokens_per_s_p50": e2e[1], "end_to_end_tokens_per_s_p80": e2e[2],
-                           "loop_seconds_p50": float(np.median([s["seconds"] for s, _, _ in runs])),
-                           "all_traces_reproduced": exact, "config": dataclasses.asdict(config)}
+                    exact = all(
+                        s["exact_reproductions"] == s["traced_requests"] == len(requests) and status == 0
+                        for s, _, status in runs
+                    )
+                    row = {
+                        "framework": framework,
+                        "model": model,
+                        "device": args.device,
+                        "max_batch": max_batch,
+                        "requests": len(requests),
+                        "tokens": tokens,
+                        "repeats": len(runs),
+                        "loop_tokens_per_s_p20": loop[0],
+                        "loop_tokens_per_s_p50": loop[1],
+                        "loop_tokens_per_s_p80": loop[2],
+                        "end_to_end_tokens_per_s_p20": e2e[0],
+                        "end_to_end_tokens_per_s_p50": e2e[1],
+                        "end_to_end_tokens_per_s_p80": e2e[2],
+                        "loop_seconds_p50": float(np.median([s["seconds"] for s, _, _ in runs])),
+                        "all_traces_reproduced": exact,
+                        "config": dataclasses.asdict(config),
+                    }
                     rows.append(row)
-                    print(f"{framework:5s} {model:5s} max_batch {max_batch:3d}: loop {loop[1]:9.0f} tokens/s, "
-                          f"end to end {e2e[1]:9.0f} tokens/s, reproduced {exact}", flush=True)
+                    print(
+                        f"{framework:5s} {model:5s} max_batch {max_batch:3d}: loop {loop[1]:9.0f} tokens/s, "
+                        f"end to end {e2e[1]:9.0f} tokens/s, reproduced {exact}",
+                        flush=True,
+                    )
     path = write_results("cli_run", rows)
     print(f"\nwrote {path}\n")
-    print(table(rows, ["framework", "model", "max_batch", "tokens", "loop_tokens_per_s_p50",
-                       "end_to_end_tokens_per_s_p50", "all_traces_reproduced"]))
+    print(
+        table(
+            rows,
+            [
+                "framework",
+                "model",
+                "max_batch",
+                "tokens",
+                "loop_tokens_per_s_p50",
+                "end_to_end_tokens_per_s_p50",
+                "all_traces_reproduced",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,35 +27,52 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["provenance", "time_cuda", "time_host", "percentiles", "write_results", "table", "RESULTS_DIR",
-           "rotating", "bandwidth", "copy_bandwidth"]
+__all__ = [
+    "provenance",
+    "time_cuda",
+    "time_host",
+    "percentiles",
+    "write_results",
+    "table",
+    "RESULTS_DIR",
+    "rotating",
+    "bandwidth",
+    "copy_bandwidth",
+]
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _version(module: str) -> Optional[str]:
+def _version(module: str) -> str | None:
     try:
         return getattr(importlib.import_module(module), "__version__", "unknown")
     except Exception:  # noqa: BLE001 - absent or broken: recorded as such
         return None
 
 
-def provenance() -> Dict[str, object]:
+def provenance() -> dict[str, object]:
     """GPU name, driver, library versions, date (UTC) and the command line of this run."""
     gpu = driver = None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         if out:
             gpu, driver = [x.strip() for x in out[0].split(",")]
     except Exception:  # noqa: BLE001 - no nvidia-smi: CPU machine
         pass
-    versions = {m: _version(m) for m in ("numpy", "torch", "triton", "jax", "jaxlib", "cuda.core",
-                                         "cuda.bindings")}
+    versions = {m: _version(m) for m in ("numpy", "torch", "triton", "jax", "jaxlib", "cuda.core", "cuda.bindings")}
     versions["python"] = platform.python_version()
     return {
         "gpu": gpu,
@@ -67,21 +84,23 @@ def provenance() -> Dict[str, object]:
     }
 
 
-def percentiles(samples_us) -> Dict[str, float]:
+def percentiles(samples_us) -> dict[str, float]:
     a = np.asarray(samples_us, dtype=np.float64)
     p20, p50, p80 = np.percentile(a, [20, 50, 80])
     return {"us_p20": float(p20), "us_p50": float(p50), "us_p80": float(p80), "n": int(a.size)}
 
 
-def time_cuda(fn: Callable[[], None], *, warmup_ms: float = 50, rep_ms: float = 300) -> Dict[str, float]:
+def time_cuda(fn: Callable[[], None], *, warmup_ms: float = 50, rep_ms: float = 300) -> dict[str, float]:
     """Device time of ``fn`` per call from CUDA events (``do_bench``): p20/p50/p80 in us."""
     from triton.testing import do_bench
+
     times_ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
     return percentiles(np.asarray(times_ms) * 1e3)
 
 
-def time_cuda_queued(fn: Callable[[], None], *, calls: int = 20, rounds: int = 15,
-                     busy_cycles: int = 4_000_000) -> Dict[str, float]:
+def time_cuda_queued(
+    fn: Callable[[], None], *, calls: int = 20, rounds: int = 15, busy_cycles: int = 4_000_000
+) -> dict[str, float]:
     """Device time per call of ``fn`` with the host's enqueue cost hidden: p20/p50/p80 in us.
 
     Per round: a ``torch.cuda._sleep`` kernel of ``busy_cycles`` clock cycles (about 2 ms on an
@@ -91,6 +110,7 @@ def time_cuda_queued(fn: Callable[[], None], *, calls: int = 20, rounds: int = 1
     when a call's data would fit in L2. Falls back to :func:`time_cuda` without ``_sleep``.
     """
     import torch
+
     sleep = getattr(torch.cuda, "_sleep", None)
     if sleep is None:
         return time_cuda(fn)
@@ -113,13 +133,17 @@ def time_cuda_queued(fn: Callable[[], None], *, calls: int = 20, rounds: int = 1
         per_call.append(start.elapsed_time(end) * 1e3 / calls)
     # The host must have queued every call before the busy kernel ended, or host gaps are timed.
     stats = percentiles(per_call)
-    stats.update(busy_us_min=float(min(busy_us)), enqueue_us_max=float(max(enqueue_us)),
-                 host_hidden=bool(max(enqueue_us) < min(busy_us)))
+    stats.update(
+        busy_us_min=float(min(busy_us)),
+        enqueue_us_max=float(max(enqueue_us)),
+        host_hidden=bool(max(enqueue_us) < min(busy_us)),
+    )
     return stats
 
 
-def time_host(fn: Callable[[], None], *, sync: Callable[[], None], calls: int = 2000, rounds: int = 15,
-              warmup: int = 200) -> Dict[str, float]:
+def time_host(
+    fn: Callable[[], None], *, sync: Callable[[], None], calls: int = 2000, rounds: int = 15, warmup: int = 200
+) -> dict[str, float]:
     """Host time per call of ``fn``: ``rounds`` rounds of ``calls`` back-to-back calls.
 
     The device is synchronised (``sync``) before each round, not inside it, so a GPU-bound call
@@ -140,7 +164,7 @@ def time_host(fn: Callable[[], None], *, sync: Callable[[], None], calls: int = 
     return percentiles(per_round)
 
 
-def write_results(name: str, rows: List[dict]) -> str:
+def write_results(name: str, rows: list[dict]) -> str:
     """Write ``results/<name>.json``: a list of ``rows``, each carrying its provenance (GPU,
     driver, versions, date, command). Return the path."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
@@ -152,16 +176,18 @@ def write_results(name: str, rows: List[dict]) -> str:
     return path
 
 
-def table(rows: List[dict], columns: List[str]) -> str:
+def table(rows: list[dict], columns: list[str]) -> str:
     """A Markdown table of ``rows`` restricted to ``columns``."""
+
     def fmt(v):
         return f"{v:.2f}" if isinstance(v, float) else str(v)
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def rotating(fns: List[Callable[[], None]]) -> Callable[[], None]:
+def rotating(fns: list[Callable[[], None]]) -> Callable[[], None]:
     """One callable that calls ``fns[0]``, ``fns[1]``, ... in turn, wrapping around."""
     it = itertools.cycle(list(fns))
     return lambda: next(it)()
@@ -175,9 +201,13 @@ def rows_same_bits(run_rows: Callable[[list], tuple], result: tuple, batch: int)
     ``batch // 2`` and ``batch - 1`` each alone, and up to 7 rows from ``batch // 3`` as a batch of
     their own (another batch size, another grid)."""
     import torch
+
     start = batch // 3
-    batches = [list(range(batch - 1, -1, -1))] + [[r] for r in sorted({0, batch // 2, batch - 1})] \
+    batches = (
+        [list(range(batch - 1, -1, -1))]
+        + [[r] for r in sorted({0, batch // 2, batch - 1})]
         + [list(range(start, min(batch, start + 7)))]
+    )
     for rows in batches:
         for a, b in zip(run_rows(rows), result):
             b = b[rows]
@@ -188,16 +218,19 @@ def rows_same_bits(run_rows: Callable[[list], tuple], result: tuple, batch: int)
     return True
 
 
-def bandwidth(nbytes: int, stats: Dict[str, float]) -> Dict[str, float]:
+def bandwidth(nbytes: int, stats: dict[str, float]) -> dict[str, float]:
     """GB/s (1 GB = 1e9 bytes) percentiles for ``nbytes`` moved in the time ``stats`` (us).
 
     Bandwidth falls as time rises: ``gbps_p20`` (the slow end) comes from ``us_p80``.
     """
-    return {"gbps_p20": nbytes / stats["us_p80"] / 1e3, "gbps_p50": nbytes / stats["us_p50"] / 1e3,
-            "gbps_p80": nbytes / stats["us_p20"] / 1e3}
+    return {
+        "gbps_p20": nbytes / stats["us_p80"] / 1e3,
+        "gbps_p50": nbytes / stats["us_p50"] / 1e3,
+        "gbps_p80": nbytes / stats["us_p20"] / 1e3,
+    }
 
 
-def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) -> Dict[str, Dict[str, float]]:
+def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) -> dict[str, dict[str, float]]:
     """The copy ceilings of this machine, measured now with torch: ``{name: stats}``.
 
     - ``d2d``: device-to-device ``copy_`` of ``nbytes``; GB/s counts bytes read plus bytes
@@ -213,6 +246,7 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) 
     be cheaper to read).
     """
     import torch
+
     dev = torch.device("cuda", device)
     n_words = nbytes // 4
     src_host = np.arange(n_words, dtype=np.int32)
@@ -221,9 +255,9 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) 
     pinned_np = pinned.numpy()
     a = torch.from_numpy(src_host).to(dev)
     b = torch.empty_like(a)
-    out: Dict[str, Dict[str, float]] = {}
+    out: dict[str, dict[str, float]] = {}
 
-    def events(copy) -> Dict[str, float]:
+    def events(copy) -> dict[str, float]:
         copy()
         torch.cuda.synchronize(dev)
         times = []
@@ -237,9 +271,11 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) 
         return percentiles(times)
 
     np.copyto(pinned_np, src_host)
-    for name, copy, moved in (("d2d", lambda: b.copy_(a), 2 * nbytes),
-                              ("h2d_pinned", lambda: b.copy_(pinned, non_blocking=True), nbytes),
-                              ("d2h_pinned", lambda: pinned.copy_(a, non_blocking=True), nbytes)):
+    for name, copy, moved in (
+        ("d2d", lambda: b.copy_(a), 2 * nbytes),
+        ("h2d_pinned", lambda: b.copy_(pinned, non_blocking=True), nbytes),
+        ("d2h_pinned", lambda: pinned.copy_(a, non_blocking=True), nbytes),
+    ):
         stats = events(copy)
         out[name] = dict(stats, bytes=moved, **bandwidth(moved, stats))
 
@@ -251,6 +287,6 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) 
         times.append((time.perf_counter() - t0) * 1e6)
     stats = percentiles(times)
     out["host_memcpy"] = dict(stats, bytes=nbytes, **bandwidth(nbytes, stats))
-    a = b = pinned = pinned_np = None     # the buffers go back before returning
+    a = b = pinned = pinned_np = None  # the buffers go back before returning
     torch.cuda.synchronize(dev)
     return out

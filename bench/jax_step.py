@@ -75,17 +75,55 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-FULL = dict(batch=256, hidden=1024, layers=8, vocab=32_000, max_slots=1024, max_trace_len=8192,
-            loop_steps=32, pad_rows=16, rounds=15, dispatch_calls=200, loop_calls=8, eager_calls=1000,
-            queue_steps=24, busy_size=4096, busy_calib_iters=16, busy_min_us=3000.0)
-SMOKE = dict(batch=16, hidden=64, layers=2, vocab=500, max_slots=32, max_trace_len=64,
-             loop_steps=4, pad_rows=2, rounds=3, dispatch_calls=5, loop_calls=2, eager_calls=50,
-             queue_steps=3, busy_size=32, busy_calib_iters=64, busy_min_us=200.0)
-BUSY_HOST_FACTOR = 2.5   # the busy program lasts this many times the host time of queue_steps dispatches
-CMD_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
-                    "--xla_gpu_graph_min_graph_size=1")
-GPU_MECHANISMS = ("none", "trace_replay_jax", "trace_replay_jax_kernel", "plain_jnp", "buffer_callback",
-                  "buffer_callback_cmdbuf")
+FULL = dict(
+    batch=256,
+    hidden=1024,
+    layers=8,
+    vocab=32_000,
+    max_slots=1024,
+    max_trace_len=8192,
+    loop_steps=32,
+    pad_rows=16,
+    rounds=15,
+    dispatch_calls=200,
+    loop_calls=8,
+    eager_calls=1000,
+    queue_steps=24,
+    busy_size=4096,
+    busy_calib_iters=16,
+    busy_min_us=3000.0,
+)
+SMOKE = dict(
+    batch=16,
+    hidden=64,
+    layers=2,
+    vocab=500,
+    max_slots=32,
+    max_trace_len=64,
+    loop_steps=4,
+    pad_rows=2,
+    rounds=3,
+    dispatch_calls=5,
+    loop_calls=2,
+    eager_calls=50,
+    queue_steps=3,
+    busy_size=32,
+    busy_calib_iters=64,
+    busy_min_us=200.0,
+)
+BUSY_HOST_FACTOR = 2.5  # the busy program lasts this many times the host time of queue_steps dispatches
+CMD_BUFFER_FLAGS = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
+    "--xla_gpu_graph_min_graph_size=1"
+)
+GPU_MECHANISMS = (
+    "none",
+    "trace_replay_jax",
+    "trace_replay_jax_kernel",
+    "plain_jnp",
+    "buffer_callback",
+    "buffer_callback_cmdbuf",
+)
 CPU_MECHANISMS = ("none", "trace_replay_jax", "trace_replay_jax_kernel", "plain_jnp")
 
 
@@ -115,8 +153,8 @@ class Setup:
         }
         self.x0 = put(rng.standard_normal((c["batch"], h)), jnp.bfloat16)
         slots, n = c["max_slots"], c["max_trace_len"]
-        idx = rng.permutation(slots)[:c["batch"]]
-        idx[rng.permutation(c["batch"])[:c["pad_rows"]]] = -1
+        idx = rng.permutation(slots)[: c["batch"]]
+        idx[rng.permutation(c["batch"])[: c["pad_rows"]]] = -1
         self.idx = put(idx, np.int32)
         prompt = rng.integers(1, 2000, slots)
         self.prompt = put(prompt, np.int32)
@@ -127,12 +165,13 @@ class Setup:
             self.state.add_request(slot, rng.integers(0, v, lengths[slot]))
         self.state.apply_staged_writes()
         table, trace_len = self.state.snapshot()
-        self.owned = (put(table), put(trace_len))      # plain_jnp's table, owned by JAX
+        self.owned = (put(table), put(trace_len))  # plain_jnp's table, owned by JAX
         jax.block_until_ready((self.owned, self.params, self.x0))
 
 
 def plain_jnp_replay(table, trace_len, sampled, idx, total, prompt):
     import jax.numpy as jnp
+
     ok = idx >= 0
     slot = jnp.where(ok, idx, 0)
     step = total[slot] - prompt[slot]
@@ -165,13 +204,17 @@ def buffer_callback_replay(setup, *, command_buffer: bool):
     def callback(ctx, out, sampled, idx, total, prompt):
         if getattr(ctx, "stage", ExecutionStage.EXECUTE) != ExecutionStage.EXECUTE:
             return
-        if not getattr(local, "active", False):   # once per XLA thread: the CUDA context current
+        if not getattr(local, "active", False):  # once per XLA thread: the CUDA context current
             device.set_current()
             local.active = True
         kernel.launch(grid, int(ctx.stream), ptr(out), ptr(idx), ptr(total), ptr(prompt), 0, *fixed)
 
-    op = buffer_callback(callback, jax.ShapeDtypeStruct((rows,), np.int32), input_output_aliases={0: 0},
-                         command_buffer_compatible=command_buffer)
+    op = buffer_callback(
+        callback,
+        jax.ShapeDtypeStruct((rows,), np.int32),
+        input_output_aliases={0: 0},
+        command_buffer_compatible=command_buffer,
+    )
     return lambda tables, sampled, idx, total, prompt: op(sampled, idx, total, prompt)
 
 
@@ -183,15 +226,27 @@ def jax_triton_replay(setup):
     import triton.language as tl
 
     @triton.jit
-    def replay_out(sampled_ptr, idx_ptr, total_ptr, prompt_ptr, table_ptr, trace_len_ptr, n_rows, max_slots,
-                   row_stride, out_ptr, BLOCK: tl.constexpr):
+    def replay_out(
+        sampled_ptr,
+        idx_ptr,
+        total_ptr,
+        prompt_ptr,
+        table_ptr,
+        trace_len_ptr,
+        n_rows,
+        max_slots,
+        row_stride,
+        out_ptr,
+        BLOCK: tl.constexpr,
+    ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_batch = rows < n_rows
         slot = tl.load(idx_ptr + rows, mask=in_batch, other=-1).to(tl.int64)
         active = in_batch & (slot >= 0) & (slot < max_slots)
         n = tl.load(trace_len_ptr + slot, mask=active, other=0).to(tl.int64)
-        step = (tl.load(total_ptr + slot, mask=active, other=0).to(tl.int64)
-                - tl.load(prompt_ptr + slot, mask=active, other=0).to(tl.int64))
+        step = tl.load(total_ptr + slot, mask=active, other=0).to(tl.int64) - tl.load(
+            prompt_ptr + slot, mask=active, other=0
+        ).to(tl.int64)
         active = active & (n > 0) & (step >= 0) & (step < n)
         token = tl.load(table_ptr + slot * row_stride + step, mask=active, other=0)
         tl.store(out_ptr + rows, token, mask=active)
@@ -201,23 +256,38 @@ def jax_triton_replay(setup):
     block = 256
 
     def run(tables, sampled, idx, total, prompt):
-        return jt.triton_call(sampled, idx, total, prompt, tables.table, tables.trace_len, rows, st.max_slots,
-                              st.max_trace_len, kernel=replay_out,
-                              out_shape=jax.ShapeDtypeStruct(sampled.shape, sampled.dtype),
-                              grid=((rows + block - 1) // block,), input_output_aliases={0: 0},
-                              num_warps=4, BLOCK=block)
+        return jt.triton_call(
+            sampled,
+            idx,
+            total,
+            prompt,
+            tables.table,
+            tables.trace_len,
+            rows,
+            st.max_slots,
+            st.max_trace_len,
+            kernel=replay_out,
+            out_shape=jax.ShapeDtypeStruct(sampled.shape, sampled.dtype),
+            grid=((rows + block - 1) // block,),
+            input_output_aliases={0: 0},
+            num_warps=4,
+            BLOCK=block,
+        )
+
     return run
 
 
 def make_replay(name, setup):
     import trace_replay_jax
+
     if name == "none":
         return lambda tables, sampled, idx, total, prompt: sampled
     if name == "trace_replay_jax":
         return trace_replay_jax.replay
     if name == "trace_replay_jax_kernel":
-        return lambda tables, sampled, idx, total, prompt: trace_replay_jax.replay(tables, sampled, idx, total,
-                                                                                   prompt, method="kernel")
+        return lambda tables, sampled, idx, total, prompt: trace_replay_jax.replay(
+            tables, sampled, idx, total, prompt, method="kernel"
+        )
     if name == "plain_jnp":
         return lambda tables, sampled, idx, total, prompt: plain_jnp_replay(*tables, sampled, idx, total, prompt)
     if name == "buffer_callback":
@@ -252,6 +322,7 @@ def make_step_fns(replay, setup):
             x, total, toks = carry
             x, total, t = step(params, tables, x, total, prompt, idx)
             return x, total, toks.at[k].set(t)
+
         toks = jnp.zeros((c["loop_steps"], c["batch"]), jnp.int32)
         return jax.lax.fori_loop(0, c["loop_steps"], body, (x, total, toks))
 
@@ -270,8 +341,9 @@ class Busy:
 
         n = cfg["busy_size"]
         rng = np.random.default_rng(2)
-        self.a, self.b = (jax.device_put((rng.standard_normal((n, n)) / np.sqrt(n)).astype(jnp.bfloat16), device)
-                          for _ in range(2))
+        self.a, self.b = (
+            jax.device_put((rng.standard_normal((n, n)) / np.sqrt(n)).astype(jnp.bfloat16), device) for _ in range(2)
+        )
 
         def busy(a, b, iters):
             body = lambda i, x: jnp.dot(x, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)  # noqa: E731
@@ -280,10 +352,10 @@ class Busy:
         self.fn = jax.jit(busy, static_argnums=2)
         calib = cfg["busy_calib_iters"]
         self.iters = calib
-        jax.block_until_ready(self())                  # compile
+        jax.block_until_ready(self())  # compile
         per_iter = min(self.time_us() for _ in range(3)) / calib
         self.iters = max(1, int(np.ceil(target_us / per_iter)))
-        jax.block_until_ready(self())                  # compile the final trip count
+        jax.block_until_ready(self())  # compile the final trip count
         self.target_us = target_us
 
     def __call__(self):
@@ -298,6 +370,7 @@ class Busy:
 def enqueue_us(dispatch, args, setup, k):
     """Host time to dispatch ``k`` dependent steps (the device idle at the start), in us."""
     import jax
+
     x, total = setup.x0, setup.total0
     t0 = time.perf_counter()
     for _ in range(k):
@@ -312,6 +385,7 @@ def queued_sample(busy, dispatch, args, setup, k):
     time to dispatch the busy program, host time to dispatch the ``k`` steps after it). The
     device is idle at the start."""
     import jax
+
     t_alone = busy.time_us()
     x, total = setup.x0, setup.total0
     t0 = time.perf_counter()
@@ -349,7 +423,7 @@ def child(cfg, config_name, mechanisms, out_path, process, smoke=False):
             replay = make_replay(name, setup)
             dispatch, loop = make_step_fns(replay, setup)
             args = (setup.params, setup.state.tables if name != "plain_jnp" else setup.owned)
-            _, _, toks = loop(*args, setup.x0, setup.total0, setup.prompt, setup.idx)   # compile + check
+            _, _, toks = loop(*args, setup.x0, setup.total0, setup.prompt, setup.idx)  # compile + check
             x, total, _ = dispatch(*args, setup.x0, setup.total0, setup.prompt, setup.idx)
             jax.block_until_ready((toks, x, total))
             toks = np.asarray(toks)
@@ -360,14 +434,22 @@ def child(cfg, config_name, mechanisms, out_path, process, smoke=False):
             rows.append(dict(row, mode="compile", error=f"{type(exc).__name__}: {exc}"[:2000]))
             traceback.print_exc()
     times = {(n, m): [] for n in runners for m in ("dispatch", "loop")}
-    busy, queued = None, {n: [] for n in runners}    # queued: queued_sample()s, one a round
+    busy, queued = None, {n: [] for n in runners}  # queued: queued_sample()s, one a round
     k = cfg["queue_steps"]
     if runners:
         try:
             busy, host_k_us = make_busy(cfg, device, runners, setup)
         except Exception as exc:  # noqa: BLE001
-            rows.extend(dict(config=config_name, mechanism=n, mode="dispatch_device", process=process,
-                             error=f"busy program: {type(exc).__name__}: {exc}"[:2000]) for n in runners)
+            rows.extend(
+                dict(
+                    config=config_name,
+                    mechanism=n,
+                    mode="dispatch_device",
+                    process=process,
+                    error=f"busy program: {type(exc).__name__}: {exc}"[:2000],
+                )
+                for n in runners
+            )
             traceback.print_exc()
     for _ in range(cfg["rounds"]):
         for name, (dispatch, loop, args, _) in runners.items():
@@ -389,8 +471,17 @@ def child(cfg, config_name, mechanisms, out_path, process, smoke=False):
     for (name, mode), samples in times.items():
         toks = runners[name][3]
         match = None if reference is None or name == "none" else bool(np.array_equal(toks, reference))
-        rows.append(dict(config=config_name, mechanism=name, mode=mode, tokens_match=match, process=process,
-                         steps_per_call=1 if mode == "dispatch" else cfg["loop_steps"], **percentiles(samples)))
+        rows.append(
+            dict(
+                config=config_name,
+                mechanism=name,
+                mode=mode,
+                tokens_match=match,
+                process=process,
+                steps_per_call=1 if mode == "dispatch" else cfg["loop_steps"],
+                **percentiles(samples),
+            )
+        )
     for name, samples in queued.items():
         if busy is None or not samples:
             continue
@@ -398,17 +489,32 @@ def child(cfg, config_name, mechanisms, out_path, process, smoke=False):
         hidden = busy_disp + enq < t_alone
         per_step = (t_queued - t_alone) / k
         match = None if reference is None or name == "none" else bool(np.array_equal(runners[name][3], reference))
-        rows.append(dict(config=config_name, mechanism=name, mode="dispatch_device", tokens_match=match,
-                         process=process, steps_per_call=1, queue_steps=k, busy_iters=busy.iters,
-                         busy_target_us=busy.target_us, host_k_steps_us=host_k_us,
-                         busy_us_p50=float(np.median(t_alone)), busy_us_min=float(t_alone.min()),
-                         busy_dispatch_us_max=float(busy_disp.max()),
-                         enqueue_us_p50=float(np.median(enq)), enqueue_us_max=float(enq.max()),
-                         # rounds whose host was done queueing before the busy program alone was done;
-                         # only those are device time, and only those are counted
-                         rounds_hidden=int(hidden.sum()), rounds=len(hidden),
-                         host_hidden=bool(hidden.sum() >= max(3, len(hidden) // 2)), smoke=smoke,
-                         **percentiles(per_step[hidden] if hidden.any() else per_step)))
+        rows.append(
+            dict(
+                config=config_name,
+                mechanism=name,
+                mode="dispatch_device",
+                tokens_match=match,
+                process=process,
+                steps_per_call=1,
+                queue_steps=k,
+                busy_iters=busy.iters,
+                busy_target_us=busy.target_us,
+                host_k_steps_us=host_k_us,
+                busy_us_p50=float(np.median(t_alone)),
+                busy_us_min=float(t_alone.min()),
+                busy_dispatch_us_max=float(busy_disp.max()),
+                enqueue_us_p50=float(np.median(enq)),
+                enqueue_us_max=float(enq.max()),
+                # rounds whose host was done queueing before the busy program alone was done;
+                # only those are device time, and only those are counted
+                rounds_hidden=int(hidden.sum()),
+                rounds=len(hidden),
+                host_hidden=bool(hidden.sum() >= max(3, len(hidden) // 2)),
+                smoke=smoke,
+                **percentiles(per_step[hidden] if hidden.any() else per_step),
+            )
+        )
     if config_name == "default" and process == "main":
         rows.extend(dict(r, process=process) for r in eager_rows(cfg, setup, device))
     with open(out_path, "w") as f:
@@ -423,7 +529,12 @@ class _Handoff:
 
     def __init__(self, capsule, device, producer_stream, event, cu):
         self.capsule, self.device, self.producer_stream, self.event, self.cu = (
-            capsule, device, producer_stream, event, cu)
+            capsule,
+            device,
+            producer_stream,
+            event,
+            cu,
+        )
 
     def __dlpack_device__(self):
         return self.device
@@ -456,6 +567,7 @@ class _DLPackCoreReplay:
 
     def __call__(self, sampled, idx, total, prompt):
         import jax
+
         capsule = sampled.__dlpack__(stream=self.handle, copy=True)
         out = _Handoff(capsule, sampled.__dlpack_device__(), self.handle, self.event, self.cu)
         self.table.replay(out, idx, total, prompt, stream=self.handle)
@@ -470,28 +582,33 @@ def eager_rows(cfg, setup, device):
     rng = np.random.default_rng(1)
     c = cfg
     sampled = jax.device_put(rng.integers(0, c["vocab"], c["batch"]).astype(np.int32), device)
-    step = jax.device_put((np.asarray(setup.total0) - np.asarray(setup.prompt))[np.maximum(np.asarray(setup.idx), 0)],
-                          device)
+    step = jax.device_put(
+        (np.asarray(setup.total0) - np.asarray(setup.prompt))[np.maximum(np.asarray(setup.idx), 0)], device
+    )
     args = (sampled, setup.idx, setup.total0, setup.prompt)
     st = setup.state
     want = np.asarray(st.replay(*args))
     # The floor of an eager call: one jitted dispatch of the same six arrays that only copies
     # ``sampled`` (one tiny kernel); it replays nothing, so its tokens are not compared.
     floor = jax.jit(lambda table, trace_len, s, i, t, p: s ^ jnp.int32(0) + (i[:1] * 0).sum())
-    candidates = {"trace_replay_jax": lambda: st.replay(*args),
-                  "trace_replay_jax_at_step": lambda: st.replay_at_step(sampled, setup.idx, step),
-                  "trace_replay_jax_kernel": lambda: st.replay(*args, method="kernel"),
-                  "trace_replay_jax_kernel_at_step": lambda: st.replay_at_step(sampled, setup.idx, step,
-                                                                               method="kernel"),
-                  "jit_dispatch_floor": lambda: floor(st.tables.table, st.tables.trace_len, *args)}
+    candidates = {
+        "trace_replay_jax": lambda: st.replay(*args),
+        "trace_replay_jax_at_step": lambda: st.replay_at_step(sampled, setup.idx, step),
+        "trace_replay_jax_kernel": lambda: st.replay(*args, method="kernel"),
+        "trace_replay_jax_kernel_at_step": lambda: st.replay_at_step(sampled, setup.idx, step, method="kernel"),
+        "jit_dispatch_floor": lambda: floor(st.tables.table, st.tables.trace_len, *args),
+    }
     if device.platform == "gpu":
-        factories = (("dlpack_core_kernel", lambda: _DLPackCoreReplay(setup)),
-                     ("buffer_callback", lambda: jax.jit(buffer_callback_replay(setup, command_buffer=False))))
+        factories = (
+            ("dlpack_core_kernel", lambda: _DLPackCoreReplay(setup)),
+            ("buffer_callback", lambda: jax.jit(buffer_callback_replay(setup, command_buffer=False))),
+        )
         for name, factory in factories:
             try:
                 fn = factory()
-                candidates[name] = (lambda fn=fn: fn(*args)) if name == "dlpack_core_kernel" else \
-                    (lambda fn=fn: fn(st.tables, *args))
+                candidates[name] = (
+                    (lambda fn=fn: fn(*args)) if name == "dlpack_core_kernel" else (lambda fn=fn: fn(st.tables, *args))
+                )
             except Exception as exc:  # noqa: BLE001
                 print(f"eager candidate {name} failed: {exc}", flush=True)
     rows = []
@@ -517,8 +634,16 @@ def eager_rows(cfg, setup, device):
             samples[name].append((t1 - t0) / c["eager_calls"] * 1e6)
     for name, s in samples.items():
         match = None if name == "jit_dispatch_floor" else bool(np.array_equal(results[name], want))
-        rows.append(dict(config="default", mechanism=name, mode="eager_host", steps_per_call=1,
-                         tokens_match=match, **percentiles(s)))
+        rows.append(
+            dict(
+                config="default",
+                mechanism=name,
+                mode="eager_host",
+                steps_per_call=1,
+                tokens_match=match,
+                **percentiles(s),
+            )
+        )
     return rows
 
 
@@ -529,8 +654,18 @@ def run_child(config_name, flags, mechanisms, smoke, timeout, process="main"):
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", config_name, "--out", out,
-               "--mechanisms", ",".join(mechanisms), "--process", process] + (["--smoke"] if smoke else [])
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            config_name,
+            "--out",
+            out,
+            "--mechanisms",
+            ",".join(mechanisms),
+            "--process",
+            process,
+        ] + (["--smoke"] if smoke else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout)
@@ -541,8 +676,10 @@ def run_child(config_name, flags, mechanisms, smoke, timeout, process="main"):
         if os.path.exists(out):
             with open(out) as f:
                 return json.load(f)
-        return [dict(config=config_name, mechanism=m, mode="child", process=process, error=f"child exit {rc}")
-                for m in mechanisms]
+        return [
+            dict(config=config_name, mechanism=m, mode="child", process=process, error=f"child exit {rc}")
+            for m in mechanisms
+        ]
 
 
 def _probe(code: str) -> bool:
@@ -583,39 +720,56 @@ def main():
         return
     gpu = jax_sees_a_gpu()
     if not gpu and not a.smoke:
-        print("jax_step: no GPU visible to JAX; this benchmark runs on a GPU (use --smoke to check the "
-              "script on a CPU)", flush=True)
+        print(
+            "jax_step: no GPU visible to JAX; this benchmark runs on a GPU (use --smoke to check the script on a CPU)",
+            flush=True,
+        )
         return
     mechanisms = GPU_MECHANISMS if gpu else CPU_MECHANISMS
     rows = []
     configs = [("default", "")] + ([("command_buffers", CMD_BUFFER_FLAGS)] if gpu else [])
     for name, flags in configs:
         rows += run_child(name, flags, mechanisms, a.smoke, a.child_timeout)
-    if gpu and jax_triton_available():   # default flags only: FACTS.md has it under command buffers
-        rows += run_child("default", "", ("plain_jnp", "none", "jax_triton"), a.smoke, a.child_timeout,
-                          process="jax_triton")
+    if gpu and jax_triton_available():  # default flags only: FACTS.md has it under command buffers
+        rows += run_child(
+            "default", "", ("plain_jnp", "none", "jax_triton"), a.smoke, a.child_timeout, process="jax_triton"
+        )
     elif gpu:
-        rows.append(dict(config="default", mechanism="jax_triton", mode="child", process="jax_triton",
-                         error="jax_triton not importable here (carry its wheel to measure it)"))
+        rows.append(
+            dict(
+                config="default",
+                mechanism="jax_triton",
+                mode="child",
+                process="jax_triton",
+                error="jax_triton not importable here (carry its wheel to measure it)",
+            )
+        )
     rows = summarise(rows)
     for r in rows:
         if "us_p50" in r:
             queued = ""
             if r["mode"] == "dispatch_device":
-                queued = (f"  busy {r['busy_us_p50']:.0f} us, enqueue max {r['enqueue_us_max']:.0f} us, "
-                          f"host_hidden={r['host_hidden']} ({r['rounds_hidden']}/{r['rounds']} rounds)"
-                          + (" (smoke)" if r.get("smoke") else "")
-                          + ("" if r["host_hidden"] else "  WARNING: host not hidden, not device time"))
-            print(f"{r['config']:16s} {r['process']:10s} {r['mechanism']:26s} {r['mode']:15s} "
-                  f"p50 {r['us_p50']:9.2f} us/step (p20 {r['us_p20']:.2f}, p80 {r['us_p80']:.2f})  "
-                  f"added {r.get('added_us_p50', float('nan')):7.2f}  tokens_match={r.get('tokens_match')}{queued}",
-                  flush=True)
+                queued = (
+                    f"  busy {r['busy_us_p50']:.0f} us, enqueue max {r['enqueue_us_max']:.0f} us, "
+                    f"host_hidden={r['host_hidden']} ({r['rounds_hidden']}/{r['rounds']} rounds)"
+                    + (" (smoke)" if r.get("smoke") else "")
+                    + ("" if r["host_hidden"] else "  WARNING: host not hidden, not device time")
+                )
+            print(
+                f"{r['config']:16s} {r['process']:10s} {r['mechanism']:26s} {r['mode']:15s} "
+                f"p50 {r['us_p50']:9.2f} us/step (p20 {r['us_p20']:.2f}, p80 {r['us_p80']:.2f})  "
+                f"added {r.get('added_us_p50', float('nan')):7.2f}  tokens_match={r.get('tokens_match')}{queued}",
+                flush=True,
+            )
         else:
-            print(f"{r['config']:16s} {r.get('process')} {r['mechanism']:26s} {r['mode']:15s} "
-                  f"ERROR {r.get('error')}", flush=True)
+            print(
+                f"{r['config']:16s} {r.get('process')} {r['mechanism']:26s} {r['mode']:15s} ERROR {r.get('error')}",
+                flush=True,
+            )
     if a.smoke:
         return
     from harness import write_results
+
     shape = {k: FULL[k] for k in ("batch", "hidden", "layers", "vocab", "max_slots", "max_trace_len", "loop_steps")}
     print("wrote", write_results("jax_step", [dict(r, **shape) for r in rows]))
 

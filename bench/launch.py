@@ -96,13 +96,17 @@ def main() -> None:
 
     def record(provider, batch, placement, stats):
         rows.append(dict(provider=provider, batch=batch, placement=placement, **stats))
-        print(f"{provider:26s} B={batch:5d} {placement:12s} p50 {stats['us_p50']:8.2f} us "
-              f"(p20 {stats['us_p20']:.2f}, p80 {stats['us_p80']:.2f})", flush=True)
+        print(
+            f"{provider:26s} B={batch:5d} {placement:12s} p50 {stats['us_p50']:8.2f} us "
+            f"(p20 {stats['us_p20']:.2f}, p80 {stats['us_p80']:.2f})",
+            flush=True,
+        )
 
     states = {}
     for placement in ("device", "host_mapped"):
-        st = TraceReplayState(MAX_SLOTS, MAX_TRACE_LEN, device=dev, total_len=total_len,
-                              prompt_len=prompt_len, placement=placement)
+        st = TraceReplayState(
+            MAX_SLOTS, MAX_TRACE_LEN, device=dev, total_len=total_len, prompt_len=prompt_len, placement=placement
+        )
         for slot, tr in enumerate(traces):
             st.add_request(slot, tr)
         st.apply_staged_writes()
@@ -128,23 +132,57 @@ def main() -> None:
         sampled = base.clone()
         kernel = replay_compiled(0, "int64", "int32", ("int32", "int32"), None)
         table_view, lengths_view = st.table.device_views()
-        via_triton = kernel.bind(plan_replay(batch), sampled.data_ptr(), idx.data_ptr(), total_len.data_ptr(),
-                                 prompt_len.data_ptr(), 0, table_view.ptr, lengths_view.ptr, batch, MAX_SLOTS,
-                                 MAX_TRACE_LEN, driver=False)
+        via_triton = kernel.bind(
+            plan_replay(batch),
+            sampled.data_ptr(),
+            idx.data_ptr(),
+            total_len.data_ptr(),
+            prompt_len.data_ptr(),
+            0,
+            table_view.ptr,
+            lengths_view.ptr,
+            batch,
+            MAX_SLOTS,
+            MAX_TRACE_LEN,
+            driver=False,
+        )
         record("core_bound_triton_launcher", batch, "device", time_host(lambda: via_triton(stream), sync=sync))
         outs["triton_launcher"] = sampled
         sampled = base.clone()
-        record("core_dlpack_every_call", batch, "device",
-               time_host(lambda: st.table.replay(sampled, idx, total_len, prompt_len, stream=stream), sync=sync,
-                         calls=300, rounds=7, warmup=20))
+        record(
+            "core_dlpack_every_call",
+            batch,
+            "device",
+            time_host(
+                lambda: st.table.replay(sampled, idx, total_len, prompt_len, stream=stream),
+                sync=sync,
+                calls=300,
+                rounds=7,
+                warmup=20,
+            ),
+        )
 
         grid = (triton.cdiv(batch, REPLAY_BLOCK),)
         for name, kernel in (("triton_jit_launcher", plain_kernel), ("triton_jit_launcher_hinted", replay_kernel)):
             sampled = base.clone()
 
             def jit_launch():
-                kernel[grid](sampled, idx, total_len, prompt_len, total_len, table_t, len_t, batch, MAX_SLOTS,
-                             MAX_TRACE_LEN, PER_ROW_STEP=False, BLOCK=REPLAY_BLOCK, num_warps=4)
+                kernel[grid](
+                    sampled,
+                    idx,
+                    total_len,
+                    prompt_len,
+                    total_len,
+                    table_t,
+                    len_t,
+                    batch,
+                    MAX_SLOTS,
+                    MAX_TRACE_LEN,
+                    PER_ROW_STEP=False,
+                    BLOCK=REPLAY_BLOCK,
+                    num_warps=4,
+                )
+
             record(name, batch, "device", time_host(jit_launch, sync=sync))
             outs[name] = sampled
 
@@ -159,6 +197,7 @@ def main() -> None:
             valid = valid & (n > 0) & (step >= 0) & (step < n)
             tok = table_t[s, step.clamp(0, MAX_TRACE_LEN - 1)]
             sampled.copy_(torch.where(valid, tok.to(sampled.dtype), sampled))
+
         record("torch_native", batch, "device", time_host(native, sync=sync))
         outs["native"] = sampled
 
@@ -177,9 +216,13 @@ def main() -> None:
 
         sampled = base.clone()
         op_id = st.op_id
-        replay_through_op = torch.ops.trace_replay.replay.default   # the overload compiled code calls
-        record("torch_ops_eager", batch, "device",
-               time_host(lambda: replay_through_op(sampled, idx, total_len, prompt_len, op_id), sync=sync))
+        replay_through_op = torch.ops.trace_replay.replay.default  # the overload compiled code calls
+        record(
+            "torch_ops_eager",
+            batch,
+            "device",
+            time_host(lambda: replay_through_op(sampled, idx, total_len, prompt_len, op_id), sync=sync),
+        )
         outs["torch_ops"] = sampled
         sync()
         ref = outs["device"].cpu()
@@ -198,28 +241,35 @@ def main() -> None:
         def graphed_step():
             torch.compiler.cudagraph_mark_step_begin()
             return graphed(st, logits, idx)
-        for _ in range(3):                               # warm-up, record, first replay
+
+        for _ in range(3):  # warm-up, record, first replay
             graphed_step()
         results["sampler_compiled_cudagraph"] = [t.clone() for t in graphed_step()]
         record("sampler_compiled_cudagraph", batch, "device", time_host(graphed_step, sync=sync))
         sync()
+
         # NaN == NaN here: traced rows whose trace ids lie above this sampler's vocabulary get
         # logprob NaN (and rank -1) by contract, in every sampler alike.
         def equal(a, b):
-            return torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=0, atol=0,
-                                                                                      equal_nan=True)
+            return (
+                torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+            )
+
         same = all(all(equal(a, b) for a, b in zip(results["sampler_eager"], r)) for r in results.values())
         print(f"B={batch}: compiled samplers equal the eager one (tokens, logprobs, ranks): {same}", flush=True)
-        if not same:   # which outputs part, and whether rows whose maximum is tied explain it
+        if not same:  # which outputs part, and whether rows whose maximum is tied explain it
             top2 = logits.float().topk(2, dim=-1).values
             tied = (top2[:, 0] == top2[:, 1]).cpu()
             ref = results["sampler_eager"]
             for name, r in results.items():
                 parts = [int((~((a == b) | (a != a) & (b != b))).sum()) for a, b in zip(ref, r)]
                 differing = (ref[0] != r[0]).cpu()
-                print(f"  {name}: rows differing in tokens/logprobs/ranks {parts}; token rows differing with a "
-                      f"tied maximum {int((differing & tied).sum())} of {int(differing.sum())} (rows with a "
-                      f"tie: {int(tied.sum())})", flush=True)
+                print(
+                    f"  {name}: rows differing in tokens/logprobs/ranks {parts}; token rows differing with a "
+                    f"tied maximum {int((differing & tied).sum())} of {int(differing.sum())} (rows with a "
+                    f"tie: {int(tied.sum())})",
+                    flush=True,
+                )
 
     for st in states.values():
         st.close()

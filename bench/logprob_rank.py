@@ -53,8 +53,18 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (bandwidth, copy_bandwidth, percentiles, provenance, rotating, rows_same_bits,  # noqa: E402
-                     table, time_cuda, time_cuda_queued, write_results)
+from harness import (  # noqa: E402
+    bandwidth,
+    copy_bandwidth,
+    percentiles,
+    provenance,
+    rotating,
+    rows_same_bits,
+    table,
+    time_cuda,
+    time_cuda_queued,
+    write_results,
+)
 
 VOCAB = 151_936
 BATCHES = tuple(int(b) for b in os.environ.get("LOGPROB_BENCH_BATCHES", "1,64,256,1024,4096").split(","))
@@ -74,6 +84,7 @@ UNALIGNED_BATCHES = (1, 256, 4096)
 def torch_logprob_rank(logits, ids):
     """The naive torch version: float32 log-softmax over the vocabulary, gather, count."""
     import torch
+
     col = ids[:, None]
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, col)[:, 0]
     ranks = (logits >= logits.gather(1, col)).sum(dim=-1)
@@ -82,9 +93,10 @@ def torch_logprob_rank(logits, ids):
 
 def make_jax_fns():
     """``({provider: jitted fn}, None)``, or ``({}, reason)`` when JAX has no GPU."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
     try:
         import jax
+
         if not any(d.platform == "gpu" for d in jax.devices()):
             return {}, "jax sees no GPU"
         import trace_replay_jax
@@ -93,13 +105,15 @@ def make_jax_fns():
     fns = {}
     for method in trace_replay_jax.logprob.METHODS:
         fns[f"trace_replay_jax_{method}"] = jax.jit(
-            lambda x, i, m=method: tuple(trace_replay_jax.token_logprob_rank(x, i, method=m)))
+            lambda x, i, m=method: tuple(trace_replay_jax.token_logprob_rank(x, i, method=m))
+        )
     return fns, None
 
 
 def time_wall(fn, *, rounds: int = 9, budget_s: float = 0.04):
     """Wall-clock us per call: back-to-back calls, the last result blocked on per round."""
     import jax
+
     for _ in range(3):
         jax.block_until_ready(fn())
     t0 = time.perf_counter()
@@ -136,12 +150,26 @@ def add_row(rows, base, ours, provider, timing, stats, result=None, inv=None):
     whether its ranks equal the kernel's (``ours``) and how far its logprobs are."""
     same, diff = compare(ours, result) if result is not None else (True, 0.0)
     bw = bandwidth(base["bytes"], stats)
-    rows.append(dict(base, provider=provider, timing=timing, gbps=bw["gbps_p50"], invariant=inv,
-                     ranks_equal_to_kernel=same, max_abs_logprob_diff_to_kernel=diff, **stats, **bw))
+    rows.append(
+        dict(
+            base,
+            provider=provider,
+            timing=timing,
+            gbps=bw["gbps_p50"],
+            invariant=inv,
+            ranks_equal_to_kernel=same,
+            max_abs_logprob_diff_to_kernel=diff,
+            **stats,
+            **bw,
+        )
+    )
     where = f"vocab {base['vocab']} stride {base['row_stride']} " if "row_stride" in base else ""
-    print(f"{provider:24s} {timing[:20]:20s} {where}{base['dtype']:9s} B={base['batch']:5d} p50 "
-          f"{stats['us_p50']:9.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] {bw['gbps_p50']:7.0f} GB/s  "
-          f"invariant: {inv}  ranks equal: {same}, max |dlogprob| {diff:.2e}", flush=True)
+    print(
+        f"{provider:24s} {timing[:20]:20s} {where}{base['dtype']:9s} B={base['batch']:5d} p50 "
+        f"{stats['us_p50']:9.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] {bw['gbps_p50']:7.0f} GB/s  "
+        f"invariant: {inv}  ranks equal: {same}, max |dlogprob| {diff:.2e}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -156,8 +184,17 @@ def main() -> None:
     rows = []
     copy = copy_bandwidth()["d2d"]
     copy_gbps = copy["gbps_p50"]
-    rows.append(dict(copy, provider="d2d_copy", batch=None, vocab=None, dtype=None, gbps=copy_gbps,
-                     timing="cuda events; GB/s counts bytes read + written"))
+    rows.append(
+        dict(
+            copy,
+            provider="d2d_copy",
+            batch=None,
+            vocab=None,
+            dtype=None,
+            gbps=copy_gbps,
+            timing="cuda events; GB/s counts bytes read + written",
+        )
+    )
     print(f"device-to-device copy: p50 {copy['us_p50']:.1f} us = {copy_gbps:.0f} GB/s (read + write)", flush=True)
     jax_fns, jax_why = make_jax_fns()
     if not jax_fns:
@@ -172,39 +209,66 @@ def main() -> None:
             n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
             copies = [logits] + [logits.clone() for _ in range(n_copies - 1)]
             out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
-            out_k = out + (torch.empty(batch, TOP_K, device=dev), torch.empty(batch, TOP_K, dtype=torch.int64,
-                                                                             device=dev))
+            out_k = out + (
+                torch.empty(batch, TOP_K, device=dev),
+                torch.empty(batch, TOP_K, dtype=torch.int64, device=dev),
+            )
             ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
             ours_inv = invariant(lambda x, i: token_logprob_rank(x, i), logits, ids, token_logprob_rank(logits, ids))
             gids = ids.clone()
-            gids[1::2] = -1                                  # greedy rows, scored as their argmax
+            gids[1::2] = -1  # greedy rows, scored as their argmax
             out_a = out + (torch.empty(batch, dtype=torch.int64, device=dev),)
-            argmax_inv = invariant(lambda x, i: token_logprob_rank(x, i, argmax=True), logits, gids,
-                                   token_logprob_rank(logits, gids, argmax=True))
-            topk_inv = invariant(lambda x, i: token_logprob_rank(x, i, top_k=TOP_K), logits, ids,
-                                 token_logprob_rank(logits, ids, top_k=TOP_K))
+            argmax_inv = invariant(
+                lambda x, i: token_logprob_rank(x, i, argmax=True),
+                logits,
+                gids,
+                token_logprob_rank(logits, gids, argmax=True),
+            )
+            topk_inv = invariant(
+                lambda x, i: token_logprob_rank(x, i, top_k=TOP_K),
+                logits,
+                ids,
+                token_logprob_rank(logits, ids, top_k=TOP_K),
+            )
             naive = tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))
-            base = dict(batch=batch, vocab=VOCAB, dtype=dtype_name, bytes=nbytes, copy_gbps=copy_gbps,
-                        floor_us=nbytes / copy_gbps / 1e3)
+            base = dict(
+                batch=batch,
+                vocab=VOCAB,
+                dtype=dtype_name,
+                bytes=nbytes,
+                copy_gbps=copy_gbps,
+                floor_us=nbytes / copy_gbps / 1e3,
+            )
 
             def record(provider, timing, stats, result, inv=None):
                 add_row(rows, base, ours, provider, timing, stats, result, inv)
 
             providers = [
                 ("trace_replay", lambda x: token_logprob_rank(x, ids, out=out), None, ours_inv),
-                (f"trace_replay_topk{TOP_K}", lambda x: token_logprob_rank(x, ids, top_k=TOP_K, out=out_k), None,
-                 topk_inv),
+                (
+                    f"trace_replay_topk{TOP_K}",
+                    lambda x: token_logprob_rank(x, ids, top_k=TOP_K, out=out_k),
+                    None,
+                    topk_inv,
+                ),
                 ("torch", lambda x: torch_logprob_rank(x, ids), naive, None),
-                ("trace_replay_argmax", lambda x: token_logprob_rank(x, gids, argmax=True, out=out_a), None, argmax_inv),
+                (
+                    "trace_replay_argmax",
+                    lambda x: token_logprob_rank(x, gids, argmax=True, out=out_a),
+                    None,
+                    argmax_inv,
+                ),
                 ("torch_argmax", lambda x: x.argmax(-1), None, None),
             ]
             for name, fn, result, inv in providers:
-                record(name, QUEUED, time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result,
-                       inv)
+                record(
+                    name, QUEUED, time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result, inv
+                )
                 if name == "trace_replay":
                     record(name, DO_BENCH, time_cuda(lambda fn=fn: fn(logits)), result, inv)
             if jax_fns and batch <= 1024:
                 import jax
+
                 ids32 = ids.to(torch.int32)
                 torch.cuda.synchronize()
                 xs_j = [jax.dlpack.from_dlpack(c) for c in copies[:8]]
@@ -218,10 +282,10 @@ def main() -> None:
                     stats = time_wall(rotating([lambda x_j=x_j: fn(x_j, ids_j) for x_j in xs_j]))
                     record(name, f"wall clock incl. dispatch, {len(xs_j)} copies rotated", stats, result, inv)
                 xs_j = ids_j = ids32 = None
-            logits = ids = gids = out = out_k = out_a = copies = None     # drop the references before the next size
+            logits = ids = gids = out = out_k = out_a = copies = None  # drop the references before the next size
             torch.cuda.empty_cache()
 
-    for vocab, stride in UNALIGNED:             # rows not 16-byte aligned
+    for vocab, stride in UNALIGNED:  # rows not 16-byte aligned
         for dtype_name in DTYPES:
             for batch in UNALIGNED_BATCHES:
                 wide = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))
@@ -233,53 +297,127 @@ def main() -> None:
                 out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
                 ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
                 # the rows in other batches of the same layout (fresh rows of ``stride`` elements)
-                inv = rows_same_bits(lambda rows: token_logprob_rank(wide[rows].clone()[:, :vocab], ids[rows].clone()),
-                                     token_logprob_rank(logits, ids), batch)
-                base = dict(batch=batch, vocab=vocab, row_stride=stride, dtype=dtype_name, bytes=nbytes,
-                            copy_gbps=copy_gbps, floor_us=nbytes / copy_gbps / 1e3)
+                inv = rows_same_bits(
+                    lambda rows: token_logprob_rank(wide[rows].clone()[:, :vocab], ids[rows].clone()),
+                    token_logprob_rank(logits, ids),
+                    batch,
+                )
+                base = dict(
+                    batch=batch,
+                    vocab=vocab,
+                    row_stride=stride,
+                    dtype=dtype_name,
+                    bytes=nbytes,
+                    copy_gbps=copy_gbps,
+                    floor_us=nbytes / copy_gbps / 1e3,
+                )
                 for provider, fn, result, row_inv in (
-                        ("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out), None, inv),
-                        ("torch_unaligned", lambda x: torch_logprob_rank(x, ids),
-                         tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids)), None)):
-                    add_row(rows, base, ours, provider, QUEUED,
-                            time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result, row_inv)
+                    ("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out), None, inv),
+                    (
+                        "torch_unaligned",
+                        lambda x: torch_logprob_rank(x, ids),
+                        tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids)),
+                        None,
+                    ),
+                ):
+                    add_row(
+                        rows,
+                        base,
+                        ours,
+                        provider,
+                        QUEUED,
+                        time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])),
+                        result,
+                        row_inv,
+                    )
                 wide = logits = ids = out = copies = None
                 torch.cuda.empty_cache()
 
     def pick(provider, batch, dtype_name):
-        return next((r for r in rows if r["provider"] == provider and r.get("timing") == QUEUED
-                     and r["batch"] == batch and r["dtype"] == dtype_name), None)
+        return next(
+            (
+                r
+                for r in rows
+                if r["provider"] == provider
+                and r.get("timing") == QUEUED
+                and r["batch"] == batch
+                and r["dtype"] == dtype_name
+            ),
+            None,
+        )
 
-    targets = [("bfloat16", 1, "us_p50", "<=", 6.0), ("bfloat16", 256, "gbps", ">=", 3600.0),
-               ("bfloat16", 4096, "us_p50", "<=", 300.0), ("float32", 256, "fraction_of_copy", ">=", 0.95)]
+    targets = [
+        ("bfloat16", 1, "us_p50", "<=", 6.0),
+        ("bfloat16", 256, "gbps", ">=", 3600.0),
+        ("bfloat16", 4096, "us_p50", "<=", 300.0),
+        ("float32", 256, "fraction_of_copy", ">=", 0.95),
+    ]
     for dtype_name, batch, field, op, limit in targets:
         r = pick("trace_replay", batch, dtype_name)
         if r is None:
             continue
         value = r["gbps"] / copy_gbps if field == "fraction_of_copy" else r[field]
-        rows.append(dict(provider="target", batch=batch, vocab=VOCAB, dtype=dtype_name, timing=QUEUED, field=field,
-                         value=value, limit=limit, met=bool(value <= limit if op == "<=" else value >= limit),
-                         fraction_of_copy=r["gbps"] / copy_gbps))
+        rows.append(
+            dict(
+                provider="target",
+                batch=batch,
+                vocab=VOCAB,
+                dtype=dtype_name,
+                timing=QUEUED,
+                field=field,
+                value=value,
+                limit=limit,
+                met=bool(value <= limit if op == "<=" else value >= limit),
+                fraction_of_copy=r["gbps"] / copy_gbps,
+            )
+        )
     plain, topk = pick("trace_replay", 256, "bfloat16"), pick(f"trace_replay_topk{TOP_K}", 256, "bfloat16")
     if plain and topk:
         ratio = topk["us_p50"] / plain["us_p50"]
-        rows.append(dict(provider="target", batch=256, vocab=VOCAB, dtype="bfloat16", timing=QUEUED,
-                         field=f"topk{TOP_K}_over_plain", value=ratio, limit=1.5, met=bool(ratio <= 1.5)))
+        rows.append(
+            dict(
+                provider="target",
+                batch=256,
+                vocab=VOCAB,
+                dtype="bfloat16",
+                timing=QUEUED,
+                field=f"topk{TOP_K}_over_plain",
+                value=ratio,
+                limit=1.5,
+                met=bool(ratio <= 1.5),
+            )
+        )
 
-    for batch in BATCHES:                       # what scoring adds to a greedy pass that reads the logits anyway
+    for batch in BATCHES:  # what scoring adds to a greedy pass that reads the logits anyway
         fused, alone = pick("trace_replay_argmax", batch, "bfloat16"), pick("torch_argmax", batch, "bfloat16")
         if fused and alone:
-            rows.append(dict(provider="argmax_fused_minus_torch_argmax", batch=batch, vocab=VOCAB, dtype="bfloat16",
-                             timing=QUEUED, us_p50=fused["us_p50"] - alone["us_p50"],
-                             fused_us_p50=fused["us_p50"], torch_argmax_us_p50=alone["us_p50"]))
-            print(f"bf16 B={batch}: greedy + logprob/rank in one pass {fused['us_p50']:.2f} us, torch argmax alone "
-                  f"{alone['us_p50']:.2f} us: scoring adds {fused['us_p50'] - alone['us_p50']:.2f} us", flush=True)
+            rows.append(
+                dict(
+                    provider="argmax_fused_minus_torch_argmax",
+                    batch=batch,
+                    vocab=VOCAB,
+                    dtype="bfloat16",
+                    timing=QUEUED,
+                    us_p50=fused["us_p50"] - alone["us_p50"],
+                    fused_us_p50=fused["us_p50"],
+                    torch_argmax_us_p50=alone["us_p50"],
+                )
+            )
+            print(
+                f"bf16 B={batch}: greedy + logprob/rank in one pass {fused['us_p50']:.2f} us, torch argmax alone "
+                f"{alone['us_p50']:.2f} us: scoring adds {fused['us_p50'] - alone['us_p50']:.2f} us",
+                flush=True,
+            )
 
     path = write_results("logprob_rank", rows)
     prov = provenance()
     print(f"\nwrote {path}\n{prov['gpu']}, driver {prov['driver']}, {prov['versions']}, {prov['date']}\n")
-    print(table([r for r in rows if r["provider"] not in ("target",)],
-                ["provider", "timing", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps", "invariant"]))
+    print(
+        table(
+            [r for r in rows if r["provider"] not in ("target",)],
+            ["provider", "timing", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps", "invariant"],
+        )
+    )
     print(f"\ncopy ceiling: {copy_gbps:.0f} GB/s (read + write); JAX rows are wall clock incl. dispatch\n")
     print(table([r for r in rows if r["provider"] == "target"], ["dtype", "batch", "field", "value", "limit", "met"]))
 

@@ -40,10 +40,8 @@ import sys
 import traceback
 from unittest import mock
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (bandwidth, copy_bandwidth, rotating, rows_same_bits, table, time_cuda_queued,  # noqa: E402
-                     write_results)
+from harness import bandwidth, copy_bandwidth, rotating, rows_same_bits, table, time_cuda_queued, write_results  # noqa: E402
 
 VOCAB = 151_936
 BATCHES = (1, 64, 256, 4096)
@@ -53,15 +51,24 @@ DTYPES = ("bfloat16", "float32")
 # takes it, so float32 runs only the variants with words True). ``group``: chunks per program
 # forced (None: ``_chunk_group``'s choice from the batch). ``pdl`` False: the combine kernel
 # launched the ordinary way instead of as a programmatic dependent launch.
-CHUNK_VARIANTS = ((2048, 4, 6, True, None, True), (2048, 4, 6, True, None, False), (2048, 4, 6, False, None, True),
-                  (2048, 4, 4, True, None, True), (2048, 4, 8, True, None, True))
+CHUNK_VARIANTS = (
+    (2048, 4, 6, True, None, True),
+    (2048, 4, 6, True, None, False),
+    (2048, 4, 6, False, None, True),
+    (2048, 4, 4, True, None, True),
+    (2048, 4, 8, True, None, True),
+)
 # With top-k, a seventh knob: the chunk kernel's register cap (``maxnreg``; None: the shipped one,
 # 0: uncapped); the shipped plan first, then other caps and chunks per program.
 # (results/logprob_tuning_topk_caps.json, 05:20 UTC: caps 56 and 48 and one chunk per program
 # were slower at batch 256 and 4096.)
-TOPK_VARIANTS = ((2048, 4, 6, True, None, True, None), (2048, 4, 6, True, None, True, 0),
-                 (2048, 4, 6, True, 4, True, None), (2048, 4, 6, True, 4, True, 72),
-                 (2048, 4, 6, True, None, True, 72))
+TOPK_VARIANTS = (
+    (2048, 4, 6, True, None, True, None),
+    (2048, 4, 6, True, None, True, 0),
+    (2048, 4, 6, True, 4, True, None),
+    (2048, 4, 6, True, 4, True, 72),
+    (2048, 4, 6, True, None, True, 72),
+)
 # With argmax=True (every other row greedy): the chunk kernel's register cap per dtype (None:
 # the shipped plan, uncapped); the plain call (no argmax) is timed beside them.
 ARGMAX_CAPS = {"bfloat16": (None,), "float32": (None, 64)}
@@ -173,16 +180,18 @@ TOP_K = 20
 # The trials below: the shipped choice (clusters where the rows fit at once) against the two
 # kernels at batches around that limit.
 TWO_KERNELS = {"patch": {"LOGPROB_CLUSTER": False}}
-GROUP_TRIALS = {("bfloat16", 1, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 16, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 64, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 96, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 128, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 160, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 256, 0): ({}, TWO_KERNELS),
-                ("float32", 64, 0): ({}, TWO_KERNELS),
-                ("bfloat16", 64, "argmax"): ({}, TWO_KERNELS),
-                ("bfloat16", 64, 0, VOCAB + 1): ({}, TWO_KERNELS)}
+GROUP_TRIALS = {
+    ("bfloat16", 1, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 16, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 64, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 96, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 128, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 160, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 256, 0): ({}, TWO_KERNELS),
+    ("float32", 64, 0): ({}, TWO_KERNELS),
+    ("bfloat16", 64, "argmax"): ({}, TWO_KERNELS),
+    ("bfloat16", 64, 0, VOCAB + 1): ({}, TWO_KERNELS),
+}
 # --vocabs SET: a set of VOCAB_TRIALS, each trial (dtype, vocabulary, row stride, other chunk sizes in
 # blocks), run at VOCAB_BATCHES and with top-k TOP_K at batch 256, the shipped plan (about
 # LOGPROB_CHUNKS chunks per row) first. "survey": the vocabularies of model families people run
@@ -191,11 +200,19 @@ GROUP_TRIALS = {("bfloat16", 1, 0): ({}, TWO_KERNELS),
 # faster in chunks of 3 or 4 blocks than in the shipped 2: the same vocabulary in aligned rows
 # (a padded stride) and in float32, Llama 2's 32,000, and a small vocabulary not aligned.
 VOCAB_TRIALS = {
-    "survey": (("bfloat16", 32_768, 32_768, (4, 8, 16)), ("bfloat16", 50_257, 50_257, (3, 4, 7)),
-               ("bfloat16", 128_256, 128_256, (4, 8)), ("bfloat16", VOCAB, VOCAB, (8,)),
-               ("bfloat16", 262_144, 262_144, (8, 16))),
-    "shift": (("bfloat16", 50_257, 50_264, (3, 4)), ("float32", 50_257, 50_257, (3, 4)),
-              ("bfloat16", 32_000, 32_000, (3,)), ("bfloat16", 10_001, 10_001, (3,))),
+    "survey": (
+        ("bfloat16", 32_768, 32_768, (4, 8, 16)),
+        ("bfloat16", 50_257, 50_257, (3, 4, 7)),
+        ("bfloat16", 128_256, 128_256, (4, 8)),
+        ("bfloat16", VOCAB, VOCAB, (8,)),
+        ("bfloat16", 262_144, 262_144, (8, 16)),
+    ),
+    "shift": (
+        ("bfloat16", 50_257, 50_264, (3, 4)),
+        ("float32", 50_257, 50_257, (3, 4)),
+        ("bfloat16", 32_000, 32_000, (3,)),
+        ("bfloat16", 10_001, 10_001, (3,)),
+    ),
 }
 VOCAB_BATCHES = (1, 64, 256, 4096)
 ROTATE_BYTES = 256 << 20
@@ -208,6 +225,7 @@ class Call:
     def __init__(self, torch, logits, ids, top_k, argmax=False):
         from trace_replay_core._logprob import logprob_rank_workspace_bytes
         from trace_replay_core.kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes
+
         batch, vocab = logits.shape
         dev = logits.device
         self.lp = torch.empty(batch, device=dev)
@@ -216,17 +234,28 @@ class Call:
         self.tid = torch.empty(batch, max(top_k, 1), dtype=torch.int64, device=dev)
         self.am = torch.empty(batch, dtype=torch.int64, device=dev) if argmax else None
         # Room for any variant's plan (smaller blocks need more partials).
-        self.ws = torch.empty(logprob_rank_workspace_bytes(batch, vocab, top_k) * 8 + 64, dtype=torch.uint8,
-                              device=dev)
+        self.ws = torch.empty(logprob_rank_workspace_bytes(batch, vocab, top_k) * 8 + 64, dtype=torch.uint8, device=dev)
         self.logits, self.ids, self.top_k = logits, ids, top_k
-        self.args = LogprobRankArgs(logits.data_ptr(), ids.data_ptr(), 0, self.lp.data_ptr(), self.rk.data_ptr(),
-                                    self.tlp.data_ptr() if top_k else 0, self.tid.data_ptr() if top_k else 0,
-                                    self.ws.data_ptr(), batch, vocab, logits.stride(0), top_k,
-                                    self.am.data_ptr() if argmax else 0)
+        self.args = LogprobRankArgs(
+            logits.data_ptr(),
+            ids.data_ptr(),
+            0,
+            self.lp.data_ptr(),
+            self.rk.data_ptr(),
+            self.tlp.data_ptr() if top_k else 0,
+            self.tid.data_ptr() if top_k else 0,
+            self.ws.data_ptr(),
+            batch,
+            vocab,
+            logits.stride(0),
+            top_k,
+            self.am.data_ptr() if argmax else 0,
+        )
         self.dtypes = LogprobRankDtypes(str(logits.dtype).replace("torch.", ""), "int64", "int64", "int64", "int64")
 
     def bind(self, plan, group=None):
         from trace_replay_core.kernels.logprob_rank import bind_logprob_rank_launch, workspace_layout
+
         assert workspace_layout(self.args.batch, plan)[-1] <= self.ws.numel()
         return bind_logprob_rank_launch(self.args, self.dtypes, self.logits.device.index, plan, group)
 
@@ -234,8 +263,10 @@ class Call:
         """``launch(stream)`` of the chunk kernel alone, queued as the call queues it (timing only:
         without the combine kernel the call's outputs are not written)."""
         from trace_replay_core.kernels.logprob_rank import LOGPROB_PDL_CHAIN, _compiled_launches
-        kernel, grid, ptrs, ints, gdc, cluster = _compiled_launches(self.args, self.dtypes, self.logits.device.index,
-                                                                    plan, group)[0]
+
+        kernel, grid, ptrs, ints, gdc, cluster = _compiled_launches(
+            self.args, self.dtypes, self.logits.device.index, plan, group
+        )[0]
         return kernel.bind(grid, *ptrs, *ints, pdl=gdc and LOGPROB_PDL_CHAIN, cluster=cluster)
 
     def chunk_registers(self, plan, group=None):
@@ -243,23 +274,24 @@ class Call:
         the launch form: the clusters a row's programs form and how many the device holds at
         once (0, 0 for the two kernels)."""
         from trace_replay_core.kernels.logprob_rank import _compiled_launches
-        kernel, grid, *_, cluster = _compiled_launches(self.args, self.dtypes, self.logits.device.index, plan,
-                                                       group)[0]
+
+        kernel, grid, *_, cluster = _compiled_launches(self.args, self.dtypes, self.logits.device.index, plan, group)[0]
         held = kernel.max_active_clusters(grid, cluster) if cluster else 0
         return kernel.n_regs, kernel.n_spills, (cluster[1] if cluster else 0, held)
 
     def results(self):
         out = [self.lp.clone(), self.rk.clone()]
         if self.top_k:
-            out += [self.tlp[:, :self.top_k].clone(), self.tid[:, :self.top_k].clone()]
+            out += [self.tlp[:, : self.top_k].clone(), self.tid[:, : self.top_k].clone()]
         if self.am is not None:
-            out += [self.am.clone(), self.am.clone()]       # (compared as a rank-like output)
+            out += [self.am.clone(), self.am.clone()]  # (compared as a rank-like output)
         return out
 
 
 def patched(constants):
     """Bind with module constants of ``kernels.logprob_rank`` replaced (trials)."""
     from trace_replay_core.kernels import logprob_rank
+
     return mock.patch.multiple(logprob_rank, **constants) if constants else contextlib.nullcontext()
 
 
@@ -283,24 +315,38 @@ def run_once(torch, call, plan, stream, group=None):
 def invariant(torch, logits, ids, top_k, plan, stream, result, argmax=False) -> bool:
     """Whether the batch's rows give the bits they have in the batch in other batches
     (``harness.rows_same_bits``), each batch with its own chunks per program."""
+
     def rows_run(rows):
         return run_once(torch, Call(torch, logits[rows].clone(), ids[rows].clone(), top_k, argmax), plan, stream)
+
     return rows_same_bits(rows_run, result, logits.shape[0])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--topk-only", action="store_true",
-                    help="bfloat16 at batch 256 and 4096 only: the shipped plain call and the top-k variants")
-    ap.add_argument("--argmax-only", action="store_true",
-                    help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps")
-    ap.add_argument("--groups", action="store_true",
-                    help="chunks per program (GROUP_TRIALS) on the shipped plan")
-    ap.add_argument("--vocabs", nargs="?", const="survey", choices=sorted(VOCAB_TRIALS),
-                    help="a set of VOCAB_TRIALS (default: survey): the shipped plan and other chunk sizes")
-    ap.add_argument("--latency", action="store_true",
-                    help="the shipped plan with and without the chained launch (bfloat16 plain, top-k and "
-                         "argmax, float32)")
+    ap.add_argument(
+        "--topk-only",
+        action="store_true",
+        help="bfloat16 at batch 256 and 4096 only: the shipped plain call and the top-k variants",
+    )
+    ap.add_argument(
+        "--argmax-only",
+        action="store_true",
+        help="batch 256 and 4096 only: the shipped plain call and argmax=True with register caps",
+    )
+    ap.add_argument("--groups", action="store_true", help="chunks per program (GROUP_TRIALS) on the shipped plan")
+    ap.add_argument(
+        "--vocabs",
+        nargs="?",
+        const="survey",
+        choices=sorted(VOCAB_TRIALS),
+        help="a set of VOCAB_TRIALS (default: survey): the shipped plan and other chunk sizes",
+    )
+    ap.add_argument(
+        "--latency",
+        action="store_true",
+        help="the shipped plan with and without the chained launch (bfloat16 plain, top-k and argmax, float32)",
+    )
     opts = ap.parse_args()
     import torch
 
@@ -317,50 +363,74 @@ def main() -> None:
     if opts.groups:
         base = CHUNK_VARIANTS[0] + (None,)
         # a key's optional fourth item: the row stride (rows of VOCAB logits, padded: not 16-byte aligned)
-        cases = [(key[0], key[1], key[2], tuple(base + (v,) for v in vs)) + tuple(key[3:])
-                 for key, vs in GROUP_TRIALS.items()]
+        cases = [
+            (key[0], key[1], key[2], tuple(base + (v,) for v in vs)) + tuple(key[3:])
+            for key, vs in GROUP_TRIALS.items()
+        ]
     elif opts.vocabs:
-        base = CHUNK_VARIANTS[0]            # the shipped plan, its chunk size from the vocabulary (None) or another
-        cases = [(dtype, b, k, tuple(base[:2] + (c,) + base[3:] for c in (None,) + more), stride, vocab)
-                 for dtype, vocab, stride, more in VOCAB_TRIALS[opts.vocabs]
-                 for b, k in [(b, 0) for b in VOCAB_BATCHES] + [(256, TOP_K)]]
+        base = CHUNK_VARIANTS[0]  # the shipped plan, its chunk size from the vocabulary (None) or another
+        cases = [
+            (dtype, b, k, tuple(base[:2] + (c,) + base[3:] for c in (None,) + more), stride, vocab)
+            for dtype, vocab, stride, more in VOCAB_TRIALS[opts.vocabs]
+            for b, k in [(b, 0) for b in VOCAB_BATCHES] + [(256, TOP_K)]
+        ]
     elif opts.latency:
         base = CHUNK_VARIANTS[0] + (None,)
         plain, topk = (tuple(base + (v,) for v in vs) for vs in (LATENCY_VARIANTS, LATENCY_TOPK_VARIANTS))
-        cases = ([("bfloat16", b, 0, plain) for b in (1, 256, 4096)]
-                 + [("bfloat16", b, TOP_K, topk) for b in (256, 4096)]
-                 + [("float32", b, 0, plain) for b in (256, 4096)] + [("bfloat16", 256, "argmax", plain)])
+        cases = (
+            [("bfloat16", b, 0, plain) for b in (1, 256, 4096)]
+            + [("bfloat16", b, TOP_K, topk) for b in (256, 4096)]
+            + [("float32", b, 0, plain) for b in (256, 4096)]
+            + [("bfloat16", 256, "argmax", plain)]
+        )
     elif opts.argmax_only:
-        cases = [c for d in DTYPES for b in (256, 4096)
-                 for c in ((d, b, 0, CHUNK_VARIANTS[:1]),
-                           (d, b, "argmax", tuple(CHUNK_VARIANTS[0] + (cap,) for cap in ARGMAX_CAPS[d])))]
+        cases = [
+            c
+            for d in DTYPES
+            for b in (256, 4096)
+            for c in (
+                (d, b, 0, CHUNK_VARIANTS[:1]),
+                (d, b, "argmax", tuple(CHUNK_VARIANTS[0] + (cap,) for cap in ARGMAX_CAPS[d])),
+            )
+        ]
     elif opts.topk_only:
-        cases = [c for b in (256, 4096) for c in (("bfloat16", b, 0, CHUNK_VARIANTS[:1]),
-                                                  ("bfloat16", b, TOP_K, TOPK_VARIANTS))]
+        cases = [
+            c
+            for b in (256, 4096)
+            for c in (("bfloat16", b, 0, CHUNK_VARIANTS[:1]), ("bfloat16", b, TOP_K, TOPK_VARIANTS))
+        ]
     else:
-        cases = ([(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES]
-                 + [("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256, 4096)])
+        cases = [(d, b, 0, CHUNK_VARIANTS) for d in DTYPES for b in BATCHES] + [
+            ("bfloat16", b, TOP_K, TOPK_VARIANTS) for b in (256, 4096)
+        ]
     for dtype_name, batch, top_k, variants, *layout in cases:
-        stride = layout[0] if layout else VOCAB          # rows of vocab logits, stride elements apart
+        stride = layout[0] if layout else VOCAB  # rows of vocab logits, stride elements apart
         vocab = layout[1] if len(layout) > 1 else VOCAB
         argmax = top_k == "argmax"
         top_k = 0 if argmax else top_k
         logits = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))[:, :vocab]
         ids = torch.randint(0, vocab, (batch,), device=dev)
         if argmax:
-            ids[1::2] = -1                                   # greedy rows
+            ids[1::2] = -1  # greedy rows
         nbytes = logits.numel() * logits.element_size()
         n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
         calls = [Call(torch, logits, ids, top_k, argmax)] + [
-            Call(torch, torch.empty(batch, stride, dtype=logits.dtype, device=dev)[:, :vocab].copy_(logits), ids, top_k,
-                 argmax) for _ in range(n_copies - 1)]
+            Call(
+                torch,
+                torch.empty(batch, stride, dtype=logits.dtype, device=dev)[:, :vocab].copy_(logits),
+                ids,
+                top_k,
+                argmax,
+            )
+            for _ in range(n_copies - 1)
+        ]
         shipped = None
         for variant in variants:
             block, warps, chunk_blocks, words, group, pdl, *extra = variant
             cap = extra[:1]
-            more = dict(extra[1]) if len(extra) > 1 else {}      # --latency: plan and launch knobs
+            more = dict(extra[1]) if len(extra) > 1 else {}  # --latency: plan and launch knobs
             chain = more.pop("chain", None)
-            patch = more.pop("patch", {})             # module constants of kernels.logprob_rank
+            patch = more.pop("patch", {})  # module constants of kernels.logprob_rank
             sel = more.pop("sel", None)
             group = more.pop("group", group)
             chunk_only = more.pop("chunk_only", False)
@@ -384,28 +454,48 @@ def main() -> None:
             if chunk_only:
                 knobs["chunk_only"] = True
             name = " ".join(f"{k} {v!s:5s}" for k, v in knobs.items())
-            row = dict(dtype=dtype_name, batch=batch, vocab=vocab, top_k=top_k, argmax=argmax, **knobs,
-                       n_chunks=plan.n_chunks, shipped_maxnreg=plan.maxnreg, bytes=nbytes, copy_gbps=copy_gbps)
+            row = dict(
+                dtype=dtype_name,
+                batch=batch,
+                vocab=vocab,
+                top_k=top_k,
+                argmax=argmax,
+                **knobs,
+                n_chunks=plan.n_chunks,
+                shipped_maxnreg=plan.maxnreg,
+                bytes=nbytes,
+                copy_gbps=copy_gbps,
+            )
             try:
-                checks, note = {}, "(chunk kernel only)"      # chunk_only: timing only, no outputs to check
+                checks, note = {}, "(chunk kernel only)"  # chunk_only: timing only, no outputs to check
                 if not chunk_only:
                     with forced_pdl(pdl), forced_chain(chain), patched(patch):
                         result = run_once(torch, calls[0], plan, stream, group)
                         inv = invariant(torch, logits, ids, top_k, plan, stream, result, argmax)
                     shipped = shipped if shipped is not None else result
-                    same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))   # ranks, top-k ids
+                    same = all(torch.equal(a, b) for a, b in zip(result[1::2], shipped[1::2]))  # ranks, top-k ids
                     diff = float((result[0] - shipped[0]).abs().max())
                     checks = dict(invariant=inv, equal_to_shipped=same, max_abs_logprob_diff_to_shipped=diff)
                     note = f"invariant {inv} same {same} diff {diff:.1e}"
                 with forced_pdl(pdl), forced_chain(chain), patched(patch):
                     launches = [c.bind_chunk_only(plan, group) if chunk_only else c.bind(plan, group) for c in calls]
-                    regs, spills, form = calls[0].chunk_registers(plan, group)      # this variant's build
+                    regs, spills, form = calls[0].chunk_registers(plan, group)  # this variant's build
                 stats = time_cuda_queued(rotating([lambda f=f: f(stream) for f in launches]))
-                row.update(stats, **bandwidth(nbytes, stats), **checks, chunk_regs=regs, chunk_spills=spills,
-                           cluster_ctas=form[0], clusters_held=form[1])
-                print(f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "
-                      f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
-                      f"{row['gbps_p50']:6.0f} GB/s {note} regs {regs}/{spills} clusters {form}", flush=True)
+                row.update(
+                    stats,
+                    **bandwidth(nbytes, stats),
+                    **checks,
+                    chunk_regs=regs,
+                    chunk_spills=spills,
+                    cluster_ctas=form[0],
+                    clusters_held=form[1],
+                )
+                print(
+                    f"{dtype_name:9s} B={batch:5d} k={top_k:2d} argmax={argmax:d} {name} "
+                    f"p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, {stats['us_p80']:.2f}] "
+                    f"{row['gbps_p50']:6.0f} GB/s {note} regs {regs}/{spills} clusters {form}",
+                    flush=True,
+                )
             except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, not fatal
                 row.update(error=f"{type(exc).__name__}: {exc}"[:400])
                 print(f"{dtype_name} B={batch} {name}: FAILED {row['error']}", flush=True)
@@ -413,17 +503,50 @@ def main() -> None:
             rows.append(row)
         logits = ids = calls = None
         torch.cuda.empty_cache()
-    path = write_results("logprob_tuning_groups" if opts.groups else
-                         f"logprob_tuning_vocabs_{opts.vocabs}" if opts.vocabs else
-                         "logprob_tuning_latency" if opts.latency else
-                         "logprob_tuning_argmax" if opts.argmax_only else
-                         "logprob_tuning_topk" if opts.topk_only else "logprob_tuning", rows)
+    path = write_results(
+        "logprob_tuning_groups"
+        if opts.groups
+        else f"logprob_tuning_vocabs_{opts.vocabs}"
+        if opts.vocabs
+        else "logprob_tuning_latency"
+        if opts.latency
+        else "logprob_tuning_argmax"
+        if opts.argmax_only
+        else "logprob_tuning_topk"
+        if opts.topk_only
+        else "logprob_tuning",
+        rows,
+    )
     print(f"\nwrote {path}\n")
-    print(table([r for r in rows if "us_p50" in r], ["dtype", "vocab", "batch", "top_k", "argmax", "block", "num_warps",
-                                                     "chunk_blocks", "words", "group", "pdl", "maxnreg",
-                                                     "sel", "chain", "chunk_only", "COMBINE_NUM_WARPS", "chunk_regs",
-                                                     "n_chunks", "shipped_maxnreg", "us_p50", "gbps_p50",
-                                                     "invariant"]))
+    print(
+        table(
+            [r for r in rows if "us_p50" in r],
+            [
+                "dtype",
+                "vocab",
+                "batch",
+                "top_k",
+                "argmax",
+                "block",
+                "num_warps",
+                "chunk_blocks",
+                "words",
+                "group",
+                "pdl",
+                "maxnreg",
+                "sel",
+                "chain",
+                "chunk_only",
+                "COMBINE_NUM_WARPS",
+                "chunk_regs",
+                "n_chunks",
+                "shipped_maxnreg",
+                "us_p50",
+                "gbps_p50",
+                "invariant",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,24 +45,49 @@ import os
 import sys
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import copy_bandwidth, table, time_cuda_queued, write_results  # noqa: E402
 
-FULL = dict(sizes=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768),
-            batches=(64, 256), prompt=(64, 512), trace=(128, 512), device="cuda")
-REPEATS = 2           # timed whole / prefill-only calls of our loops (medians)
-QUICK = dict(sizes=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
-             batches=(4, 8), prompt=(8, 24), trace=(8, 24), device="cpu")
+FULL = dict(
+    sizes=dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+    ),
+    batches=(64, 256),
+    prompt=(64, 512),
+    trace=(128, 512),
+    device="cuda",
+)
+REPEATS = 2  # timed whole / prefill-only calls of our loops (medians)
+QUICK = dict(
+    sizes=dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
+    batches=(4, 8),
+    prompt=(8, 24),
+    trace=(8, 24),
+    device="cpu",
+)
 
 
 def _requests(rng, batch, prompt, trace, vocab, one_token=False):
     from trace_replay_app.records import TraceRequest
+
     out = []
     for i in range(batch):
         p = rng.integers(0, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))
@@ -73,6 +98,7 @@ def _requests(rng, batch, prompt, trace, vocab, one_token=False):
 
 def _sync(device):
     import torch
+
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -87,11 +113,13 @@ def _timed(fn, device):
 
 def _our_loop(framework, config, weights, device):
     from trace_replay_app.models.llama import load_loop
+
     run = load_loop(framework)
 
     def call(requests):
         results = run(config, weights, requests, device=device, max_batch=len(requests), dtype="bfloat16")
-        return results          # results are host arrays: the call has waited for the device
+        return results  # results are host arrays: the call has waited for the device
+
     return call
 
 
@@ -102,12 +130,19 @@ def _generate(model, device):
         longest = max(len(r.prompt) for r in requests)
         ids = torch.zeros(len(requests), longest, dtype=torch.int64)
         mask = torch.zeros_like(ids)
-        for i, r in enumerate(requests):                     # left padding, as decoder-only generation wants
-            ids[i, longest - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, longest - len(r.prompt):] = 1
+        for i, r in enumerate(requests):  # left padding, as decoder-only generation wants
+            ids[i, longest - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, longest - len(r.prompt) :] = 1
         with torch.no_grad():
-            return model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            return model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
     return call
 
 
@@ -119,7 +154,7 @@ def _floor_bytes(config, requests, weight_bytes):
     kv = 0
     for r in requests:
         n = len(r.trace)
-        kv += per_token * (n * len(r.prompt) + n * (n - 1) / 2)   # positions held at steps 0 .. n-1
+        kv += per_token * (n * len(r.prompt) + n * (n - 1) / 2)  # positions held at steps 0 .. n-1
     return weight_bytes + kv / steps
 
 
@@ -136,14 +171,19 @@ def _replay_logprob_us(framework, batch, vocab, device):
     traced = list(range(0, batch, 2))
     if framework == "torch":
         import torch
+
         from trace_replay_torch import TraceReplayState, token_logprob_rank
+
         prompt_len = torch.full((batch,), 10, dtype=torch.int32, device=device)
         total_len = prompt_len + 3
         logits = torch.randn(batch, vocab, device=device).to(torch.bfloat16)
         sampled = torch.full((batch,), -1, dtype=torch.int64, device=device)
         idx = torch.arange(batch, dtype=torch.int32, device=device)
-        out = (torch.empty(batch, device=device), torch.empty(batch, dtype=torch.int64, device=device),
-               torch.empty(batch, dtype=torch.int64, device=device))
+        out = (
+            torch.empty(batch, device=device),
+            torch.empty(batch, dtype=torch.int64, device=device),
+            torch.empty(batch, dtype=torch.int64, device=device),
+        )
         with TraceReplayState(batch, 64, device=device, total_len=total_len, prompt_len=prompt_len) as state:
             state.add_requests(traced, traces[traced])
             state.apply_staged_writes()
@@ -161,6 +201,7 @@ def _replay_logprob_us(framework, batch, vocab, device):
 
             def argmax():
                 torch.argmax(logits, -1, out=sampled)
+
             fns = {"fused": fused, "separate": separate, "argmax": argmax}
             if device != "cuda":
                 for fn in fns.values():
@@ -170,14 +211,16 @@ def _replay_logprob_us(framework, batch, vocab, device):
     else:
         import jax
         import jax.numpy as jnp
+
         import trace_replay_jax
         from trace_replay_jax import TraceReplayState
+
         dev = jax.devices("gpu" if device == "cuda" else "cpu")[0]
         n_calls = 32
         with TraceReplayState(batch, 64, device=dev) as state:
             state.add_requests(traced, traces[traced])
             state.apply_staged_writes()
-            put = lambda x: jax.device_put(x, dev)   # noqa: E731
+            put = lambda x: jax.device_put(x, dev)  # noqa: E731
             logits = put(jnp.asarray(rng.standard_normal((batch, vocab)), jnp.bfloat16))
             idx, prompt_len = put(np.arange(batch, dtype=np.int32)), put(np.full(batch, 10, np.int32))
 
@@ -186,7 +229,9 @@ def _replay_logprob_us(framework, batch, vocab, device):
                 def loop(tables, logits, total_len):
                     def body(k, acc):
                         return acc + step(tables, logits, total_len + (k % 8))
+
                     return jax.lax.fori_loop(0, n_calls, body, jnp.float32(0))
+
                 return loop
 
             def fused(tables, logits, total_len):
@@ -195,8 +240,9 @@ def _replay_logprob_us(framework, batch, vocab, device):
                 return lp.sum() + rk.sum() + jnp.where(tok < 0, am, tok).sum()
 
             def separate(tables, logits, total_len):
-                tok = trace_replay_jax.replay(tables, jnp.argmax(logits, -1).astype(jnp.int32), idx, total_len,
-                                              prompt_len)
+                tok = trace_replay_jax.replay(
+                    tables, jnp.argmax(logits, -1).astype(jnp.int32), idx, total_len, prompt_len
+                )
                 lp, rk = trace_replay_jax.token_logprob_rank(logits, tok)
                 return lp.sum() + rk.sum() + tok.sum()
 
@@ -207,7 +253,7 @@ def _replay_logprob_us(framework, batch, vocab, device):
             times = {}
             for name, step in (("fused", fused), ("separate", separate), ("argmax", argmax)):
                 loop = loop_of(step)
-                fn = lambda: loop(state.tables, logits, total_len)   # noqa: E731
+                fn = lambda: loop(state.tables, logits, total_len)  # noqa: E731
                 fn().block_until_ready()
                 runs = []
                 for _ in range(5):
@@ -215,8 +261,11 @@ def _replay_logprob_us(framework, batch, vocab, device):
                     fn().block_until_ready()
                     runs.append(time.perf_counter() - t0)
                 times[name] = float(np.median(runs)) / n_calls * 1e6
-    return dict(times, added=max(0.0, times["fused"] - times["argmax"]),
-                added_separate=max(0.0, times["separate"] - times["argmax"]))
+    return dict(
+        times,
+        added=max(0.0, times["fused"] - times["argmax"]),
+        added_separate=max(0.0, times["separate"] - times["argmax"]),
+    )
 
 
 def main() -> None:
@@ -230,18 +279,31 @@ def main() -> None:
 
     import torch
     import transformers
+
     from trace_replay_app.models.llama.config import config_from_hf, weights_from_tensors
 
-    hf_config = transformers.AutoConfig.for_model("qwen2", **setup["sizes"], tie_word_embeddings=True,
-                                                  rope_theta=1e6, bos_token_id=None, eos_token_id=None,
-                                                  pad_token_id=None)
+    hf_config = transformers.AutoConfig.for_model(
+        "qwen2",
+        **setup["sizes"],
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
     config = config_from_hf(hf_config.to_dict())
-    weights = weights_from_tensors(config, {k: v.float().cpu().numpy() for k, v in model.state_dict().items()
-                                            if not (config.tie_word_embeddings and k == "lm_head.weight")})
+    weights = weights_from_tensors(
+        config,
+        {
+            k: v.float().cpu().numpy()
+            for k, v in model.state_dict().items()
+            if not (config.tie_word_embeddings and k == "lm_head.weight")
+        },
+    )
     weight_bytes = 2 * sum(int(np.prod(w.shape)) for w in weights.values())
     print(f"model ready in {time.perf_counter() - t0:.1f} s: {weight_bytes / 1e9:.2f} GB of bf16 weights")
     bandwidth = copy_bandwidth()["d2d"]["gbps_p50"] if device == "cuda" else float("nan")
@@ -259,15 +321,15 @@ def main() -> None:
             t_start = time.perf_counter()
             if provider == "transformers":
                 call = _generate(model, device)
-                call(requests, 8)                                      # warm-up
+                call(requests, 8)  # warm-up
                 whole, _ = _timed(lambda: call(requests, steps), device)
                 prefill, _ = _timed(lambda: call(requests, 1), device)
                 exact, replay_us, replay = None, None, {}
                 wholes, prefills = [whole], [prefill]
             else:
                 call = _our_loop(provider, config, weights, device)
-                call(requests)                                         # warm-up: compile, capture
-                call(prefill_only)                                     # its own warm-up (JAX: another program)
+                call(requests)  # warm-up: compile, capture
+                call(prefill_only)  # its own warm-up (JAX: another program)
                 # Each of our calls carries ~0.3-3.5 s of fixed cost (weights uploaded, JAX's
                 # program set up) that moved by 0.3 s between single calls on 2026-12-02, as much
                 # as the decode itself: the whole and the prefill-only calls alternate REPEATS
@@ -282,34 +344,67 @@ def main() -> None:
                 replay = _replay_logprob_us(provider, batch, config.vocab_size, device)
                 replay_us = replay.get("added", float("nan"))
             step_ms = (whole - prefill) / max(1, steps - 1) * 1e3
-            row = {"provider": provider, "batch": batch, "steps": steps, "useful_tokens": useful,
-                   "whole_s": whole, "prefill_s": prefill, "whole_runs_s": wholes, "prefill_runs_s": prefills,
-                   "tokens_per_s": batch / step_ms * 1e3,
-                   "call_tokens_per_s": useful / whole, "decode_ms_per_step": step_ms,
-                   "floor_ms": floor_ms, "floor_bytes": floor_bytes, "d2d_gbps": bandwidth,
-                   "x_floor": step_ms / floor_ms if floor_ms == floor_ms else None,
-                   "replay_logprob_us": replay_us,
-                   "replay_logprob_share": None if replay_us is None else replay_us / (step_ms * 1e3),
-                   "replay_logprob_parts_us": replay,
-                   "replay_logprob_separate_share": (replay["added_separate"] / (step_ms * 1e3)
-                                                     if "added_separate" in replay else None),
-                   "traces_reproduced": exact, "bench_s": time.perf_counter() - t_start}
+            row = {
+                "provider": provider,
+                "batch": batch,
+                "steps": steps,
+                "useful_tokens": useful,
+                "whole_s": whole,
+                "prefill_s": prefill,
+                "whole_runs_s": wholes,
+                "prefill_runs_s": prefills,
+                "tokens_per_s": batch / step_ms * 1e3,
+                "call_tokens_per_s": useful / whole,
+                "decode_ms_per_step": step_ms,
+                "floor_ms": floor_ms,
+                "floor_bytes": floor_bytes,
+                "d2d_gbps": bandwidth,
+                "x_floor": step_ms / floor_ms if floor_ms == floor_ms else None,
+                "replay_logprob_us": replay_us,
+                "replay_logprob_share": None if replay_us is None else replay_us / (step_ms * 1e3),
+                "replay_logprob_parts_us": replay,
+                "replay_logprob_separate_share": (
+                    replay["added_separate"] / (step_ms * 1e3) if "added_separate" in replay else None
+                ),
+                "traces_reproduced": exact,
+                "bench_s": time.perf_counter() - t_start,
+            }
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
-    for row in rows:                       # speed-ups against generate at the same batch
+    for row in rows:  # speed-ups against generate at the same batch
         ref = [r for r in rows if r["provider"] == "transformers" and r["batch"] == row["batch"]]
         row["x_generate_tokens_per_s"] = row["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else None
-    shape = {"model": "qwen2 " + json.dumps(setup["sizes"]), "dtype": "bfloat16",
-             "prompt_tokens": list(setup["prompt"]), "trace_tokens": list(setup["trace"])}
+    shape = {
+        "model": "qwen2 " + json.dumps(setup["sizes"]),
+        "dtype": "bfloat16",
+        "prompt_tokens": list(setup["prompt"]),
+        "trace_tokens": list(setup["trace"]),
+    }
     if args.quick:
-        json.dumps(rows)                   # the rows serialise; a dry run writes nothing
+        json.dumps(rows)  # the rows serialise; a dry run writes nothing
         print("quick run: nothing written")
     else:
         print("wrote", write_results("models", [dict(r, **shape) for r in rows]))
-    print(table(rows, ["provider", "batch", "tokens_per_s", "call_tokens_per_s", "decode_ms_per_step", "floor_ms",
-                       "x_floor", "x_generate_tokens_per_s", "replay_logprob_us", "replay_logprob_share",
-                       "replay_logprob_separate_share", "traces_reproduced"]))
+    print(
+        table(
+            rows,
+            [
+                "provider",
+                "batch",
+                "tokens_per_s",
+                "call_tokens_per_s",
+                "decode_ms_per_step",
+                "floor_ms",
+                "x_floor",
+                "x_generate_tokens_per_s",
+                "replay_logprob_us",
+                "replay_logprob_share",
+                "replay_logprob_separate_share",
+                "traces_reproduced",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ import time
 
 # Before torch, JAX or NCCL start, here and in every child process.
 os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPUs with torch
-if "--quick" in sys.argv:                                         # a 2-device mesh of CPU host devices
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPUs with torch
+if "--quick" in sys.argv:  # a 2-device mesh of CPU host devices
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -55,16 +55,43 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import provenance, table, write_results  # noqa: E402
 
-FULL = dict(sizes=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768),
-            batches=(64, 256), prompt=(64, 512), trace=(128, 512), backend="nccl", dtype="bfloat16")
-QUICK = dict(sizes=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
-             batches=(4, 8), prompt=(8, 24), trace=(8, 24), backend="gloo", dtype="float32")
+FULL = dict(
+    sizes=dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+    ),
+    batches=(64, 256),
+    prompt=(64, 512),
+    trace=(128, 512),
+    backend="nccl",
+    dtype="bfloat16",
+)
+QUICK = dict(
+    sizes=dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
+    batches=(4, 8),
+    prompt=(8, 24),
+    trace=(8, 24),
+    backend="gloo",
+    dtype="float32",
+)
 
 
 def _requests(rng, batch, prompt, trace, vocab, one_token=False):
     from trace_replay_app.records import TraceRequest
+
     out = []
     for i in range(batch):
         p = rng.integers(0, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))
@@ -102,9 +129,16 @@ def _make_model(setup, folder, on_gpu):
     """Save the Qwen2.5-0.5B-shaped random model (transformers, bf16) into ``folder``."""
     import torch
     import transformers
-    hf_config = transformers.AutoConfig.for_model("qwen2", **setup["sizes"], tie_word_embeddings=True,
-                                                  rope_theta=1e6, bos_token_id=None, eos_token_id=None,
-                                                  pad_token_id=None)
+
+    hf_config = transformers.AutoConfig.for_model(
+        "qwen2",
+        **setup["sizes"],
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if on_gpu else "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
@@ -118,15 +152,18 @@ def _tp_rank(rank, world, folder, work_dir, setup):
     """One rank of the 2-rank torch run: time every batch (rank 0 keeps the times), write results."""
     import torch
     import torch.distributed as dist
+
     from trace_replay_app.checkpoint import load_checkpoint
     from trace_replay_app.models.llama.torch_tp import run_decode_tp
+
     gpu = setup["backend"] == "nccl"
     if gpu:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(setup["backend"], init_method=f"file://{os.path.join(work_dir, 'rendezvous')}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        setup["backend"], init_method=f"file://{os.path.join(work_dir, 'rendezvous')}", rank=rank, world_size=world
+    )
     try:
         _, config, weights = load_checkpoint(folder)
         device = f"cuda:{rank}" if gpu else "cpu"
@@ -138,9 +175,18 @@ def _tp_rank(rank, world, folder, work_dir, setup):
 
         out = {}
         for batch, requests, prefill_only in _workloads(setup, config.vocab_size):
+
             def call(reqs):
-                return run_decode_tp(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"],
-                                     cuda_graph=setup["cuda_graph"])
+                return run_decode_tp(
+                    config,
+                    weights,
+                    reqs,
+                    device=device,
+                    max_batch=batch,
+                    dtype=setup["dtype"],
+                    cuda_graph=setup["cuda_graph"],
+                )
+
             out[batch] = _time_calls(call, requests, prefill_only, sync)
         with open(os.path.join(work_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
@@ -151,10 +197,18 @@ def _tp_rank(rank, world, folder, work_dir, setup):
 def _row(provider, gpus, batch, requests, whole, prefill, results, ref=None, **extra):
     steps = max(len(r.trace) for r in requests)
     step_ms = (whole - prefill) / max(1, steps - 1) * 1e3
-    row = {"provider": provider, "gpus": gpus, "batch": batch, "steps": steps, "whole_s": whole, "prefill_s": prefill,
-           "decode_ms_per_step": step_ms, "tokens_per_s": batch / step_ms * 1e3,
-           "call_tokens_per_s": sum(len(r.trace) for r in requests) / whole,
-           "traces_reproduced": all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))}
+    row = {
+        "provider": provider,
+        "gpus": gpus,
+        "batch": batch,
+        "steps": steps,
+        "whole_s": whole,
+        "prefill_s": prefill,
+        "decode_ms_per_step": step_ms,
+        "tokens_per_s": batch / step_ms * 1e3,
+        "call_tokens_per_s": sum(len(r.trace) for r in requests) / whole,
+        "traces_reproduced": all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results)),
+    }
     if ref is not None:
         row["tokens_equal_1gpu"] = all(a.tokens.tolist() == b.tokens.tolist() for a, b in zip(results, ref))
         diffs = [np.abs(a.logprobs - b.logprobs).max() for a, b in zip(results, ref)]
@@ -166,11 +220,15 @@ def _row(provider, gpus, batch, requests, whole, prefill, results, ref=None, **e
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="a CPU dry run: gloo, 2 processes, tiny model (writes nothing)")
+    ap.add_argument(
+        "--quick", action="store_true", help="a CPU dry run: gloo, 2 processes, tiny model (writes nothing)"
+    )
     ap.add_argument("--frameworks", default="torch,jax")
-    ap.add_argument("--no-cuda-graph", action="store_true",
-                    help="run both torch loops' decode steps eagerly (default: one CUDA graph per step on a GPU)")
+    ap.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="run both torch loops' decode steps eagerly (default: one CUDA graph per step on a GPU)",
+    )
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 64,256; quick 4,8)")
     args = ap.parse_args()
     setup = dict(QUICK if args.quick else FULL)
@@ -180,14 +238,20 @@ def main() -> int:
     frameworks = args.frameworks.split(",")
 
     import torch
+
     if not args.quick and torch.cuda.device_count() < 2:
-        print(f"multi_gpu.py needs at least 2 CUDA GPUs (torch sees {torch.cuda.device_count()}); "
-              f"run it on a 2-GPU machine, or use --quick for a CPU dry run", file=sys.stderr)
+        print(
+            f"multi_gpu.py needs at least 2 CUDA GPUs (torch sees {torch.cuda.device_count()}); "
+            f"run it on a 2-GPU machine, or use --quick for a CPU dry run",
+            file=sys.stderr,
+        )
         return 2
     import torch.multiprocessing as mp
+
     from trace_replay_app.checkpoint import load_checkpoint
+
     if args.quick:
-        torch.set_num_threads(1)           # as each CPU rank: one thread per process
+        torch.set_num_threads(1)  # as each CPU rank: one thread per process
 
     gpu = not args.quick
     device = "cuda:0" if gpu else "cpu"
@@ -206,11 +270,21 @@ def main() -> int:
 
         if "torch" in frameworks:
             from trace_replay_app.models.llama.torch_loop import run_decode
+
             ref = {}
             for batch, requests, prefill_only in workloads:
+
                 def call(reqs):
-                    return run_decode(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"],
-                                      cuda_graph=setup["cuda_graph"])
+                    return run_decode(
+                        config,
+                        weights,
+                        reqs,
+                        device=device,
+                        max_batch=batch,
+                        dtype=setup["dtype"],
+                        cuda_graph=setup["cuda_graph"],
+                    )
+
                 whole, prefill, ref[batch] = _time_calls(call, requests, prefill_only, sync)
                 rows.append(_row("torch", 1, batch, requests, whole, prefill, ref[batch]))
             if gpu:
@@ -223,46 +297,75 @@ def main() -> int:
             for batch, requests, _ in workloads:
                 whole, prefill, results = ranks[0][batch]
                 other = ranks[1][batch][2]
-                agree = all(a.tokens.tolist() == b.tokens.tolist() and a.logprobs.tobytes() == b.logprobs.tobytes()
-                            for a, b in zip(results, other))
-                rows.append(_row("torch_tp", 2, batch, requests, whole, prefill, results, ref[batch],
-                                 ranks_agree=agree))
+                agree = all(
+                    a.tokens.tolist() == b.tokens.tolist() and a.logprobs.tobytes() == b.logprobs.tobytes()
+                    for a, b in zip(results, other)
+                )
+                rows.append(
+                    _row("torch_tp", 2, batch, requests, whole, prefill, results, ref[batch], ranks_agree=agree)
+                )
 
         if "jax" in frameworks:
             import jax
             from jax.sharding import Mesh
+
             from trace_replay_app.models.llama.jax_loop import run_decode as jax_run
             from trace_replay_app.models.llama.jax_mesh import run_decode_mesh
+
             devices = jax.devices("gpu" if gpu else "cpu")[:2]
             mesh = Mesh(np.array(devices), ("vocab",))
             for batch, requests, prefill_only in workloads:
+
                 def one(reqs):
                     return jax_run(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"])
 
                 def two(reqs):
                     return run_decode_mesh(config, weights, reqs, mesh=mesh, max_batch=batch, dtype=setup["dtype"])
+
                 whole, prefill, ref_jax = _time_calls(one, requests, prefill_only, lambda: None)
                 rows.append(_row("jax", 1, batch, requests, whole, prefill, ref_jax))
                 whole, prefill, results = _time_calls(two, requests, prefill_only, lambda: None)
                 rows.append(_row("jax_mesh", 2, batch, requests, whole, prefill, results, ref_jax))
 
-    for row in rows:                        # speed-up of 2 GPUs over 1, same framework and batch
-        base = [r for r in rows if r["gpus"] == 1 and r["batch"] == row["batch"]
-                and r["provider"] == row["provider"].split("_")[0]]
+    for row in rows:  # speed-up of 2 GPUs over 1, same framework and batch
+        base = [
+            r
+            for r in rows
+            if r["gpus"] == 1 and r["batch"] == row["batch"] and r["provider"] == row["provider"].split("_")[0]
+        ]
         row["x_1gpu_tokens_per_s"] = row["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
-    shape = {"model": "qwen2 " + json.dumps(setup["sizes"]), "dtype": setup["dtype"],
-             "prompt_tokens": list(setup["prompt"]), "trace_tokens": list(setup["trace"]),
-             "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
-             "torch_step": "eager" if args.no_cuda_graph or args.quick else "cuda_graph"}
+    shape = {
+        "model": "qwen2 " + json.dumps(setup["sizes"]),
+        "dtype": setup["dtype"],
+        "prompt_tokens": list(setup["prompt"]),
+        "trace_tokens": list(setup["trace"]),
+        "nccl_nvls_enable": os.environ["NCCL_NVLS_ENABLE"],
+        "torch_step": "eager" if args.no_cuda_graph or args.quick else "cuda_graph",
+    }
     if args.quick:
-        json.dumps([dict(r, **shape) for r in rows] + [provenance()])   # the rows serialise; nothing written
+        json.dumps([dict(r, **shape) for r in rows] + [provenance()])  # the rows serialise; nothing written
         print("quick run: nothing written")
     else:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         print("wrote", write_results("multi_gpu", [dict(r, **shape, visible_gpus=gpus) for r in rows]))
-    print(table(rows, ["provider", "gpus", "batch", "tokens_per_s", "decode_ms_per_step", "call_tokens_per_s",
-                       "x_1gpu_tokens_per_s", "traces_reproduced", "tokens_equal_1gpu", "max_logprob_diff_vs_1gpu",
-                       "ranks_agree"]))
+    print(
+        table(
+            rows,
+            [
+                "provider",
+                "gpus",
+                "batch",
+                "tokens_per_s",
+                "decode_ms_per_step",
+                "call_tokens_per_s",
+                "x_1gpu_tokens_per_s",
+                "traces_reproduced",
+                "tokens_equal_1gpu",
+                "max_logprob_diff_vs_1gpu",
+                "ranks_agree",
+            ],
+        )
+    )
     return 0
 
 

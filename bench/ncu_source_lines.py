@@ -40,18 +40,37 @@ def compiled_chunk_kernel(top_k: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, launch_specs,
-                                                        plan_logprob_rank)
-    args = LogprobRankArgs(1 << 20, 2 << 20, 0, 4 << 20, 5 << 20, (6 << 20) if top_k else 0,
-                           (7 << 20) if top_k else 0, 8 << 20, BATCH, VOCAB, VOCAB, top_k, 0)
+    from trace_replay_core.kernels.logprob_rank import (
+        LogprobRankArgs,
+        LogprobRankDtypes,
+        launch_specs,
+        plan_logprob_rank,
+    )
+
+    args = LogprobRankArgs(
+        1 << 20,
+        2 << 20,
+        0,
+        4 << 20,
+        5 << 20,
+        (6 << 20) if top_k else 0,
+        (7 << 20) if top_k else 0,
+        8 << 20,
+        BATCH,
+        VOCAB,
+        VOCAB,
+        top_k,
+        0,
+    )
     plan = plan_logprob_rank(VOCAB, 2, top_k)
     kernel, _, _, ptr_dtypes, ints, constexprs, num_warps = launch_specs(
-        args, LogprobRankDtypes("bfloat16", "int64", "int64", "int64", "int64"), plan)[0]
+        args, LogprobRankDtypes("bfloat16", "int64", "int64", "int64", "int64"), plan
+    )[0]
     constexprs = dict(constexprs, GDC=True)
     names = kernel.arg_names
     signature = dict(zip(names, [PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * len(ints)))
     fixed = {}
-    for name in names[len(ptr_dtypes) + len(ints):]:
+    for name in names[len(ptr_dtypes) + len(ints) :]:
         signature[name] = "constexpr"
         fixed[(names.index(name),)] = constexprs[name]
     options = {"num_warps": num_warps, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {})}
@@ -62,6 +81,7 @@ def compiled_chunk_kernel(top_k: int):
 def line_table(cubin: bytes):
     """``{sass offset: (file:line, instruction)}`` from ``nvdisasm -g`` (Triton's bundled one)."""
     import triton
+
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -89,14 +109,17 @@ def main() -> None:
     i_all = header.index("Warp Stall Sampling (All Samples)")
     stall_cols = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     base = int(data[0][i_addr], 16)
-    per_line, reasons, per_block = collections.Counter(), collections.defaultdict(collections.Counter), \
-        collections.defaultdict(collections.Counter)
+    per_line, reasons, per_block = (
+        collections.Counter(),
+        collections.defaultdict(collections.Counter),
+        collections.defaultdict(collections.Counter),
+    )
     total = mismatched = 0
     for row in data:
         offset = int(row[i_addr], 16) - base
         where, local = table.get(offset, ("?", ""))
         tokens = row[i_src].split()
-        if tokens and tokens[0].startswith("@"):      # a predicate
+        if tokens and tokens[0].startswith("@"):  # a predicate
             tokens = tokens[1:]
         if tokens and tokens[0].split(".")[0] not in local:
             mismatched += 1
@@ -106,9 +129,11 @@ def main() -> None:
         per_block[offset // 0x800][where] += n
         for i in stall_cols:
             if int(row[i] or 0):
-                reasons[where][header[i][len("stall_"):]] += int(row[i])
-    print(f"chunk kernel, bf16, vocabulary {VOCAB}, batch {BATCH}, top_k {top_k}: {total} warp samples; "
-          f"{len(data)} sampled instructions, {mismatched} not matching the SASS compiled here (Triton {version})")
+                reasons[where][header[i][len("stall_") :]] += int(row[i])
+    print(
+        f"chunk kernel, bf16, vocabulary {VOCAB}, batch {BATCH}, top_k {top_k}: {total} warp samples; "
+        f"{len(data)} sampled instructions, {mismatched} not matching the SASS compiled here (Triton {version})"
+    )
     print("\nsamples  share  line  (top stall reasons)")
     for where, n in per_line.most_common(30):
         top = ", ".join(f"{k} {v}" for k, v in reasons[where].most_common(3))

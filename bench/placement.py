@@ -51,13 +51,13 @@ from harness import provenance, rotating, table, time_cuda, time_host, write_res
 TRACE_LENS = (1024, 8192, 32768, 131072)
 BATCHES = (1, 4, 16, 64, 256, 1024, 4096)
 PLACEMENTS = ("device", "host_mapped")
-TABLE_TOKENS = 1 << 25          # 128 MiB of int32 per table at most
+TABLE_TOKENS = 1 << 25  # 128 MiB of int32 per table at most
 MAX_SLOTS_CAP = 4096
 SETS = 16
 VOCAB = 150_000
-STAGING_DEPTH = 4               # the adapter's default
-STAGING_BYTES = 1 << 20         # TraceTable's default initial staging buffer
-FILL_BYTES = STAGING_BYTES - (64 << 10)   # payload per fill commit: fits the default staging buffer
+STAGING_DEPTH = 4  # the adapter's default
+STAGING_BYTES = 1 << 20  # TraceTable's default initial staging buffer
+FILL_BYTES = STAGING_BYTES - (64 << 10)  # payload per fill commit: fits the default staging buffer
 BENCH_MS = dict(warmup_ms=25, rep_ms=100)
 HOST_CALLS = dict(calls=500, rounds=10, warmup=100)
 
@@ -89,8 +89,17 @@ def main() -> None:
 
     stream = torch.cuda.current_stream(dev).cuda_stream
     floor = time_cuda(lambda: None, **BENCH_MS)
-    rows.append(dict(kind="timing", provider="event_floor", placement=None, trace_tokens=None, batch=None,
-                     max_slots=None, **floor))
+    rows.append(
+        dict(
+            kind="timing",
+            provider="event_floor",
+            placement=None,
+            trace_tokens=None,
+            batch=None,
+            max_slots=None,
+            **floor,
+        )
+    )
     print(f"event floor (do_bench of an empty call): p50 {floor['us_p50']:.2f} us", flush=True)
 
     for length in TRACE_LENS:
@@ -109,37 +118,63 @@ def main() -> None:
             gpu_taken = free_before - torch.cuda.mem_get_info(dev)[0]
             table_bytes = 4 * max_slots * length
             staging = STAGING_DEPTH * STAGING_BYTES
-            mem = dict(kind="memory", placement=placement, trace_tokens=length, max_slots=max_slots,
-                       table_bytes=table_bytes, table_memory="gpu" if placement == "device" else "pinned_host",
-                       trace_len_bytes=4 * max_slots, staging_pinned_host_bytes=staging,
-                       staging_device_bytes=staging,
-                       gpu_bytes_formula=(table_bytes if placement == "device" else 0) + 4 * max_slots + staging,
-                       pinned_host_bytes_formula=(table_bytes if placement == "host_mapped" else 0) + staging,
-                       gpu_bytes_measured=int(gpu_taken))
+            mem = dict(
+                kind="memory",
+                placement=placement,
+                trace_tokens=length,
+                max_slots=max_slots,
+                table_bytes=table_bytes,
+                table_memory="gpu" if placement == "device" else "pinned_host",
+                trace_len_bytes=4 * max_slots,
+                staging_pinned_host_bytes=staging,
+                staging_device_bytes=staging,
+                gpu_bytes_formula=(table_bytes if placement == "device" else 0) + 4 * max_slots + staging,
+                pinned_host_bytes_formula=(table_bytes if placement == "host_mapped" else 0) + staging,
+                gpu_bytes_measured=int(gpu_taken),
+            )
             rows.append(mem)
-            print(f"L={length:6d} slots={max_slots:5d} {placement:11s} table {table_bytes / 2**20:7.1f} MiB "
-                  f"({mem['table_memory']}), GPU taken (measured) {gpu_taken / 2**20:7.1f} MiB", flush=True)
+            print(
+                f"L={length:6d} slots={max_slots:5d} {placement:11s} table {table_bytes / 2**20:7.1f} MiB "
+                f"({mem['table_memory']}), GPU taken (measured) {gpu_taken / 2**20:7.1f} MiB",
+                flush=True,
+            )
 
             for batch in BATCHES:
                 sets = []
                 for _ in range(SETS):
-                    slots = np.concatenate([rng.permutation(max_slots)
-                                            for _ in range(-(-batch // max_slots))])[:batch]
+                    slots = np.concatenate([rng.permutation(max_slots) for _ in range(-(-batch // max_slots))])[:batch]
                     sampled = torch.tensor(rng.integers(0, VOCAB, batch), dtype=torch.int64, device=dev)
                     idx = torch.tensor(slots, dtype=torch.int32, device=dev)
                     step = torch.tensor(rng.integers(0, length, batch), dtype=torch.int32, device=dev)
                     sets.append((sampled, idx, step))
-                bounds = [functools.partial(st.table.bind_replay(s, i, step=k, stream=stream), stream=stream)
-                          for s, i, k in sets]
+                bounds = [
+                    functools.partial(st.table.bind_replay(s, i, step=k, stream=stream), stream=stream)
+                    for s, i, k in sets
+                ]
                 kernel = time_cuda(rotating(bounds), **BENCH_MS)
-                adapter = time_host(rotating([functools.partial(st.replay_at_step, s, i, k) for s, i, k in sets]),
-                                    sync=sync, **HOST_CALLS)
+                adapter = time_host(
+                    rotating([functools.partial(st.replay_at_step, s, i, k) for s, i, k in sets]),
+                    sync=sync,
+                    **HOST_CALLS,
+                )
                 for provider, stats in (("kernel_device", kernel), ("torch_adapter_host", adapter)):
-                    rows.append(dict(kind="timing", provider=provider, placement=placement, trace_tokens=length,
-                                     batch=batch, max_slots=max_slots, **stats))
-                print(f"L={length:6d} {placement:11s} B={batch:5d} kernel {kernel['us_p50']:8.2f} us "
-                      f"(p20 {kernel['us_p20']:.2f}, p80 {kernel['us_p80']:.2f}), adapter host "
-                      f"{adapter['us_p50']:8.2f} us", flush=True)
+                    rows.append(
+                        dict(
+                            kind="timing",
+                            provider=provider,
+                            placement=placement,
+                            trace_tokens=length,
+                            batch=batch,
+                            max_slots=max_slots,
+                            **stats,
+                        )
+                    )
+                print(
+                    f"L={length:6d} {placement:11s} B={batch:5d} kernel {kernel['us_p50']:8.2f} us "
+                    f"(p20 {kernel['us_p20']:.2f}, p80 {kernel['us_p80']:.2f}), adapter host "
+                    f"{adapter['us_p50']:8.2f} us",
+                    flush=True,
+                )
                 del bounds, sets
             sync()
             st.close()
@@ -154,17 +189,47 @@ def main() -> None:
         for batch in BATCHES:
             d = by_key[(length, batch, "device", "kernel_device")]["us_p50"]
             h = by_key[(length, batch, "host_mapped", "kernel_device")]["us_p50"]
-            side.append(dict(trace_tokens=length, batch=batch, device_kernel_us=d, host_mapped_kernel_us=h,
-                             host_mapped_over_device=h / d,
-                             device_adapter_us=by_key[(length, batch, "device", "torch_adapter_host")]["us_p50"],
-                             host_mapped_adapter_us=by_key[(length, batch, "host_mapped",
-                                                            "torch_adapter_host")]["us_p50"]))
-    print(table(side, ["trace_tokens", "batch", "device_kernel_us", "host_mapped_kernel_us",
-                       "host_mapped_over_device", "device_adapter_us", "host_mapped_adapter_us"]))
+            side.append(
+                dict(
+                    trace_tokens=length,
+                    batch=batch,
+                    device_kernel_us=d,
+                    host_mapped_kernel_us=h,
+                    host_mapped_over_device=h / d,
+                    device_adapter_us=by_key[(length, batch, "device", "torch_adapter_host")]["us_p50"],
+                    host_mapped_adapter_us=by_key[(length, batch, "host_mapped", "torch_adapter_host")]["us_p50"],
+                )
+            )
+    print(
+        table(
+            side,
+            [
+                "trace_tokens",
+                "batch",
+                "device_kernel_us",
+                "host_mapped_kernel_us",
+                "host_mapped_over_device",
+                "device_adapter_us",
+                "host_mapped_adapter_us",
+            ],
+        )
+    )
     print()
-    print(table([r for r in rows if r["kind"] == "memory"],
-                ["trace_tokens", "max_slots", "placement", "table_bytes", "table_memory", "gpu_bytes_formula",
-                 "gpu_bytes_measured", "pinned_host_bytes_formula"]))
+    print(
+        table(
+            [r for r in rows if r["kind"] == "memory"],
+            [
+                "trace_tokens",
+                "max_slots",
+                "placement",
+                "table_bytes",
+                "table_memory",
+                "gpu_bytes_formula",
+                "gpu_bytes_measured",
+                "pinned_host_bytes_formula",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

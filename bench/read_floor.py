@@ -51,15 +51,34 @@ BATCHES = (1, 64, 256, 1024, 4096)
 BLOCK = 2048
 CHUNK_BLOCKS = 6
 # Other grid shapes of sum_grid: (blocks per chunk, warps, evict-first loads, the token's loads first).
-GRID_SHAPES = ((3, 4, False, False), (12, 4, False, False), (38, 4, False, False), (75, 4, False, False),
-               (6, 8, False, False), (6, 8, False, True), (12, 8, False, False), (12, 8, False, True),
-               (3, 8, False, False), (6, 16, False, False), (6, 4, True, False))
+GRID_SHAPES = (
+    (3, 4, False, False),
+    (12, 4, False, False),
+    (38, 4, False, False),
+    (75, 4, False, False),
+    (6, 8, False, False),
+    (6, 8, False, True),
+    (12, 8, False, False),
+    (12, 8, False, True),
+    (3, 8, False, False),
+    (6, 16, False, False),
+    (6, 4, True, False),
+)
 # Blocks read by the Tensor Memory Accelerator (blocks per chunk, warps, pipeline stages, the token's
 # loads first). Plain loads in such a loop are not pipelined (Triton pipelines the descriptor loads
 # of a loop whose consumer is not a dot, not pointer loads: TTGIR of Triton 3.9, sm_90).
-TMA_FORMS = ((6, 4, 2, False), (6, 4, 3, False), (6, 4, 4, False), (6, 8, 3, False), (6, 4, 3, True),
-             (6, 4, 4, True), (6, 8, 3, True), (12, 4, 3, False), (3, 4, 3, False))
-PERSISTENT = (8, 12)        # programs per SM of the persistent provider
+TMA_FORMS = (
+    (6, 4, 2, False),
+    (6, 4, 3, False),
+    (6, 4, 4, False),
+    (6, 8, 3, False),
+    (6, 4, 3, True),
+    (6, 4, 4, True),
+    (6, 8, 3, True),
+    (12, 4, 3, False),
+    (3, 4, 3, False),
+)
+PERSISTENT = (8, 12)  # programs per SM of the persistent provider
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 
@@ -79,21 +98,42 @@ def _chunk_sum(row_ptr, start, end, BLOCK: tl.constexpr, EVICT_FIRST: tl.constex
 
 
 @triton.jit
-def sum_grid_kernel(x_ptr, ids_ptr, out_ptr, vocab, stride, n_chunks, SPAN: tl.constexpr, BLOCK: tl.constexpr,
-                    TOKEN: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
+def sum_grid_kernel(
+    x_ptr,
+    ids_ptr,
+    out_ptr,
+    vocab,
+    stride,
+    n_chunks,
+    SPAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TOKEN: tl.constexpr,
+    EVICT_FIRST: tl.constexpr = False,
+):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row_ptr = tl.multiple_of(x_ptr + row * stride, 16)
     start = chunk * SPAN
     total = _chunk_sum(row_ptr, start, tl.minimum(start + SPAN, vocab), BLOCK, EVICT_FIRST)
-    if TOKEN:   # the op's start: the id, then the logit it names
+    if TOKEN:  # the op's start: the id, then the logit it names
         total += tl.load(row_ptr + tl.load(ids_ptr + row)).to(tl.float32)
     tl.store(out_ptr + row * n_chunks + chunk, total)
 
 
 @triton.jit
-def sum_tma_kernel(desc, x_ptr, ids_ptr, out_ptr, vocab, stride, n_chunks, SPAN: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr, TOKEN: tl.constexpr):
+def sum_tma_kernel(
+    desc,
+    x_ptr,
+    ids_ptr,
+    out_ptr,
+    vocab,
+    stride,
+    n_chunks,
+    SPAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+    TOKEN: tl.constexpr,
+):
     """``sum_grid_kernel`` with each block read by the TMA into shared memory: ``desc`` views the
     logits as lines of 128 (a box dimension is at most 256), ``[batch, vocab // 128, 128]``;
     lines past the row's end read as zeros."""
@@ -111,8 +151,7 @@ def sum_tma_kernel(desc, x_ptr, ids_ptr, out_ptr, vocab, stride, n_chunks, SPAN:
 
 
 @triton.jit
-def sum_persistent_kernel(x_ptr, out_ptr, vocab, stride, n_chunks, n_items, SPAN: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def sum_persistent_kernel(x_ptr, out_ptr, vocab, stride, n_chunks, n_items, SPAN: tl.constexpr, BLOCK: tl.constexpr):
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         row = (item // n_chunks).to(tl.int64)
         chunk = item % n_chunks
@@ -127,9 +166,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/read_floor.py needs a CUDA GPU")
     from triton.tools.tensor_descriptor import TensorDescriptor
+
     from trace_replay_torch import token_logprob_rank
 
-    only = sys.argv[1:]     # provider names that contain any of these words (default: all)
+    only = sys.argv[1:]  # provider names that contain any of these words (default: all)
     dev = torch.device("cuda", 0)
     n_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     torch.manual_seed(0)
@@ -143,47 +183,78 @@ def main() -> None:
         nbytes = base.numel() * base.element_size()
         copies = [base] + [base.clone() for _ in range(min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes))) - 1)]
         ids = torch.randint(0, VOCAB, (batch,), device=dev)
-        parts = torch.empty(batch * triton.cdiv(VOCAB, 3 * BLOCK), device=dev)   # room for the finest grid
+        parts = torch.empty(batch * triton.cdiv(VOCAB, 3 * BLOCK), device=dev)  # room for the finest grid
         lp = torch.empty(batch, device=dev)
         rk = torch.empty(batch, dtype=torch.int64, device=dev)
         providers = {
-            "sum_grid": lambda x: sum_grid_kernel[(batch, n_chunks)](x, ids, parts, VOCAB, VOCAB, n_chunks, span,
-                                                                     BLOCK, False, num_warps=4),
-            "sum_grid_token": lambda x: sum_grid_kernel[(batch, n_chunks)](x, ids, parts, VOCAB, VOCAB, n_chunks,
-                                                                           span, BLOCK, True, num_warps=4),
+            "sum_grid": lambda x: sum_grid_kernel[(batch, n_chunks)](
+                x, ids, parts, VOCAB, VOCAB, n_chunks, span, BLOCK, False, num_warps=4
+            ),
+            "sum_grid_token": lambda x: sum_grid_kernel[(batch, n_chunks)](
+                x, ids, parts, VOCAB, VOCAB, n_chunks, span, BLOCK, True, num_warps=4
+            ),
             "torch_amax": lambda x: x.amax(-1),
             "trace_replay": lambda x: token_logprob_rank(x, ids, out=(lp, rk)),
         }
         for blocks, warps, evict, token in GRID_SHAPES:
             chunks = triton.cdiv(VOCAB, blocks * BLOCK)
             providers[f"sum_grid_c{blocks}_w{warps}{'_ef' if evict else ''}{'_token' if token else ''}"] = (
-                lambda x, chunks=chunks, blocks=blocks, warps=warps, evict=evict, token=token:
-                sum_grid_kernel[(batch, chunks)](x, ids, parts, VOCAB, VOCAB, chunks, blocks * BLOCK, BLOCK, token,
-                                                 evict, num_warps=warps))
-        descs = {x.data_ptr(): TensorDescriptor.from_tensor(x.view(batch, VOCAB // 128, 128), [1, BLOCK // 128, 128])
-                 for x in copies}
+                lambda x, chunks=chunks, blocks=blocks, warps=warps, evict=evict, token=token: sum_grid_kernel[
+                    (batch, chunks)
+                ](x, ids, parts, VOCAB, VOCAB, chunks, blocks * BLOCK, BLOCK, token, evict, num_warps=warps)
+            )
+        descs = {
+            x.data_ptr(): TensorDescriptor.from_tensor(x.view(batch, VOCAB // 128, 128), [1, BLOCK // 128, 128])
+            for x in copies
+        }
         for blocks, warps, stages, token in TMA_FORMS:
             chunks = triton.cdiv(VOCAB, blocks * BLOCK)
             providers[f"sum_tma_c{blocks}_w{warps}_s{stages}{'_token' if token else ''}"] = (
-                lambda x, chunks=chunks, blocks=blocks, warps=warps, stages=stages, token=token:
-                sum_tma_kernel[(batch, chunks)](descs[x.data_ptr()], x, ids, parts, VOCAB, VOCAB, chunks,
-                                                blocks * BLOCK, BLOCK, stages, token, num_warps=warps))
+                lambda x, chunks=chunks, blocks=blocks, warps=warps, stages=stages, token=token: sum_tma_kernel[
+                    (batch, chunks)
+                ](
+                    descs[x.data_ptr()],
+                    x,
+                    ids,
+                    parts,
+                    VOCAB,
+                    VOCAB,
+                    chunks,
+                    blocks * BLOCK,
+                    BLOCK,
+                    stages,
+                    token,
+                    num_warps=warps,
+                )
+            )
         for per_sm in PERSISTENT:
             grid = min(batch * n_chunks, per_sm * n_sms)
-            providers[f"sum_persistent_{per_sm}"] = (
-                lambda x, grid=grid: sum_persistent_kernel[(grid,)](x, parts, VOCAB, VOCAB, n_chunks, batch * n_chunks,
-                                                                    span, BLOCK, num_warps=4))
+            providers[f"sum_persistent_{per_sm}"] = lambda x, grid=grid: sum_persistent_kernel[(grid,)](
+                x, parts, VOCAB, VOCAB, n_chunks, batch * n_chunks, span, BLOCK, num_warps=4
+            )
         for name, fn in providers.items():
             if only and not any(word in name for word in only):
                 continue
             stats = time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies]))
-            row = dict(provider=name, dtype="bfloat16", batch=batch, vocab=VOCAB, bytes=nbytes, copy_gbps=copy_gbps,
-                       timing="cuda events, queued behind a busy kernel", **stats, **bandwidth(nbytes, stats))
+            row = dict(
+                provider=name,
+                dtype="bfloat16",
+                batch=batch,
+                vocab=VOCAB,
+                bytes=nbytes,
+                copy_gbps=copy_gbps,
+                timing="cuda events, queued behind a busy kernel",
+                **stats,
+                **bandwidth(nbytes, stats),
+            )
             row["share_of_copy"] = row["gbps_p50"] / copy_gbps
             rows.append(row)
-            print(f"B={batch:5d} {name:18s} p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, "
-                  f"{stats['us_p80']:.2f}] {row['gbps_p50']:6.0f} GB/s ({row['share_of_copy']:.0%} of copy)"
-                  f"{'' if stats.get('host_hidden', True) else ' (host not hidden)'}", flush=True)
+            print(
+                f"B={batch:5d} {name:18s} p50 {stats['us_p50']:8.2f} us [{stats['us_p20']:.2f}, "
+                f"{stats['us_p80']:.2f}] {row['gbps_p50']:6.0f} GB/s ({row['share_of_copy']:.0%} of copy)"
+                f"{'' if stats.get('host_hidden', True) else ' (host not hidden)'}",
+                flush=True,
+            )
         base = copies = None
         torch.cuda.empty_cache()
     path = write_results("read_floor", rows)

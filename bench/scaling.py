@@ -54,8 +54,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (copy_bandwidth, percentiles, provenance, rotating, table, time_cuda,  # noqa: E402
-                     time_host, write_results)
+from harness import copy_bandwidth, percentiles, provenance, rotating, table, time_cuda, time_host, write_results  # noqa: E402
 
 MAX_SLOTS = 4096
 MAX_TRACE_LEN = 8192
@@ -64,7 +63,7 @@ PLACEMENTS = ("device", "host_mapped")
 PATHS = ("torch_eager", "torch_cuda_graph")
 SETS = 16
 VOCAB = 150_000
-FILL_TOKENS = 200_000          # tokens per fill commit (fits the default 1 MiB staging buffer)
+FILL_TOKENS = 200_000  # tokens per fill commit (fits the default 1 MiB staging buffer)
 BENCH_MS = dict(warmup_ms=25, rep_ms=100)
 HOST_CALLS = dict(calls=1000, rounds=15, warmup=200)
 SECTOR = 32
@@ -72,8 +71,14 @@ JAX_LOOP_STEPS = 64
 JAX_CALLS = 20
 JAX_ROUNDS = 11
 # bytes per row: (name, bytes, scattered per-slot read)
-ROW_BYTES = (("idx_mapping", 4, False), ("trace_len", 4, True), ("total_len", 4, True),
-             ("prompt_len", 4, True), ("table token", 4, True), ("sampled write", 8, False))
+ROW_BYTES = (
+    ("idx_mapping", 4, False),
+    ("trace_len", 4, True),
+    ("total_len", 4, True),
+    ("prompt_len", 4, True),
+    ("table token", 4, True),
+    ("sampled write", 8, False),
+)
 
 
 def fill_table(state, traces) -> None:
@@ -104,12 +109,13 @@ def jax_rows(batches, placements, traces, prompt, rng):
     replay adds to a step in a compiled loop); ``us_total_p50`` keeps the absolute time.
     Returns error rows instead when JAX has no GPU or a placement cannot be viewed by JAX.
     """
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # share the GPU with torch
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
     try:
         import jax
         import jax.numpy as jnp
 
         import trace_replay_jax
+
         gpu = jax.devices("gpu")[0]
     except Exception as exc:  # noqa: BLE001 - reported as a row: the torch rows still count
         return [dict(kind="error", provider="jax_jit", error=f"{type(exc).__name__}: {exc}")]
@@ -123,7 +129,9 @@ def jax_rows(batches, placements, traces, prompt, rng):
                 if replay:
                     tok = trace_replay_jax.replay(tables, tok, idx, total_len + k, prompt_len)
                 return acc ^ tok
+
             return jax.lax.fori_loop(0, steps, body, jnp.zeros_like(sampled))
+
         return jax.jit(run)
 
     fns = {"jax_jit": loop(True), "jax_jit_baseline": loop(False)}
@@ -133,8 +141,9 @@ def jax_rows(batches, placements, traces, prompt, rng):
         try:
             st = trace_replay_jax.TraceReplayState(MAX_SLOTS, MAX_TRACE_LEN, device=gpu, placement=placement)
         except Exception as exc:  # noqa: BLE001 - e.g. a JAX that cannot view host-mapped memory
-            rows.append(dict(kind="error", provider="jax_jit", placement=placement,
-                             error=f"{type(exc).__name__}: {exc}"))
+            rows.append(
+                dict(kind="error", provider="jax_jit", placement=placement, error=f"{type(exc).__name__}: {exc}")
+            )
             continue
         fill_table(st, traces)
         for batch in batches:
@@ -155,14 +164,33 @@ def jax_rows(batches, placements, traces, prompt, rng):
                     per_round.append((time.perf_counter() - t0) / (JAX_CALLS * steps) * 1e6)
                 per_step[provider] = np.asarray(per_round)
             base = per_step["jax_jit_baseline"]
-            rows.append(dict(kind="timing", provider="jax_jit_baseline", placement=placement, batch=batch,
-                             loop_steps=steps, **percentiles(base)))
+            rows.append(
+                dict(
+                    kind="timing",
+                    provider="jax_jit_baseline",
+                    placement=placement,
+                    batch=batch,
+                    loop_steps=steps,
+                    **percentiles(base),
+                )
+            )
             added = percentiles(per_step["jax_jit"] - np.median(base))
-            rows.append(dict(kind="timing", provider="jax_jit", placement=placement, batch=batch, loop_steps=steps,
-                             us_total_p50=float(np.median(per_step["jax_jit"])), **added))
-            print(f"{'jax_jit':17s} {placement:11s} B={batch:5d} adds p50 {added['us_p50']:8.2f} us per step "
-                  f"(loop step {np.median(per_step['jax_jit']):.2f} us, without replay {np.median(base):.2f} us)",
-                  flush=True)
+            rows.append(
+                dict(
+                    kind="timing",
+                    provider="jax_jit",
+                    placement=placement,
+                    batch=batch,
+                    loop_steps=steps,
+                    us_total_p50=float(np.median(per_step["jax_jit"])),
+                    **added,
+                )
+            )
+            print(
+                f"{'jax_jit':17s} {placement:11s} B={batch:5d} adds p50 {added['us_p50']:8.2f} us per step "
+                f"(loop step {np.median(per_step['jax_jit']):.2f} us, without replay {np.median(base):.2f} us)",
+                flush=True,
+            )
         st.close()
     return rows
 
@@ -189,8 +217,10 @@ def main() -> None:
     traces = [rng.integers(1, VOCAB, n, dtype=np.int32) for n in lengths]
     prompt = rng.integers(1, 2000, MAX_SLOTS)
     prompt_len = torch.tensor(prompt, dtype=torch.int32, device=dev)
-    totals = [torch.tensor(prompt + rng.integers(-2, MAX_TRACE_LEN + 2, MAX_SLOTS), dtype=torch.int32,
-                           device=dev) for _ in range(SETS)]
+    totals = [
+        torch.tensor(prompt + rng.integers(-2, MAX_TRACE_LEN + 2, MAX_SLOTS), dtype=torch.int32, device=dev)
+        for _ in range(SETS)
+    ]
     total_len = totals[0]
     stream = torch.cuda.current_stream(dev).cuda_stream
 
@@ -200,12 +230,16 @@ def main() -> None:
 
     def record(provider, placement, batch, stats):
         rows.append(dict(kind="timing", provider=provider, placement=placement, batch=batch, **stats))
-        print(f"{provider:17s} {placement:11s} B={batch:5d} p50 {stats['us_p50']:8.2f} us "
-              f"(p20 {stats['us_p20']:.2f}, p80 {stats['us_p80']:.2f})", flush=True)
+        print(
+            f"{provider:17s} {placement:11s} B={batch:5d} p50 {stats['us_p50']:8.2f} us "
+            f"(p20 {stats['us_p20']:.2f}, p80 {stats['us_p80']:.2f})",
+            flush=True,
+        )
 
     for placement in PLACEMENTS:
-        st = TraceReplayState(MAX_SLOTS, MAX_TRACE_LEN, device=dev, total_len=total_len, prompt_len=prompt_len,
-                              placement=placement)
+        st = TraceReplayState(
+            MAX_SLOTS, MAX_TRACE_LEN, device=dev, total_len=total_len, prompt_len=prompt_len, placement=placement
+        )
         fill_table(st, traces)
         sync()
         for batch in BATCHES:
@@ -214,9 +248,12 @@ def main() -> None:
                 sampled = torch.tensor(rng.integers(0, VOCAB, batch), dtype=torch.int64, device=dev)
                 idx = torch.tensor(rng.permutation(MAX_SLOTS)[:batch], dtype=torch.int32, device=dev)
                 sets.append((sampled, idx, totals[i]))
-            record("torch_eager", placement, batch,
-                   time_host(rotating([functools.partial(st.replay, s, i) for s, i, _ in sets]), sync=sync,
-                             **HOST_CALLS))
+            record(
+                "torch_eager",
+                placement,
+                batch,
+                time_host(rotating([functools.partial(st.replay, s, i) for s, i, _ in sets]), sync=sync, **HOST_CALLS),
+            )
 
             sampled, idx, _ = sets[0]
             st.replay(sampled, idx)  # compiled and bound before capture
@@ -232,8 +269,10 @@ def main() -> None:
             record("torch_cuda_graph", placement, batch, time_host(graph.replay, sync=sync, **HOST_CALLS))
             del graph
 
-            bounds = [functools.partial(st.table.bind_replay(s, i, t, prompt_len, stream=stream), stream=stream)
-                      for s, i, t in sets]
+            bounds = [
+                functools.partial(st.table.bind_replay(s, i, t, prompt_len, stream=stream), stream=stream)
+                for s, i, t in sets
+            ]
             record("kernel_device", placement, batch, time_cuda(rotating(bounds), **BENCH_MS))
             del bounds, sets
             sync()
@@ -247,7 +286,7 @@ def main() -> None:
     timing = {(r["provider"], r["placement"], r["batch"]): r for r in rows if r["kind"] == "timing"}
     paths = [p for p in PATHS + ("jax_jit",) if any(k[0] == p for k in timing)]
     for placement in PLACEMENTS:
-        for path in PATHS:      # jax_jit launches nothing per step inside its loop: no crossover
+        for path in PATHS:  # jax_jit launches nothing per step inside its loop: no crossover
             cross = None
             for batch in BATCHES:
                 k, h = timing.get(("kernel_device", placement, batch)), timing.get((path, placement, batch))
@@ -255,8 +294,11 @@ def main() -> None:
                     cross = batch
                     break
             rows.append(dict(kind="crossover", placement=placement, path=path, kernel_dominates_from_batch=cross))
-            print(f"{placement:11s} {path:17s}: kernel time exceeds host time per step from batch "
-                  f"{cross if cross is not None else 'none (up to 4096)'}", flush=True)
+            print(
+                f"{placement:11s} {path:17s}: kernel time exceeds host time per step from batch "
+                f"{cross if cross is not None else 'none (up to 4096)'}",
+                flush=True,
+            )
 
     batch = BATCHES[-1]
     for placement in PLACEMENTS:
@@ -270,14 +312,29 @@ def main() -> None:
                 else:
                     hbm += moved
             floor_us = batch * hbm / d2d / 1e3 + batch * pcie / h2d / 1e3
-            rows.append(dict(kind="floor", placement=placement, batch=batch, model=model,
-                             bytes_per_row=hbm + pcie, hbm_bytes=batch * hbm, pcie_bytes=batch * pcie,
-                             d2d_gbps=d2d, h2d_gbps=h2d, floor_us=floor_us, floor_ns=floor_us * 1e3,
-                             kernel_us_p50=kernel_us,
-                             kernel_over_floor=kernel_us / floor_us,
-                             kernel_minus_event_floor_us=kernel_us - floor_stats["us_p50"]))
-            print(f"{placement:11s} B={batch} floor ({model}, {hbm + pcie} B/row): {floor_us * 1e3:.1f} ns; "
-                  f"kernel {kernel_us:.2f} us = {kernel_us / floor_us:.0f}x the floor", flush=True)
+            rows.append(
+                dict(
+                    kind="floor",
+                    placement=placement,
+                    batch=batch,
+                    model=model,
+                    bytes_per_row=hbm + pcie,
+                    hbm_bytes=batch * hbm,
+                    pcie_bytes=batch * pcie,
+                    d2d_gbps=d2d,
+                    h2d_gbps=h2d,
+                    floor_us=floor_us,
+                    floor_ns=floor_us * 1e3,
+                    kernel_us_p50=kernel_us,
+                    kernel_over_floor=kernel_us / floor_us,
+                    kernel_minus_event_floor_us=kernel_us - floor_stats["us_p50"],
+                )
+            )
+            print(
+                f"{placement:11s} B={batch} floor ({model}, {hbm + pcie} B/row): {floor_us * 1e3:.1f} ns; "
+                f"kernel {kernel_us:.2f} us = {kernel_us / floor_us:.0f}x the floor",
+                flush=True,
+            )
 
     path = write_results("scaling", rows)
     prov = provenance()
@@ -292,8 +349,12 @@ def main() -> None:
             side_by_side.append(row)
     print(table(side_by_side, ["placement", "batch"] + paths + ["kernel_device"]))
     print()
-    print(table([r for r in rows if r["kind"] == "floor"],
-                ["placement", "batch", "model", "bytes_per_row", "floor_ns", "kernel_us_p50", "kernel_over_floor"]))
+    print(
+        table(
+            [r for r in rows if r["kind"] == "floor"],
+            ["placement", "batch", "model", "bytes_per_row", "floor_ns", "kernel_us_p50", "kernel_over_floor"],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ PLACEMENTS = ("device", "host_mapped")
 WARMUP = 3
 ITERS = 20
 VOCAB = 150_000
-SLEEP_CYCLES = 4_000_000      # ~2 ms at ~2 GHz: longer than the host needs to queue a commit
-TARGET = (64, 8192, 0.70)     # n_traces, trace_tokens, fraction of the matching ceiling
+SLEEP_CYCLES = 4_000_000  # ~2 ms at ~2 GHz: longer than the host needs to queue a commit
+TARGET = (64, 8192, 0.70)  # n_traces, trace_tokens, fraction of the matching ceiling
 APIS = ("stage", "stage_many", "stage_many_numpy")
 
 
@@ -91,7 +91,8 @@ def serial(*gbps: float) -> float:
 def main() -> None:
     import torch
 
-    from trace_replay_core import TraceTable, _host_copy as host_copy
+    from trace_replay_core import TraceTable
+    from trace_replay_core import _host_copy as host_copy
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -103,22 +104,26 @@ def main() -> None:
     ceilings = copy_bandwidth()
     for name, c in ceilings.items():
         rows.append(dict(kind="ceiling", ceiling=name, **c))
-        print(f"ceiling {name:12s} {c['gbps_p50']:9.2f} GB/s (p20 {c['gbps_p20']:.2f}, p80 {c['gbps_p80']:.2f})",
-              flush=True)
+        print(
+            f"ceiling {name:12s} {c['gbps_p50']:9.2f} GB/s (p20 {c['gbps_p20']:.2f}, p80 {c['gbps_p80']:.2f})",
+            flush=True,
+        )
     memcpy = ceilings["host_memcpy"]["gbps_p50"]
     h2d = ceilings["h2d_pinned"]["gbps_p50"]
     d2h = ceilings["d2h_pinned"]["gbps_p50"]
     commit_ceiling = {"device": ("h2d_pinned", h2d), "host_mapped": ("h2d_then_d2h", serial(h2d, d2h))}
 
-    ring = [torch.empty(max(N_TRACES) * MAX_TRACE_LEN, dtype=torch.int32, pin_memory=True).numpy().view(np.uint32)
-            for _ in range(4)]
+    ring = [
+        torch.empty(max(N_TRACES) * MAX_TRACE_LEN, dtype=torch.int32, pin_memory=True).numpy().view(np.uint32)
+        for _ in range(4)
+    ]
     for view in ring:
-        view[...] = 7                               # touched once, like the staging ring
+        view[...] = 7  # touched once, like the staging ring
     for n, tokens in ((n, t) for n in N_TRACES for t in TRACE_TOKENS):
         times = []
         for it in range(WARMUP + ITERS):
             traces = rng.integers(1, VOCAB, size=(n, tokens), dtype=np.int32)
-            dst = ring[it % len(ring)][:n * tokens].reshape(n, tokens)
+            dst = ring[it % len(ring)][: n * tokens].reshape(n, tokens)
             t0 = time.perf_counter()
             np.copyto(dst, traces.view(np.uint32))
             t1 = time.perf_counter()
@@ -126,18 +131,31 @@ def main() -> None:
                 times.append((t1 - t0) * 1e6)
         stats = percentiles(times)
         bw = bandwidth(n * tokens * 4, stats)
-        rows.append(dict(kind="bare_copy", n_traces=n, trace_tokens=tokens, bytes=n * tokens * 4, **stats, **bw,
-                         ceiling="host_memcpy", ceiling_gbps=memcpy, fraction_of_ceiling=bw["gbps_p50"] / memcpy))
-        print(f"bare copy   n={n:3d} L={tokens:6d} {stats['us_p50']:10.1f} us {bw['gbps_p50']:8.2f} GB/s "
-              f"{bw['gbps_p50'] / memcpy:6.1%} of host_memcpy", flush=True)
+        rows.append(
+            dict(
+                kind="bare_copy",
+                n_traces=n,
+                trace_tokens=tokens,
+                bytes=n * tokens * 4,
+                **stats,
+                **bw,
+                ceiling="host_memcpy",
+                ceiling_gbps=memcpy,
+                fraction_of_ceiling=bw["gbps_p50"] / memcpy,
+            )
+        )
+        print(
+            f"bare copy   n={n:3d} L={tokens:6d} {stats['us_p50']:10.1f} us {bw['gbps_p50']:8.2f} GB/s "
+            f"{bw['gbps_p50'] / memcpy:6.1%} of host_memcpy",
+            flush=True,
+        )
     del ring
 
     staging_bytes = max(N_TRACES) * MAX_TRACE_LEN * 4 + (1 << 16)
     for placement in PLACEMENTS:
-        tbl = TraceTable(MAX_SLOTS, MAX_TRACE_LEN, device="cuda:0", placement=placement,
-                         staging_bytes=staging_bytes)
+        tbl = TraceTable(MAX_SLOTS, MAX_TRACE_LEN, device="cuda:0", placement=placement, staging_bytes=staging_bytes)
         stream = torch.cuda.current_stream(dev).cuda_stream
-        tbl.stage(0, np.arange(1, 9, dtype=np.int32))   # compiles the scatter kernel
+        tbl.stage(0, np.arange(1, 9, dtype=np.int32))  # compiles the scatter kernel
         tbl.commit(stream=stream)
         sync()
         window = 0
@@ -156,11 +174,12 @@ def main() -> None:
         stagers = {"stage": stage_each, "stage_many": tbl.stage_many, "stage_many_numpy": stage_many_numpy}
         for n, tokens in ((n, t) for n in N_TRACES for t in TRACE_TOKENS):
             nbytes = n * tokens * 4
-            samples = {api: {"stage_host": [], "commit_host": [], "commit_device": [], "end_to_end": []}
-                       for api in APIS}
+            samples = {
+                api: {"stage_host": [], "commit_host": [], "commit_device": [], "end_to_end": []} for api in APIS
+            }
             for phase in ("split", "end_to_end"):
                 for it in range(WARMUP + ITERS):
-                    for api in APIS:        # the two ways alternate, so that drift hits both alike
+                    for api in APIS:  # the two ways alternate, so that drift hits both alike
                         stage = stagers[api]
                         got = samples[api]
                         traces = rng.integers(1, VOCAB, size=(n, tokens), dtype=np.int32)
@@ -195,9 +214,12 @@ def main() -> None:
                                 got["end_to_end"].append((t1 - t0) * 1e6)
             sync()
             cname, cgbps = commit_ceiling[placement]
-            matching = {"stage_host": ("host_memcpy", memcpy), "commit_host": (None, None),
-                        "commit_device": (cname, cgbps),
-                        "end_to_end": (f"host_memcpy_then_{cname}", serial(memcpy, cgbps))}
+            matching = {
+                "stage_host": ("host_memcpy", memcpy),
+                "commit_host": (None, None),
+                "commit_device": (cname, cgbps),
+                "end_to_end": (f"host_memcpy_then_{cname}", serial(memcpy, cgbps)),
+            }
             for api, metric in ((a, m) for a in APIS for m in matching):
                 stats = percentiles(samples[api][metric])
                 bw = bandwidth(nbytes, stats)
@@ -207,25 +229,45 @@ def main() -> None:
                 per_call = nbytes if api == "stage_many" else nbytes // n if api == "stage" else 0
                 native = host_copy.status().startswith("native") and per_call >= host_copy.MIN_BYTES
                 copy = "native" if native else "numpy"
-                row = dict(kind="staging", placement=placement, api=api, copy=copy, metric=metric, n_traces=n,
-                           trace_tokens=tokens, bytes=nbytes, **stats, **bw, ceiling=ceil_name,
-                           ceiling_gbps=ceil_gbps,
-                           fraction_of_ceiling=(bw["gbps_p50"] / ceil_gbps) if ceil_gbps else None,
-                           device_busy_during_enqueue=(sleep is not None) if metric == "commit_device" else None)
+                row = dict(
+                    kind="staging",
+                    placement=placement,
+                    api=api,
+                    copy=copy,
+                    metric=metric,
+                    n_traces=n,
+                    trace_tokens=tokens,
+                    bytes=nbytes,
+                    **stats,
+                    **bw,
+                    ceiling=ceil_name,
+                    ceiling_gbps=ceil_gbps,
+                    fraction_of_ceiling=(bw["gbps_p50"] / ceil_gbps) if ceil_gbps else None,
+                    device_busy_during_enqueue=(sleep is not None) if metric == "commit_device" else None,
+                )
                 rows.append(row)
                 frac = f"{row['fraction_of_ceiling']:6.1%} of {ceil_name}" if ceil_gbps else ""
-                print(f"{placement:11s} {api:16s} n={n:3d} L={tokens:6d} {metric:13s} {stats['us_p50']:10.1f} us "
-                      f"{bw['gbps_p50']:8.2f} GB/s {frac}", flush=True)
+                print(
+                    f"{placement:11s} {api:16s} n={n:3d} L={tokens:6d} {metric:13s} {stats['us_p50']:10.1f} us "
+                    f"{bw['gbps_p50']:8.2f} GB/s {frac}",
+                    flush=True,
+                )
         tbl.close()
 
     n, tokens, goal = TARGET
     print(f"\nTarget: >= {goal:.0%} of the matching ceiling for {n} traces of {tokens} tokens")
     for r in rows:
-        if r.get("kind") == "staging" and r["n_traces"] == n and r["trace_tokens"] == tokens \
-                and r["fraction_of_ceiling"] is not None:
+        if (
+            r.get("kind") == "staging"
+            and r["n_traces"] == n
+            and r["trace_tokens"] == tokens
+            and r["fraction_of_ceiling"] is not None
+        ):
             verdict = "met" if r["fraction_of_ceiling"] >= goal else "NOT met"
-            print(f"  {r['placement']:11s} {r['api']:16s} {r['metric']:13s} {r['fraction_of_ceiling']:6.1%} of "
-                  f"{r['ceiling']} ({r['gbps_p50']:.2f} / {r['ceiling_gbps']:.2f} GB/s): {verdict}")
+            print(
+                f"  {r['placement']:11s} {r['api']:16s} {r['metric']:13s} {r['fraction_of_ceiling']:6.1%} of "
+                f"{r['ceiling']} ({r['gbps_p50']:.2f} / {r['ceiling_gbps']:.2f} GB/s): {verdict}"
+            )
 
     for r in rows:
         if r.get("kind") == "bare_copy" and r["n_traces"] == n and r["trace_tokens"] == tokens:
@@ -234,15 +276,34 @@ def main() -> None:
     path = write_results("staging", rows)
     prov = provenance()
     print(f"\nwrote {path}\n{prov['gpu']}, driver {prov['driver']}, {prov['versions']}, {prov['date']}\n")
-    print(table([r for r in rows if r.get("kind") == "ceiling"], ["ceiling", "bytes", "gbps_p50", "gbps_p20",
-                                                                     "gbps_p80"]))
+    print(
+        table([r for r in rows if r.get("kind") == "ceiling"], ["ceiling", "bytes", "gbps_p50", "gbps_p20", "gbps_p80"])
+    )
     print()
-    print(table([r for r in rows if r.get("kind") == "bare_copy"], ["n_traces", "trace_tokens", "us_p50", "gbps_p50",
-                                                                      "fraction_of_ceiling"]))
+    print(
+        table(
+            [r for r in rows if r.get("kind") == "bare_copy"],
+            ["n_traces", "trace_tokens", "us_p50", "gbps_p50", "fraction_of_ceiling"],
+        )
+    )
     print()
-    print(table([r for r in rows if r.get("kind") == "staging"],
-                ["placement", "api", "copy", "n_traces", "trace_tokens", "metric", "us_p50", "gbps_p50", "ceiling",
-                 "fraction_of_ceiling"]))
+    print(
+        table(
+            [r for r in rows if r.get("kind") == "staging"],
+            [
+                "placement",
+                "api",
+                "copy",
+                "n_traces",
+                "trace_tokens",
+                "metric",
+                "us_p50",
+                "gbps_p50",
+                "ceiling",
+                "fraction_of_ceiling",
+            ],
+        )
+    )
     print(f"\nstaging's copy: {host_copy.status()}")
 
 

@@ -52,9 +52,10 @@ def surface(module_name: str) -> dict:
     return out
 
 
-if __name__ == "__main__":       # print the surfaces, to update the pins in test_public_api.py
+if __name__ == "__main__":  # print the surfaces, to update the pins in test_public_api.py
     import pprint
     import sys
+
     for mod in sys.argv[1:]:
         print(f"{mod!r}:")
         pprint.pprint(surface(mod), width=110, sort_dicts=True)

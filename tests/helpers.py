@@ -9,8 +9,16 @@ import numpy as np
 POISON = -7  # written into outputs beforehand: a row the code forgot stays visibly wrong
 
 
-def random_scenario(rng, *, max_slots: int, max_trace_len: int, batch: int, sampled_dtype=np.int64,
-                    index_dtype=np.int32, vocab: int = 50_000):
+def random_scenario(
+    rng,
+    *,
+    max_slots: int,
+    max_trace_len: int,
+    batch: int,
+    sampled_dtype=np.int64,
+    index_dtype=np.int32,
+    vocab: int = 50_000,
+):
     """A committed table state plus one step's inputs covering every row category.
 
     Rows hit: slot -1, slots with no trace, steps before (< 0), inside and past the trace, and
@@ -36,9 +44,13 @@ def random_scenario(rng, *, max_slots: int, max_trace_len: int, batch: int, samp
     sampled = rng.integers(0, vocab, batch)
     per_row_step = rng.integers(-3, max_trace_len + 3, batch)
     return dict(
-        traces=traces, table=table, trace_len=trace_len,
-        prompt_len=prompt_len.astype(index_dtype), total_len=total_len.astype(index_dtype),
-        idx=idx.astype(index_dtype), sampled=sampled.astype(sampled_dtype),
+        traces=traces,
+        table=table,
+        trace_len=trace_len,
+        prompt_len=prompt_len.astype(index_dtype),
+        total_len=total_len.astype(index_dtype),
+        idx=idx.astype(index_dtype),
+        sampled=sampled.astype(sampled_dtype),
         step=per_row_step.astype(index_dtype),
     )
 
@@ -48,8 +60,10 @@ def assert_tokens_equal(got, expected, what: str = "tokens") -> None:
     expected = np.asarray(expected)
     assert got.shape == expected.shape, f"{what}: shape {got.shape} != {expected.shape}"
     bad = np.nonzero(got.reshape(-1) != expected.reshape(-1))[0]
-    assert bad.size == 0, (f"{what}: {bad.size} mismatching rows, first {bad[:10].tolist()}: got "
-                           f"{got.reshape(-1)[bad[:10]].tolist()} expected {expected.reshape(-1)[bad[:10]].tolist()}")
+    assert bad.size == 0, (
+        f"{what}: {bad.size} mismatching rows, first {bad[:10].tolist()}: got "
+        f"{got.reshape(-1)[bad[:10]].tolist()} expected {expected.reshape(-1)[bad[:10]].tolist()}"
+    )
 
 
 def admit_requests(rng, add_request, table, lens, step_of, *, count: int, vocab: int) -> None:
@@ -78,6 +92,7 @@ def check_soak(got, base_all, idx_all, total_all, prompt, tables):
     ``tables`` lists ``(first step, table, lens)`` whenever the committed state changed.
     """
     from trace_replay_core import replay_reference
+
     mismatches, forced, t_i, first = 0, 0, 0, None
     for k in range(len(got)):
         while t_i + 1 < len(tables) and tables[t_i + 1][0] <= k:

@@ -36,7 +36,7 @@ except ImportError:  # tests/ collected as a package
     from tests.llama_cases import check_same, hf_reference, make_requests
 
 DEVICES = 2
-PLATFORM = os.environ.get("TRACE_REPLAY_MESH_PLATFORM", "cpu")       # "cpu" or "gpu"
+PLATFORM = os.environ.get("TRACE_REPLAY_MESH_PLATFORM", "cpu")  # "cpu" or "gpu"
 ONE_DEVICE = "cpu" if PLATFORM == "cpu" else "cuda:0"
 DTYPES = {"float32": 1e-5} if PLATFORM == "cpu" else {"float32": 2e-5, "bfloat16": 2e-2}
 try:
@@ -44,15 +44,21 @@ try:
 except RuntimeError:
     _FOUND = 0
 if _FOUND < DEVICES:
-    pytest.skip(f"needs {DEVICES} {PLATFORM} devices (found {_FOUND}): run through tests/test_multi_device.py "
-                f"(it sets XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES} before JAX starts) or "
-                f"tests/test_gpu_multi.py on a machine with 2 GPUs", allow_module_level=True)
+    pytest.skip(
+        f"needs {DEVICES} {PLATFORM} devices (found {_FOUND}): run through tests/test_multi_device.py "
+        f"(it sets XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES} before JAX starts) or "
+        f"tests/test_gpu_multi.py on a machine with 2 GPUs",
+        allow_module_level=True,
+    )
 
 # Tied (a sharded copy of the embedding as the head) and untied heads, biases; both expressible
 # in transformers, whose logits decide the ranks where two tokens nearly tie.
-CONFIGS = {"qwen2-tied": default_config("qwen2"),
-           "llama-untied": LlamaConfig(model_type="llama", vocab_size=510, tie_word_embeddings=False, qkv_bias=True,
-                                       o_bias=True, mlp_bias=True)}
+CONFIGS = {
+    "qwen2-tied": default_config("qwen2"),
+    "llama-untied": LlamaConfig(
+        model_type="llama", vocab_size=510, tie_word_embeddings=False, qkv_bias=True, o_bias=True, mlp_bias=True
+    ),
+}
 
 
 def _mesh() -> Mesh:
@@ -65,14 +71,20 @@ def test_mesh_loop_equals_one_device(name, dtype, rng, tmp_path):
     config = CONFIGS[name]
     weights = seeded_weights(config, seed=int(rng.integers(2**31)))
     requests = make_requests(rng, config.vocab_size, n=5, longest=16)
-    if dtype != "float32":        # bf16: the traced requests (free decoding may part on a bf16 tie)
+    if dtype != "float32":  # bf16: the traced requests (free decoding may part on a bf16 tie)
         requests = [r for r in requests if r.trace is not None]
     ref = jax_loop.run_decode(config, weights, requests, device=ONE_DEVICE, max_batch=3, dtype=dtype)
     got = run_decode_mesh(config, weights, requests, mesh=_mesh(), max_batch=3, dtype=dtype)
     if dtype == "float32":
-        check_same(got, ref, f"{name}: 2-device mesh vs one device", atol=DTYPES[dtype],
-                   reference=hf_reference(config, weights, str(tmp_path / name)), requests=requests)
-    else:                         # bf16 logits of another GEMM shape may differ in the last bit
+        check_same(
+            got,
+            ref,
+            f"{name}: 2-device mesh vs one device",
+            atol=DTYPES[dtype],
+            reference=hf_reference(config, weights, str(tmp_path / name)),
+            requests=requests,
+        )
+    else:  # bf16 logits of another GEMM shape may differ in the last bit
         for a, b in zip(got, ref, strict=True):
             assert a.tokens.tolist() == b.tokens.tolist(), f"{name} bf16, request {a.id}: tokens differ"
             diff = np.abs(a.logprobs - b.logprobs).max()
@@ -82,16 +94,24 @@ def test_mesh_loop_equals_one_device(name, dtype, rng, tmp_path):
 def test_sampled_tokens_equal_one_device(rng, tmp_path):
     config = CONFIGS["qwen2-tied"]
     weights = seeded_weights(config, seed=3)
-    requests = make_requests(rng, config.vocab_size, n=5, longest=16)   # the buckets of the greedy case
+    requests = make_requests(rng, config.vocab_size, n=5, longest=16)  # the buckets of the greedy case
     ref = jax_loop.run_decode(config, weights, requests, device=ONE_DEVICE, max_batch=3, temperature=1.3, seed=5)
     got = run_decode_mesh(config, weights, requests, mesh=_mesh(), max_batch=3, temperature=1.3, seed=5)
-    check_same(got, ref, "sampled on the mesh", atol=DTYPES["float32"],
-               reference=hf_reference(config, weights, str(tmp_path / "qwen2")), requests=requests)
+    check_same(
+        got,
+        ref,
+        "sampled on the mesh",
+        atol=DTYPES["float32"],
+        reference=hf_reference(config, weights, str(tmp_path / "qwen2")),
+        requests=requests,
+    )
 
 
 def test_logits_are_sharded_over_the_vocabulary(rng):
     import jax.numpy as jnp
+
     from trace_replay_app.models.llama.jax_mesh import placed_params
+
     config = CONFIGS["qwen2-tied"]
     params = placed_params(config, seeded_weights(config), _mesh(), "vocab", jnp.float32)
     half = config.vocab_size // DEVICES
@@ -100,19 +120,20 @@ def test_logits_are_sharded_over_the_vocabulary(rng):
     h = jnp.asarray(rng.standard_normal((3, config.hidden_size)), jnp.float32)
     logits = jax.jit(jax_loop._logits)(params, h)
     assert {s.data.shape for s in logits.addressable_shards} == {(3, half)}
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(h) @ np.asarray(params["embed"]).T, rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(h) @ np.asarray(params["embed"]).T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [2, 10, 510])
 def test_sharded_argmax_takes_the_lowest_id_on_ties(vocab, rng):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from trace_replay_app.models.llama.jax_mesh import _sharded_argmax
+
     mesh = _mesh()
-    x = rng.integers(0, 4, (33, vocab)).astype(np.float32)           # many ties, across the blocks too
-    x[0] = 1.0                                                        # a row of equal values
-    got = jax.jit(lambda a: _sharded_argmax(a, mesh, "vocab"))(
-        jax.device_put(x, NamedSharding(mesh, P(None, "vocab"))))
+    x = rng.integers(0, 4, (33, vocab)).astype(np.float32)  # many ties, across the blocks too
+    x[0] = 1.0  # a row of equal values
+    got = jax.jit(lambda a: _sharded_argmax(a, mesh, "vocab"))(jax.device_put(x, NamedSharding(mesh, P(None, "vocab"))))
     assert np.asarray(got).tolist() == x.argmax(axis=-1).tolist()
 
 

@@ -8,7 +8,6 @@ interpreted scatter kernel and replays with the interpreted replay kernel, on to
 
 import numpy as np
 import torch
-import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from trace_replay_core._staging import StagedEntries
@@ -32,7 +31,7 @@ class InterpretedTable:
         need = self._staged.bytes_needed(tokens_needed, new_entries)
         if need > self._buffer.nbytes:
             grown = np.zeros(max(need, 2 * self._buffer.nbytes) // 4 + 1, np.uint32)
-            grown[:self._staged.fill] = self._buffer[:self._staged.fill]
+            grown[: self._staged.fill] = self._buffer[: self._staged.fill]
             self._buffer = self._staged.tokens = grown
 
     def close(self):
@@ -65,11 +64,22 @@ class InterpretedTable:
         if rows == 0:
             return
         s = torch.from_numpy(sampled)
-        unused = torch.from_numpy(idx)          # the interpreter needs a tensor for every pointer
+        unused = torch.from_numpy(idx)  # the interpreter needs a tensor for every pointer
         as_t = lambda a: unused if a is None else torch.from_numpy(a)  # noqa: E731
         _REPLAY[plan_replay(rows)[:1]](
-            s, torch.from_numpy(idx), as_t(total), as_t(prompt), as_t(step), self.table, self.trace_len, rows,
-            self.max_slots, self.max_len, PER_ROW_STEP=step is not None, BLOCK=REPLAY_BLOCK)
+            s,
+            torch.from_numpy(idx),
+            as_t(total),
+            as_t(prompt),
+            as_t(step),
+            self.table,
+            self.trace_len,
+            rows,
+            self.max_slots,
+            self.max_len,
+            PER_ROW_STEP=step is not None,
+            BLOCK=REPLAY_BLOCK,
+        )
 
     def replay(self, sampled, idx, total, prompt, *, stream):
         self._replay(sampled, idx, total, prompt, None)

@@ -8,7 +8,7 @@ Shared by ``test_llama_loops.py`` (CPU) and ``test_gpu_models.py`` (CUDA). Impor
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -17,23 +17,44 @@ import transformers
 from trace_replay_app.checkpoint import load_checkpoint
 from trace_replay_app.records import RequestResult, TraceRequest
 
-_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1,
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
-_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+_SIZES = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
 
 # id -> (model_type, config options, save options). Between them: tied and untied embeddings,
 # rope_scaling llama3 and default, biases (attention, MLP, q/k/v), a sliding window shorter
 # than the sequences, per-head q/k norms with an explicit head_dim, a sharded save, a bf16 save.
-CASES: Dict[str, tuple] = {
-    "llama-tied-llama3-sharded": ("llama", dict(tie_word_embeddings=True, rope_parameters=_LLAMA3),
-                                  dict(max_shard_size="100KB")),
-    "llama-untied-llama3-biases": ("llama", dict(tie_word_embeddings=False, rope_parameters=_LLAMA3,
-                                                 attention_bias=True, mlp_bias=True), {}),
+CASES: dict[str, tuple] = {
+    "llama-tied-llama3-sharded": (
+        "llama",
+        dict(tie_word_embeddings=True, rope_parameters=_LLAMA3),
+        dict(max_shard_size="100KB"),
+    ),
+    "llama-untied-llama3-biases": (
+        "llama",
+        dict(tie_word_embeddings=False, rope_parameters=_LLAMA3, attention_bias=True, mlp_bias=True),
+        {},
+    ),
     "mistral-window-bf16": ("mistral", dict(tie_word_embeddings=False, sliding_window=6), dict(dtype="bfloat16")),
-    "qwen2": ("qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-              {}),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), {}),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32), {}),
 }
 
@@ -63,7 +84,7 @@ def hf_model(folder: str, device: str = "cpu", dtype=torch.float32):
     return model.to(device).eval()
 
 
-def make_requests(rng: np.random.Generator, vocab: int, n: int = 6, longest: int = 24) -> List[TraceRequest]:
+def make_requests(rng: np.random.Generator, vocab: int, n: int = 6, longest: int = 24) -> list[TraceRequest]:
     """``n`` requests, alternately traced (random trace tokens) and untraced (greedy), prompts
     and new tokens of 1 to ``longest // 2 - 1`` tokens each."""
     out = []
@@ -74,7 +95,9 @@ def make_requests(rng: np.random.Generator, vocab: int, n: int = 6, longest: int
         prompt = tuple(int(t) for t in rng.integers(0, vocab, size if i == 0 else int(rng.integers(1, size + 1))))
         length = size if i == 0 else int(rng.integers(1, size + 1))
         if i % 2 == 0:
-            out.append(TraceRequest(f"t{i}", prompt=prompt, trace=tuple(int(t) for t in rng.integers(0, vocab, length))))
+            out.append(
+                TraceRequest(f"t{i}", prompt=prompt, trace=tuple(int(t) for t in rng.integers(0, vocab, length)))
+            )
         else:
             out.append(TraceRequest(f"u{i}", prompt=prompt, max_new_tokens=length))
     return out
@@ -85,7 +108,7 @@ def reference_logits(model, prompt: Sequence[int], tokens: Sequence[int]) -> np.
     ``tokens`` continuing ``prompt``: one forward over ``prompt + tokens[:-1]``."""
     ids = torch.tensor([list(prompt) + list(tokens[:-1])], device=model.device)
     with torch.no_grad():
-        return model(ids).logits[0, len(prompt) - 1:].float().cpu().numpy().astype(np.float64)
+        return model(ids).logits[0, len(prompt) - 1 :].float().cpu().numpy().astype(np.float64)
 
 
 def teacher_forced(model, prompt: Sequence[int], tokens: Sequence[int]):
@@ -125,13 +148,17 @@ def check_ranks(res, logits: np.ndarray, who: str, eps: float = RANK_EPS) -> Non
     ``res.tokens``) wherever a gap above ``eps`` decides them; inside a near-tie, within it."""
     lo, hi = rank_bounds(logits, res.tokens, eps)
     bad = np.nonzero((res.ranks < lo) | (res.ranks > hi))[0]
-    assert bad.size == 0, (f"{who}: ranks {res.ranks[bad[:8]].tolist()} at positions {bad[:8].tolist()}, "
-                           f"reference allows {lo[bad[:8]].tolist()}..{hi[bad[:8]].tolist()}")
+    assert bad.size == 0, (
+        f"{who}: ranks {res.ranks[bad[:8]].tolist()} at positions {bad[:8].tolist()}, "
+        f"reference allows {lo[bad[:8]].tolist()}..{hi[bad[:8]].tolist()}"
+    )
     top = logits.max(axis=1)
     picked = logits[np.arange(res.argmax.size), res.argmax]
     bad = np.nonzero(picked < top - eps)[0]
-    assert bad.size == 0, (f"{who}: argmax {res.argmax[bad[:8]].tolist()} at positions {bad[:8].tolist()} is not "
-                           f"the reference's {logits.argmax(axis=1)[bad[:8]].tolist()} (nor within {eps} of it)")
+    assert bad.size == 0, (
+        f"{who}: argmax {res.argmax[bad[:8]].tolist()} at positions {bad[:8].tolist()} is not "
+        f"the reference's {logits.argmax(axis=1)[bad[:8]].tolist()} (nor within {eps} of it)"
+    )
 
 
 def hf_reference(config, weights, folder: str, device: str = "cpu"):
@@ -140,19 +167,21 @@ def hf_reference(config, weights, folder: str, device: str = "cpu"):
     (its ``config.json`` must read back as the same config)."""
     from trace_replay_app.checkpoint import save_checkpoint
     from trace_replay_app.models.llama.config import config_from_hf, to_hf
+
     back = config_from_hf(to_hf(config, weights)[0])
     assert back == config, f"transformers cannot express {config} (it reads back as {back})"
     save_checkpoint(folder, config, weights)
     return hf_model(folder, device=device)
 
 
-def greedy(model, prompt: Sequence[int], n: int) -> List[int]:
+def greedy(model, prompt: Sequence[int], n: int) -> list[int]:
     """transformers' ``generate(do_sample=False)`` of ``n`` tokens after ``prompt``."""
     ids = torch.tensor([list(prompt)], device=model.device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def check_against_hf(model, requests, results, what: str, *, atol: float = 1e-5, eps: float = RANK_EPS) -> None:
@@ -170,12 +199,13 @@ def check_against_hf(model, requests, results, what: str, *, atol: float = 1e-5,
             want = greedy(model, r.prompt, r.max_new_tokens)
             assert not res.forced.any(), who
             got = res.tokens.tolist()
-            if got != want:            # only where transformers' own logits nearly tie at the top
+            if got != want:  # only where transformers' own logits nearly tie at the top
                 j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else -1
                 assert j >= 0, f"{who}: greedy tokens {got} != generate {want}"
-                at = reference_logits(model, r.prompt, got[:j + 1])[j]
+                at = reference_logits(model, r.prompt, got[: j + 1])[j]
                 assert abs(at[got[j]] - at[want[j]]) <= eps and min(at[got[j]], at[want[j]]) >= at.max() - eps, (
-                    f"{who}: greedy tokens {got} part from generate {want} at position {j} without a near-tie")
+                    f"{who}: greedy tokens {got} part from generate {want} at position {j} without a near-tie"
+                )
                 res = _head(res, j)
                 if not j:
                     continue
@@ -212,21 +242,25 @@ def check_same(a, b, what: str, atol: float = 1e-5, *, reference=None, requests=
         if differ.size:
             j = int(differ[0])
             assert atol and requests[i].trace is None and j < min(n, y.tokens.size), (
-                f"{who}: tokens differ at positions {differ[:8].tolist()}: {x.tokens.tolist()} vs {y.tokens.tolist()}")
-            logits = reference_logits(reference, requests[i].prompt, x.tokens[:j + 1].tolist())[j]
+                f"{who}: tokens differ at positions {differ[:8].tolist()}: {x.tokens.tolist()} vs {y.tokens.tolist()}"
+            )
+            logits = reference_logits(reference, requests[i].prompt, x.tokens[: j + 1].tolist())[j]
             first, second = logits[x.tokens[j]], logits[y.tokens[j]]
             assert abs(first - second) <= eps and min(first, second) >= logits.max() - eps, (
                 f"{who}: tokens part at position {j} ({x.tokens[j]} vs {y.tokens[j]}) without a near-tie at the "
-                f"top of the reference (logit gap {abs(first - second):.3g})")
+                f"top of the reference (logit gap {abs(first - second):.3g})"
+            )
             x, y, n = _head(x, j), _head(y, j), j
         assert x.forced.tolist() == y.forced.tolist(), f"{who}: forced differs"
         diff = np.abs(x.logprobs - y.logprobs)
         assert diff.max(initial=0) <= atol, f"{who}: logprobs differ by {diff.max():.3g}"
         if not atol:
             bad = np.nonzero((x.ranks != y.ranks) | (x.argmax != y.argmax))[0]
-            assert bad.size == 0, (f"{who}: ranks/argmax differ at positions {bad[:8].tolist()}: "
-                                   f"{x.ranks[bad[:8]].tolist()}/{x.argmax[bad[:8]].tolist()} vs "
-                                   f"{y.ranks[bad[:8]].tolist()}/{y.argmax[bad[:8]].tolist()}")
+            assert bad.size == 0, (
+                f"{who}: ranks/argmax differ at positions {bad[:8].tolist()}: "
+                f"{x.ranks[bad[:8]].tolist()}/{x.argmax[bad[:8]].tolist()} vs "
+                f"{y.ranks[bad[:8]].tolist()}/{y.argmax[bad[:8]].tolist()}"
+            )
         elif n:
             logits = reference_logits(reference, requests[i].prompt, x.tokens.tolist())
             check_ranks(x, logits, f"{who} (first)", eps)

@@ -16,21 +16,31 @@ import os
 import subprocess
 import sys
 from contextlib import nullcontext
-from typing import Dict, List
 
 import numpy as np
 
-CASE_KEYS = ("dtype", "top_k", "pad", "shift", "ids_dtype", "rank_dtype", "block", "num_warps", "chunk_blocks",
-             "group", "argmax", "constants")
+CASE_KEYS = (
+    "dtype",
+    "top_k",
+    "pad",
+    "shift",
+    "ids_dtype",
+    "rank_dtype",
+    "block",
+    "num_warps",
+    "chunk_blocks",
+    "group",
+    "argmax",
+    "constants",
+)
 
 
-def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
+def run_cases(cases: list[dict], tmp_dir: str) -> dict[str, dict]:
     """Parent side: ``cases`` have ``name``, ``x`` (float32, exact in ``dtype``), ``ids``, optional
     ``temp`` and any of :data:`CASE_KEYS`; returns ``{name: {"lp", "rk", ["tlp", "tid"], ["am"], "plan"}}``
     (``am``: the greedy tokens, for a case with ``argmax`` true)."""
     in_path, out_path = os.path.join(tmp_dir, "cases"), os.path.join(tmp_dir, "out.npz")
-    meta = [{k: c[k] for k in ("name",) + CASE_KEYS if k in c} | {"has_temp": c.get("temp") is not None}
-            for c in cases]
+    meta = [{k: c[k] for k in ("name",) + CASE_KEYS if k in c} | {"has_temp": c.get("temp") is not None} for c in cases]
     with open(in_path + ".json", "w") as f:
         json.dump(meta, f)
     arrays = {}
@@ -42,8 +52,13 @@ def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
     env = dict(os.environ, TRITON_INTERPRET="1")
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here] + env.get("PYTHONPATH", "").split(os.pathsep))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), in_path, out_path], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), in_path, out_path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"interpreter child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     out = np.load(out_path)
@@ -54,7 +69,7 @@ def run_cases(cases: List[dict], tmp_dir: str) -> Dict[str, dict]:
     return results
 
 
-def run_cases_by_name(cases: List[dict], tmp_dir: str) -> Dict[str, tuple]:
+def run_cases_by_name(cases: list[dict], tmp_dir: str) -> dict[str, tuple]:
     """:func:`run_cases`, keyed by case name: ``{name: (case, outputs)}``."""
     out = run_cases(cases, tmp_dir)
     return {c["name"]: (c, out[c["name"]]) for c in cases}
@@ -62,8 +77,14 @@ def run_cases_by_name(cases: List[dict], tmp_dir: str) -> Dict[str, tuple]:
 
 def _torch_dtypes():
     import torch
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "int32": torch.int32, "int64": torch.int64}
+
+    return {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "int32": torch.int32,
+        "int64": torch.int64,
+    }
 
 
 class _Buffers:
@@ -74,10 +95,11 @@ class _Buffers:
 
     def new(self, nbytes: int, *, shift_bytes: int = 0):
         import torch
+
         b = torch.full((nbytes + shift_bytes + 128,), 0xFF, dtype=torch.uint8)
         self.buffers.append(b)
         start = (-b.data_ptr()) % 64 + shift_bytes
-        return b[start:start + nbytes]
+        return b[start : start + nbytes]
 
     def at(self, address: int, dtype: str):
         td = _torch_dtypes()[dtype]
@@ -87,7 +109,7 @@ class _Buffers:
             if lo <= address < lo + b.numel():
                 off = address - lo
                 n = (b.numel() - off) // size
-                return b[off:off + n * size].view(td)
+                return b[off : off + n * size].view(td)
         raise KeyError(f"no buffer holds address 0x{address:x}")
 
 
@@ -95,8 +117,14 @@ def run_case(x, ids, temp, case: dict) -> dict:
     """Child side: one call through the interpreter; returns the outputs as numpy arrays."""
     import torch
 
-    from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, launch_specs,
-                                                        plan_logprob_rank, workspace_layout)
+    from trace_replay_core.kernels.logprob_rank import (
+        LogprobRankArgs,
+        LogprobRankDtypes,
+        launch_specs,
+        plan_logprob_rank,
+        workspace_layout,
+    )
+
     td = _torch_dtypes()
     dtype, top_k = case["dtype"], case.get("top_k", 0)
     ids_dtype, rank_dtype = case.get("ids_dtype", "int64"), case.get("rank_dtype", "int64")
@@ -106,7 +134,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
     stride = vocab + pad
     bufs = _Buffers()
     logits = bufs.new(batch * stride * itemsize, shift_bytes=shift * itemsize).view(td[dtype]).view(batch, stride)
-    logits.fill_(float("nan"))                                   # padding would poison a misread
+    logits.fill_(float("nan"))  # padding would poison a misread
     logits[:, :vocab] = torch.from_numpy(x).to(td[dtype])
     ids_t = bufs.new(batch * td[ids_dtype].itemsize).view(td[ids_dtype])
     ids_t.copy_(torch.from_numpy(np.asarray(ids)).to(td[ids_dtype]))
@@ -121,19 +149,37 @@ def run_case(x, ids, temp, case: dict) -> dict:
     if temp is not None:
         t_buf = out(batch, "float32")
         t_buf.copy_(torch.from_numpy(np.asarray(temp, dtype=np.float32)))
-    plan = plan_logprob_rank(vocab, itemsize, top_k, block=case.get("block"), num_warps=case.get("num_warps"),
-                             chunk_blocks=case.get("chunk_blocks"))
+    plan = plan_logprob_rank(
+        vocab,
+        itemsize,
+        top_k,
+        block=case.get("block"),
+        num_warps=case.get("num_warps"),
+        chunk_blocks=case.get("chunk_blocks"),
+    )
     ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
-    args = LogprobRankArgs(logits.data_ptr(), ids_t.data_ptr(), t_buf.data_ptr() if t_buf is not None else 0,
-                           lp.data_ptr(), rk.data_ptr(), tlp.data_ptr() if top_k else 0,
-                           tid.data_ptr() if top_k else 0, ws.data_ptr(), batch, vocab, stride, top_k,
-                           am.data_ptr() if am is not None else 0)
+    args = LogprobRankArgs(
+        logits.data_ptr(),
+        ids_t.data_ptr(),
+        t_buf.data_ptr() if t_buf is not None else 0,
+        lp.data_ptr(),
+        rk.data_ptr(),
+        tlp.data_ptr() if top_k else 0,
+        tid.data_ptr() if top_k else 0,
+        ws.data_ptr(),
+        batch,
+        vocab,
+        stride,
+        top_k,
+        am.data_ptr() if am is not None else 0,
+    )
     dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype, rank_dtype)
     # group: chunks per program forced (several even at a small batch); None: the shipped choice.
     # constants: module constants of kernels.logprob_rank for this case (the kernels' options).
     from unittest import mock
 
     from trace_replay_core.kernels import logprob_rank
+
     with mock.patch.multiple(logprob_rank, **case.get("constants", {})) if case.get("constants") else nullcontext():
         specs = launch_specs(args, dtypes, plan, case.get("group"))
     for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
@@ -141,13 +187,16 @@ def run_case(x, ids, temp, case: dict) -> dict:
         # with packed compares (an exact integer either way; the GPU tier checks the packed count).
         constexprs = dict(constexprs, PACKED_COUNT=False) if constexprs.get("PACKED_COUNT") else constexprs
         kernel[grid](*[bufs.at(p, d) for p, d in zip(ptrs, ptr_dtypes)], *ints, **constexprs)
-    result = {"lp": lp[:batch].numpy().copy(), "rk": rk[:batch].numpy().astype(np.int64),
-              "plan": np.array([plan.block, plan.n_chunks, plan.k_pad, plan.cap])}
+    result = {
+        "lp": lp[:batch].numpy().copy(),
+        "rk": rk[:batch].numpy().astype(np.int64),
+        "plan": np.array([plan.block, plan.n_chunks, plan.k_pad, plan.cap]),
+    }
     if am is not None:
         result["am"] = am[:batch].numpy().astype(np.int64)
     if top_k:
-        result["tlp"] = tlp[:batch * top_k].numpy().reshape(batch, top_k).copy()
-        result["tid"] = tid[:batch * top_k].numpy().reshape(batch, top_k).astype(np.int64)
+        result["tlp"] = tlp[: batch * top_k].numpy().reshape(batch, top_k).copy()
+        result["tid"] = tid[: batch * top_k].numpy().reshape(batch, top_k).astype(np.int64)
     return result
 
 

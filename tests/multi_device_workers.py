@@ -24,8 +24,8 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 def tp_rank(rank: int, world: int, init_file: str, jobs_file: str, out_dir: str, backend: str) -> None:
     """One rank: join the group (``backend`` gloo on the CPU, nccl on ``cuda:<rank>``), run
     every job, write this rank's results."""
-    os.environ.update(NO_MULTICAST)               # this rank's process only
-    torch.set_num_threads(1)                      # CI has two cores: one per rank
+    os.environ.update(NO_MULTICAST)  # this rank's process only
+    torch.set_num_threads(1)  # CI has two cores: one per rank
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -33,6 +33,7 @@ def tp_rank(rank: int, world: int, init_file: str, jobs_file: str, out_dir: str,
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from trace_replay_app.models.llama.torch_tp import run_decode_tp
+
         with open(jobs_file, "rb") as f:
             jobs = pickle.load(f)
         out = {}
@@ -54,8 +55,9 @@ def run_ranks(jobs, tmp_dir: str, *, world: int = 2, backend: str = "gloo", time
     with open(jobs_file, "wb") as f:
         pickle.dump(list(jobs), f)
     init_file = os.path.join(tmp_dir, "rendezvous")
-    ctx = mp.start_processes(tp_rank, args=(world, init_file, jobs_file, tmp_dir, backend), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        tp_rank, args=(world, init_file, jobs_file, tmp_dir, backend), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

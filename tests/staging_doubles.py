@@ -21,8 +21,18 @@ import pytest
 from trace_replay_core import TraceTable, _cuda
 from trace_replay_core.kernels import scatter as scatter_module
 
-__all__ = ["BACKENDS", "FakeDriver", "FakeScatter", "fake_cuda", "make_table", "committed", "staged_state",
-           "everything", "assert_unchanged", "expect_rows"]
+__all__ = [
+    "BACKENDS",
+    "FakeDriver",
+    "FakeScatter",
+    "fake_cuda",
+    "make_table",
+    "committed",
+    "staged_state",
+    "everything",
+    "assert_unchanged",
+    "expect_rows",
+]
 
 BACKENDS = ["cpu", "fake_gpu"]
 
@@ -45,12 +55,12 @@ class FakeDriver:
     CUstreamCaptureStatus = SimpleNamespace(CU_STREAM_CAPTURE_STATUS_NONE=0)
 
     def __init__(self):
-        self.buffers = {}       # address -> (ctypes buffer, bytes asked for): host memory for every kind
-        self.freed = []         # freed buffers, kept alive
+        self.buffers = {}  # address -> (ctypes buffer, bytes asked for): host memory for every kind
+        self.freed = []  # freed buffers, kept alive
         self.errors = []
-        self.queue = []         # queued device work, in order: (run, addresses it touches)
-        self.ran = 0            # how many queued items have run
-        self.events = {}        # handle -> queue position its work ends at (None: never recorded)
+        self.queue = []  # queued device work, in order: (run, addresses it touches)
+        self.ran = 0  # how many queued items have run
+        self.events = {}  # handle -> queue position its work ends at (None: never recorded)
         self.contexts = []
         self._handles = iter(range(1, 1 << 30))
 
@@ -111,7 +121,7 @@ class FakeDriver:
     def cuMemFree(self, ptr):
         buf, size = self.buffers.pop(ptr)
         end = ptr + size
-        if any(ptr <= a < end for _, addresses in self.queue[self.ran:] for a in addresses):
+        if any(ptr <= a < end for _, addresses in self.queue[self.ran :] for a in addresses):
             self.errors.append(f"memory at {ptr:#x} freed while queued work still uses it")
         self.freed.append(buf)
         return (0,)
@@ -189,19 +199,24 @@ class FakeScatter:
             meta = np.frombuffer((ctypes.c_int64 * (3 * n)).from_address(meta_ptr), np.int64).reshape(n, 3)
             for slot, length, offset in meta.tolist():
                 dst, src = table_ptr + 4 * slot * row_stride, tokens_ptr + 4 * offset
-                if not (0 <= length <= row_stride and driver.inside(dst, 4 * row_stride)
-                        and driver.inside(trace_len_ptr + 4 * slot, 4) and driver.inside(src, 4 * length)):
+                if not (
+                    0 <= length <= row_stride
+                    and driver.inside(dst, 4 * row_stride)
+                    and driver.inside(trace_len_ptr + 4 * slot, 4)
+                    and driver.inside(src, 4 * length)
+                ):
                     driver.errors.append(f"scatter: entry {(slot, length, offset)} outside the table or staging")
                     continue
                 ctypes.memmove(dst, src, 4 * length)
                 ctypes.c_int32.from_address(trace_len_ptr + 4 * slot).value = length
+
         self.driver.enqueue(scatter, meta_ptr, tokens_ptr, table_ptr, trace_len_ptr)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Route the GPU backend to :class:`FakeDriver` for one test (the real driver is untouched)."""
-    gc.collect()   # a real table left to the collector must be closed through the real driver, not this one
+    gc.collect()  # a real table left to the collector must be closed through the real driver, not this one
     driver = FakeDriver()
     scatter = FakeScatter(driver)
     monkeypatch.setattr(_cuda, "_driver", lambda: driver)
@@ -239,8 +254,13 @@ def staged_state(t: TraceTable):
         return {k: (None if v is None else v.tolist()) for k, v in b._staged.items()}
     ring, staged = b.ring, b.ring.staged
     pair = ring.pairs[ring._open]
-    return {"entries": dict(staged.entries), "fill": staged.fill, "open": ring._open, "longest": staged.longest,
-            "bytes": pair.tokens[:staged.fill].tolist()}
+    return {
+        "entries": dict(staged.entries),
+        "fill": staged.fill,
+        "open": ring._open,
+        "longest": staged.longest,
+        "bytes": pair.tokens[: staged.fill].tolist(),
+    }
 
 
 def everything(t: TraceTable):
@@ -266,4 +286,4 @@ def expect_rows(t: TraceTable, traces: dict):
         else:
             tr = np.asarray(tr).astype(np.int64)
             assert lens[slot] == len(tr), f"slot {slot}: length {lens[slot]} != {len(tr)}"
-            assert np.array_equal(table[slot, :len(tr)].astype(np.int64), tr), f"slot {slot}: tokens differ"
+            assert np.array_equal(table[slot, : len(tr)].astype(np.int64), tr), f"slot {slot}: tokens differ"

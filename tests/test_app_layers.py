@@ -10,8 +10,11 @@ import trace_replay_app
 ROOT = pathlib.Path(trace_replay_app.__file__).parent
 LIBRARIES = ("trace_replay_core", "trace_replay_torch", "trace_replay_jax")
 # framework -> the loop modules that may import it (one device; several: torch_tp over ranks, jax_mesh over a mesh)
-FRAMEWORK_MODULES = {"torch": ("torch_loop", "torch_tp"), "jax": ("jax_loop", "jax_mesh"),
-                     "jaxlib": ("jax_loop", "jax_mesh")}
+FRAMEWORK_MODULES = {
+    "torch": ("torch_loop", "torch_tp"),
+    "jax": ("jax_loop", "jax_mesh"),
+    "jaxlib": ("jax_loop", "jax_mesh"),
+}
 
 
 def _modules():
@@ -63,15 +66,23 @@ def test_frameworks_only_in_their_loop_modules():
                 bad.append(f"{name}:{line} imports {module}")
             if module == "<dynamic import>":
                 bad.append(f"{name}:{line} imports dynamically")
-            if top == "torch" and name.endswith((".jax_loop", ".jax_mesh")) \
-                    or top in ("jax", "jaxlib") and name.endswith((".torch_loop", ".torch_tp")):
+            if (
+                top == "torch"
+                and name.endswith((".jax_loop", ".jax_mesh"))
+                or top in ("jax", "jaxlib")
+                and name.endswith((".torch_loop", ".torch_tp"))
+            ):
                 bad.append(f"{name}:{line} imports {module}")
     assert bad == []
 
 
 def test_library_and_adapters_through_their_public_names_only():
-    bad = [f"{name}:{line} imports {module}" for name in MODULES for module, line in _imports(name)
-           if module.split(".")[0] in LIBRARIES and module not in LIBRARIES]
+    bad = [
+        f"{name}:{line} imports {module}"
+        for name in MODULES
+        for module, line in _imports(name)
+        if module.split(".")[0] in LIBRARIES and module not in LIBRARIES
+    ]
     assert bad == []
     for lib in LIBRARIES:
         package = __import__(lib)
@@ -92,7 +103,7 @@ def test_no_import_circles():
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt)
         stack.pop()

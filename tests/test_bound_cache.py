@@ -19,11 +19,11 @@ def test_binds_once_per_key_drops_views_and_evicts_oldest(rng):
     cache = BoundCache(2)
     first = cache.bind("a", bind)
     assert cache.bind("a", bind) is first and len(calls) == 1
-    assert first.views == ()                       # no capsule keeps the arrays alive
-    first(stream=0)                                # still launches what it was bound to
+    assert first.views == ()  # no capsule keeps the arrays alive
+    first(stream=0)  # still launches what it was bound to
     assert np.all(rk >= 1) and np.all(np.isfinite(lp))
     cache.bind("b", bind)
-    cache.bind("c", bind)                          # size 2: "a", the oldest, goes
+    cache.bind("c", bind)  # size 2: "a", the oldest, goes
     assert list(cache) == ["b", "c"] and len(calls) == 3
     assert cache.get("a") is None
 
@@ -56,6 +56,7 @@ def test_concurrent_misses_bind_each_key_once_and_keep_the_bound():
             with lock:
                 counts[key] = counts.get(key, 0) + 1
             return object()
+
         return bind
 
     def worker(i):
@@ -65,7 +66,7 @@ def test_concurrent_misses_bind_each_key_once_and_keep_the_bound():
     assert counts == {k: 1 for k in range(16)}
     assert all(got[i] == got[0] for i in got) and len(cache) == 16
     cache.bind("extra", bind_for("extra"))
-    assert len(cache) == 16 and 0 not in cache           # the oldest key went
+    assert len(cache) == 16 and 0 not in cache  # the oldest key went
 
 
 def test_replay_cached_from_many_threads(rng):

@@ -9,17 +9,22 @@ import struct
 import numpy as np
 import pytest
 
-from trace_replay_app.checkpoint import (CheckpointError, load_checkpoint, read_safetensors, save_checkpoint,
-                                         write_safetensors)
+from trace_replay_app.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_safetensors,
+    save_checkpoint,
+    write_safetensors,
+)
 from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
 
 SMALL = GPT2Config(vocab_size=96, n_positions=40, n_embd=16, n_layer=2, n_head=2)
 
 
-
 def _load(path):
     with open(path) as f:
         return json.load(f)
+
 
 def _bf16(x):
     """float32 rounded to bfloat16 and back, through torch (an independent reference)."""
@@ -30,12 +35,16 @@ def _bf16(x):
 @pytest.mark.parametrize("dtype, np_dtype", [("F32", np.float32), ("F16", np.float16), ("F64", np.float64)])
 def test_safetensors_round_trip(tmp_path, dtype, np_dtype):
     rng = np.random.default_rng(0)
-    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b.c": np.float32(2.5) * np.ones(7, np.float32),
-               "scalar": np.array(-1.25, np.float32), "empty": np.zeros((0, 4), np.float32)}
+    tensors = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b.c": np.float32(2.5) * np.ones(7, np.float32),
+        "scalar": np.array(-1.25, np.float32),
+        "empty": np.zeros((0, 4), np.float32),
+    }
     path = str(tmp_path / "x.safetensors")
     write_safetensors(path, tensors, dtype=dtype, metadata={"format": "pt"})
     got, meta = read_safetensors(path)
-    assert meta == {"format": "pt"} and sorted(got) == sorted(tensors)   # the package orders the file itself
+    assert meta == {"format": "pt"} and sorted(got) == sorted(tensors)  # the package orders the file itself
     for name, value in tensors.items():
         assert got[name].dtype == np.float32 and got[name].shape == value.shape
         np.testing.assert_array_equal(got[name], value.astype(np_dtype).astype(np.float32))
@@ -43,7 +52,7 @@ def test_safetensors_round_trip(tmp_path, dtype, np_dtype):
     with open(path, "rb") as f:
         raw = f.read()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     assert n % 8 == 0 and header["a"]["dtype"] == dtype and header["a"]["shape"] == [3, 5]
     begin, end = header["a"]["data_offsets"]
     assert end - begin == 15 * np.dtype(np_dtype).itemsize
@@ -51,9 +60,12 @@ def test_safetensors_round_trip(tmp_path, dtype, np_dtype):
 
 def test_bf16_rounds_to_nearest_even_and_widens_exactly(tmp_path):
     rng = np.random.default_rng(1)
-    x = np.concatenate([rng.standard_normal(1000).astype(np.float32) * 10,
-                        np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, np.inf, -np.inf, 3.4e38, 1e-40],
-                                 np.float32)])
+    x = np.concatenate(
+        [
+            rng.standard_normal(1000).astype(np.float32) * 10,
+            np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, np.inf, -np.inf, 3.4e38, 1e-40], np.float32),
+        ]
+    )
     path = str(tmp_path / "x.safetensors")
     write_safetensors(path, {"x": x}, dtype="BF16")
     got = read_safetensors(path)[0]["x"]
@@ -91,14 +103,22 @@ BAD_FILES = {
     "header_too_long": (lambda p: _raw_file(p, {}, length=10_000), _UNREADABLE),
     "header_not_json": (lambda p: _bytes(p, struct.pack("<Q", 3) + b"{x}"), _UNREADABLE),
     "header_not_object": (lambda p: _raw_file(p, [1]), _UNREADABLE),
-    "dtype": (lambda p: _raw_file(p, {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
-              r"tensor 't': dtype 'I64' is not supported \(supported: F32, F16, BF16, F64\)"),
-    "shape": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
-              _UNREADABLE),
-    "offsets_outside": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
-                                            b"\0" * 8), _UNREADABLE),
-    "offsets_vs_shape": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
-                                             b"\0" * 8), _UNREADABLE),
+    "dtype": (
+        lambda p: _raw_file(p, {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+        r"tensor 't': dtype 'I64' is not supported \(supported: F32, F16, BF16, F64\)",
+    ),
+    "shape": (
+        lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+        _UNREADABLE,
+    ),
+    "offsets_outside": (
+        lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+        _UNREADABLE,
+    ),
+    "offsets_vs_shape": (
+        lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+        _UNREADABLE,
+    ),
     "missing_offsets": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), _UNREADABLE),
     "truncated": (lambda p: _bytes(p, _good_bytes()[:-6]), _UNREADABLE),
 }
@@ -106,6 +126,7 @@ BAD_FILES = {
 
 def _good_bytes() -> bytes:
     from safetensors.numpy import save
+
     return save({"t": np.arange(12, dtype=np.float32)})
 
 
@@ -117,12 +138,12 @@ def test_bad_safetensors_files(tmp_path, case):
         read_safetensors(path)
 
 
-@pytest.mark.parametrize("dtype, prefix, extras", [("F32", "", False), ("BF16", "transformer.", True),
-                                                   ("F16", "transformer.", False)])
+@pytest.mark.parametrize(
+    "dtype, prefix, extras", [("F32", "", False), ("BF16", "transformer.", True), ("F16", "transformer.", False)]
+)
 def test_checkpoint_round_trip(tmp_path, dtype, prefix, extras):
     weights = seeded_weights(SMALL, 5)
-    save_checkpoint(str(tmp_path), SMALL, weights, dtype=dtype, prefix=prefix, tied_lm_head=extras,
-                    mask_buffers=extras)
+    save_checkpoint(str(tmp_path), SMALL, weights, dtype=dtype, prefix=prefix, tied_lm_head=extras, mask_buffers=extras)
     family, config, loaded = load_checkpoint(str(tmp_path))
     assert config == SMALL and set(loaded) == set(weights)
     for name, w in weights.items():
@@ -130,7 +151,7 @@ def test_checkpoint_round_trip(tmp_path, dtype, prefix, extras):
         assert loaded[name].dtype == np.float32
         np.testing.assert_array_equal(loaded[name], expected, err_msg=name)
     raw = (tmp_path / "model.safetensors").read_bytes()
-    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
     assert any(k.startswith("transformer.") for k in header) == bool(prefix)
 
 
@@ -156,34 +177,64 @@ def _rewrite_weights(folder, edit):
 BAD_CHECKPOINTS = {
     "not_a_folder": (lambda d: str(d / "nope"), r"nope: not a folder"),
     "no_config": (lambda d: _bytes(d / "model.safetensors", b"", d), r"config\.json: missing$"),
-    "config_lacks": (lambda d: _bytes(d / "config.json", b'{"vocab_size": 5}', d),
-                     r"config\.json: config\.json lacks n_positions, n_embd, n_layer, n_head$"),
-    "activation": (lambda d: _edit_config(_checkpoint(d), activation_function="relu") or str(d),
-                   r"config\.json: activation_function='relu' is not supported"),
-    "no_weights": (lambda d: _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d),
-                   r"model\.safetensors: missing \(and no model\.safetensors\.index\.json of a sharded checkpoint\)$"),
-    "empty_index": (lambda d: _bytes(d / "model.safetensors.index.json", b"{}",
-                                     _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d)),
-                    r"model\.safetensors\.index\.json: must hold a non-empty \"weight_map\""),
-    "missing_tensor": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.pop("h.1.mlp.c_fc.bias")) or str(d),
-                       r"model\.safetensors: weights lack parameter 'h\.1\.mlp\.c_fc\.bias'"),
-    "wrong_shape": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"wpe.weight": np.zeros((4, 16))}))
-                    or str(d), r"model\.safetensors: weights\['wpe\.weight'\] must have shape \(40, 16\)"),
-    "untied_lm_head": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update(
-        {"lm_head.weight": t["wte.weight"] + 1})) or str(d),
-        r"model\.safetensors: tensor 'lm_head\.weight' differs from 'wte\.weight'"),
-    "twice": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update(
-        {"transformer.ln_f.bias": t["ln_f.bias"]})) or str(d), r"tensor 'ln_f\.bias' appears twice"),
-    "unexpected": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"h.9.ln_1.weight": np.ones(16)}))
-                   or str(d), r"weights hold unexpected parameters \['h\.9\.ln_1\.weight'\]"),
-    "config_not_utf8": (lambda d: _bytes(d / "config.json", b'{"model_type": "gpt\xff"}', d),
-                        r"config\.json: cannot read \('utf-8' codec can't decode byte 0xff"),
-    "config_nested_deeply": (lambda d: _bytes(d / "config.json", b"[" * 100_000 + b"]" * 100_000, d),
-                             r"config\.json: cannot read \(JSON nested too deeply\)$"),
-    "config_integer_too_long": (lambda d: _bytes(d / "config.json", b'{"vocab_size": ' + b"7" * 5000 + b"}", d),
-                                r"config\.json: cannot read \(Exceeds the limit \(4300 digits\)"),
-    "epsilon_not_a_number": (lambda d: _edit_config(_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),
-                             r"config\.json: layer_norm_epsilon must be a number \(got '1e-5'\)$"),
+    "config_lacks": (
+        lambda d: _bytes(d / "config.json", b'{"vocab_size": 5}', d),
+        r"config\.json: config\.json lacks n_positions, n_embd, n_layer, n_head$",
+    ),
+    "activation": (
+        lambda d: _edit_config(_checkpoint(d), activation_function="relu") or str(d),
+        r"config\.json: activation_function='relu' is not supported",
+    ),
+    "no_weights": (
+        lambda d: _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d),
+        r"model\.safetensors: missing \(and no model\.safetensors\.index\.json of a sharded checkpoint\)$",
+    ),
+    "empty_index": (
+        lambda d: _bytes(
+            d / "model.safetensors.index.json", b"{}", _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d)
+        ),
+        r"model\.safetensors\.index\.json: must hold a non-empty \"weight_map\"",
+    ),
+    "missing_tensor": (
+        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.pop("h.1.mlp.c_fc.bias")) or str(d),
+        r"model\.safetensors: weights lack parameter 'h\.1\.mlp\.c_fc\.bias'",
+    ),
+    "wrong_shape": (
+        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"wpe.weight": np.zeros((4, 16))})) or str(d),
+        r"model\.safetensors: weights\['wpe\.weight'\] must have shape \(40, 16\)",
+    ),
+    "untied_lm_head": (
+        lambda d: (
+            _rewrite_weights(_checkpoint(d), lambda t: t.update({"lm_head.weight": t["wte.weight"] + 1})) or str(d)
+        ),
+        r"model\.safetensors: tensor 'lm_head\.weight' differs from 'wte\.weight'",
+    ),
+    "twice": (
+        lambda d: (
+            _rewrite_weights(_checkpoint(d), lambda t: t.update({"transformer.ln_f.bias": t["ln_f.bias"]})) or str(d)
+        ),
+        r"tensor 'ln_f\.bias' appears twice",
+    ),
+    "unexpected": (
+        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"h.9.ln_1.weight": np.ones(16)})) or str(d),
+        r"weights hold unexpected parameters \['h\.9\.ln_1\.weight'\]",
+    ),
+    "config_not_utf8": (
+        lambda d: _bytes(d / "config.json", b'{"model_type": "gpt\xff"}', d),
+        r"config\.json: cannot read \('utf-8' codec can't decode byte 0xff",
+    ),
+    "config_nested_deeply": (
+        lambda d: _bytes(d / "config.json", b"[" * 100_000 + b"]" * 100_000, d),
+        r"config\.json: cannot read \(JSON nested too deeply\)$",
+    ),
+    "config_integer_too_long": (
+        lambda d: _bytes(d / "config.json", b'{"vocab_size": ' + b"7" * 5000 + b"}", d),
+        r"config\.json: cannot read \(Exceeds the limit \(4300 digits\)",
+    ),
+    "epsilon_not_a_number": (
+        lambda d: _edit_config(_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),
+        r"config\.json: layer_norm_epsilon must be a number \(got '1e-5'\)$",
+    ),
 }
 
 
@@ -203,15 +254,39 @@ def test_checkpoint_runs_the_same_in_both_frameworks(tmp_path, capsys):
     from trace_replay_app.traces import random_requests, write_traces
 
     folder = tmp_path / "ckpt"
-    save_checkpoint(str(folder), SMALL, seeded_weights(SMALL, 2), dtype="BF16", prefix="transformer.",
-                    tied_lm_head=True, mask_buffers=True)
+    save_checkpoint(
+        str(folder),
+        SMALL,
+        seeded_weights(SMALL, 2),
+        dtype="BF16",
+        prefix="transformer.",
+        tied_lm_head=True,
+        mask_buffers=True,
+    )
     traces = str(tmp_path / "t.jsonl")
     write_traces(traces, random_requests(SMALL, 10, seed=4, prompt_len=(1, 12), new_tokens=(1, 12)))
     outs = {}
     for fw in ("torch", "jax"):
         out = str(tmp_path / f"{fw}.json")
-        assert cli.main(["run", "--framework", fw, "--traces", traces, "--checkpoint", str(folder), "--out", out,
-                         "--max-batch", "4", "--quiet"]) == 0, capsys.readouterr().err
+        assert (
+            cli.main(
+                [
+                    "run",
+                    "--framework",
+                    fw,
+                    "--traces",
+                    traces,
+                    "--checkpoint",
+                    str(folder),
+                    "--out",
+                    out,
+                    "--max-batch",
+                    "4",
+                    "--quiet",
+                ]
+            )
+            == 0
+        ), capsys.readouterr().err
         outs[fw] = _load(out)
     for doc in outs.values():
         s = doc["summary"]
@@ -241,8 +316,10 @@ def test_sharded_checkpoint_loads_like_one_file(tmp_path):
     save_checkpoint(str(tmp_path / "one"), SMALL, weights, prefix="transformer.")
     save_checkpoint(str(tmp_path / "two"), SMALL, weights, prefix="transformer.", shards=2)
     index = _load(tmp_path / "two" / "model.safetensors.index.json")
-    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
-                                                          "model-00002-of-00002.safetensors"]
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert not (tmp_path / "two" / "model.safetensors").exists()
     family, config, one = load_checkpoint(str(tmp_path / "one"))
     family2, config2, two = load_checkpoint(str(tmp_path / "two"))
@@ -276,25 +353,38 @@ def _truncate(path, keep: int = -10):
 def _index_names_absent_tensor(d):
     _sharded(d)
     index = _load(d / "model.safetensors.index.json")
-    index["weight_map"]["h.0.ln_1.weight"] = "model-00002-of-00002.safetensors"   # it lives in shard 1
+    index["weight_map"]["h.0.ln_1.weight"] = "model-00002-of-00002.safetensors"  # it lives in shard 1
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     return str(d)
 
 
 REFUSED = {
-    "unsupported_model_type": (lambda d: _relabel(d, "bert"),
-                               r"config\.json: model_type 'bert' is not supported \(supported: gpt2(, \w+)*\)$"),
-    "missing_shard": (_drop_shard, r"model-00002-of-00002\.safetensors: missing \(the shard "
-                                   r"model\.safetensors\.index\.json names for tensor '.+'\)$"),
-    "truncated_file": (lambda d: _truncate(d / "model.safetensors") or str(d) if _checkpoint(d) else None,
-                       r"model\.safetensors: not a readable safetensors file \(.+\)$"),
-    "truncated_shard": (lambda d: _truncate(d / "model-00001-of-00002.safetensors") or str(d) if _sharded(d) else None,
-                        r"model-00001-of-00002\.safetensors: not a readable safetensors file \(.+\)$"),
-    "tensor_not_in_its_shard": (_index_names_absent_tensor,
-                                r"model-00002-of-00002\.safetensors: tensor 'h\.0\.ln_1\.weight' missing \(named by "
-                                r"model\.safetensors\.index\.json\)$"),
-    "wrong_shape": (lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"ln_f.bias": np.zeros(17)}))
-                    or str(d), r"model\.safetensors: weights\['ln_f\.bias'\] must have shape \(16,\) \(got \(17,\)\)$"),
+    "unsupported_model_type": (
+        lambda d: _relabel(d, "bert"),
+        r"config\.json: model_type 'bert' is not supported \(supported: gpt2(, \w+)*\)$",
+    ),
+    "missing_shard": (
+        _drop_shard,
+        r"model-00002-of-00002\.safetensors: missing \(the shard "
+        r"model\.safetensors\.index\.json names for tensor '.+'\)$",
+    ),
+    "truncated_file": (
+        lambda d: _truncate(d / "model.safetensors") or str(d) if _checkpoint(d) else None,
+        r"model\.safetensors: not a readable safetensors file \(.+\)$",
+    ),
+    "truncated_shard": (
+        lambda d: _truncate(d / "model-00001-of-00002.safetensors") or str(d) if _sharded(d) else None,
+        r"model-00001-of-00002\.safetensors: not a readable safetensors file \(.+\)$",
+    ),
+    "tensor_not_in_its_shard": (
+        _index_names_absent_tensor,
+        r"model-00002-of-00002\.safetensors: tensor 'h\.0\.ln_1\.weight' missing \(named by "
+        r"model\.safetensors\.index\.json\)$",
+    ),
+    "wrong_shape": (
+        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"ln_f.bias": np.zeros(17)})) or str(d),
+        r"model\.safetensors: weights\['ln_f\.bias'\] must have shape \(16,\) \(got \(17,\)\)$",
+    ),
 }
 
 
@@ -311,12 +401,14 @@ def test_refused_checkpoints_exit_2_and_write_nothing(tmp_path, case, capsys):
     traces = str(work / "t.jsonl")
     write_traces(traces, random_requests(SMALL, 3, seed=1))
     before = {p: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
-    for args in (["run", "--framework", "torch", "--out", str(work / "o.json")],
-                 ["compare", "--out-dir", str(work / "cmp")]):
+    for args in (
+        ["run", "--framework", "torch", "--out", str(work / "o.json")],
+        ["compare", "--out-dir", str(work / "cmp")],
+    ):
         status = cli.main([*args, "--traces", traces, "--checkpoint", folder, "--quiet"])
         err = capsys.readouterr().err
         assert status == 2, err
         assert re.match(rf"^trace-replay {args[0]}: error: {re.escape(folder)}/{pattern}", err.strip()), err
         assert len(err.strip().splitlines()) == 1
         assert sorted(os.listdir(work)) == ["t.jsonl"]
-    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before   # inputs untouched
+    assert {p: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before  # inputs untouched

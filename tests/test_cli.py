@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from cli_helpers import load
 from cli_helpers import main as run_cli
 
@@ -38,15 +37,23 @@ def test_run_reproduces_every_trace(tmp_path, trace_file, framework):
     out = str(tmp_path / "out.json")
     status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out, "--max-batch", "4")
     assert status == 0, text
-    assert re.match(rf"^{framework} on cpu: 24 requests \(16 traced\), \d+ tokens in [\d.]+ s \(\d+ tokens/s\)\n"
-                    r"exact reproduction: 16/16 traced requests; "
-                    r"forced tokens: mean logprob -[\d.]+, mean rank [\d.]+\n"
-                    rf"wrote {re.escape(out)}\n$", text), text
+    assert re.match(
+        rf"^{framework} on cpu: 24 requests \(16 traced\), \d+ tokens in [\d.]+ s \(\d+ tokens/s\)\n"
+        r"exact reproduction: 16/16 traced requests; "
+        r"forced tokens: mean logprob -[\d.]+, mean rank [\d.]+\n"
+        rf"wrote {re.escape(out)}\n$",
+        text,
+    ), text
     doc = load(out)
     requests = read_traces(trace_file, CONFIG)
     s = doc["summary"]
-    assert (s["framework"], s["device"], s["max_batch"], s["requests"], s["traced_requests"]) == (framework, "cpu", 4,
-                                                                                                 24, 16)
+    assert (s["framework"], s["device"], s["max_batch"], s["requests"], s["traced_requests"]) == (
+        framework,
+        "cpu",
+        4,
+        24,
+        16,
+    )
     assert s["exact_reproductions"] == 16 and s["tokens"] == sum(r.new_tokens for r in requests)
     assert s["forced_tokens"] == sum(r.new_tokens for r in requests if r.trace) and s["tokens_per_s"] > 0
     assert s["weights"] == {"source": "seeded", "seed": 0} and s["model"]["vocab_size"] == 512
@@ -90,8 +97,9 @@ def test_compare_writes_report_and_plot(tmp_path, trace_file):
 
 def test_compare_explicit_paths_and_quiet(tmp_path, trace_file):
     report, plot = tmp_path / "r.json", tmp_path / "p.png"
-    status, text = run_cli("compare", "--traces", trace_file, "--report", str(report), "--plot", str(plot), "--quiet",
-                         "--max-batch", "4")
+    status, text = run_cli(
+        "compare", "--traces", trace_file, "--report", str(report), "--plot", str(plot), "--quiet", "--max-batch", "4"
+    )
     assert status == 0 and text == ""
     assert report.is_file() and plot.is_file()
     assert sorted(os.listdir(tmp_path)) == ["p.png", "r.json"]
@@ -100,18 +108,30 @@ def test_compare_explicit_paths_and_quiet(tmp_path, trace_file):
 # bad trace file line(s) -> anchored regex after "<file>, "
 BAD = {
     "not_json": (['{"id": "a", "prompt": [1], "trace": [2]}', "{"], r"line 2: not valid JSON"),
-    "duplicate_id": (['{"id": "a", "prompt": [1], "trace": [2]}', '{"id": "a", "prompt": [1], "trace": [3]}'],
-                     r"line 2, field \"id\": duplicate id 'a' \(first on line 1\)"),
+    "duplicate_id": (
+        ['{"id": "a", "prompt": [1], "trace": [2]}', '{"id": "a", "prompt": [1], "trace": [3]}'],
+        r"line 2, field \"id\": duplicate id 'a' \(first on line 1\)",
+    ),
     "empty_prompt": (['{"id": "a", "prompt": [], "trace": [2]}'], r'line 1, field "prompt": must not be empty'),
-    "negative": (['{"id": "a", "prompt_token_ids": [4, -1], "trace": [2]}'],
-                 r'line 1, field "prompt_token_ids": token id -1 at index 1 is negative'),
+    "negative": (
+        ['{"id": "a", "prompt_token_ids": [4, -1], "trace": [2]}'],
+        r'line 1, field "prompt_token_ids": token id -1 at index 1 is negative',
+    ),
     "untraced_without_count": (['{"id": "a", "prompt": [1]}'], r'line 1, field "max_new_tokens": missing'),
-    "beyond_vocab_trace": (['{"id": "b", "prompt": [1], "trace_token_ids": [3, 512]}'],
-                           (r'line 1, field "trace_token_ids": token id 512 at index 1 is not below the model\'s '
-                            r"vocab_size 512")),
-    "too_long": ([json.dumps({"id": "a", "prompt": [1] * 120, "trace": [1] * 9})],
-                 (r'line 1, field "trace": prompt \(120\) \+ decoded tokens \(9\) = 129 exceed the model\'s '
-                  r"n_positions 128")),
+    "beyond_vocab_trace": (
+        ['{"id": "b", "prompt": [1], "trace_token_ids": [3, 512]}'],
+        (
+            r'line 1, field "trace_token_ids": token id 512 at index 1 is not below the model\'s '
+            r"vocab_size 512"
+        ),
+    ),
+    "too_long": (
+        [json.dumps({"id": "a", "prompt": [1] * 120, "trace": [1] * 9})],
+        (
+            r'line 1, field "trace": prompt \(120\) \+ decoded tokens \(9\) = 129 exceed the model\'s '
+            r"n_positions 128"
+        ),
+    ),
 }
 
 
@@ -129,7 +149,7 @@ def test_malformed_file_fails_before_writing(tmp_path, capsys, case, command):
     err = capsys.readouterr().err
     assert status == 2
     assert re.match(rf"^trace-replay {command}: error: {re.escape(str(traces))}, {pattern}", err), err
-    assert os.listdir(tmp_path) == ["bad.jsonl"]     # no output, no temporary file, no folder
+    assert os.listdir(tmp_path) == ["bad.jsonl"]  # no output, no temporary file, no folder
 
 
 def test_a_run_that_fails_midway_writes_nothing(tmp_path, trace_file, monkeypatch):
@@ -145,6 +165,7 @@ def test_a_run_that_fails_midway_writes_nothing(tmp_path, trace_file, monkeypatc
 
 def _torch_loop(*args, **kw):
     from trace_replay_app.models.gpt2.torch_loop import run_decode
+
     return run_decode(*args, **kw)
 
 
@@ -159,17 +180,20 @@ def test_run_exits_1_when_a_trace_is_not_reproduced(tmp_path, trace_file, monkey
     status, text = run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--quiet")
     assert status == 1 and text == ""
     assert re.match(r"^trace-replay run: 16 traced requests were not reproduced exactly: r\d+", capsys.readouterr().err)
-    assert load(out)["summary"]["exact_reproductions"] == 0    # the results are still written
+    assert load(out)["summary"]["exact_reproductions"] == 0  # the results are still written
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "--framework", "torch", "--traces", "t", "--out", "o", "--device", "tpu"], r"--device: must be cpu"),
-    (["run", "--framework", "mxnet", "--traces", "t", "--out", "o"], r"--framework: invalid choice"),
-    (["run", "--framework", "torch", "--traces", "t"], r"the following arguments are required: --out"),
-    (["compare", "--traces", "t", "--max-batch", "0"], r"--max-batch: must be a positive integer \(got 0\)"),
-    (["demo", "--max-batch", "x"], r"--max-batch: must be a positive integer \(got 'x'\)"),
-    ([], r"the following arguments are required"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--framework", "torch", "--traces", "t", "--out", "o", "--device", "tpu"], r"--device: must be cpu"),
+        (["run", "--framework", "mxnet", "--traces", "t", "--out", "o"], r"--framework: invalid choice"),
+        (["run", "--framework", "torch", "--traces", "t"], r"the following arguments are required: --out"),
+        (["compare", "--traces", "t", "--max-batch", "0"], r"--max-batch: must be a positive integer \(got 0\)"),
+        (["demo", "--max-batch", "x"], r"--max-batch: must be a positive integer \(got 'x'\)"),
+        ([], r"the following arguments are required"),
+    ],
+)
 def test_bad_usage_exits_2(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(args)
@@ -179,21 +203,52 @@ def test_bad_usage_exits_2(args, message, capsys):
 
 def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
     cases = [
-        (["run", "--framework", "torch", "--traces", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
-         r"--traces .*none\.jsonl: cannot read \(No such file or directory\)"),
-        (["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "no" / "o.json")],
-         r"--out .*o\.json: folder .*no does not exist"),
+        (
+            ["run", "--framework", "torch", "--traces", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
+            r"--traces .*none\.jsonl: cannot read \(No such file or directory\)",
+        ),
+        (
+            ["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "no" / "o.json")],
+            r"--out .*o\.json: folder .*no does not exist",
+        ),
         (["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path)], r"--out .*: is a folder"),
         (["compare", "--traces", trace_file, "--out-dir", trace_file], r"--out-dir .*: exists and is not a folder"),
         (["compare", "--traces", trace_file, "--plot", str(tmp_path / "no" / "p.png")], r"--plot .*: folder .*"),
-        (["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "o"), "--checkpoint",
-          str(tmp_path / "ckpt")], r".*ckpt: not a folder"),
+        (
+            [
+                "run",
+                "--framework",
+                "torch",
+                "--traces",
+                trace_file,
+                "--out",
+                str(tmp_path / "o"),
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+            ],
+            r".*ckpt: not a folder",
+        ),
     ]
     try:
         import torch
+
         if not torch.cuda.is_available():
-            cases.append((["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "o"),
-                           "--device", "cuda"], r"--device cuda: torch sees no CUDA device; use --device cpu"))
+            cases.append(
+                (
+                    [
+                        "run",
+                        "--framework",
+                        "torch",
+                        "--traces",
+                        trace_file,
+                        "--out",
+                        str(tmp_path / "o"),
+                        "--device",
+                        "cuda",
+                    ],
+                    r"--device cuda: torch sees no CUDA device; use --device cpu",
+                )
+            )
     except ImportError:
         pass
     for args, pattern in cases:
@@ -207,7 +262,7 @@ def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
 def test_compare_without_matplotlib_writes_the_report_and_skips_the_plot(tmp_path, trace_file, monkeypatch):
     """Without matplotlib, compare still writes its report and says the plot was skipped."""
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
-        monkeypatch.setitem(sys.modules, name, None)      # None in sys.modules: import raises ImportError
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: import raises ImportError
     status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "cmp"), "--max-batch", "4")
     assert status == 0, text
     assert os.listdir(tmp_path / "cmp") == ["compare_report.json"]
@@ -218,8 +273,14 @@ def test_compare_without_matplotlib_writes_the_report_and_skips_the_plot(tmp_pat
 # the demo ---------------------------------------------------------------------------------------
 def test_demo_entry_point_runs_and_passes():
     """``python -m trace_replay_app demo``: both frameworks, every check, exit status 0."""
-    proc = subprocess.run([sys.executable, "-m", "trace_replay_app", "demo"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_replay_app", "demo"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
     assert text.startswith("trace-replay demo: GPT-2-style model with seeded weights (seed 0;")
@@ -262,10 +323,13 @@ def _changing_untraced(config, weights, requests, **kw):
     return results
 
 
-@pytest.mark.parametrize("loop, failed", [
-    (_dropping_traces, "torch: traced requests reproduced their traces exactly: 0/8 FAILED"),
-    (_changing_untraced, "torch: untraced requests equal a run without any traces: 3/4 FAILED"),
-])
+@pytest.mark.parametrize(
+    "loop, failed",
+    [
+        (_dropping_traces, "torch: traced requests reproduced their traces exactly: 0/8 FAILED"),
+        (_changing_untraced, "torch: untraced requests equal a run without any traces: 3/4 FAILED"),
+    ],
+)
 def test_demo_checks_catch_a_broken_loop(loop, failed):
     result = demo.run_demo(loops={"torch": loop})
     assert not result.ok
@@ -276,9 +340,22 @@ def test_demo_checks_catch_a_broken_loop(loop, failed):
 
 
 def test_demo_subcommand_exit_status_follows_the_checks(monkeypatch):
-    monkeypatch.setattr(demo, "run_demo", lambda **kw: demo.DemoResult(
-        CONFIG, "cpu", 0, 4, [], {"torch": []}, {"torch": []}, {"torch": 1.0}, None,
-        [demo.Check("x", 0, 1, ["broken"])]))
+    monkeypatch.setattr(
+        demo,
+        "run_demo",
+        lambda **kw: demo.DemoResult(
+            CONFIG,
+            "cpu",
+            0,
+            4,
+            [],
+            {"torch": []},
+            {"torch": []},
+            {"torch": 1.0},
+            None,
+            [demo.Check("x", 0, 1, ["broken"])],
+        ),
+    )
     status, text = run_cli("demo", "--quiet")
     assert status == 1 and "check: x: 0/1 FAILED" in text
 
@@ -297,7 +374,7 @@ def test_progress_draws_only_on_a_terminal():
         bar.update(40)
         bar.refresh()
         assert "torch" in stream.getvalue() and "40/100" in stream.getvalue()
-    assert stream.getvalue().endswith("\r")         # leave=False: the line is cleared on close
+    assert stream.getvalue().endswith("\r")  # leave=False: the line is cleared on close
     quiet = io.StringIO()
     with progress_bar(100, "jax", stream=quiet, delay_s=0) as bar:
         bar.update(100)
@@ -307,7 +384,7 @@ def test_progress_draws_only_on_a_terminal():
         bar.update(5)
     assert forced_off.getvalue() == ""
     late = _Tty()
-    with progress_bar(10, "x", stream=late, delay_s=60) as bar:   # short runs print nothing
+    with progress_bar(10, "x", stream=late, delay_s=60) as bar:  # short runs print nothing
         bar.update(5)
     assert late.getvalue() == ""
 
@@ -315,11 +392,13 @@ def test_progress_draws_only_on_a_terminal():
 def test_the_command_line_imports_no_framework_until_it_runs_one(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": []}\n')
-    code = ("import sys, trace_replay_app.__main__, trace_replay_app.cli as cli, trace_replay_app.demo, "
-            "trace_replay_app.compare, trace_replay_app.checkpoint, trace_replay_app.runner, trace_replay_app.models; "
-            f"status = cli.main(['run', '--framework', 'torch', '--traces', {str(bad)!r}, '--out', "
-            f"{str(tmp_path / 'o.json')!r}]); "
-            "loaded = [m for m in ('torch', 'jax', 'jaxlib', 'matplotlib') if m in sys.modules]; "
-            "print('status', status, 'loaded', loaded)")
+    code = (
+        "import sys, trace_replay_app.__main__, trace_replay_app.cli as cli, trace_replay_app.demo, "
+        "trace_replay_app.compare, trace_replay_app.checkpoint, trace_replay_app.runner, trace_replay_app.models; "
+        f"status = cli.main(['run', '--framework', 'torch', '--traces', {str(bad)!r}, '--out', "
+        f"{str(tmp_path / 'o.json')!r}]); "
+        "loaded = [m for m in ('torch', 'jax', 'jaxlib', 'matplotlib') if m in sys.modules]; "
+        "print('status', status, 'loaded', loaded)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert proc.stdout.strip() == "status 2 loaded []", proc.stdout + proc.stderr

@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from cli_helpers import load
 from cli_helpers import main as run_cli
 
@@ -36,8 +35,9 @@ def trace_file(tmp_path_factory):
 
 def _run(tmp_path, trace_file, *extra, framework="torch", name="out.json"):
     out = str(tmp_path / name)
-    status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out, "--quiet",
-                           "--max-batch", "3", *extra)
+    status, text = run_cli(
+        "run", "--framework", framework, "--traces", trace_file, "--out", out, "--quiet", "--max-batch", "3", *extra
+    )
     assert status == 0, text
     return load(out)
 
@@ -54,24 +54,38 @@ def test_model_dtype_and_sampling_options(tmp_path, trace_file, framework):
     bf16 = _run(tmp_path, trace_file, "--dtype", "bfloat16", framework=framework, name="bf16.json")
     assert bf16["summary"]["dtype"] == "bfloat16" and bf16["summary"]["exact_reproductions"] == 6
     lp = lambda doc: np.array([x for r in doc["requests"] if r["traced"] for x in r["logprobs"]])  # noqa: E731
-    assert 0 < np.abs(lp(bf16) - lp(base)).max() < 0.1           # computed in bfloat16, close to float32
+    assert 0 < np.abs(lp(bf16) - lp(base)).max() < 0.1  # computed in bfloat16, close to float32
 
-    hot = [_run(tmp_path, trace_file, "--temperature", "1.5", "--sampling-seed", str(seed), framework=framework,
-                name=f"hot{i}.json") for i, seed in enumerate((4, 4, 5))]
+    hot = [
+        _run(
+            tmp_path,
+            trace_file,
+            "--temperature",
+            "1.5",
+            "--sampling-seed",
+            str(seed),
+            framework=framework,
+            name=f"hot{i}.json",
+        )
+        for i, seed in enumerate((4, 4, 5))
+    ]
     assert hot[0]["requests"] == hot[1]["requests"], "the same sampling seed must give the same output"
     assert hot[0]["summary"]["temperature"] == 1.5 and hot[0]["summary"]["sampling_seed"] == 4
     free = lambda doc: [r["tokens"] for r in doc["requests"] if not r["traced"]]  # noqa: E731
     assert free(hot[0]) != free(hot[2]) and free(hot[0]) != free(base)
-    assert hot[0]["summary"]["exact_reproductions"] == 6          # traces are still forced
+    assert hot[0]["summary"]["exact_reproductions"] == 6  # traces are still forced
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "bert"], r"--model: invalid choice: 'bert'"),
-    (["--dtype", "float16"], r"--dtype: invalid choice: 'float16'"),
-    (["--temperature", "-1"], r"--temperature: must be a finite number >= 0 \(got -1\)"),
-    (["--temperature", "x"], r"--temperature: must be a number >= 0 \(got 'x'\)"),
-    (["--sampling-seed", "-3"], r"--sampling-seed: must be an integer in \[0, 2\*\*63\) \(got -3\)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "bert"], r"--model: invalid choice: 'bert'"),
+        (["--dtype", "float16"], r"--dtype: invalid choice: 'float16'"),
+        (["--temperature", "-1"], r"--temperature: must be a finite number >= 0 \(got -1\)"),
+        (["--temperature", "x"], r"--temperature: must be a number >= 0 \(got 'x'\)"),
+        (["--sampling-seed", "-3"], r"--sampling-seed: must be an integer in \[0, 2\*\*63\) \(got -3\)"),
+    ],
+)
 def test_bad_option_values_exit_2(tmp_path, trace_file, args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["run", "--framework", "torch", "--traces", trace_file, "--out", str(tmp_path / "o.json"), *args])
@@ -83,8 +97,9 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"trace-replay {__version__}"
-    proc = subprocess.run([sys.executable, "-m", "trace_replay_app", "--version"], capture_output=True, text=True,
-                          cwd=ROOT, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trace_replay_app", "--version"], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == f"trace-replay {__version__}" != "trace-replay "
 
 
@@ -93,11 +108,15 @@ def test_out_equal_to_traces_is_refused(tmp_path, capsys):
     traces = tmp_path / "t.jsonl"
     write_traces(str(traces), random_requests(CONFIG, 2, seed=1))
     before = traces.read_bytes()
-    cases = [(["run", "--framework", "torch", "--out", str(traces)], r"--out .*t\.jsonl: is the --traces file"),
-             (["run", "--framework", "torch", "--out", os.path.join(str(tmp_path), ".", "t.jsonl")],
-              r"--out .*t\.jsonl: is the --traces file"),
-             (["compare", "--report", str(traces)], r"--report .*t\.jsonl: is the --traces file"),
-             (["compare", "--out-dir", str(tmp_path), "--plot", str(traces)], r"--plot .*t\.jsonl: is the --traces file")]
+    cases = [
+        (["run", "--framework", "torch", "--out", str(traces)], r"--out .*t\.jsonl: is the --traces file"),
+        (
+            ["run", "--framework", "torch", "--out", os.path.join(str(tmp_path), ".", "t.jsonl")],
+            r"--out .*t\.jsonl: is the --traces file",
+        ),
+        (["compare", "--report", str(traces)], r"--report .*t\.jsonl: is the --traces file"),
+        (["compare", "--out-dir", str(tmp_path), "--plot", str(traces)], r"--plot .*t\.jsonl: is the --traces file"),
+    ]
     for args, pattern in cases:
         assert run_cli(*args, "--traces", str(traces))[0] == 2, args
         assert re.match(rf"^trace-replay {args[0]}: error: {pattern}", capsys.readouterr().err)
@@ -128,6 +147,7 @@ def _without(missing):
         if fw in missing:
             raise ImportError(f"No module named {fw!r}")
         return real(fw)
+
     return load
 
 
@@ -135,9 +155,12 @@ def test_demo_with_one_framework_runs_it_and_says_the_other_is_missing(monkeypat
     monkeypatch.setattr(GPT2, "load_loop", _without({"jax"}))
     status, text = run_cli("demo")
     assert status == 0, text
-    assert re.match(r"^jax: missing, the demo runs torch only \(the jax decode loop of gpt2 cannot be imported "
-                    r"\(No module named 'jax'\); install the framework, e\.g\. pip install 'trace-replay\[jax\]'\)\n"
-                    r"trace-replay demo: GPT-2-style model with seeded weights", text), text
+    assert re.match(
+        r"^jax: missing, the demo runs torch only \(the jax decode loop of gpt2 cannot be imported "
+        r"\(No module named 'jax'\); install the framework, e\.g\. pip install 'trace-replay\[jax\]'\)\n"
+        r"trace-replay demo: GPT-2-style model with seeded weights",
+        text,
+    ), text
     assert "check: torch: traced requests reproduced their traces exactly: 8/8 ok" in text
     assert "check: jax" not in text and "torch vs jax" not in text and text.rstrip().endswith("all checks passed")
 
@@ -147,15 +170,24 @@ def test_demo_with_no_framework_exits_2(monkeypatch, capsys):
     status, _ = run_cli("demo")
     err = capsys.readouterr().err
     assert status == 2
-    assert re.match(r"^trace-replay demo: error: no framework can run the demo: the torch decode loop of gpt2 "
-                    r"cannot be imported .*; the jax decode loop of gpt2 cannot be imported", err), err
+    assert re.match(
+        r"^trace-replay demo: error: no framework can run the demo: the torch decode loop of gpt2 "
+        r"cannot be imported .*; the jax decode loop of gpt2 cannot be imported",
+        err,
+    ), err
 
 
 # compare's mismatch measures and --max-k3 -------------------------------------------------------------
 def _result(rid, tokens, logprobs, argmax):
     n = len(tokens)
-    return RequestResult(rid, np.asarray(tokens, np.int64), np.zeros(n, bool), np.asarray(logprobs, np.float32),
-                         np.ones(n, np.int64), np.asarray(argmax, np.int64))
+    return RequestResult(
+        rid,
+        np.asarray(tokens, np.int64),
+        np.zeros(n, bool),
+        np.asarray(logprobs, np.float32),
+        np.ones(n, np.int64),
+        np.asarray(argmax, np.int64),
+    )
 
 
 def test_mismatch_measures_against_numpy(rng):
@@ -202,14 +234,19 @@ def test_mismatch_measures_against_numpy(rng):
 
 
 def test_compare_reports_the_measures_and_max_k3_fails_the_requests_above(tmp_path, trace_file, monkeypatch, capsys):
-    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "ok"), "--max-k3", "1e-6",
-                           "--max-batch", "3")
+    status, text = run_cli(
+        "compare", "--traces", trace_file, "--out-dir", str(tmp_path / "ok"), "--max-k3", "1e-6", "--max-batch", "3"
+    )
     assert status == 0, text
     s = load(tmp_path / "ok" / "compare_report.json")["summary"]
     assert 0 <= s["k3"] < 1e-9 and s["pearson"] > 0.999999 and s["argmax_mismatches"] == 0
     assert s["max_abs_prob_diff"] <= 1e-5 and s["logprobs"] == "raw logits (before temperature)"
-    assert re.search(r"^\|probability difference\|: max .*; k3 KL estimate .*; logprob correlation 1; argmax "
-                     r"differs at 0 positions$", text, re.MULTILINE), text
+    assert re.search(
+        r"^\|probability difference\|: max .*; k3 KL estimate .*; logprob correlation 1; argmax "
+        r"differs at 0 positions$",
+        text,
+        re.MULTILINE,
+    ), text
 
     real = GPT2.load_loop
 
@@ -218,30 +255,39 @@ def test_compare_reports_the_measures_and_max_k3_fails_the_requests_above(tmp_pa
         if fw == "torch":
             return loop
 
-        def run(*args, **kw):            # the JAX run's logprobs of two traced requests shifted by 0.5
+        def run(*args, **kw):  # the JAX run's logprobs of two traced requests shifted by 0.5
             results = loop(*args, **kw)
             return [dataclasses.replace(r, logprobs=r.logprobs - 0.5) if r.id in ("r1", "r4") else r for r in results]
+
         return run
 
     monkeypatch.setattr(GPT2, "load_loop", shifted)
     traced = [r.id for r in random_requests(CONFIG, 10, seed=3, traced=0.6) if r.trace is not None]
     assert {"r1", "r4"} <= set(traced)
-    status, _ = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path / "bad"), "--max-k3", "0.01",
-                        "--quiet")
+    status, _ = run_cli(
+        "compare", "--traces", trace_file, "--out-dir", str(tmp_path / "bad"), "--max-k3", "0.01", "--quiet"
+    )
     err = capsys.readouterr().err
     k3 = np.exp(-0.5) - 1 + 0.5
     assert status == 1
-    assert re.match(rf"^trace-replay compare: 2 requests have a k3 KL estimate above 0\.01: r1 \({k3:.3g}\), "
-                    rf"r4 \({k3:.3g}\)$", err.strip()), err
-    report = load(tmp_path / "bad" / "compare_report.json")           # the report is still written
+    assert re.match(
+        rf"^trace-replay compare: 2 requests have a k3 KL estimate above 0\.01: r1 \({k3:.3g}\), "
+        rf"r4 \({k3:.3g}\)$",
+        err.strip(),
+    ), err
+    report = load(tmp_path / "bad" / "compare_report.json")  # the report is still written
     assert {r["id"] for r in report["requests"] if r["k3"] > 0.01} == {"r1", "r4"}
 
 
 def test_compare_summary_lines_name_every_measure():
     out = io.StringIO()
-    rows = compare_results([TraceRequest("a", (1,), (2, 3))], [_result("a", [2, 3], [-1, -2], [2, 3])],
-                           [_result("a", [2, 3], [-1.5, -2], [2, 4])])
+    rows = compare_results(
+        [TraceRequest("a", (1,), (2, 3))],
+        [_result("a", [2, 3], [-1, -2], [2, 3])],
+        [_result("a", [2, 3], [-1.5, -2], [2, 4])],
+    )
     from trace_replay_app.compare import summary_lines
+
     print("\n".join(summary_lines(rows)), file=out)
     text = out.getvalue()
     assert "k3 KL estimate" in text and "logprob correlation" in text and "argmax differs at 1 positions" in text

@@ -49,7 +49,9 @@ def test_read_only_numpy_is_flagged_by_versioned_capsule():
     a.flags.writeable = False
     v = as_view(a, name="sampled")
     assert v.readonly
-    with pytest.raises(ValueError, match=r"^sampled is written in place and must be writable \(got a read-only array\)$"):
+    with pytest.raises(
+        ValueError, match=r"^sampled is written in place and must be writable \(got a read-only array\)$"
+    ):
         check_view(v, name="sampled", dtypes=["int32"], writable=True)
     check_view(v, name="sampled", dtypes=["int32"])  # reading is fine
 
@@ -63,6 +65,7 @@ def test_unversioned_capsule_fallback():
 def test_view_keeps_producer_memory_alive():
     v = as_view(np.arange(1000, dtype=np.int64) * 3, name="x")  # the array has no other owner
     from trace_replay_core._numpy_backend import numpy_of
+
     assert numpy_of(v)[999] == 2997
 
 
@@ -92,28 +95,52 @@ def test_array_view_passes_through():
 
 
 REFUSALS = {
-    "not-an-array": (lambda: as_view([1, 2], name="sampled"),
-                     TypeError, r"^sampled must be an array supporting DLPack \(__dlpack__ and __dlpack_device__\); got list$"),
-    "wrong-dtype": (lambda: check_view(as_view(np.zeros(3, np.float32), name="idx_mapping"), name="idx_mapping",
-                                       dtypes=["int32", "int64"]),
-                    TypeError, r"^idx_mapping must have dtype int32 or int64 \(got float32\)$"),
-    "wrong-device": (lambda: check_view(as_view(np.zeros(3, np.int32), name="sampled"), name="sampled",
-                                        dtypes=["int32"], device="cuda:0"),
-                     ValueError, r"^sampled must be on cuda:0 \(got cpu\)$"),
-    "wrong-rank": (lambda: check_view(as_view(np.zeros((2, 2), np.int32), name="idx_mapping"), name="idx_mapping",
-                                      dtypes=["int32"], ndim=1),
-                   ValueError, r"^idx_mapping must be 1-D \(got shape \[2, 2\]\)$"),
-    "wrong-length": (lambda: check_view(as_view(np.zeros(3, np.int32), name="idx_mapping"), name="idx_mapping",
-                                        dtypes=["int32"], length=4),
-                     ValueError, r"^idx_mapping must have 4 rows \(got shape \[3\]\)$"),
-    "too-short": (lambda: check_view(as_view(np.zeros(3, np.int32), name="total_len"), name="total_len",
-                                     dtypes=["int32"], min_length=8),
-                  ValueError, r"^total_len must have at least 8 entries \(got shape \[3\]\)$"),
-    "unsupported-dtype": (lambda: as_view(np.zeros(3, np.complex64), name="x"),
-                          (TypeError, ValueError), r"^x "),
-    "misaligned": (lambda: check_view(ArrayView(0x1002, (4,), (1,), "int32", "cpu", 0), name="sampled",
-                                      dtypes=["int32"]),
-                   ValueError, r"^sampled must be aligned to its 4-byte elements \(got address 0x1002\)$"),
+    "not-an-array": (
+        lambda: as_view([1, 2], name="sampled"),
+        TypeError,
+        r"^sampled must be an array supporting DLPack \(__dlpack__ and __dlpack_device__\); got list$",
+    ),
+    "wrong-dtype": (
+        lambda: check_view(
+            as_view(np.zeros(3, np.float32), name="idx_mapping"), name="idx_mapping", dtypes=["int32", "int64"]
+        ),
+        TypeError,
+        r"^idx_mapping must have dtype int32 or int64 \(got float32\)$",
+    ),
+    "wrong-device": (
+        lambda: check_view(
+            as_view(np.zeros(3, np.int32), name="sampled"), name="sampled", dtypes=["int32"], device="cuda:0"
+        ),
+        ValueError,
+        r"^sampled must be on cuda:0 \(got cpu\)$",
+    ),
+    "wrong-rank": (
+        lambda: check_view(
+            as_view(np.zeros((2, 2), np.int32), name="idx_mapping"), name="idx_mapping", dtypes=["int32"], ndim=1
+        ),
+        ValueError,
+        r"^idx_mapping must be 1-D \(got shape \[2, 2\]\)$",
+    ),
+    "wrong-length": (
+        lambda: check_view(
+            as_view(np.zeros(3, np.int32), name="idx_mapping"), name="idx_mapping", dtypes=["int32"], length=4
+        ),
+        ValueError,
+        r"^idx_mapping must have 4 rows \(got shape \[3\]\)$",
+    ),
+    "too-short": (
+        lambda: check_view(
+            as_view(np.zeros(3, np.int32), name="total_len"), name="total_len", dtypes=["int32"], min_length=8
+        ),
+        ValueError,
+        r"^total_len must have at least 8 entries \(got shape \[3\]\)$",
+    ),
+    "unsupported-dtype": (lambda: as_view(np.zeros(3, np.complex64), name="x"), (TypeError, ValueError), r"^x "),
+    "misaligned": (
+        lambda: check_view(ArrayView(0x1002, (4,), (1,), "int32", "cpu", 0), name="sampled", dtypes=["int32"]),
+        ValueError,
+        r"^sampled must be aligned to its 4-byte elements \(got address 0x1002\)$",
+    ),
 }
 
 
@@ -122,4 +149,3 @@ def test_refusals(case):
     call, exc, pattern = REFUSALS[case]
     with pytest.raises(exc, match=pattern):
         call()
-

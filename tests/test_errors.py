@@ -18,7 +18,7 @@ def _env():
     t.stage(1, [5, 6, 7])
     t.stage(4, [9])
     t.commit(stream=0)
-    t.stage(2, [1, 2])          # staged, not committed
+    t.stage(2, [1, 2])  # staged, not committed
     t.clear(4)
     arrays = dict(
         sampled=np.arange(4, dtype=np.int64),
@@ -37,38 +37,136 @@ def _readonly(a):
 
 
 CORE = {
-    "trace-empty": (lambda t, a: t.stage(0, []), ValueError, r"^tokens must not be empty \(got 0 tokens\); use clear\(slot\) to untrace a slot$"),
+    "trace-empty": (
+        lambda t, a: t.stage(0, []),
+        ValueError,
+        r"^tokens must not be empty \(got 0 tokens\); use clear\(slot\) to untrace a slot$",
+    ),
     "trace-2d": (lambda t, a: t.stage(0, [[1, 2]]), ValueError, r"^tokens must be 1-D \(got shape \[1, 2\]\)$"),
-    "trace-float": (lambda t, a: t.stage(0, [1.0, 2.0]), TypeError, r"^tokens must have an integer dtype \(got float64\)$"),
-    "trace-bool": (lambda t, a: t.stage(0, np.array([True])), TypeError, r"^tokens must have an integer dtype \(got bool\)$"),
-    "trace-negative": (lambda t, a: t.stage(0, [3, -1]), ValueError, r"^tokens must be non-negative \(got -1 at index 1\)$"),
-    "trace-too-long": (lambda t, a: t.stage(0, list(range(MAX_LEN + 1))), ValueError, r"^tokens has 7 tokens; the table holds at most max_trace_len=6$"),
-    "trace-above-vocab": (lambda t, a: t.stage(0, [1, VOCAB]), ValueError, r"^tokens must be below vocab_size=100 \(got 100 at index 1\)$"),
-    "trace-string": (lambda t, a: t.stage(0, "abc"), TypeError, r"^tokens must be a 1-D sequence of token ids \(list, numpy array or CPU tensor\); got str$"),
+    "trace-float": (
+        lambda t, a: t.stage(0, [1.0, 2.0]),
+        TypeError,
+        r"^tokens must have an integer dtype \(got float64\)$",
+    ),
+    "trace-bool": (
+        lambda t, a: t.stage(0, np.array([True])),
+        TypeError,
+        r"^tokens must have an integer dtype \(got bool\)$",
+    ),
+    "trace-negative": (
+        lambda t, a: t.stage(0, [3, -1]),
+        ValueError,
+        r"^tokens must be non-negative \(got -1 at index 1\)$",
+    ),
+    "trace-too-long": (
+        lambda t, a: t.stage(0, list(range(MAX_LEN + 1))),
+        ValueError,
+        r"^tokens has 7 tokens; the table holds at most max_trace_len=6$",
+    ),
+    "trace-above-vocab": (
+        lambda t, a: t.stage(0, [1, VOCAB]),
+        ValueError,
+        r"^tokens must be below vocab_size=100 \(got 100 at index 1\)$",
+    ),
+    "trace-string": (
+        lambda t, a: t.stage(0, "abc"),
+        TypeError,
+        r"^tokens must be a 1-D sequence of token ids \(list, numpy array or CPU tensor\); got str$",
+    ),
     "slot-too-large": (lambda t, a: t.stage(MAX_SLOTS, [1]), ValueError, r"^slot must be in \[0, 8\) \(got 8\)$"),
     "slot-negative": (lambda t, a: t.stage(-1, [1]), ValueError, r"^slot must be in \[0, 8\) \(got -1\)$"),
     "slot-float": (lambda t, a: t.stage(1.0, [1]), TypeError, r"^slot must be an int \(got float 1\.0\)$"),
     "slot-bool": (lambda t, a: t.stage(True, [1]), TypeError, r"^slot must be an int \(got bool True\)$"),
     "slot-str": (lambda t, a: t.clear("3"), TypeError, r"^slot must be an int \(got str '3'\)$"),
     "clear-out-of-range": (lambda t, a: t.clear(99), ValueError, r"^slot must be in \[0, 8\) \(got 99\)$"),
-    "commit-stream-none": (lambda t, a: t.commit(stream=None), TypeError, r"^stream must be given explicitly: .*\(got None\); pass 0 for the legacy default stream$"),
-    "commit-stream-negative": (lambda t, a: t.commit(stream=-1), ValueError, r"^stream must be a non-negative CUDA stream handle \(got -1\)$"),
-    "commit-stream-str": (lambda t, a: t.commit(stream="s"), TypeError, r"^stream must be an int CUDA stream handle or an object with __cuda_stream__ \(got str\)$"),
+    "commit-stream-none": (
+        lambda t, a: t.commit(stream=None),
+        TypeError,
+        r"^stream must be given explicitly: .*\(got None\); pass 0 for the legacy default stream$",
+    ),
+    "commit-stream-negative": (
+        lambda t, a: t.commit(stream=-1),
+        ValueError,
+        r"^stream must be a non-negative CUDA stream handle \(got -1\)$",
+    ),
+    "commit-stream-str": (
+        lambda t, a: t.commit(stream="s"),
+        TypeError,
+        r"^stream must be an int CUDA stream handle or an object with __cuda_stream__ \(got str\)$",
+    ),
     "commit-stream-positional": (lambda t, a: t.commit(0), TypeError, r"takes 1 positional argument"),
-    "replay-stream-none": (lambda t, a: t.replay(a["sampled"], a["idx"], a["total"], a["prompt"], stream=None), TypeError, r"^stream must be given explicitly"),
-    "sampled-float": (lambda t, a: t.replay(a["sampled"].astype(np.float32), a["idx"], a["total"], a["prompt"], stream=0), TypeError, r"^sampled must have dtype int32 or int64 \(got float32\)$"),
-    "sampled-speculative": (lambda t, a: t.replay(np.zeros((4, 3), np.int64), a["idx"], a["total"], a["prompt"], stream=0), ValueError, r"^sampled has 3 tokens per row \(shape \[4, 3\]\): speculative decoding is not supported; replay takes exactly one token per request per step$"),
-    "sampled-3d": (lambda t, a: t.replay(np.zeros((4, 1, 1), np.int64), a["idx"], a["total"], a["prompt"], stream=0), ValueError, r"^sampled must be 1-D \[batch\] or \[batch, 1\] \(got shape \[4, 1, 1\]\)$"),
-    "sampled-read-only": (lambda t, a: t.replay(_readonly(a["sampled"]), a["idx"], a["total"], a["prompt"], stream=0), ValueError, r"^sampled is written in place and must be writable \(got a read-only array\)$"),
-    "sampled-non-contiguous": (lambda t, a: t.replay(np.zeros(8, np.int64)[::2], a["idx"], a["total"], a["prompt"], stream=0), ValueError, r"^sampled must be contiguous \(got shape \[4\] with element strides \[2\]\)$"),
-    "sampled-wrong-device": (lambda t, a: t.replay(ArrayView(0x1000, (4,), (1,), "int64", "cuda", 0), a["idx"], a["total"], a["prompt"], stream=0), ValueError, r"^sampled must be on cpu \(got cuda:0\)$"),
-    "idx-float": (lambda t, a: t.replay(a["sampled"], a["idx"].astype(np.float64), a["total"], a["prompt"], stream=0), TypeError, r"^idx_mapping must have dtype int32 or int64 \(got float64\)$"),
-    "idx-batch-mismatch": (lambda t, a: t.replay(a["sampled"], a["idx"][:3], a["total"], a["prompt"], stream=0), ValueError, r"^idx_mapping must have 4 rows \(got shape \[3\]\)$"),
-    "idx-2d": (lambda t, a: t.replay(a["sampled"], a["idx"].reshape(2, 2), a["total"], a["prompt"], stream=0), ValueError, r"^idx_mapping must be 1-D \(got shape \[2, 2\]\)$"),
-    "total-too-short": (lambda t, a: t.replay(a["sampled"], a["idx"], a["total"][:5], a["prompt"], stream=0), ValueError, r"^total_len must have at least 8 entries \(got shape \[5\]\)$"),
-    "prompt-int16": (lambda t, a: t.replay(a["sampled"], a["idx"], a["total"], a["prompt"].astype(np.int16), stream=0), TypeError, r"^prompt_len must have dtype int32 or int64 \(got int16\)$"),
-    "step-batch-mismatch": (lambda t, a: t.replay_at_step(a["sampled"], a["idx"], a["step"][:2], stream=0), ValueError, r"^step must have 4 rows \(got shape \[2\]\)$"),
-    "step-not-array": (lambda t, a: t.replay_at_step(a["sampled"], a["idx"], [0, 0, 0, 0], stream=0), TypeError, r"^step must be an array supporting DLPack \(__dlpack__ and __dlpack_device__\); got list$"),
+    "replay-stream-none": (
+        lambda t, a: t.replay(a["sampled"], a["idx"], a["total"], a["prompt"], stream=None),
+        TypeError,
+        r"^stream must be given explicitly",
+    ),
+    "sampled-float": (
+        lambda t, a: t.replay(a["sampled"].astype(np.float32), a["idx"], a["total"], a["prompt"], stream=0),
+        TypeError,
+        r"^sampled must have dtype int32 or int64 \(got float32\)$",
+    ),
+    "sampled-speculative": (
+        lambda t, a: t.replay(np.zeros((4, 3), np.int64), a["idx"], a["total"], a["prompt"], stream=0),
+        ValueError,
+        r"^sampled has 3 tokens per row \(shape \[4, 3\]\): speculative decoding is not supported; replay takes exactly one token per request per step$",
+    ),
+    "sampled-3d": (
+        lambda t, a: t.replay(np.zeros((4, 1, 1), np.int64), a["idx"], a["total"], a["prompt"], stream=0),
+        ValueError,
+        r"^sampled must be 1-D \[batch\] or \[batch, 1\] \(got shape \[4, 1, 1\]\)$",
+    ),
+    "sampled-read-only": (
+        lambda t, a: t.replay(_readonly(a["sampled"]), a["idx"], a["total"], a["prompt"], stream=0),
+        ValueError,
+        r"^sampled is written in place and must be writable \(got a read-only array\)$",
+    ),
+    "sampled-non-contiguous": (
+        lambda t, a: t.replay(np.zeros(8, np.int64)[::2], a["idx"], a["total"], a["prompt"], stream=0),
+        ValueError,
+        r"^sampled must be contiguous \(got shape \[4\] with element strides \[2\]\)$",
+    ),
+    "sampled-wrong-device": (
+        lambda t, a: t.replay(
+            ArrayView(0x1000, (4,), (1,), "int64", "cuda", 0), a["idx"], a["total"], a["prompt"], stream=0
+        ),
+        ValueError,
+        r"^sampled must be on cpu \(got cuda:0\)$",
+    ),
+    "idx-float": (
+        lambda t, a: t.replay(a["sampled"], a["idx"].astype(np.float64), a["total"], a["prompt"], stream=0),
+        TypeError,
+        r"^idx_mapping must have dtype int32 or int64 \(got float64\)$",
+    ),
+    "idx-batch-mismatch": (
+        lambda t, a: t.replay(a["sampled"], a["idx"][:3], a["total"], a["prompt"], stream=0),
+        ValueError,
+        r"^idx_mapping must have 4 rows \(got shape \[3\]\)$",
+    ),
+    "idx-2d": (
+        lambda t, a: t.replay(a["sampled"], a["idx"].reshape(2, 2), a["total"], a["prompt"], stream=0),
+        ValueError,
+        r"^idx_mapping must be 1-D \(got shape \[2, 2\]\)$",
+    ),
+    "total-too-short": (
+        lambda t, a: t.replay(a["sampled"], a["idx"], a["total"][:5], a["prompt"], stream=0),
+        ValueError,
+        r"^total_len must have at least 8 entries \(got shape \[5\]\)$",
+    ),
+    "prompt-int16": (
+        lambda t, a: t.replay(a["sampled"], a["idx"], a["total"], a["prompt"].astype(np.int16), stream=0),
+        TypeError,
+        r"^prompt_len must have dtype int32 or int64 \(got int16\)$",
+    ),
+    "step-batch-mismatch": (
+        lambda t, a: t.replay_at_step(a["sampled"], a["idx"], a["step"][:2], stream=0),
+        ValueError,
+        r"^step must have 4 rows \(got shape \[2\]\)$",
+    ),
+    "step-not-array": (
+        lambda t, a: t.replay_at_step(a["sampled"], a["idx"], [0, 0, 0, 0], stream=0),
+        TypeError,
+        r"^step must be an array supporting DLPack \(__dlpack__ and __dlpack_device__\); got list$",
+    ),
 }
 
 
@@ -93,10 +191,22 @@ def test_core_refusals_change_nothing(case):
 CONSTRUCTOR = {
     "max-slots-zero": (dict(max_slots=0), ValueError, r"^max_slots must be between 1 and 2147483647 \(got 0\)$"),
     "max-len-float": (dict(max_trace_len=2.5), TypeError, r"^max_trace_len must be an int \(got float 2\.5\)$"),
-    "placement": (dict(placement="managed"), ValueError, r"^placement must be one of \('device', 'host_mapped'\) \(got 'managed'\)$"),
-    "device-bogus": (dict(device="tpu"), ValueError, r"^device must be 'cpu', 'cuda', 'cuda:N' or an int \(got 'tpu'\)$"),
+    "placement": (
+        dict(placement="managed"),
+        ValueError,
+        r"^placement must be one of \('device', 'host_mapped'\) \(got 'managed'\)$",
+    ),
+    "device-bogus": (
+        dict(device="tpu"),
+        ValueError,
+        r"^device must be 'cpu', 'cuda', 'cuda:N' or an int \(got 'tpu'\)$",
+    ),
     "vocab-negative": (dict(vocab_size=-3), ValueError, r"^vocab_size must be between 1 and 2147483647 \(got -3\)$"),
-    "device-missing": (dict(device=None), TypeError, r"^device must be 'cpu', 'cuda', 'cuda:N' or an int \(got NoneType\)$"),
+    "device-missing": (
+        dict(device=None),
+        TypeError,
+        r"^device must be 'cpu', 'cuda', 'cuda:N' or an int \(got NoneType\)$",
+    ),
 }
 
 
@@ -112,9 +222,13 @@ def test_constructor_refusals(case):
 def test_use_after_close():
     t, a = _env()
     t.close()
-    for call in (lambda: t.stage(0, [1]), lambda: t.clear(0), lambda: t.commit(stream=0),
-                 lambda: t.replay(a["sampled"], a["idx"], a["total"], a["prompt"], stream=0),
-                 lambda: t.snapshot()):
+    for call in (
+        lambda: t.stage(0, [1]),
+        lambda: t.clear(0),
+        lambda: t.commit(stream=0),
+        lambda: t.replay(a["sampled"], a["idx"], a["total"], a["prompt"], stream=0),
+        lambda: t.snapshot(),
+    ):
         with pytest.raises(RuntimeError, match=r"^this TraceTable is closed$"):
             call()
 

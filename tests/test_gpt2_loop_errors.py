@@ -11,14 +11,20 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 from test_gpt2_loops import CONFIG, LOOPS  # noqa: E402
+
 from trace_replay_app.models.gpt2 import seeded_weights  # noqa: E402
 from trace_replay_app.records import TraceRequest  # noqa: E402
 
 
 def _args(**change):
     """Valid arguments of run_decode, with some replaced."""
-    args = {"config": CONFIG, "weights": seeded_weights(CONFIG), "device": "cpu", "max_batch": 2,
-            "requests": [TraceRequest("a", (1, 2, 3), (4, 5)), TraceRequest("b", (6,), max_new_tokens=2)]}
+    args = {
+        "config": CONFIG,
+        "weights": seeded_weights(CONFIG),
+        "device": "cpu",
+        "max_batch": 2,
+        "requests": [TraceRequest("a", (1, 2, 3), (4, 5)), TraceRequest("b", (6,), max_new_tokens=2)],
+    }
     args.update(change)
     return args
 
@@ -42,43 +48,94 @@ def _request(**fields):
 
 ERRORS = {
     "config": (_args(config={"n_embd": 64}), TypeError, r"^config must be a GPT2Config \(got dict\)$"),
-    "weights-type": (_args(weights=[1, 2]), TypeError,
-                     r"^weights must be a mapping of parameter name -> array \(got list\)$"),
-    "weights-missing": (_args(weights=_weights(ln_f__bias=None)), ValueError,
-                        r"^weights lack parameter 'ln_f\.bias' \(shape \(64,\)\)$"),
-    "weights-shape": (_args(weights=_weights(wte__weight=np.zeros((511, 64), np.float32))), ValueError,
-                      r"^weights\['wte\.weight'\] must have shape \(512, 64\) \(got \(511, 64\)\)$"),
-    "weights-dtype": (_args(weights=_weights(ln_f__bias=np.ones(64, np.int64))), ValueError,
-                      r"^weights\['ln_f\.bias'\] must be a floating-point array \(got dtype int64\)$"),
-    "requests-type": (_args(requests=TraceRequest("a", (1,), (2,))), TypeError,
-                      r"^requests must be a sequence of TraceRequest \(got TraceRequest\)$"),
-    "request-type": (_args(requests=[("a", (1,), (2,))]), TypeError,
-                     r"^requests\[0\] must be a TraceRequest \(got tuple\)$"),
-    "empty-prompt": (_args(requests=_request(prompt=())), ValueError,
-                     r"^requests\[1\] \(id 'x'\): prompt must hold at least one token \(got an empty prompt\)$"),
-    "prompt-vocab": (_args(requests=_request(prompt=(5, 512))), ValueError,
-                     r"^requests\[1\] \(id 'x'\): prompt\[1\]=512 is outside \[0, vocab_size=512\)$"),
-    "prompt-float": (_args(requests=_request(prompt=(1.5, 2.0))), ValueError,
-                     (r"^requests\[1\] \(id 'x'\): prompt must be a 1-D sequence of int token ids "
-                      r"\(got float64\[2\]\)$")),
-    "trace-negative": (_args(requests=_request(trace=(3, -1))), ValueError,
-                       r"^requests\[1\] \(id 'x'\): trace\[1\]=-1 is outside \[0, vocab_size=512\)$"),
-    "trace-empty": (_args(requests=_request(trace=())), ValueError,
-                    (r"^requests\[1\] \(id 'x'\): trace must hold at least one token \(got an empty trace\); "
-                     r"use trace=None with max_new_tokens for free decoding$")),
-    "max-new-tokens": (_args(requests=_request(max_new_tokens=-1)), ValueError,
-                       r"^requests\[1\] \(id 'x'\): max_new_tokens must be an int >= 0 \(got -1\)$"),
-    "too-long": (_args(requests=_request(prompt=tuple(range(100)), trace=tuple(range(29)))), ValueError,
-                 (r"^requests\[1\] \(id 'x'\): prompt \(100 tokens\) \+ 29 new tokens = 129 exceeds "
-                  r"config\.n_positions=128$")),
+    "weights-type": (
+        _args(weights=[1, 2]),
+        TypeError,
+        r"^weights must be a mapping of parameter name -> array \(got list\)$",
+    ),
+    "weights-missing": (
+        _args(weights=_weights(ln_f__bias=None)),
+        ValueError,
+        r"^weights lack parameter 'ln_f\.bias' \(shape \(64,\)\)$",
+    ),
+    "weights-shape": (
+        _args(weights=_weights(wte__weight=np.zeros((511, 64), np.float32))),
+        ValueError,
+        r"^weights\['wte\.weight'\] must have shape \(512, 64\) \(got \(511, 64\)\)$",
+    ),
+    "weights-dtype": (
+        _args(weights=_weights(ln_f__bias=np.ones(64, np.int64))),
+        ValueError,
+        r"^weights\['ln_f\.bias'\] must be a floating-point array \(got dtype int64\)$",
+    ),
+    "requests-type": (
+        _args(requests=TraceRequest("a", (1,), (2,))),
+        TypeError,
+        r"^requests must be a sequence of TraceRequest \(got TraceRequest\)$",
+    ),
+    "request-type": (
+        _args(requests=[("a", (1,), (2,))]),
+        TypeError,
+        r"^requests\[0\] must be a TraceRequest \(got tuple\)$",
+    ),
+    "empty-prompt": (
+        _args(requests=_request(prompt=())),
+        ValueError,
+        r"^requests\[1\] \(id 'x'\): prompt must hold at least one token \(got an empty prompt\)$",
+    ),
+    "prompt-vocab": (
+        _args(requests=_request(prompt=(5, 512))),
+        ValueError,
+        r"^requests\[1\] \(id 'x'\): prompt\[1\]=512 is outside \[0, vocab_size=512\)$",
+    ),
+    "prompt-float": (
+        _args(requests=_request(prompt=(1.5, 2.0))),
+        ValueError,
+        (
+            r"^requests\[1\] \(id 'x'\): prompt must be a 1-D sequence of int token ids "
+            r"\(got float64\[2\]\)$"
+        ),
+    ),
+    "trace-negative": (
+        _args(requests=_request(trace=(3, -1))),
+        ValueError,
+        r"^requests\[1\] \(id 'x'\): trace\[1\]=-1 is outside \[0, vocab_size=512\)$",
+    ),
+    "trace-empty": (
+        _args(requests=_request(trace=())),
+        ValueError,
+        (
+            r"^requests\[1\] \(id 'x'\): trace must hold at least one token \(got an empty trace\); "
+            r"use trace=None with max_new_tokens for free decoding$"
+        ),
+    ),
+    "max-new-tokens": (
+        _args(requests=_request(max_new_tokens=-1)),
+        ValueError,
+        r"^requests\[1\] \(id 'x'\): max_new_tokens must be an int >= 0 \(got -1\)$",
+    ),
+    "too-long": (
+        _args(requests=_request(prompt=tuple(range(100)), trace=tuple(range(29)))),
+        ValueError,
+        (
+            r"^requests\[1\] \(id 'x'\): prompt \(100 tokens\) \+ 29 new tokens = 129 exceeds "
+            r"config\.n_positions=128$"
+        ),
+    ),
     "max-batch-zero": (_args(max_batch=0), ValueError, r"^max_batch must be an int >= 1 \(got 0\)$"),
     "max-batch-float": (_args(max_batch=2.0), ValueError, r"^max_batch must be an int >= 1 \(got 2\.0\)$"),
     "max-batch-bool": (_args(max_batch=True), ValueError, r"^max_batch must be an int >= 1 \(got True\)$"),
-    "on-step": (_args(on_step=3), TypeError,
-                (r"^on_step must be a callable taking the tokens decoded in a step, or None \(got int\)$")),
+    "on-step": (
+        _args(on_step=3),
+        TypeError,
+        (r"^on_step must be a callable taking the tokens decoded in a step, or None \(got int\)$"),
+    ),
     "device-name": (_args(device="tpu"), ValueError, r"^device must be 'cpu', 'cuda' or 'cuda:N' \(got 'tpu'\)$"),
-    "device-index": (_args(device="cuda:x"), ValueError,
-                     r"^device must be 'cpu', 'cuda' or 'cuda:N' \(got 'cuda:x'\)$"),
+    "device-index": (
+        _args(device="cuda:x"),
+        ValueError,
+        r"^device must be 'cpu', 'cuda' or 'cuda:N' \(got 'cuda:x'\)$",
+    ),
     "device-type": (_args(device=0), TypeError, r"^device must be a str: 'cpu', 'cuda' or 'cuda:N' \(got int\)$"),
 }
 

@@ -33,15 +33,15 @@ jax = pytest.importorskip("jax")
 
 import trace_replay_app.models.gpt2.jax_loop as jax_gpt2  # noqa: E402
 import trace_replay_app.models.gpt2.torch_loop as torch_gpt2  # noqa: E402
+import trace_replay_app.schedule as schedule_module  # noqa: E402
 from trace_replay_app.models.gpt2 import GPT2Config, reference_logits, seeded_weights  # noqa: E402
 from trace_replay_app.records import RequestResult, TraceRequest  # noqa: E402
-import trace_replay_app.schedule as schedule_module  # noqa: E402
 from trace_replay_app.schedule import plan  # noqa: E402
 
 LOOPS = {"torch": torch_gpt2.run_decode, "jax": jax_gpt2.run_decode}
-CONFIG = GPT2Config()           # vocab 512, 128 positions, 64 wide, 2 layers, 4 heads
-LOGPROB_ATOL = 5e-5             # see the module docstring
-TIE_ATOL = 1e-4                 # logits closer than this are a tie that float32 may break either way
+CONFIG = GPT2Config()  # vocab 512, 128 positions, 64 wide, 2 layers, 4 heads
+LOGPROB_ATOL = 5e-5  # see the module docstring
+TIE_ATOL = 1e-4  # logits closer than this are a tie that float32 may break either way
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +60,8 @@ def small_jax_chunks(monkeypatch):
     """JAX keeps per-step outputs on the device in chunks of steps: small chunks here, so that
     every run crosses chunk boundaries (and all tests share one chunk shape: fewer compilations)."""
     from trace_replay_app.models import decode_buffers
-    monkeypatch.setattr(decode_buffers, "CHUNK", 16)       # the driver's chunking and the buffers it allocates
+
+    monkeypatch.setattr(decode_buffers, "CHUNK", 16)  # the driver's chunking and the buffers it allocates
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -90,8 +91,9 @@ def make_requests(rng, n: int, *, traced_share: float = 0.5, prefix: str = "r"):
             requests.append(TraceRequest(f"{prefix}{i}", prompt, trace))
         else:
             requests.append(TraceRequest(f"{prefix}{i}", prompt, max_new_tokens=new))
-    long = TraceRequest(f"{prefix}-long", tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, 12)),
-                        max_new_tokens=12)
+    long = TraceRequest(
+        f"{prefix}-long", tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, 12)), max_new_tokens=12
+    )
     requests.insert(int(rng.integers(0, n + 1)), long)
     return requests
 
@@ -106,7 +108,7 @@ def reference_rows(weights, request: TraceRequest, tokens: np.ndarray) -> np.nda
     """float64 logits ``[len(tokens), vocab]``: row ``j`` scores output ``j`` given the prompt and
     ``tokens[:j]`` (the loop's own outputs, teacher-forced)."""
     sequence = list(request.prompt) + [int(t) for t in tokens]
-    return reference_logits(CONFIG, weights, sequence[:-1])[len(request.prompt) - 1:]
+    return reference_logits(CONFIG, weights, sequence[:-1])[len(request.prompt) - 1 :]
 
 
 def check_against_reference(weights, requests, results, what: str) -> None:
@@ -116,8 +118,13 @@ def check_against_reference(weights, requests, results, what: str) -> None:
         who = f"{what}, request {req.id}"
         assert isinstance(res, RequestResult)
         n = req.new_tokens
-        for name, dtype in (("tokens", np.int64), ("forced", np.bool_), ("logprobs", np.float32),
-                            ("ranks", np.int64), ("argmax", np.int64)):
+        for name, dtype in (
+            ("tokens", np.int64),
+            ("forced", np.bool_),
+            ("logprobs", np.float32),
+            ("ranks", np.int64),
+            ("argmax", np.int64),
+        ):
             arr = getattr(res, name)
             assert arr.shape == (n,) and arr.dtype == dtype, f"{who}: {name} is {arr.dtype}{arr.shape}"
         if req.trace is not None:
@@ -130,18 +137,24 @@ def check_against_reference(weights, requests, results, what: str) -> None:
         at = np.arange(n)
         ref_lp = log_softmax(ref)[at, res.tokens]
         bad = np.nonzero(np.abs(res.logprobs - ref_lp) > LOGPROB_ATOL)[0]
-        assert bad.size == 0, (f"{who}: logprobs differ from the reference at positions {bad[:10].tolist()}: "
-                               f"got {res.logprobs[bad[:10]].tolist()} expected {ref_lp[bad[:10]].tolist()}")
+        assert bad.size == 0, (
+            f"{who}: logprobs differ from the reference at positions {bad[:10].tolist()}: "
+            f"got {res.logprobs[bad[:10]].tolist()} expected {ref_lp[bad[:10]].tolist()}"
+        )
         best = ref.max(axis=1)
         bad = np.nonzero(ref[at, res.argmax] < best - TIE_ATOL)[0]
-        assert bad.size == 0, (f"{who}: argmax is not the reference's at positions {bad[:10].tolist()}: "
-                               f"got {res.argmax[bad[:10]].tolist()} expected {ref.argmax(axis=1)[bad[:10]].tolist()}")
+        assert bad.size == 0, (
+            f"{who}: argmax is not the reference's at positions {bad[:10].tolist()}: "
+            f"got {res.argmax[bad[:10]].tolist()} expected {ref.argmax(axis=1)[bad[:10]].tolist()}"
+        )
         own = ref[at, res.tokens][:, None]
         lo, hi = (ref >= own + TIE_ATOL).sum(axis=1), (ref >= own - TIE_ATOL).sum(axis=1)
         bad = np.nonzero((res.ranks < lo) | (res.ranks > hi))[0]
-        assert bad.size == 0, (f"{who}: ranks outside the reference band at positions {bad[:10].tolist()}: "
-                               f"got {res.ranks[bad[:10]].tolist()}, band {lo[bad[:10]].tolist()}-"
-                               f"{hi[bad[:10]].tolist()}")
+        assert bad.size == 0, (
+            f"{who}: ranks outside the reference band at positions {bad[:10].tolist()}: "
+            f"got {res.ranks[bad[:10]].tolist()}, band {lo[bad[:10]].tolist()}-"
+            f"{hi[bad[:10]].tolist()}"
+        )
 
 
 def check_same_results(weights, requests, a, b, what: str) -> None:
@@ -156,11 +169,12 @@ def check_same_results(weights, requests, a, b, what: str) -> None:
         if differ.size:
             j = int(differ[0])
             assert req.trace is None, f"{who}: traced tokens differ at {differ[:10].tolist()}"
-            ref = reference_rows(weights, req, x.tokens[:j + 1])[j]
+            ref = reference_rows(weights, req, x.tokens[: j + 1])[j]
             gap = abs(ref[x.tokens[j]] - ref[y.tokens[j]])
             assert gap <= TIE_ATOL and ref[x.tokens[j]] >= ref.max() - TIE_ATOL, (
                 f"{who}: tokens part at position {j} ({x.tokens[j]} vs {y.tokens[j]}) without a near-tie "
-                f"(reference logit gap {gap:.3g})")
+                f"(reference logit gap {gap:.3g})"
+            )
             n = j
         np.testing.assert_array_equal(x.forced, y.forced, err_msg=who)
         np.testing.assert_allclose(x.logprobs[:n], y.logprobs[:n], rtol=0, atol=LOGPROB_ATOL, err_msg=who)
@@ -174,7 +188,7 @@ def check_matches_reference(run, device, rng, kind: str) -> None:
     results = run(CONFIG, weights, requests, device=device, max_batch=3)
     check_against_reference(weights, requests, results, f"{kind} weights")
     traced_ranks = np.concatenate([r.ranks for q, r in zip(requests, results) if q.trace is not None])
-    if kind == "seeded":   # random tokens under a flat distribution: most rank far from the top
+    if kind == "seeded":  # random tokens under a flat distribution: most rank far from the top
         assert (traced_ranks > 1).mean() > 0.5, traced_ranks
 
 
@@ -183,7 +197,7 @@ def check_untraced_unaffected(run, device, rng) -> None:
     weights = weights_for(rng)
     free = make_requests(rng, 6, traced_share=0.0, prefix="free")
     traced = [r for r in make_requests(rng, 6, traced_share=1.0, prefix="traced") if r.trace is not None]
-    mixed = [r for pair in zip(traced, free) for r in pair] + free[len(traced):]
+    mixed = [r for pair in zip(traced, free) for r in pair] + free[len(traced) :]
     alone = run(CONFIG, weights, free, device=device, max_batch=3)
     together = run(CONFIG, weights, mixed, device=device, max_batch=3)
     by_id = {r.id: r for r in together}
@@ -201,8 +215,7 @@ def check_batch_sizes(run, device, rng) -> None:
         schedule = plan([r.new_tokens for r in requests], max_batch)
         assert np.bincount(schedule.slot[schedule.slot >= 0]).max() > 1, "no slot was reused"
         steps = []
-        results[max_batch] = run(CONFIG, weights, requests, device=device, max_batch=max_batch,
-                                 on_step=steps.append)
+        results[max_batch] = run(CONFIG, weights, requests, device=device, max_batch=max_batch, on_step=steps.append)
         assert len(steps) == schedule.n_steps and sum(steps) == total, (max_batch, steps)
         assert steps == schedule.tokens_per_step.tolist()
     check_same_results(weights, requests, results[3], results[1], "max_batch 3 vs 1")
@@ -283,11 +296,11 @@ def test_schedule_rules(rng):
         assert (np.diff(s.start[live]) >= 0).all(), "admitted out of input order"
         busy = np.zeros((s.n_steps, max_batch), dtype=int)
         for i in live:
-            busy[s.start[i]:s.start[i] + counts[i], s.slot[i]] += 1
+            busy[s.start[i] : s.start[i] + counts[i], s.slot[i]] += 1
             np.testing.assert_array_equal(s.outputs(i, s.idx_mapping), np.full(counts[i], s.slot[i]))
         assert busy.max() == 1, "two requests share a slot at one step"
         np.testing.assert_array_equal(s.idx_mapping >= 0, busy == 1)
-        for prev, i in itertools.pairwise(live):      # nobody waits while a slot is free
+        for prev, i in itertools.pairwise(live):  # nobody waits while a slot is free
             if s.start[i] > s.start[prev]:
                 assert busy[s.start[i] - 1].all(), f"request {i} waited for a slot with one free"
         for step in range(s.n_steps):

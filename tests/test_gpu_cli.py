@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from cli_helpers import load
 from cli_helpers import main as run_cli
 
@@ -36,8 +35,20 @@ def test_run_on_cuda_reproduces_and_matches_cpu(tmp_path, trace_file, framework)
     docs = {}
     for device in ("cuda", "cpu"):
         out = str(tmp_path / f"{device}.json")
-        status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out,
-                             "--device", device, "--dtype", "float32", "--quiet")
+        status, text = run_cli(
+            "run",
+            "--framework",
+            framework,
+            "--traces",
+            trace_file,
+            "--out",
+            out,
+            "--device",
+            device,
+            "--dtype",
+            "float32",
+            "--quiet",
+        )
         assert status == 0, text
         docs[device] = load(out)
     s = docs["cuda"]["summary"]
@@ -49,8 +60,9 @@ def test_run_on_cuda_reproduces_and_matches_cpu(tmp_path, trace_file, framework)
 
 
 def test_compare_on_cuda(tmp_path, trace_file):
-    status, text = run_cli("compare", "--traces", trace_file, "--out-dir", str(tmp_path), "--device", "cuda",
-                           "--dtype", "float32")
+    status, text = run_cli(
+        "compare", "--traces", trace_file, "--out-dir", str(tmp_path), "--device", "cuda", "--dtype", "float32"
+    )
     assert status == 0, text
     report = load(tmp_path / "compare_report.json")
     assert (tmp_path / "compare_divergence.png").read_bytes()[:4] == b"\x89PNG"
@@ -61,15 +73,36 @@ def test_compare_on_cuda(tmp_path, trace_file):
 
 def test_checkpoint_on_cuda_in_both_frameworks(tmp_path):
     small = GPT2Config(vocab_size=96, n_positions=40, n_embd=16, n_layer=2, n_head=2)
-    save_checkpoint(str(tmp_path / "ckpt"), small, seeded_weights(small, 2), dtype="BF16", prefix="transformer.",
-                    tied_lm_head=True, mask_buffers=True)
+    save_checkpoint(
+        str(tmp_path / "ckpt"),
+        small,
+        seeded_weights(small, 2),
+        dtype="BF16",
+        prefix="transformer.",
+        tied_lm_head=True,
+        mask_buffers=True,
+    )
     traces = str(tmp_path / "t.jsonl")
     write_traces(traces, random_requests(small, 12, seed=4, prompt_len=(1, 12), new_tokens=(1, 12)))
     docs = {}
     for fw in ("torch", "jax"):
         out = str(tmp_path / f"{fw}.json")
-        status, text = run_cli("run", "--framework", fw, "--traces", traces, "--checkpoint", str(tmp_path / "ckpt"),
-                             "--out", out, "--device", "cuda", "--dtype", "float32", "--quiet")
+        status, text = run_cli(
+            "run",
+            "--framework",
+            fw,
+            "--traces",
+            traces,
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--out",
+            out,
+            "--device",
+            "cuda",
+            "--dtype",
+            "float32",
+            "--quiet",
+        )
         assert status == 0, text
         docs[fw] = load(out)
         assert docs[fw]["summary"]["exact_reproductions"] == 12
@@ -85,8 +118,22 @@ def test_run_on_cuda_defaults_to_bfloat16_and_samples_reproducibly(tmp_path, tra
     docs = []
     for i in range(2):
         out = str(tmp_path / f"{i}.json")
-        status, text = run_cli("run", "--framework", framework, "--traces", trace_file, "--out", out, "--device",
-                               "cuda", "--temperature", "0.8", "--sampling-seed", "3", "--quiet")
+        status, text = run_cli(
+            "run",
+            "--framework",
+            framework,
+            "--traces",
+            trace_file,
+            "--out",
+            out,
+            "--device",
+            "cuda",
+            "--temperature",
+            "0.8",
+            "--sampling-seed",
+            "3",
+            "--quiet",
+        )
         assert status == 0, text
         docs.append(load(out))
     s = docs[0]["summary"]

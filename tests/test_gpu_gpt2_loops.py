@@ -13,19 +13,29 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
+from jax_helpers import jax_gpu  # noqa: E402
+from test_gpt2_loops import (  # noqa: E402
+    CONFIG,
+    LOOPS,
+    check_against_reference,
+    check_batch_sizes,
+    check_matches_reference,
+    check_same_results,
+    check_torch_vs_jax,
+    check_untraced_unaffected,
+    make_requests,
+    small_jax_chunks,  # noqa: E402, F401 - the autouse fixture, applied here too
+    weights_for,
+)
+
 import trace_replay_app.models.gpt2.jax_loop as jax_gpt2  # noqa: E402
 import trace_replay_app.models.gpt2.torch_loop as torch_gpt2  # noqa: E402
-from jax_helpers import jax_gpu  # noqa: E402
-from test_gpt2_loops import (CONFIG, LOOPS, check_against_reference, check_batch_sizes,  # noqa: E402
-                             check_matches_reference, check_same_results, check_torch_vs_jax,
-                             check_untraced_unaffected, make_requests, weights_for)
-from test_gpt2_loops import small_jax_chunks  # noqa: E402, F401 - the autouse fixture, applied here too
 from trace_replay_app.records import TraceRequest  # noqa: E402
 
 
 def _device(framework: str) -> str:
     if framework == "jax":
-        jax_gpu()                 # skips with the reason when JAX sees no GPU
+        jax_gpu()  # skips with the reason when JAX sees no GPU
     return "cuda"
 
 
@@ -71,7 +81,9 @@ def test_gpu_command_line_size(framework, rng):
         prompt = tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, int(rng.integers(1, 33))))
         new = int(rng.integers(48, 81))
         if i % 2:
-            requests.append(TraceRequest(f"r{i}", prompt, tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, new))))
+            requests.append(
+                TraceRequest(f"r{i}", prompt, tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, new)))
+            )
         else:
             requests.append(TraceRequest(f"r{i}", prompt, max_new_tokens=new))
     run = LOOPS[framework]
@@ -81,8 +93,10 @@ def test_gpu_command_line_size(framework, rng):
     results = run(CONFIG, weights, requests, device=device, on_step=steps.append)
     elapsed = time.perf_counter() - start
     tokens = sum(steps)
-    print(f"{framework}: {len(requests)} requests, {tokens} tokens in {len(steps)} steps: {elapsed:.2f} s "
-          f"({elapsed / len(steps) * 1e6:.0f} us per step)")
+    print(
+        f"{framework}: {len(requests)} requests, {tokens} tokens in {len(steps)} steps: {elapsed:.2f} s "
+        f"({elapsed / len(steps) * 1e6:.0f} us per step)"
+    )
     assert tokens == sum(r.new_tokens for r in requests)
     assert elapsed < 60, f"{framework}: {elapsed:.1f} s for {len(steps)} steps"
     sample = rng.choice(len(requests), 12, replace=False)
@@ -93,9 +107,13 @@ def test_gpu_torch_and_jax_share_the_device(rng):
     """Both loops in one process on one GPU, one after the other, twice: the same results again."""
     device = _device("jax")
     weights, requests = weights_for(rng), make_requests(rng, 8)
-    first = [torch_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3),
-             jax_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3)]
-    second = [torch_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3),
-              jax_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3)]
+    first = [
+        torch_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3),
+        jax_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3),
+    ]
+    second = [
+        torch_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3),
+        jax_gpt2.run_decode(CONFIG, weights, requests, device=device, max_batch=3),
+    ]
     for framework, a, b in zip(("torch", "jax"), first, second):
         check_same_results(weights, requests, a, b, f"{framework}, first vs second run")

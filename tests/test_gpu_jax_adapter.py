@@ -20,9 +20,10 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-import trace_replay_jax as trj  # noqa: E402
 from jax_helpers import jax_gpu  # noqa: E402
 from test_jax_adapter import POISON, REPO, VOCAB, _one_row_step  # noqa: E402
+
+import trace_replay_jax as trj  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
 
 
@@ -37,6 +38,7 @@ def _slow_gpu_fn(device, seconds=0.5):
             for _ in range(k):
                 x = jnp.tanh(jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
             return x
+
         return jax.jit(f)
 
     probe = make(4)
@@ -115,15 +117,15 @@ def test_gpu_apply_is_ordered_behind_queued_programs_without_host_sync(rng):
         total = np.zeros(8, np.int32)
         total[3] = step
         tl, pl = jax.device_put(total, gpu), jax.device_put(np.zeros(8, np.int32), gpu)
-        warm = _dep_tokens(x, [0, 0, 0], gpu)                  # compile everything first
+        warm = _dep_tokens(x, [0, 0, 0], gpu)  # compile everything first
         jax.block_until_ready((state.replay(warm, idx, tl, pl), jitted(state.tables, warm, idx, tl, pl)))
         t0 = time.perf_counter()
         busy = slow(x)
         sampled = _dep_tokens(busy, [POISON] * 3, gpu)
-        first = state.replay(sampled, idx, tl, pl)            # reads the table after the slow kernel
+        first = state.replay(sampled, idx, tl, pl)  # reads the table after the slow kernel
         first_jit = jitted(state.tables, sampled, idx, tl, pl)
         state.add_request(3, b)
-        state.apply_staged_writes()                          # must land after the two replays
+        state.apply_staged_writes()  # must land after the two replays
         second = state.replay(sampled, idx, tl, pl)
         second_jit = jitted(state.tables, sampled, idx, tl, pl)
         queued = time.perf_counter() - t0
@@ -142,7 +144,7 @@ def test_gpu_many_steps_queue_behind_a_slow_kernel(rng):
     gpu = jax_gpu()
     slow, x, seconds = _slow_gpu_fn(gpu, seconds=1.0)
     tr = rng.integers(0, VOCAB, 300)
-    steps = 12                                   # 2 programs per step + 4 others < 32
+    steps = 12  # 2 programs per step + 4 others < 32
     with TraceReplayState(4, 300, device=gpu) as state:
         state.add_request(2, tr)
         state.apply_staged_writes()
@@ -155,7 +157,7 @@ def test_gpu_many_steps_queue_behind_a_slow_kernel(rng):
         idx = jax.device_put(np.array([2, -1], np.int32), gpu)
         total = jax.device_put(np.zeros(4, np.int32), gpu)
         prompt = jax.device_put(np.zeros(4, np.int32), gpu)
-        warm = _dep_tokens(x, [0, 0], gpu)                                   # compile everything first
+        warm = _dep_tokens(x, [0, 0], gpu)  # compile everything first
         jax.block_until_ready((state.replay(warm, idx, total, prompt), step(state.tables, warm, idx, total, prompt)))
         t0 = time.perf_counter()
         busy = slow(x)
@@ -163,10 +165,10 @@ def test_gpu_many_steps_queue_behind_a_slow_kernel(rng):
         outs = []
         for k in range(steps):
             outs.append(state.replay(sampled, idx, total, prompt))
-            out, total = step(state.tables, sampled, idx, total, prompt)      # a new total buffer each step
+            out, total = step(state.tables, sampled, idx, total, prompt)  # a new total buffer each step
             outs.append(out)
             if k == steps // 2:
-                state.add_request(1, [7])        # an apply in the middle, queued as well
+                state.add_request(1, [7])  # an apply in the middle, queued as well
                 state.apply_staged_writes()
         queued = time.perf_counter() - t0
         assert not busy.is_ready(), f"a step waited for the device ({queued:.3f} s vs {seconds:.3f} s)"
@@ -181,8 +183,11 @@ def test_gpu_commit_runs_on_xlas_stream():
 
     gpu = jax_gpu()
     seen = []
-    probe = jax.jit(buffer_callback(lambda ctx, out, x: seen.append(int(ctx.stream)),
-                                    jax.ShapeDtypeStruct((), np.int32), has_side_effect=True))
+    probe = jax.jit(
+        buffer_callback(
+            lambda ctx, out, x: seen.append(int(ctx.stream)), jax.ShapeDtypeStruct((), np.int32), has_side_effect=True
+        )
+    )
     with TraceReplayState(4, 4, device=gpu) as state:
         probe(state.tables.trace_len).block_until_ready()
         streams = []
@@ -195,7 +200,7 @@ def test_gpu_commit_runs_on_xlas_stream():
         state.table.commit = recording
         state.add_request(0, [1, 2])
         state.apply_staged_writes()
-        state.add_request(1, [3])                 # waits until the commit op has run
+        state.add_request(1, [3])  # waits until the commit op has run
         assert streams == seen and seen[0] != 0
 
 
@@ -220,8 +225,12 @@ def test_gpu_torch_adapter_in_the_same_process(rng):
             s = torch.full((1,), POISON, dtype=torch.int64, device=dev)
             total = torch.zeros(4, dtype=torch.int32, device=dev)
             total[1] = 5
-            tstate.replay(s, torch.tensor([1], dtype=torch.int32, device=dev), total,
-                          torch.zeros(4, dtype=torch.int32, device=dev))
+            tstate.replay(
+                s,
+                torch.tensor([1], dtype=torch.int32, device=dev),
+                total,
+                torch.zeros(4, dtype=torch.int32, device=dev),
+            )
             assert s.item() == tr[5]
         assert int(jout[0]) == tr[5]
     assert "jax_triton" not in sys.modules
@@ -234,10 +243,18 @@ def test_gpu_parity_with_command_buffers_in_a_subprocess():
     table as committed between calls (the fori loop is one recorded graph)."""
     jax_gpu()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
-                        "CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1").strip()
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "test_parity.py"), "gpu"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,"
+        "CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+    ).strip()
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "test_parity.py"), "gpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "parity ok" in proc.stdout
 
@@ -249,8 +266,9 @@ def test_gpu_kernel_argmax_vocab_151936_greedy_rows_batch_invariant():
     of a call passing its argmax id, and a row has the same bits alone as in the batch of 257."""
     from test_jax_argmax import assert_greedy
     from test_logprob_rank import make_case
+
     gpu = jax_gpu()
-    x, ids = make_case(np.random.default_rng(257), 257, 151936, "bfloat16")     # ties, -inf; no NaN
+    x, ids = make_case(np.random.default_rng(257), 257, 151936, "bfloat16")  # ties, -inf; no NaN
     ids[1::2] = -1
     logits = jax.device_put(jnp.asarray(x).astype(jnp.bfloat16), gpu)
     ids_j = jax.device_put(jnp.asarray(ids, jnp.int32), gpu)
@@ -261,7 +279,7 @@ def test_gpu_kernel_argmax_vocab_151936_greedy_rows_batch_invariant():
     assert np.array_equal(np.asarray(explicit.logprobs).view(np.uint32), np.asarray(lp).view(np.uint32))
     assert np.array_equal(np.asarray(explicit.ranks), np.asarray(rk))
     for r in (0, 1, 2, 3, 4, 5, 128, 255, 256):
-        one = trj.token_logprob_rank(logits[r:r + 1], ids_j[r:r + 1], argmax=True)
+        one = trj.token_logprob_rank(logits[r : r + 1], ids_j[r : r + 1], argmax=True)
         got = (np.asarray(one.logprobs).view(np.uint32)[0], int(one.ranks[0]), int(one.argmax[0]))
         assert got == (np.asarray(lp).view(np.uint32)[r], int(rk[r]), int(am[r])), r
 
@@ -273,8 +291,9 @@ def test_gpu_kernel_argmax_inside_a_jitted_fori_loop_equals_eager_calls():
     gpu = jax_gpu()
     rng = np.random.default_rng(8)
     steps, batch, vocab = 8, 5, 151936
-    xs = jax.device_put(jnp.asarray(rng.standard_normal((steps, batch, vocab), dtype=np.float32) * 3)
-                        .astype(jnp.bfloat16), gpu)
+    xs = jax.device_put(
+        jnp.asarray(rng.standard_normal((steps, batch, vocab), dtype=np.float32) * 3).astype(jnp.bfloat16), gpu
+    )
     ids = rng.integers(0, vocab, size=(steps, batch)).astype(np.int32)
     ids[:, ::2] = -1
     ids = jax.device_put(jnp.asarray(ids), gpu)
@@ -284,8 +303,12 @@ def test_gpu_kernel_argmax_inside_a_jitted_fori_loop_equals_eager_calls():
         def body(k, acc):
             res = trj.token_logprob_rank(xs[k], ids[k], argmax=True)
             return tuple(a.at[k].set(v) for a, v in zip(acc, res))
-        init = (jnp.zeros((steps, batch), jnp.float32), jnp.zeros((steps, batch), jnp.int32),
-                jnp.zeros((steps, batch), jnp.int32))
+
+        init = (
+            jnp.zeros((steps, batch), jnp.float32),
+            jnp.zeros((steps, batch), jnp.int32),
+            jnp.zeros((steps, batch), jnp.int32),
+        )
         return jax.lax.fori_loop(0, steps, body, init)
 
     lp, rk, am = loop(xs, ids)

@@ -18,11 +18,11 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax_helpers import jax_gpu  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_core import ArrayView  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
-from jax_helpers import jax_gpu  # noqa: E402
 
 try:
     from scenarios import make_scenario, reference_tokens
@@ -47,13 +47,16 @@ def test_gpu_state_over_a_one_device_mesh(method, where, rng):
     def replay(t, s, i, tl, pl):
         return trj.replay(t, s, i, tl, pl, method=method)
 
-    fn = jax.jit(replay if where == "jit" else jax.shard_map(
-        replay, mesh=mesh, in_specs=(P(), P("batch"), P("batch"), P(), P()), out_specs=P("batch")))
+    fn = jax.jit(
+        replay
+        if where == "jit"
+        else jax.shard_map(replay, mesh=mesh, in_specs=(P(), P("batch"), P("batch"), P(), P()), out_specs=P("batch"))
+    )
     got = []
     with TraceReplayState(sc.max_slots, sc.max_trace_len, mesh=mesh, vocab_size=sc.vocab_size) as state:
         assert state.tables.table.sharding.is_fully_replicated
         view, _ = state.table.device_views()
-        assert state.tables.table.addressable_shards[0].data.unsafe_buffer_pointer() == view.ptr   # zero-copy
+        assert state.tables.table.addressable_shards[0].data.unsafe_buffer_pointer() == view.ptr  # zero-copy
         for step in sc.steps:
             for op in step.ops:
                 if op[0] == "stage":
@@ -62,9 +65,15 @@ def test_gpu_state_over_a_one_device_mesh(method, where, rng):
                     state.remove_request(op[1])
                 else:
                     state.apply_staged_writes()
-            got.append(fn(state.tables, jax.device_put(step.sampled.astype(np.int32), rows),
-                          jax.device_put(step.idx_mapping, rows), jax.device_put(step.total_len, rep),
-                          jax.device_put(step.prompt_len, rep)))
+            got.append(
+                fn(
+                    state.tables,
+                    jax.device_put(step.sampled.astype(np.int32), rows),
+                    jax.device_put(step.idx_mapping, rows),
+                    jax.device_put(step.total_len, rep),
+                    jax.device_put(step.prompt_len, rep),
+                )
+            )
         got = [np.asarray(g) for g in got]
     for t, (g, w) in enumerate(zip(got, reference_tokens(sc))):
         assert np.array_equal(g.astype(np.int64), w), f"step {t}: rows {np.nonzero(g != w)[0].tolist()}"
@@ -83,13 +92,17 @@ def test_gpu_sharded_logprob_on_a_one_device_mesh_equals_unsharded(dtype, rng):
     ids_dev = jax.device_put(ids, NamedSharding(mesh, P("batch")))
     lp, rank = trj.token_logprob_rank_sharded(logits, ids_dev, mesh=mesh, vocab_axis="vocab", batch_axis="batch")
     for method in ("jnp", "kernel"):
-        want_lp, want_rank = trj.token_logprob_rank(jax.device_put(logits, gpu), jax.device_put(ids, gpu),
-                                                    method=method)
+        want_lp, want_rank = trj.token_logprob_rank(
+            jax.device_put(logits, gpu), jax.device_put(ids, gpu), method=method
+        )
         np.testing.assert_array_equal(np.asarray(rank), np.asarray(want_rank), err_msg=method)
-        np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), rtol=2e-6, atol=2e-6, equal_nan=True,
-                                   err_msg=method)
-    same = np.asarray(lp)[~np.isnan(np.asarray(lp))].tobytes() == \
-        np.asarray(want_lp)[~np.isnan(np.asarray(want_lp))].tobytes()
+        np.testing.assert_allclose(
+            np.asarray(lp), np.asarray(want_lp), rtol=2e-6, atol=2e-6, equal_nan=True, err_msg=method
+        )
+    same = (
+        np.asarray(lp)[~np.isnan(np.asarray(lp))].tobytes()
+        == np.asarray(want_lp)[~np.isnan(np.asarray(want_lp))].tobytes()
+    )
     print(f"one-device mesh, {dtype}: bit-identical to the unsharded kernel: {same}")
 
 
@@ -101,8 +114,10 @@ class _PinnedHostView(ArrayView):
         return (3, self.device_id)
 
 
-@pytest.mark.skipif(tuple(int(p) for p in jax.__version__.split(".")[:3]) < (0, 10, 2),
-                    reason="JAX imports pinned host memory over DLPack from 0.10.2 on")
+@pytest.mark.skipif(
+    tuple(int(p) for p in jax.__version__.split(".")[:3]) < (0, 10, 2),
+    reason="JAX imports pinned host memory over DLPack from 0.10.2 on",
+)
 def test_gpu_pinned_host_memory_of_a_host_mapped_table_reaches_jax_without_a_copy(rng):
     """A host-mapped table is pinned host memory; its device address equals its host address
     (unified addressing). Exported as kDLCUDAHost, JAX 0.10.2+ makes it a ``pinned_host``
@@ -115,8 +130,10 @@ def test_gpu_pinned_host_memory_of_a_host_mapped_table_reaches_jax_without_a_cop
         pinned = _PinnedHostView(view.ptr, view.shape, view.strides, view.dtype, view.device_type, view.device_id)
         arr = jax.dlpack.from_dlpack(pinned, copy=False)
         kind = arr.sharding.memory_kind
-        print(f"jax {jax.__version__}: pinned host import -> memory_kind={kind!r}, "
-              f"same address: {arr.unsafe_buffer_pointer() == view.ptr}")
+        print(
+            f"jax {jax.__version__}: pinned host import -> memory_kind={kind!r}, "
+            f"same address: {arr.unsafe_buffer_pointer() == view.ptr}"
+        )
         assert kind == "pinned_host", kind
         assert arr.unsafe_buffer_pointer() == view.ptr
         table, _ = state.snapshot()
@@ -124,6 +141,6 @@ def test_gpu_pinned_host_memory_of_a_host_mapped_table_reaches_jax_without_a_cop
         trace = rng.integers(0, 1000, 64)
         state.add_request(5, trace)
         state.apply_staged_writes()
-        state.snapshot()                                     # the commit has landed
-        np.testing.assert_array_equal(np.asarray(arr)[5], trace)   # seen through the same bytes
+        state.snapshot()  # the commit has landed
+        np.testing.assert_array_equal(np.asarray(arr)[5], trace)  # seen through the same bytes
         del arr

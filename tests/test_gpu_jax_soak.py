@@ -15,10 +15,10 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from helpers import admit_requests, check_soak  # noqa: E402
+
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
-
-from helpers import admit_requests, check_soak  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -54,8 +54,13 @@ def test_jax_soak(method, rng):
                 tables.append((k, table.copy(), lens.copy()))
             step_of += 1
             total_all[k] = prompt + step_of
-            out = step(state.tables, jax.device_put(base_all[k], gpu), jax.device_put(idx_all[k], gpu),
-                       jax.device_put(total_all[k], gpu), prompt_dev)
+            out = step(
+                state.tables,
+                jax.device_put(base_all[k], gpu),
+                jax.device_put(idx_all[k], gpu),
+                jax.device_put(total_all[k], gpu),
+                prompt_dev,
+            )
             outs.append(out)
         got = np.stack([np.asarray(o) for o in outs])
     mismatches, forced, first = check_soak(got, base_all, idx_all, total_all, prompt, tables)

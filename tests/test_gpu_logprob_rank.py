@@ -9,9 +9,21 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, BATCHES, VOCABS,  # noqa: E402
-                               assert_matches_reference, assert_planted, assert_special, huge_case, make_case,
-                               round_to, special_case)
+from test_logprob_rank import (  # noqa: E402
+    BATCHES,
+    POISON_LOGPROB,
+    POISON_RANK,
+    TORCH_DTYPES,
+    VOCABS,
+    assert_matches_reference,
+    assert_planted,
+    assert_special,
+    huge_case,
+    make_case,
+    round_to,
+    special_case,
+)
+
 from trace_replay_core import bind_logprob_rank, token_logprob_rank  # noqa: E402
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
 
@@ -38,6 +50,7 @@ GPU_GRID = [(b, v, d) for d in TORCH_DTYPES for b in BATCHES for v in VOCABS]
 @pytest.mark.parametrize("batch,vocab,dtype", GPU_GRID, ids=[f"b{b}-v{v}-{d}" for b, v, d in GPU_GRID])
 def test_gpu_matches_reference(batch, vocab, dtype):
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
     rng = np.random.default_rng(batch * 7919 + vocab)
     x, ids = make_case(rng, batch, vocab, dtype)
     logits = _gpu_logits(x, dtype)
@@ -55,9 +68,10 @@ STRIDED = [(b, v, d, pad) for d in TORCH_DTYPES for b in (1, 7, 256) for v in (1
 @pytest.mark.parametrize("batch,vocab,dtype,pad", STRIDED, ids=[f"b{b}-v{v}-{d}-pad{p}" for b, v, d, p in STRIDED])
 def test_gpu_row_strided(batch, vocab, dtype, pad):
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
     rng = np.random.default_rng(vocab + pad)
     x, ids = make_case(rng, batch, vocab, dtype)
-    logits = _gpu_logits(x, dtype, pad)       # pad 3: rows not 16-byte aligned (scalar loads)
+    logits = _gpu_logits(x, dtype, pad)  # pad 3: rows not 16-byte aligned (scalar loads)
     assert logits.stride(0) == vocab + pad
     lp = torch.full((batch,), POISON_LOGPROB, device="cuda")
     rk = torch.full((batch,), POISON_RANK, dtype=torch.int32, device="cuda")
@@ -77,7 +91,7 @@ def test_gpu_special_values(dtype, vocab):
     logits = _gpu_logits(x, dtype)
     ids_t = torch.from_numpy(ids).cuda()
     stream = torch.cuda.current_stream().cuda_stream
-    for extra in (0, 4096):                               # an exact and a larger (poisoned) workspace
+    for extra in (0, 4096):  # an exact and a larger (poisoned) workspace
         lp = torch.full((10,), POISON_LOGPROB, device="cuda")
         rk = torch.full((10,), POISON_RANK, dtype=torch.int64, device="cuda")
         ws = torch.full((logprob_rank_workspace_bytes(10, vocab) + extra,), 0xFF, dtype=torch.uint8, device="cuda")
@@ -93,16 +107,17 @@ def test_gpu_logits_beyond_2_20(dtype, vocab):
     """Rows masked with finfo.min, logits of +-3e38 and rows near -1.5e38: the bfloat16 fast path
     flags such chunks and the combine kernel re-sums those that matter (huge_case's rows)."""
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
     x, ids = huge_case(vocab)
     x = round_to(x, dtype)
-    if dtype == "float16":                      # beyond float16's range: only -inf masks there
+    if dtype == "float16":  # beyond float16's range: only -inf masks there
         x = np.where(np.abs(x) > 6e4, -np.inf, x).astype(np.float32)
     logits = _gpu_logits(x, dtype)
     lp, rk = torch_logprob_rank(logits, torch.from_numpy(ids).cuda())
     lp, rk = lp.cpu().numpy(), rk.cpu().numpy()
     assert_matches_reference(x, ids, lp, rk, f"gpu beyond 2**20 {dtype} {vocab}")
     one, _ = torch_logprob_rank(logits[1:2], torch.from_numpy(ids[1:2]).cuda())
-    assert one.cpu().numpy().view(np.uint32)[0] == lp.view(np.uint32)[1]       # the same bits alone
+    assert one.cpu().numpy().view(np.uint32)[0] == lp.view(np.uint32)[1]  # the same bits alone
 
 
 @pytest.mark.gpu
@@ -113,8 +128,13 @@ def test_gpu_launch_forms_on_sm90():
     queued as a programmatic dependent launch; with top-k, or more rows than that, the combine
     kernel follows as one. Before sm_90, two ordinary launches. Both forms give the reference's
     results, with the same bits (the merge is the same code in either kernel)."""
-    from trace_replay_core.kernels.logprob_rank import (LogprobRankArgs, LogprobRankDtypes, _compiled_launches,
-                                                        bind_logprob_rank_launch)
+    from trace_replay_core.kernels.logprob_rank import (
+        LogprobRankArgs,
+        LogprobRankDtypes,
+        _compiled_launches,
+        bind_logprob_rank_launch,
+    )
+
     sm90 = torch.cuda.get_device_capability()[0] >= 9
     x = torch.randn(3, 1000, device="cuda").bfloat16()
     ids = torch.tensor([1, 2, 3], device="cuda")
@@ -123,9 +143,20 @@ def test_gpu_launch_forms_on_sm90():
         lp, rk = torch.full((3,), POISON_LOGPROB, device="cuda"), torch.full((3,), POISON_RANK, device="cuda")
         tlp, tid = torch.full((3, 8), POISON_LOGPROB, device="cuda"), torch.full((3, 8), POISON_RANK, device="cuda")
         ws = torch.empty(logprob_rank_workspace_bytes(3, 1000, top_k=k), dtype=torch.uint8, device="cuda")
-        args = LogprobRankArgs(x.data_ptr(), ids.data_ptr(), 0, lp.data_ptr(), rk.data_ptr(),
-                               tlp.data_ptr() if k else 0, tid.data_ptr() if k else 0, ws.data_ptr(),
-                               3, 1000, x.stride(0), k)
+        args = LogprobRankArgs(
+            x.data_ptr(),
+            ids.data_ptr(),
+            0,
+            lp.data_ptr(),
+            rk.data_ptr(),
+            tlp.data_ptr() if k else 0,
+            tid.data_ptr() if k else 0,
+            ws.data_ptr(),
+            3,
+            1000,
+            x.stride(0),
+            k,
+        )
         dtypes = LogprobRankDtypes("bfloat16", "int64", "int64", "int64")
         forms = [(gdc, cluster) for _, grid, _, _, gdc, cluster in _compiled_launches(args, dtypes, 0, None)]
         if not sm90:
@@ -135,8 +166,9 @@ def test_gpu_launch_forms_on_sm90():
         else:
             assert len(forms) == 1 and forms[0][0] and forms[0][1] is not None and forms[0][1][1] >= 1, forms
         bind_logprob_rank_launch(args, dtypes, 0)(torch.cuda.current_stream().cuda_stream)
-        assert_matches_reference(x.float().cpu().numpy(), ids.cpu().numpy(), lp.cpu().numpy(), rk.cpu().numpy(),
-                                 f"launch form top_k={k}")
+        assert_matches_reference(
+            x.float().cpu().numpy(), ids.cpu().numpy(), lp.cpu().numpy(), rk.cpu().numpy(), f"launch form top_k={k}"
+        )
         out[k] = (lp.clone(), rk.clone())
     assert torch.equal(out[0][0].view(torch.int32), out[8][0].view(torch.int32)) and torch.equal(out[0][1], out[8][1])
     # 4096 rows of 151,936 (13 chunks): more rows than 13-program clusters fit at once (compiled
@@ -153,6 +185,7 @@ def test_gpu_chained_calls_read_what_the_kernel_before_wrote():
     synchronisation, the kernels that rewrite its logits and ids (and the previous call); every
     call must match the reference for what was written just before it."""
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
     rng = np.random.default_rng(77)
     batch, vocab, calls = 64, 151936, 12
     cases = [make_case(rng, batch, vocab, "bfloat16") for _ in range(3)]
@@ -163,7 +196,7 @@ def test_gpu_chained_calls_read_what_the_kernel_before_wrote():
     rks = torch.full((calls, batch), POISON_RANK, dtype=torch.int64, device="cuda")
     logits.copy_(srcs[0][0])
     ids_t.copy_(srcs[0][1])
-    torch_logprob_rank(logits, ids_t, out=(lps[0], rks[0]))         # compiled and bound before the loop
+    torch_logprob_rank(logits, ids_t, out=(lps[0], rks[0]))  # compiled and bound before the loop
     torch.cuda.synchronize()
     for k in range(calls):
         logits.copy_(srcs[k % 3][0])
@@ -199,13 +232,14 @@ def test_gpu_workspace_errors_change_nothing():
 @needs_gpu
 def test_gpu_side_stream_and_cuda_graph():
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
     rng = np.random.default_rng(5)
     x, ids = make_case(rng, 7, 32000, "bfloat16")
     logits = _gpu_logits(x, "bfloat16").contiguous()
     ids_t = torch.from_numpy(ids).cuda()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                       # runs on the side stream, as torch's current one
+    with torch.cuda.stream(side):  # runs on the side stream, as torch's current one
         lp, rk = torch_logprob_rank(logits, ids_t)
     torch.cuda.current_stream().wait_stream(side)
     assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), "gpu side stream")
@@ -228,12 +262,13 @@ def test_gpu_bound_calls_and_adapter_cache_follow_the_buffers():
     """The adapter binds once per tensor layout: a hit must read the tensors' current contents,
     and new tensors (new addresses) must never be served a launch bound to old ones."""
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
     rng = np.random.default_rng(41)
     for batch in (3, 300):
         logits = torch.empty(batch, 5000, dtype=torch.bfloat16, device="cuda")
         ids_t = torch.empty(batch, dtype=torch.int64, device="cuda")
         out = (torch.empty(batch, device="cuda"), torch.empty(batch, dtype=torch.int64, device="cuda"))
-        for k in range(4):                                   # same buffers, new contents
+        for k in range(4):  # same buffers, new contents
             x, ids = make_case(rng, batch, 5000, "bfloat16")
             logits.copy_(torch.from_numpy(x).to(torch.bfloat16))
             ids_t.copy_(torch.from_numpy(ids))
@@ -242,11 +277,11 @@ def test_gpu_bound_calls_and_adapter_cache_follow_the_buffers():
             torch_logprob_rank(logits, ids_t, out=out)
             assert_matches_reference(x, ids, out[0].cpu().numpy(), out[1].cpu().numpy(), f"hit {batch} {k}")
         kept = []
-        for k in range(4):                                   # new buffers every call
+        for k in range(4):  # new buffers every call
             x, ids = make_case(rng, batch, 5000, "bfloat16")
             lg = _gpu_logits(x, "bfloat16", pad=8 * k)
             lp, rk = torch_logprob_rank(lg, torch.from_numpy(ids).cuda())
-            kept.append(lg)                                  # keep addresses distinct
+            kept.append(lg)  # keep addresses distinct
             assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), f"miss {batch} {k}")
     # The core's bound call on its own, on a side stream.
     x, ids = make_case(rng, 5, 151936, "float32")

@@ -24,8 +24,10 @@ def _loop(framework):
         return torch_loop.run_decode
     pytest.importorskip("jax")
     from jax_helpers import jax_gpu
-    jax_gpu()                                  # skips with the reason when JAX sees no GPU
+
+    jax_gpu()  # skips with the reason when JAX sees no GPU
     from trace_replay_app.models.llama import jax_loop
+
     return jax_loop.run_decode
 
 
@@ -58,14 +60,16 @@ def test_gpu_bfloat16_close_to_transformers(checkpoints, case, framework, rng):
     requests = [r for r in make_requests(rng, config.vocab_size, n=10) if r.trace is not None]
     results = _loop(framework)(config, weights, requests, device="cuda", max_batch=3, dtype="bfloat16")
     from llama_cases import teacher_forced
+
     diffs = []
     for r, res in zip(requests, results):
         assert res.tokens.tolist() == list(r.trace)
         want, _, _ = teacher_forced(model, r.prompt, r.trace)
         diffs.append(np.abs(res.logprobs - want))
     diffs = np.concatenate(diffs)
-    assert diffs.max() < 0.15 and diffs.mean() < 0.03, f"{case} {framework} bf16: max {diffs.max():.3g}, " \
-                                                       f"mean {diffs.mean():.3g}"
+    assert diffs.max() < 0.15 and diffs.mean() < 0.03, (
+        f"{case} {framework} bf16: max {diffs.max():.3g}, mean {diffs.mean():.3g}"
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.3])

@@ -37,9 +37,19 @@ _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS < 2, reason=f"needs 2 CUDA GPUs (found {_GPUS})")]
 
 JAX_CASES = Path(__file__).with_name("jax_mesh_loop_cases.py")
-QWEN_HEADS = LlamaConfig(model_type="qwen2", vocab_size=151936, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=256, qkv_bias=True, tie_word_embeddings=True)
+QWEN_HEADS = LlamaConfig(
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+)
 
 
 def _bf16_close(got, ref, what, atol=0.05):
@@ -73,8 +83,9 @@ def test_nccl_two_ranks_equal_one_gpu(tmp_path, rng):
         if options.get("dtype") == "bfloat16":
             _bf16_close(per_rank[0][name], ref, f"{name}: 2 GPUs vs 1")
         else:
-            check_same(per_rank[0][name], ref, f"{name}: 2 GPUs vs 1", atol=2e-5, reference=models[name],
-                       requests=requests)
+            check_same(
+                per_rank[0][name], ref, f"{name}: 2 GPUs vs 1", atol=2e-5, reference=models[name], requests=requests
+            )
         check_same(per_rank[1][name], per_rank[0][name], f"{name}: cuda:1 vs cuda:0", atol=0)
 
 
@@ -84,8 +95,14 @@ def test_jax_loop_on_a_two_gpu_mesh(rng):
     env["TRACE_REPLAY_MESH_PLATFORM"] = "gpu"
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["TRACE_REPLAY_TEST_SEED"] = str(int(rng.integers(2**32)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(JAX_CASES)],
-                          cwd=JAX_CASES.parent.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(JAX_CASES)],
+        cwd=JAX_CASES.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     print(out[-4000:])
     assert proc.returncode == 0, f"2-GPU mesh cases failed (rc={proc.returncode}):\n{out[-12000:]}"

@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads  # noqa: E402
+
 from trace_replay_core import TraceTable  # noqa: E402
 from trace_replay_torch import TraceReplayState  # noqa: E402
-
-from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -46,8 +46,9 @@ def test_soak(rng, placement):
     tables = []  # (first step, table copy, lens copy) whenever the committed state changes
     sampled = torch.empty(batch, dtype=torch.int64, device=DEV)
     idx = torch.empty(batch, dtype=torch.int32, device=DEV)
-    with TraceReplayState(max_slots, max_len, device=DEV, placement=placement, total_len=total,
-                          prompt_len=prompt_dev, staging_depth=3) as st:
+    with TraceReplayState(
+        max_slots, max_len, device=DEV, placement=placement, total_len=total, prompt_len=prompt_dev, staging_depth=3
+    ) as st:
         for k in range(steps):
             if k % 4 == 0:  # requests finish and new ones take their slots
                 admit_requests(rng, st.add_request, table, lens, step_of, count=3, vocab=vocab)
@@ -79,6 +80,7 @@ def _rss_bytes():
 
 def test_create_close_cycles_do_not_leak():
     from cuda.bindings import driver as cu
+
     torch.cuda.synchronize()
     cycles = int(os.environ.get("TRACE_REPLAY_LIFETIME_CYCLES", 10_000))
 
@@ -87,6 +89,7 @@ def test_create_close_cycles_do_not_leak():
         t.stage(3, [1, 2, 3])
         t.commit(stream=0)
         t.close()
+
     for _ in range(50):
         cycle()
     free0, rss0 = cu.cuMemGetInfo()[1], _rss_bytes()
@@ -112,7 +115,7 @@ def test_garbage_collected_state_waits_for_queued_reads():
     torch.cuda._sleep(200_000_000)  # the replay below waits behind ~0.1 s of spinning
     t.replay_at_step(sampled, idx, step, stream=stream)
     del t
-    gc.collect()                     # close() from the finaliser: waits for the device first
+    gc.collect()  # close() from the finaliser: waits for the device first
     torch.empty(64 * 2**20, dtype=torch.uint8, device=DEV).fill_(0xAB)  # reuse freed memory
     assert sampled.tolist() == [7, 1024 * 7, POISON]
 
@@ -133,6 +136,7 @@ def test_staging_from_many_threads():
             t.stage(slot, tr)
             with lock:
                 last[slot] = tr
+
     run_threads(worker, threads)
     t.commit(stream=torch.cuda.current_stream().cuda_stream)
     table, lens = t.snapshot()

@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from helpers import assert_tokens_equal, random_scenario  # noqa: E402
+
 from trace_replay_core import TraceTable, replay_reference  # noqa: E402
 from trace_replay_torch import TraceReplayState  # noqa: E402
-
-from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 PLACEMENTS = ["device", "host_mapped"]
@@ -42,14 +42,17 @@ def test_gpu_matches_reference(rng, placement, batch, sampled_dtype, index_dtype
             assert lens[slot] == len(tr) and np.array_equal(table[slot, : len(tr)], tr)
         sampled = torch.from_numpy(sc["sampled"]).to(DEV, sampled_dtype)
         st.replay(sampled, idx)
-        expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
-                                    sc["prompt_len"])
+        expected = replay_reference(
+            sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+        )
         assert_tokens_equal(sampled.cpu().numpy(), expected)
         sampled = torch.from_numpy(sc["sampled"]).to(DEV, sampled_dtype)
         st.replay_at_step(sampled, idx, torch.from_numpy(sc["step"]).to(DEV, index_dtype))
-        assert_tokens_equal(sampled.cpu().numpy(),
-                            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"]),
-                            "per-row step")
+        assert_tokens_equal(
+            sampled.cpu().numpy(),
+            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"]),
+            "per-row step",
+        )
 
 
 def test_gpu_refuses_host_arrays_and_other_devices():
@@ -127,14 +130,16 @@ def test_many_steps_queued_with_slot_reuse(rng, placement):
     sim = _Simulation(rng, max_slots, max_len)
     total_dev = torch.zeros(max_slots, dtype=torch.int32, device=DEV)
     prompt_dev = torch.zeros(max_slots, dtype=torch.int32, device=DEV)
-    with TraceReplayState(max_slots, max_len, device=DEV, placement=placement, total_len=total_dev,
-                          prompt_len=prompt_dev, staging_depth=2) as st:
+    with TraceReplayState(
+        max_slots, max_len, device=DEV, placement=placement, total_len=total_dev, prompt_len=prompt_dev, staging_depth=2
+    ) as st:
         # prompt lengths change only on admission; keep a device copy in sync without host waits
         orig_admit = sim.admit
 
         def admit(st_, slot):
             orig_admit(st_, slot)
             prompt_dev[slot] = int(sim.prompt[slot])
+
         sim.admit = admit
         outs, exps = _run_queued_steps(rng, st, sim, total_dev, 400, None)
         torch.cuda.synchronize()
@@ -157,8 +162,9 @@ def test_non_default_stream(rng):
             sampled = torch.from_numpy(sc["sampled"]).to(DEV)
             st.replay(sampled, torch.from_numpy(sc["idx"]).to(DEV))
             result = sampled.cpu()  # ordered after the replay on this stream
-    expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
-                                sc["prompt_len"])
+    expected = replay_reference(
+        sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+    )
     assert_tokens_equal(result.numpy(), expected)
 
 
@@ -169,8 +175,9 @@ def test_cuda_graph_sees_commits_between_replays(rng, placement):
     prompt = torch.zeros(max_slots, dtype=torch.int32, device=DEV)
     sampled = torch.zeros(batch, dtype=torch.int64, device=DEV)
     idx = torch.zeros(batch, dtype=torch.int32, device=DEV)
-    with TraceReplayState(max_slots, max_len, device=DEV, placement=placement, total_len=total,
-                          prompt_len=prompt) as st:
+    with TraceReplayState(
+        max_slots, max_len, device=DEV, placement=placement, total_len=total, prompt_len=prompt
+    ) as st:
         st.replay(sampled, idx)  # compile and bind before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -252,10 +259,12 @@ def test_staging_without_guard_corrupts(rng):
 
 def test_close_frees_memory_and_is_idempotent():
     from cuda.bindings import driver as cu
+
     torch.cuda.synchronize()
 
     def free_bytes():
         return cu.cuMemGetInfo()[1]
+
     before = free_bytes()
     t = TraceTable(1024, 32768, device=DEV)  # 128 MiB table
     during = free_bytes()

@@ -16,20 +16,30 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES,  # noqa: E402
-                               assert_matches_reference, round_to)
+from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, round_to  # noqa: E402
+
 from trace_replay_core import greedy_argmax_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
-                               reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 VOCAB = 151_936
 BATCHES = (1, 7, 256, 257)
 POISON_ARGMAX = -777
 # Rows that are special in gpu_case (each greedy): name -> row.
-SPECIAL = {"all-inf": 4, "all-nan": 5, "one-nan": 6, "nan-first-then-inf": 8, "plus-inf": 9,
-           "max-last-column": 10, "max-first-and-last": 11, "clipped-ties": 12, "clipped-ties-late": 13}
+SPECIAL = {
+    "all-inf": 4,
+    "all-nan": 5,
+    "one-nan": 6,
+    "nan-first-then-inf": 8,
+    "plus-inf": 9,
+    "max-last-column": 10,
+    "max-first-and-last": 11,
+    "clipped-ties": 12,
+    "clipped-ties-late": 13,
+}
 
 
 def gpu_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str):
@@ -73,12 +83,12 @@ def gpu_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str):
             x[r, [0, vocab - 1]] = np.nanmax(x[r]) + 0.5
         elif name == "clipped-ties":
             x[r] = np.minimum(np.round(x[r] * 2.0) / 2.0, 2.0)
-        elif name == "clipped-ties-late":           # the maximum only in the last chunks, many times
+        elif name == "clipped-ties-late":  # the maximum only in the last chunks, many times
             x[r] = np.minimum(np.round(x[r] * 2.0) / 2.0, 1.0)
-            x[r, vocab - 20_000:] = np.where(x[r, vocab - 20_000:] >= 1.0, 1.5, x[r, vocab - 20_000:])
+            x[r, vocab - 20_000 :] = np.where(x[r, vocab - 20_000 :] >= 1.0, 1.5, x[r, vocab - 20_000 :])
     x = round_to(x, dtype)
     ids = rng.integers(0, vocab, size=batch).astype(np.int64)
-    ids[::8] = greedy_reference(x[::8])            # some explicit rows name their own argmax
+    ids[::8] = greedy_reference(x[::8])  # some explicit rows name their own argmax
     ids[1::2] = -1
     ids[list(rows.values())] = -1
     return x, ids
@@ -86,7 +96,7 @@ def gpu_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str):
 
 def greedy_reference(x: np.ndarray) -> np.ndarray:
     """``greedy_argmax_reference`` by chunks of rows (bounded host memory)."""
-    return np.concatenate([greedy_argmax_reference(x[r:r + 32]) for r in range(0, x.shape[0], 32)])
+    return np.concatenate([greedy_argmax_reference(x[r : r + 32]) for r in range(0, x.shape[0], 32)])
 
 
 def _cuda(x: np.ndarray, dtype: str) -> torch.Tensor:
@@ -96,9 +106,13 @@ def _cuda(x: np.ndarray, dtype: str) -> torch.Tensor:
 def _call(logits, ids, **kw):
     """``token_logprob_rank(..., argmax=True)`` into poisoned caller buffers; host copies."""
     from trace_replay_torch import token_logprob_rank
+
     b = logits.shape[0]
-    out = (torch.full((b,), POISON_LOGPROB, device="cuda"), torch.full((b,), POISON_RANK, device="cuda"),
-           torch.full((b,), POISON_ARGMAX, device="cuda"))
+    out = (
+        torch.full((b,), POISON_LOGPROB, device="cuda"),
+        torch.full((b,), POISON_RANK, device="cuda"),
+        torch.full((b,), POISON_ARGMAX, device="cuda"),
+    )
     got = token_logprob_rank(logits, ids, argmax=True, out=out, **kw)
     assert all(g is o for g, o in zip(got, out))
     return tuple(t.cpu().numpy() for t in got)
@@ -133,8 +147,10 @@ def test_gpu_argmax_greedy_rows_and_batch_invariance(dtype):
         lp, rk, am = _call(logits, ids_t)
         what = f"{dtype} batch {batch}"
         bad = np.flatnonzero(am != want)
-        assert bad.size == 0, f"{what}: argmax differs at rows {bad[:10].tolist()}: got {am[bad[:10]].tolist()}, " \
-                              f"want {want[bad[:10]].tolist()}"
+        assert bad.size == 0, (
+            f"{what}: argmax differs at rows {bad[:10].tolist()}: got {am[bad[:10]].tolist()}, "
+            f"want {want[bad[:10]].tolist()}"
+        )
         no_nan = ~np.isnan(x).any(axis=1)
         torch_am = logits.argmax(dim=-1).cpu().numpy()
         bad = np.flatnonzero(no_nan & (am != torch_am))
@@ -144,6 +160,7 @@ def test_gpu_argmax_greedy_rows_and_batch_invariance(dtype):
         # Greedy rows: the bits of an explicit call with the argmax ids (with and without argmax).
         explicit = torch.from_numpy(np.where(ids < 0, am, ids)).cuda()
         from trace_replay_torch import token_logprob_rank
+
         plain_lp, plain_rk = (t.cpu().numpy() for t in token_logprob_rank(logits, explicit))
         lp2, rk2, am2 = _call(logits, explicit)
         for name, (l, r) in {"without argmax": (plain_lp, plain_rk), "with argmax": (lp2, rk2)}.items():
@@ -158,9 +175,10 @@ def test_gpu_argmax_greedy_rows_and_batch_invariance(dtype):
         bad = np.flatnonzero((_bits(lp) != _bits(lp_full[rows])) | (rk != rk_full[rows]) | (am != am_full[rows]))
         assert bad.size == 0, f"{dtype}: batch {batch} differs from batch 257 at rows {(rows[bad][:10]).tolist()}"
     for r in sorted(set(SPECIAL.values()) | {0, 1, 2, 3, 100, 255, 256}):
-        lp, rk, am = _call(logits_all[r:r + 1], ids_t_all[r:r + 1])
-        assert (_bits(lp)[0], rk[0], am[0]) == (_bits(lp_full)[r], rk_full[r], am_full[r]), \
+        lp, rk, am = _call(logits_all[r : r + 1], ids_t_all[r : r + 1])
+        assert (_bits(lp)[0], rk[0], am[0]) == (_bits(lp_full)[r], rk_full[r], am_full[r]), (
             f"{dtype}: row {r} alone differs from row {r} of batch 257"
+        )
 
 
 @needs_gpu
@@ -170,8 +188,8 @@ def test_gpu_special_rows_say_what_the_contract_says():
     s = SPECIAL
     assert (am[s["all-inf"]], rk[s["all-inf"]]) == (0, VOCAB) and np.isnan(lp[s["all-inf"]])
     assert (am[s["all-nan"]], rk[s["all-nan"]]) == (0, 0) and np.isnan(lp[s["all-nan"]])
-    assert am[s["nan-first-then-inf"]] == 1 and np.isnan(lp[s["nan-first-then-inf"]])   # never the NaN
-    one_nan = x[s["one-nan"]]                       # a clipped row: its maximum ties many times
+    assert am[s["nan-first-then-inf"]] == 1 and np.isnan(lp[s["nan-first-then-inf"]])  # never the NaN
+    one_nan = x[s["one-nan"]]  # a clipped row: its maximum ties many times
     assert am[s["one-nan"]] == np.nanargmax(one_nan) and np.isnan(lp[s["one-nan"]])
     assert rk[s["one-nan"]] == (one_nan == np.nanmax(one_nan)).sum() > 100
     assert am[s["plus-inf"]] == VOCAB // 2 and np.isnan(lp[s["plus-inf"]]) and rk[s["plus-inf"]] == 1
@@ -189,6 +207,7 @@ def test_gpu_cache_with_and_without_argmax_on_the_same_buffers():
     without argmax must be two launches (a greedy row is invalid without argmax, scored with it),
     and a hit must read the buffers' current contents. The registered op gives the same bits."""
     from trace_replay_torch import token_logprob_rank, token_logprob_rank_op
+
     rng = np.random.default_rng(11)
     logits = torch.empty(7, VOCAB, dtype=torch.bfloat16, device="cuda")
     ids_t = torch.empty(7, dtype=torch.int64, device="cuda")
@@ -204,8 +223,9 @@ def test_gpu_cache_with_and_without_argmax_on_the_same_buffers():
                 token_logprob_rank(logits, ids_t, argmax=True, out=(lp, rk, am))
                 want = greedy_reference(x)
                 assert am.cpu().numpy().tolist() == want.tolist(), f"step {k}"
-                assert_matches_reference(x, np.where(ids < 0, want, ids), lp.cpu().numpy(), rk.cpu().numpy(),
-                                         f"with argmax, step {k}")
+                assert_matches_reference(
+                    x, np.where(ids < 0, want, ids), lp.cpu().numpy(), rk.cpu().numpy(), f"with argmax, step {k}"
+                )
             else:
                 token_logprob_rank(logits, ids_t, out=(lp, rk))
                 assert (am == POISON_ARGMAX).all() and (rk.cpu().numpy()[ids < 0] == -1).all(), f"step {k}"
@@ -219,6 +239,7 @@ def test_gpu_cuda_graph_of_the_greedy_step():
     """``fill(-1)``, explicit ids on even rows, the call with argmax, and the greedy rows taking
     their argmax, captured once (after an eager warm-up) and replayed on new logits and ids."""
     from trace_replay_torch import token_logprob_rank
+
     batch = 7
     logits = torch.empty(batch, VOCAB, dtype=torch.bfloat16, device="cuda")
     ids_static = torch.empty(batch, dtype=torch.int64, device="cuda")
@@ -229,7 +250,7 @@ def test_gpu_cuda_graph_of_the_greedy_step():
 
     def step():
         sampled.fill_(-1)
-        sampled[::2].copy_(ids_static[::2])            # the explicit rows ("replayed")
+        sampled[::2].copy_(ids_static[::2])  # the explicit rows ("replayed")
         token_logprob_rank(logits, sampled, argmax=True, out=(lp, rk, am))
         torch.lt(sampled, 0, out=greedy)
         torch.where(greedy, am, sampled, out=sampled)
@@ -245,7 +266,7 @@ def test_gpu_cuda_graph_of_the_greedy_step():
     load(20)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                      # compiles the kernels, binds the launch
+    with torch.cuda.stream(side):  # compiles the kernels, binds the launch
         step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -259,8 +280,9 @@ def test_gpu_cuda_graph_of_the_greedy_step():
         want = greedy_reference(x)
         assert am.cpu().numpy().tolist() == want.tolist(), f"graph, seed {seed}"
         assert sampled.cpu().numpy().tolist() == np.where(scored < 0, want, scored).tolist(), f"graph, seed {seed}"
-        assert_matches_reference(x, np.where(scored < 0, want, scored), lp.cpu().numpy(), rk.cpu().numpy(),
-                                 f"graph, seed {seed}")
+        assert_matches_reference(
+            x, np.where(scored < 0, want, scored), lp.cpu().numpy(), rk.cpu().numpy(), f"graph, seed {seed}"
+        )
         eager_lp, eager_rk, eager_am = _call(logits, torch.from_numpy(scored).cuda())
         assert np.array_equal(_bits(eager_lp), _bits(lp.cpu().numpy()))
         assert (eager_rk == rk.cpu().numpy()).all() and (eager_am == am.cpu().numpy()).all()

@@ -9,10 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_torch import TraceReplayState  # noqa: E402
-
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 from torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+
+from trace_replay_torch import TraceReplayState  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -38,8 +38,9 @@ def test_opcheck_on_cuda(rng, placement):
     sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_len, batch=batch)
     total = torch.from_numpy(sc["total_len"]).to(DEV)
     prompt = torch.from_numpy(sc["prompt_len"]).to(DEV)
-    with TraceReplayState(max_slots, max_len, device=DEV, placement=placement, total_len=total,
-                          prompt_len=prompt) as st:
+    with TraceReplayState(
+        max_slots, max_len, device=DEV, placement=placement, total_len=total, prompt_len=prompt
+    ) as st:
         for slot, tr in sc["traces"].items():
             st.add_request(slot, tr)
         st.apply_staged_writes()
@@ -63,6 +64,7 @@ def test_compiled_sampler_matches_eager_bit_for_bit(rng, mode):
     sampler's tokens, logprobs and ranks equal the eager sampler's exactly, and the tokens the
     reference replay. ``reduce-overhead`` runs the steps as CUDA graph replays."""
     from torch._dynamo.utils import counters
+
     counters.clear()
     st, loop = _loop(rng)
     with st:
@@ -94,7 +96,7 @@ def test_compiled_sampler_in_cuda_graph_sees_commits(rng):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):                          # compile, and the kernels' first launches
+            for _ in range(2):  # compile, and the kernels' first launches
                 compiled(st, logits, idx)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
@@ -102,7 +104,7 @@ def test_compiled_sampler_in_cuda_graph_sees_commits(rng):
         with torch.cuda.graph(graph):
             out = compiled(st, logits, idx)
         for rnd in range(25):
-            loop.admit_and_commit()                     # outside the graph, on the current stream
+            loop.admit_and_commit()  # outside the graph, on the current stream
             fresh_logits, fresh_idx = loop.step_inputs()
             logits.copy_(fresh_logits)
             idx.copy_(fresh_idx)
@@ -115,4 +117,4 @@ def test_compiled_sampler_in_cuda_graph_sees_commits(rng):
             loop.advance()
         assert loop.forced > 50
         torch.cuda.synchronize()
-        del graph                                       # before the state's table is freed
+        del graph  # before the state's table is freed

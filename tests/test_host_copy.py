@@ -13,12 +13,17 @@ import textwrap
 import numpy as np
 import pytest
 
-from trace_replay_core import TraceTable, _host_copy as host_copy
+from trace_replay_core import TraceTable
+from trace_replay_core import _host_copy as host_copy
 from trace_replay_core._staging import copy_trace
 
 POISON = 0xA5A5A5A5
-UNSIGNED = {np.dtype(np.int32): np.uint32, np.dtype(np.uint32): np.uint32, np.dtype(np.int64): np.uint64,
-            np.dtype(np.uint64): np.uint64}
+UNSIGNED = {
+    np.dtype(np.int32): np.uint32,
+    np.dtype(np.uint32): np.uint32,
+    np.dtype(np.int64): np.uint64,
+    np.dtype(np.uint64): np.uint64,
+}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,11 +56,11 @@ def _check_copy(arr, out, top):
 def test_trace_matches_numpy(rng, native, dtype, length, offset):
     """1-D: every length around the vector widths, the output starting at every alignment."""
     arr = _ids(rng, length, dtype)
-    arr[rng.integers(0, length)] = 2**31 - 1                 # the largest id that int32 holds
+    arr[rng.integers(0, length)] = 2**31 - 1  # the largest id that int32 holds
     buf = np.full(length + 16, POISON, dtype=np.uint32)
-    out = buf[offset:offset + length]
+    out = buf[offset : offset + length]
     _check_copy(arr, out, native.copy_max(arr, out))
-    assert (buf[:offset] == POISON).all() and (buf[offset + length:] == POISON).all()
+    assert (buf[:offset] == POISON).all() and (buf[offset + length :] == POISON).all()
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint64])
@@ -63,20 +68,30 @@ def test_trace_matches_numpy(rng, native, dtype, length, offset):
 def test_block_matches_numpy(rng, native, dtype, rows, cols, pad):
     """2-D: output rows padded apart, source rows strided apart and in reverse order."""
     wide = _ids(rng, (rows, cols + 11), dtype)
-    for arr in (wide[:, 3:3 + cols], wide[::-1, :cols]):
+    for arr in (wide[:, 3 : 3 + cols], wide[::-1, :cols]):
         buf = np.full((rows, cols + pad), POISON, dtype=np.uint32)
         out = buf[:, :cols]
         _check_copy(arr, out, native.copy_max(arr, out))
         assert (buf[:, cols:] == POISON).all()
 
 
-@pytest.mark.parametrize("dtype, value", [(np.int32, -1), (np.int32, -2**31), (np.int64, -7), (np.int64, 2**32 + 5),
-                                          (np.uint32, 2**31), (np.uint64, 2**63 + 1), (np.int32, 150_000)])
+@pytest.mark.parametrize(
+    "dtype, value",
+    [
+        (np.int32, -1),
+        (np.int32, -(2**31)),
+        (np.int64, -7),
+        (np.int64, 2**32 + 5),
+        (np.uint32, 2**31),
+        (np.uint64, 2**63 + 1),
+        (np.int32, 150_000),
+    ],
+)
 @pytest.mark.parametrize("vocab", [None, 150_000])
 def test_refusals_as_numpy(rng, native, dtype, value, vocab):
     """A bad id anywhere in a block (a 64-bit one whose low 32 bits look valid included) is
     refused in the same words on both paths, naming the first bad trace."""
-    if value == 150_000 and vocab is None:      # valid without a vocabulary: take one that is not
+    if value == 150_000 and vocab is None:  # valid without a vocabulary: take one that is not
         value = -3 if dtype == np.int32 else 2**31
     block = _ids(rng, (64, 4096), dtype)
     row, col = int(rng.integers(1, 64)), int(rng.integers(0, 4096))
@@ -95,9 +110,14 @@ def test_layouts_not_taken(native):
     written (``copy_trace`` then uses numpy)."""
     out = np.full(64, POISON, dtype=np.uint32)
     src = np.arange(1, 129, dtype=np.int32)
-    for arr, dst in [(src[:64].astype(">i4"), out), (src[:64].astype(np.int16), out), (src[::2], out),
-                     (src[:64].reshape(4, 4, 4), out.reshape(4, 4, 4)), (src[:63], out[:63].reshape(63)[:62]),
-                     (src[:64], out.view(np.int32))]:
+    for arr, dst in [
+        (src[:64].astype(">i4"), out),
+        (src[:64].astype(np.int16), out),
+        (src[::2], out),
+        (src[:64].reshape(4, 4, 4), out.reshape(4, 4, 4)),
+        (src[:63], out[:63].reshape(63)[:62]),
+        (src[:64], out.view(np.int32)),
+    ]:
         assert native.copy_max(arr, dst) is None
     assert (out == POISON).all()
 
@@ -159,7 +179,7 @@ def test_without_a_compiler_staging_uses_numpy(tmp_path):
 def test_failing_compiler_is_reported(tmp_path):
     status = _fresh_process(tmp_path, CC="false")
     assert status.startswith("numpy: `") and "exited 1" in status, status
-    assert not os.listdir(tmp_path)                 # no half-written library is left behind
+    assert not os.listdir(tmp_path)  # no half-written library is left behind
 
 
 def test_switched_off(tmp_path):
@@ -198,7 +218,7 @@ def test_gpu_large_block_reaches_the_table(rng, dtype, placement):
         slots = rng.permutation(128)[:64]
         block = _ids(rng, (64, 8192), dtype)
         t.stage_many(slots, block)
-        assert host_copy.status().startswith("native: "), host_copy.status()   # prepared by the first large copy
+        assert host_copy.status().startswith("native: "), host_copy.status()  # prepared by the first large copy
         t.commit(stream=0)
         table, lengths = t.snapshot()
         assert (lengths[slots] == 8192).all()
@@ -212,8 +232,20 @@ def test_portable_build_matches_numpy(rng, tmp_path, native):
     bytes and largest values as numpy, strided rows included."""
     path = str(tmp_path / "portable.so")
     cc = shutil.which(os.environ.get("CC") or "cc")
-    subprocess.run([cc, "-O3", "-shared", "-fPIC", "-DTRACE_REPLAY_PORTABLE", "-o", path,
-                    os.path.join(ROOT, "trace_replay_core", "host_copy.c")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            cc,
+            "-O3",
+            "-shared",
+            "-fPIC",
+            "-DTRACE_REPLAY_PORTABLE",
+            "-o",
+            path,
+            os.path.join(ROOT, "trace_replay_core", "host_copy.c"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     funcs = host_copy._load(path)
     assert host_copy._self_check(funcs) is None
     with native._entry_points(funcs):

@@ -61,8 +61,10 @@ def test_core_source_imports_no_framework_adapter_or_application():
 
 
 def test_the_walk_sees_every_kind_of_import(tmp_path):
-    src = ("import torch\nfrom jax import numpy\nimport importlib\nimportlib.import_module('jaxlib')\n"
-           "__import__('trace_replay_app')\nimportlib.import_module(name)\n")
+    src = (
+        "import torch\nfrom jax import numpy\nimport importlib\nimportlib.import_module('jaxlib')\n"
+        "__import__('trace_replay_app')\nimportlib.import_module(name)\n"
+    )
     names = [n for n, _ in _imported_names(ast.parse(src))]
     assert names == ["torch", "jax", "importlib", "jaxlib", "trace_replay_app", "<dynamic>"]
 

@@ -19,12 +19,13 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-import trace_replay_jax as trj  # noqa: E402
 from jax_helpers import x64  # noqa: E402
+
+import trace_replay_jax as trj  # noqa: E402
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
 
-POISON = 2**30 + 7          # never a trace token (traces are below vocab_size)
+POISON = 2**30 + 7  # never a trace token (traces are below vocab_size)
 VOCAB = 50_000
 CPU = jax.devices("cpu")[0]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,12 +47,17 @@ def _reference(traces, max_slots, max_len, sampled, idx, total=None, prompt=None
     table = np.zeros((max_slots, max_len), np.int32)
     lens = np.zeros(max_slots, np.int32)
     for slot, tr in traces.items():
-        table[slot, :len(tr)] = tr
+        table[slot, : len(tr)] = tr
         lens[slot] = len(tr)
-    return replay_reference(np.asarray(sampled), np.asarray(idx), table, lens,
-                            None if total is None else np.asarray(total),
-                            None if prompt is None else np.asarray(prompt),
-                            None if step is None else np.asarray(step))
+    return replay_reference(
+        np.asarray(sampled),
+        np.asarray(idx),
+        table,
+        lens,
+        None if total is None else np.asarray(total),
+        None if prompt is None else np.asarray(prompt),
+        None if step is None else np.asarray(step),
+    )
 
 
 def _inputs(rng, batch, max_slots, max_len, device, sampled_dtype=np.int32, index_dtype=np.int32, traces=None):
@@ -70,8 +76,13 @@ def _inputs(rng, batch, max_slots, max_len, device, sampled_dtype=np.int32, inde
     sampled = np.full(batch, POISON)
     step = rng.integers(-3, max_len + 3, batch)
     put = lambda x, dt: jax.device_put(np.asarray(x, dt), device)  # noqa: E731
-    return (put(sampled, sampled_dtype), put(idx, index_dtype), put(total, index_dtype),
-            put(prompt, index_dtype), put(step, index_dtype))
+    return (
+        put(sampled, sampled_dtype),
+        put(idx, index_dtype),
+        put(total, index_dtype),
+        put(prompt, index_dtype),
+        put(step, index_dtype),
+    )
 
 
 # -- semantics ------------------------------------------------------------------------------------
@@ -90,13 +101,14 @@ def test_replay_matches_reference_and_returns_a_new_array(rng, batch):
     want = _reference(traces, state.max_slots, state.max_trace_len, s, i, tl, pl)
     np.testing.assert_array_equal(np.asarray(out), want)
     assert out.dtype == s.dtype and out.shape == s.shape
-    np.testing.assert_array_equal(np.asarray(s), before)          # the input is untouched
+    np.testing.assert_array_equal(np.asarray(s), before)  # the input is untouched
     if batch:
         assert out.unsafe_buffer_pointer() != s.unsafe_buffer_pointer()
-        assert (want != POISON).any() or not traces       # row 0 is planted on a traced slot at step 0
+        assert (want != POISON).any() or not traces  # row 0 is planted on a traced slot at step 0
     out = state.replay_at_step(s, i, st)
-    np.testing.assert_array_equal(np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len,
-                                                              s, i, step=st))
+    np.testing.assert_array_equal(
+        np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len, s, i, step=st)
+    )
     jitted = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl))
     np.testing.assert_array_equal(np.asarray(jitted(state.tables, s, i, tl, pl)), want)
     state.close()
@@ -107,8 +119,9 @@ def test_sampled_as_batch_by_one(rng):
     s, i, tl, pl, _ = _inputs(rng, 64, state.max_slots, state.max_trace_len, CPU)
     out = state.replay(s.reshape(64, 1), i, tl, pl)
     assert out.shape == (64, 1)
-    np.testing.assert_array_equal(np.asarray(out)[:, 0], _reference(traces, state.max_slots,
-                                                                    state.max_trace_len, s, i, tl, pl))
+    np.testing.assert_array_equal(
+        np.asarray(out)[:, 0], _reference(traces, state.max_slots, state.max_trace_len, s, i, tl, pl)
+    )
 
 
 @pytest.mark.parametrize("sampled_dtype", [np.int32, np.int64])
@@ -119,19 +132,22 @@ def test_int64_under_x64(rng, sampled_dtype, index_dtype):
         s, i, tl, pl, st = _inputs(rng, 77, state.max_slots, state.max_trace_len, CPU, sampled_dtype, index_dtype)
         out = state.replay(s, i, tl, pl)
         assert out.dtype == np.dtype(sampled_dtype)
-        np.testing.assert_array_equal(np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len,
-                                                                  s, i, tl, pl))
+        np.testing.assert_array_equal(
+            np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len, s, i, tl, pl)
+        )
         out = jax.jit(trj.replay_at_step)(state.tables, s, i, st)
-        np.testing.assert_array_equal(np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len,
-                                                                  s, i, step=st))
+        np.testing.assert_array_equal(
+            np.asarray(out), _reference(traces, state.max_slots, state.max_trace_len, s, i, step=st)
+        )
         state.close()
 
 
 def test_default_token_dtype_is_int32():
-    assert jnp.argmax(jnp.ones((2, 3)), axis=-1).dtype == np.int32    # JAX's default, without x64
+    assert jnp.argmax(jnp.ones((2, 3)), axis=-1).dtype == np.int32  # JAX's default, without x64
     with TraceReplayState(2, 2, device="cpu") as state:
-        out = state.replay(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
-                           jnp.zeros(2, jnp.int32))
+        out = state.replay(
+            jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32)
+        )
         assert out.dtype == np.int32
 
 
@@ -144,13 +160,13 @@ def test_extreme_lengths_never_wrap_into_a_valid_step(use_x64):
         with TraceReplayState(4, 8, device="cpu") as state:
             state.add_request(1, [11, 12, 13, 14, 15, 16, 17, 18])
             state.apply_staged_writes()
-            total = np.array([0, info.min + 3, 0, 0], dt)          # true difference: about -2**bits,
-            prompt = np.array([0, info.max - 1, 0, 0], dt)          # a small step once wrapped
+            total = np.array([0, info.min + 3, 0, 0], dt)  # true difference: about -2**bits,
+            prompt = np.array([0, info.max - 1, 0, 0], dt)  # a small step once wrapped
             sampled = jnp.full(3, POISON, jnp.int32)
             idx = jnp.array([1, 1, -1], jnp.int32)
             out = state.replay(sampled, idx, jnp.asarray(total), jnp.asarray(prompt))
             assert np.asarray(out).tolist() == [POISON] * 3
-            total[1], prompt[1] = info.max, info.max - 5               # a real step 5
+            total[1], prompt[1] = info.max, info.max - 5  # a real step 5
             out = state.replay(sampled, idx, jnp.asarray(total), jnp.asarray(prompt))
             assert np.asarray(out).tolist() == [16, 16, POISON]
 
@@ -163,20 +179,24 @@ def test_inside_fori_loop_and_while_loop(rng):
     def loops(tables, s, i, tl, pl):
         def body(k, acc):
             return acc.at[k].set(trj.replay(tables, s, i, tl + k, pl))
+
         fori = jax.lax.fori_loop(0, 5, body, jnp.zeros((5,) + s.shape, s.dtype))
 
         def wbody(c):
             k, out = c
             return k + 1, trj.replay(tables, s, i, tl + k, pl)
+
         _, last = jax.lax.while_loop(lambda c: c[0] < 3, wbody, (0, s))
         return fori, last
 
     fori, last = loops(state.tables, s, i, tl, pl)
     for k in range(5):
-        np.testing.assert_array_equal(np.asarray(fori[k]), _reference(
-            traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + k, pl))
-    np.testing.assert_array_equal(np.asarray(last), _reference(
-        traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + 2, pl))
+        np.testing.assert_array_equal(
+            np.asarray(fori[k]), _reference(traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + k, pl)
+        )
+    np.testing.assert_array_equal(
+        np.asarray(last), _reference(traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + 2, pl)
+    )
 
 
 # -- state operations and ordering ----------------------------------------------------------------
@@ -196,19 +216,19 @@ def test_staged_writes_seen_by_the_next_jitted_call_only_after_apply(rng):
         assert int(step(state.tables, *args)[0]) == POISON
         state.add_request(2, a)
         assert state.pending == 1
-        assert int(step(state.tables, *args)[0]) == POISON           # staged, not applied
+        assert int(step(state.tables, *args)[0]) == POISON  # staged, not applied
         state.apply_staged_writes()
         assert state.pending == 0
         assert int(step(state.tables, *args)[0]) == a[2]
-        state.add_request(2, b)                                      # slot reused, shorter trace
+        state.add_request(2, b)  # slot reused, shorter trace
         state.apply_staged_writes()
         assert int(step(state.tables, *args)[0]) == b[2]
-        assert int(step(state.tables, *_one_row_step(state, 2, 4))[0]) == POISON   # old tail gone
+        assert int(step(state.tables, *_one_row_step(state, 2, 4))[0]) == POISON  # old tail gone
         state.remove_request(2)
         state.apply_staged_writes()
         assert int(step(state.tables, *args)[0]) == POISON
         state.add_request(2, a)
-        state.add_request(2, None)                                   # untraced request wins
+        state.add_request(2, None)  # untraced request wins
         state.apply_staged_writes()
         assert int(step(state.tables, *args)[0]) == POISON
 
@@ -225,7 +245,7 @@ def test_cpu_apply_leaves_tables_already_handed_out_unchanged(rng):
         args = _one_row_step(state, 1, 3)
         assert int(trj.replay(old, *args)[0]) == a[3]
         assert int(trj.replay(state.tables, *args)[0]) == b[3]
-        state.apply_staged_writes()                                   # nothing staged: same arrays
+        state.apply_staged_writes()  # nothing staged: same arrays
         assert state.tables.table is state.tables.table
 
 
@@ -244,8 +264,10 @@ def test_add_requests_matches_add_request(rng):
     slots = rng.permutation(max_slots)[:12].tolist()
     block = rng.integers(0, VOCAB, (8, 13))
     ragged = [rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1))) for _ in range(4)]
-    with TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as many, \
-            TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as one:
+    with (
+        TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as many,
+        TraceReplayState(max_slots, max_len, device="cpu", vocab_size=VOCAB) as one,
+    ):
         many.add_requests(slots[:4], jax.device_put(block[:4].astype(np.int32), CPU))
         many.add_requests(slots[4:8], block[4:])
         many.add_requests(slots[8:], ragged)
@@ -258,10 +280,15 @@ def test_add_requests_matches_add_request(rng):
         with pytest.raises(ValueError, match=rf"^traces\[1\] must be below vocab_size={VOCAB}"):
             many.add_requests([0, 1], [[1], [VOCAB]])
         assert many.pending == 0
-        for slots, traces, slot, first, again in (([0, 3, 1, 3], [[1], [2], [3], [4]], 3, 1, 3),
-                                                  (np.array([1, 0, 0, 1]), np.ones((4, 2), np.int32), 0, 1, 2)):
-            with pytest.raises(ValueError, match=rf"^slots gives slot {slot} twice \(positions {first} and "
-                                                 rf"{again}\): each request takes its own slot$"):
+        for slots, traces, slot, first, again in (
+            ([0, 3, 1, 3], [[1], [2], [3], [4]], 3, 1, 3),
+            (np.array([1, 0, 0, 1]), np.ones((4, 2), np.int32), 0, 1, 2),
+        ):
+            with pytest.raises(
+                ValueError,
+                match=rf"^slots gives slot {slot} twice \(positions {first} and "
+                rf"{again}\): each request takes its own slot$",
+            ):
                 many.add_requests(slots, traces)
             assert many.pending == 0
 
@@ -269,9 +296,10 @@ def test_add_requests_matches_add_request(rng):
 def test_traced_trace_data_is_refused_with_the_fix():
     with TraceReplayState(4, 8, device="cpu") as state:
         for call, pattern in (
-                (lambda t: state.add_request(0, t), r"^trace must be concrete host data; add_request\(\) is host-only"),
-                (lambda t: state.add_requests([0], t[None]), r"^traces must be concrete host data; add_requests\(\)"),
-                (lambda t: state.add_requests([0, 1], [[1], t]), r"^traces\[1\] must be concrete host data")):
+            (lambda t: state.add_request(0, t), r"^trace must be concrete host data; add_request\(\) is host-only"),
+            (lambda t: state.add_requests([0], t[None]), r"^traces must be concrete host data; add_requests\(\)"),
+            (lambda t: state.add_requests([0, 1], [[1], t]), r"^traces\[1\] must be concrete host data"),
+        ):
             with pytest.raises(TypeError, match=pattern):
                 jax.jit(call)(jnp.arange(3, dtype=jnp.int32))
             assert state.pending == 0
@@ -301,9 +329,14 @@ def test_close_is_idempotent_and_final():
     state.close()
     state.close()
     assert state.closed
-    for call in (lambda: state.tables, lambda: state.add_request(0, [1]), state.apply_staged_writes,
-                 lambda: state.replay(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
-                                      jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))):
+    for call in (
+        lambda: state.tables,
+        lambda: state.add_request(0, [1]),
+        state.apply_staged_writes,
+        lambda: state.replay(
+            jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32)
+        ),
+    ):
         with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
             call()
 
@@ -314,15 +347,15 @@ def test_external_view_is_zero_copy_and_frees_only_its_descriptor(rng):
 
     raw = np.zeros(16 * 64 * 4 + 128, np.uint8)
     off = (-raw.ctypes.data) % 64
-    mem = raw[off:off + 16 * 64 * 4].view(np.int32).reshape(16, 64)
+    mem = raw[off : off + 16 * 64 * 4].view(np.int32).reshape(16, 64)
     mem[:] = rng.integers(0, 1000, (16, 64))
-    for _ in range(200):           # descriptors are freed by JAX through libc free; no leak, no crash
+    for _ in range(200):  # descriptors are freed by JAX through libc free; no leak, no crash
         view = external_view(mem.ctypes.data, (16, 64), np.int32, CPU)
         assert view.unsafe_buffer_pointer() == mem.ctypes.data
         del view
     view = external_view(mem.ctypes.data, (16, 64), np.int32, CPU)
     r, c = int(rng.integers(16)), int(rng.integers(64))
-    mem[r, c] = -5                                      # the view sees writes to the owner's memory
+    mem[r, c] = -5  # the view sees writes to the owner's memory
     assert int(jax.jit(lambda v: v[r, c])(view)) == -5
     del view
     assert mem[r, c] == -5
@@ -332,7 +365,7 @@ def test_external_view_refuses_memory_jax_would_copy():
     from trace_replay_jax.views import external_view
 
     raw = np.zeros(1024, np.uint8)
-    off = (-raw.ctypes.data) % 64 + 4                   # 4-byte aligned, not 64
+    off = (-raw.ctypes.data) % 64 + 4  # 4-byte aligned, not 64
     with pytest.raises((RuntimeError, ValueError)):
         external_view(raw.ctypes.data + off, (8,), np.int32, CPU)
 
@@ -361,18 +394,21 @@ def test_xla_commit_runs_inside_a_jitted_op_and_reports_errors_later():
     assert table.streams == [12345, 12345]
     bad = XlaCommit(_FakeTable(fail=True), stream_of=lambda ctx: 0)
     bad(anchor)
-    with pytest.raises(RuntimeError,
-                       match=r"^applying staged writes failed on the device stream: scatter launch failed$"):
+    with pytest.raises(
+        RuntimeError, match=r"^applying staged writes failed on the device stream: scatter launch failed$"
+    ):
         bad.wait()
-    bad.wait()                                          # reported once
+    bad.wait()  # reported once
 
 
 def test_import_loads_neither_torch_nor_jax_triton_and_changes_no_environment():
-    code = ("import os, sys; env = dict(os.environ); import trace_replay_jax; "
-            "s = trace_replay_jax.TraceReplayState(2, 2, device='cpu'); s.add_request(0, [1]); "
-            "s.apply_staged_writes(); s.close(); "
-            "bad = [m for m in ('torch', 'jax_triton') if m in sys.modules]; "
-            "changed = dict(os.environ) != env; print('loaded', bad, 'env changed', changed); "
-            "sys.exit(1 if bad or changed else 0)")
+    code = (
+        "import os, sys; env = dict(os.environ); import trace_replay_jax; "
+        "s = trace_replay_jax.TraceReplayState(2, 2, device='cpu'); s.add_request(0, [1]); "
+        "s.apply_staged_writes(); s.close(); "
+        "bad = [m for m in ('torch', 'jax_triton') if m in sys.modules]; "
+        "changed = dict(os.environ) != env; print('loaded', bad, 'env changed', changed); "
+        "sys.exit(1 if bad or changed else 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr

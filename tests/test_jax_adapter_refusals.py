@@ -11,72 +11,135 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-import trace_replay_jax as trj  # noqa: E402
 from test_jax_adapter import POISON, VOCAB  # noqa: E402
-from trace_replay_jax import TraceReplayState  # noqa: E402
 
+import trace_replay_jax as trj  # noqa: E402
+from trace_replay_jax import TraceReplayState  # noqa: E402
 
 I32 = jnp.int32
 
 
 def _args(n=4):
-    return (jnp.full(n, POISON, I32), jnp.array([1, 2, -1, 1][:n], I32), jnp.arange(8, dtype=I32),
-            jnp.zeros(8, I32))
+    return (jnp.full(n, POISON, I32), jnp.array([1, 2, -1, 1][:n], I32), jnp.arange(8, dtype=I32), jnp.zeros(8, I32))
 
 
 # Errors raised while JAX traces the caller's function (jit, vmap) carry JAX's traceback note
 # after the message, so those patterns are anchored at the start only.
 REFUSALS = {
-    "sampled-float": (lambda st: st.replay(_args()[0].astype(jnp.float32), *_args()[1:]), TypeError,
-                      r"^sampled must have dtype int32 or int64 \(got float32\); replay overwrites integer token ids "
-                      r"and has no gradient: apply it to the sampler's token ids, outside jax\.grad$"),
-    "sampled-speculative": (lambda st: st.replay(jnp.zeros((4, 2), I32), *_args()[1:]), ValueError,
-                            r"^sampled has 2 tokens per row \(shape \[4, 2\]\): speculative decoding is not "
-                            r"supported; replay takes exactly one token per request per step$"),
-    "sampled-3d": (lambda st: st.replay(jnp.zeros((4, 1, 1), I32), *_args()[1:]), ValueError,
-                   r"^sampled must be 1-D \[batch\] or \[batch, 1\] \(got shape \[4, 1, 1\]\)$"),
-    "sampled-list": (lambda st: st.replay([1, 2, 3, 4], *_args()[1:]), TypeError,
-                     r"^sampled must be a JAX or numpy array \(got list\)$"),
-    "idx-float": (lambda st: st.replay(_args()[0], _args()[1].astype(jnp.float32), *_args()[2:]), TypeError,
-                  r"^idx_mapping must have dtype int32 or int64 \(got float32\)$"),
-    "idx-length": (lambda st: st.replay(_args()[0], _args()[1][:3], *_args()[2:]), ValueError,
-                   r"^idx_mapping must be 1-D with 4 rows like sampled \(got shape \[3\]\)$"),
-    "total-short": (lambda st: st.replay(*_args()[:2], jnp.zeros(5, I32), _args()[3]), ValueError,
-                    r"^total_len must be 1-D with at least max_slots=8 entries \(got shape \[5\]\)$"),
-    "prompt-int16": (lambda st: st.replay(*_args()[:3], jnp.zeros(8, jnp.int16)), TypeError,
-                     r"^prompt_len must have dtype int32 or int64 \(got int16\)$"),
-    "step-length": (lambda st: st.replay_at_step(*_args()[:2], jnp.zeros(2, I32)), ValueError,
-                    r"^step must be 1-D with 4 rows like sampled \(got shape \[2\]\)$"),
-    "tables-type": (lambda st: trj.replay((st.tables.table, st.tables.trace_len), *_args()), TypeError,
-                    r"^tables must be a ReplayTables \(state\.tables\) \(got tuple\)$"),
-    "vmap-state": (lambda st: jax.vmap(lambda s: st.replay(s, *_args()[1:]))(_args()[0][None]), ValueError,
-                   r"^trace_replay_jax\.replay does not support jax\.vmap: it already replays a whole batch\. Call "
-                   r"it on the batched arrays instead .*without vmap"),
-    "vmap-function": (lambda st: jax.jit(jax.vmap(trj.replay, in_axes=(None, 0, 0, None, None)))(
-        st.tables, _args()[0][None], _args()[1][None], *_args()[2:]), ValueError,
-        r"^trace_replay_jax\.replay does not support jax\.vmap"),
-    "state-replay-in-jit": (lambda st: jax.jit(lambda s: st.replay(s, *_args()[1:]))(_args()[0]), ValueError,
-                            r"^state\.replay\(\) cannot be used inside jax\.jit, lax loops or other transformations "
-                            r"\(got traced arrays\): pass state\.tables into the jitted function as an argument and "
-                            r"call trace_replay_jax\.replay\(tables, \.\.\.\) there"),
-    "tables-closed-over-in-jit": (lambda st: jax.jit(lambda s: trj.replay(st.tables, s, *_args()[1:]))(_args()[0]),
-                                  ValueError, r"^tables must be passed into the jitted function as an argument "
-                                  r"\(got a concrete array while sampled/idx_mapping are traced\)"),
-    "trace-too-long": (lambda st: st.add_request(0, list(range(9))), ValueError,
-                       r"^tokens has 9 tokens; the table holds at most max_trace_len=8$"),
-    "trace-above-vocab": (lambda st: st.add_request(0, [VOCAB]), ValueError,
-                          r"^tokens must be below vocab_size=50000 \(got 50000 at index 0\)$"),
-    "trace-negative": (lambda st: st.add_request(0, [1, -2]), ValueError,
-                       r"^tokens must be non-negative \(got -2 at index 1\)$"),
-    "trace-traced": (lambda st: jax.jit(lambda tr: st.add_request(0, tr))(jnp.ones(2, I32)), TypeError,
-                     r"^trace must be concrete host data; add_request\(\) is host-only"),
+    "sampled-float": (
+        lambda st: st.replay(_args()[0].astype(jnp.float32), *_args()[1:]),
+        TypeError,
+        r"^sampled must have dtype int32 or int64 \(got float32\); replay overwrites integer token ids "
+        r"and has no gradient: apply it to the sampler's token ids, outside jax\.grad$",
+    ),
+    "sampled-speculative": (
+        lambda st: st.replay(jnp.zeros((4, 2), I32), *_args()[1:]),
+        ValueError,
+        r"^sampled has 2 tokens per row \(shape \[4, 2\]\): speculative decoding is not "
+        r"supported; replay takes exactly one token per request per step$",
+    ),
+    "sampled-3d": (
+        lambda st: st.replay(jnp.zeros((4, 1, 1), I32), *_args()[1:]),
+        ValueError,
+        r"^sampled must be 1-D \[batch\] or \[batch, 1\] \(got shape \[4, 1, 1\]\)$",
+    ),
+    "sampled-list": (
+        lambda st: st.replay([1, 2, 3, 4], *_args()[1:]),
+        TypeError,
+        r"^sampled must be a JAX or numpy array \(got list\)$",
+    ),
+    "idx-float": (
+        lambda st: st.replay(_args()[0], _args()[1].astype(jnp.float32), *_args()[2:]),
+        TypeError,
+        r"^idx_mapping must have dtype int32 or int64 \(got float32\)$",
+    ),
+    "idx-length": (
+        lambda st: st.replay(_args()[0], _args()[1][:3], *_args()[2:]),
+        ValueError,
+        r"^idx_mapping must be 1-D with 4 rows like sampled \(got shape \[3\]\)$",
+    ),
+    "total-short": (
+        lambda st: st.replay(*_args()[:2], jnp.zeros(5, I32), _args()[3]),
+        ValueError,
+        r"^total_len must be 1-D with at least max_slots=8 entries \(got shape \[5\]\)$",
+    ),
+    "prompt-int16": (
+        lambda st: st.replay(*_args()[:3], jnp.zeros(8, jnp.int16)),
+        TypeError,
+        r"^prompt_len must have dtype int32 or int64 \(got int16\)$",
+    ),
+    "step-length": (
+        lambda st: st.replay_at_step(*_args()[:2], jnp.zeros(2, I32)),
+        ValueError,
+        r"^step must be 1-D with 4 rows like sampled \(got shape \[2\]\)$",
+    ),
+    "tables-type": (
+        lambda st: trj.replay((st.tables.table, st.tables.trace_len), *_args()),
+        TypeError,
+        r"^tables must be a ReplayTables \(state\.tables\) \(got tuple\)$",
+    ),
+    "vmap-state": (
+        lambda st: jax.vmap(lambda s: st.replay(s, *_args()[1:]))(_args()[0][None]),
+        ValueError,
+        r"^trace_replay_jax\.replay does not support jax\.vmap: it already replays a whole batch\. Call "
+        r"it on the batched arrays instead .*without vmap",
+    ),
+    "vmap-function": (
+        lambda st: jax.jit(jax.vmap(trj.replay, in_axes=(None, 0, 0, None, None)))(
+            st.tables, _args()[0][None], _args()[1][None], *_args()[2:]
+        ),
+        ValueError,
+        r"^trace_replay_jax\.replay does not support jax\.vmap",
+    ),
+    "state-replay-in-jit": (
+        lambda st: jax.jit(lambda s: st.replay(s, *_args()[1:]))(_args()[0]),
+        ValueError,
+        r"^state\.replay\(\) cannot be used inside jax\.jit, lax loops or other transformations "
+        r"\(got traced arrays\): pass state\.tables into the jitted function as an argument and "
+        r"call trace_replay_jax\.replay\(tables, \.\.\.\) there",
+    ),
+    "tables-closed-over-in-jit": (
+        lambda st: jax.jit(lambda s: trj.replay(st.tables, s, *_args()[1:]))(_args()[0]),
+        ValueError,
+        r"^tables must be passed into the jitted function as an argument "
+        r"\(got a concrete array while sampled/idx_mapping are traced\)",
+    ),
+    "trace-too-long": (
+        lambda st: st.add_request(0, list(range(9))),
+        ValueError,
+        r"^tokens has 9 tokens; the table holds at most max_trace_len=8$",
+    ),
+    "trace-above-vocab": (
+        lambda st: st.add_request(0, [VOCAB]),
+        ValueError,
+        r"^tokens must be below vocab_size=50000 \(got 50000 at index 0\)$",
+    ),
+    "trace-negative": (
+        lambda st: st.add_request(0, [1, -2]),
+        ValueError,
+        r"^tokens must be non-negative \(got -2 at index 1\)$",
+    ),
+    "trace-traced": (
+        lambda st: jax.jit(lambda tr: st.add_request(0, tr))(jnp.ones(2, I32)),
+        TypeError,
+        r"^trace must be concrete host data; add_request\(\) is host-only",
+    ),
     "slot-out-of-range": (lambda st: st.add_request(8, [1]), ValueError, r"^slot must be in \[0, 8\) \(got 8\)$"),
-    "device-string": (lambda st: TraceReplayState(2, 2, device="tpu"), ValueError,
-                      r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got 'tpu'\)$"),
-    "device-type": (lambda st: TraceReplayState(2, 2, device=3.0), TypeError,
-                    r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got float\)$"),
-    "max-slots": (lambda st: TraceReplayState(0, 2, device="cpu"), ValueError,
-                  r"^max_slots must be between 1 and \d+ \(got 0\)$"),
+    "device-string": (
+        lambda st: TraceReplayState(2, 2, device="tpu"),
+        ValueError,
+        r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got 'tpu'\)$",
+    ),
+    "device-type": (
+        lambda st: TraceReplayState(2, 2, device=3.0),
+        TypeError,
+        r"^device must be a jax\.Device, 'cpu', 'cuda', 'cuda:N' or None \(got float\)$",
+    ),
+    "max-slots": (
+        lambda st: TraceReplayState(0, 2, device="cpu"),
+        ValueError,
+        r"^max_slots must be between 1 and \d+ \(got 0\)$",
+    ),
 }
 
 
@@ -86,7 +149,7 @@ def test_refusals_change_nothing(case):
     with TraceReplayState(8, 8, device="cpu", vocab_size=VOCAB) as state:
         state.add_request(1, [5, 6, 7])
         state.apply_staged_writes()
-        state.add_request(2, [8, 9, 10])                 # staged, not applied
+        state.add_request(2, [8, 9, 10])  # staged, not applied
         tables = state.tables
         before = [np.asarray(x).copy() for x in (tables.table, tables.trace_len)]
         with pytest.raises(exc, match=pattern):
@@ -96,7 +159,7 @@ def test_refusals_change_nothing(case):
         for x, b in zip((tables.table, tables.trace_len), before):
             np.testing.assert_array_equal(np.asarray(x), b)
         out = state.replay(*_args())
-        assert np.asarray(out).tolist() == [6, POISON, POISON, 6]   # slot 1 at step 1; slot 2 not applied
+        assert np.asarray(out).tolist() == [6, POISON, POISON, 6]  # slot 1 at step 1; slot 2 not applied
         state.apply_staged_writes()
         assert np.asarray(state.replay(*_args())).tolist() == [6, 10, POISON, 6]
 
@@ -107,6 +170,9 @@ def test_cuda_device_without_a_gpu_is_refused_with_the_fix():
         pytest.skip("this machine has a GPU")
     except RuntimeError:
         pass
-    with pytest.raises(ValueError, match=r"^device 'cuda' is not available: JAX has no gpu backend here .*; "
-                                         r"use device='cpu'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^device 'cuda' is not available: JAX has no gpu backend here .*; "
+        r"use device='cpu'$",
+    ):
         TraceReplayState(2, 2, device="cuda")

@@ -17,13 +17,11 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-
 from jax_helpers import x64  # noqa: E402
-from test_logprob_argmax import greedy_case, assert_greedy  # noqa: E402
+from test_logprob_argmax import assert_greedy, greedy_case  # noqa: E402
 from test_logprob_topk import assert_topk, processed, tied_case  # noqa: E402
 
-from trace_replay_jax import (LogprobRank, LogprobRankArgmax, LogprobRankTopKArgmax,  # noqa: E402
-                              token_logprob_rank)
+from trace_replay_jax import LogprobRank, LogprobRankArgmax, LogprobRankTopKArgmax, token_logprob_rank  # noqa: E402
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 METHODS = ("kernel", "jnp")
@@ -46,8 +44,9 @@ def test_argmax_and_greedy_rows_match_reference(batch, vocab, dtype, method):
         assert isinstance(res, LogprobRankArgmax), type(res)
         # planted: the planted rows say what they should (greedy row 1's ties: the first copy wins,
         # all count; NaN then -inf: the first -inf; only -inf; only NaN; +inf wins), where the batch holds them.
-        assert_greedy(x, ids, res.logprobs, res.ranks, res.argmax, f"{method} {mode} {batch}x{vocab} {dtype}",
-                      planted=True)
+        assert_greedy(
+            x, ids, res.logprobs, res.ranks, res.argmax, f"{method} {mode} {batch}x{vocab} {dtype}", planted=True
+        )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -64,12 +63,12 @@ def test_kernel_greedy_rows_have_the_bits_of_their_explicit_ids_in_any_batch(dty
     logits, ids_j = _jax(x, ids, dtype)
     lp, rk, am = token_logprob_rank(logits, ids_j, argmax=True)
     explicit = jnp.where(ids_j < 0, am, ids_j)
-    for flag in (False, True):                  # the same bits with or without out_argmax
+    for flag in (False, True):  # the same bits with or without out_argmax
         got = token_logprob_rank(logits, explicit, argmax=flag)
         assert np.array_equal(np.asarray(got.logprobs).view(np.uint32), np.asarray(lp).view(np.uint32)), flag
         assert np.array_equal(np.asarray(got.ranks), np.asarray(rk)), flag
-    for r in (0, 1, 3, 4, 5, *range(6, 20), 23):   # one row alone gives that row's bits (6-19: the special rows)
-        one = token_logprob_rank(logits[r:r + 1], ids_j[r:r + 1], argmax=True)
+    for r in (0, 1, 3, 4, 5, *range(6, 20), 23):  # one row alone gives that row's bits (6-19: the special rows)
+        one = token_logprob_rank(logits[r : r + 1], ids_j[r : r + 1], argmax=True)
         assert np.asarray(one.logprobs).view(np.uint32)[0] == np.asarray(lp).view(np.uint32)[r], r
         assert (int(one.ranks[0]), int(one.argmax[0])) == (int(rk[r]), int(am[r])), r
 
@@ -86,8 +85,12 @@ def test_inside_fori_loop_same_as_eager(method):
         def body(k, acc):
             res = token_logprob_rank(xs[k], ids[k], method=method, argmax=True)
             return tuple(a.at[k].set(v) for a, v in zip(acc, res))
-        init = (jnp.full((steps, batch), 777.0, jnp.float32), jnp.full((steps, batch), -999, jnp.int32),
-                jnp.full((steps, batch), -999, jnp.int32))
+
+        init = (
+            jnp.full((steps, batch), 777.0, jnp.float32),
+            jnp.full((steps, batch), -999, jnp.int32),
+            jnp.full((steps, batch), -999, jnp.int32),
+        )
         return jax.lax.fori_loop(0, steps, body, init)
 
     lp, rk, am = run(jnp.asarray(xs), jnp.asarray(ids))
@@ -96,7 +99,7 @@ def test_inside_fori_loop_same_as_eager(method):
         eager = token_logprob_rank(jnp.asarray(xs[k]), jnp.asarray(ids[k]), method=method, argmax=True)
         assert np.array_equal(np.asarray(eager.argmax), np.asarray(am[k]))
         assert np.array_equal(np.asarray(eager.ranks), np.asarray(rk[k]))
-        if method == "kernel":                  # the same compiled reduction: the same bits
+        if method == "kernel":  # the same compiled reduction: the same bits
             assert np.array_equal(np.asarray(eager.logprobs).view(np.uint32), np.asarray(lp[k]).view(np.uint32))
 
 
@@ -111,9 +114,14 @@ def test_top_k_and_temperature_with_argmax(method):
         y = processed(x, t)
         assert_greedy(y, ids, res.logprobs, res.ranks, res.argmax, f"{method} T={t is not None}")
         assert_topk(y, 8, np.asarray(res.topk_logprobs), np.asarray(res.topk_ids), f"{method} top-k")
-        assert np.array_equal(np.asarray(res.topk_ids)[:, 0], np.asarray(res.argmax))   # no all-NaN row here
-        plain = token_logprob_rank(jnp.asarray(x), jnp.asarray(np.where(ids < 0, res.argmax, ids), jnp.int32),
-                                   method=method, top_k=8, temperature=None if t is None else jnp.asarray(t))
+        assert np.array_equal(np.asarray(res.topk_ids)[:, 0], np.asarray(res.argmax))  # no all-NaN row here
+        plain = token_logprob_rank(
+            jnp.asarray(x),
+            jnp.asarray(np.where(ids < 0, res.argmax, ids), jnp.int32),
+            method=method,
+            top_k=8,
+            temperature=None if t is None else jnp.asarray(t),
+        )
         assert np.array_equal(np.asarray(plain.topk_ids), np.asarray(res.topk_ids))
 
 
@@ -133,17 +141,19 @@ def test_int64_ids_empty_batch_and_gradient():
     np.testing.assert_allclose(np.asarray(grad), want, atol=1e-6)
 
 
-BAD_ARGMAX = {"int": (1, r"^argmax must be a bool \(got int 1\)"),
-              "none": (None, r"^argmax must be a bool \(got NoneType None\)"),
-              "str": ("yes", r"^argmax must be a bool \(got str 'yes'\)"),
-              "array": (jnp.asarray(True), r"^argmax must be a bool \(got ArrayImpl ")}
+BAD_ARGMAX = {
+    "int": (1, r"^argmax must be a bool \(got int 1\)"),
+    "none": (None, r"^argmax must be a bool \(got NoneType None\)"),
+    "str": ("yes", r"^argmax must be a bool \(got str 'yes'\)"),
+    "array": (jnp.asarray(True), r"^argmax must be a bool \(got ArrayImpl "),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_ARGMAX))
 @pytest.mark.parametrize("traced", [False, True])
 def test_bad_argmax_names_the_argument_and_the_value(case, traced):
     value, pattern = BAD_ARGMAX[case]
-    call = (lambda a, b: token_logprob_rank(a, b, argmax=value))
+    call = lambda a, b: token_logprob_rank(a, b, argmax=value)
     if traced:
         call = jax.jit(call)
     with pytest.raises(TypeError, match=pattern):

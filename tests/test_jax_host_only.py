@@ -47,25 +47,45 @@ def _shard_map(fn):
 # at the message's end or at a line break.
 WRAPPERS = {"jit": _jit, "fori_loop": _loop, "vmap": _vmap, "grad": _grad, "shard_map": _shard_map}
 
-_UNDER = (r" is host-only and cannot run inside jax\.jit, lax loops, vmap, grad or shard_map \(it was called while "
-          r"JAX was tracing\): ")
+_UNDER = (
+    r" is host-only and cannot run inside jax\.jit, lax loops, vmap, grad or shard_map \(it was called while "
+    r"JAX was tracing\): "
+)
 CALLS = {
-    "apply_staged_writes": (lambda st: st.apply_staged_writes(), r"^state\.apply_staged_writes\(\)" + _UNDER +
-                            r"call it between jitted calls, on the host, and pass state\.tables into the next "
-                            r"jitted call as an argument(?=\n|$)"),
-    "add_request": (lambda st: st.add_request(3, [1, 2]), r"^state\.add_request\(\)" + _UNDER +
-                    r"call it between jitted calls, on the host(?=\n|$)"),
+    "apply_staged_writes": (
+        lambda st: st.apply_staged_writes(),
+        r"^state\.apply_staged_writes\(\)"
+        + _UNDER
+        + r"call it between jitted calls, on the host, and pass state\.tables into the next "
+        r"jitted call as an argument(?=\n|$)",
+    ),
+    "add_request": (
+        lambda st: st.add_request(3, [1, 2]),
+        r"^state\.add_request\(\)" + _UNDER + r"call it between jitted calls, on the host(?=\n|$)",
+    ),
     "add_request-none": (lambda st: st.add_request(3, None), r"^state\.add_request\(\)" + _UNDER),
     "add_requests": (lambda st: st.add_requests([3], np.ones((1, 2), np.int32)), r"^state\.add_requests\(\)" + _UNDER),
     "remove_request": (lambda st: st.remove_request(1), r"^state\.remove_request\(\)" + _UNDER),
-    "snapshot": (lambda st: st.snapshot(), r"^state\.snapshot\(\)" + _UNDER +
-                 r"call it outside the traced function \(it waits for the device and copies to the host\)(?=\n|$)"),
-    "pending": (lambda st: st.pending, r"^state\.pending" + _UNDER +
-                r"read it between jitted calls, on the host(?=\n|$)"),
-    "close": (lambda st: st.close(), r"^state\.close\(\)" + _UNDER +
-              r"close the state outside the traced function, after its last use(?=\n|$)"),
-    "construct": (lambda st: TraceReplayState(4, 4, device="cpu"), r"^TraceReplayState\(\)" + _UNDER +
-                  r"create the state outside the traced function and pass state\.tables in as an argument(?=\n|$)"),
+    "snapshot": (
+        lambda st: st.snapshot(),
+        r"^state\.snapshot\(\)"
+        + _UNDER
+        + r"call it outside the traced function \(it waits for the device and copies to the host\)(?=\n|$)",
+    ),
+    "pending": (
+        lambda st: st.pending,
+        r"^state\.pending" + _UNDER + r"read it between jitted calls, on the host(?=\n|$)",
+    ),
+    "close": (
+        lambda st: st.close(),
+        r"^state\.close\(\)" + _UNDER + r"close the state outside the traced function, after its last use(?=\n|$)",
+    ),
+    "construct": (
+        lambda st: TraceReplayState(4, 4, device="cpu"),
+        r"^TraceReplayState\(\)"
+        + _UNDER
+        + r"create the state outside the traced function and pass state\.tables in as an argument(?=\n|$)",
+    ),
 }
 
 
@@ -77,7 +97,7 @@ def test_host_only_methods_are_refused_under_a_trace_and_change_nothing(case, wh
     with TraceReplayState(8, 8, device="cpu") as state:
         state.add_request(1, [5, 6, 7])
         state.apply_staged_writes()
-        state.add_request(2, trace)                      # staged, not applied
+        state.add_request(2, trace)  # staged, not applied
         tables = state.tables
         before = [np.asarray(x).copy() for x in (tables.table, tables.trace_len)]
         with pytest.raises(RuntimeError, match=pattern):
@@ -89,8 +109,12 @@ def test_host_only_methods_are_refused_under_a_trace_and_change_nothing(case, wh
         for x, b in zip((tables.table, tables.trace_len), before):
             np.testing.assert_array_equal(np.asarray(x), b)
         state.apply_staged_writes()
-        out = state.replay(jnp.full(3, -7, jnp.int32), jnp.array([1, 2, 0], jnp.int32),
-                           jnp.array([0, 1, 4, 0, 0, 0, 0, 0], jnp.int32), jnp.zeros(8, jnp.int32))
+        out = state.replay(
+            jnp.full(3, -7, jnp.int32),
+            jnp.array([1, 2, 0], jnp.int32),
+            jnp.array([0, 1, 4, 0, 0, 0, 0, 0], jnp.int32),
+            jnp.zeros(8, jnp.int32),
+        )
         assert np.asarray(out).tolist() == [6, int(trace[4]), -7]
 
 
@@ -102,8 +126,9 @@ def test_the_staged_apply_inside_jit_no_longer_puts_a_tracer_into_tables():
         @jax.jit
         def step(tables, sampled):
             state.apply_staged_writes()
-            return trj.replay(tables, sampled, jnp.array([0], jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32),
-                              jnp.zeros(4, jnp.int32))
+            return trj.replay(
+                tables, sampled, jnp.array([0], jnp.int32), jnp.array([1, 0, 0, 0], jnp.int32), jnp.zeros(4, jnp.int32)
+            )
 
         with pytest.raises(RuntimeError, match=r"^state\.apply_staged_writes\(\) is host-only"):
             step(state.tables, jnp.zeros(1, jnp.int32))
@@ -120,12 +145,14 @@ def test_host_only_methods_still_work_from_a_callback_thread_and_at_top_level():
 
     errors = []
     with TraceReplayState(4, 4, device="cpu") as state:
+
         def worker():
             try:
                 state.add_request(1, [4, 4])
                 state.apply_staged_writes()
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
+
         t = threading.Thread(target=worker)
         t.start()
         t.join()

@@ -21,13 +21,16 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
+from jax_helpers import jax_gpu, x64  # noqa: E402
+
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
-from jax_helpers import jax_gpu, x64  # noqa: E402
 
-COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
-                        "--xla_gpu_graph_min_graph_size=1")
+COMMAND_BUFFER_FLAGS = (
+    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
+    "--xla_gpu_graph_min_graph_size=1"
+)
 
 
 def _state_with_traces(rng, device, max_slots=16, max_len=12, vocab=5000):
@@ -79,23 +82,26 @@ def test_kernel_method_equals_jnp_and_the_reference(batch, rng):
         want = _want(state, sampled, idx, total, prompt)
         for m, g in got.items():
             np.testing.assert_array_equal(g, want, err_msg=m)
-        rows = {m: np.asarray(state.replay_at_step(args[0], args[1], jnp.asarray(step), method=m))
-                for m in trj.jnp_replay.METHODS}
+        rows = {
+            m: np.asarray(state.replay_at_step(args[0], args[1], jnp.asarray(step), method=m))
+            for m in trj.jnp_replay.METHODS
+        }
         want_rows = _want(state, sampled, idx, total, prompt, step)
         for m, g in rows.items():
             np.testing.assert_array_equal(g, want_rows, err_msg=m)
-        if batch >= 100:                  # both kinds of rows occur (small batches may have one kind)
+        if batch >= 100:  # both kinds of rows occur (small batches may have one kind)
             assert want[0] != sampled[0] and (want == sampled).any()
 
 
-@pytest.mark.parametrize("token_dtype, index_dtype",
-                         [(np.int64, np.int32), (np.int32, np.int64), (np.int64, np.int64)])
+@pytest.mark.parametrize("token_dtype, index_dtype", [(np.int64, np.int32), (np.int32, np.int64), (np.int64, np.int64)])
 def test_kernel_method_with_int64_under_x64(token_dtype, index_dtype, rng):
     with x64(True), _state_with_traces(rng, "cpu") as state:
-        sampled, idx, total, prompt, _ = _inputs(rng, 37, state.max_slots, state.max_trace_len, token_dtype,
-                                                 index_dtype)
+        sampled, idx, total, prompt, _ = _inputs(
+            rng, 37, state.max_slots, state.max_trace_len, token_dtype, index_dtype
+        )
         out = jax.jit(lambda t, *a: trj.replay(t, *a, method="kernel"))(
-            state.tables, *(jnp.asarray(a) for a in (sampled[:, None], idx, total, prompt)))
+            state.tables, *(jnp.asarray(a) for a in (sampled[:, None], idx, total, prompt))
+        )
         assert out.dtype == token_dtype and out.shape == (37, 1)
         np.testing.assert_array_equal(np.asarray(out)[:, 0], _want(state, sampled, idx, total, prompt))
 
@@ -106,15 +112,16 @@ def test_kernel_method_never_changes_sampled_and_handles_an_empty_batch(rng):
         s = jnp.asarray(sampled)
 
         @jax.jit
-        def both(t, s, i, tl, pl):        # sampled is still needed after the replay: XLA copies it
+        def both(t, s, i, tl, pl):  # sampled is still needed after the replay: XLA copies it
             return trj.replay(t, s, i, tl, pl, method="kernel"), s + 0
 
         out, kept = both(state.tables, s, *(jnp.asarray(a) for a in (idx, total, prompt)))
         np.testing.assert_array_equal(np.asarray(kept), sampled)
         np.testing.assert_array_equal(np.asarray(s), sampled)
         np.testing.assert_array_equal(np.asarray(out), _want(state, sampled, idx, total, prompt))
-        empty = state.replay(jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.asarray(total),
-                             jnp.asarray(prompt), method="kernel")
+        empty = state.replay(
+            jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.asarray(total), jnp.asarray(prompt), method="kernel"
+        )
         assert empty.shape == (0,)
 
 
@@ -130,13 +137,15 @@ def test_kernel_method_inside_fori_loop_with_the_table_written_between_calls(rng
             def body(k, acc):
                 total = prompt + k
                 return acc.at[k].set(trj.replay(tables, s[k], i[k], total, prompt, method="kernel"))
+
             return jax.lax.fori_loop(0, steps, body, jnp.zeros_like(s))
 
         for call in range(3):
             out = np.asarray(loop(state.tables, jnp.asarray(sampled), jnp.asarray(idx), jnp.asarray(prompt)))
             for k in range(steps):
-                np.testing.assert_array_equal(out[k], _want(state, sampled[k], idx[k], prompt + k, prompt),
-                                              err_msg=f"call {call} step {k}")
+                np.testing.assert_array_equal(
+                    out[k], _want(state, sampled[k], idx[k], prompt + k, prompt), err_msg=f"call {call} step {k}"
+                )
             slot = int(rng.integers(state.max_slots))
             state.add_request(slot, rng.integers(0, 5000, state.max_trace_len))
             state.apply_staged_writes()
@@ -161,16 +170,20 @@ def gpu_kernel_checks(device, rng) -> None:
     loop; each against the jnp method and the reference. Used in-process and in a subprocess
     with command buffers forced on."""
     with _state_with_traces(rng, device, max_slots=64, max_len=32) as state:
-        fns = {m: jax.jit(lambda t, s, i, tl, pl, m=m: trj.replay(t, s, i, tl, pl, method=m))
-               for m in trj.jnp_replay.METHODS}
-        rows = {m: jax.jit(lambda t, s, i, st, m=m: trj.replay_at_step(t, s, i, st, method=m))
-                for m in trj.jnp_replay.METHODS}
+        fns = {
+            m: jax.jit(lambda t, s, i, tl, pl, m=m: trj.replay(t, s, i, tl, pl, method=m))
+            for m in trj.jnp_replay.METHODS
+        }
+        rows = {
+            m: jax.jit(lambda t, s, i, st, m=m: trj.replay_at_step(t, s, i, st, method=m))
+            for m in trj.jnp_replay.METHODS
+        }
         fixed = [jax.device_put(a, device) for a in _inputs(rng, 256, 64, 32)]
         for call in range(40):
-            if call % 2:        # fresh arrays: new buffer addresses (XLA records again)
+            if call % 2:  # fresh arrays: new buffer addresses (XLA records again)
                 host = _inputs(rng, 256, 64, 32)
                 args = [jax.device_put(a, device) for a in host]
-            else:               # the very same arrays: a recorded launch is replayed
+            else:  # the very same arrays: a recorded launch is replayed
                 args = fixed
                 host = [np.asarray(a) for a in fixed]
             want = _want(state, *host[:4])
@@ -194,11 +207,15 @@ def test_gpu_kernel_method_new_addresses_and_table_writes_between_calls(rng):
 @pytest.mark.gpu
 def test_gpu_kernel_method_with_command_buffers_in_a_subprocess(rng):
     jax_gpu()
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
-               TRACE_REPLAY_TEST_SEED=str(int(rng.integers(2**32))))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + COMMAND_BUFFER_FLAGS).strip(),
+        TRACE_REPLAY_TEST_SEED=str(int(rng.integers(2**32))),
+    )
     here = Path(__file__).parent
-    proc = subprocess.run([sys.executable, str(Path(__file__))], cwd=here, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__))], cwd=here, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     assert "kernel checks ok" in proc.stdout
 
@@ -207,12 +224,14 @@ def test_gpu_kernel_method_with_command_buffers_in_a_subprocess(rng):
 def test_gpu_kernel_method_refuses_a_table_no_open_state_owns(rng):
     gpu = jax_gpu()
     with _state_with_traces(rng, gpu) as state:
-        copy = trj.ReplayTables(state.tables.table + 0, state.tables.trace_len + 0)   # other memory
+        copy = trj.ReplayTables(state.tables.table + 0, state.tables.trace_len + 0)  # other memory
         args = [jax.device_put(a, gpu) for a in _inputs(rng, 8, state.max_slots, state.max_trace_len)[:4]]
-        np.testing.assert_array_equal(np.asarray(trj.replay(copy, *args)),
-                                      np.asarray(trj.replay(state.tables, *args)))
-        with pytest.raises(Exception, match=r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
-                                            r"that no open TraceReplayState owns"):
+        np.testing.assert_array_equal(np.asarray(trj.replay(copy, *args)), np.asarray(trj.replay(state.tables, *args)))
+        with pytest.raises(
+            Exception,
+            match=r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
+            r"that no open TraceReplayState owns",
+        ):
             np.asarray(trj.replay(copy, *args, method="kernel"))
 
 

@@ -13,10 +13,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-
 from jax_helpers import jax_gpu, x64  # noqa: E402
-from test_logprob_rank import (assert_matches_reference, assert_planted, assert_special, make_case,  # noqa: E402
-                               special_case)
+from test_logprob_rank import assert_matches_reference, assert_planted, assert_special, make_case, special_case  # noqa: E402
 
 from trace_replay_jax import token_logprob_rank  # noqa: E402
 
@@ -35,8 +33,7 @@ def _check_all_ways(x, ids, dtype, device, what):
     ids_j = jax.device_put(jnp.asarray(ids.astype(np.int32)), device)
     jitted = {m: jax.jit(lambda a, b, m=m: token_logprob_rank(a, b, method=m)) for m in METHODS}
     for method in METHODS:
-        for mode, fn in (("eager", lambda a, b, m=method: token_logprob_rank(a, b, method=m)),
-                         ("jit", jitted[method])):
+        for mode, fn in (("eager", lambda a, b, m=method: token_logprob_rank(a, b, method=m)), ("jit", jitted[method])):
             lp, rk = fn(logits, ids_j)
             assert lp.dtype == jnp.float32 and rk.dtype == jnp.int32, (lp.dtype, rk.dtype)
             assert lp.shape == rk.shape == (x.shape[0],)
@@ -56,9 +53,8 @@ def test_cpu_matches_reference(batch, vocab, dtype):
 def test_special_values(method, dtype):
     x, ids, expect = special_case()
     x = np.asarray(jnp.asarray(x).astype(JNP_DTYPES[dtype]).astype(jnp.float32))
-    ids32 = np.where(np.abs(ids) > 2**30, 2**30, ids)          # int32 ids: "huge" is still out of range
-    lp, rk = token_logprob_rank(jnp.asarray(x).astype(JNP_DTYPES[dtype]), jnp.asarray(ids32, jnp.int32),
-                                method=method)
+    ids32 = np.where(np.abs(ids) > 2**30, 2**30, ids)  # int32 ids: "huge" is still out of range
+    lp, rk = token_logprob_rank(jnp.asarray(x).astype(JNP_DTYPES[dtype]), jnp.asarray(ids32, jnp.int32), method=method)
     assert_special(x, ids32, np.asarray(lp), np.asarray(rk), expect, f"jax {method} special {dtype}")
 
 
@@ -74,6 +70,7 @@ def test_inside_fori_loop_with_new_logits_each_step(method, rng):
         def body(k, acc):
             lp, rk = token_logprob_rank(xs[k], ids[k], method=method)
             return acc[0].at[k].set(lp), acc[1].at[k].set(rk)
+
         init = (jnp.full((steps, batch), 777.0, jnp.float32), jnp.full((steps, batch), -999, jnp.int32))
         return jax.lax.fori_loop(0, steps, body, init)
 
@@ -114,16 +111,28 @@ _IDS = jnp.zeros((3,), jnp.int32)
 BAD = {
     "method": (dict(method="triton"), ValueError, r"^method must be one of \('kernel', 'jnp'\) \(got 'triton'\)"),
     "logits-1d": (dict(logits=jnp.ones(10)), ValueError, r"^logits must be 2-D \[batch, vocab\] \(got shape \[10\]\)"),
-    "logits-int": (dict(logits=jnp.ones((3, 10), jnp.int32)), ValueError,
-                   r"^logits must be one of \('float32', 'bfloat16', 'float16'\) \(got int32\)"),
+    "logits-int": (
+        dict(logits=jnp.ones((3, 10), jnp.int32)),
+        ValueError,
+        r"^logits must be one of \('float32', 'bfloat16', 'float16'\) \(got int32\)",
+    ),
     "logits-no-vocab": (dict(logits=jnp.ones((3, 0))), ValueError, r"^logits must have between 1 and"),
     "logits-list": (dict(logits=[[1.0]]), TypeError, r"^logits must be a JAX or numpy array \(got list\)"),
-    "ids-rows": (dict(token_ids=jnp.zeros((4,), jnp.int32)), ValueError,
-                 r"^token_ids must be \[batch\] or \[batch, 1\] with batch = 3.*\(got shape \[4\]\)"),
-    "ids-two-per-row": (dict(token_ids=jnp.zeros((3, 2), jnp.int32)), ValueError,
-                        r"^token_ids must be \[batch\] or \[batch, 1\].*\(got shape \[3, 2\]\)"),
-    "ids-float": (dict(token_ids=jnp.zeros((3,), jnp.float32)), ValueError,
-                  r"^token_ids must be int32 or int64 \(got float32\)"),
+    "ids-rows": (
+        dict(token_ids=jnp.zeros((4,), jnp.int32)),
+        ValueError,
+        r"^token_ids must be \[batch\] or \[batch, 1\] with batch = 3.*\(got shape \[4\]\)",
+    ),
+    "ids-two-per-row": (
+        dict(token_ids=jnp.zeros((3, 2), jnp.int32)),
+        ValueError,
+        r"^token_ids must be \[batch\] or \[batch, 1\].*\(got shape \[3, 2\]\)",
+    ),
+    "ids-float": (
+        dict(token_ids=jnp.zeros((3,), jnp.float32)),
+        ValueError,
+        r"^token_ids must be int32 or int64 \(got float32\)",
+    ),
 }
 
 
@@ -133,7 +142,7 @@ def test_errors_name_the_argument(case, traced):
     change, exc, pattern = BAD[case]
     args = dict(logits=_X, token_ids=_IDS, method="kernel") | change
     method = args.pop("method")
-    call = (lambda a, b: token_logprob_rank(a, b, method=method))
+    call = lambda a, b: token_logprob_rank(a, b, method=method)
     if traced and case != "logits-list":
         call = jax.jit(call)
     with pytest.raises(exc, match=pattern):
@@ -177,6 +186,7 @@ def test_gpu_new_buffers_every_call_and_inside_a_loop():
         def body(k, acc):
             lp, rk = token_logprob_rank(xs[k], ids[k])
             return acc[0].at[k].set(lp), acc[1].at[k].set(rk)
+
         return jax.lax.fori_loop(0, 4, body, (jnp.zeros((4, 5)), jnp.zeros((4, 5), jnp.int32)))
 
     lp, rk = loop(jax.device_put(jnp.asarray(xs), gpu), jax.device_put(jnp.asarray(ids), gpu))
@@ -190,6 +200,7 @@ def test_gpu_special_values(method):
     gpu = jax_gpu()
     x, ids, expect = special_case(151936)
     ids32 = np.where(np.abs(ids) > 2**30, 2**30, ids)
-    lp, rk = token_logprob_rank(_on(gpu, x, "float32"), jax.device_put(jnp.asarray(ids32, jnp.int32), gpu),
-                                method=method)
+    lp, rk = token_logprob_rank(
+        _on(gpu, x, "float32"), jax.device_put(jnp.asarray(ids32, jnp.int32), gpu), method=method
+    )
     assert_special(x, ids32, np.asarray(lp), np.asarray(rk), expect, f"gpu jax {method} special")

@@ -25,8 +25,14 @@ def test_mesh_cases_on_8_cpu_host_devices(rng):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["TRACE_REPLAY_TEST_SEED"] = str(int(rng.integers(2**32)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(CASES)],
-                          cwd=CASES.parent.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(CASES)],
+        cwd=CASES.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     print(out[-4000:])
     assert proc.returncode == 0, f"mesh cases failed (rc={proc.returncode}):\n{out[-12000:]}"

@@ -10,13 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
+from helpers import POISON, assert_tokens_equal, random_scenario  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_core.kernels.replay import REPLAY_BLOCK, replay_kernel  # noqa: E402
 from trace_replay_core.kernels.scatter import SCATTER_BLOCK, scatter_kernel  # noqa: E402
-
-from helpers import POISON, assert_tokens_equal, random_scenario  # noqa: E402
 
 INT_DTYPES = [np.int32, np.int64]
 
@@ -31,22 +30,38 @@ def interpreted(kernel):
 @pytest.mark.parametrize("per_row_step", [False, True])
 def test_replay_kernel_matches_reference(rng, batch, sampled_dtype, index_dtype, per_row_step):
     max_slots, max_trace_len = 41, 23
-    sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_trace_len, batch=batch,
-                         sampled_dtype=sampled_dtype, index_dtype=index_dtype)
+    sc = random_scenario(
+        rng,
+        max_slots=max_slots,
+        max_trace_len=max_trace_len,
+        batch=batch,
+        sampled_dtype=sampled_dtype,
+        index_dtype=index_dtype,
+    )
     table = np.where(sc["table"] < 0, 0, sc["table"]).astype(np.int32)
     sampled = torch.from_numpy(sc["sampled"].copy())
     t = {k: torch.from_numpy(np.ascontiguousarray(sc[k])) for k in ("idx", "total_len", "prompt_len", "step")}
-    if per_row_step:    # the interpreter needs a tensor for every pointer, read or not
+    if per_row_step:  # the interpreter needs a tensor for every pointer, read or not
         total, prompt, step = t["step"], t["step"], t["step"]
         expected = replay_reference(sc["sampled"], sc["idx"], table, sc["trace_len"], step=sc["step"])
     else:
         total, prompt, step = t["total_len"], t["prompt_len"], t["total_len"]
-        expected = replay_reference(sc["sampled"], sc["idx"], table, sc["trace_len"], sc["total_len"],
-                                    sc["prompt_len"])
+        expected = replay_reference(sc["sampled"], sc["idx"], table, sc["trace_len"], sc["total_len"], sc["prompt_len"])
     grid = (triton.cdiv(batch, REPLAY_BLOCK),)
-    interpreted(replay_kernel)[grid](sampled, t["idx"], total, prompt, step, torch.from_numpy(table),
-                                     torch.from_numpy(sc["trace_len"]), batch, max_slots, max_trace_len,
-                                     PER_ROW_STEP=per_row_step, BLOCK=REPLAY_BLOCK)
+    interpreted(replay_kernel)[grid](
+        sampled,
+        t["idx"],
+        total,
+        prompt,
+        step,
+        torch.from_numpy(table),
+        torch.from_numpy(sc["trace_len"]),
+        batch,
+        max_slots,
+        max_trace_len,
+        PER_ROW_STEP=per_row_step,
+        BLOCK=REPLAY_BLOCK,
+    )
     assert sampled.dtype == torch.from_numpy(sc["sampled"]).dtype
     assert_tokens_equal(sampled.numpy(), expected)
 
@@ -68,11 +83,10 @@ def test_scatter_kernel_writes_rows_and_lengths(rng, n_entries):
     table = torch.full((max_slots, row), POISON, dtype=torch.int32)
     trace_len = torch.full((max_slots,), 99, dtype=torch.int32)
     chunks = 2
-    interpreted(scatter_kernel)[(n_entries, chunks)](meta_t, staged, table, trace_len, row, chunks,
-                                                     BLOCK=SCATTER_BLOCK)
-    for (slot, n, o) in meta:
+    interpreted(scatter_kernel)[(n_entries, chunks)](meta_t, staged, table, trace_len, row, chunks, BLOCK=SCATTER_BLOCK)
+    for slot, n, o in meta:
         assert trace_len[slot].item() == n
-        assert_tokens_equal(table[slot, :n].numpy(), staged[o:o + n].numpy(), f"slot {slot}")
+        assert_tokens_equal(table[slot, :n].numpy(), staged[o : o + n].numpy(), f"slot {slot}")
         assert (table[slot, n:] == POISON).all(), f"slot {slot}: wrote past the trace"
     untouched = sorted(set(range(max_slots)) - set(int(s) for s in slots))
     assert (trace_len[untouched] == 99).all() and (table[untouched] == POISON).all()

@@ -20,13 +20,13 @@ class _Kernel:
 
 
 def _slots(block):
-    return [bytes(block.view[8 * i: 8 * i + 8]) for i in range(len(block.values))]
+    return [bytes(block.view[8 * i : 8 * i + 8]) for i in range(len(block.values))]
 
 
 def test_arguments_land_little_endian_in_their_slots_and_scratch_stays_zero():
     # scatter's shape: four pointers, two int32 sizes, two scratch pointers
     block = _ParamBlock(_Kernel([8, 8, 8, 8, 4, 4, 8, 8], 6))
-    block.values[:6] = np.uint64(0xA5A5A5A5A5A5A5A5)    # poison the argument slots: each must be rewritten
+    block.values[:6] = np.uint64(0xA5A5A5A5A5A5A5A5)  # poison the argument slots: each must be rewritten
     args = (0x7F00_1234_5678, 0x7F00_0000_0010, 0x1_0000_0000, 0xDEAD_BEE0, 32768, 7)
     block.pack(block.view, 0, *args)
     slots = _slots(block)
@@ -45,7 +45,7 @@ def test_arguments_land_little_endian_in_their_slots_and_scratch_stays_zero():
 def test_repacking_overwrites_every_argument():
     block = _ParamBlock(_Kernel([8, 4, 2, 1, 8], 4))
     block.pack(block.view, 0, 2**40 + 3, -5, 300, -1)
-    block.pack(block.view, 0, 9, 11, 13, 15)                 # a launcher rewrites the block per call
+    block.pack(block.view, 0, 9, 11, 13, 15)  # a launcher rewrites the block per call
     slots = _slots(block)
     assert slots[0] == (9).to_bytes(8, "little")
     assert slots[1][:4] == (11).to_bytes(4, "little", signed=True)
@@ -56,7 +56,7 @@ def test_repacking_overwrites_every_argument():
 
 def test_negative_sizes_pack_as_twos_complement():
     block = _ParamBlock(_Kernel([4, 8], 2))
-    block.pack(block.view, 0, -3, -2**40)
+    block.pack(block.view, 0, -3, -(2**40))
     slots = _slots(block)
     assert slots[0][:4] == (-3).to_bytes(4, "little", signed=True)
-    assert slots[1] == (-2**40).to_bytes(8, "little", signed=True)
+    assert slots[1] == (-(2**40)).to_bytes(8, "little", signed=True)

@@ -12,14 +12,23 @@ import numpy as np
 import pytest
 
 from trace_replay_app.models import family_for_model_type, get_family, supported_model_types
-from trace_replay_app.models.llama.config import (MODEL_TYPES, LlamaConfig, check_weights, config_from_hf,
-                                                  default_config, inv_freq, param_shapes, seeded_weights, to_hf,
-                                                  weights_from_tensors)
+from trace_replay_app.models.llama.config import (
+    MODEL_TYPES,
+    LlamaConfig,
+    check_weights,
+    config_from_hf,
+    default_config,
+    inv_freq,
+    param_shapes,
+    seeded_weights,
+    to_hf,
+    weights_from_tensors,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from llama_cases import CASES, _SIZES, make_checkpoint  # noqa: E402
+from llama_cases import _SIZES, CASES, make_checkpoint  # noqa: E402
 
 
 def _hf(case):
@@ -34,7 +43,7 @@ def test_names_and_shapes_are_transformers(case):
     model = transformers.AutoModelForCausalLM.from_config(hf)
     saved = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
-        saved.pop("lm_head.weight")              # transformers does not save the tied copy
+        saved.pop("lm_head.weight")  # transformers does not save the tied copy
     assert param_shapes(config) == saved
 
 
@@ -66,35 +75,60 @@ def test_options_per_model_type():
 def test_old_style_rope_keys():
     hf = dict(_hf("llama-tied-llama3-sharded").to_dict())
     hf.pop("rope_parameters")
-    hf.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    hf.update(
+        rope_theta=500000.0,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
     c = config_from_hf(hf)
     assert (c.rope_theta, c.rope_type, c.rope_factor, c.rope_original_max_positions) == (500000.0, "llama3", 4.0, 32)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"model_type": "bert"}, r"model_type 'bert' is not supported .*llama, mistral, qwen2, qwen3"),
-    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-     r"rope_scaling type 'yarn' is not supported"),
-    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
-    ({"num_key_value_heads": 3}, r"num_attention_heads must be a multiple of num_key_value_heads"),
-    ({"vocab_size": None}, r"config.json lacks 'vocab_size'"),
-    ({"sliding_window": -4}, r"sliding_window must be a positive int"),
-    # Values of the wrong JSON type are refused by name, never truncated or misread.
-    ({"vocab_size": 256.5}, r"^vocab_size must be an integer \(got 256\.5\)$"),
-    ({"hidden_size": "64"}, r"^hidden_size must be an integer \(got '64'\)$"),
-    ({"num_hidden_layers": True}, r"^num_hidden_layers must be an integer \(got True\)$"),
-    ({"rms_norm_eps": "1e-6"}, r"^rms_norm_eps must be a number \(got '1e-6'\)$"),
-    ({"tie_word_embeddings": "false"}, r"^tie_word_embeddings must be true or false \(got 'false'\)$"),
-    ({"rope_parameters": [1]}, r"^rope_parameters must be a JSON object or null \(got \[1\]\)$"),
-    ({"rope_scaling": "x", "rope_parameters": None}, r"^rope_scaling must be a JSON object or null \(got 'x'\)$"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
-     r"^rope_parameters\.rope_theta must be a number \(got '1e4'\)$"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": [8], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "rope_theta": 1e4}}, r"^rope_scaling\.factor must be a number \(got \[8\]\)$"),
-    ({"rope_parameters": {"rope_type": ["llama3"], "rope_theta": 1e4}}, r"rope_scaling type \['llama3'\] is not"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model_type": "bert"}, r"model_type 'bert' is not supported .*llama, mistral, qwen2, qwen3"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            r"rope_scaling type 'yarn' is not supported",
+        ),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads must be a multiple of num_key_value_heads"),
+        ({"vocab_size": None}, r"config.json lacks 'vocab_size'"),
+        ({"sliding_window": -4}, r"sliding_window must be a positive int"),
+        # Values of the wrong JSON type are refused by name, never truncated or misread.
+        ({"vocab_size": 256.5}, r"^vocab_size must be an integer \(got 256\.5\)$"),
+        ({"hidden_size": "64"}, r"^hidden_size must be an integer \(got '64'\)$"),
+        ({"num_hidden_layers": True}, r"^num_hidden_layers must be an integer \(got True\)$"),
+        ({"rms_norm_eps": "1e-6"}, r"^rms_norm_eps must be a number \(got '1e-6'\)$"),
+        ({"tie_word_embeddings": "false"}, r"^tie_word_embeddings must be true or false \(got 'false'\)$"),
+        ({"rope_parameters": [1]}, r"^rope_parameters must be a JSON object or null \(got \[1\]\)$"),
+        ({"rope_scaling": "x", "rope_parameters": None}, r"^rope_scaling must be a JSON object or null \(got 'x'\)$"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+            r"^rope_parameters\.rope_theta must be a number \(got '1e4'\)$",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": [8],
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "rope_theta": 1e4,
+                }
+            },
+            r"^rope_scaling\.factor must be a number \(got \[8\]\)$",
+        ),
+        ({"rope_parameters": {"rope_type": ["llama3"], "rope_theta": 1e4}}, r"rope_scaling type \['llama3'\] is not"),
+    ],
+)
 def test_refused_configs(change, message):
     hf = dict(_hf("mistral-window-bf16").to_dict(), **change)
     with pytest.raises(ValueError, match=message):
@@ -113,8 +147,11 @@ def test_bad_weights_name_the_tensor_and_both_shapes():
     with pytest.raises(ValueError, match=r"lack tensor 'model.layers.1.mlp.up_proj.weight' \(shape \(128, 64\)"):
         weights_from_tensors(config, missing)
     wrong = dict(w, **{"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)})
-    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.self_attn.k_proj.weight' must have shape "
-                                         r"\(32, 64\) for this config \(got \(64, 64\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'model.layers.0.self_attn.k_proj.weight' must have shape "
+        r"\(32, 64\) for this config \(got \(64, 64\)\)",
+    ):
         weights_from_tensors(config, wrong)
     with pytest.raises(ValueError, match=r"does not use: \['model.layers.0.self_attn.q_proj.bias'\]"):
         weights_from_tensors(config, dict(w, **{"model.layers.0.self_attn.q_proj.bias": np.ones(64, np.float32)}))
@@ -131,14 +168,19 @@ def test_bad_weights_name_the_tensor_and_both_shapes():
 
 def test_checkpoint_with_a_wrong_shape_is_refused(tmp_path):
     from safetensors.numpy import load_file, save_file
+
     from trace_replay_app.checkpoint import CheckpointError, load_checkpoint
+
     folder = make_checkpoint("qwen3", str(tmp_path / "m"))
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
     tensors["model.layers.1.self_attn.k_norm.weight"] = np.ones(16, np.float32)
     save_file(tensors, path)
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.1.self_attn.k_norm.weight' "
-                                              r"must have shape \(32,\) for this config \(got \(16,\)\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: tensor 'model.layers.1.self_attn.k_norm.weight' "
+        r"must have shape \(32,\) for this config \(got \(16,\)\)",
+    ):
         load_checkpoint(folder)
     del tensors["model.layers.1.self_attn.k_norm.weight"]
     save_file(tensors, path)
@@ -152,6 +194,7 @@ def test_default_configs_round_trip_and_run_in_transformers(model_type, rng):
     transformers' logits: the ``--model NAME --seed N`` path is the real model."""
     from trace_replay_app.models.llama.torch_loop import run_decode
     from trace_replay_app.records import TraceRequest
+
     config = default_config(model_type)
     weights = seeded_weights(config, 5)
     check_weights(config, weights)
@@ -166,7 +209,7 @@ def test_default_configs_round_trip_and_run_in_transformers(model_type, rng):
     trace = tuple(int(t) for t in rng.integers(0, config.vocab_size, 12))
     (res,) = run_decode(config, weights, [TraceRequest("a", prompt=prompt, trace=trace)])
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + trace[:-1]])).logits[0, len(prompt) - 1:].double()
+        logits = model(torch.tensor([prompt + trace[:-1]])).logits[0, len(prompt) - 1 :].double()
     want = torch.log_softmax(logits, -1)[torch.arange(len(trace)), torch.tensor(trace)].numpy()
     np.testing.assert_allclose(res.logprobs, want, atol=1e-5)
 

@@ -22,8 +22,9 @@ from trace_replay_app.models.llama import torch_loop  # noqa: E402
 LOOPS = {"torch": torch_loop.run_decode}
 try:
     from trace_replay_app.models.llama import jax_loop
+
     LOOPS["jax"] = jax_loop.run_decode
-except ImportError:          # pragma: no cover - the JAX tier needs jax
+except ImportError:  # pragma: no cover - the JAX tier needs jax
     jax_loop = None
 
 
@@ -72,7 +73,7 @@ def test_temperature_sampling_is_reproducible(checkpoints, framework, rng):
     assert any(a[i].tokens.tolist() != c[i].tokens.tolist() for i in untraced), "another seed drew the same tokens"
     assert any(a[i].tokens.tolist() != greedy[i].tokens.tolist() for i in untraced), "sampling drew greedy tokens"
     for i, r in enumerate(requests):
-        if r.trace is not None:       # forced tokens: logprobs of the raw logits, whatever the temperature
+        if r.trace is not None:  # forced tokens: logprobs of the raw logits, whatever the temperature
             assert a[i].tokens.tolist() == list(r.trace)
             np.testing.assert_allclose(a[i].logprobs, greedy[i].logprobs, atol=1e-6)
 

@@ -10,17 +10,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference,  # noqa: E402
-                               huge_case, round_to)
-from trace_replay_core import greedy_argmax_reference, token_logprob_rank  # noqa: E402
-
 from logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
+from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, huge_case, round_to  # noqa: E402
+
+from trace_replay_core import greedy_argmax_reference, token_logprob_rank  # noqa: E402
 
 POISON_ARGMAX = -777
 # The special rows of greedy_case where the batch allows, each once with an explicit id and once
 # greedy: name -> (explicit row, greedy row).
-SPECIAL_ROWS = {"-inf": (6, 13), "nan": (14, 7), "nan-inf": (8, 15), "one": (16, 9), "+inf": (10, 17),
-                "nan-first": (18, 11), "one-nan": (12, 19)}
+SPECIAL_ROWS = {
+    "-inf": (6, 13),
+    "nan": (14, 7),
+    "nan-inf": (8, 15),
+    "one": (16, 9),
+    "+inf": (10, 17),
+    "nan-first": (18, 11),
+    "one-nan": (12, 19),
+}
 # The argmax dtype each adapter returns, by the top-level module of the array type.
 NATIVE_ARGMAX_DTYPES = {"jax": np.int32, "jaxlib": np.int32, "torch": np.int64}
 
@@ -63,7 +69,7 @@ def greedy_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str):
             others = below[below != ids[r]]
             x[r, rng.choice(others, size=min(others.size, int(rng.integers(1, 6))), replace=False)] = x[r, ids[r]]
     if batch > 4 and vocab > 1:
-        ids[4] = rng.integers(vocab - 1)                   # not the maximum, in the last column
+        ids[4] = rng.integers(vocab - 1)  # not the maximum, in the last column
         x[4, ids[4]] = -np.inf
     for name, rows in SPECIAL_ROWS.items():
         for r in (r for r in rows if r < batch):
@@ -104,8 +110,10 @@ def assert_greedy(x, ids, lp, rk, am, what: str, *, argmax_dtype="native", plant
     assert argmax_dtype is None or am.dtype == argmax_dtype, f"{what}: argmax of dtype {am.dtype}, want {argmax_dtype}"
     am = am.astype(np.int64)
     bad = np.flatnonzero(am != want)
-    assert bad.size == 0, f"{what}: argmax differs at rows {bad[:10].tolist()}: got {am[bad[:10]].tolist()}, " \
-                          f"want {want[bad[:10]].tolist()}"
+    assert bad.size == 0, (
+        f"{what}: argmax differs at rows {bad[:10].tolist()}: got {am[bad[:10]].tolist()}, "
+        f"want {want[bad[:10]].tolist()}"
+    )
     has_value = ~np.isnan(x).all(axis=1)
     assert not np.isnan(x[has_value, am[has_value]]).any(), f"{what}: an argmax points at a NaN"
     assert_matches_reference(x, np.where(ids < 0, want, ids), lp, rk, what)
@@ -115,16 +123,22 @@ def assert_greedy(x, ids, lp, rk, am, what: str, *, argmax_dtype="native", plant
 
 def _assert_planted_rows(x, ids, lp, rk, am, what: str) -> None:
     batch, vocab = x.shape
-    if batch > 1 and vocab > 8:     # row 1, greedy: the maximum repeated late; the first copy wins, all count
+    if batch > 1 and vocab > 8:  # row 1, greedy: the maximum repeated late; the first copy wins, all count
         copies = np.flatnonzero(x[1] == np.nanmax(x[1]))
         assert ids[1] == -1 and copies.size >= 2 and copies[0] >= vocab // 2, (what, ids[1], copies)
         assert am[1] == copies[0] and rk[1] == copies.size, (what, am[1], rk[1], copies)
-    if batch > 4 and vocab > 1:     # row 4's token is -inf: logprob -inf, every entry counts
+    if batch > 4 and vocab > 1:  # row 4's token is -inf: logprob -inf, every entry counts
         assert ids[4] >= 0 and lp[4] == -np.inf and rk[4] == vocab and am[4] == vocab - 1, (what, lp[4], rk[4], am[4])
     # name -> (argmax, rank or None, logprob NaN whatever the token); NaN first, then -inf: the first -inf
-    expect = {"-inf": (0, vocab, True), "nan": (0, 0, True), "nan-inf": (min(1, vocab - 1), None, True),
-              "nan-first": (min(1, vocab - 1), None, True), "one": (vocab // 3, None, False),
-              "+inf": (vocab // 2, None, False), "one-nan": (None, None, True)}
+    expect = {
+        "-inf": (0, vocab, True),
+        "nan": (0, 0, True),
+        "nan-inf": (min(1, vocab - 1), None, True),
+        "nan-first": (min(1, vocab - 1), None, True),
+        "one": (vocab // 3, None, False),
+        "+inf": (vocab // 2, None, False),
+        "one-nan": (None, None, True),
+    }
     for name, rows in SPECIAL_ROWS.items():
         want_am, want_rk, nan = expect[name]
         for r in (r for r in rows if r < batch):
@@ -170,10 +184,11 @@ def test_cpu_backend_argmax_with_temperature_and_top_k():
     y = x / t[:, None]
     assert_greedy(y, ids, lp, rk, am, "cpu temperature")
     finite = ~np.isnan(x).all(axis=1)
-    assert np.array_equal(top_ids[finite, 0], am[finite])     # the first of the top-k is the argmax
+    assert np.array_equal(top_ids[finite, 0], am[finite])  # the first of the top-k is the argmax
 
 
 # -- the Triton kernels, in Triton's interpreter -------------------------------------------------
+
 
 def _interpreter_cases():
     rng = np.random.default_rng(21)
@@ -195,7 +210,7 @@ def _interpreter_cases():
     same = greedy_case(rng, 12, 3000, "bfloat16")
     add("bf16-12x3000-t128-g1", 12, 3000, "bfloat16", data=same, block=128, group=1)
     add("bf16-12x3000-t128-g4", 12, 3000, "bfloat16", data=same, block=128, group=4)
-    add("bf16-12x3000-t128-g5", 12, 3000, "bfloat16", data=same, block=128, group=5)      # 12 chunks: 5, 5, 2
+    add("bf16-12x3000-t128-g5", 12, 3000, "bfloat16", data=same, block=128, group=5)  # 12 chunks: 5, 5, 2
     same = greedy_case(rng, 12, 999, "float16")
     add("f16-12x999-t128-g1", 12, 999, "float16", data=same, block=128, group=1, pad=3, shift=1)
     add("f16-12x999-t128-g5", 12, 999, "float16", data=same, block=128, group=5, pad=3, shift=1)
@@ -244,7 +259,7 @@ def test_kernel_greedy_row_has_the_bits_of_its_explicit_id(tmp_path):
     out = run_cases(cases, str(tmp_path))
     for dtype in ("float32", "bfloat16"):
         g, e = out[f"{dtype}-greedy"], out[f"{dtype}-explicit"]
-        nan = np.isnan(g["lp"])           # a NaN, only -inf, or a +inf (the NaN payload may differ)
+        nan = np.isnan(g["lp"])  # a NaN, only -inf, or a +inf (the NaN payload may differ)
         assert np.array_equal(nan, np.isnan(e["lp"])) and np.flatnonzero(nan).tolist() == [3, 6, 7, 8, 10, 11], dtype
         assert np.array_equal(g["lp"][~nan].view(np.uint32), e["lp"][~nan].view(np.uint32)), dtype
         assert np.array_equal(g["rk"], e["rk"]), dtype

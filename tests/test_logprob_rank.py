@@ -26,11 +26,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_core import (bind_logprob_rank, token_logprob_rank,  # noqa: E402
-                               token_logprob_rank_reference)
+from trace_replay_core import bind_logprob_rank, token_logprob_rank, token_logprob_rank_reference  # noqa: E402
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
-from trace_replay_core.kernels.logprob_rank import (LOGPROB_BLOCK, LogprobRankArgs, LogprobRankDtypes,  # noqa: E402
-                                                    _chunk_group, launch_specs, plan_logprob_rank, workspace_layout)
+from trace_replay_core.kernels.logprob_rank import (  # noqa: E402
+    LOGPROB_BLOCK,
+    LogprobRankArgs,
+    LogprobRankDtypes,
+    _chunk_group,
+    launch_specs,
+    plan_logprob_rank,
+    workspace_layout,
+)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHES = (1, 7, 256, 1024)
@@ -40,6 +46,7 @@ POISON_RANK = -999
 
 
 # -- data --------------------------------------------------------------------------------------
+
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to ``dtype`` (returned as float32; exact in both)."""
@@ -83,7 +90,7 @@ def make_case(rng: np.random.Generator, batch: int, vocab: int, dtype: str, *, n
 def reference(x: np.ndarray, ids: np.ndarray):
     """The float64 reference, by chunks of rows (bounded memory)."""
     rows = max(1, (1 << 22) // max(1, x.shape[1]))
-    parts = [token_logprob_rank_reference(x[r:r + rows], ids[r:r + rows]) for r in range(0, x.shape[0], rows)]
+    parts = [token_logprob_rank_reference(x[r : r + rows], ids[r : r + rows]) for r in range(0, x.shape[0], rows)]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
@@ -93,8 +100,10 @@ def assert_matches_reference(x: np.ndarray, ids: np.ndarray, logprobs, ranks, wh
     logprobs = np.asarray(logprobs, dtype=np.float64)
     ranks = np.asarray(ranks).astype(np.int64)
     bad = np.flatnonzero(ranks != ref_rank)
-    assert bad.size == 0, (f"{what}: {bad.size} rank mismatches, rows {bad[:10].tolist()}: "
-                           f"got {ranks[bad[:10]].tolist()}, want {ref_rank[bad[:10]].tolist()}")
+    assert bad.size == 0, (
+        f"{what}: {bad.size} rank mismatches, rows {bad[:10].tolist()}: "
+        f"got {ranks[bad[:10]].tolist()}, want {ref_rank[bad[:10]].tolist()}"
+    )
     nan_got, nan_ref = np.isnan(logprobs), np.isnan(ref_lp)
     bad = np.flatnonzero(nan_got != nan_ref)
     assert bad.size == 0, f"{what}: NaN mismatch at rows {bad[:10].tolist()}: got {logprobs[bad[:10]].tolist()}"
@@ -104,13 +113,15 @@ def assert_matches_reference(x: np.ndarray, ids: np.ndarray, logprobs, ranks, wh
     fin = np.isfinite(ref_lp)
     rows = np.arange(x.shape[0])
     chosen = np.where(fin, x[rows, np.clip(ids, 0, x.shape[1] - 1)], 0.0).astype(np.float64)
-    lse = np.where(fin, chosen - np.where(fin, ref_lp, 0.0), 0.0)    # the reference's log-sum-exp
+    lse = np.where(fin, chosen - np.where(fin, ref_lp, 0.0), 0.0)  # the reference's log-sum-exp
     tol = 2e-5 + 3e-7 * (np.abs(chosen) + np.abs(lse))
     with np.errstate(invalid="ignore"):
         err = np.where(fin, np.abs(logprobs - ref_lp), 0.0)
     bad = np.flatnonzero(err > tol)
-    assert bad.size == 0, (f"{what}: logprob error above bound at rows {bad[:10].tolist()}: "
-                           f"err {err[bad[:10]].tolist()}, tol {tol[bad[:10]].tolist()}")
+    assert bad.size == 0, (
+        f"{what}: logprob error above bound at rows {bad[:10].tolist()}: "
+        f"err {err[bad[:10]].tolist()}, tol {tol[bad[:10]].tolist()}"
+    )
 
 
 def assert_planted(x: np.ndarray, ids: np.ndarray, ranks) -> None:
@@ -129,6 +140,7 @@ def assert_planted(x: np.ndarray, ids: np.ndarray, ranks) -> None:
 
 
 # -- the numpy backend ------------------------------------------------------------------------
+
 
 def run_core_cpu(x_f32: np.ndarray, ids: np.ndarray, dtype: str, *, rank_dtype=np.int64):
     logits = torch.from_numpy(x_f32).to(TORCH_DTYPES[dtype]) if dtype != "float32" else x_f32
@@ -153,8 +165,7 @@ def test_cpu_backend_matches_reference(batch, vocab, dtype):
 
 
 def test_cpu_backend_hand_computed():
-    x = np.array([[1.0, 3.0, 3.0, 2.0],
-                  [5.0, -np.inf, 4.0, -1.5]], dtype=np.float32)
+    x = np.array([[1.0, 3.0, 3.0, 2.0], [5.0, -np.inf, 4.0, -1.5]], dtype=np.float32)
     lp = np.full(8, POISON_LOGPROB, dtype=np.float32)
     rk = np.full(8, POISON_RANK, dtype=np.int64)
     logits = np.repeat(x, 4, axis=0)
@@ -188,13 +199,20 @@ def special_case(vocab: int = 300, *, rng_seed: int = 7):
     x[9, :] = -np.inf
     x[9, (ids[9] + 1) % vocab] = 2.0
     expect = {
-        0: (np.nan, None), 1: (np.nan, None), 2: (np.nan, vocab), 3: (-np.inf, vocab), 4: (np.nan, 0),
-        5: (np.nan, -1), 6: (np.nan, -1), 7: (np.nan, -1), 9: (-np.inf, vocab),
+        0: (np.nan, None),
+        1: (np.nan, None),
+        2: (np.nan, vocab),
+        3: (-np.inf, vocab),
+        4: (np.nan, 0),
+        5: (np.nan, -1),
+        6: (np.nan, -1),
+        7: (np.nan, -1),
+        9: (-np.inf, vocab),
     }
     return x, ids, expect
 
 
-BF16_MIN = -3.3895313892515355e38          # torch.finfo(torch.bfloat16).min, exact in every dtype here
+BF16_MIN = -3.3895313892515355e38  # torch.finfo(torch.bfloat16).min, exact in every dtype here
 
 
 def huge_case(vocab: int = 3000, *, rng_seed: int = 5):
@@ -217,7 +235,7 @@ def huge_case(vocab: int = 3000, *, rng_seed: int = 5):
     x[3, ids[3]] = 3e38
     x[4, :] = -1.5e38 * (1.0 + rng.random(vocab, dtype=np.float32) * 0.01)
     x[5, : vocab // 2] = -2.5e38
-    x[5, vocab // 2:] = -np.inf
+    x[5, vocab // 2 :] = -np.inf
     x[5, vocab - 7] = 1.0
     ids[5] = vocab - 7
     x[7, np.arange(vocab) % 97 != 0] = -1e9
@@ -253,7 +271,7 @@ def test_reference_special_values():
     x, ids, expect = special_case()
     lp, rk = token_logprob_rank_reference(x, ids)
     for row, (want_lp, want_rank) in expect.items():
-        assert (np.isnan(lp[row]) if np.isnan(want_lp) else lp[row] == want_lp), (row, lp[row])
+        assert np.isnan(lp[row]) if np.isnan(want_lp) else lp[row] == want_lp, (row, lp[row])
         if want_rank is not None:
             assert rk[row] == want_rank, (row, rk[row])
 
@@ -261,7 +279,7 @@ def test_reference_special_values():
 def test_cpu_backend_strided_rows_and_column_ids():
     rng = np.random.default_rng(3)
     x, ids = make_case(rng, 9, 1000, "bfloat16")
-    wide = torch.full((9, 1013), float("nan"), dtype=torch.bfloat16)     # padding would poison a misread
+    wide = torch.full((9, 1013), float("nan"), dtype=torch.bfloat16)  # padding would poison a misread
     wide[:, 5:1005] = torch.from_numpy(x).to(torch.bfloat16)
     logits = wide[:, 5:1005]
     assert logits.stride() == (1013, 1)
@@ -295,7 +313,7 @@ def test_bound_call_repeats_the_call_on_new_contents():
     lp = np.full(6, POISON_LOGPROB, np.float32)
     rk = np.full(6, POISON_RANK, np.int64)
     bound = bind_logprob_rank(logits, ids_buf, out_logprobs=lp, out_ranks=rk, stream=0)
-    assert np.all(lp == POISON_LOGPROB)                    # binding computes nothing
+    assert np.all(lp == POISON_LOGPROB)  # binding computes nothing
     for k in range(3):
         x, ids = make_case(np.random.default_rng(100 + k), 6, 700, "float32")
         logits[...] = x
@@ -316,43 +334,82 @@ def _bad_inputs():
     return {
         "stream-none": (dict(stream=None), TypeError, r"^stream must be given explicitly"),
         "logits-1d": (dict(logits=np.ones(10, np.float32)), ValueError, r"^logits must be 2-D \(got shape \[10\]\)"),
-        "logits-f64": (dict(logits=np.ones((3, 10))), TypeError,
-                       r"^logits must have dtype float32 or bfloat16 or float16 \(got float64\)"),
-        "logits-int": (dict(logits=np.ones((3, 10), np.int32)), TypeError,
-                       r"^logits must have dtype .*\(got int32\)"),
-        "logits-empty-vocab": (dict(logits=np.ones((3, 0), np.float32)), ValueError,
-                               r"^logits must have between 1 and 1073741824 columns .*got shape \[3, 0\]"),
-        "logits-column-stride": (dict(logits=np.ones((3, 20), np.float32)[:, ::2]), ValueError,
-                                 r"^logits must be contiguous along the vocabulary .*strides \[20, 2\]"),
+        "logits-f64": (
+            dict(logits=np.ones((3, 10))),
+            TypeError,
+            r"^logits must have dtype float32 or bfloat16 or float16 \(got float64\)",
+        ),
+        "logits-int": (dict(logits=np.ones((3, 10), np.int32)), TypeError, r"^logits must have dtype .*\(got int32\)"),
+        "logits-empty-vocab": (
+            dict(logits=np.ones((3, 0), np.float32)),
+            ValueError,
+            r"^logits must have between 1 and 1073741824 columns .*got shape \[3, 0\]",
+        ),
+        "logits-column-stride": (
+            dict(logits=np.ones((3, 20), np.float32)[:, ::2]),
+            ValueError,
+            r"^logits must be contiguous along the vocabulary .*strides \[20, 2\]",
+        ),
         "logits-not-array": (dict(logits=[[1.0, 2.0]] * 3), TypeError, r"^logits must be an array supporting DLPack"),
-        "ids-length": (dict(token_ids=np.zeros(4, np.int64)), ValueError,
-                       r"^token_ids must have 3 rows \(got shape \[4\]\)"),
-        "ids-float": (dict(token_ids=np.zeros(3, np.float32)), TypeError,
-                      r"^token_ids must have dtype int32 or int64 \(got float32\)"),
-        "ids-two-per-row": (dict(token_ids=np.zeros((3, 2), np.int64)), ValueError,
-                            r"^token_ids must be 1-D \[batch\] or \[batch, 1\], one token per row "
-                            r"\(got shape \[3, 2\]\)"),
-        "out-lp-dtype": (dict(out_logprobs=np.empty(3, np.float64)), TypeError,
-                         r"^out_logprobs must have dtype float32 \(got float64\)"),
-        "out-lp-length": (dict(out_logprobs=np.empty(2, np.float32)), ValueError,
-                          r"^out_logprobs must have 3 rows \(got shape \[2\]\)"),
-        "out-rank-dtype": (dict(out_ranks=np.empty(3, np.float32)), TypeError,
-                           r"^out_ranks must have dtype int32 or int64 \(got float32\)"),
-        "out-rank-strided": (dict(out_ranks=np.empty(6, np.int64)[::2]), ValueError,
-                             r"^out_ranks must be contiguous"),
-        "out-rank-read-only": (dict(out_ranks=ro), ValueError,
-                               r"^out_ranks is written in place and must be writable"),
-        "out-aliases-logits": (dict(logits=shared[:12].reshape(3, 4), out_logprobs=shared[9:12]), ValueError,
-                               r"^out_logprobs and logits overlap in memory"),
+        "ids-length": (
+            dict(token_ids=np.zeros(4, np.int64)),
+            ValueError,
+            r"^token_ids must have 3 rows \(got shape \[4\]\)",
+        ),
+        "ids-float": (
+            dict(token_ids=np.zeros(3, np.float32)),
+            TypeError,
+            r"^token_ids must have dtype int32 or int64 \(got float32\)",
+        ),
+        "ids-two-per-row": (
+            dict(token_ids=np.zeros((3, 2), np.int64)),
+            ValueError,
+            r"^token_ids must be 1-D \[batch\] or \[batch, 1\], one token per row "
+            r"\(got shape \[3, 2\]\)",
+        ),
+        "out-lp-dtype": (
+            dict(out_logprobs=np.empty(3, np.float64)),
+            TypeError,
+            r"^out_logprobs must have dtype float32 \(got float64\)",
+        ),
+        "out-lp-length": (
+            dict(out_logprobs=np.empty(2, np.float32)),
+            ValueError,
+            r"^out_logprobs must have 3 rows \(got shape \[2\]\)",
+        ),
+        "out-rank-dtype": (
+            dict(out_ranks=np.empty(3, np.float32)),
+            TypeError,
+            r"^out_ranks must have dtype int32 or int64 \(got float32\)",
+        ),
+        "out-rank-strided": (dict(out_ranks=np.empty(6, np.int64)[::2]), ValueError, r"^out_ranks must be contiguous"),
+        "out-rank-read-only": (dict(out_ranks=ro), ValueError, r"^out_ranks is written in place and must be writable"),
+        "out-aliases-logits": (
+            dict(logits=shared[:12].reshape(3, 4), out_logprobs=shared[9:12]),
+            ValueError,
+            r"^out_logprobs and logits overlap in memory",
+        ),
         "workspace-2d": (dict(workspace=np.empty((2, 8), np.uint8)), ValueError, r"^workspace must be 1-D"),
-        "out-argmax-dtype": (dict(out_argmax=np.empty(3, np.float32)), TypeError,
-                             r"^out_argmax must have dtype int32 or int64 \(got float32\)"),
-        "out-argmax-length": (dict(out_argmax=np.empty(4, np.int64)), ValueError,
-                              r"^out_argmax must have 3 rows \(got shape \[4\]\)"),
-        "out-argmax-read-only": (dict(out_argmax=ro), ValueError,
-                                 r"^out_argmax is written in place and must be writable"),
-        "out-argmax-aliases-ids": (dict(token_ids=shared.view(np.int32)[:3], out_argmax=shared.view(np.int32)[2:5]),
-                                   ValueError, r"^out_argmax and token_ids overlap in memory"),
+        "out-argmax-dtype": (
+            dict(out_argmax=np.empty(3, np.float32)),
+            TypeError,
+            r"^out_argmax must have dtype int32 or int64 \(got float32\)",
+        ),
+        "out-argmax-length": (
+            dict(out_argmax=np.empty(4, np.int64)),
+            ValueError,
+            r"^out_argmax must have 3 rows \(got shape \[4\]\)",
+        ),
+        "out-argmax-read-only": (
+            dict(out_argmax=ro),
+            ValueError,
+            r"^out_argmax is written in place and must be writable",
+        ),
+        "out-argmax-aliases-ids": (
+            dict(token_ids=shared.view(np.int32)[:3], out_argmax=shared.view(np.int32)[2:5]),
+            ValueError,
+            r"^out_argmax and token_ids overlap in memory",
+        ),
     }, good
 
 
@@ -362,8 +419,12 @@ BAD, _GOOD = _bad_inputs()
 @pytest.mark.parametrize("case", list(BAD))
 def test_errors_name_the_argument_and_change_nothing(case):
     override, exc, pattern = BAD[case]
-    kwargs = dict(_GOOD, out_logprobs=np.full(3, POISON_LOGPROB, np.float32),
-                  out_ranks=np.full(3, POISON_RANK, np.int64), stream=0)
+    kwargs = dict(
+        _GOOD,
+        out_logprobs=np.full(3, POISON_LOGPROB, np.float32),
+        out_ranks=np.full(3, POISON_RANK, np.int64),
+        stream=0,
+    )
     kwargs.update(override)
     lp, rk = kwargs["out_logprobs"], kwargs["out_ranks"]
     before_lp, before_rk = np.array(lp, copy=True), np.array(rk, copy=True)
@@ -380,10 +441,10 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
         for itemsize in (2, 4):
             p = plan_logprob_rank(vocab, itemsize)
             assert p.block & (p.block - 1) == 0 and 128 <= p.block <= LOGPROB_BLOCK and p.n_chunks <= 256
-            span = p.chunk_blocks * p.block                                      # logits per chunk
-            assert (p.n_chunks - 1) * span < vocab <= p.n_chunks * span          # no empty chunk
+            span = p.chunk_blocks * p.block  # logits per chunk
+            assert (p.n_chunks - 1) * span < vocab <= p.n_chunks * span  # no empty chunk
             assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
-            for top_k in (1, 20, 64):                                            # top-k: the same chunks
+            for top_k in (1, 20, 64):  # top-k: the same chunks
                 k = plan_logprob_rank(vocab, itemsize, top_k)
                 assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == 2 * k.k_pad and k.cap_p == 4 * k.k_pad
                 assert k.sel == min(128, p.block // (16 // itemsize))
@@ -395,7 +456,7 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
         gpt2 = plan_logprob_rank(50257, itemsize)
         assert gpt2[:2] == (2048, 7) and gpt2.chunk_blocks == 4
         assert plan_logprob_rank(10001, itemsize)[:2] == (2048, 2)
-        assert plan_logprob_rank(151937, itemsize).chunk_blocks == 6      # already longer
+        assert plan_logprob_rank(151937, itemsize).chunk_blocks == 6  # already longer
     # The combine kernel holds a row's partials in one tile: a tuning override that would cut a
     # row into more than 256 chunks is refused, by name, before anything is compiled.
     assert plan_logprob_rank(2**20, 2, chunk_blocks=2).n_chunks == 256
@@ -410,7 +471,7 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
     # out_argmax); with top-k, per chunk 8 bytes per kept key and per candidate key and 4 per
     # candidate vector; 8 bytes per row for the token's logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 5 * 64 + 2 * 16           # 52 and 4 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(1, 151936) == 5 * 64 + 2 * 16  # 52 and 4 bytes rounded to 16
     assert logprob_rank_workspace_bytes(256, 151936) == 5 * 256 * 13 * 4 + 2 * 256 * 4
     assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (20 + 32 * 8 + 64 * 8 + 128 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
@@ -432,6 +493,7 @@ def test_kernels_follow_the_layout_of_contiguous_rows_at_every_batch_size():
     change with the batch: contiguous rows of a vocabulary are aligned alike at every batch size,
     one row alone included, whatever stride a one-row layout reports below the vocabulary.
     bfloat16 takes the fused path in every layout."""
+
     def chunk_constexprs(batch, vocab, stride, dtype, base=1 << 20):
         args = LogprobRankArgs(base, 2 << 20, 0, 3 << 20, 4 << 20, 0, 0, 5 << 20, batch, vocab, stride, 0)
         return launch_specs(args, LogprobRankDtypes(dtype, "int64", "int64"))[0][5]
@@ -453,7 +515,9 @@ def test_kernels_follow_the_layout_of_contiguous_rows_at_every_batch_size():
 
 
 def test_core_imports_no_framework():
-    code = ("import sys, trace_replay_core, trace_replay_core._logprob, trace_replay_core.kernels.logprob_rank; "
-            "print('torch' in sys.modules, 'jax' in sys.modules)")
+    code = (
+        "import sys, trace_replay_core, trace_replay_core._logprob, trace_replay_core.kernels.logprob_rank; "
+        "print('torch' in sys.modules, 'jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]

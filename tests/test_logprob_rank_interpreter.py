@@ -9,13 +9,24 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import (TORCH_DTYPES, assert_matches_reference, assert_planted, assert_special,  # noqa: E402
-                               huge_case, make_case, round_to, special_case)
-from trace_replay_core.kernels.logprob_rank import (LOGPROB_ALIGN_LOGITS, LOGPROB_BLOCK, LOGPROB_CHUNKS,  # noqa: E402
-                                                   LOGPROB_UNALIGNED_CHUNK_BLOCKS)
-
 from logprob_interpreter import run_cases_by_name  # noqa: E402
+from test_logprob_rank import (  # noqa: E402
+    TORCH_DTYPES,
+    assert_matches_reference,
+    assert_planted,
+    assert_special,
+    huge_case,
+    make_case,
+    round_to,
+    special_case,
+)
 
+from trace_replay_core.kernels.logprob_rank import (  # noqa: E402
+    LOGPROB_ALIGN_LOGITS,
+    LOGPROB_BLOCK,
+    LOGPROB_CHUNKS,
+    LOGPROB_UNALIGNED_CHUNK_BLOCKS,
+)
 
 # -- the Triton kernels, in Triton's interpreter ---------------------------------------------
 #
@@ -30,8 +41,12 @@ LAYOUT_DATA = make_case(np.random.default_rng(14), 6, 3000, "bfloat16")
 # with the array 10 bytes off. Options of the interpreter driver (tests/logprob_interpreter.py).
 LAYOUTS = {"aligned": {}, "stride3001": {"pad": 1}, "skew6": {"shift": 3}, "stride3005-skew10": {"pad": 5, "shift": 5}}
 LAYOUT_CALLS = {"plain": {}, "top5": {"top_k": 5}, "argmax": {"argmax": True}}
-LAYOUT_DTYPES = (("bf16", "bfloat16", {}), ("f32", "float32", {}), ("f16", "float16", {}),
-                 ("bf16temp", "bfloat16", {"temp": np.linspace(0.5, 2.0, 6).astype(np.float32)}))
+LAYOUT_DTYPES = (
+    ("bf16", "bfloat16", {}),
+    ("f32", "float32", {}),
+    ("f16", "float16", {}),
+    ("bf16temp", "bfloat16", {"temp": np.linspace(0.5, 2.0, 6).astype(np.float32)}),
+)
 
 
 def _interpreter_cases():
@@ -49,33 +64,55 @@ def _interpreter_cases():
     add("bf16-5x32000-rows-padded", 5, 32000, "bfloat16", pad=8, ids_dtype="int32", rank_dtype="int32")
     add("f16-3x1000-unaligned", 3, 1000, "float16", pad=3, shift=1)
     add("bf16-1x1", 1, 1, "bfloat16")
-    add("bf16-2x8193", 2, 8193, "bfloat16")                         # a last block of one logit
+    add("bf16-2x8193", 2, 8193, "bfloat16")  # a last block of one logit
     # A small block, to run many chunks, partial blocks and the combine's loop on small rows.
     add("f32-40x1000-t128", 40, 1000, "float32", block=128)
     add("bf16-6x1000-t128-padded", 6, 1000, "bfloat16", block=128, pad=5)
     add("f16-7x999-t128", 7, 999, "float16", block=128, rank_dtype="int32")
-    add("f32-3x40000-t128", 3, 40000, "float32", block=128)            # 313 blocks: 13 chunks of 25
+    add("f32-3x40000-t128", 3, 40000, "float32", block=128)  # 313 blocks: 13 chunks of 25
     # Chunks of several blocks and of one, a last chunk that is only a partial block.
     add("f32-3x2000-t128-c5", 3, 2000, "float32", block=128, chunk_blocks=5)
     add("f16-2x200-t128-c1", 2, 200, "float16", block=128, chunk_blocks=1, pad=3, shift=1)
     # Several chunks per program (group 4 forced; 5: a row's 12 chunks as 5, 5 and 2), against the
     # same rows with one chunk per program: the bits must be the same (test_group_changes_no_bit).
-    for name, extra in (("bf16-5x3000-t128", {}), ("bf16-5x3000-t128-g4", {"group": 4}),
-                        ("bf16-5x3000-t128-g5", {"group": 5})):
+    for name, extra in (
+        ("bf16-5x3000-t128", {}),
+        ("bf16-5x3000-t128-g4", {"group": 4}),
+        ("bf16-5x3000-t128-g5", {"group": 5}),
+    ):
         add(name, 5, 3000, "bfloat16", block=128, data=GROUP_DATA, special=False, **extra)
     # The fused path with 4 blocks of each chunk loaded ahead instead of 2 (LOGPROB_AHEAD): the
     # same arithmetic (test_blocks_ahead_change_no_bit); chunks of 5 blocks of 128, the last partial.
     for ahead in (2, 4):
-        add(f"bf16-7x3000-t128-c5-ahead{ahead}", 7, 3000, "bfloat16", block=128, chunk_blocks=5, data=AHEAD_DATA,
-            special=False, constants={"LOGPROB_AHEAD": ahead})
+        add(
+            f"bf16-7x3000-t128-c5-ahead{ahead}",
+            7,
+            3000,
+            "bfloat16",
+            block=128,
+            chunk_blocks=5,
+            data=AHEAD_DATA,
+            special=False,
+            constants={"LOGPROB_AHEAD": ahead},
+        )
     # Rows in every layout: unaligned ones read each line's two aligned vectors and shift its
     # words into place (test_layouts_same_bits), on the fused bfloat16 path and on the element
     # path (float32, float16, bfloat16 with a temperature). Blocks of 128: 23 whole, the last partial.
     for prefix, dtype, extra in LAYOUT_DTYPES:
         for layout, where in LAYOUTS.items():
             for call, options in LAYOUT_CALLS.items():
-                add(f"{prefix}-6x3000-t128-{layout}-{call}", 6, 3000, dtype, block=128, data=LAYOUT_DATA,
-                    special=False, **where, **options, **extra)
+                add(
+                    f"{prefix}-6x3000-t128-{layout}-{call}",
+                    6,
+                    3000,
+                    dtype,
+                    block=128,
+                    data=LAYOUT_DATA,
+                    special=False,
+                    **where,
+                    **options,
+                    **extra,
+                )
     # Aligned bfloat16 rows (vocab 304: 608-byte rows) take the fused path (_logprob_words_jit); the
     # same special rows and logits beyond 2**20 (flagged chunks, re-summed by the combine).
     for block in (None, 128):
@@ -112,7 +149,7 @@ def test_kernel_in_interpreter(interpreted, name):
     assert block == (case.get("block") or min(LOGPROB_BLOCK, max(128, 1 << (vocab - 1).bit_length())))
     least = LOGPROB_UNALIGNED_CHUNK_BLOCKS if vocab % LOGPROB_ALIGN_LOGITS else 1
     chunk_blocks = case.get("chunk_blocks") or max(-(-(-(-vocab // block)) // LOGPROB_CHUNKS), least)
-    span = block * chunk_blocks                                      # whole blocks per chunk, from the vocabulary
+    span = block * chunk_blocks  # whole blocks per chunk, from the vocabulary
     assert n_chunks == -(-vocab // span)
     if case["special"]:
         _, _, expect = special_case(vocab)

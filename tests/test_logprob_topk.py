@@ -20,14 +20,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
+from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, make_case, round_to  # noqa: E402
+
 from trace_replay_core import token_logprob_rank  # noqa: E402
 
-from logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
-from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference,  # noqa: E402
-                               make_case, round_to)
-
-
 # -- references and data --------------------------------------------------------------------------
+
 
 def processed(x: np.ndarray, temp) -> np.ndarray:
     """float32 logits / float32 T, in float32 (what the kernels compute before reducing)."""
@@ -46,14 +45,14 @@ def topk_reference(y: np.ndarray, top_k: int):
     lps = np.full((batch, top_k), np.nan)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         y64 = y.astype(np.float64)
-        m = y64.max(axis=1, keepdims=True)            # the contract: NaN, +inf or only -inf -> NaN
+        m = y64.max(axis=1, keepdims=True)  # the contract: NaN, +inf or only -inf -> NaN
         lse = (m + np.log(np.exp(y64 - m).sum(axis=1, keepdims=True)))[:, 0]
     for r in range(batch):
         ok = np.flatnonzero(~np.isnan(y[r]))
         order = ok[np.lexsort((ok, -y64[r, ok]))][:top_k]
-        ids[r, :order.size] = order
+        ids[r, : order.size] = order
         with np.errstate(invalid="ignore"):
-            lps[r, :order.size] = y64[r, order] - lse[r]
+            lps[r, : order.size] = y64[r, order] - lse[r]
     return lps, ids
 
 
@@ -61,14 +60,18 @@ def assert_topk(y: np.ndarray, top_k: int, lp, ids, what: str) -> None:
     ref_lp, ref_ids = topk_reference(y, top_k)
     ids = np.asarray(ids).astype(np.int64)
     bad = np.argwhere(ids != ref_ids)
-    assert bad.size == 0, (f"{what}: {len(bad)} top-k id mismatches, first at {bad[:5].tolist()}: got "
-                           f"{ids[tuple(bad[0])]}, want {ref_ids[tuple(bad[0])]}")
+    assert bad.size == 0, (
+        f"{what}: {len(bad)} top-k id mismatches, first at {bad[:5].tolist()}: got "
+        f"{ids[tuple(bad[0])]}, want {ref_ids[tuple(bad[0])]}"
+    )
     lp = np.asarray(lp, np.float64)
     assert np.array_equal(np.isnan(lp), np.isnan(ref_lp)), f"{what}: NaN places differ"
     fin = np.isfinite(ref_lp)
     assert np.array_equal(np.isinf(lp), np.isinf(ref_lp)) and np.all(lp[np.isinf(ref_lp)] == ref_lp[np.isinf(ref_lp)])
-    tol = 2e-5 + 3e-7 * (np.abs(np.where(fin, ref_lp, 0)) + 2 * np.abs(np.where(fin, y[np.arange(y.shape[0])[:, None],
-                                                                                         np.maximum(ref_ids, 0)], 0)))
+    tol = 2e-5 + 3e-7 * (
+        np.abs(np.where(fin, ref_lp, 0))
+        + 2 * np.abs(np.where(fin, y[np.arange(y.shape[0])[:, None], np.maximum(ref_ids, 0)], 0))
+    )
     err = np.where(fin, np.abs(np.where(fin, lp, 0) - np.where(fin, ref_lp, 0)), 0)
     bad = np.argwhere(err > tol)
     assert bad.size == 0, f"{what}: top-k logprob error above bound at {bad[:5].tolist()}: {err[tuple(bad[0])]}"
@@ -93,6 +96,7 @@ def tied_case(rng, batch: int, vocab: int, dtype: str, top_k: int):
 
 # -- the numpy backend ---------------------------------------------------------------------------
 
+
 def run_cpu(x, ids, dtype, *, temp=None, top_k=0, rank_dtype=np.int64):
     logits = torch.from_numpy(x).to(TORCH_DTYPES[dtype])
     batch = x.shape[0]
@@ -100,14 +104,27 @@ def run_cpu(x, ids, dtype, *, temp=None, top_k=0, rank_dtype=np.int64):
     rk = np.full(batch, POISON_RANK, rank_dtype)
     tlp = np.full((batch, top_k), POISON_LOGPROB, np.float32) if top_k else None
     tid = np.full((batch, top_k), POISON_RANK, rank_dtype) if top_k else None
-    token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0, top_k=top_k,
-                       temperature=None if temp is None else np.asarray(temp, np.float32),
-                       out_topk_logprobs=tlp, out_topk_ids=tid)
+    token_logprob_rank(
+        logits,
+        ids,
+        out_logprobs=lp,
+        out_ranks=rk,
+        stream=0,
+        top_k=top_k,
+        temperature=None if temp is None else np.asarray(temp, np.float32),
+        out_topk_logprobs=tlp,
+        out_topk_ids=tid,
+    )
     return dict(lp=lp, rk=rk, tlp=tlp, tid=tid)
 
 
-CPU_TOPK = [(b, v, d, k) for d in TORCH_DTYPES for b, v in ((1, 1), (5, 7), (9, 1000), (4, 32000))
-            for k in (1, 5, 20, 64) if k <= v]
+CPU_TOPK = [
+    (b, v, d, k)
+    for d in TORCH_DTYPES
+    for b, v in ((1, 1), (5, 7), (9, 1000), (4, 32000))
+    for k in (1, 5, 20, 64)
+    if k <= v
+]
 
 
 @pytest.mark.parametrize("batch,vocab,dtype,top_k", CPU_TOPK, ids=[f"b{b}-v{v}-{d}-k{k}" for b, v, d, k in CPU_TOPK])
@@ -124,6 +141,7 @@ def test_cpu_topk_and_temperature_match_reference(batch, vocab, dtype, top_k, wi
 
 # -- special rows ----------------------------------------------------------------------------------
 
+
 def special_rows(vocab: int, block: int, rng):
     """Rows of issue 16: 0 mostly -inf (3 finite), 1 whole blocks of -inf, 2 one finite entry,
     3 a NaN, 4 all NaN, 5 all -inf, 6 all equal, 7 -0.0 and +0.0 at the top, 8 a plain row with
@@ -134,7 +152,7 @@ def special_rows(vocab: int, block: int, rng):
     ids = rng.integers(0, vocab, size=10).astype(np.int64)
     x[0, :] = -np.inf
     x[0, rng.choice(vocab, 3, replace=False)] = [1.0, 2.0, 1.0]
-    x[1, :min(vocab, 2 * block)] = -np.inf
+    x[1, : min(vocab, 2 * block)] = -np.inf
     x[2, :] = -np.inf
     x[2, vocab // 2] = 0.25
     x[3, vocab // 3] = np.nan
@@ -175,7 +193,9 @@ def invariance_batches(n_rows: int, rng):
         watched = rng.permutation(N_WATCHED)
         batches = []
         for s in range(0, N_WATCHED, b):
-            rows = list(watched[s:s + b]) + list(rng.choice(np.arange(N_WATCHED, n_rows), b - len(watched[s:s + b])))
+            rows = list(watched[s : s + b]) + list(
+                rng.choice(np.arange(N_WATCHED, n_rows), b - len(watched[s : s + b]))
+            )
             batches.append(rng.permutation(np.array(rows, dtype=np.int64)))
         plans[b] = batches
     return plans
@@ -190,10 +210,14 @@ def assert_same_bits(results, plans, what):
             for pos, row in enumerate(rows):
                 if row >= N_WATCHED:
                     continue
-                got = tuple(np.asarray(out[k][pos]).tobytes() for k in ("lp", "rk", "tlp", "tid") if out.get(k) is not None)
+                got = tuple(
+                    np.asarray(out[k][pos]).tobytes() for k in ("lp", "rk", "tlp", "tid") if out.get(k) is not None
+                )
                 want = first.setdefault(int(row), (got, b, pos))
-                assert got == want[0], (f"{what}: row {row} differs between batch {want[1]} (position {want[2]}) "
-                                        f"and batch {b} (position {pos})")
+                assert got == want[0], (
+                    f"{what}: row {row} differs between batch {want[1]} (position {want[2]}) "
+                    f"and batch {b} (position {pos})"
+                )
     assert len(first) == N_WATCHED
 
 
@@ -201,8 +225,10 @@ def test_numpy_backend_is_batch_invariant():
     rng = np.random.default_rng(8)
     x, ids, temp = tied_case(rng, 23, 1500, "bfloat16", 20)
     plans = invariance_batches(23, rng)
-    results = {b: [run_cpu(x[rows], ids[rows], "bfloat16", temp=temp[rows], top_k=20) for rows in batches]
-               for b, batches in plans.items()}
+    results = {
+        b: [run_cpu(x[rows], ids[rows], "bfloat16", temp=temp[rows], top_k=20) for rows in batches]
+        for b, batches in plans.items()
+    }
     assert_same_bits(results, plans, "numpy backend")
 
 
@@ -210,16 +236,28 @@ def _interpreter_invariance_cases():
     rng = np.random.default_rng(21)
     cases, index = [], []
     # The interpreter is slow: few chunks per row there.
-    for dtype, vocab, block, top_k, with_temp in (("bfloat16", 1000, 512, 5, True), ("float32", 300, None, 0, False),
-                                                 ("float16", 999, 128, 0, True)):
+    for dtype, vocab, block, top_k, with_temp in (
+        ("bfloat16", 1000, 512, 5, True),
+        ("float32", 300, None, 0, False),
+        ("float16", 999, 128, 0, True),
+    ):
         x, ids, temp = tied_case(rng, 23, vocab, dtype, max(top_k, 1))
         temp = temp if with_temp else None
         plans = invariance_batches(23, rng)
         for b, batches in plans.items():
             for i, rows in enumerate(batches):
                 name = f"{dtype}-v{vocab}-b{b}-{i}"
-                cases.append(dict(name=name, x=x[rows], ids=ids[rows], temp=None if temp is None else temp[rows],
-                                  dtype=dtype, block=block, top_k=top_k))
+                cases.append(
+                    dict(
+                        name=name,
+                        x=x[rows],
+                        ids=ids[rows],
+                        temp=None if temp is None else temp[rows],
+                        dtype=dtype,
+                        block=block,
+                        top_k=top_k,
+                    )
+                )
         index.append((dtype, vocab, plans, x, ids, temp, top_k))
     return cases, index
 
@@ -251,21 +289,48 @@ def _interpreter_topk_cases():
         x, ids = special_rows(vocab, block or 512, rng)
         cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", block=block, top_k=top_k))
         x, ids, temp = tied_case(rng, 3, 3000, "bfloat16", top_k)
-        cases.append(dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k,
-                          pad=3, shift=1))
-        if top_k == 20:     # the same rows with 4 chunks per program (block 256: 12 chunks of 1 block)
+        cases.append(
+            dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k, pad=3, shift=1)
+        )
+        if top_k == 20:  # the same rows with 4 chunks per program (block 256: 12 chunks of 1 block)
             for group in (1, 4):
-                cases.append(dict(name=f"tied-bf16-k20-b256-g{group}", x=x, ids=ids, dtype="bfloat16", top_k=20,
-                                  block=256, group=group))
+                cases.append(
+                    dict(
+                        name=f"tied-bf16-k20-b256-g{group}",
+                        x=x,
+                        ids=ids,
+                        dtype="bfloat16",
+                        top_k=20,
+                        block=256,
+                        group=group,
+                    )
+                )
             # ... and with each program's keys sorted even where they need no selection
-            cases.append(dict(name="tied-bf16-k20-b256-g4-sorted", x=x, ids=ids, dtype="bfloat16", top_k=20,
-                              block=256, group=4, constants={"LOGPROB_TOPK_SORTED": True}))
+            cases.append(
+                dict(
+                    name="tied-bf16-k20-b256-g4-sorted",
+                    x=x,
+                    ids=ids,
+                    dtype="bfloat16",
+                    top_k=20,
+                    block=256,
+                    group=4,
+                    constants={"LOGPROB_TOPK_SORTED": True},
+                )
+            )
     # The real block (vocab 9000: 5 chunks of one block, the last of 808 logits), aligned bfloat16
     # rows without a temperature (the fused path); row 8 runs the piecewise merge.
     x, ids = special_rows(9000, 2048, rng)
     cases.append(dict(name="special-v9000-k20", x=round_to(x, "bfloat16"), ids=ids, dtype="bfloat16", top_k=20))
-    cases.append(dict(name="vocab1-k1", x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
-                      ids=np.array([0, 0, 1]), dtype="float32", top_k=1))
+    cases.append(
+        dict(
+            name="vocab1-k1",
+            x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
+            ids=np.array([0, 0, 1]),
+            dtype="float32",
+            top_k=1,
+        )
+    )
     x, ids = make_case(rng, 3, 1000, "float32")
     cases.append(dict(name="top0-same-bits", x=x, ids=ids, dtype="float32", top_k=0))
     cases.append(dict(name="top20-same-bits", x=x, ids=ids, dtype="float32", top_k=20))
@@ -279,8 +344,9 @@ def interpreted_topk(tmp_path_factory):
     return run_cases_by_name(_interpreter_topk_cases(), str(tmp_path_factory.mktemp("topk")))
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"]
-                                  and "-g" not in c["name"]])
+@pytest.mark.parametrize(
+    "name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"] and "-g" not in c["name"]]
+)
 def test_kernels_in_interpreter_topk_special_rows(interpreted_topk, name):
     case, out = interpreted_topk[name]
     y = processed(case["x"], case.get("temp"))
@@ -319,30 +385,56 @@ def test_kernels_in_interpreter_topk_program_key_order_changes_no_bit(interprete
 
 # -- errors ------------------------------------------------------------------------------------------
 
+
 def _bad_calls():
     x = np.ones((3, 10), np.float32) * 0.5
     tlp, tid = np.empty((3, 4), np.float32), np.empty((3, 4), np.int64)
     return {
         "top-k-above-64": (dict(top_k=65), ValueError, r"^top_k must be between 0 and 10 .*\(got 65\)"),
-        "top-k-above-vocab": (dict(top_k=11), ValueError, r"^top_k must be between 0 and 10 \(at most 64 and at most "
-                                                          r"the vocabulary, 10\) \(got 11\)"),
+        "top-k-above-vocab": (
+            dict(top_k=11),
+            ValueError,
+            r"^top_k must be between 0 and 10 \(at most 64 and at most "
+            r"the vocabulary, 10\) \(got 11\)",
+        ),
         "top-k-negative": (dict(top_k=-1), ValueError, r"^top_k must be between 0 and 10"),
         "top-k-bool": (dict(top_k=True), TypeError, r"^top_k must be an int \(got bool True\)"),
         "top-k-no-outputs": (dict(top_k=4), ValueError, r"^out_topk_logprobs must be given when top_k > 0"),
-        "top-k-shape": (dict(top_k=3, out_topk_logprobs=tlp, out_topk_ids=tid), ValueError,
-                        r"^out_topk_logprobs must have shape \[3, 3\] \(\[batch, top_k\]\) \(got shape \[3, 4\]\)"),
-        "top-k-ids-dtype": (dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=np.empty((3, 4), np.float32)),
-                            TypeError, r"^out_topk_ids must have dtype int32 or int64 \(got float32\)"),
-        "top-k-outputs-without-top-k": (dict(out_topk_logprobs=tlp), ValueError,
-                                        r"^out_topk_logprobs is given but top_k is 0"),
-        "top-k-aliases-logprobs": (dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=tlp.view(np.int32)), ValueError,
-                                   r"^out_topk_logprobs and out_topk_ids overlap in memory"),
-        "temperature-zero": (dict(temperature=np.array([1.0, 0.0, 1.0], np.float32)), ValueError,
-                             r"^temperature must be finite and > 0 in every row \(got 0\.0 in row 1"),
-        "temperature-nan": (dict(temperature=np.array([1.0, 1.0, np.nan], np.float32)), ValueError,
-                            r"^temperature must be finite and > 0 in every row \(got nan in row 2"),
-        "temperature-length": (dict(temperature=np.ones(2, np.float32)), ValueError,
-                               r"^temperature must have 3 rows \(got shape \[2\]\)"),
+        "top-k-shape": (
+            dict(top_k=3, out_topk_logprobs=tlp, out_topk_ids=tid),
+            ValueError,
+            r"^out_topk_logprobs must have shape \[3, 3\] \(\[batch, top_k\]\) \(got shape \[3, 4\]\)",
+        ),
+        "top-k-ids-dtype": (
+            dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=np.empty((3, 4), np.float32)),
+            TypeError,
+            r"^out_topk_ids must have dtype int32 or int64 \(got float32\)",
+        ),
+        "top-k-outputs-without-top-k": (
+            dict(out_topk_logprobs=tlp),
+            ValueError,
+            r"^out_topk_logprobs is given but top_k is 0",
+        ),
+        "top-k-aliases-logprobs": (
+            dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=tlp.view(np.int32)),
+            ValueError,
+            r"^out_topk_logprobs and out_topk_ids overlap in memory",
+        ),
+        "temperature-zero": (
+            dict(temperature=np.array([1.0, 0.0, 1.0], np.float32)),
+            ValueError,
+            r"^temperature must be finite and > 0 in every row \(got 0\.0 in row 1",
+        ),
+        "temperature-nan": (
+            dict(temperature=np.array([1.0, 1.0, np.nan], np.float32)),
+            ValueError,
+            r"^temperature must be finite and > 0 in every row \(got nan in row 2",
+        ),
+        "temperature-length": (
+            dict(temperature=np.ones(2, np.float32)),
+            ValueError,
+            r"^temperature must have 3 rows \(got shape \[2\]\)",
+        ),
         "temperature-f64": (dict(temperature=np.ones(3)), TypeError, r"^temperature must have dtype float32"),
     }, x
 
@@ -365,9 +457,11 @@ def test_errors_name_the_argument_and_change_nothing(case):
 
 # -- adapters on the CPU -------------------------------------------------------------------------
 
+
 def test_torch_adapter_cpu_named_results_and_out():
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank
     from trace_replay_torch.logprob import LogprobRank, LogprobRankTopK
+
     rng = np.random.default_rng(4)
     x, ids, temp = tied_case(rng, 6, 500, "float32", 5)
     logits, ids_t = torch.from_numpy(x), torch.from_numpy(ids)
@@ -394,7 +488,9 @@ def test_torch_adapter_cpu_named_results_and_out():
 def test_jax_adapter_cpu_topk_and_temperature(method):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
+
     from trace_replay_jax import token_logprob_rank as jax_logprob_rank
+
     rng = np.random.default_rng(6)
     x, ids, temp = tied_case(rng, 7, 700, "float32", 20)
     for t in (None, temp):
@@ -409,5 +505,6 @@ def test_jax_adapter_cpu_topk_and_temperature(method):
     with pytest.raises(ValueError, match=r"^top_k must be between 0 and 64"):
         jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, top_k=65)
     with pytest.raises(ValueError, match=r"^temperature must be finite and > 0 in every row"):
-        jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method,
-                         temperature=np.zeros(7, np.float32))
+        jax_logprob_rank(
+            jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, temperature=np.zeros(7, np.float32)
+        )

@@ -26,8 +26,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import (CASES, check_against_hf, check_same, hf_model, hf_reference, load,  # noqa: E402
-                         make_checkpoint, make_requests)
+from llama_cases import (  # noqa: E402
+    CASES,
+    check_against_hf,
+    check_same,
+    hf_model,
+    hf_reference,
+    load,
+    make_checkpoint,
+    make_requests,
+)
 from multi_device_workers import run_ranks  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
@@ -39,8 +47,17 @@ if not torch.distributed.is_available():
 
 JAX_CASES = Path(__file__).with_name("jax_mesh_loop_cases.py")
 # Sizes that do not split over 2 ranks: one key/value head, an odd MLP and a prime vocabulary.
-ODD = LlamaConfig(model_type="qwen2", vocab_size=509, hidden_size=48, intermediate_size=97, num_hidden_layers=2,
-                  num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=128, qkv_bias=True)
+ODD = LlamaConfig(
+    model_type="qwen2",
+    vocab_size=509,
+    hidden_size=48,
+    intermediate_size=97,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    qkv_bias=True,
+)
 
 
 def test_vocab_blocks_cover_the_vocabulary():
@@ -79,14 +96,20 @@ def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
 
     for name, config, weights, requests, options in jobs:
         ref = torch_loop.run_decode(config, weights, requests, **options)
-        check_same(per_rank[0][name], ref, f"{name}: 2 ranks vs 1 process", atol=1e-5, reference=models[name],
-                   requests=requests)
+        check_same(
+            per_rank[0][name],
+            ref,
+            f"{name}: 2 ranks vs 1 process",
+            atol=1e-5,
+            reference=models[name],
+            requests=requests,
+        )
         check_same(per_rank[1][name], per_rank[0][name], f"{name}: rank 1 vs rank 0", atol=0)
         if name == "qwen3-sampled":
             greedy = per_rank[0]["qwen3"]
             untraced = [i for i, r in enumerate(requests) if r.trace is None]
             assert any(per_rank[0][name][i].tokens.tolist() != greedy[i].tokens.tolist() for i in untraced)
-    qwen2 = next(job for job in jobs if job[0] == "qwen2")   # and against transformers itself
+    qwen2 = next(job for job in jobs if job[0] == "qwen2")  # and against transformers itself
     check_against_hf(models["qwen2"], qwen2[3], per_rank[0]["qwen2"], "qwen2 on 2 ranks")
 
 
@@ -96,8 +119,14 @@ def test_jax_loop_on_a_two_device_mesh(rng):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["TRACE_REPLAY_TEST_SEED"] = str(int(rng.integers(2**32)))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(JAX_CASES)],
-                          cwd=JAX_CASES.parent.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(JAX_CASES)],
+        cwd=JAX_CASES.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout + proc.stderr
     print(out[-4000:])
     assert proc.returncode == 0, f"2-device mesh cases failed (rc={proc.returncode}):\n{out[-12000:]}"

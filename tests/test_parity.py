@@ -11,7 +11,6 @@ the CPU; the GPU tier on the GPU.
 from __future__ import annotations
 
 import os
-from typing import List
 
 import numpy as np
 import pytest
@@ -24,10 +23,11 @@ except ImportError:  # tests/ collected as a package
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-import trace_replay_jax as trj  # noqa: E402
 from jax_helpers import jax_gpu, x64  # noqa: E402
 
-LOOP_STEPS = 6     # steps per lax.fori_loop call (shorter runs end early: a dynamic trip count)
+import trace_replay_jax as trj  # noqa: E402
+
+LOOP_STEPS = 6  # steps per lax.fori_loop call (shorter runs end early: a dynamic trip count)
 METHODS = ("jnp", "kernel")
 MODES = ("eager", "jit", "fori")
 
@@ -50,7 +50,7 @@ def _apply_ops(state, step: Step) -> None:
             state.apply_staged_writes()
 
 
-def _check(scenario: Scenario, name: str, got: List[np.ndarray], per_row: bool) -> None:
+def _check(scenario: Scenario, name: str, got: list[np.ndarray], per_row: bool) -> None:
     want = reference_tokens(scenario, per_row)
     assert len(got) == len(want)
     for t, (g, w) in enumerate(zip(got, want)):
@@ -61,25 +61,29 @@ def _check(scenario: Scenario, name: str, got: List[np.ndarray], per_row: bool) 
             raise AssertionError(
                 f"{name} (per_row={per_row}) differs from the reference at step {t}, rows {bad.tolist()}: "
                 f"got {g[bad].tolist()}, want {w[bad].tolist()}; idx_mapping {step.idx_mapping[bad].tolist()}; "
-                f"{scenario.describe()}")
+                f"{scenario.describe()}"
+            )
 
 
 # -- drivers --------------------------------------------------------------------------------------
-def run_jax(scenario: Scenario, mode: str, per_row: bool, device, token_dtype,
-            placement: str = "device", method: str = "jnp") -> List[np.ndarray]:
+def run_jax(
+    scenario: Scenario, mode: str, per_row: bool, device, token_dtype, placement: str = "device", method: str = "jnp"
+) -> list[np.ndarray]:
     """``mode``: "eager" (state.replay), "jit" (one jitted call per step) or "fori" (runs of
     steps without state operations inside one ``lax.fori_loop`` call); ``method``: the replay
     method ("jnp" or "kernel")."""
     put = lambda x, dt=None: jax.device_put(np.asarray(x, dtype=dt), device)  # noqa: E731
-    out: List[np.ndarray] = []
-    with trj.TraceReplayState(scenario.max_slots, scenario.max_trace_len, device=device,
-                              vocab_size=scenario.vocab_size, placement=placement) as state:
+    out: list[np.ndarray] = []
+    with trj.TraceReplayState(
+        scenario.max_slots, scenario.max_trace_len, device=device, vocab_size=scenario.vocab_size, placement=placement
+    ) as state:
         if mode == "jit":
             if per_row:
                 fn = jax.jit(lambda t, s, i, st: trj.replay_at_step(t, s, i, st, method=method))
             else:
                 fn = jax.jit(lambda t, s, i, tl, pl: trj.replay(t, s, i, tl, pl, method=method))
         if mode == "fori":
+
             def loop(tables, s, i, a, b, n):
                 def body(k, acc):
                     if per_row:
@@ -87,7 +91,9 @@ def run_jax(scenario: Scenario, mode: str, per_row: bool, device, token_dtype,
                     else:
                         r = trj.replay(tables, s[k], i[k], a[k], b[k], method=method)
                     return acc.at[k].set(r)
+
                 return jax.lax.fori_loop(0, n, body, jnp.zeros_like(s))
+
             fn = jax.jit(loop)
             t = 0
             steps = scenario.steps
@@ -98,18 +104,26 @@ def run_jax(scenario: Scenario, mode: str, per_row: bool, device, token_dtype,
                     run.append(steps[t + len(run)])
                 pad = run + [run[-1]] * (LOOP_STEPS - len(run))
                 stack = lambda f, dt=None: put(np.stack([f(s) for s in pad]), dt)  # noqa: E731
-                res = fn(state.tables, stack(lambda s: s.sampled, token_dtype), stack(lambda s: s.idx_mapping),
-                         stack(lambda s: s.step if per_row else s.total_len),
-                         stack(lambda s: s.prompt_len), np.int32(len(run)))
-                out.extend(np.asarray(res)[:len(run)])
+                res = fn(
+                    state.tables,
+                    stack(lambda s: s.sampled, token_dtype),
+                    stack(lambda s: s.idx_mapping),
+                    stack(lambda s: s.step if per_row else s.total_len),
+                    stack(lambda s: s.prompt_len),
+                    np.int32(len(run)),
+                )
+                out.extend(np.asarray(res)[: len(run)])
                 t += len(run)
             return out
         for step in scenario.steps:
             _apply_ops(state, step)
             s, i = put(step.sampled, token_dtype), put(step.idx_mapping)
             if mode == "eager":
-                r = (state.replay_at_step(s, i, put(step.step), method=method) if per_row
-                     else state.replay(s, i, put(step.total_len), put(step.prompt_len), method=method))
+                r = (
+                    state.replay_at_step(s, i, put(step.step), method=method)
+                    if per_row
+                    else state.replay(s, i, put(step.total_len), put(step.prompt_len), method=method)
+                )
             elif per_row:
                 r = fn(state.tables, s, i, put(step.step))
             else:
@@ -119,13 +133,14 @@ def run_jax(scenario: Scenario, mode: str, per_row: bool, device, token_dtype,
     return out
 
 
-def run_torch(scenario: Scenario, per_row: bool, device: str) -> List[np.ndarray]:
+def run_torch(scenario: Scenario, per_row: bool, device: str) -> list[np.ndarray]:
     torch = pytest.importorskip("torch")
     from trace_replay_torch import TraceReplayState
 
     out = []
-    with TraceReplayState(scenario.max_slots, scenario.max_trace_len, device=device,
-                          vocab_size=scenario.vocab_size) as state:
+    with TraceReplayState(
+        scenario.max_slots, scenario.max_trace_len, device=device, vocab_size=scenario.vocab_size
+    ) as state:
         for step in scenario.steps:
             _apply_ops(state, step)
             s = torch.tensor(step.sampled, dtype=torch.int64, device=device)
@@ -133,8 +148,9 @@ def run_torch(scenario: Scenario, per_row: bool, device: str) -> List[np.ndarray
             if per_row:
                 state.replay_at_step(s, i, torch.tensor(step.step, device=device))
             else:
-                state.replay(s, i, torch.tensor(step.total_len, device=device),
-                             torch.tensor(step.prompt_len, device=device))
+                state.replay(
+                    s, i, torch.tensor(step.total_len, device=device), torch.tensor(step.prompt_len, device=device)
+                )
             out.append(s.cpu().numpy())
     return out
 
@@ -187,8 +203,7 @@ def test_parity_gpu(per_row, rng):
         _check(sc, "torch cuda", run_torch(sc, per_row, f"cuda:{gpu.local_hardware_id}"), per_row)
     for method in METHODS:
         for mode in MODES:
-            _check(sc, f"jax gpu {mode} {method}", run_jax(sc, mode, per_row, gpu, np.int32, method=method),
-                   per_row)
+            _check(sc, f"jax gpu {mode} {method}", run_jax(sc, mode, per_row, gpu, np.int32, method=method), per_row)
 
 
 @pytest.mark.gpu
@@ -219,11 +234,16 @@ def parity_main(device_kind: str) -> None:
     for per_row in (False, True):
         for method in METHODS:
             for mode in MODES:
-                _check(sc, f"jax {device_kind} {mode} {method}",
-                       run_jax(sc, mode, per_row, device, np.int32, method=method), per_row)
+                _check(
+                    sc,
+                    f"jax {device_kind} {mode} {method}",
+                    run_jax(sc, mode, per_row, device, np.int32, method=method),
+                    per_row,
+                )
     print("parity ok", sc.describe())
 
 
 if __name__ == "__main__":
     import sys
+
     parity_main(sys.argv[1] if len(sys.argv) > 1 else "cpu")

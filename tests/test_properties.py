@@ -13,8 +13,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from trace_replay_core import TraceTable
 
 MAX_SLOTS, MAX_LEN, VOCAB = 6, 9, 1000
-SETTINGS = settings(max_examples=1000, stateful_step_count=12, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=1000,
+    stateful_step_count=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_LEN)
 slot_st = st.integers(0, MAX_SLOTS - 1)
@@ -91,8 +95,10 @@ class CpuBackendMachine(RuleBasedStateMachine):
     @rule(rows=rows_st, data=st.data(), per_row=st.booleans(), wide=st.booleans())
     def replay(self, rows, data, per_row, wide):
         steps = data.draw(st.lists(st.integers(-2, MAX_LEN + 1), min_size=len(rows), max_size=len(rows)))
-        sampled = np.array(data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(rows), max_size=len(rows))),
-                           dtype=np.int64 if wide else np.int32)
+        sampled = np.array(
+            data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(rows), max_size=len(rows))),
+            dtype=np.int64 if wide else np.int32,
+        )
         idx = np.array(rows, dtype=np.int64 if wide else np.int32)
         expected = self.model.replay(sampled.tolist(), rows, steps)
         if per_row:
@@ -120,6 +126,7 @@ class InterpretedKernelsMachine(CpuBackendMachine):
     @initialize()
     def setup(self):
         from kernel_double import InterpretedTable
+
         self.model = Model()
         self.table = InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)
 

@@ -31,8 +31,8 @@ def test_bounds_are_exact_without_a_near_tie_and_open_inside_one(rng):
     logits = _spaced(rng, 3, 257)
     tokens = np.array([5, 17, 200])
     own = logits[np.arange(3), tokens]
-    logits[1, 99] = own[1] + RANK_EPS / 3          # a near-tie just above token 17
-    logits[2, 98] = own[2] - RANK_EPS / 3          # and one just below token 200
+    logits[1, 99] = own[1] + RANK_EPS / 3  # a near-tie just above token 17
+    logits[2, 98] = own[2] - RANK_EPS / 3  # and one just below token 200
     exact = (logits >= own[:, None]).sum(axis=1)
     lo, hi = rank_bounds(logits, tokens)
     assert lo[0] == hi[0] == exact[0]
@@ -42,7 +42,7 @@ def test_bounds_are_exact_without_a_near_tie_and_open_inside_one(rng):
 
 def test_check_ranks_refuses_an_off_by_one_and_a_wrong_argmax(rng):
     logits = _spaced(rng, 2, 101)
-    tokens = np.argsort(logits, axis=1)[:, 50]        # mid-vocabulary: neither the top nor the runner-up
+    tokens = np.argsort(logits, axis=1)[:, 50]  # mid-vocabulary: neither the top nor the runner-up
     ranks = (logits >= logits[np.arange(2), tokens][:, None]).sum(axis=1)
     top = logits.argmax(axis=1)
     check_ranks(_result(ranks, top, tokens), logits, "exact")
@@ -51,7 +51,7 @@ def test_check_ranks_refuses_an_off_by_one_and_a_wrong_argmax(rng):
     second = np.argsort(logits, axis=1)[:, -2]
     with pytest.raises(AssertionError, match="argmax"):
         check_ranks(_result(ranks, second, tokens), logits, "runner-up")
-    logits[0, second[0]] = logits[0, top[0]] - RANK_EPS / 2      # a near-tie at the top: either argmax passes
+    logits[0, second[0]] = logits[0, top[0]] - RANK_EPS / 2  # a near-tie at the top: either argmax passes
     check_ranks(_result(ranks, [second[0], top[1]], tokens), logits, "tied top")
 
 
@@ -69,24 +69,25 @@ class _TableModel:
     def generate(self, ids, *, max_new_tokens, **_):
         """Greedy: at position p the argmax of ``table[p]`` (ties: the lowest id)."""
         start = ids.shape[1]
-        new = self.table[start - 1: start - 1 + max_new_tokens].argmax(dim=1)
+        new = self.table[start - 1 : start - 1 + max_new_tokens].argmax(dim=1)
         return torch.cat([ids[0], new])[None]
 
 
 def _run(tokens, logits, prompt_len, traced):
     tokens = np.asarray(tokens)
-    at = logits[prompt_len - 1: prompt_len - 1 + tokens.size]
+    at = logits[prompt_len - 1 : prompt_len - 1 + tokens.size]
     own = at[np.arange(tokens.size), tokens]
     lp = (own - np.log(np.exp(at).sum(axis=1))).astype(np.float32)
-    return RequestResult("r", tokens, np.full(tokens.size, traced), lp, (at >= own[:, None]).sum(axis=1),
-                         at.argmax(axis=1))
+    return RequestResult(
+        "r", tokens, np.full(tokens.size, traced), lp, (at >= own[:, None]).sum(axis=1), at.argmax(axis=1)
+    )
 
 
 def test_check_same_lets_free_runs_part_only_at_a_near_tie_at_the_top(rng):
     table = _spaced(rng, 8, 40)
     prompt = (1, 2)
     table[2, 7] = table[2].max() + 1.0
-    table[2, 9] = table[2, 7] - RANK_EPS / 4            # position 1 of the decode: 7 and 9 nearly tie at the top
+    table[2, 9] = table[2, 7] - RANK_EPS / 4  # position 1 of the decode: 7 and 9 nearly tie at the top
     model = _TableModel(table)
     free = TraceRequest("r", prompt=prompt, max_new_tokens=4)
     a = _run([3, 7, 5, 6], table.astype(np.float64), len(prompt), False)
@@ -110,7 +111,7 @@ def test_check_against_hf_lets_greedy_part_from_generate_only_at_a_near_tie(rng)
     table = _spaced(rng, 8, 40)
     prompt = (1, 2)
     table[3, 9] = table[3].max() + 1.0
-    table[3, 7] = table[3, 9] - RANK_EPS / 4           # decode position 2: 9 (generate's) and 7 nearly tie
+    table[3, 7] = table[3, 9] - RANK_EPS / 4  # decode position 2: 9 (generate's) and 7 nearly tie
     model = _TableModel(table)
     free = TraceRequest("r", prompt=prompt, max_new_tokens=4)
     want = model.generate(torch.tensor([prompt]), max_new_tokens=4)[0, 2:].tolist()
@@ -118,7 +119,11 @@ def test_check_against_hf_lets_greedy_part_from_generate_only_at_a_near_tie(rng)
     check_against_hf(model, [free], [exact], "equal to generate")
     parted = _run(want[:2] + [7, 0], table.astype(np.float64), len(prompt), False)
     check_against_hf(model, [free], [parted], "parted at the tie")
-    other = int(np.argsort(table[3])[0])                # the lowest logit: no tie with generate's token
+    other = int(np.argsort(table[3])[0])  # the lowest logit: no tie with generate's token
     with pytest.raises(AssertionError, match="without a near-tie"):
-        check_against_hf(model, [free], [_run(want[:2] + [other, 0], table.astype(np.float64), len(prompt), False)],
-                         "parted without a tie")
+        check_against_hf(
+            model,
+            [free],
+            [_run(want[:2] + [other, 0], table.astype(np.float64), len(prompt), False)],
+            "parted without a tie",
+        )

@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
+from helpers import POISON, assert_tokens_equal, random_scenario
 
 from trace_replay_core import TraceTable, replay_reference
-
-from helpers import POISON, assert_tokens_equal, random_scenario
 
 BATCHES = [1, 5, 100, 1024]
 INT_DTYPES = [np.int32, np.int64]
@@ -25,13 +24,20 @@ def _table_from(sc, max_slots, max_trace_len, **kw):
 @pytest.mark.parametrize("mode", ["lengths", "step"])
 def test_replay_matches_reference(rng, batch, sampled_dtype, index_dtype, mode):
     max_slots, max_trace_len = 37, 29
-    sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_trace_len, batch=batch,
-                         sampled_dtype=sampled_dtype, index_dtype=index_dtype)
+    sc = random_scenario(
+        rng,
+        max_slots=max_slots,
+        max_trace_len=max_trace_len,
+        batch=batch,
+        sampled_dtype=sampled_dtype,
+        index_dtype=index_dtype,
+    )
     with _table_from(sc, max_slots, max_trace_len) as t:
         sampled = sc["sampled"].copy()
         if mode == "lengths":
-            expected = replay_reference(sampled, sc["idx"], sc["table"], sc["trace_len"],
-                                        sc["total_len"], sc["prompt_len"])
+            expected = replay_reference(
+                sampled, sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+            )
             t.replay(sampled, sc["idx"], sc["total_len"], sc["prompt_len"], stream=0)
         else:
             expected = replay_reference(sampled, sc["idx"], sc["table"], sc["trace_len"], step=sc["step"])
@@ -48,8 +54,9 @@ def test_sampled_2d_single_column(rng):
     with _table_from(sc, 8, 6) as t:
         sampled = sc["sampled"].reshape(-1, 1).copy()
         t.replay(sampled, sc["idx"], sc["total_len"], sc["prompt_len"], stream=0)
-    expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
-                                sc["prompt_len"])
+    expected = replay_reference(
+        sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+    )
     assert_tokens_equal(sampled.reshape(-1), expected)
 
 
@@ -80,8 +87,9 @@ def test_clear_and_reuse_slots(rng):
         step = rng.integers(-1, max_trace_len + 1, batch).astype(np.int64)
         sampled = np.full(batch, POISON, np.int64)
         t.replay_at_step(sampled, idx, step, stream=0)
-        assert_tokens_equal(sampled, replay_reference(np.full(batch, POISON), idx, table, lens, step=step),
-                            f"round {rnd}")
+        assert_tokens_equal(
+            sampled, replay_reference(np.full(batch, POISON), idx, table, lens, step=step), f"round {rnd}"
+        )
     t.close()
 
 

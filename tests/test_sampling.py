@@ -15,11 +15,21 @@ import pytest
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from test_gpt2_loops import (CONFIG, LOGPROB_ATOL, LOOPS, log_softmax, make_requests,  # noqa: E402
-                             reference_rows, small_jax_chunks, torch_one_thread, weights_for)
+from test_gpt2_loops import (  # noqa: E402
+    CONFIG,
+    LOGPROB_ATOL,
+    LOOPS,
+    log_softmax,
+    make_requests,
+    reference_rows,
+    small_jax_chunks,
+    torch_one_thread,
+    weights_for,
+)
+
 from trace_replay_app.records import TraceRequest  # noqa: E402
 
-__all__ = ["small_jax_chunks", "torch_one_thread"]   # the autouse fixtures, applied here too
+__all__ = ["small_jax_chunks", "torch_one_thread"]  # the autouse fixtures, applied here too
 
 # bfloat16 keeps 8 significant bits: logprobs of the seeded model move by ~1e-2 (measured up to
 # 0.03 on this CPU); a modelling error moves them by 0.1 or more (see test_gpt2_loops).
@@ -27,13 +37,22 @@ BF16_ATOL = 0.08
 
 
 def _free(rng, n: int, new: int = 12):
-    return [TraceRequest(f"f{i}", tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, int(rng.integers(1, 9)))),
-                         max_new_tokens=new) for i in range(n)]
+    return [
+        TraceRequest(
+            f"f{i}",
+            tuple(int(t) for t in rng.integers(0, CONFIG.vocab_size, int(rng.integers(1, 9)))),
+            max_new_tokens=new,
+        )
+        for i in range(n)
+    ]
 
 
 def _same(a, b) -> bool:
-    return all(np.array_equal(getattr(x, k), getattr(y, k)) for x, y in zip(a, b, strict=True)
-               for k in ("tokens", "forced", "logprobs", "ranks", "argmax"))
+    return all(
+        np.array_equal(getattr(x, k), getattr(y, k))
+        for x, y in zip(a, b, strict=True)
+        for k in ("tokens", "forced", "logprobs", "ranks", "argmax")
+    )
 
 
 @pytest.mark.parametrize("framework", sorted(LOOPS))
@@ -93,7 +112,7 @@ def test_bfloat16_compute(framework, rng):
         ref_lp = log_softmax(reference_rows(weights, q, r.tokens))[np.arange(len(r.tokens)), r.tokens]
         diffs.append(np.abs(r.logprobs - ref_lp))
     worst = np.concatenate(diffs).max()
-    assert 0 < worst <= BF16_ATOL, worst           # not float32 (which is within 5e-5), but near it
+    assert 0 < worst <= BF16_ATOL, worst  # not float32 (which is within 5e-5), but near it
 
 
 def test_bfloat16_torch_and_jax_agree_on_traced_tokens(rng):
@@ -107,8 +126,10 @@ def test_bfloat16_torch_and_jax_agree_on_traced_tokens(rng):
 
 BAD = {
     "dtype": ({"dtype": "float16"}, r"^dtype must be one of float32, bfloat16 \(got 'float16'\)$"),
-    "temperature-negative": ({"temperature": -0.5},
-                             r"^temperature must be a finite number >= 0 \(0 = greedy\) \(got -0\.5\)$"),
+    "temperature-negative": (
+        {"temperature": -0.5},
+        r"^temperature must be a finite number >= 0 \(0 = greedy\) \(got -0\.5\)$",
+    ),
     "temperature-inf": ({"temperature": float("inf")}, r"^temperature must be a finite number >= 0"),
     "temperature-str": ({"temperature": "1"}, r"^temperature must be a finite number >= 0 .*\(got '1'\)$"),
     "seed-negative": ({"seed": -1}, r"^seed must be an int in \[0, 2\*\*63\) \(got -1\)$"),

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from staging_doubles import assert_unchanged, everything, expect_rows, fake_cuda, make_table  # noqa: F401
 
 from trace_replay_core import TraceTable
-
 
 BLOCK_DTYPES = ["int32", "int64", "uint16", ">i4", "uint64"]
 
@@ -34,16 +32,16 @@ def test_block_staged_as_one_stage_each(rng, make_table, dtype, length):
     max_slots, max_len = 40, 97
     t = make_table(max_slots, max_len, staging_bytes=64)
     first = rng.integers(1, 1000, 5)
-    t.stage(0, first)                                               # staged before, in the same commit
+    t.stage(0, first)  # staged before, in the same commit
     ops = [("one", 0, first)]
     n = int(rng.integers(2, 30))
     slots = rng.choice(max_slots, n, replace=False)
-    slots[-1] = slots[0]                                            # a slot given twice: the last wins
+    slots[-1] = slots[0]  # a slot given twice: the last wins
     top = min(np.iinfo(np.dtype(dtype)).max, 2**31 - 1)
     block = rng.integers(1, top, (n, length), endpoint=True).astype(dtype)
     t.stage_many(slots, block)
     ops.append(("many", slots, block))
-    t.stage(int(slots[1]), [7, 8])                                  # restaged after: replaces
+    t.stage(int(slots[1]), [7, 8])  # restaged after: replaces
     ops.append(("one", int(slots[1]), [7, 8]))
     assert t.pending == len(_reference(ops))
     t.commit(stream=0)
@@ -54,7 +52,7 @@ def test_block_staged_as_one_stage_each(rng, make_table, dtype, length):
 def test_strided_and_foreign_blocks(rng, make_table):
     t = make_table(16, 64, vocab_size=50_000)
     wide = rng.integers(1, 50_000, (4, 128))
-    t.stage_many([0, 1, 2, 3], wide[:, ::2])                        # a strided view
+    t.stage_many([0, 1, 2, 3], wide[:, ::2])  # a strided view
     t.stage_many(np.array([4, 5], np.int16), np.asfortranarray(wide[:2, :9]))
     expected = {s: wide[s, ::2] for s in range(4)} | {4: wide[0, :9], 5: wide[1, :9]}
     torch = pytest.importorskip("torch")
@@ -72,13 +70,20 @@ def test_ragged_list_staged_as_one_stage_each(rng, make_table):
     model = {}
     for _ in range(4):
         n = int(rng.integers(1, 25))
-        slots = rng.integers(0, max_slots, n).tolist()              # repeats allowed: the last wins
+        slots = rng.integers(0, max_slots, n).tolist()  # repeats allowed: the last wins
         traces = []
         for i in range(n):
             tr = rng.integers(1, 30_000, int(rng.integers(1, max_len + 1)))
             kind = i % 4
-            traces.append(tr.tolist() if kind == 0 else tr.astype(np.int32) if kind == 1
-                          else torch.from_numpy(tr) if kind == 2 else tr.astype(np.uint16)[::-1])
+            traces.append(
+                tr.tolist()
+                if kind == 0
+                else tr.astype(np.int32)
+                if kind == 1
+                else torch.from_numpy(tr)
+                if kind == 2
+                else tr.astype(np.uint16)[::-1]
+            )
             model[slots[i]] = tr if kind != 3 else tr.astype(np.uint16)[::-1]
         t.stage_many(slots, tuple(traces) if n % 2 else traces)
         t.commit(stream=0)
@@ -106,25 +111,55 @@ def _refusals(rng, vocab, max_len):
         ("slot-negative", [1, 2, -1], good, ValueError, r"^slots\[2\] must be in \[0, 8\) \(got -1\)$"),
         ("slot-float", [1, 2.0, 3], good, TypeError, r"^slots\[1\] must be an int \(got float 2\.0\)$"),
         ("slot-bool", [True, 2, 3], good, TypeError, r"^slots\[0\] must be an int \(got bool True\)$"),
-        ("slots-2d", np.zeros((3, 1), np.int64), good, TypeError,
-         r"^slots must be a 1-D sequence of ints \(got a 2-D array of int64\)$"),
+        (
+            "slots-2d",
+            np.zeros((3, 1), np.int64),
+            good,
+            TypeError,
+            r"^slots must be a 1-D sequence of ints \(got a 2-D array of int64\)$",
+        ),
         ("slots-scalar", 3, good, TypeError, r"^slots must be a sequence of ints or a 1-D integer array \(got int\)$"),
-        ("slots-float-array", np.array([1.0, 2.0, 3.0]), good, TypeError,
-         r"^slots must be a 1-D sequence of ints \(got a 1-D array of float64\)$"),
+        (
+            "slots-float-array",
+            np.array([1.0, 2.0, 3.0]),
+            good,
+            TypeError,
+            r"^slots must be a 1-D sequence of ints \(got a 1-D array of float64\)$",
+        ),
         ("rows-mismatch", [1, 2], good, ValueError, r"^traces has 3 traces but slots has 2 entries$"),
         ("list-mismatch", [1, 2], [[1], [2], [3]], ValueError, r"^traces has 3 traces but slots has 2 entries$"),
-        ("1-d", [1, 2, 3], good[0], ValueError,
-         r"^traces must be a 2-D array \[traces, tokens\] or a list of 1-D traces \(got an array of shape \[10\]\)$"),
+        (
+            "1-d",
+            [1, 2, 3],
+            good[0],
+            ValueError,
+            r"^traces must be a 2-D array \[traces, tokens\] or a list of 1-D traces \(got an array of shape \[10\]\)$",
+        ),
         ("3-d", [1, 2, 3], good[:, :, None], ValueError, r"^traces must be a 2-D array"),
         ("no-tokens", [1, 2, 3], good[:, :0], ValueError, r"^traces must not be empty"),
-        ("too-long", [1, 2, 3], rng.integers(1, vocab, (3, max_len + 1)), ValueError,
-         rf"^traces has {max_len + 1} tokens per trace; the table holds at most max_trace_len={max_len}$"),
+        (
+            "too-long",
+            [1, 2, 3],
+            rng.integers(1, vocab, (3, max_len + 1)),
+            ValueError,
+            rf"^traces has {max_len + 1} tokens per trace; the table holds at most max_trace_len={max_len}$",
+        ),
         ("float", [1, 2, 3], good.astype(float), TypeError, r"^traces must have an integer dtype \(got float64\)$"),
-        ("at-vocab", [1, 2, 3], bad_value, ValueError,
-         rf"^traces\[2\] must be below vocab_size={vocab} \(got {vocab} at index 7\)$"),
+        (
+            "at-vocab",
+            [1, 2, 3],
+            bad_value,
+            ValueError,
+            rf"^traces\[2\] must be below vocab_size={vocab} \(got {vocab} at index 7\)$",
+        ),
         ("negative", [1, 2, 3], negative, ValueError, r"^traces\[1\] must be non-negative \(got -5 at index 4\)$"),
-        ("list-item-bad", [1, 2, 3], [[1, 2], [3, vocab + 1], [4]], ValueError,
-         rf"^traces\[1\] must be below vocab_size={vocab} \(got {vocab + 1} at index 1\)$"),
+        (
+            "list-item-bad",
+            [1, 2, 3],
+            [[1, 2], [3, vocab + 1], [4]],
+            ValueError,
+            rf"^traces\[1\] must be below vocab_size={vocab} \(got {vocab + 1} at index 1\)$",
+        ),
         ("list-item-empty", [1, 2, 3], [[1, 2], [3], []], ValueError, r"^traces\[2\] must not be empty"),
         ("list-item-2d", [1, 2, 3], [[1, 2], [[3]], [4]], ValueError, r"^traces\[1\] must be 1-D"),
         ("dict", [1, 2, 3], {1: [1]}, TypeError, r"^traces must be a 2-D integer array \[traces, tokens\] or a list"),
@@ -153,10 +188,15 @@ def test_distinct_refuses_a_repeated_slot_and_changes_nothing(rng, make_table):
     t.stage_many([2, 6], rng.integers(1, vocab, (2, 5)))
     state0 = everything(t)
     for slots, traces, pattern in (
-            ([0, 3, 1, 3], [[1], [2], [3], [4]], r"^slots gives slot 3 twice \(positions 1 and 3\): each request "
-                                                 r"takes its own slot$"),
-            (np.array([1, 0, 0, 1]), rng.integers(1, vocab, (4, 3)), r"^slots gives slot 0 twice \(positions 1 and 2\)"),
-            ([4, 4], [[1], [vocab]], r"^slots gives slot 4 twice")):         # the slots are judged before the traces
+        (
+            [0, 3, 1, 3],
+            [[1], [2], [3], [4]],
+            r"^slots gives slot 3 twice \(positions 1 and 3\): each request "
+            r"takes its own slot$",
+        ),
+        (np.array([1, 0, 0, 1]), rng.integers(1, vocab, (4, 3)), r"^slots gives slot 0 twice \(positions 1 and 2\)"),
+        ([4, 4], [[1], [vocab]], r"^slots gives slot 4 twice"),
+    ):  # the slots are judged before the traces
         with pytest.raises(ValueError, match=pattern):
             t.stage_many(slots, traces, distinct=True)
         assert_unchanged(t, state0, f"distinct {slots}")
@@ -177,7 +217,7 @@ def test_gpu_backend_block_grows_staging_once(rng, fake_cuda):
     block = rng.integers(1, 2**31, (n, length))
     t.stage_many(slots, block)
     offsets = sorted(entry[2] for entry in t._backend.ring.staged.entries.values())
-    assert offsets == [i * 96 for i in range(n)]                    # 93 tokens padded to 96
+    assert offsets == [i * 96 for i in range(n)]  # 93 tokens padded to 96
     t.commit(stream=0)
     expect_rows(t, dict(zip(slots.tolist(), block)))
     launched, chunks, _ = fake_cuda.scatter.launches[-1]
@@ -219,18 +259,22 @@ def test_blocks_larger_than_a_check_piece(rng, make_table, length):
     """Blocks staged piece by piece (``_staging.CHECK_CHUNK_BYTES``): every piece lands, and a bad
     id in a later piece is refused naming its trace, with nothing staged."""
     from trace_replay_core._staging import CHECK_CHUNK_BYTES
-    rows = 3 * CHECK_CHUNK_BYTES // (4 * length) + 2          # at least three pieces (or one row each)
+
+    rows = 3 * CHECK_CHUNK_BYTES // (4 * length) + 2  # at least three pieces (or one row each)
     t = make_table(rows + 2, length, vocab_size=150_000)
     slots = rng.permutation(rows + 2)[:rows]
     block = rng.integers(1, 150_000, (rows, length)).astype(np.int32)
     bad = block.copy()
     bad[rows - 1, length // 3] = 150_000
-    with pytest.raises(ValueError, match=rf"^traces\[{rows - 1}\] must be below vocab_size=150000 "
-                                         rf"\(got 150000 at index {length // 3}\)$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^traces\[{rows - 1}\] must be below vocab_size=150000 "
+        rf"\(got 150000 at index {length // 3}\)$",
+    ):
         t.stage_many(slots, bad)
     assert t.pending == 0
     bad[rows - 1, length // 3] = 5
-    bad[1, 0] = -2                                            # an earlier piece: found first
+    bad[1, 0] = -2  # an earlier piece: found first
     with pytest.raises(ValueError, match=r"^traces\[1\] must be non-negative \(got -2 at index 0\)$"):
         t.stage_many(slots, bad)
     t.stage_many(slots, block)

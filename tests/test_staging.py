@@ -15,10 +15,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from helpers import run_threads
-from staging_doubles import (assert_unchanged, committed, everything, expect_rows,  # noqa: F401 (fixtures)
-                             fake_cuda, make_table)
+from staging_doubles import assert_unchanged, committed, everything, expect_rows, fake_cuda, make_table  # noqa: F401 (fixtures)
 
 from trace_replay_core import TraceTable
 from trace_replay_core._staging import copy_trace
@@ -35,7 +33,7 @@ def _random_ids(rng, dtype, n):
     """Random ids in [1, top] for ``dtype``, top as high as an int32 table allows; never zero."""
     top = min(np.iinfo(np.dtype(dtype)).max, INT32_MAX)
     ids = rng.integers(1, top, n, endpoint=True)
-    ids[rng.integers(0, n)] = top            # the largest id the dtype and the table both hold
+    ids[rng.integers(0, n)] = top  # the largest id the dtype and the table both hold
     return ids.astype(dtype)
 
 
@@ -48,7 +46,7 @@ def test_numpy_dtypes_staged_exactly(rng, make_table, dtype):
         n = int(rng.integers(1, max_len + 1))
         tr = _random_ids(rng, dtype, n)
         if slot % 3 == 1:
-            tr = np.repeat(tr, 2)[::2]        # a strided view
+            tr = np.repeat(tr, 2)[::2]  # a strided view
         elif slot % 3 == 2:
             tr.flags.writeable = False
         t.stage(slot, tr)
@@ -64,7 +62,7 @@ def test_int64_near_the_int32_limit_staged_exactly(rng, make_table):
     traces[2][-1] = INT32_MAX
     for slot, tr in traces.items():
         t.stage(slot, tr)
-    t.stage(3, [INT32_MAX, 1, INT32_MAX - 1])            # a list of Python ints: int64 as well
+    t.stage(3, [INT32_MAX, 1, INT32_MAX - 1])  # a list of Python ints: int64 as well
     traces[3] = [INT32_MAX, 1, INT32_MAX - 1]
     t.commit(stream=0)
     expect_rows(t, traces)
@@ -90,7 +88,7 @@ def test_torch_cpu_tensors_staged_exactly(rng, make_table, dtype):
     traces = {s: _random_ids(rng, dtype, int(rng.integers(1, 41))) for s in range(3)}
     for slot, tr in traces.items():
         tensor = torch.from_numpy(tr.copy())
-        t.stage(slot, tensor if slot != 2 else tensor.repeat_interleave(2)[::2])   # a strided view
+        t.stage(slot, tensor if slot != 2 else tensor.repeat_interleave(2)[::2])  # a strided view
     t.commit(stream=0)
     expect_rows(t, traces)
     t.close()
@@ -122,28 +120,68 @@ def _refusals(rng, max_len, vocab):
     return [
         ("negative-int32", ids(np.int32, -3), ValueError, rf"^tokens must be non-negative \(got -3 at index {at}\)$"),
         ("negative-int8", ids(np.int8, -1), ValueError, rf"^tokens must be non-negative \(got -1 at index {at}\)$"),
-        ("negative-int64", ids(np.int64, -(2**40)), ValueError,
-         rf"^tokens must be non-negative \(got -{2**40} at index {at}\)$"),
-        ("at-vocab", ids(np.int32, vocab), ValueError,
-         rf"^tokens must be below vocab_size={vocab} \(got {vocab} at index {at}\)$"),
-        ("above-vocab-uint16", ids(np.uint16, vocab + 1), ValueError,
-         rf"^tokens must be below vocab_size={vocab} \(got {vocab + 1} at index {at}\)$"),
+        (
+            "negative-int64",
+            ids(np.int64, -(2**40)),
+            ValueError,
+            rf"^tokens must be non-negative \(got -{2**40} at index {at}\)$",
+        ),
+        (
+            "at-vocab",
+            ids(np.int32, vocab),
+            ValueError,
+            rf"^tokens must be below vocab_size={vocab} \(got {vocab} at index {at}\)$",
+        ),
+        (
+            "above-vocab-uint16",
+            ids(np.uint16, vocab + 1),
+            ValueError,
+            rf"^tokens must be below vocab_size={vocab} \(got {vocab + 1} at index {at}\)$",
+        ),
         # int64/uint32 values that an int32 cast would wrap into valid ids: refused, never wrapped
-        ("int64-wraps-to-valid", ids(np.int64, 2**32 + 5), ValueError,
-         rf"^tokens must be below vocab_size={vocab} \(got {2**32 + 5} at index {at}\)$"),
-        ("int64-negative-wraps-to-valid", ids(np.int64, -(2**32) + 7), ValueError,
-         rf"^tokens must be non-negative \(got {-(2**32) + 7} at index {at}\)$"),
-        ("uint32-top-bit", ids(np.uint32, 2**31 + 9), ValueError,
-         rf"^tokens must be below vocab_size={vocab} \(got {2**31 + 9} at index {at}\)$"),
-        ("uint64-huge", ids(np.uint64, 2**64 - 1), ValueError,
-         rf"^tokens must be below vocab_size={vocab} \(got {2**64 - 1} at index {at}\)$"),
+        (
+            "int64-wraps-to-valid",
+            ids(np.int64, 2**32 + 5),
+            ValueError,
+            rf"^tokens must be below vocab_size={vocab} \(got {2**32 + 5} at index {at}\)$",
+        ),
+        (
+            "int64-negative-wraps-to-valid",
+            ids(np.int64, -(2**32) + 7),
+            ValueError,
+            rf"^tokens must be non-negative \(got {-(2**32) + 7} at index {at}\)$",
+        ),
+        (
+            "uint32-top-bit",
+            ids(np.uint32, 2**31 + 9),
+            ValueError,
+            rf"^tokens must be below vocab_size={vocab} \(got {2**31 + 9} at index {at}\)$",
+        ),
+        (
+            "uint64-huge",
+            ids(np.uint64, 2**64 - 1),
+            ValueError,
+            rf"^tokens must be below vocab_size={vocab} \(got {2**64 - 1} at index {at}\)$",
+        ),
         ("big-endian-negative", ids(">i8", -2), ValueError, rf"^tokens must be non-negative \(got -2 at index {at}\)$"),
-        ("negative-and-too-large", np.array([vocab + 5, -4], np.int64), ValueError,
-         r"^tokens must be non-negative \(got -4 at index 1\)$"),
-        ("list-too-large", [1, 2**31], ValueError,
-         rf"^tokens must be below vocab_size={vocab} \(got {2**31} at index 1\)$"),
-        ("too-long", rng.integers(1, vocab, max_len + 1), ValueError,
-         rf"^tokens has {max_len + 1} tokens; the table holds at most max_trace_len={max_len}$"),
+        (
+            "negative-and-too-large",
+            np.array([vocab + 5, -4], np.int64),
+            ValueError,
+            r"^tokens must be non-negative \(got -4 at index 1\)$",
+        ),
+        (
+            "list-too-large",
+            [1, 2**31],
+            ValueError,
+            rf"^tokens must be below vocab_size={vocab} \(got {2**31} at index 1\)$",
+        ),
+        (
+            "too-long",
+            rng.integers(1, vocab, max_len + 1),
+            ValueError,
+            rf"^tokens has {max_len + 1} tokens; the table holds at most max_trace_len={max_len}$",
+        ),
         ("empty", np.zeros(0, np.int32), ValueError, r"^tokens must not be empty"),
         ("2-d", rng.integers(1, vocab, (2, 2)), ValueError, r"^tokens must be 1-D \(got shape \[2, 2\]\)$"),
         ("float", rng.random(3), TypeError, r"^tokens must have an integer dtype \(got float64\)$"),
@@ -164,7 +202,7 @@ def test_refused_traces_change_nothing(rng, make_table):
     t.clear(5)
     state0 = everything(t)
     for case, tokens, exc, pattern in _refusals(rng, max_len, vocab):
-        for slot in (1, 2):                                  # a staged slot and a fresh one
+        for slot in (1, 2):  # a staged slot and a fresh one
             before = tokens.copy() if isinstance(tokens, np.ndarray) else list(tokens)
             with pytest.raises(exc, match=pattern):
                 t.stage(slot, tokens)
@@ -175,7 +213,7 @@ def test_refused_traces_change_nothing(rng, make_table):
     t.close()
 
 
-WITHOUT_VOCAB = [   # (tokens, message) refused with no vocab_size: int32 holds ids below 2**31
+WITHOUT_VOCAB = [  # (tokens, message) refused with no vocab_size: int32 holds ids below 2**31
     (np.array([5, 2**31], np.int64), r"^tokens must be below 2\*\*31 \(got 2147483648 at index 1\)$"),
     (np.array([2**32 + 5, 5], np.int64), r"^tokens must be below 2\*\*31 \(got 4294967301 at index 0\)$"),
     (np.array([7, -(2**32) + 7], np.int64), r"^tokens must be non-negative \(got -4294967289 at index 1\)$"),
@@ -189,6 +227,7 @@ WITHOUT_VOCAB = [   # (tokens, message) refused with no vocab_size: int32 holds 
 def test_refusal_messages_match_check_trace(rng):
     """``copy_trace`` (staging's path) and ``check_trace`` refuse the same traces, in the same words."""
     from trace_replay_core._validate import check_trace
+
     cases = [(1000, tokens, exc, pattern) for _, tokens, exc, pattern in _refusals(rng, 40, 1000)]
     cases += [(None, tokens, ValueError, pattern) for tokens, pattern in WITHOUT_VOCAB]
     for vocab, tokens, exc, pattern in cases:
@@ -201,8 +240,13 @@ def test_refusal_messages_match_check_trace(rng):
 
 def test_largest_ids_accepted_without_vocab():
     out = np.empty(2, np.uint32)
-    for tokens in (np.array([INT32_MAX, 0], np.int64), np.array([INT32_MAX, 0], np.uint32),
-                   np.array([INT32_MAX, 0], np.uint64), np.array([INT32_MAX, 0], ">i8"), [INT32_MAX, 0]):
+    for tokens in (
+        np.array([INT32_MAX, 0], np.int64),
+        np.array([INT32_MAX, 0], np.uint32),
+        np.array([INT32_MAX, 0], np.uint64),
+        np.array([INT32_MAX, 0], ">i8"),
+        [INT32_MAX, 0],
+    ):
         copy_trace(trace_array(tokens, max_trace_len=2), out, vocab_size=None)
         assert out.tolist() == [INT32_MAX, 0]
 
@@ -229,7 +273,7 @@ def test_restaging_before_commit_replaces(rng, make_table):
         assert t.pending == 0
         expect_rows(t, model)
         t.stage(0, [7, 8, 9])
-        t.stage(0, [4])                               # shorter: the length shrinks with it
+        t.stage(0, [4])  # shorter: the length shrinks with it
         model[0] = [4]
         t.commit(stream=0)
         expect_rows(t, model)
@@ -245,7 +289,7 @@ def test_gpu_staging_grows_and_packs_many_entries(rng, fake_cuda):
     for slot, tr in traces.items():
         t.stage(slot, tr)
     for slot in range(1, max_slots, 2):
-        t.clear(slot)                                 # entries with no tokens: only the table grows
+        t.clear(slot)  # entries with no tokens: only the table grows
     t.commit(stream=0)
     expect_rows(t, traces)
     n, chunks, _ = fake_cuda.scatter.launches[-1]
@@ -301,6 +345,7 @@ def test_gpu_staging_from_many_threads(rng, fake_cuda):
                 t.commit(stream=0)
             t.stage(slot, tr if j % 2 else tr.astype(np.int32))
             last[slot] = tr
+
     run_threads(worker, threads)
     t.commit(stream=0)
     expect_rows(t, last)

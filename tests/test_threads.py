@@ -3,7 +3,6 @@
 import threading
 
 import numpy as np
-
 from helpers import run_threads
 
 from trace_replay_core import TraceTable
@@ -25,6 +24,7 @@ def test_staging_from_many_threads_cpu():
                 t.commit(stream=0)  # commits interleaved with other threads' staging
             t.stage(slot, tr)
             last[slot] = tr  # each thread owns its slots: the last write per slot is known
+
     run_threads(worker, threads)
     t.commit(stream=0)
     table, lens = t.snapshot()

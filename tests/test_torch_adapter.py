@@ -5,12 +5,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_core import replay_reference  # noqa: E402
-from trace_replay_torch import (TraceReplayState, replay_at_step_op, replay_op,  # noqa: E402
-                                token_logprob_rank_op)
-from trace_replay_torch import registry  # noqa: E402
-
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
+
+from trace_replay_core import replay_reference  # noqa: E402
+from trace_replay_torch import (  # noqa: E402
+    TraceReplayState,
+    registry,  # noqa: E402
+    replay_at_step_op,
+    replay_op,
+    token_logprob_rank_op,
+)
 
 
 def _state(sc, max_slots, max_len, device="cpu", **kw):
@@ -34,17 +38,20 @@ def test_adapter_matches_reference(rng, batch, sampled_dtype, index_dtype):
         sampled = torch.from_numpy(sc["sampled"]).to(sampled_dtype)
         out = st.replay(sampled, idx)
         assert out is sampled and out.dtype == sampled_dtype
-        expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
-                                    sc["prompt_len"])
+        expected = replay_reference(
+            sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+        )
         assert_tokens_equal(sampled.numpy(), expected)
         sampled2 = torch.from_numpy(sc["sampled"]).to(sampled_dtype)
         st.replay(sampled2, idx, total, prompt)
         assert_tokens_equal(sampled2.numpy(), expected, "explicit lengths")
         sampled3 = torch.from_numpy(sc["sampled"]).to(sampled_dtype)
         st.replay_at_step(sampled3, idx, torch.from_numpy(sc["step"]).to(index_dtype))
-        assert_tokens_equal(sampled3.numpy(),
-                            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"]),
-                            "per-row step")
+        assert_tokens_equal(
+            sampled3.numpy(),
+            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"]),
+            "per-row step",
+        )
 
 
 def test_new_buffers_and_reused_buffers_every_step(rng):
@@ -79,7 +86,7 @@ def test_none_trace_clears_a_reused_slot():
         s = torch.tensor([0])
         st.replay(s, torch.tensor([1]))
         assert s.tolist() == [8]
-        st.add_request(1, None)   # the next request in slot 1 samples freely
+        st.add_request(1, None)  # the next request in slot 1 samples freely
         st.apply_staged_writes()
         s = torch.tensor([0])
         st.replay(s, torch.tensor([1]))
@@ -115,41 +122,107 @@ def test_add_requests_matches_add_request(rng):
 
 
 ADAPTER_REFUSALS = {
-    "device-trace": (lambda st: st.add_request(0, torch.empty(3, dtype=torch.int64, device="meta")),
-                     ValueError, r"^trace must be host data \(list, numpy array or CPU tensor\); got a tensor on meta: pass trace.cpu\(\) \(a host sync you choose to make\)$"),
-    "no-bound-lengths": (lambda st: TraceReplayState(4, 4, device="cpu").replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)),
-                         ValueError, r"^total_len and prompt_len were neither given nor bound \(see bind_lengths\)$"),
-    "one-length-only": (lambda st: st.replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), total_len=torch.zeros(4, dtype=torch.int32)),
-                        ValueError, r"^give both total_len and prompt_len, or neither \(to use the bound ones\)$"),
-    "bad-device": (lambda st: TraceReplayState(4, 4, device="meta"), ValueError, r"^device must be a cpu or cuda device \(got meta\)$"),
-    "bind-one-length": (lambda st: TraceReplayState(4, 4, device="cpu", total_len=torch.zeros(4, dtype=torch.int32)),
-                        ValueError, r"^give both total_len and prompt_len, or neither$"),
-    "bound-too-short": (lambda st: st.bind_lengths(torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)),
-                        ValueError, r"^total_len must have at least 4 entries \(got shape \[2\]\)$"),
-    "requires-grad-float": (lambda st: st.replay(torch.zeros(2, requires_grad=True), torch.zeros(2, dtype=torch.int32)),
-                            (TypeError, RuntimeError, ValueError), r"(sampled|gradient)"),
-    "step-not-a-tensor": (lambda st: st.replay_at_step(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), [0, 1]),
-                          TypeError, r"^step must be a torch\.Tensor \(got list\)$"),
-    "step-op-not-a-tensor": (lambda st: replay_at_step_op(st, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), 3),
-                             TypeError, r"^step must be a torch\.Tensor \(got int\)$"),
-    "idx-not-a-tensor": (lambda st: st.replay(torch.zeros(2, dtype=torch.int64), [2, 0]),
-                         TypeError, r"^idx_mapping must be a torch\.Tensor \(got list\)$"),
-    "sampled-not-a-tensor": (lambda st: st.replay(np.zeros(2, np.int64), torch.zeros(2, dtype=torch.int32)),
-                             TypeError, r"^sampled must be a torch\.Tensor \(got ndarray\)$"),
-    "explicit-length-not-a-tensor": (lambda st: st.replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), [0] * 4, torch.zeros(4, dtype=torch.int32)),
-                                     TypeError, r"^total_len must be a torch\.Tensor \(got list\)$"),
-    "bind-not-a-tensor": (lambda st: st.bind_lengths(np.zeros(4, np.int32), torch.zeros(4, dtype=torch.int32)),
-                          TypeError, r"^total_len must be a torch\.Tensor \(got ndarray\)$"),
-    "repeated-slot-list": (lambda st: st.add_requests([0, 3, 1, 3], [[1], [2], [3], [4]]),
-                           ValueError, r"^slots gives slot 3 twice \(positions 1 and 3\): each request takes its own slot$"),
-    "repeated-slot-first-repeat": (lambda st: st.add_requests([1, 0, 0, 1], np.ones((4, 2), np.int64)),
-                                   ValueError, r"^slots gives slot 0 twice \(positions 1 and 2\): each request takes its own slot$"),
-    "repeated-slot-tensor": (lambda st: st.add_requests(torch.tensor([2, 1, 2]), torch.ones(3, 3, dtype=torch.int64)),
-                             ValueError, r"^slots gives slot 2 twice \(positions 0 and 2\): each request takes its own slot$"),
-    "repeated-invalid-slot": (lambda st: st.add_requests([5, 5], [[1], [2]]),
-                              ValueError, r"^slots\[0\] must be in \[0, 4\) \(got 5\)$"),
-    "op-not-a-state": (lambda st: replay_op(st.op_id, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)),
-                       TypeError, r"^state must be a trace_replay_torch\.TraceReplayState \(got int\)$"),
+    "device-trace": (
+        lambda st: st.add_request(0, torch.empty(3, dtype=torch.int64, device="meta")),
+        ValueError,
+        r"^trace must be host data \(list, numpy array or CPU tensor\); got a tensor on meta: pass trace.cpu\(\) \(a host sync you choose to make\)$",
+    ),
+    "no-bound-lengths": (
+        lambda st: TraceReplayState(4, 4, device="cpu").replay(
+            torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)
+        ),
+        ValueError,
+        r"^total_len and prompt_len were neither given nor bound \(see bind_lengths\)$",
+    ),
+    "one-length-only": (
+        lambda st: st.replay(
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int32),
+            total_len=torch.zeros(4, dtype=torch.int32),
+        ),
+        ValueError,
+        r"^give both total_len and prompt_len, or neither \(to use the bound ones\)$",
+    ),
+    "bad-device": (
+        lambda st: TraceReplayState(4, 4, device="meta"),
+        ValueError,
+        r"^device must be a cpu or cuda device \(got meta\)$",
+    ),
+    "bind-one-length": (
+        lambda st: TraceReplayState(4, 4, device="cpu", total_len=torch.zeros(4, dtype=torch.int32)),
+        ValueError,
+        r"^give both total_len and prompt_len, or neither$",
+    ),
+    "bound-too-short": (
+        lambda st: st.bind_lengths(torch.zeros(2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)),
+        ValueError,
+        r"^total_len must have at least 4 entries \(got shape \[2\]\)$",
+    ),
+    "requires-grad-float": (
+        lambda st: st.replay(torch.zeros(2, requires_grad=True), torch.zeros(2, dtype=torch.int32)),
+        (TypeError, RuntimeError, ValueError),
+        r"(sampled|gradient)",
+    ),
+    "step-not-a-tensor": (
+        lambda st: st.replay_at_step(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), [0, 1]),
+        TypeError,
+        r"^step must be a torch\.Tensor \(got list\)$",
+    ),
+    "step-op-not-a-tensor": (
+        lambda st: replay_at_step_op(st, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), 3),
+        TypeError,
+        r"^step must be a torch\.Tensor \(got int\)$",
+    ),
+    "idx-not-a-tensor": (
+        lambda st: st.replay(torch.zeros(2, dtype=torch.int64), [2, 0]),
+        TypeError,
+        r"^idx_mapping must be a torch\.Tensor \(got list\)$",
+    ),
+    "sampled-not-a-tensor": (
+        lambda st: st.replay(np.zeros(2, np.int64), torch.zeros(2, dtype=torch.int32)),
+        TypeError,
+        r"^sampled must be a torch\.Tensor \(got ndarray\)$",
+    ),
+    "explicit-length-not-a-tensor": (
+        lambda st: st.replay(
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int32),
+            [0] * 4,
+            torch.zeros(4, dtype=torch.int32),
+        ),
+        TypeError,
+        r"^total_len must be a torch\.Tensor \(got list\)$",
+    ),
+    "bind-not-a-tensor": (
+        lambda st: st.bind_lengths(np.zeros(4, np.int32), torch.zeros(4, dtype=torch.int32)),
+        TypeError,
+        r"^total_len must be a torch\.Tensor \(got ndarray\)$",
+    ),
+    "repeated-slot-list": (
+        lambda st: st.add_requests([0, 3, 1, 3], [[1], [2], [3], [4]]),
+        ValueError,
+        r"^slots gives slot 3 twice \(positions 1 and 3\): each request takes its own slot$",
+    ),
+    "repeated-slot-first-repeat": (
+        lambda st: st.add_requests([1, 0, 0, 1], np.ones((4, 2), np.int64)),
+        ValueError,
+        r"^slots gives slot 0 twice \(positions 1 and 2\): each request takes its own slot$",
+    ),
+    "repeated-slot-tensor": (
+        lambda st: st.add_requests(torch.tensor([2, 1, 2]), torch.ones(3, 3, dtype=torch.int64)),
+        ValueError,
+        r"^slots gives slot 2 twice \(positions 0 and 2\): each request takes its own slot$",
+    ),
+    "repeated-invalid-slot": (
+        lambda st: st.add_requests([5, 5], [[1], [2]]),
+        ValueError,
+        r"^slots\[0\] must be in \[0, 4\) \(got 5\)$",
+    ),
+    "op-not-a-state": (
+        lambda st: replay_op(st.op_id, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)),
+        TypeError,
+        r"^state must be a trace_replay_torch\.TraceReplayState \(got int\)$",
+    ),
 }
 
 
@@ -174,8 +247,11 @@ def test_adapter_refusals_change_nothing(case):
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0)])
 def test_cuda_without_a_gpu_is_the_cores_device_error(device):
     """``"cuda"`` and ``"cuda:0"`` give one error: the core's, naming the device and the fix."""
-    with pytest.raises(ValueError, match=r"^device 'cuda(:0)?' is not available: this process sees 0 CUDA "
-                                         r"device\(s\); use device='cpu' for the CPU backend$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^device 'cuda(:0)?' is not available: this process sees 0 CUDA "
+        r"device\(s\); use device='cpu' for the CPU backend$",
+    ):
         TraceReplayState(4, 4, device=device)
 
 
@@ -207,8 +283,9 @@ CLOSED_CALLS = _closed_calls()
 
 
 def test_closed_table_covers_every_method():
-    methods = {name for name, value in vars(TraceReplayState).items()
-               if callable(value) and not name.startswith("_")} | {"__enter__"}
+    methods = {
+        name for name, value in vars(TraceReplayState).items() if callable(value) and not name.startswith("_")
+    } | {"__enter__"}
     assert methods - {"close"} <= {case.split("-")[0] for case in CLOSED_CALLS}
 
 
@@ -219,12 +296,12 @@ def test_every_method_of_a_closed_state_says_so(case, bound):
     st = TraceReplayState(4, 4, device="cpu", **(dict(total_len=z, prompt_len=z) if bound else {}))
     st.add_request(1, [3])
     st.apply_staged_writes()
-    st.replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), z, z)   # a cached replay
+    st.replay(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), z, z)  # a cached replay
     st.close()
     with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
         CLOSED_CALLS[case](st)
     assert st.closed and st.table.closed
-    st.close()                                  # still idempotent
+    st.close()  # still idempotent
 
 
 def test_an_op_with_a_closed_states_id_names_it():
@@ -246,6 +323,7 @@ def test_an_op_with_a_closed_states_id_names_it():
 
 def test_op_ids_are_unique_and_collected_states_leave_the_registry():
     import gc
+
     states = [TraceReplayState(2, 2, device="cpu") for _ in range(3)]
     ids = [st.op_id for st in states]
     assert len(set(ids)) == 3 and ids == sorted(ids)
@@ -254,7 +332,7 @@ def test_op_ids_are_unique_and_collected_states_leave_the_registry():
     gc.collect()
     with pytest.raises(RuntimeError, match=rf"^no open TraceReplayState has id {last}: "):
         registry.lookup(last)
-    assert TraceReplayState(2, 2, device="cpu").op_id > last     # never reused
+    assert TraceReplayState(2, 2, device="cpu").op_id > last  # never reused
 
 
 def test_logprob_op_refuses_non_tensors():

@@ -16,16 +16,22 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_argmax import greedy_case, assert_greedy  # noqa: E402
-from test_logprob_rank import (POISON_LOGPROB, POISON_RANK, TORCH_DTYPES,  # noqa: E402
-                               assert_matches_reference)
-from trace_replay_core import greedy_argmax_reference  # noqa: E402
-from trace_replay_torch import (LogprobRank, LogprobRankArgmax, LogprobRankTopK,  # noqa: E402
-                                LogprobRankTopKArgmax, TraceReplayState, replay_op, token_logprob_rank,
-                                token_logprob_rank_op)
-
 from helpers import assert_tokens_equal  # noqa: E402
+from test_logprob_argmax import assert_greedy, greedy_case  # noqa: E402
+from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference  # noqa: E402
 from torch_samplers import DecodeLoop, eager_sampler  # noqa: E402
+
+from trace_replay_core import greedy_argmax_reference  # noqa: E402
+from trace_replay_torch import (  # noqa: E402
+    LogprobRank,
+    LogprobRankArgmax,
+    LogprobRankTopK,
+    LogprobRankTopKArgmax,
+    TraceReplayState,
+    replay_op,
+    token_logprob_rank,
+    token_logprob_rank_op,
+)
 
 POISON_ARGMAX = -777
 OPS = torch.ops.trace_replay
@@ -57,7 +63,7 @@ def test_argmax_and_greedy_rows_match_the_references(dtype, batch, vocab):
     assert ids_t.tolist() == ids.tolist(), "token_ids must not be written"
     # planted: greedy row 1's maximum repeated, the special rows explicit and greedy.
     assert_greedy(x, ids, *got, f"{batch}x{vocab} {dtype}", planted=True)
-    no_nan = ~np.isnan(x).any(axis=1)             # torch.argmax's choice wherever no NaN interferes
+    no_nan = ~np.isnan(x).any(axis=1)  # torch.argmax's choice wherever no NaN interferes
     assert torch.equal(got.argmax[torch.from_numpy(no_nan)], logits.argmax(dim=-1)[torch.from_numpy(no_nan)])
     # A greedy row has the bits of a call that names its argmax; explicit rows are unchanged by argmax=True.
     explicit = torch.where(ids_t < 0, got.argmax, ids_t)
@@ -73,11 +79,16 @@ def test_argmax_and_greedy_rows_match_the_references(dtype, batch, vocab):
 
 
 def test_hand_computed_ties_and_special_rows():
-    x = np.array([[1.0, 3.0, 3.0, 2.0],                   # tie at the maximum: the lower id, rank 2
-                  [-np.inf, -np.inf, -np.inf, -np.inf],   # all -inf: 0, logprob NaN, rank 4
-                  [np.nan, np.nan, np.nan, np.nan],       # all NaN: 0, logprob NaN, rank 0
-                  [np.nan, 2.0, 5.0, 5.0],                # NaN skipped: 2
-                  [4.0, 3.0, 2.0, 1.0]], dtype=np.float32)
+    x = np.array(
+        [
+            [1.0, 3.0, 3.0, 2.0],  # tie at the maximum: the lower id, rank 2
+            [-np.inf, -np.inf, -np.inf, -np.inf],  # all -inf: 0, logprob NaN, rank 4
+            [np.nan, np.nan, np.nan, np.nan],  # all NaN: 0, logprob NaN, rank 0
+            [np.nan, 2.0, 5.0, 5.0],  # NaN skipped: 2
+            [4.0, 3.0, 2.0, 1.0],
+        ],
+        dtype=np.float32,
+    )
     ids = torch.tensor([-1, -1, -1, -1, 3])
     got = token_logprob_rank(torch.from_numpy(x), ids, argmax=True)
     assert got.argmax.tolist() == [1, 0, 0, 2, 0]
@@ -98,9 +109,12 @@ def test_argmax_with_top_k_and_temperature(top_k):
         got = token_logprob_rank(logits, ids_t, top_k=top_k, temperature=temperature, argmax=True)
         assert type(got) is LogprobRankTopKArgmax
         assert got._fields == ("logprobs", "ranks", "topk_logprobs", "topk_ids", "argmax")
-        t = np.ones(12, np.float32) if temperature is None else \
-            (np.full(12, 0.7, np.float32) if isinstance(temperature, float) else temp.numpy())
-        y = x / t[:, None]                               # float32, as the backend divides
+        t = (
+            np.ones(12, np.float32)
+            if temperature is None
+            else (np.full(12, 0.7, np.float32) if isinstance(temperature, float) else temp.numpy())
+        )
+        y = x / t[:, None]  # float32, as the backend divides
         want = greedy_argmax_reference(y)
         assert got.argmax.numpy().tolist() == want.tolist(), f"argmax of logits / T ({temperature!r})"
         explicit = torch.where(ids_t < 0, got.argmax, ids_t)
@@ -109,8 +123,9 @@ def test_argmax_with_top_k_and_temperature(top_k):
         for a, b in zip(got[:4], plain):
             assert np.array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8)), "argmax changed a bit"
         has_value = ~np.isnan(y).all(axis=1)
-        assert torch.equal(got.topk_ids[:, 0][torch.from_numpy(has_value)],
-                           got.argmax[torch.from_numpy(has_value)]), "top-1 and argmax disagree"
+        assert torch.equal(got.topk_ids[:, 0][torch.from_numpy(has_value)], got.argmax[torch.from_numpy(has_value)]), (
+            "top-1 and argmax disagree"
+        )
 
 
 @pytest.mark.parametrize("rank_dtype", [torch.int32, torch.int64])
@@ -155,37 +170,71 @@ def _refusals():
 
     def poison(*shape, dtype=torch.int64):
         return torch.full(shape, POISON_ARGMAX, dtype=dtype)
+
     shared = torch.zeros(8, dtype=torch.int64)
-    return {
-        "argmax-int": (dict(argmax=1), TypeError, r"^argmax must be a bool \(got int 1\)$"),
-        "argmax-none": (dict(argmax=None), TypeError, r"^argmax must be a bool \(got NoneType None\)$"),
-        "argmax-str": (dict(argmax="yes"), TypeError, r"^argmax must be a bool \(got str 'yes'\)$"),
-        "argmax-tensor": (dict(argmax=torch.tensor(True)), TypeError, r"^argmax must be a bool \(got Tensor "),
-        "out-two-with-argmax": (dict(argmax=True, out=(lp, rk)), TypeError,
-                                r"^out must be a \(logprobs, ranks, argmax\) tuple of torch\.Tensor with top_k=0, "
-                                r"argmax=True \(got \['Tensor', 'Tensor'\]\)$"),
-        "out-three-without-argmax": (dict(out=(lp, rk, poison(5))), TypeError,
-                                     r"^out must be a \(logprobs, ranks\) tuple of torch\.Tensor with top_k=0, "
-                                     r"argmax=False"),
-        "out-four-with-top-k-and-argmax": (dict(argmax=True, top_k=2, out=(lp, rk, poison(5, 2, dtype=torch.float32),
-                                                                            poison(5, 2))),
-                                           TypeError, r"^out must be a \(logprobs, ranks, topk_logprobs, "
-                                                      r"topk_ids, argmax\) tuple"),
-        "argmax-out-float": (dict(argmax=True, out=(lp, rk, poison(5, dtype=torch.float32))), TypeError,
-                             r"^out_argmax must have dtype int32 or int64 \(got float32\)$"),
-        "argmax-out-int16": (dict(argmax=True, out=(lp, rk, poison(5, dtype=torch.int16))), TypeError,
-                             r"^out_argmax must have dtype int32 or int64 \(got int16\)$"),
-        "argmax-out-short": (dict(argmax=True, out=(lp, rk, poison(4))), ValueError,
-                             r"^out_argmax must have 5 rows \(got shape \[4\]\)$"),
-        "argmax-out-2d": (dict(argmax=True, out=(lp, rk, poison(5, 1))), ValueError,
-                          r"^out_argmax must be 1-D \(got shape \[5, 1\]\)$"),
-        "argmax-out-strided": (dict(argmax=True, out=(lp, rk, poison(10)[::2])), ValueError,
-                               r"^out_argmax must be contiguous"),
-        "argmax-out-is-token-ids": (dict(token_ids=shared[:5], argmax=True, out=(lp, rk, shared[3:8])), ValueError,
-                                    r"^out_argmax and token_ids overlap in memory"),
-        "argmax-out-is-ranks": (dict(argmax=True, out=(lp, rk, rk)), ValueError,
-                                r"^out_ranks and out_argmax overlap in memory"),
-    }, lg, ids
+    return (
+        {
+            "argmax-int": (dict(argmax=1), TypeError, r"^argmax must be a bool \(got int 1\)$"),
+            "argmax-none": (dict(argmax=None), TypeError, r"^argmax must be a bool \(got NoneType None\)$"),
+            "argmax-str": (dict(argmax="yes"), TypeError, r"^argmax must be a bool \(got str 'yes'\)$"),
+            "argmax-tensor": (dict(argmax=torch.tensor(True)), TypeError, r"^argmax must be a bool \(got Tensor "),
+            "out-two-with-argmax": (
+                dict(argmax=True, out=(lp, rk)),
+                TypeError,
+                r"^out must be a \(logprobs, ranks, argmax\) tuple of torch\.Tensor with top_k=0, "
+                r"argmax=True \(got \['Tensor', 'Tensor'\]\)$",
+            ),
+            "out-three-without-argmax": (
+                dict(out=(lp, rk, poison(5))),
+                TypeError,
+                r"^out must be a \(logprobs, ranks\) tuple of torch\.Tensor with top_k=0, "
+                r"argmax=False",
+            ),
+            "out-four-with-top-k-and-argmax": (
+                dict(argmax=True, top_k=2, out=(lp, rk, poison(5, 2, dtype=torch.float32), poison(5, 2))),
+                TypeError,
+                r"^out must be a \(logprobs, ranks, topk_logprobs, "
+                r"topk_ids, argmax\) tuple",
+            ),
+            "argmax-out-float": (
+                dict(argmax=True, out=(lp, rk, poison(5, dtype=torch.float32))),
+                TypeError,
+                r"^out_argmax must have dtype int32 or int64 \(got float32\)$",
+            ),
+            "argmax-out-int16": (
+                dict(argmax=True, out=(lp, rk, poison(5, dtype=torch.int16))),
+                TypeError,
+                r"^out_argmax must have dtype int32 or int64 \(got int16\)$",
+            ),
+            "argmax-out-short": (
+                dict(argmax=True, out=(lp, rk, poison(4))),
+                ValueError,
+                r"^out_argmax must have 5 rows \(got shape \[4\]\)$",
+            ),
+            "argmax-out-2d": (
+                dict(argmax=True, out=(lp, rk, poison(5, 1))),
+                ValueError,
+                r"^out_argmax must be 1-D \(got shape \[5, 1\]\)$",
+            ),
+            "argmax-out-strided": (
+                dict(argmax=True, out=(lp, rk, poison(10)[::2])),
+                ValueError,
+                r"^out_argmax must be contiguous",
+            ),
+            "argmax-out-is-token-ids": (
+                dict(token_ids=shared[:5], argmax=True, out=(lp, rk, shared[3:8])),
+                ValueError,
+                r"^out_argmax and token_ids overlap in memory",
+            ),
+            "argmax-out-is-ranks": (
+                dict(argmax=True, out=(lp, rk, rk)),
+                ValueError,
+                r"^out_ranks and out_argmax overlap in memory",
+            ),
+        },
+        lg,
+        ids,
+    )
 
 
 REFUSALS, _, _ = _refusals()
@@ -202,8 +251,9 @@ def test_refusals_name_the_argument_and_write_nothing(case):
     with pytest.raises(exc, match=pattern):
         token_logprob_rank(logits, token_ids, **kwargs)
     for a, b in zip(before, out or ()):
-        assert np.array_equal(a.contiguous().numpy().view(np.uint8), b.contiguous().numpy().view(np.uint8)), \
+        assert np.array_equal(a.contiguous().numpy().view(np.uint8), b.contiguous().numpy().view(np.uint8)), (
             "a refused call wrote an output"
+        )
     assert torch.equal(token_ids, ids_before)
     if case.startswith("argmax-") and not case.startswith("argmax-out"):
         with pytest.raises(exc, match=pattern):
@@ -215,6 +265,7 @@ def test_bound_call_cache_keys_on_the_argmax_tensor():
     binds argmax with the other tensors: a layout with argmax, one without and one with another
     argmax tensor are three bound calls, and each writes what its own tensors say."""
     from trace_replay_torch.logprob import _bound
+
     x, ids = greedy_case(np.random.default_rng(9), 6, 200, "float32")
     logits, ids_t = torch.from_numpy(x), torch.from_numpy(ids)
     lp, rk = torch.full((6,), POISON_LOGPROB), torch.full((6,), POISON_RANK, dtype=torch.int64)
@@ -228,7 +279,7 @@ def test_bound_call_cache_keys_on_the_argmax_tensor():
     want = greedy_argmax_reference(x)
     without(stream=0)
     assert (am1 == POISON_ARGMAX).all() and (am2 == POISON_ARGMAX).all()
-    assert (rk[ids_t < 0] == -1).all()                    # no argmax: greedy rows are out of range
+    assert (rk[ids_t < 0] == -1).all()  # no argmax: greedy rows are out of range
     with_1(stream=0)
     assert am1.tolist() == want.tolist() and (am2 == POISON_ARGMAX).all()
     assert_matches_reference(x, np.where(ids < 0, want, ids), lp.numpy(), rk.numpy(), "bound with argmax")
@@ -279,7 +330,7 @@ def test_one_pass_greedy_step_equals_argmax_replay_score(rng):
 
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_opcheck_argmax_ops(top_k):
-    rng = np.random.default_rng(2)                 # ties on a grid of 0.5; no NaN (opcheck compares outputs)
+    rng = np.random.default_rng(2)  # ties on a grid of 0.5; no NaN (opcheck compares outputs)
     x = (np.round(rng.standard_normal((9, 64)) * 2.0) / 2.0).astype(np.float32)
     ids = rng.integers(0, 64, 9)
     ids[1::2] = -1

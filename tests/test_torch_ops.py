@@ -9,12 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trace_replay_core import replay_reference  # noqa: E402
-from trace_replay_torch import (TraceReplayState, replay_at_step_op, replay_op,  # noqa: E402
-                                token_logprob_rank, token_logprob_rank_op)
-
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 from torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+
+from trace_replay_core import replay_reference  # noqa: E402
+from trace_replay_torch import TraceReplayState, replay_at_step_op, replay_op, token_logprob_rank, token_logprob_rank_op  # noqa: E402
 
 OPS = torch.ops.trace_replay
 
@@ -28,15 +27,21 @@ def _fresh_dynamo():
 def _scenario_state(rng, *, batch, index_dtype=torch.int32, sampled_dtype=torch.int64):
     max_slots, max_len = 19, 13
     sc = random_scenario(rng, max_slots=max_slots, max_trace_len=max_len, batch=batch)
-    st = TraceReplayState(max_slots, max_len, device="cpu",
-                          total_len=torch.from_numpy(sc["total_len"]).to(index_dtype),
-                          prompt_len=torch.from_numpy(sc["prompt_len"]).to(index_dtype))
+    st = TraceReplayState(
+        max_slots,
+        max_len,
+        device="cpu",
+        total_len=torch.from_numpy(sc["total_len"]).to(index_dtype),
+        prompt_len=torch.from_numpy(sc["prompt_len"]).to(index_dtype),
+    )
     for slot, tr in sc["traces"].items():
         st.add_request(slot, tr)
     st.apply_staged_writes()
-    tensors = dict(sampled=torch.from_numpy(sc["sampled"]).to(sampled_dtype),
-                   idx=torch.from_numpy(sc["idx"]).to(index_dtype),
-                   step=torch.from_numpy(sc["step"]).to(index_dtype))
+    tensors = dict(
+        sampled=torch.from_numpy(sc["sampled"]).to(sampled_dtype),
+        idx=torch.from_numpy(sc["idx"]).to(index_dtype),
+        step=torch.from_numpy(sc["step"]).to(index_dtype),
+    )
     return sc, st, tensors
 
 
@@ -46,9 +51,10 @@ def test_opcheck_replay_ops(rng, dtypes):
     sc, st, t = _scenario_state(rng, batch=37, index_dtype=index_dtype, sampled_dtype=sampled_dtype)
     with st:
         total, prompt = st._bound_lengths()
-        expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
-                                    sc["prompt_len"])
-        assert (expected != sc["sampled"]).any()          # the op really writes rows
+        expected = replay_reference(
+            sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+        )
+        assert (expected != sc["sampled"]).any()  # the op really writes rows
         torch.library.opcheck(OPS.replay.default, (t["sampled"].clone(), t["idx"], total, prompt, st.op_id))
         torch.library.opcheck(OPS.replay_at_step.default, (t["sampled"].clone(), t["idx"], t["step"], st.op_id))
         torch.library.opcheck(OPS.replay.default, (t["sampled"][:, None].clone(), t["idx"], total, prompt, st.op_id))
@@ -59,7 +65,7 @@ def test_opcheck_logprob_rank(rng, dtype):
     logits = torch.from_numpy(rng.standard_normal((7, 131)).astype(np.float32)).to(dtype)
     tokens = torch.from_numpy(rng.integers(0, 131, 7))
     torch.library.opcheck(OPS.token_logprob_rank.default, (logits, tokens))
-    grad = logits.requires_grad_(dtype == torch.float32)        # no gradient flows, and none is asked for
+    grad = logits.requires_grad_(dtype == torch.float32)  # no gradient flows, and none is asked for
     torch.library.opcheck(OPS.token_logprob_rank.default, (grad, tokens[:, None]))
 
 
@@ -98,8 +104,9 @@ def test_ops_match_the_eager_methods(rng):
     """Each op wrapper, called eagerly, writes what the direct method and the reference write."""
     sc, st, t = _scenario_state(rng, batch=101)
     with st:
-        expected = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"],
-                                    sc["prompt_len"])
+        expected = replay_reference(
+            sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]
+        )
         out = t["sampled"].clone()
         assert replay_op(st, out, t["idx"]) is out
         assert_tokens_equal(out.numpy(), expected, "replay_op, bound lengths")
@@ -108,10 +115,13 @@ def test_ops_match_the_eager_methods(rng):
         assert_tokens_equal(out.numpy(), expected, "replay_op, explicit lengths")
         out = t["sampled"].clone()
         assert replay_at_step_op(st, out, t["idx"], t["step"]) is out
-        assert_tokens_equal(out.numpy(), replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"],
-                                                          step=sc["step"]), "replay_at_step_op")
+        assert_tokens_equal(
+            out.numpy(),
+            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"]),
+            "replay_at_step_op",
+        )
         logits = torch.from_numpy(rng.standard_normal((101, 263)).astype(np.float32))
-        tokens = torch.from_numpy(rng.integers(-2, 265, 101))     # a few outside the vocabulary
+        tokens = torch.from_numpy(rng.integers(-2, 265, 101))  # a few outside the vocabulary
         lp_op, rk_op = token_logprob_rank_op(logits, tokens)
         lp, rk = token_logprob_rank(logits, tokens)
         assert not lp.isnan().all() and torch.equal(lp_op.isnan(), (tokens < 0) | (tokens >= 263))
@@ -153,12 +163,19 @@ def test_compiled_replay_at_step_and_explicit_lengths(rng):
             b = replay_op(state, sampled.clone(), idx, total_len, prompt_len)
             return a, b
 
-        a, b = torch.compile(both, fullgraph=True, backend="eager")(st, t["sampled"], t["idx"], t["step"],
-                                                                    total, prompt)
-        assert_tokens_equal(a.numpy(), replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"],
-                                                        step=sc["step"]), "replay_at_step_op")
-        assert_tokens_equal(b.numpy(), replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"],
-                                                        sc["total_len"], sc["prompt_len"]), "replay_op")
+        a, b = torch.compile(both, fullgraph=True, backend="eager")(
+            st, t["sampled"], t["idx"], t["step"], total, prompt
+        )
+        assert_tokens_equal(
+            a.numpy(),
+            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"]),
+            "replay_at_step_op",
+        )
+        assert_tokens_equal(
+            b.numpy(),
+            replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], sc["total_len"], sc["prompt_len"]),
+            "replay_op",
+        )
 
 
 def test_one_compiled_sampler_serves_two_states(rng):

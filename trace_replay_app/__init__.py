@@ -23,8 +23,20 @@ from .traces import TraceFileError, random_requests, read_traces, write_traces
 
 try:
     __version__ = version("trace-replay")
-except PackageNotFoundError:   # run from a source tree that was never installed
+except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["TraceRequest", "RequestResult", "TraceFileError", "read_traces", "write_traces", "random_requests",
-           "Family", "FrameworkMissing", "families", "get_family", "family_for_model_type", "__version__"]
+__all__ = [
+    "TraceRequest",
+    "RequestResult",
+    "TraceFileError",
+    "read_traces",
+    "write_traces",
+    "random_requests",
+    "Family",
+    "FrameworkMissing",
+    "families",
+    "get_family",
+    "family_for_model_type",
+    "__version__",
+]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import ml_dtypes  # noqa: F401 - registers numpy's bfloat16, which safetensors' numpy API returns for BF16
 import numpy as np
@@ -29,14 +30,29 @@ from safetensors.numpy import save as _save_bytes
 from .models import Family, family_for_config, family_for_model_type
 from .traces import atomic_write
 
-__all__ = ["CheckpointError", "read_safetensors", "write_safetensors", "read_config", "read_tensors",
-           "load_checkpoint", "save_checkpoint", "CONFIG_FILE", "WEIGHTS_FILE", "INDEX_FILE", "STORED_DTYPES"]
+__all__ = [
+    "CheckpointError",
+    "read_safetensors",
+    "write_safetensors",
+    "read_config",
+    "read_tensors",
+    "load_checkpoint",
+    "save_checkpoint",
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "INDEX_FILE",
+    "STORED_DTYPES",
+]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-STORED_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-                 "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64)}
+STORED_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64),
+}
 
 
 class CheckpointError(ValueError):
@@ -48,14 +64,14 @@ def _message(exc: BaseException) -> str:
     return str(exc).strip() or type(exc).__name__
 
 
-def read_safetensors(path: str, names: Optional[set] = None) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+def read_safetensors(path: str, names: set | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """``(tensors, metadata)`` of the safetensors file ``path``: every tensor (or only those in
     ``names``) as a new native float32 array, and the ``__metadata__`` mapping (empty if none).
 
     Raises :class:`CheckpointError` naming the file (and tensor) for a truncated or malformed
     file, or a tensor of a dtype other than F32, F16, BF16 or F64. Host-only, reads the file.
     """
-    tensors: Dict[str, np.ndarray] = {}
+    tensors: dict[str, np.ndarray] = {}
     try:
         with safe_open(path, framework="np") as f:
             metadata = dict(f.metadata() or {})
@@ -64,8 +80,10 @@ def read_safetensors(path: str, names: Optional[set] = None) -> Tuple[Dict[str, 
                     continue
                 dtype = f.get_slice(name).get_dtype()
                 if dtype not in STORED_DTYPES:
-                    raise CheckpointError(f"{path}: tensor {name!r}: dtype {dtype!r} is not supported "
-                                          f"(supported: {', '.join(STORED_DTYPES)})")
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r}: dtype {dtype!r} is not supported "
+                        f"(supported: {', '.join(STORED_DTYPES)})"
+                    )
                 try:
                     tensors[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
                 except (SafetensorError, ValueError, TypeError, OSError) as exc:
@@ -79,15 +97,18 @@ def read_safetensors(path: str, names: Optional[set] = None) -> Tuple[Dict[str, 
     return tensors, metadata
 
 
-def write_safetensors(path: str, tensors: Mapping[str, np.ndarray], *, dtype: str = "F32",
-                      metadata: Optional[Mapping[str, str]] = None) -> None:
+def write_safetensors(
+    path: str, tensors: Mapping[str, np.ndarray], *, dtype: str = "F32", metadata: Mapping[str, str] | None = None
+) -> None:
     """Write ``tensors`` (float arrays, converted; BF16 rounds to nearest even) to ``path`` as
     safetensors in ``dtype`` (F32, F16, BF16 or F64), atomically."""
     if dtype not in STORED_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(STORED_DTYPES)} (got {dtype!r})")
     # np.array copies C-contiguous and keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d)
-    arrays = {name: np.array(value, dtype=np.float32).astype(STORED_DTYPES[dtype], order="C")
-              for name, value in tensors.items()}
+    arrays = {
+        name: np.array(value, dtype=np.float32).astype(STORED_DTYPES[dtype], order="C")
+        for name, value in tensors.items()
+    }
     data = _save_bytes(arrays, metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)
     with atomic_write(path, "wb") as f:
         f.write(data)
@@ -101,21 +122,23 @@ def _read_json(path: str) -> Any:
         raise CheckpointError(f"{path}: missing") from None
     except RecursionError:
         raise CheckpointError(f"{path}: cannot read (JSON nested too deeply)") from None
-    except (OSError, ValueError) as exc:          # ValueError: not UTF-8, not JSON, an over-long integer
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, an over-long integer
         raise CheckpointError(f"{path}: cannot read ({exc})") from None
 
 
-def read_config(folder: str) -> Tuple[Family, Any]:
+def read_config(folder: str) -> tuple[Family, Any]:
     """``(family, config)`` of the checkpoint folder's ``config.json``: the family serving its
     ``model_type``, and that family's config of it. Raises :class:`CheckpointError`."""
     if not os.path.isdir(folder):
-        raise CheckpointError(f"{folder}: not a folder (a checkpoint is a folder holding {CONFIG_FILE} "
-                              f"and {WEIGHTS_FILE} or {INDEX_FILE} with its shards)")
+        raise CheckpointError(
+            f"{folder}: not a folder (a checkpoint is a folder holding {CONFIG_FILE} "
+            f"and {WEIGHTS_FILE} or {INDEX_FILE} with its shards)"
+        )
     path = os.path.join(folder, CONFIG_FILE)
     hf = _read_json(path)
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path}: must hold a JSON object")
-    model_type = hf.get("model_type", "gpt2")   # GPT-2 configs written before model_type existed lack it
+    model_type = hf.get("model_type", "gpt2")  # GPT-2 configs written before model_type existed lack it
     try:
         family = family_for_model_type(model_type)
         return family, family.config_from_hf(hf)
@@ -123,7 +146,7 @@ def read_config(folder: str) -> Tuple[Family, Any]:
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def _shards(folder: str) -> Tuple[str, Dict[str, list]]:
+def _shards(folder: str) -> tuple[str, dict[str, list]]:
     """``(where, {shard path: [tensor names] or None for all})``: the one weights file, or the
     index's shards (``where`` is the file that errors about the whole set name)."""
     single, index = os.path.join(folder, WEIGHTS_FILE), os.path.join(folder, INDEX_FILE)
@@ -133,10 +156,13 @@ def _shards(folder: str) -> Tuple[str, Dict[str, list]]:
         raise CheckpointError(f"{single}: missing (and no {INDEX_FILE} of a sharded checkpoint)")
     doc = _read_json(index)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: must hold a non-empty \"weight_map\" of tensor name -> shard file")
-    shards: Dict[str, list] = {}
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
+        raise CheckpointError(f'{index}: must hold a non-empty "weight_map" of tensor name -> shard file')
+    shards: dict[str, list] = {}
     for name, shard in weight_map.items():
         if os.path.basename(shard) != shard or shard in ("", ".", ".."):
             raise CheckpointError(f"{index}: tensor {name!r}: shard {shard!r} must be a file name in the folder")
@@ -147,13 +173,13 @@ def _shards(folder: str) -> Tuple[str, Dict[str, list]]:
     return index, shards
 
 
-def read_tensors(folder: str) -> Tuple[str, Dict[str, np.ndarray]]:
+def read_tensors(folder: str) -> tuple[str, dict[str, np.ndarray]]:
     """``(where, tensors)``: every tensor of the folder's weights (one file or every shard of
     the index) as float32 arrays, and the file naming the set. Raises :class:`CheckpointError`
     naming the file for a truncated shard, a missing shard, or a tensor the index places in a
     shard that lacks it."""
     where, shards = _shards(folder)
-    tensors: Dict[str, np.ndarray] = {}
+    tensors: dict[str, np.ndarray] = {}
     for path, names in shards.items():
         got, _ = read_safetensors(path, names=None if names is None else set(names))
         for name in names or ():
@@ -166,7 +192,7 @@ def read_tensors(folder: str) -> Tuple[str, Dict[str, np.ndarray]]:
     return where, tensors
 
 
-def load_checkpoint(folder: str) -> Tuple[Family, Any, Dict[str, np.ndarray]]:
+def load_checkpoint(folder: str) -> tuple[Family, Any, dict[str, np.ndarray]]:
     """``(family, config, weights)`` of the Hugging Face checkpoint in ``folder``: weights are
     float32 numpy arrays under the family's names, checked against the config. Host-only,
     reads the files; raises :class:`CheckpointError`."""
@@ -179,8 +205,9 @@ def load_checkpoint(folder: str) -> Tuple[Family, Any, Dict[str, np.ndarray]]:
     return family, config, weights
 
 
-def save_checkpoint(folder: str, config: Any, weights: Mapping[str, np.ndarray], *, dtype: str = "F32",
-                    shards: int = 1, **options: Any) -> None:
+def save_checkpoint(
+    folder: str, config: Any, weights: Mapping[str, np.ndarray], *, dtype: str = "F32", shards: int = 1, **options: Any
+) -> None:
     """Write ``config.json`` and the weights of ``config``'s family into ``folder`` (created if
     needed) in ``dtype``: one ``model.safetensors``, or with ``shards`` > 1 that many files and
     ``model.safetensors.index.json``. ``options`` go to the family's ``to_hf`` (GPT-2:
@@ -197,8 +224,12 @@ def save_checkpoint(folder: str, config: Any, weights: Mapping[str, np.ndarray],
         weight_map = {}
         for i, part in enumerate(np.array_split(np.arange(len(names)), shards)):
             file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            write_safetensors(os.path.join(folder, file), {names[j]: tensors[names[j]] for j in part}, dtype=dtype,
-                              metadata={"format": "pt"})
+            write_safetensors(
+                os.path.join(folder, file),
+                {names[j]: tensors[names[j]] for j in part},
+                dtype=dtype,
+                metadata={"format": "pt"},
+            )
             weight_map.update({names[j]: file for j in part})
         with atomic_write(os.path.join(folder, INDEX_FILE)) as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)

@@ -25,18 +25,31 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 from trace_replay_core import split_device
 
 from . import __version__, demo
 from .models import FRAMEWORKS, families
-from .runner import (LOGPROBS_NOTE, CliError, check_device, check_out_path, load_loop, load_model, read_requests,
-                     replay_requests, reproduced, result_to_json, run_summary, say, write_json_document)
+from .runner import (
+    LOGPROBS_NOTE,
+    CliError,
+    check_device,
+    check_out_path,
+    load_loop,
+    load_model,
+    read_requests,
+    replay_requests,
+    reproduced,
+    result_to_json,
+    run_summary,
+    say,
+    write_json_document,
+)
 from .schedule import COMPUTE_DTYPES
 
 __all__ = ["main", "build_parser", "cmd_run", "cmd_compare"]
-
 
 
 def _decode_options(args) -> dict:
@@ -48,8 +61,15 @@ def _decode_options(args) -> dict:
 
 def _model_summary(family, config, source, decode) -> dict:
     sizes = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
-    return {"family": family.name, "weights": source, "model": sizes, "dtype": decode["dtype"],
-            "temperature": decode["temperature"], "sampling_seed": decode["seed"], "logprobs": LOGPROBS_NOTE}
+    return {
+        "family": family.name,
+        "weights": source,
+        "model": sizes,
+        "dtype": decode["dtype"],
+        "temperature": decode["temperature"],
+        "sampling_seed": decode["seed"],
+        "logprobs": LOGPROBS_NOTE,
+    }
 
 
 # subcommands ------------------------------------------------------------------------------------
@@ -60,40 +80,68 @@ def cmd_run(args, out: TextIO) -> int:
     check_device(args.framework, args.device)
     loop = load_loop(family, args.framework)
     decode = _decode_options(args)
-    results, seconds = replay_requests(args.framework, config, weights, requests, loop=loop, device=args.device,
-                                       max_batch=args.max_batch, show_progress=False if args.quiet else None,
-                                       **decode)
+    results, seconds = replay_requests(
+        args.framework,
+        config,
+        weights,
+        requests,
+        loop=loop,
+        device=args.device,
+        max_batch=args.max_batch,
+        show_progress=False if args.quiet else None,
+        **decode,
+    )
     summary = run_summary(requests, results, seconds)
-    head = {"summary": dict(summary, framework=args.framework, device=args.device, max_batch=args.max_batch,
-                            traces=args.traces, **_model_summary(family, config, source, decode))}
+    head = {
+        "summary": dict(
+            summary,
+            framework=args.framework,
+            device=args.device,
+            max_batch=args.max_batch,
+            traces=args.traces,
+            **_model_summary(family, config, source, decode),
+        )
+    }
     rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
     write_json_document(args.out, head, "requests", rows)
     s = summary
     rate = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "n/a"
-    say(out, args.quiet, f"{args.framework} on {args.device}: {s['requests']} requests ({s['traced_requests']} "
-                         f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({rate} tokens/s)")
+    say(
+        out,
+        args.quiet,
+        f"{args.framework} on {args.device}: {s['requests']} requests ({s['traced_requests']} "
+        f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({rate} tokens/s)",
+    )
     if s["forced_tokens"]:
-        say(out, args.quiet, f"exact reproduction: {s['exact_reproductions']}/{s['traced_requests']} traced "
-                             f"requests; forced tokens: mean logprob {s['mean_forced_logprob']:.3f}, "
-                             f"mean rank {s['mean_forced_rank']:.1f}")
+        say(
+            out,
+            args.quiet,
+            f"exact reproduction: {s['exact_reproductions']}/{s['traced_requests']} traced "
+            f"requests; forced tokens: mean logprob {s['mean_forced_logprob']:.3f}, "
+            f"mean rank {s['mean_forced_rank']:.1f}",
+        )
     say(out, args.quiet, f"wrote {args.out}")
     if s["exact_reproductions"] != s["traced_requests"]:
         bad = [q.id for q, r in zip(requests, results, strict=True) if reproduced(q, r) is False]
-        print(f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: "
-              f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}", file=sys.stderr)
+        print(
+            f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: "
+            f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
 def cmd_compare(args, out: TextIO) -> int:
     from .compare import compare_results, plot_divergence, requests_above_k3, summary_lines
+
     out_dir = args.out_dir
     report_path = args.report or os.path.join(out_dir, "compare_report.json")
     plot_path = args.plot or os.path.join(out_dir, "compare_divergence.png")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CliError(f"--out-dir {out_dir}: exists and is not a folder")
     for option, path in (("--report", report_path), ("--plot", plot_path)):
-        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(out_dir):   # out_dir is created later
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(out_dir):  # out_dir is created later
             check_out_path(option, path, inputs=[("--traces", args.traces)])
         elif os.path.isdir(path):
             raise CliError(f"{option} {path}: is a folder (give a file name)")
@@ -107,16 +155,33 @@ def cmd_compare(args, out: TextIO) -> int:
     decode = _decode_options(args)
     runs, summaries = {}, {}
     for fw in FRAMEWORKS:
-        runs[fw], seconds = replay_requests(fw, config, weights, requests, loop=loops[fw], device=args.device,
-                                            max_batch=args.max_batch, show_progress=False if args.quiet else None,
-                                            **decode)
+        runs[fw], seconds = replay_requests(
+            fw,
+            config,
+            weights,
+            requests,
+            loop=loops[fw],
+            device=args.device,
+            max_batch=args.max_batch,
+            show_progress=False if args.quiet else None,
+            **decode,
+        )
         summaries[fw] = run_summary(requests, runs[fw], seconds)
     report = compare_results(requests, runs["torch"], runs["jax"], names=FRAMEWORKS)
-    report["summary"].update(device=args.device, max_batch=args.max_batch, traces=args.traces, runs=summaries,
-                             **_model_summary(family, config, source, decode))
+    report["summary"].update(
+        device=args.device,
+        max_batch=args.max_batch,
+        traces=args.traces,
+        runs=summaries,
+        **_model_summary(family, config, source, decode),
+    )
     os.makedirs(out_dir, exist_ok=True)
-    write_json_document(report_path, {"summary": report["summary"], "per_position": report["per_position"]},
-                        "requests", report["requests"])
+    write_json_document(
+        report_path,
+        {"summary": report["summary"], "per_position": report["per_position"]},
+        "requests",
+        report["requests"],
+    )
     try:
         plot_divergence(report, plot_path)
         wrote = f"wrote {report_path} and {plot_path}"
@@ -126,20 +191,28 @@ def cmd_compare(args, out: TextIO) -> int:
         say(out, args.quiet, line)
     for fw in FRAMEWORKS:
         s = summaries[fw]
-        say(out, args.quiet, f"{fw}: {s['tokens']} tokens in {s['seconds']:.2f} s; exact reproduction "
-                             f"{s['exact_reproductions']}/{s['traced_requests']} traced requests")
+        say(
+            out,
+            args.quiet,
+            f"{fw}: {s['tokens']} tokens in {s['seconds']:.2f} s; exact reproduction "
+            f"{s['exact_reproductions']}/{s['traced_requests']} traced requests",
+        )
     say(out, args.quiet, wrote)
     status = 0
     failed = [fw for fw in FRAMEWORKS if summaries[fw]["exact_reproductions"] != summaries[fw]["traced_requests"]]
     if failed:
-        print(f"trace-replay compare: traced requests were not reproduced exactly by {', '.join(failed)}",
-              file=sys.stderr)
+        print(
+            f"trace-replay compare: traced requests were not reproduced exactly by {', '.join(failed)}", file=sys.stderr
+        )
         status = 1
     if args.max_k3 is not None:
         above = requests_above_k3(report, args.max_k3)
         if above:
-            print(f"trace-replay compare: {len(above)} requests have a k3 KL estimate above {args.max_k3:g}: "
-                  + ", ".join(f"{rid} ({k3:.3g})" for rid, k3 in above), file=sys.stderr)
+            print(
+                f"trace-replay compare: {len(above)} requests have a k3 KL estimate above {args.max_k3:g}: "
+                + ", ".join(f"{rid} ({k3:.3g})" for rid, k3 in above),
+                file=sys.stderr,
+            )
             status = 1
     return status
 
@@ -177,7 +250,7 @@ def _seed(text: str) -> int:
 
 def _device(text: str) -> str:
     try:
-        split_device(text)                   # the core's one device parser
+        split_device(text)  # the core's one device parser
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N (got {text!r})") from None
     return text
@@ -186,7 +259,8 @@ def _device(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trace-replay",
-        description="Replay recorded token traces through reference decode loops in PyTorch and JAX.")
+        description="Replay recorded token traces through reference decode loops in PyTorch and JAX.",
+    )
     parser.add_argument("--version", action="version", version=f"trace-replay {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,run,compare}")
     sub.required = True
@@ -194,52 +268,94 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p, *, max_batch: int, model: bool = True):
         p.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
-        p.add_argument("--max-batch", type=_positive, default=max_batch,
-                       help=f"decode slots: requests decoded together (default {max_batch})")
+        p.add_argument(
+            "--max-batch",
+            type=_positive,
+            default=max_batch,
+            help=f"decode slots: requests decoded together (default {max_batch})",
+        )
         p.add_argument("--seed", type=_seed, default=0, help="seed of the seeded model's weights (default 0)")
-        p.add_argument("--model", choices=names, default=None,
-                       help="model family with seeded weights of a small default config (default gpt2)")
+        p.add_argument(
+            "--model",
+            choices=names,
+            default=None,
+            help="model family with seeded weights of a small default config (default gpt2)",
+        )
         if model:
-            p.add_argument("--checkpoint", metavar="DIR",
-                           help="Hugging Face folder (config.json + model.safetensors or a sharded set with "
-                                "model.safetensors.index.json) instead of seeded weights; the family comes from "
-                                "its model_type")
-            p.add_argument("--dtype", choices=COMPUTE_DTYPES, default=None,
-                           help="compute dtype (default float32 on the CPU, bfloat16 on a GPU)")
-            p.add_argument("--temperature", type=_non_negative_float, default=0.0,
-                           help="sampling temperature of untraced requests (default 0: greedy)")
+            p.add_argument(
+                "--checkpoint",
+                metavar="DIR",
+                help="Hugging Face folder (config.json + model.safetensors or a sharded set with "
+                "model.safetensors.index.json) instead of seeded weights; the family comes from "
+                "its model_type",
+            )
+            p.add_argument(
+                "--dtype",
+                choices=COMPUTE_DTYPES,
+                default=None,
+                help="compute dtype (default float32 on the CPU, bfloat16 on a GPU)",
+            )
+            p.add_argument(
+                "--temperature",
+                type=_non_negative_float,
+                default=0.0,
+                help="sampling temperature of untraced requests (default 0: greedy)",
+            )
             p.add_argument("--sampling-seed", type=_seed, default=0, help="seed of the sampling noise (default 0)")
-        p.add_argument("--quiet", action="store_true", help="no progress bar; print nothing but errors"
-                       if model else "no progress bar; print only the summary and the checks")
+        p.add_argument(
+            "--quiet",
+            action="store_true",
+            help="no progress bar; print nothing but errors"
+            if model
+            else "no progress bar; print only the summary and the checks",
+        )
 
-    dm = sub.add_parser("demo", help="replay a built-in set of traces in both frameworks and check them",
-                        description="Run the torch and the JAX loop on a seeded small model with a built-in "
-                                    "set of requests (traced with the model's own continuation, traced with "
-                                    "random tokens, untraced; more requests than slots) and check that every "
-                                    "trace is reproduced exactly and untraced requests are left alone. With one "
-                                    "framework installed, runs that one.")
+    dm = sub.add_parser(
+        "demo",
+        help="replay a built-in set of traces in both frameworks and check them",
+        description="Run the torch and the JAX loop on a seeded small model with a built-in "
+        "set of requests (traced with the model's own continuation, traced with "
+        "random tokens, untraced; more requests than slots) and check that every "
+        "trace is reproduced exactly and untraced requests are left alone. With one "
+        "framework installed, runs that one.",
+    )
     common(dm, max_batch=4, model=False)
 
-    run = sub.add_parser("run", help="replay a trace file through one framework's decode loop",
-                         description="Replay every request of a trace file (JSON Lines) through the reference "
-                                     "decode loop of one framework and write per-token results and a summary.")
+    run = sub.add_parser(
+        "run",
+        help="replay a trace file through one framework's decode loop",
+        description="Replay every request of a trace file (JSON Lines) through the reference "
+        "decode loop of one framework and write per-token results and a summary.",
+    )
     run.add_argument("--framework", required=True, choices=FRAMEWORKS)
     run.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
     run.add_argument("--out", required=True, metavar="FILE", help="output file (JSON)")
     common(run, max_batch=8)
 
-    cmp = sub.add_parser("compare", help="run both frameworks on the same traces and compare logprobs",
-                         description="Run the torch and the JAX loop on the same requests and weights; report "
-                                     "per request and overall the |logprob| and |probability| differences, the "
-                                     "k3 KL estimate, the logprob correlation, argmax mismatches and the first "
-                                     "divergence (JSON) and plot the difference against position (PNG).")
+    cmp = sub.add_parser(
+        "compare",
+        help="run both frameworks on the same traces and compare logprobs",
+        description="Run the torch and the JAX loop on the same requests and weights; report "
+        "per request and overall the |logprob| and |probability| differences, the "
+        "k3 KL estimate, the logprob correlation, argmax mismatches and the first "
+        "divergence (JSON) and plot the difference against position (PNG).",
+    )
     cmp.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
-    cmp.add_argument("--out-dir", default=".", metavar="DIR",
-                     help="folder for compare_report.json and compare_divergence.png (default: .)")
+    cmp.add_argument(
+        "--out-dir",
+        default=".",
+        metavar="DIR",
+        help="folder for compare_report.json and compare_divergence.png (default: .)",
+    )
     cmp.add_argument("--report", metavar="FILE", help="report path (default: OUT_DIR/compare_report.json)")
     cmp.add_argument("--plot", metavar="FILE", help="plot path (default: OUT_DIR/compare_divergence.png)")
-    cmp.add_argument("--max-k3", type=_non_negative_float, default=None, metavar="X",
-                     help="exit 1 and list the requests whose k3 KL estimate is above X")
+    cmp.add_argument(
+        "--max-k3",
+        type=_non_negative_float,
+        default=None,
+        metavar="X",
+        help="exit 1 and list the requests whose k3 KL estimate is above X",
+    )
     common(cmp, max_batch=8)
     return parser
 
@@ -247,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 _COMMANDS = {"demo": demo.cmd_demo, "run": cmd_run, "compare": cmd_compare}
 
 
-def main(argv: Optional[Sequence[str]] = None, *, out: Optional[TextIO] = None) -> int:
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
     """Entry point of ``trace-replay``; returns the exit status (argparse exits with 2 on bad
     usage). ``out`` receives what would go to stdout (default ``sys.stdout``)."""
     args = build_parser().parse_args(argv)

@@ -20,7 +20,8 @@ positions' argmax differ; and the first divergent position (argmax or token, whi
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,43 +30,59 @@ from .records import RequestResult, TraceRequest
 __all__ = ["compare_results", "plot_divergence", "summary_lines", "mismatch_measures", "requests_above_k3"]
 
 
-def _first(mask: np.ndarray) -> Optional[int]:
+def _first(mask: np.ndarray) -> int | None:
     hits = np.flatnonzero(mask)
     return int(hits[0]) if hits.size else None
 
 
-def _num(x: float) -> Optional[float]:
+def _num(x: float) -> float | None:
     x = float(x)
     return x if math.isfinite(x) else None
 
 
-def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> Dict[str, Any]:
+def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> dict[str, Any]:
     """The mismatch measures of two logprob sequences of the same tokens (float64, equal length,
     finite entries only): ``mean/max_abs_logprob_diff``, ``mean/max_abs_prob_diff``, ``k3`` and
     ``pearson`` (None when undefined: no positions, or a constant sequence)."""
     d = lb - la
     if not d.size:
-        return {"mean_abs_logprob_diff": None, "max_abs_logprob_diff": None, "mean_abs_prob_diff": None,
-                "max_abs_prob_diff": None, "k3": None, "pearson": None}
+        return {
+            "mean_abs_logprob_diff": None,
+            "max_abs_logprob_diff": None,
+            "mean_abs_prob_diff": None,
+            "max_abs_prob_diff": None,
+            "k3": None,
+            "pearson": None,
+        }
     dp = np.abs(np.exp(lb) - np.exp(la))
     # exp(d) - 1 - d loses every digit for tiny d: expm1 keeps them
     k3 = np.expm1(d) - d
     pearson = None
     if d.size >= 2 and np.std(la) > 0 and np.std(lb) > 0:
         pearson = _num(np.corrcoef(la, lb)[0, 1])
-    return {"mean_abs_logprob_diff": _num(np.abs(d).mean()), "max_abs_logprob_diff": _num(np.abs(d).max()),
-            "mean_abs_prob_diff": _num(dp.mean()), "max_abs_prob_diff": _num(dp.max()), "k3": _num(k3.mean()),
-            "pearson": pearson}
+    return {
+        "mean_abs_logprob_diff": _num(np.abs(d).mean()),
+        "max_abs_logprob_diff": _num(np.abs(d).max()),
+        "mean_abs_prob_diff": _num(dp.mean()),
+        "max_abs_prob_diff": _num(dp.max()),
+        "k3": _num(k3.mean()),
+        "pearson": pearson,
+    }
 
 
-def requests_above_k3(report: Dict[str, Any], limit: float) -> List[tuple]:
+def requests_above_k3(report: dict[str, Any], limit: float) -> list[tuple]:
     """``[(id, k3)]`` of the requests of a :func:`compare_results` report whose k3 estimate is
     above ``limit``, in report order."""
     return [(r["id"], r["k3"]) for r in report["requests"] if r["k3"] is not None and r["k3"] > limit]
 
 
-def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult], b: Sequence[RequestResult], *,
-                    names: Sequence[str] = ("torch", "jax")) -> Dict[str, Any]:
+def compare_results(
+    requests: Sequence[TraceRequest],
+    a: Sequence[RequestResult],
+    b: Sequence[RequestResult],
+    *,
+    names: Sequence[str] = ("torch", "jax"),
+) -> dict[str, Any]:
     """The comparison report of runs ``a`` and ``b`` of ``requests`` (results in request order).
 
     Returns ``{"summary": ..., "per_position": [...], "requests": [...]}``: per request its
@@ -77,11 +94,11 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
     ``first_divergence``. Non-finite values are written as ``None``.
     """
     name_a, name_b = names
-    rows: List[Dict[str, Any]] = []
-    by_position: Dict[int, List[float]] = {}
-    all_diffs: List[np.ndarray] = []
-    pairs_a: List[np.ndarray] = []
-    pairs_b: List[np.ndarray] = []
+    rows: list[dict[str, Any]] = []
+    by_position: dict[int, list[float]] = {}
+    all_diffs: list[np.ndarray] = []
+    pairs_a: list[np.ndarray] = []
+    pairs_b: list[np.ndarray] = []
     rank_changes = argmax_mismatches = 0
     for req, ra, rb in zip(requests, a, b, strict=True):
         if not (ra.id == rb.id == req.id):
@@ -91,13 +108,13 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
         token_div = _first(ta != tb)
         if len(ra.tokens) != len(rb.tokens) and token_div is None:
             token_div = n
-        m = n if token_div is None else token_div + 1   # the diverging position itself still compares
+        m = n if token_div is None else token_div + 1  # the diverging position itself still compares
         la = np.asarray(ra.logprobs[:m], dtype=np.float64)
         lb = np.asarray(rb.logprobs[:m], dtype=np.float64)
         diff = lb - la
         valid = np.ones(m, dtype=bool)
         if token_div is not None and token_div < m:
-            valid[token_div:] = False   # different tokens: their logprobs are not the same quantity
+            valid[token_div:] = False  # different tokens: their logprobs are not the same quantity
             diff[token_div:] = np.nan
         argmax_div = _first(np.asarray(ra.argmax[:m]) != np.asarray(rb.argmax[:m]))
         ranks_a, ranks_b = np.asarray(ra.ranks[:m]), np.asarray(rb.ranks[:m])
@@ -112,33 +129,36 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
         firsts = [p for p in (argmax_div, token_div) if p is not None]
         for pos in np.flatnonzero(valid):
             by_position.setdefault(int(pos), []).append(float(abs(diff[pos])))
-        rows.append({
-            "id": req.id,
-            "traced": req.trace is not None,
-            "tokens": [int(t) for t in ta],
-            "compared_positions": int(valid.sum()),
-            "first_token_divergence": token_div,
-            "first_argmax_divergence": argmax_div,
-            **mismatch_measures(la[ok], lb[ok]),
-            "max_abs_logprob_diff": _num(absd.max()) if absd.size else None,
-            "argmax_mismatches": mismatched,
-            "first_divergence": min(firsts) if firsts else None,
-            "logprob_diff": [_num(d) for d in diff],
-            f"{name_a}_logprobs": [_num(x) for x in la],
-            f"{name_b}_logprobs": [_num(x) for x in lb],
-            f"{name_a}_argmax": [int(x) for x in ra.argmax[:m]],
-            f"{name_b}_argmax": [int(x) for x in rb.argmax[:m]],
-        })
+        rows.append(
+            {
+                "id": req.id,
+                "traced": req.trace is not None,
+                "tokens": [int(t) for t in ta],
+                "compared_positions": int(valid.sum()),
+                "first_token_divergence": token_div,
+                "first_argmax_divergence": argmax_div,
+                **mismatch_measures(la[ok], lb[ok]),
+                "max_abs_logprob_diff": _num(absd.max()) if absd.size else None,
+                "argmax_mismatches": mismatched,
+                "first_divergence": min(firsts) if firsts else None,
+                "logprob_diff": [_num(d) for d in diff],
+                f"{name_a}_logprobs": [_num(x) for x in la],
+                f"{name_b}_logprobs": [_num(x) for x in lb],
+                f"{name_a}_argmax": [int(x) for x in ra.argmax[:m]],
+                f"{name_b}_argmax": [int(x) for x in rb.argmax[:m]],
+            }
+        )
     flat = np.concatenate(all_diffs) if all_diffs else np.zeros(0)
     finite = flat[np.isfinite(flat)]
     argmax_divs = [r["first_argmax_divergence"] for r in rows if r["first_argmax_divergence"] is not None]
     token_divs = [r for r in rows if r["first_token_divergence"] is not None]
 
-    def stat(f) -> Optional[float]:
+    def stat(f) -> float | None:
         return _num(f(finite)) if finite.size else None
 
-    overall = mismatch_measures(np.concatenate(pairs_a) if pairs_a else np.zeros(0),
-                                np.concatenate(pairs_b) if pairs_b else np.zeros(0))
+    overall = mismatch_measures(
+        np.concatenate(pairs_a) if pairs_a else np.zeros(0), np.concatenate(pairs_b) if pairs_b else np.zeros(0)
+    )
     first_divs = [r["first_divergence"] for r in rows if r["first_divergence"] is not None]
     summary = {
         "frameworks": [name_a, name_b],
@@ -162,12 +182,19 @@ def compare_results(requests: Sequence[TraceRequest], a: Sequence[RequestResult]
         "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
         "untraced_requests_with_token_divergence": len(token_divs),
     }
-    per_position = [{"position": p, "n": len(v), "max_abs_logprob_diff": _num(max(v)),
-                     "mean_abs_logprob_diff": _num(sum(v) / len(v))} for p, v in sorted(by_position.items())]
+    per_position = [
+        {
+            "position": p,
+            "n": len(v),
+            "max_abs_logprob_diff": _num(max(v)),
+            "mean_abs_logprob_diff": _num(sum(v) / len(v)),
+        }
+        for p, v in sorted(by_position.items())
+    ]
     return {"summary": summary, "per_position": per_position, "requests": rows}
 
 
-def summary_lines(report: Dict[str, Any]) -> List[str]:
+def summary_lines(report: dict[str, Any]) -> list[str]:
     """A few readable lines of a :func:`compare_results` report."""
     s = report["summary"]
     a, b = s["frameworks"]
@@ -175,31 +202,46 @@ def summary_lines(report: Dict[str, Any]) -> List[str]:
     def g(x):
         return "n/a" if x is None else f"{x:.3g}"
 
-    lines = [(f"{a} vs {b}: {s['requests']} requests ({s['traced_requests']} traced), "
-              f"{s['compared_positions']} positions compared"),
-             (f"|logprob difference|: max {g(s['max_abs_logprob_diff'])}, mean {g(s['mean_abs_logprob_diff'])}, "
-              f"p50 {g(s['p50_abs_logprob_diff'])}, p99 {g(s['p99_abs_logprob_diff'])}, "
-              f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions"),
-             (f"|probability difference|: max {g(s['max_abs_prob_diff'])}, mean {g(s['mean_abs_prob_diff'])}; "
-              f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; "
-              f"argmax differs at {s['argmax_mismatches']} positions")]
+    lines = [
+        (
+            f"{a} vs {b}: {s['requests']} requests ({s['traced_requests']} traced), "
+            f"{s['compared_positions']} positions compared"
+        ),
+        (
+            f"|logprob difference|: max {g(s['max_abs_logprob_diff'])}, mean {g(s['mean_abs_logprob_diff'])}, "
+            f"p50 {g(s['p50_abs_logprob_diff'])}, p99 {g(s['p99_abs_logprob_diff'])}, "
+            f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions"
+        ),
+        (
+            f"|probability difference|: max {g(s['max_abs_prob_diff'])}, mean {g(s['mean_abs_prob_diff'])}; "
+            f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; "
+            f"argmax differs at {s['argmax_mismatches']} positions"
+        ),
+    ]
     if s["requests_with_argmax_divergence"]:
-        first = [(r["first_argmax_divergence"], r["id"]) for r in report["requests"]
-                 if r["first_argmax_divergence"] is not None]
+        first = [
+            (r["first_argmax_divergence"], r["id"])
+            for r in report["requests"]
+            if r["first_argmax_divergence"] is not None
+        ]
         pos, rid = min(first)
-        lines.append(f"argmax choices differ in {s['requests_with_argmax_divergence']} requests; "
-                     f"earliest at position {pos} (request {rid})")
+        lines.append(
+            f"argmax choices differ in {s['requests_with_argmax_divergence']} requests; "
+            f"earliest at position {pos} (request {rid})"
+        )
     else:
         lines.append("argmax choices agree at every compared position")
     if s["untraced_requests_with_token_divergence"]:
-        lines.append(f"{s['untraced_requests_with_token_divergence']} untraced requests decoded different tokens "
-                     "(compared up to that position)")
+        lines.append(
+            f"{s['untraced_requests_with_token_divergence']} untraced requests decoded different tokens "
+            "(compared up to that position)"
+        )
     if s["non_finite_differences"]:
         lines.append(f"{s['non_finite_differences']} positions had a non-finite logprob difference")
     return lines
 
 
-def plot_divergence(report: Dict[str, Any], path: str, *, title: Optional[str] = None) -> None:
+def plot_divergence(report: dict[str, Any], path: str, *, title: str | None = None) -> None:
     """Draw ``|logprob difference|`` against decode position into the PNG file ``path``
     (atomically): every compared token as a faint dot, the per-position maximum and mean as
     lines, and a marker at each request's first argmax divergence."""
@@ -207,7 +249,7 @@ def plot_divergence(report: Dict[str, Any], path: str, *, title: Optional[str] =
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .traces import atomic_write   # noqa: I001 - after matplotlib: a missing plot library writes nothing
+    from .traces import atomic_write  # noqa: I001 - after matplotlib: a missing plot library writes nothing
 
     a, b = report["summary"]["frameworks"]
     fig = Figure(figsize=(8, 4.5), dpi=100)
@@ -228,16 +270,20 @@ def plot_divergence(report: Dict[str, Any], path: str, *, title: Optional[str] =
         ax.plot(pos, [p["mean_abs_logprob_diff"] for p in per], color="tab:blue", label="mean over requests")
     divs = [r["first_argmax_divergence"] for r in report["requests"] if r["first_argmax_divergence"] is not None]
     for i, d in enumerate(sorted(set(divs))):
-        ax.axvline(d, color="tab:orange", linestyle="--", linewidth=1,
-                   label="first argmax divergence" if i == 0 else None)
+        ax.axvline(
+            d, color="tab:orange", linestyle="--", linewidth=1, label="first argmax divergence" if i == 0 else None
+        )
     # symlog: exact agreement (0) stays on the plot, small differences still spread out
     ax.set_yscale("symlog", linthresh=1e-9)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("decode position (tokens after the prompt)")
     ax.set_ylabel(f"|logprob {b} - logprob {a}|")
     s = report["summary"]
-    ax.set_title(title or f"{a} vs {b}: {s['requests']} requests, max |diff| "
-                          f"{'n/a' if s['max_abs_logprob_diff'] is None else format(s['max_abs_logprob_diff'], '.2g')}")
+    ax.set_title(
+        title
+        or f"{a} vs {b}: {s['requests']} requests, max |diff| "
+        f"{'n/a' if s['max_abs_logprob_diff'] is None else format(s['max_abs_logprob_diff'], '.2g')}"
+    )
     ax.grid(True, which="major", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=8)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
 
 from .compare import compare_results
 from .models import FRAMEWORKS, Family, FrameworkMissing, get_family
@@ -36,7 +37,7 @@ __all__ = ["builtin_requests", "run_demo", "report", "cmd_demo", "DemoResult", "
 KINDS = ("own", "random", "free")
 
 
-def builtin_requests(config: Any, *, n_per_kind: int = 4, seed: int = 1234) -> List[TraceRequest]:
+def builtin_requests(config: Any, *, n_per_kind: int = 4, seed: int = 1234) -> list[TraceRequest]:
     """The demo's requests, untraced (the ``own``/``random`` traces are filled in by
     :func:`run_demo`): ``n_per_kind`` of each kind, interleaved, prompts of 2-24 tokens,
     6-16 decoded tokens each. Fixed (the seed here is not the model's)."""
@@ -54,7 +55,7 @@ class Check:
     name: str
     passed: int
     total: int
-    failures: List[str]
+    failures: list[str]
 
     @property
     def ok(self) -> bool:
@@ -71,14 +72,14 @@ class DemoResult:
     device: str
     seed: int
     max_batch: int
-    requests: List[TraceRequest]
-    results: Dict[str, List[RequestResult]]
-    baseline: Dict[str, List[RequestResult]]
-    seconds: Dict[str, float]
-    comparison: Optional[dict]
-    checks: List[Check]
-    missing: Dict[str, str] = dataclasses.field(default_factory=dict)
-    family: Optional[Family] = None
+    requests: list[TraceRequest]
+    results: dict[str, list[RequestResult]]
+    baseline: dict[str, list[RequestResult]]
+    seconds: dict[str, float]
+    comparison: dict | None
+    checks: list[Check]
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)
+    family: Family | None = None
 
     @property
     def ok(self) -> bool:
@@ -89,13 +90,19 @@ def _kind(request: TraceRequest) -> str:
     return request.id.split("-", 1)[0]
 
 
-def _tokens(result: RequestResult) -> List[int]:
+def _tokens(result: RequestResult) -> list[int]:
     return [int(t) for t in result.tokens]
 
 
-def run_demo(*, device: str = "cpu", seed: int = 0, max_batch: int = 4,
-             loops: Optional[Mapping[str, Callable[..., List[RequestResult]]]] = None,
-             show_progress: Optional[bool] = False, model: str = "gpt2") -> DemoResult:
+def run_demo(
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    max_batch: int = 4,
+    loops: Mapping[str, Callable[..., list[RequestResult]]] | None = None,
+    show_progress: bool | None = False,
+    model: str = "gpt2",
+) -> DemoResult:
     """Run the demo and its checks; return everything (see :class:`DemoResult`).
 
     ``loops`` maps framework names to ``run_decode`` functions (default: the family ``model``'s
@@ -106,7 +113,7 @@ def run_demo(*, device: str = "cpu", seed: int = 0, max_batch: int = 4,
     family = get_family(model)
     config = family.default_config()
     weights = family.seeded_weights(config, seed)
-    missing: Dict[str, str] = {}
+    missing: dict[str, str] = {}
     if loops is None:
         loops = {}
         for fw in FRAMEWORKS:
@@ -121,8 +128,16 @@ def run_demo(*, device: str = "cpu", seed: int = 0, max_batch: int = 4,
     untraced = builtin_requests(config)
 
     def run(fw: str, requests: Sequence[TraceRequest]):
-        return replay_requests(fw, config, weights, requests, loop=loops[fw], device=device, max_batch=max_batch,
-                               show_progress=show_progress)
+        return replay_requests(
+            fw,
+            config,
+            weights,
+            requests,
+            loop=loops[fw],
+            device=device,
+            max_batch=max_batch,
+            show_progress=show_progress,
+        )
 
     baseline, results, seconds = {}, {}, {}
     for fw in names:
@@ -144,19 +159,29 @@ def run_demo(*, device: str = "cpu", seed: int = 0, max_batch: int = 4,
     checks = []
     for fw in names:
         traced = [(q, r) for q, r in zip(requests, results[fw], strict=True) if q.trace is not None]
-        bad = [f"{q.id}: tokens {_tokens(r)} != trace {list(q.trace)}" for q, r in traced
-               if _tokens(r) != list(q.trace) or not all(bool(f) for f in r.forced)]
-        checks.append(Check(f"{fw}: traced requests reproduced their traces exactly", len(traced) - len(bad),
-                            len(traced), bad))
+        bad = [
+            f"{q.id}: tokens {_tokens(r)} != trace {list(q.trace)}"
+            for q, r in traced
+            if _tokens(r) != list(q.trace) or not all(bool(f) for f in r.forced)
+        ]
+        checks.append(
+            Check(f"{fw}: traced requests reproduced their traces exactly", len(traced) - len(bad), len(traced), bad)
+        )
         free = [(q, r, b) for q, r, b in zip(requests, results[fw], baseline[fw], strict=True) if q.trace is None]
-        bad = [f"{q.id}: tokens {_tokens(r)} != {_tokens(b)} without traces" for q, r, b in free
-               if _tokens(r) != _tokens(b) or any(bool(f) for f in r.forced)]
-        checks.append(Check(f"{fw}: untraced requests equal a run without any traces", len(free) - len(bad),
-                            len(free), bad))
-    comparison = compare_results(requests, results[names[0]], results[names[1]], names=names[:2]) \
-        if len(names) >= 2 else None
-    return DemoResult(config, device, seed, max_batch, requests, results, baseline, seconds, comparison, checks,
-                      missing, family)
+        bad = [
+            f"{q.id}: tokens {_tokens(r)} != {_tokens(b)} without traces"
+            for q, r, b in free
+            if _tokens(r) != _tokens(b) or any(bool(f) for f in r.forced)
+        ]
+        checks.append(
+            Check(f"{fw}: untraced requests equal a run without any traces", len(free) - len(bad), len(free), bad)
+        )
+    comparison = (
+        compare_results(requests, results[names[0]], results[names[1]], names=names[:2]) if len(names) >= 2 else None
+    )
+    return DemoResult(
+        config, device, seed, max_batch, requests, results, baseline, seconds, comparison, checks, missing, family
+    )
 
 
 def _mean(values) -> float:
@@ -164,11 +189,11 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _g(x: Optional[float]) -> str:
+def _g(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1e}" if x else "0"
 
 
-def report(result: DemoResult, *, quiet: bool = False, out: Optional[TextIO] = None) -> None:
+def report(result: DemoResult, *, quiet: bool = False, out: TextIO | None = None) -> None:
     """Print the demo's summary to ``out`` (default stdout): unless ``quiet``, a header and one
     line per request; then per framework the totals, the agreement and the checks."""
     out = out if out is not None else sys.stdout
@@ -179,16 +204,22 @@ def report(result: DemoResult, *, quiet: bool = False, out: Optional[TextIO] = N
     for fw, why in result.missing.items():
         print(f"{fw}: missing, the demo runs {' and '.join(names)} only ({why})", file=out)
     if not quiet:
-        print(f"trace-replay demo: {family.label} with seeded weights (seed {result.seed}; "
-              f"{family.describe(c)}), {len(reqs)} requests on "
-              f"{result.max_batch} slots, device {result.device}", file=out)
-        print("own: traced with the model's own greedy continuation; random: traced with random tokens; "
-              "free: untraced", file=out)
+        print(
+            f"trace-replay demo: {family.label} with seeded weights (seed {result.seed}; "
+            f"{family.describe(c)}), {len(reqs)} requests on "
+            f"{result.max_batch} slots, device {result.device}",
+            file=out,
+        )
+        print(
+            "own: traced with the model's own greedy continuation; random: traced with random tokens; free: untraced",
+            file=out,
+        )
         print(file=out)
         fw_cell = "{:12s} {:>7s} {:>6s}   "
         head1 = f"{'':9s} {'':6s} {'':4s}  " + "".join(f"{fw:29s}" for fw in names)
         head2 = f"{'request':9s} {'prompt':>6s} {'new':>4s}  " + "".join(
-            fw_cell.format("result", "logprob", "rank") for _ in names)
+            fw_cell.format("result", "logprob", "rank") for _ in names
+        )
         rows = {r["id"]: r for r in result.comparison["requests"]} if result.comparison else {}
         if rows:
             head1 += f"{names[0]} vs {names[1]}"
@@ -216,21 +247,35 @@ def report(result: DemoResult, *, quiet: bool = False, out: Optional[TextIO] = N
         secs = result.seconds[fw]
         by_kind = []
         for kind in ("own", "random"):
-            pairs = [(lp, rk) for q, r in zip(reqs, res, strict=True) if _kind(q) == kind
-                     for lp, rk in zip(r.logprobs, r.ranks, strict=True)]
+            pairs = [
+                (lp, rk)
+                for q, r in zip(reqs, res, strict=True)
+                if _kind(q) == kind
+                for lp, rk in zip(r.logprobs, r.ranks, strict=True)
+            ]
             if pairs:
-                by_kind.append(f"{kind} traces mean logprob {_mean(p[0] for p in pairs):.2f}, "
-                               f"mean rank {_mean(p[1] for p in pairs):.1f}")
-        print(f"{fw}: {len(res)} requests, {tokens} tokens in {secs:.2f} s ({tokens / secs:.0f} tokens/s); "
-              + "; ".join(by_kind), file=out)
+                by_kind.append(
+                    f"{kind} traces mean logprob {_mean(p[0] for p in pairs):.2f}, "
+                    f"mean rank {_mean(p[1] for p in pairs):.1f}"
+                )
+        print(
+            f"{fw}: {len(res)} requests, {tokens} tokens in {secs:.2f} s ({tokens / secs:.0f} tokens/s); "
+            + "; ".join(by_kind),
+            file=out,
+        )
     if result.comparison:
         s = result.comparison["summary"]
         div = s["requests_with_argmax_divergence"]
-        print(f"{names[0]} vs {names[1]}: logprobs differ by at most {_g(s['max_abs_logprob_diff'])} (mean "
-              f"{_g(s['mean_abs_logprob_diff'])}) over {s['compared_positions']} tokens; "
-              + ("argmax choices agree everywhere" if not div else
-                 f"argmax choices differ in {div} requests (earliest at position {s['earliest_argmax_divergence']})"),
-              file=out)
+        print(
+            f"{names[0]} vs {names[1]}: logprobs differ by at most {_g(s['max_abs_logprob_diff'])} (mean "
+            f"{_g(s['mean_abs_logprob_diff'])}) over {s['compared_positions']} tokens; "
+            + (
+                "argmax choices agree everywhere"
+                if not div
+                else f"argmax choices differ in {div} requests (earliest at position {s['earliest_argmax_divergence']})"
+            ),
+            file=out,
+        )
     for check in result.checks:
         print(f"check: {check.name}: {check.passed}/{check.total} {'ok' if check.ok else 'FAILED'}", file=out)
         for failure in check.failures[:10]:
@@ -242,7 +287,12 @@ def cmd_demo(args, out: TextIO) -> int:
     """The ``demo`` subcommand: run, report, exit status 0 when every check passed, else 1."""
     for fw in FRAMEWORKS:
         check_device(fw, args.device)
-    result = run_demo(device=args.device, seed=args.seed, max_batch=args.max_batch,
-                      show_progress=False if args.quiet else None, model=args.model or "gpt2")
+    result = run_demo(
+        device=args.device,
+        seed=args.seed,
+        max_batch=args.max_batch,
+        show_progress=False if args.quiet else None,
+        model=args.model or "gpt2",
+    )
     report(result, quiet=args.quiet, out=out)
     return 0 if result.ok else 1

@@ -4,7 +4,6 @@ every model family and both frameworks)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
 
 import numpy as np
 
@@ -18,8 +17,8 @@ class TraceRequest:
     ``trace=None``, ``max_new_tokens`` freely decoded tokens."""
 
     id: str
-    prompt: Tuple[int, ...]
-    trace: Optional[Tuple[int, ...]] = None
+    prompt: tuple[int, ...]
+    trace: tuple[int, ...] | None = None
     max_new_tokens: int = 0
 
     @property

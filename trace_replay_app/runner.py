@@ -10,7 +10,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -20,9 +21,23 @@ from .models import Family, FrameworkMissing, RunDecode, get_family
 from .records import RequestResult, TraceRequest
 from .traces import TraceFileError, atomic_write, read_traces
 
-__all__ = ["CliError", "load_loop", "check_device", "load_model", "read_requests", "progress_bar", "replay_requests",
-           "reproduced", "result_to_json", "run_summary", "write_json_document", "check_out_path", "say",
-           "finite_or_none", "LOGPROBS_NOTE"]
+__all__ = [
+    "CliError",
+    "load_loop",
+    "check_device",
+    "load_model",
+    "read_requests",
+    "progress_bar",
+    "replay_requests",
+    "reproduced",
+    "result_to_json",
+    "run_summary",
+    "write_json_document",
+    "check_out_path",
+    "say",
+    "finite_or_none",
+    "LOGPROBS_NOTE",
+]
 
 LOGPROBS_NOTE = "raw logits (before temperature)"
 
@@ -48,16 +63,20 @@ def check_device(framework: str, device: str) -> None:
     except (TypeError, ValueError):
         if device == "cpu" or not (device == "cuda" or device.startswith("cuda:")):
             raise CliError(f"--device must be cpu, cuda or cuda:N (got {device!r})") from None
-        raise CliError(f"--device {device}: {framework} sees no CUDA device{'' if device == 'cuda' else ' ' + device}"
-                       "; use --device cpu") from None
+        raise CliError(
+            f"--device {device}: {framework} sees no CUDA device{'' if device == 'cuda' else ' ' + device}"
+            "; use --device cpu"
+        ) from None
 
 
-def load_model(model: Optional[str], checkpoint: Optional[str], seed: int
-               ) -> Tuple[Family, Any, Dict[str, Any], Dict[str, Any]]:
+def load_model(
+    model: str | None, checkpoint: str | None, seed: int
+) -> tuple[Family, Any, dict[str, Any], dict[str, Any]]:
     """``(family, config, weights, source)``: from the checkpoint folder if given (the family
     from its ``config.json``), else the family ``model`` (default ``gpt2``) with its small
     default config and seeded weights; ``source`` says where the weights came from."""
-    from .checkpoint import CheckpointError, load_checkpoint   # reads safetensors only when asked
+    from .checkpoint import CheckpointError, load_checkpoint  # reads safetensors only when asked
+
     if checkpoint is not None:
         try:
             family, config, weights = load_checkpoint(checkpoint)
@@ -74,7 +93,7 @@ def load_model(model: Optional[str], checkpoint: Optional[str], seed: int
     return family, config, family.seeded_weights(config, seed), {"source": "seeded", "seed": seed}
 
 
-def read_requests(path: str, config: Any) -> List[TraceRequest]:
+def read_requests(path: str, config: Any) -> list[TraceRequest]:
     """The trace file's requests, checked against ``config``; :class:`CliError` naming the file,
     line and field."""
     try:
@@ -85,8 +104,9 @@ def read_requests(path: str, config: Any) -> List[TraceRequest]:
         raise CliError(f"--traces {path}: cannot read ({exc.strerror or exc})") from None
 
 
-def progress_bar(total: int, label: str, *, enabled: Optional[bool] = None, stream: Optional[TextIO] = None,
-                 delay_s: float = 0.5) -> tqdm:
+def progress_bar(
+    total: int, label: str, *, enabled: bool | None = None, stream: TextIO | None = None, delay_s: float = 0.5
+) -> tqdm:
     """A tqdm bar counting ``total`` decoded tokens under ``label`` on ``stream`` (stderr). It
     draws only when ``enabled`` is true, or when it is None and the stream is a terminal; not
     before ``delay_s`` (short runs print nothing); it erases itself when closed."""
@@ -94,13 +114,31 @@ def progress_bar(total: int, label: str, *, enabled: Optional[bool] = None, stre
     if enabled is None:
         isatty = getattr(stream, "isatty", None)
         enabled = bool(isatty and isatty())
-    return tqdm(total=total, desc=label, unit="tok", file=stream, disable=not enabled, leave=False, delay=delay_s,
-                mininterval=0.1, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=label,
+        unit="tok",
+        file=stream,
+        disable=not enabled,
+        leave=False,
+        delay=delay_s,
+        mininterval=0.1,
+        dynamic_ncols=True,
+    )
 
 
-def replay_requests(framework: str, config: Any, weights: Mapping[str, Any], requests: Sequence[TraceRequest], *,
-                    loop: RunDecode, device: str = "cpu", max_batch: int = 8, show_progress: Optional[bool] = None,
-                    **decode: Any) -> Tuple[List[RequestResult], float]:
+def replay_requests(
+    framework: str,
+    config: Any,
+    weights: Mapping[str, Any],
+    requests: Sequence[TraceRequest],
+    *,
+    loop: RunDecode,
+    device: str = "cpu",
+    max_batch: int = 8,
+    show_progress: bool | None = None,
+    **decode: Any,
+) -> tuple[list[RequestResult], float]:
     """Run ``requests`` through ``loop`` (a family's ``run_decode`` of ``framework``); return the
     results (request order) and the wall-clock seconds of the call (weights upload, compilation
     and decoding). ``decode``: ``dtype``, ``temperature``, ``seed`` for the loop. A progress bar
@@ -115,32 +153,37 @@ def replay_requests(framework: str, config: Any, weights: Mapping[str, Any], req
     return list(results), seconds
 
 
-def finite_or_none(x) -> Optional[float]:
+def finite_or_none(x) -> float | None:
     """``float(x)``, or None when it is not finite (JSON has no NaN)."""
     x = float(x)
     return x if math.isfinite(x) else None
 
 
-def reproduced(request: TraceRequest, result: RequestResult) -> Optional[bool]:
+def reproduced(request: TraceRequest, result: RequestResult) -> bool | None:
     """Whether a traced request's tokens equal its trace (None for an untraced request)."""
     if request.trace is None:
         return None
     return [int(t) for t in result.tokens] == list(request.trace)
 
 
-def result_to_json(request: TraceRequest, result: RequestResult) -> Dict[str, Any]:
+def result_to_json(request: TraceRequest, result: RequestResult) -> dict[str, Any]:
     """One request of a ``run`` output file: ``id``, ``traced``, ``reproduced`` (traced
     requests: tokens equal the trace; null otherwise), ``prompt_len``, and per decoded token
     ``tokens``, ``forced``, ``logprobs`` (null where not finite), ``ranks``, ``argmax``."""
-    return {"id": request.id, "traced": request.trace is not None, "reproduced": reproduced(request, result),
-            "prompt_len": len(request.prompt),
-            "tokens": [int(t) for t in result.tokens], "forced": [bool(f) for f in result.forced],
-            "logprobs": [finite_or_none(x) for x in result.logprobs], "ranks": [int(r) for r in result.ranks],
-            "argmax": [int(a) for a in result.argmax]}
+    return {
+        "id": request.id,
+        "traced": request.trace is not None,
+        "reproduced": reproduced(request, result),
+        "prompt_len": len(request.prompt),
+        "tokens": [int(t) for t in result.tokens],
+        "forced": [bool(f) for f in result.forced],
+        "logprobs": [finite_or_none(x) for x in result.logprobs],
+        "ranks": [int(r) for r in result.ranks],
+        "argmax": [int(a) for a in result.argmax],
+    }
 
 
-def run_summary(requests: Sequence[TraceRequest], results: Sequence[RequestResult], seconds: float
-                ) -> Dict[str, Any]:
+def run_summary(requests: Sequence[TraceRequest], results: Sequence[RequestResult], seconds: float) -> dict[str, Any]:
     """Counts and rates of one run: requests, traced requests, tokens, forced tokens, seconds,
     tokens/s, exact reproductions (traced requests whose tokens equal their trace), and the
     mean logprob and rank of the forced tokens."""
@@ -148,15 +191,20 @@ def run_summary(requests: Sequence[TraceRequest], results: Sequence[RequestResul
     forced_lp = [float(lp) for r in results for lp, f in zip(r.logprobs, r.forced, strict=True) if f]
     forced_rank = [int(rk) for r in results for rk, f in zip(r.ranks, r.forced, strict=True) if f]
     traced = [(q, r) for q, r in zip(requests, results, strict=True) if q.trace is not None]
-    return {"requests": len(requests), "traced_requests": len(traced), "tokens": tokens,
-            "forced_tokens": len(forced_lp), "seconds": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else None,
-            "exact_reproductions": sum(bool(reproduced(q, r)) for q, r in traced),
-            "mean_forced_logprob": finite_or_none(sum(forced_lp) / len(forced_lp)) if forced_lp else None,
-            "mean_forced_rank": sum(forced_rank) / len(forced_rank) if forced_rank else None}
+    return {
+        "requests": len(requests),
+        "traced_requests": len(traced),
+        "tokens": tokens,
+        "forced_tokens": len(forced_lp),
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "exact_reproductions": sum(bool(reproduced(q, r)) for q, r in traced),
+        "mean_forced_logprob": finite_or_none(sum(forced_lp) / len(forced_lp)) if forced_lp else None,
+        "mean_forced_rank": sum(forced_rank) / len(forced_rank) if forced_rank else None,
+    }
 
 
-def write_json_document(path: str, head: Dict[str, Any], key: str, rows: Sequence[Dict[str, Any]]) -> None:
+def write_json_document(path: str, head: dict[str, Any], key: str, rows: Sequence[dict[str, Any]]) -> None:
     """``{**head, key: rows}`` as JSON with one row per line (atomically)."""
     with atomic_write(path) as f:
         f.write("{")
@@ -167,7 +215,7 @@ def write_json_document(path: str, head: Dict[str, Any], key: str, rows: Sequenc
         f.write("\n]}\n")
 
 
-def check_out_path(option: str, path: str, *, inputs: Sequence[Tuple[str, str]] = ()) -> None:
+def check_out_path(option: str, path: str, *, inputs: Sequence[tuple[str, str]] = ()) -> None:
     """:class:`CliError` unless ``path`` can be written: its folder exists, it is not a folder,
     and it is none of ``inputs`` (``(option, path)`` pairs: an output must not replace an input)."""
     folder = os.path.dirname(os.path.abspath(path))

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import numbers
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +34,16 @@ from trace_replay_core import split_device
 
 from .records import RequestResult, TraceRequest
 
-__all__ = ["Schedule", "plan", "check_run", "check_device", "check_sampling", "request_arrays", "collect_results",
-           "COMPUTE_DTYPES"]
+__all__ = [
+    "Schedule",
+    "plan",
+    "check_run",
+    "check_device",
+    "check_sampling",
+    "request_arrays",
+    "collect_results",
+    "COMPUTE_DTYPES",
+]
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
@@ -78,7 +87,7 @@ class Schedule:
         """Request ``i``'s entries of a ``[n_steps, max_batch, ...]`` per-step array, in decode order."""
         if self.slot[i] < 0:
             return per_step[:0, 0]
-        return per_step[self.start[i]:self.start[i] + self.new_tokens[i], self.slot[i]]
+        return per_step[self.start[i] : self.start[i] + self.new_tokens[i], self.slot[i]]
 
 
 def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
@@ -94,7 +103,7 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
         raise ValueError(f"new_tokens must be >= 0 (got {counts[counts < 0][0]})")
     slot = np.full(counts.size, -1, dtype=np.int32)
     start = np.full(counts.size, -1, dtype=np.int32)
-    free = [(0, s) for s in range(max_batch)]        # (step the slot is free from, slot): a heap
+    free = [(0, s) for s in range(max_batch)]  # (step the slot is free from, slot): a heap
     for i, n in enumerate(counts):
         if n == 0:
             continue
@@ -105,7 +114,7 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
     n_steps = int((start + counts).max(initial=0))
     idx_mapping = np.full((n_steps, max_batch), -1, dtype=np.int32)
     for i in np.nonzero(counts > 0)[0]:
-        idx_mapping[start[i]:start[i] + counts[i], slot[i]] = slot[i]
+        idx_mapping[start[i] : start[i] + counts[i], slot[i]] = slot[i]
     return Schedule(max_batch, slot, start, counts.astype(np.int32), idx_mapping)
 
 
@@ -144,15 +153,22 @@ def request_arrays(config: Any, requests: Sequence[TraceRequest]):
         if r.trace is not None:
             trace = _ids(r.trace, f"{who}: trace", config.vocab_size)
             if trace.size == 0:
-                raise ValueError(f"{who}: trace must hold at least one token (got an empty trace); "
-                                 f"use trace=None with max_new_tokens for free decoding")
-        elif isinstance(r.max_new_tokens, bool) or not isinstance(r.max_new_tokens, numbers.Integral) \
-                or r.max_new_tokens < 0:
+                raise ValueError(
+                    f"{who}: trace must hold at least one token (got an empty trace); "
+                    f"use trace=None with max_new_tokens for free decoding"
+                )
+        elif (
+            isinstance(r.max_new_tokens, bool)
+            or not isinstance(r.max_new_tokens, numbers.Integral)
+            or r.max_new_tokens < 0
+        ):
             raise ValueError(f"{who}: max_new_tokens must be an int >= 0 (got {r.max_new_tokens!r})")
         total = prompt.size + r.new_tokens
         if total > config.n_positions:
-            raise ValueError(f"{who}: prompt ({prompt.size} tokens) + {r.new_tokens} new tokens = {total} "
-                             f"exceeds config.n_positions={config.n_positions}")
+            raise ValueError(
+                f"{who}: prompt ({prompt.size} tokens) + {r.new_tokens} new tokens = {total} "
+                f"exceeds config.n_positions={config.n_positions}"
+            )
         prompts.append(prompt)
         traces.append(trace)
     return prompts, traces
@@ -164,7 +180,7 @@ def check_device(device: Any) -> None:
     if not isinstance(device, str):
         raise TypeError(f"device must be a str: 'cpu', 'cuda' or 'cuda:N' (got {type(device).__name__})")
     try:
-        split_device(device)                 # the core's one device parser
+        split_device(device)  # the core's one device parser
     except ValueError:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (got {device!r})") from None
 
@@ -175,17 +191,27 @@ def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:
     returns the temperature as a float. Host-only."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {dtype!r})")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
-            or not 0 <= float(temperature) < float("inf"):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not 0 <= float(temperature) < float("inf")
+    ):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy) (got {temperature!r})")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an int in [0, 2**63) (got {seed!r})")
     return float(temperature)
 
 
-def check_run(config: Any, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest],
-              max_batch: int, on_step: Optional[Any], *, config_type: type,
-              check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]):
+def check_run(
+    config: Any,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    max_batch: int,
+    on_step: Any | None,
+    *,
+    config_type: type,
+    check_weights: Callable[[Any, Mapping[str, np.ndarray]], None],
+):
     """Every check of a ``run_decode``'s arguments but ``device`` (see :func:`check_device`) and
     the sampling ones (see :func:`check_sampling`): ``config`` an instance of ``config_type``,
     ``weights`` passing the family's ``check_weights`` and floating-point; returns the
@@ -201,21 +227,22 @@ def check_run(config: Any, weights: Mapping[str, np.ndarray], requests: Sequence
     for name, value in weights.items():
         kind = np.asarray(value).dtype.kind
         if kind != "f":
-            raise ValueError(f"weights[{name!r}] must be a floating-point array (got dtype "
-                             f"{np.asarray(value).dtype})")
+            raise ValueError(f"weights[{name!r}] must be a floating-point array (got dtype {np.asarray(value).dtype})")
     if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
     if on_step is not None and not callable(on_step):
-        raise TypeError(f"on_step must be a callable taking the tokens decoded in a step, or None "
-                        f"(got {type(on_step).__name__})")
+        raise TypeError(
+            f"on_step must be a callable taking the tokens decoded in a step, or None (got {type(on_step).__name__})"
+        )
     return request_arrays(config, requests)
 
 
 _OUTPUT_DTYPES = {"tokens": np.int64, "argmax": np.int64, "logprobs": np.float32, "ranks": np.int64}
 
 
-def collect_results(requests: Sequence[TraceRequest], schedule: Schedule,
-                    outputs: Optional[Mapping[str, np.ndarray]]) -> List[RequestResult]:
+def collect_results(
+    requests: Sequence[TraceRequest], schedule: Schedule, outputs: Mapping[str, np.ndarray] | None
+) -> list[RequestResult]:
     """One :class:`RequestResult` per request, in request order, cut out of a loop's per-step
     host outputs ``[n_steps, max_batch]`` (``tokens``, ``argmax``, ``logprobs``, ``ranks``;
     ``None`` when the schedule has no step). ``forced`` is True for every token of a traced

@@ -28,12 +28,23 @@ import json
 import os
 import random
 import secrets
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from .records import TraceRequest
 
-__all__ = ["TraceFileError", "PROMPT_FIELDS", "TRACE_FIELDS", "read_traces", "parse_request", "check_request",
-           "request_to_json", "write_traces", "random_requests", "atomic_write"]
+__all__ = [
+    "TraceFileError",
+    "PROMPT_FIELDS",
+    "TRACE_FIELDS",
+    "read_traces",
+    "parse_request",
+    "check_request",
+    "request_to_json",
+    "write_traces",
+    "random_requests",
+    "atomic_write",
+]
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids")
 TRACE_FIELDS = ("trace", "trace_token_ids", "trace_decode_token_ids")
@@ -43,7 +54,7 @@ class TraceFileError(ValueError):
     """A trace file that cannot be used; ``path``, ``line`` (1-based, or None for the whole
     file) and ``field`` (or None) say where."""
 
-    def __init__(self, path: str, line: Optional[int], field: Optional[str], message: str):
+    def __init__(self, path: str, line: int | None, field: str | None, message: str):
         self.path, self.line, self.field, self.message = path, line, field, message
         where = str(path)
         if line is not None:
@@ -54,21 +65,22 @@ class TraceFileError(ValueError):
 
 
 class _FieldError(ValueError):
-    def __init__(self, field: Optional[str], message: str):
+    def __init__(self, field: str | None, message: str):
         super().__init__(message)
         self.field, self.message = field, message
 
 
-def _pick(obj: Dict[str, Any], names: Sequence[str]) -> Tuple[Optional[str], Any]:
+def _pick(obj: dict[str, Any], names: Sequence[str]) -> tuple[str | None, Any]:
     """The one field of ``names`` present (not null) in ``obj``: (name, value) or (None, None)."""
     present = [n for n in names if obj.get(n) is not None]
     if len(present) > 1:
-        raise _FieldError(present[1], f'give only one of {", ".join(present)} (both "{present[0]}" and '
-                                      f'"{present[1]}" are set)')
+        raise _FieldError(
+            present[1], f'give only one of {", ".join(present)} (both "{present[0]}" and "{present[1]}" are set)'
+        )
     return (present[0], obj[present[0]]) if present else (None, None)
 
 
-def _token_ids(field: str, value: Any) -> Tuple[int, ...]:
+def _token_ids(field: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise _FieldError(field, f"must be a list of token ids (got {type(value).__name__})")
     if not value:
@@ -104,17 +116,22 @@ def parse_request(obj: Any) -> TraceRequest:
         raise _FieldError("max_new_tokens", f"must be a positive integer (got {max_new!r})")
     if trace_field is None:
         if max_new is None:
-            raise _FieldError("max_new_tokens", f"missing: a request without a trace ({', '.join(TRACE_FIELDS)}) "
-                                                "must say how many tokens to decode")
+            raise _FieldError(
+                "max_new_tokens",
+                f"missing: a request without a trace ({', '.join(TRACE_FIELDS)}) must say how many tokens to decode",
+            )
         return TraceRequest(rid, prompt, None, max_new)
     trace = _token_ids(trace_field, trace)
     if max_new is not None and max_new != len(trace):
-        raise _FieldError("max_new_tokens", f"must equal the trace's length {len(trace)} or be left out "
-                                            f"(got {max_new}; a traced request decodes exactly its trace)")
+        raise _FieldError(
+            "max_new_tokens",
+            f"must equal the trace's length {len(trace)} or be left out "
+            f"(got {max_new}; a traced request decodes exactly its trace)",
+        )
     return TraceRequest(rid, prompt, trace, len(trace))
 
 
-def check_request(request: TraceRequest, config: Any, *, fields: Optional[Dict[str, str]] = None) -> None:
+def check_request(request: TraceRequest, config: Any, *, fields: dict[str, str] | None = None) -> None:
     """Raise ``ValueError`` (with ``field``) if ``request`` does not fit ``config``: a token id
     not below ``vocab_size``, or prompt + decoded tokens beyond ``n_positions``. ``fields`` maps
     ``"prompt"``/``"trace"`` to the names the file used."""
@@ -123,17 +140,21 @@ def check_request(request: TraceRequest, config: Any, *, fields: Optional[Dict[s
     for part, tokens in parts:
         for i, tok in enumerate(tokens):
             if tok >= config.vocab_size:
-                raise _FieldError(fields.get(part, part), f"token id {tok} at index {i} is not below the model's "
-                                                          f"vocab_size {config.vocab_size}")
+                raise _FieldError(
+                    fields.get(part, part),
+                    f"token id {tok} at index {i} is not below the model's vocab_size {config.vocab_size}",
+                )
     total = len(request.prompt) + request.new_tokens
     if total > config.n_positions:
         what = "trace" if request.trace is not None else "max_new_tokens"
-        raise _FieldError(fields.get(what, what),
-                          f"prompt ({len(request.prompt)}) + decoded tokens ({request.new_tokens}) = {total} "
-                          f"exceed the model's n_positions {config.n_positions}")
+        raise _FieldError(
+            fields.get(what, what),
+            f"prompt ({len(request.prompt)}) + decoded tokens ({request.new_tokens}) = {total} "
+            f"exceed the model's n_positions {config.n_positions}",
+        )
 
 
-def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
+def read_traces(path: str, config: Any | None = None) -> list[TraceRequest]:
     """Every request of the JSON Lines file ``path``, in file order; checked against ``config``
     (token ids below ``vocab_size``, lengths within ``n_positions``) when one is given.
 
@@ -142,17 +163,18 @@ def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
     nested too deeply or an integer literal too long for Python to read, duplicate ids and a
     file without requests), ``OSError`` if the file cannot be read.
     """
-    requests: List[TraceRequest] = []
-    first_line: Dict[str, int] = {}
+    requests: list[TraceRequest] = []
+    first_line: dict[str, int] = {}
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8):]
+                raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise TraceFileError(path, number, None, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                                                         f"{exc.start + 1})") from None
+                raise TraceFileError(
+                    path, number, None, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                ) from None
             if not text.strip():
                 continue
             try:
@@ -161,7 +183,7 @@ def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
                 raise TraceFileError(path, number, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
             except RecursionError:
                 raise TraceFileError(path, number, None, "not valid JSON here (nested too deeply to read)") from None
-            except ValueError as exc:     # an integer literal of more digits than Python converts
+            except ValueError as exc:  # an integer literal of more digits than Python converts
                 raise TraceFileError(path, number, None, f"not valid JSON here ({str(exc).split(';')[0]})") from None
             try:
                 request = parse_request(obj)
@@ -171,8 +193,9 @@ def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
             except _FieldError as exc:
                 raise TraceFileError(path, number, exc.field, exc.message) from None
             if request.id in first_line:
-                raise TraceFileError(path, number, "id", f"duplicate id {request.id!r} (first on line "
-                                                         f"{first_line[request.id]})")
+                raise TraceFileError(
+                    path, number, "id", f"duplicate id {request.id!r} (first on line {first_line[request.id]})"
+                )
             first_line[request.id] = number
             requests.append(request)
     if not requests:
@@ -180,10 +203,10 @@ def read_traces(path: str, config: Optional[Any] = None) -> List[TraceRequest]:
     return requests
 
 
-def request_to_json(request: TraceRequest) -> Dict[str, Any]:
+def request_to_json(request: TraceRequest) -> dict[str, Any]:
     """The trace-file object of ``request`` (``id``, ``prompt``, then ``trace`` or
     ``max_new_tokens``)."""
-    out: Dict[str, Any] = {"id": request.id, "prompt": [int(t) for t in request.prompt]}
+    out: dict[str, Any] = {"id": request.id, "prompt": [int(t) for t in request.prompt]}
     if request.trace is not None:
         out["trace"] = [int(t) for t in request.trace]
     else:
@@ -198,9 +221,16 @@ def write_traces(path: str, requests: Sequence[TraceRequest]) -> None:
             f.write(json.dumps(request_to_json(request), separators=(",", ":")) + "\n")
 
 
-def random_requests(config: Any, n: int, *, seed: int = 0, traced: float = 1.0,
-                    prompt_len: Tuple[int, int] = (1, 24), new_tokens: Tuple[int, int] = (1, 24),
-                    prefix: str = "r") -> List[TraceRequest]:
+def random_requests(
+    config: Any,
+    n: int,
+    *,
+    seed: int = 0,
+    traced: float = 1.0,
+    prompt_len: tuple[int, int] = (1, 24),
+    new_tokens: tuple[int, int] = (1, 24),
+    prefix: str = "r",
+) -> list[TraceRequest]:
     """``n`` requests of uniformly random token ids, for tests, smoke runs and benchmarks.
 
     Prompt lengths and decoded-token counts are drawn from the inclusive ranges given (clipped
@@ -211,7 +241,7 @@ def random_requests(config: Any, n: int, *, seed: int = 0, traced: float = 1.0,
     rng = random.Random(seed)
     order = list(range(n))
     rng.shuffle(order)
-    is_traced = set(order[:round(traced * n)])
+    is_traced = set(order[: round(traced * n)])
     out = []
     for i in range(n):
         p = rng.randint(*prompt_len)
@@ -219,8 +249,9 @@ def random_requests(config: Any, n: int, *, seed: int = 0, traced: float = 1.0,
         k = max(1, min(rng.randint(*new_tokens), config.n_positions - p))
         prompt = tuple(rng.randrange(config.vocab_size) for _ in range(p))
         if i in is_traced:
-            out.append(TraceRequest(f"{prefix}{i}", prompt, tuple(rng.randrange(config.vocab_size) for _ in range(k)),
-                                    k))
+            out.append(
+                TraceRequest(f"{prefix}{i}", prompt, tuple(rng.randrange(config.vocab_size) for _ in range(k)), k)
+            )
         else:
             out.append(TraceRequest(f"{prefix}{i}", prompt, None, k))
     return out

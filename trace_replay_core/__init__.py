@@ -26,8 +26,14 @@ from ._bound_cache import BoundCache
 from ._devices import default_device, parse_device, split_device
 from ._dlpack import ArrayView, as_view
 from ._dtypes import INDEX_DTYPES, LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
-from ._logprob import (MAX_VOCAB, TOPK_MAX, BoundLogprobRank, bind_logprob_rank, logprob_rank_workspace_bytes,
-                       token_logprob_rank)
+from ._logprob import (
+    MAX_VOCAB,
+    TOPK_MAX,
+    BoundLogprobRank,
+    bind_logprob_rank,
+    logprob_rank_workspace_bytes,
+    token_logprob_rank,
+)
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
 from .reference import greedy_argmax_reference, replay_reference, token_logprob_rank_reference

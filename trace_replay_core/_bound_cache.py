@@ -11,7 +11,8 @@ give. An entry keeps only pointers, never the arrays: old arrays must be free to
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 __all__ = ["BoundCache"]
 

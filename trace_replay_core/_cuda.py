@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Optional
 
 __all__ = [
     "CudaError",
@@ -32,9 +31,10 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call and the driver's error."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _driver():
     from cuda.bindings import driver
+
     return driver
 
 
@@ -62,17 +62,19 @@ def gpu_count() -> int:
         return 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compute_capability(device_id: int) -> tuple:
     """``(major, minor)`` of CUDA device ``device_id``. Host-only, cached."""
     cu = _driver()
     _check(cu.cuInit(0), "cuInit")
     device = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
     attr = cu.CUdevice_attribute
-    major = _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device),
-                   "cuDeviceGetAttribute")
-    minor = _check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device),
-                   "cuDeviceGetAttribute")
+    major = _check(
+        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute"
+    )
+    minor = _check(
+        cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute"
+    )
     return int(major), int(minor)
 
 
@@ -146,7 +148,9 @@ class PinnedAllocation:
     def numpy(self, dtype):
         """A numpy view of the whole allocation (host writes go straight into pinned memory)."""
         import ctypes
+
         import numpy as np
+
         buf = (ctypes.c_char * self.nbytes).from_address(self.ptr)
         return np.frombuffer(buf, dtype=dtype)
 
@@ -220,7 +224,7 @@ def create_stream() -> int:
     return int(_check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
 
 
-def destroy_stream(stream: Optional[int]) -> None:
+def destroy_stream(stream: int | None) -> None:
     if stream:
         _check(_driver().cuStreamDestroy(stream), "cuStreamDestroy")
 

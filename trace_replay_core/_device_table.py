@@ -16,8 +16,6 @@ launch (:mod:`.kernels.scatter`) on ``stream``. Replays are launches of
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import numpy as np
 
 from . import _cuda
@@ -33,7 +31,7 @@ def _no_launch(stream: int) -> None:
     return None
 
 
-def _ptr(view: Optional[ArrayView]) -> int:
+def _ptr(view: ArrayView | None) -> int:
     return 0 if view is None else view.ptr
 
 
@@ -41,16 +39,24 @@ class DeviceTable:
     """The table of one CUDA device. Not thread-safe on its own: :class:`~._table.TraceTable`
     serialises staging and commits with its lock; replays read no host state staging changes."""
 
-    def __init__(self, max_slots: int, max_trace_len: int, *, device_id: int, placement: str,
-                 staging_depth: int, staging_bytes: int):
+    def __init__(
+        self,
+        max_slots: int,
+        max_trace_len: int,
+        *,
+        device_id: int,
+        placement: str,
+        staging_depth: int,
+        staging_bytes: int,
+    ):
         self.device_id = device_id
         self.max_slots = max_slots
         self.max_trace_len = max_trace_len
         self.placement = placement
         self._closed = False
         self._table_dev = self._table_host = self._trace_len = None
-        self.ring: Optional[StagingRing] = None
-        self._scatter = None                             # the table's own scatter launcher, built on first commit
+        self.ring: StagingRing | None = None
+        self._scatter = None  # the table's own scatter launcher, built on first commit
         with _cuda.on_device(device_id):
             self._allocate(staging_depth, staging_bytes)
 
@@ -77,10 +83,10 @@ class DeviceTable:
             _cuda.destroy_stream(init_stream)
 
     # staging (the caller holds the table's lock) ----------------------------------------------
-    def stage(self, slot: int, tokens: np.ndarray, vocab_size: Optional[int]) -> None:
+    def stage(self, slot: int, tokens: np.ndarray, vocab_size: int | None) -> None:
         self.ring.entries().stage(slot, tokens, vocab_size)
 
-    def stage_many(self, slots: List[int], traces, vocab_size: Optional[int]) -> None:
+    def stage_many(self, slots: list[int], traces, vocab_size: int | None) -> None:
         self.ring.entries().stage_many(slots, traces, vocab_size)
 
     def clear(self, slot: int) -> None:
@@ -94,44 +100,92 @@ class DeviceTable:
             return
         with _cuda.on_device(self.device_id):  # any thread, any current device
             if _cuda.stream_is_capturing(stream):
-                raise RuntimeError("commit() cannot be captured into a CUDA graph: its staging data changes "
-                                   "every time; commit outside the graph, between replays")
+                raise RuntimeError(
+                    "commit() cannot be captured into a CUDA graph: its staging data changes "
+                    "every time; commit outside the graph, between replays"
+                )
             if self._scatter is None:
                 self._scatter = scatter_launcher(self.device_id)
-            launch, table_ptr, trace_len_ptr, stride = self._scatter, self.table_ptr, self.trace_len_ptr, \
-                self.max_trace_len
-            self.ring.commit(stream, lambda n, meta_ptr, tokens_ptr, longest: launch(
-                stream, n, longest, meta_ptr, tokens_ptr, table_ptr, trace_len_ptr, stride))
+            launch, table_ptr, trace_len_ptr, stride = (
+                self._scatter,
+                self.table_ptr,
+                self.trace_len_ptr,
+                self.max_trace_len,
+            )
+            self.ring.commit(
+                stream,
+                lambda n, meta_ptr, tokens_ptr, longest: launch(
+                    stream, n, longest, meta_ptr, tokens_ptr, table_ptr, trace_len_ptr, stride
+                ),
+            )
 
     # replay -------------------------------------------------------------------------------
-    def _kernel(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView],
-                prompt: Optional[ArrayView], step: Optional[ArrayView]):
+    def _kernel(
+        self,
+        sampled: ArrayView,
+        idx: ArrayView,
+        total: ArrayView | None,
+        prompt: ArrayView | None,
+        step: ArrayView | None,
+    ):
         if step is None:
             return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (total.dtype, prompt.dtype), None)
         return replay_compiled(self.device_id, sampled.dtype, idx.dtype, ("", ""), step.dtype)
 
-    def bind(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView], prompt: Optional[ArrayView],
-             step: Optional[ArrayView]):
+    def bind(
+        self,
+        sampled: ArrayView,
+        idx: ArrayView,
+        total: ArrayView | None,
+        prompt: ArrayView | None,
+        step: ArrayView | None,
+    ):
         """``launch(stream)`` replaying onto exactly these arrays (pointers fixed)."""
         kernel = self._kernel(sampled, idx, total, prompt, step)
         rows = sampled.shape[0]
         if rows == 0:
             return _no_launch
-        return bind_replay(kernel, rows=rows, sampled_ptr=sampled.ptr, idx_ptr=idx.ptr, total_ptr=_ptr(total),
-                           prompt_ptr=_ptr(prompt), step_ptr=_ptr(step), table_ptr=self.table_ptr,
-                           trace_len_ptr=self.trace_len_ptr, max_slots=self.max_slots,
-                           row_stride=self.max_trace_len)
+        return bind_replay(
+            kernel,
+            rows=rows,
+            sampled_ptr=sampled.ptr,
+            idx_ptr=idx.ptr,
+            total_ptr=_ptr(total),
+            prompt_ptr=_ptr(prompt),
+            step_ptr=_ptr(step),
+            table_ptr=self.table_ptr,
+            trace_len_ptr=self.trace_len_ptr,
+            max_slots=self.max_slots,
+            row_stride=self.max_trace_len,
+        )
 
-    def replay(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView], prompt: Optional[ArrayView],
-               step: Optional[ArrayView], stream: int) -> None:
+    def replay(
+        self,
+        sampled: ArrayView,
+        idx: ArrayView,
+        total: ArrayView | None,
+        prompt: ArrayView | None,
+        step: ArrayView | None,
+        stream: int,
+    ) -> None:
         # One launch: no parameter block to pack, unlike a bound replay.
         kernel = self._kernel(sampled, idx, total, prompt, step)
         rows = sampled.shape[0]
         if rows:
-            launch_replay(kernel, stream, rows=rows, sampled_ptr=sampled.ptr, idx_ptr=idx.ptr,
-                          total_ptr=_ptr(total), prompt_ptr=_ptr(prompt), step_ptr=_ptr(step),
-                          table_ptr=self.table_ptr, trace_len_ptr=self.trace_len_ptr, max_slots=self.max_slots,
-                          row_stride=self.max_trace_len)
+            launch_replay(
+                kernel,
+                stream,
+                rows=rows,
+                sampled_ptr=sampled.ptr,
+                idx_ptr=idx.ptr,
+                total_ptr=_ptr(total),
+                prompt_ptr=_ptr(prompt),
+                step_ptr=_ptr(step),
+                table_ptr=self.table_ptr,
+                trace_len_ptr=self.trace_len_ptr,
+                max_slots=self.max_slots,
+                row_stride=self.max_trace_len,
+            )
 
     # inspection ---------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -139,8 +193,14 @@ class DeviceTable:
             _cuda.synchronize_device()
 
     def device_views(self):
-        table = ArrayView(self.table_ptr, (self.max_slots, self.max_trace_len), (self.max_trace_len, 1), "int32",
-                          "cuda", self.device_id)
+        table = ArrayView(
+            self.table_ptr,
+            (self.max_slots, self.max_trace_len),
+            (self.max_trace_len, 1),
+            "int32",
+            "cuda",
+            self.device_id,
+        )
         lengths = ArrayView(self.trace_len_ptr, (self.max_slots,), (1,), "int32", "cuda", self.device_id)
         return table, lengths
 

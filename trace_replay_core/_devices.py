@@ -7,14 +7,14 @@ errors.
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 __all__ = ["parse_device", "split_device", "default_device"]
 
 _FORMS = "'cpu', 'cuda', 'cuda:N' or an int"
 
 
-def split_device(device: Any) -> Tuple[str, int]:
+def split_device(device: Any) -> tuple[str, int]:
     """``(kind, index)`` of a device name, without asking the driver: ``("cpu", 0)`` or
     ``("cuda", N)`` (``"cuda"`` is ``("cuda", 0)``). Raises ``TypeError``/``ValueError`` naming
     the value for anything else. Pure, host-only."""
@@ -47,14 +47,18 @@ def parse_device(device: Any) -> str:
     if kind == "cpu":
         return "cpu"
     from ._cuda import gpu_count
+
     count = gpu_count()
     if index >= count:
-        raise ValueError(f"device {device!r} is not available: this process sees {count} CUDA device(s); "
-                         f"use device='cpu' for the CPU backend")
+        raise ValueError(
+            f"device {device!r} is not available: this process sees {count} CUDA device(s); "
+            f"use device='cpu' for the CPU backend"
+        )
     return f"cuda:{index}"
 
 
 def default_device() -> str:
     """``"cuda:0"`` when a CUDA device is visible, else ``"cpu"``. Host-only."""
     from ._cuda import gpu_count
+
     return "cuda:0" if gpu_count() > 0 else "cpu"

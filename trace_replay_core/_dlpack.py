@@ -24,7 +24,8 @@ for its pending writes (``-1`` asks for no ordering at all).
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = [
     "ArrayView",
@@ -42,16 +43,34 @@ _KDL_CPU = 1
 _KDL_CUDA = 2
 _KDL_CUDA_HOST = 3
 _DEVICE_NAMES = {
-    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
-    11: "rocm_host", 13: "cuda_managed", 14: "oneapi",
+    1: "cpu",
+    2: "cuda",
+    3: "cuda_host",
+    4: "opencl",
+    7: "vulkan",
+    8: "metal",
+    9: "vpi",
+    10: "rocm",
+    11: "rocm_host",
+    13: "cuda_managed",
+    14: "oneapi",
 }
 
 # (code, bits) -> dtype name. DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
 _DTYPES = {
-    (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
-    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
-    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
-    (4, 16): "bfloat16", (6, 8): "bool",
+    (0, 8): "int8",
+    (0, 16): "int16",
+    (0, 32): "int32",
+    (0, 64): "int64",
+    (1, 8): "uint8",
+    (1, 16): "uint16",
+    (1, 32): "uint32",
+    (1, 64): "uint64",
+    (2, 16): "float16",
+    (2, 32): "float32",
+    (2, 64): "float64",
+    (4, 16): "bfloat16",
+    (6, 8): "bool",
 }
 ITEMSIZE = {name: bits // 8 for (_, bits), name in _DTYPES.items()}
 
@@ -131,11 +150,19 @@ class ArrayView:
     ``None``) is for callers that keep the memory alive themselves.
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id",
-                 "readonly", "keepalive")
+    __slots__ = ("ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id", "readonly", "keepalive")
 
-    def __init__(self, ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...], dtype: str,
-                 device_type: str, device_id: int, readonly: bool = False, keepalive: Any = None):
+    def __init__(
+        self,
+        ptr: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dtype: str,
+        device_type: str,
+        device_id: int,
+        readonly: bool = False,
+        keepalive: Any = None,
+    ):
         self.ptr = int(ptr)
         self.shape = tuple(int(s) for s in shape)
         self.strides = tuple(int(s) for s in strides)
@@ -220,11 +247,13 @@ class ArrayView:
         return _capsule_new(block, _EXPORT_NAME, None)
 
     def __repr__(self) -> str:
-        return (f"ArrayView(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, "
-                f"dtype={self.dtype}, device={self.device}, readonly={self.readonly})")
+        return (
+            f"ArrayView(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, "
+            f"dtype={self.dtype}, device={self.device}, readonly={self.readonly})"
+        )
 
 
-def _dlpack_stream_arg(device_type: int, stream: Optional[int]) -> Optional[int]:
+def _dlpack_stream_arg(device_type: int, stream: int | None) -> int | None:
     """The ``stream`` argument of the DLPack handshake for a producer on ``device_type``.
 
     CPU producers take ``None``. For CUDA, handle 0 (the legacy default stream) is spelled 1
@@ -235,7 +264,7 @@ def _dlpack_stream_arg(device_type: int, stream: Optional[int]) -> Optional[int]
     return 1 if stream == 0 else stream
 
 
-def _capsule_of(obj: Any, name: str, stream: Optional[int]):
+def _capsule_of(obj: Any, name: str, stream: int | None):
     try:
         dev_type, _ = obj.__dlpack_device__()
     except Exception as exc:  # noqa: BLE001 - re-raised with the argument named
@@ -252,7 +281,7 @@ def _capsule_of(obj: Any, name: str, stream: Optional[int]):
         return obj.__dlpack__(**kwargs)
 
 
-def as_view(obj: Any, *, name: str, stream: Optional[int] = None) -> ArrayView:
+def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     """Return an :class:`ArrayView` of ``obj`` (host-only; never blocks on the device).
 
     ``obj`` is an :class:`ArrayView` (returned as is) or any object implementing
@@ -263,8 +292,9 @@ def as_view(obj: Any, *, name: str, stream: Optional[int] = None) -> ArrayView:
     if isinstance(obj, ArrayView):
         return obj
     if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
-        raise TypeError(f"{name} must be an array supporting DLPack (__dlpack__ and __dlpack_device__); "
-                        f"got {type(obj).__name__}")
+        raise TypeError(
+            f"{name} must be an array supporting DLPack (__dlpack__ and __dlpack_device__); got {type(obj).__name__}"
+        )
     try:
         capsule = _capsule_of(obj, name, stream)
     except BufferError as exc:
@@ -272,8 +302,10 @@ def as_view(obj: Any, *, name: str, stream: Optional[int] = None) -> ArrayView:
     if _capsule_is_valid(capsule, _VERSIONED):
         managed = _DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, _VERSIONED))
         if managed.version.major > 1:
-            raise ValueError(f"{name} came as a DLPack {managed.version.major}.{managed.version.minor} "
-                             f"capsule; this library reads DLPack 1.x")
+            raise ValueError(
+                f"{name} came as a DLPack {managed.version.major}.{managed.version.minor} "
+                f"capsule; this library reads DLPack 1.x"
+            )
         readonly = bool(managed.flags & _FLAG_READ_ONLY)
     elif _capsule_is_valid(capsule, _UNVERSIONED):
         managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, _UNVERSIONED))
@@ -284,8 +316,9 @@ def as_view(obj: Any, *, name: str, stream: Optional[int] = None) -> ArrayView:
     code, bits, lanes = t.dtype.code, t.dtype.bits, t.dtype.lanes
     dtype = _DTYPES.get((code, bits))
     if dtype is None or lanes != 1:
-        raise TypeError(f"{name} has a DLPack dtype this library does not handle "
-                        f"(code={code}, bits={bits}, lanes={lanes})")
+        raise TypeError(
+            f"{name} has a DLPack dtype this library does not handle (code={code}, bits={bits}, lanes={lanes})"
+        )
     ndim = t.ndim
     shape = tuple(t.shape[i] for i in range(ndim))
     if t.strides:
@@ -307,9 +340,18 @@ def as_view(obj: Any, *, name: str, stream: Optional[int] = None) -> ArrayView:
     return ArrayView(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive=capsule)
 
 
-def check_view(view: ArrayView, *, name: str, dtypes: Iterable[str], device: Optional[str] = None,
-               ndim: Optional[int] = None, length: Optional[int] = None, min_length: Optional[int] = None,
-               writable: bool = False, contiguous: bool = True) -> ArrayView:
+def check_view(
+    view: ArrayView,
+    *,
+    name: str,
+    dtypes: Iterable[str],
+    device: str | None = None,
+    ndim: int | None = None,
+    length: int | None = None,
+    min_length: int | None = None,
+    writable: bool = False,
+    contiguous: bool = True,
+) -> ArrayView:
     """Validate ``view`` and raise with ``name`` and what was received; return it unchanged.
 
     ``device`` is ``"cpu"`` or ``"cuda:N"``; ``length``/``min_length`` apply to dimension 0.
@@ -326,11 +368,11 @@ def check_view(view: ArrayView, *, name: str, dtypes: Iterable[str], device: Opt
     if min_length is not None and view.shape[0] < min_length:
         raise ValueError(f"{name} must have at least {min_length} entries (got shape {list(view.shape)})")
     if contiguous and not view.is_c_contiguous:
-        raise ValueError(f"{name} must be contiguous (got shape {list(view.shape)} with element "
-                         f"strides {list(view.strides)})")
+        raise ValueError(
+            f"{name} must be contiguous (got shape {list(view.shape)} with element strides {list(view.strides)})"
+        )
     if writable and view.readonly:
         raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
     if view.size and view.ptr % view.itemsize:
-        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements "
-                         f"(got address 0x{view.ptr:x})")
+        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
     return view

@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from typing import Optional
 
 import numpy as np
 
@@ -38,7 +37,7 @@ __all__ = ["MIN_BYTES", "copy_max", "prepare", "status"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_copy.c")
 _FLAGS = ("-O3", "-shared", "-fPIC")
-_PORTABLE = "-DTRACE_REPLAY_PORTABLE"    # a retry without the x86-64 AVX2 path, for compilers that lack it
+_PORTABLE = "-DTRACE_REPLAY_PORTABLE"  # a retry without the x86-64 AVX2 path, for compilers that lack it
 _ENV_SWITCH = "TRACE_REPLAY_NATIVE_COPY"
 
 # Below this many bytes of output numpy is as fast or faster (H200 host, fresh source, staging
@@ -51,7 +50,7 @@ MIN_BYTES = 1 << 20
 _lock = threading.Lock()
 _prepared = False
 _status = "not prepared: no staging copy of MIN_BYTES or more yet (prepared at the first one)"
-_funcs: dict = {}        # source dtype -> entry point of the loaded, checked library; empty: numpy
+_funcs: dict = {}  # source dtype -> entry point of the loaded, checked library; empty: numpy
 
 
 def status() -> str:
@@ -70,8 +69,11 @@ def _cache_dir() -> str:
 def _build(cc: str, source: bytes, folder: str) -> str:
     """Path of the compiled library for this source, compiler and machine; compiled if absent.
     Raises ``RuntimeError`` naming the command when compiling fails."""
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(_FLAGS).encode(),
-                                     platform.system().encode(), platform.machine().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, cc.encode(), " ".join(_FLAGS).encode(), platform.system().encode(), platform.machine().encode()]
+        )
+    ).hexdigest()[:16]
     path = os.path.join(folder, f"host_copy-{key}.so")
     if os.path.exists(path):
         return path
@@ -84,7 +86,7 @@ def _build(cc: str, source: bytes, folder: str) -> str:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
-                os.replace(tmp, path)     # atomic: a process that races us loads one or the other
+                os.replace(tmp, path)  # atomic: a process that races us loads one or the other
                 return path
             errors.append(f"`{' '.join(cmd)}` exited {done.returncode}: {done.stderr.strip()[:300]}")
         finally:
@@ -102,7 +104,7 @@ def _load(path: str):
     return {np.dtype(np.int32): u32, np.dtype(np.uint32): u32, np.dtype(np.int64): u64, np.dtype(np.uint64): u64}
 
 
-def _self_check(funcs: dict) -> Optional[str]:
+def _self_check(funcs: dict) -> str | None:
     """Why the loaded library cannot be trusted, or ``None``: a strided block and a wide trace
     with negative ids, against numpy."""
     src = (np.arange(3 * 5001, dtype=np.int32).reshape(3, 5001) * 7919) % 150_000
@@ -114,8 +116,12 @@ def _self_check(funcs: dict) -> Optional[str]:
     wide = np.arange(1001, dtype=np.int64) * 104729 % 150_000
     wide[[3, 500, 997]] = [2**40 + 9, -1, 2**33]
     out = np.zeros(1003, dtype=np.uint32)
-    if _run(funcs, wide, out[1:1002]) != 2**64 - 1 or not np.array_equal(out[1:1002], wide.astype(np.uint32)) \
-            or out[0] or out[1002]:
+    if (
+        _run(funcs, wide, out[1:1002]) != 2**64 - 1
+        or not np.array_equal(out[1:1002], wide.astype(np.uint32))
+        or out[0]
+        or out[1002]
+    ):
         return "the compiled 64-bit copy failed its check against numpy"
     return None
 
@@ -144,7 +150,7 @@ def prepare() -> bool:
             path = _build(cc_path, source, _cache_dir())
             try:
                 funcs = _load(path)
-            except OSError:                 # a damaged build in the cache (cut short, say): once more
+            except OSError:  # a damaged build in the cache (cut short, say): once more
                 os.unlink(path)
                 path = _build(cc_path, source, _cache_dir())
                 funcs = _load(path)
@@ -158,7 +164,7 @@ def prepare() -> bool:
     return bool(_funcs)
 
 
-def _run(funcs: dict, arr: np.ndarray, out: np.ndarray) -> Optional[int]:
+def _run(funcs: dict, arr: np.ndarray, out: np.ndarray) -> int | None:
     fn = funcs.get(arr.dtype)
     if fn is None or out.dtype != np.uint32 or arr.shape != out.shape or not (arr.flags.aligned and out.flags.aligned):
         return None
@@ -173,12 +179,18 @@ def _run(funcs: dict, arr: np.ndarray, out: np.ndarray) -> Optional[int]:
         (s_row, s_col), (d_row, d_col) = arr.strides, out.strides
         if ((s_col != item or d_col != 4) and cols > 1) or s_row % item or d_row % 4:
             return None
-        return fn(out.__array_interface__["data"][0], d_row // 4, arr.__array_interface__["data"][0], s_row // item,
-                  rows, cols)
+        return fn(
+            out.__array_interface__["data"][0],
+            d_row // 4,
+            arr.__array_interface__["data"][0],
+            s_row // item,
+            rows,
+            cols,
+        )
     return None
 
 
-def copy_max(arr: np.ndarray, out: np.ndarray) -> Optional[int]:
+def copy_max(arr: np.ndarray, out: np.ndarray) -> int | None:
     """Copy ``arr`` into ``out`` and return the largest value read, as an unsigned integer of
     ``arr``'s width (a negative id reads as at least ``2**31`` or ``2**63``); or return ``None``,
     copying nothing, when the native copy is not loaded, ``out`` is smaller than
@@ -192,7 +204,7 @@ def copy_max(arr: np.ndarray, out: np.ndarray) -> Optional[int]:
     if out.size < MIN_BYTES // 4:
         return None
     if not _prepared:
-        prepare()                  # the first copy that needs it builds or loads the native code
+        prepare()  # the first copy that needs it builds or loads the native code
     if not _funcs:
         return None
     return _run(_funcs, arr, out)
@@ -204,7 +216,7 @@ def _entry_points(funcs: dict):
     entry points of another build, from ``_load``) inside the block, process-wide, then with the
     loaded library again. Not thread-safe: nothing else may stage meanwhile."""
     global _funcs
-    prepare()                      # so that no copy inside the block prepares (and replaces funcs)
+    prepare()  # so that no copy inside the block prepares (and replaces funcs)
     saved, _funcs = _funcs, funcs
     try:
         yield

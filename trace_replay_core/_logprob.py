@@ -29,9 +29,20 @@ from ._dlpack import CPU, ArrayView, as_view
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
 from ._numpy_backend import logprob_rank_numpy, numpy_of
 from ._streams import stream_handle
-from ._validate import (INT32_MAX, LOGPROB_MAX_VOCAB, LOGPROB_TOPK_MAX, check_disjoint, check_logits,
-                        check_temperature, check_temperature_values, check_token_ids, check_top_k,
-                        check_topk_outputs, check_view, check_workspace)
+from ._validate import (
+    INT32_MAX,
+    LOGPROB_MAX_VOCAB,
+    LOGPROB_TOPK_MAX,
+    check_disjoint,
+    check_logits,
+    check_temperature,
+    check_temperature_values,
+    check_token_ids,
+    check_top_k,
+    check_topk_outputs,
+    check_view,
+    check_workspace,
+)
 
 __all__ = [
     "token_logprob_rank",
@@ -57,14 +68,26 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     16 bytes. At vocab 151,936: about 268 bytes per row, 13.6 KiB per row with ``top_k = 20``.
     0 for an empty batch."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
+
     if batch <= 0:
         return 0
     return workspace_layout(batch, plan_logprob_rank(vocab, 2, top_k))[-1]
 
 
-def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ranks: Any, stream: Any,
-                       workspace: Any = None, temperature: Any = None, top_k: int = 0,
-                       out_topk_logprobs: Any = None, out_topk_ids: Any = None, out_argmax: Any = None) -> None:
+def token_logprob_rank(
+    logits: Any,
+    token_ids: Any,
+    *,
+    out_logprobs: Any,
+    out_ranks: Any,
+    stream: Any,
+    workspace: Any = None,
+    temperature: Any = None,
+    top_k: int = 0,
+    out_topk_logprobs: Any = None,
+    out_topk_ids: Any = None,
+    out_argmax: Any = None,
+) -> None:
     """Write the log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``
     (and, with ``top_k``, the row's ``top_k`` most likely tokens; with ``out_argmax``, the row's
     greedy token).
@@ -156,8 +179,19 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     the queued work has run. On the CPU backend the call computes before it returns. A rejected
     call (any exception from validation) writes nothing.
     """
-    checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
-                         out_topk_logprobs, out_topk_ids, out_argmax)
+    checked = _validated(
+        logits,
+        token_ids,
+        out_logprobs,
+        out_ranks,
+        stream,
+        workspace,
+        temperature,
+        top_k,
+        out_topk_logprobs,
+        out_topk_ids,
+        out_argmax,
+    )
     if checked is None:
         return
     views, args, dtypes, handle = checked
@@ -166,6 +200,7 @@ def token_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ra
     else:
         from . import _cuda
         from .kernels.logprob_rank import launch_logprob_rank
+
         device_id = views[0].device_id
         with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
             launch_logprob_rank(args, dtypes, device_id, handle)
@@ -201,10 +236,20 @@ class BoundLogprobRank:
             self._launch(handle)
 
 
-def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ranks: Any, stream: Any,
-                      workspace: Any = None, temperature: Any = None, top_k: int = 0,
-                      out_topk_logprobs: Any = None, out_topk_ids: Any = None,
-                      out_argmax: Any = None) -> BoundLogprobRank:
+def bind_logprob_rank(
+    logits: Any,
+    token_ids: Any,
+    *,
+    out_logprobs: Any,
+    out_ranks: Any,
+    stream: Any,
+    workspace: Any = None,
+    temperature: Any = None,
+    top_k: int = 0,
+    out_topk_logprobs: Any = None,
+    out_topk_ids: Any = None,
+    out_argmax: Any = None,
+) -> BoundLogprobRank:
     """Validate the arrays of a :func:`token_logprob_rank` call once and return a
     :class:`BoundLogprobRank` that repeats exactly that call.
 
@@ -218,8 +263,19 @@ def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ran
     it on the stream ends, and waits on the device for that kernel's writes before it reads
     anything; stream order is kept as for any launch.
     """
-    checked = _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
-                         out_topk_logprobs, out_topk_ids, out_argmax)
+    checked = _validated(
+        logits,
+        token_ids,
+        out_logprobs,
+        out_ranks,
+        stream,
+        workspace,
+        temperature,
+        top_k,
+        out_topk_logprobs,
+        out_topk_ids,
+        out_argmax,
+    )
     if checked is None:
         return BoundLogprobRank(None, ())
     views, args, dtypes, _ = checked
@@ -228,14 +284,26 @@ def bind_logprob_rank(logits: Any, token_ids: Any, *, out_logprobs: Any, out_ran
         return BoundLogprobRank(lambda _stream: logprob_rank_numpy(*views), kept)
     from . import _cuda
     from .kernels.logprob_rank import bind_logprob_rank_launch
+
     device_id = views[0].device_id
     with _cuda.on_device(device_id):
         launch = bind_logprob_rank_launch(args, dtypes, device_id)
     return BoundLogprobRank(launch, kept)
 
 
-def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, temperature, top_k,
-               out_topk_logprobs, out_topk_ids, out_argmax):
+def _validated(
+    logits,
+    token_ids,
+    out_logprobs,
+    out_ranks,
+    stream,
+    workspace,
+    temperature,
+    top_k,
+    out_topk_logprobs,
+    out_topk_ids,
+    out_argmax,
+):
     """Every check of a call: ``None`` when there is nothing to compute (empty batch), else
     ``(numpy backend arguments, kernel args or None, kernel dtypes or None, stream)``; the
     kernel args are None on the CPU backend."""
@@ -249,8 +317,9 @@ def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, te
     rkv = as_view(out_ranks, name="out_ranks", stream=handle)
     check_view(rkv, name="out_ranks", dtypes=RANK_DTYPES, device=device, ndim=1, length=batch, writable=True)
     top_k = check_top_k(top_k, vocab)
-    tlpv = as_view(out_topk_logprobs, name="out_topk_logprobs", stream=handle) if out_topk_logprobs is not None \
-        else None
+    tlpv = (
+        as_view(out_topk_logprobs, name="out_topk_logprobs", stream=handle) if out_topk_logprobs is not None else None
+    )
     tidv = as_view(out_topk_ids, name="out_topk_ids", stream=handle) if out_topk_ids is not None else None
     check_topk_outputs(tlpv, tidv, batch, top_k, device)
     amv = None
@@ -260,8 +329,16 @@ def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, te
     tv = None
     if temperature is not None:
         tv = check_temperature(as_view(temperature, name="temperature", stream=handle), batch, device)
-    named = [("out_logprobs", lpv), ("out_ranks", rkv), ("out_topk_logprobs", tlpv), ("out_topk_ids", tidv),
-             ("out_argmax", amv), ("logits", lv), ("token_ids", iv), ("temperature", tv)]
+    named = [
+        ("out_logprobs", lpv),
+        ("out_ranks", rkv),
+        ("out_topk_logprobs", tlpv),
+        ("out_topk_ids", tidv),
+        ("out_argmax", amv),
+        ("logits", lv),
+        ("token_ids", iv),
+        ("temperature", tv),
+    ]
     check_disjoint(named)
     if device == CPU:
         if workspace is not None:
@@ -274,24 +351,46 @@ def _validated(logits, token_ids, out_logprobs, out_ranks, stream, workspace, te
     need = logprob_rank_workspace_bytes(batch, vocab, top_k)
     if workspace is None:
         if need:
-            raise ValueError(f"workspace must be given on a GPU: this call needs {need} bytes of device scratch "
-                             f"(logprob_rank_workspace_bytes({batch}, {vocab}, {top_k}))")
+            raise ValueError(
+                f"workspace must be given on a GPU: this call needs {need} bytes of device scratch "
+                f"(logprob_rank_workspace_bytes({batch}, {vocab}, {top_k}))"
+            )
         return None
     wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
     check_disjoint([("workspace", wsv)] + named)
     if batch == 0:
         return None
     from .kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes, plan_logprob_rank
+
     n_chunks = plan_logprob_rank(vocab, 2, top_k).n_chunks
     if n_chunks * batch > INT32_MAX:
-        raise ValueError(f"logits has too many rows for one call (got shape {[batch, vocab]}; at most "
-                         f"{INT32_MAX // n_chunks} rows at this vocabulary)")
+        raise ValueError(
+            f"logits has too many rows for one call (got shape {[batch, vocab]}; at most "
+            f"{INT32_MAX // n_chunks} rows at this vocabulary)"
+        )
     # One row: its stride only tells the alignment of the layout (never used to address).
     row_stride = lv.strides[0] if 0 <= lv.strides[0] <= INT32_MAX else 0
-    args = LogprobRankArgs(lv.ptr, iv.ptr, tv.ptr if tv is not None else 0, lpv.ptr, rkv.ptr,
-                           tlpv.ptr if tlpv is not None else 0, tidv.ptr if tidv is not None else 0, wsv.ptr,
-                           batch, vocab, row_stride, top_k, amv.ptr if amv is not None else 0)
-    dtypes = LogprobRankDtypes(lv.dtype, iv.dtype, rkv.dtype, tidv.dtype if tidv is not None else "int32",
-                               amv.dtype if amv is not None else "int32")
+    args = LogprobRankArgs(
+        lv.ptr,
+        iv.ptr,
+        tv.ptr if tv is not None else 0,
+        lpv.ptr,
+        rkv.ptr,
+        tlpv.ptr if tlpv is not None else 0,
+        tidv.ptr if tidv is not None else 0,
+        wsv.ptr,
+        batch,
+        vocab,
+        row_stride,
+        top_k,
+        amv.ptr if amv is not None else 0,
+    )
+    dtypes = LogprobRankDtypes(
+        lv.dtype,
+        iv.dtype,
+        rkv.dtype,
+        tidv.dtype if tidv is not None else "int32",
+        amv.dtype if amv is not None else "int32",
+    )
     views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv, amv)
     return views, args, dtypes, handle

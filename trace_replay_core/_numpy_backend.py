@@ -13,7 +13,6 @@ a caller passes is validated and otherwise unused). The semantics are the kernel
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -32,8 +31,15 @@ def numpy_of(view: ArrayView) -> np.ndarray:
     return np.frombuffer(buf, dtype=view.dtype).reshape(view.shape)
 
 
-def replay_numpy(out: np.ndarray, slot: np.ndarray, table: np.ndarray, trace_len: np.ndarray,
-                 total: Optional[np.ndarray], prompt: Optional[np.ndarray], step: Optional[np.ndarray]) -> None:
+def replay_numpy(
+    out: np.ndarray,
+    slot: np.ndarray,
+    table: np.ndarray,
+    trace_len: np.ndarray,
+    total: np.ndarray | None,
+    prompt: np.ndarray | None,
+    step: np.ndarray | None,
+) -> None:
     """The replay kernel in numpy: write the trace token of each active row into ``out`` (1-D,
     in place). ``slot``: per-row slots; the step per slot from ``total - prompt``, or per row
     from ``step`` (the other two ``None``), as in :mod:`.kernels.replay`."""
@@ -58,17 +64,17 @@ class NumpyTable:
     def __init__(self, max_slots: int, max_trace_len: int):
         self.table = np.zeros((max_slots, max_trace_len), dtype=np.int32)
         self.trace_len = np.zeros(max_slots, dtype=np.int32)
-        self._staged: Dict[int, Optional[np.ndarray]] = {}
+        self._staged: dict[int, np.ndarray | None] = {}
 
     # staging -------------------------------------------------------------------------------
-    def stage(self, slot: int, tokens: np.ndarray, vocab_size: Optional[int]) -> None:
+    def stage(self, slot: int, tokens: np.ndarray, vocab_size: int | None) -> None:
         """Copy ``tokens`` (a :func:`~._validate.trace_array` result) and check its ids in one
         pass; the copy becomes the staged trace of ``slot`` only if they pass (else this raises)."""
         staged = np.empty(tokens.shape[0], dtype=np.uint32)
         copy_trace(tokens, staged, vocab_size=vocab_size)
         self._staged[slot] = staged.view(np.int32)
 
-    def stage_many(self, slots: List[int], traces, vocab_size: Optional[int]) -> None:
+    def stage_many(self, slots: list[int], traces, vocab_size: int | None) -> None:
         """``stage`` for each pair in order, recorded only once every trace has passed; a 2-D
         block is copied and checked in one pass."""
         if isinstance(traces, np.ndarray):
@@ -99,17 +105,37 @@ class NumpyTable:
         self._staged.clear()
 
     # replay --------------------------------------------------------------------------------
-    def bind(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView], prompt: Optional[ArrayView],
-             step: Optional[ArrayView]):
+    def bind(
+        self,
+        sampled: ArrayView,
+        idx: ArrayView,
+        total: ArrayView | None,
+        prompt: ArrayView | None,
+        step: ArrayView | None,
+    ):
         def launch(stream: int) -> None:
             self.replay(sampled, idx, total, prompt, step, stream)
+
         return launch
 
-    def replay(self, sampled: ArrayView, idx: ArrayView, total: Optional[ArrayView], prompt: Optional[ArrayView],
-               step: Optional[ArrayView], stream: int) -> None:
-        replay_numpy(numpy_of(sampled).reshape(-1), numpy_of(idx), self.table, self.trace_len,
-                     None if total is None else numpy_of(total), None if prompt is None else numpy_of(prompt),
-                     None if step is None else numpy_of(step))
+    def replay(
+        self,
+        sampled: ArrayView,
+        idx: ArrayView,
+        total: ArrayView | None,
+        prompt: ArrayView | None,
+        step: ArrayView | None,
+        stream: int,
+    ) -> None:
+        replay_numpy(
+            numpy_of(sampled).reshape(-1),
+            numpy_of(idx),
+            self.table,
+            self.trace_len,
+            None if total is None else numpy_of(total),
+            None if prompt is None else numpy_of(prompt),
+            None if step is None else numpy_of(step),
+        )
 
     # inspection ----------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -117,8 +143,10 @@ class NumpyTable:
 
     def device_views(self):
         def view(a):
-            return ArrayView(a.ctypes.data, a.shape, tuple(x // a.itemsize for x in a.strides), "int32", "cpu", 0,
-                             keepalive=a)
+            return ArrayView(
+                a.ctypes.data, a.shape, tuple(x // a.itemsize for x in a.strides), "int32", "cpu", 0, keepalive=a
+            )
+
         return view(self.table), view(self.trace_len)
 
     def snapshot(self):
@@ -132,7 +160,7 @@ class NumpyTable:
 # The numpy twin of kernels/logprob_rank.py: the same contract, float32 arithmetic, row by row
 # (every row's result depends on that row alone, whatever the batch).
 
-_LOGPROB_ROWS_ELEMENTS = 1 << 22   # logits converted to float32 per chunk of rows (16 MiB)
+_LOGPROB_ROWS_ELEMENTS = 1 << 22  # logits converted to float32 per chunk of rows (16 MiB)
 _KEY_PAD = np.int64(-(2**63))
 
 
@@ -143,8 +171,9 @@ def _strided_numpy(v: ArrayView) -> np.ndarray:
         return np.empty(v.shape, dtype=np_dtype)
     nbytes = (sum((n - 1) * s for n, s in zip(v.shape, v.strides)) + 1) * v.itemsize
     base = np.frombuffer((ctypes.c_char * nbytes).from_address(v.ptr), dtype=np_dtype)
-    return np.lib.stride_tricks.as_strided(base, shape=v.shape, strides=[s * v.itemsize for s in v.strides],
-                                           writeable=False)
+    return np.lib.stride_tricks.as_strided(
+        base, shape=v.shape, strides=[s * v.itemsize for s in v.strides], writeable=False
+    )
 
 
 def _logits_float32(block: np.ndarray, dtype: str) -> np.ndarray:
@@ -169,9 +198,17 @@ def topk_decode(keys: np.ndarray):
     return values, (~keys.astype(np.int32)).astype(np.int64)
 
 
-def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[ArrayView], out_lp: ArrayView,
-                       out_rank: ArrayView, topk_lp: Optional[ArrayView], topk_ids: Optional[ArrayView],
-                       top_k: int, out_argmax: Optional[ArrayView] = None) -> None:
+def logprob_rank_numpy(
+    logits: ArrayView,
+    ids: ArrayView,
+    temperature: ArrayView | None,
+    out_lp: ArrayView,
+    out_rank: ArrayView,
+    topk_lp: ArrayView | None,
+    topk_ids: ArrayView | None,
+    top_k: int,
+    out_argmax: ArrayView | None = None,
+) -> None:
     """``token_logprob_rank`` on host arrays (already validated), computed before it returns."""
     x_all = _strided_numpy(logits)
     ids_all = numpy_of(ids).reshape(-1)
@@ -189,21 +226,21 @@ def logprob_rank_numpy(logits: ArrayView, ids: ArrayView, temperature: Optional[
             if t_all is not None:
                 y = y / t_all[r0:r1, None]
             tok = ids_all[r0:r1].astype(np.int64)
-            m = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y))   # NaN skipped: it poisons the sum
-            if am_all is not None:        # the lowest id of the largest non-NaN y (all NaN: 0)
+            m = np.max(y, axis=1, initial=-np.inf, where=~np.isnan(y))  # NaN skipped: it poisons the sum
+            if am_all is not None:  # the lowest id of the largest non-NaN y (all NaN: 0)
                 greedy = np.argmax(y == m[:, None], axis=1)
                 am_all[r0:r1] = greedy
-                tok = np.where(tok < 0, greedy, tok)    # negative ids are scored as the greedy token
+                tok = np.where(tok < 0, greedy, tok)  # negative ids are scored as the greedy token
             valid = (tok >= 0) & (tok < vocab)
             chosen = np.where(valid, y[np.arange(r1 - r0), np.where(valid, tok, 0)], np.float32(np.nan))
             m_safe = np.where(m == -np.inf, np.float32(0), m).astype(np.float32)
-            total = np.exp(y - m_safe[:, None]).sum(axis=1)             # NaN or +inf in the row: NaN
-            lse = (m + np.log(total)).astype(np.float32)                 # all -inf: -inf (NaN logprob)
+            total = np.exp(y - m_safe[:, None]).sum(axis=1)  # NaN or +inf in the row: NaN
+            lse = (m + np.log(total)).astype(np.float32)  # all -inf: -inf (NaN logprob)
             lp_all[r0:r1] = np.where(valid, chosen - lse, np.float32(np.nan))
             rank_all[r0:r1] = np.where(valid, (y >= chosen[:, None]).sum(axis=1), -1)
             if top_k:
                 keys = topk_keys(y)
-                best = np.sort(np.partition(keys, vocab - top_k, axis=1)[:, vocab - top_k:], axis=1)[:, ::-1]
+                best = np.sort(np.partition(keys, vocab - top_k, axis=1)[:, vocab - top_k :], axis=1)[:, ::-1]
                 values, cols = topk_decode(best)
                 tlp_all[r0:r1] = np.where(cols < 0, np.float32(np.nan), values - lse[:, None])
                 tid_all[r0:r1] = cols

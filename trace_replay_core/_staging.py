@@ -15,24 +15,31 @@ Three pieces, each used by both backends and by the tests' interpreted double:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from itertools import chain, repeat
-from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import _cuda
 from ._host_copy import copy_max
-from ._validate import token_error, TOKEN_LIMIT
+from ._validate import TOKEN_LIMIT, token_error
 
-__all__ = ["copy_trace", "StagedEntries", "StagingRing", "META_FIELDS", "META_BYTES", "ALIGN_TOKENS",
-           "CHECK_CHUNK_BYTES"]
+__all__ = [
+    "copy_trace",
+    "StagedEntries",
+    "StagingRing",
+    "META_FIELDS",
+    "META_BYTES",
+    "ALIGN_TOKENS",
+    "CHECK_CHUNK_BYTES",
+]
 
-META_FIELDS = 3          # slot, length, offset (int64 each)
+META_FIELDS = 3  # slot, length, offset (int64 each)
 META_BYTES = META_FIELDS * 8
-ALIGN_TOKENS = 4         # each trace starts on a 16-byte boundary
+ALIGN_TOKENS = 4  # each trace starts on a 16-byte boundary
 
 _UINT64 = np.dtype(np.uint64)
-_INT32 = np.dtype(np.int32)          # native byte order only
+_INT32 = np.dtype(np.int32)  # native byte order only
 # A block of traces is copied and checked in pieces of about this many bytes, so that the check
 # reads what the copy just wrote from cache: 2 MiB (64 x 8K tokens) into pinned memory on the
 # H200's host took 238 and 332 us in 256 KiB pieces against 275 and 376 us whole (two runs,
@@ -56,7 +63,7 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
     numpy, with the same results.
     """
     limit = TOKEN_LIMIT if vocab_size is None else vocab_size
-    top = copy_max(arr, out)       # one pass in native code for large outputs; else None
+    top = copy_max(arr, out)  # one pass in native code for large outputs; else None
     if top is not None:
         if top < limit:
             return
@@ -76,17 +83,17 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
         # overhead); a block: max(), which argmax would first copy to contiguous memory, piece
         # by piece (CHECK_CHUNK_BYTES) while the piece is still in cache.
         if out.ndim == 1:
-            out[...] = arr      # memmove or a C cast, like np.copyto(casting="unsafe") without its dispatch
+            out[...] = arr  # memmove or a C cast, like np.copyto(casting="unsafe") without its dispatch
             if out[out.argmax()] < limit:
                 return
             bad = out
         else:
             rows = max(1, CHECK_CHUNK_BYTES // max(1, 4 * out.shape[1]))
             for start in range(0, out.shape[0], rows):
-                piece = out[start:start + rows]
-                piece[...] = arr[start:start + rows]
+                piece = out[start : start + rows]
+                piece[...] = arr[start : start + rows]
                 if piece.max() >= limit:
-                    bad = out[:start + rows]       # the first bad trace is in this piece
+                    bad = out[: start + rows]  # the first bad trace is in this piece
                     break
             else:
                 return
@@ -121,27 +128,27 @@ class StagedEntries:
     def __init__(self, tokens: np.ndarray, reserve: Callable[[int, int], None]):
         self.tokens = tokens
         self._reserve = reserve
-        self.entries: Dict[int, Tuple[int, int, int]] = {}   # slot -> (slot, length, token offset)
-        self.fill = 0                                       # tokens written so far
-        self.longest = 0                                    # an upper bound of the longest entry
+        self.entries: dict[int, tuple[int, int, int]] = {}  # slot -> (slot, length, token offset)
+        self.fill = 0  # tokens written so far
+        self.longest = 0  # an upper bound of the longest entry
 
     def bytes_needed(self, tokens_needed: int, new_entries: int = 1) -> int:
         return _round_up(tokens_needed * 4, 16) + (len(self.entries) + new_entries) * META_BYTES + 16
 
-    def stage(self, slot: int, tokens: np.ndarray, vocab_size: Optional[int]) -> None:
+    def stage(self, slot: int, tokens: np.ndarray, vocab_size: int | None) -> None:
         """Copy ``tokens`` (a :func:`~._validate.trace_array` result) after what is staged and
         check its ids in the same pass; record the entry only if they pass."""
         n = tokens.shape[0]
         start = self.fill
         end = start + n
-        if 4 * end + META_BYTES * len(self.entries) + 52 > self.tokens.nbytes:   # an upper bound of the need
+        if 4 * end + META_BYTES * len(self.entries) + 52 > self.tokens.nbytes:  # an upper bound of the need
             self._reserve(end, 1)
         copy_trace(tokens, self.tokens[start:end], vocab_size=vocab_size)
         self.entries[slot] = (slot, n, start)
         self.fill = (end + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
-        self.longest = max(self.longest, n)   # an upper bound (a restaged slot may shrink): sizes the grid
+        self.longest = max(self.longest, n)  # an upper bound (a restaged slot may shrink): sizes the grid
 
-    def stage_many(self, slots: List[int], traces, vocab_size: Optional[int]) -> None:
+    def stage_many(self, slots: list[int], traces, vocab_size: int | None) -> None:
         """Stage ``traces[i]`` for ``slots[i]``, in order, as one step: a 2-D block (one copy
         and one check for all of it; rows padded to 16 bytes) or a list of
         :func:`~._validate.trace_array` results. Entries are recorded only once every trace has
@@ -152,8 +159,9 @@ class StagedEntries:
             stride = (length + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
             end = start + rows * stride
             self._reserve(end, rows)
-            copy_trace(traces, self.tokens[start:end].reshape(rows, stride)[:, :length], vocab_size=vocab_size,
-                       name="traces")
+            copy_trace(
+                traces, self.tokens[start:end].reshape(rows, stride)[:, :length], vocab_size=vocab_size, name="traces"
+            )
             entries = zip(slots, repeat(length), range(start, end, stride))
             longest = length
         else:
@@ -163,11 +171,11 @@ class StagedEntries:
             entries = []
             at = start
             for i, (slot, tokens, n) in enumerate(zip(slots, traces, lengths)):
-                copy_trace(tokens, self.tokens[at:at + n], vocab_size=vocab_size, name=f"traces[{i}]")
+                copy_trace(tokens, self.tokens[at : at + n], vocab_size=vocab_size, name=f"traces[{i}]")
                 entries.append((slot, n, at))
                 at = (at + n + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
             longest = max(lengths, default=0)
-        self.entries.update(zip(slots, entries))     # a slot given twice keeps its last entry
+        self.entries.update(zip(slots, entries))  # a slot given twice keeps its last entry
         self.fill = end
         self.longest = max(self.longest, longest)
 
@@ -175,15 +183,19 @@ class StagedEntries:
         """Stage "no trace" for ``slot``: an entry of length 0."""
         self.entries[slot] = (slot, 0, 0)
 
-    def pack(self) -> Tuple[int, int, int]:
+    def pack(self) -> tuple[int, int, int]:
         """Append the entry table after the tokens; return ``(entries, meta byte offset, bytes
         used)``: the bytes to copy to the device, and where its scatter reads the entries."""
         self._reserve(self.fill, 0)
         meta_off = _round_up(self.fill * 4, 16)
         n = len(self.entries)
         # One pack_into for all entries: 64 entries cost ~7 us against ~60 us row by row in numpy.
-        struct.pack_into(f"<{n * META_FIELDS}q", memoryview(self.tokens).cast("B"), meta_off,
-                         *chain.from_iterable(self.entries.values()))
+        struct.pack_into(
+            f"<{n * META_FIELDS}q",
+            memoryview(self.tokens).cast("B"),
+            meta_off,
+            *chain.from_iterable(self.entries.values()),
+        )
         return n, meta_off, meta_off + n * META_BYTES
 
     def reset(self) -> None:
@@ -199,7 +211,7 @@ class _StagingPair:
         self.host = _cuda.PinnedAllocation(nbytes)
         self.device = _cuda.DeviceAllocation(nbytes)
         self.event = _cuda.Event()
-        self.tokens = self.host.numpy(np.uint32)         # where stage copies tokens (int32 ids, as uint32)
+        self.tokens = self.host.numpy(np.uint32)  # where stage copies tokens (int32 ids, as uint32)
 
     @property
     def nbytes(self) -> int:
@@ -235,7 +247,7 @@ class StagingRing:
 
     def __init__(self, device_id: int, depth: int, nbytes: int):
         self.device_id = device_id
-        self._pairs: List[_StagingPair] = []
+        self._pairs: list[_StagingPair] = []
         try:
             for _ in range(depth):
                 self._pairs.append(_StagingPair(nbytes))
@@ -243,7 +255,7 @@ class StagingRing:
             self.close()
             raise
         self._open = 0
-        self._prepared = False                            # the open pair's last commit has completed
+        self._prepared = False  # the open pair's last commit has completed
         self.guard_waits = 0
         self.staged = StagedEntries(self._pairs[0].tokens, self._reserve)
 
@@ -288,7 +300,7 @@ class StagingRing:
         self._prepared = False
 
     @property
-    def pairs(self) -> List[_StagingPair]:
+    def pairs(self) -> list[_StagingPair]:
         return self._pairs
 
     def close(self) -> None:

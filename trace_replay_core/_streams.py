@@ -15,11 +15,14 @@ def stream_handle(stream: Any, *, name: str = "stream") -> int:
     ``None`` is refused: every stream-ordered call names its stream.
     """
     if stream is None:
-        raise TypeError(f"{name} must be given explicitly: an int CUDA stream handle or an object with "
-                        f"__cuda_stream__ (got None); pass 0 for the legacy default stream")
+        raise TypeError(
+            f"{name} must be given explicitly: an int CUDA stream handle or an object with "
+            f"__cuda_stream__ (got None); pass 0 for the legacy default stream"
+        )
     if isinstance(stream, bool):
-        raise TypeError(f"{name} must be an int CUDA stream handle or an object with __cuda_stream__ "
-                        f"(got bool {stream!r})")
+        raise TypeError(
+            f"{name} must be an int CUDA stream handle or an object with __cuda_stream__ (got bool {stream!r})"
+        )
     if isinstance(stream, int):
         if stream < 0:
             raise ValueError(f"{name} must be a non-negative CUDA stream handle (got {stream})")
@@ -32,5 +35,6 @@ def stream_handle(stream: Any, *, name: str = "stream") -> int:
             return int(handle)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{name}.__cuda_stream__ must give (version, handle) (got {value!r})") from exc
-    raise TypeError(f"{name} must be an int CUDA stream handle or an object with __cuda_stream__ "
-                    f"(got {type(stream).__name__})")
+    raise TypeError(
+        f"{name} must be an int CUDA stream handle or an object with __cuda_stream__ (got {type(stream).__name__})"
+    )

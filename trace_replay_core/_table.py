@@ -8,7 +8,8 @@ committed in one stream-ordered batch; replay then overwrites sampled tokens on 
 from __future__ import annotations
 
 import threading
-from typing import Any, Hashable, Optional, Tuple
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
@@ -55,8 +56,17 @@ class TraceTable:
     compiler run, well under a second); smaller copies never need it.
     """
 
-    def __init__(self, max_slots: int, max_trace_len: int, *, device: Any, placement: str = "device",
-                 vocab_size: Optional[int] = None, staging_depth: int = 4, staging_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        max_slots: int,
+        max_trace_len: int,
+        *,
+        device: Any,
+        placement: str = "device",
+        vocab_size: int | None = None,
+        staging_depth: int = 4,
+        staging_bytes: int = 1 << 20,
+    ):
         self.max_slots = check_positive_int(max_slots, name="max_slots")
         self.max_trace_len = check_positive_int(max_trace_len, name="max_trace_len")
         if vocab_size is not None:
@@ -67,23 +77,31 @@ class TraceTable:
         staging_depth = check_positive_int(staging_depth, name="staging_depth", maximum=1024)
         staging_bytes = check_positive_int(staging_bytes, name="staging_bytes", maximum=2**40)
         if self.max_slots * self.max_trace_len >= 2**40:
-            raise ValueError(f"max_slots * max_trace_len must be below 2**40 tokens "
-                             f"(got {self.max_slots} * {self.max_trace_len})")
+            raise ValueError(
+                f"max_slots * max_trace_len must be below 2**40 tokens (got {self.max_slots} * {self.max_trace_len})"
+            )
         self.device = parse_device(device)
         self.placement = placement
         self._lock = threading.Lock()
         self._closed = False
         self._backend = None
-        self._lengths: Optional[Tuple[ArrayView, ArrayView]] = None   # bound total_len, prompt_len
-        self._replays = BoundCache(_REPLAY_CACHE_SIZE)                # caller key -> launch(stream)
+        self._lengths: tuple[ArrayView, ArrayView] | None = None  # bound total_len, prompt_len
+        self._replays = BoundCache(_REPLAY_CACHE_SIZE)  # caller key -> launch(stream)
         if self.device == "cpu":
             from ._numpy_backend import NumpyTable
+
             self._backend = NumpyTable(self.max_slots, self.max_trace_len)
         else:
             from ._device_table import DeviceTable
-            self._backend = DeviceTable(self.max_slots, self.max_trace_len, device_id=int(self.device[5:]),
-                                       placement=placement, staging_depth=staging_depth,
-                                       staging_bytes=max(64, staging_bytes + 15) // 16 * 16)
+
+            self._backend = DeviceTable(
+                self.max_slots,
+                self.max_trace_len,
+                device_id=int(self.device[5:]),
+                placement=placement,
+                staging_depth=staging_depth,
+                staging_bytes=max(64, staging_bytes + 15) // 16 * 16,
+            )
 
     # lifetime --------------------------------------------------------------------------------
     @property
@@ -106,7 +124,7 @@ class TraceTable:
             if self._backend is not None:
                 self._backend.close()
 
-    def __enter__(self) -> "TraceTable":
+    def __enter__(self) -> TraceTable:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -133,7 +151,7 @@ class TraceTable:
         replaces the earlier trace. A rejected call changes nothing.
         """
         if self._closed:
-            self._live()                              # raises
+            self._live()  # raises
         if type(slot) is not int or not 0 <= slot < self.max_slots:
             slot = check_slot(slot, self.max_slots)
         arr = trace_array(tokens, max_trace_len=self.max_trace_len)
@@ -158,7 +176,7 @@ class TraceTable:
         both positions). A rejected call changes nothing: no trace of it is staged.
         """
         if self._closed:
-            self._live()                              # raises
+            self._live()  # raises
         slots = check_slots(slots, self.max_slots)
         if distinct is not False:
             if distinct is not True:
@@ -167,13 +185,16 @@ class TraceTable:
         if isinstance(traces, (list, tuple)):
             if len(traces) != len(slots):
                 raise ValueError(f"traces has {len(traces)} traces but slots has {len(slots)} entries")
-            traces = [trace_array(t, max_trace_len=self.max_trace_len, name=f"traces[{i}]")
-                      for i, t in enumerate(traces)]
+            traces = [
+                trace_array(t, max_trace_len=self.max_trace_len, name=f"traces[{i}]") for i, t in enumerate(traces)
+            ]
         elif isinstance(traces, np.ndarray) or hasattr(traces, "__dlpack__"):
             traces = trace_block(traces, rows=len(slots), max_trace_len=self.max_trace_len)
         else:
-            raise TypeError(f"traces must be a 2-D integer array [traces, tokens] or a list of 1-D traces "
-                            f"(got {type(traces).__name__})")
+            raise TypeError(
+                f"traces must be a 2-D integer array [traces, tokens] or a list of 1-D traces "
+                f"(got {type(traces).__name__})"
+            )
         if not slots:
             return
         # The backend copies every trace into its staging memory, checking the ids on the way
@@ -213,22 +234,35 @@ class TraceTable:
     def _check_sampled(self, sampled: Any, handle: int) -> ArrayView:
         v = as_view(sampled, name="sampled", stream=handle)
         if v.ndim == 2 and v.shape[1] != 1:
-            raise ValueError(f"sampled has {v.shape[1]} tokens per row (shape {list(v.shape)}): speculative "
-                             f"decoding is not supported; replay takes exactly one token per request per step")
+            raise ValueError(
+                f"sampled has {v.shape[1]} tokens per row (shape {list(v.shape)}): speculative "
+                f"decoding is not supported; replay takes exactly one token per request per step"
+            )
         if v.ndim not in (1, 2):
             raise ValueError(f"sampled must be 1-D [batch] or [batch, 1] (got shape {list(v.shape)})")
         return check_view(v, name="sampled", dtypes=TOKEN_DTYPES, device=self.device, writable=True)
 
     def _check_rows(self, arr: Any, name: str, rows: int, handle: int) -> ArrayView:
-        return check_view(as_view(arr, name=name, stream=handle), name=name, dtypes=INDEX_DTYPES,
-                          device=self.device, ndim=1, length=rows)
+        return check_view(
+            as_view(arr, name=name, stream=handle),
+            name=name,
+            dtypes=INDEX_DTYPES,
+            device=self.device,
+            ndim=1,
+            length=rows,
+        )
 
     def _check_per_slot(self, arr: Any, name: str, handle: int) -> ArrayView:
-        return check_view(as_view(arr, name=name, stream=handle), name=name, dtypes=INDEX_DTYPES,
-                          device=self.device, ndim=1, min_length=self.max_slots)
+        return check_view(
+            as_view(arr, name=name, stream=handle),
+            name=name,
+            dtypes=INDEX_DTYPES,
+            device=self.device,
+            ndim=1,
+            min_length=self.max_slots,
+        )
 
-    def _check_replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any,
-                      handle: int):
+    def _check_replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any, handle: int):
         """Validated views ``(sampled, idx_mapping, total_len, prompt_len, step)`` of one replay:
         ``step`` None for the per-slot step, else ``total_len`` and ``prompt_len`` None."""
         s = self._check_sampled(sampled, handle)
@@ -240,8 +274,13 @@ class TraceTable:
             return s, idx, None, None, self._check_rows(step, "step", rows, handle)
         if total_len is None or prompt_len is None:
             raise ValueError("give both total_len and prompt_len (per slot), or step (per row)")
-        return (s, idx, self._check_per_slot(total_len, "total_len", handle),
-                self._check_per_slot(prompt_len, "prompt_len", handle), None)
+        return (
+            s,
+            idx,
+            self._check_per_slot(total_len, "total_len", handle),
+            self._check_per_slot(prompt_len, "prompt_len", handle),
+            None,
+        )
 
     def bind_lengths(self, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
         """Bind the per-slot length arrays that :meth:`replay_cached` reads: validated here,
@@ -254,8 +293,10 @@ class TraceTable:
         """
         handle = stream_handle(stream)
         self._live()
-        lengths = (self._check_per_slot(total_len, "total_len", handle),
-                   self._check_per_slot(prompt_len, "prompt_len", handle))
+        lengths = (
+            self._check_per_slot(total_len, "total_len", handle),
+            self._check_per_slot(prompt_len, "prompt_len", handle),
+        )
         with self._lock:
             self._replays.clear()
             self._lengths = lengths
@@ -287,8 +328,17 @@ class TraceTable:
         views = self._check_replay(sampled, idx_mapping, None, None, step, handle)
         self._live().replay(*views, handle)
 
-    def replay_cached(self, key: Hashable, sampled: Any, idx_mapping: Any, total_len: Any = None,
-                      prompt_len: Any = None, step: Any = None, *, stream: Any) -> None:
+    def replay_cached(
+        self,
+        key: Hashable,
+        sampled: Any,
+        idx_mapping: Any,
+        total_len: Any = None,
+        prompt_len: Any = None,
+        step: Any = None,
+        *,
+        stream: Any,
+    ) -> None:
         """The hot path of a decode loop: replay onto ``sampled``, launching the replay cached
         under ``key`` (stream-ordered, never blocks).
 
@@ -311,8 +361,9 @@ class TraceTable:
             launch = self._bind_cached(key, sampled, idx_mapping, total_len, prompt_len, step, handle)
         launch(handle)
 
-    def _bind_cached(self, key: Hashable, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any,
-                     step: Any, handle: int):
+    def _bind_cached(
+        self, key: Hashable, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any, handle: int
+    ):
         backend = self._live()
         if step is None and total_len is None and prompt_len is None:
             if self._lengths is None:
@@ -323,8 +374,16 @@ class TraceTable:
             self._live()
             return self._replays.bind(key, lambda: backend.bind(*views))
 
-    def bind_replay(self, sampled: Any, idx_mapping: Any, total_len: Any = None, prompt_len: Any = None,
-                    step: Any = None, *, stream: Any) -> "BoundReplay":
+    def bind_replay(
+        self,
+        sampled: Any,
+        idx_mapping: Any,
+        total_len: Any = None,
+        prompt_len: Any = None,
+        step: Any = None,
+        *,
+        stream: Any,
+    ) -> BoundReplay:
         """Validate the arrays once and return a :class:`BoundReplay` that replays onto them.
 
         For loops that reuse the same buffers every step (persistent input buffers, CUDA graphs):
@@ -341,7 +400,7 @@ class TraceTable:
         """Host-blocking: wait until all work queued on the table's device has finished."""
         self._live().synchronize()
 
-    def device_views(self) -> Tuple[ArrayView, ArrayView]:
+    def device_views(self) -> tuple[ArrayView, ArrayView]:
         """Views of the table (``[max_slots, max_trace_len]`` int32) and trace lengths
         (``[max_slots]`` int32) where replay reads them, for adapters that read them inside
         their own programs (e.g. JAX, through DLPack: the views export themselves zero-copy).
@@ -352,7 +411,7 @@ class TraceTable:
         """
         return self._live().device_views()
 
-    def snapshot(self) -> Tuple[np.ndarray, np.ndarray]:
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of (table, trace_len) as committed. Host-blocking (synchronises the device)."""
         return self._live().snapshot()
 

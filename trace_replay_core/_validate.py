@@ -10,16 +10,24 @@ of wrapping it.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
-__all__ = ["check_positive_int", "check_slot", "check_slots", "check_trace", "trace_array", "trace_block",
-           "token_error", "INT32_MAX", "TOKEN_LIMIT"]
+__all__ = [
+    "check_positive_int",
+    "check_slot",
+    "check_slots",
+    "check_trace",
+    "trace_array",
+    "trace_block",
+    "token_error",
+    "INT32_MAX",
+    "TOKEN_LIMIT",
+]
 
 INT32_MAX = 2**31 - 1
-TOKEN_LIMIT = INT32_MAX + 1     # token ids are stored as int32: without a vocabulary, below 2**31
-
+TOKEN_LIMIT = INT32_MAX + 1  # token ids are stored as int32: without a vocabulary, below 2**31
 
 
 def check_positive_int(value: Any, *, name: str, maximum: int = INT32_MAX) -> int:
@@ -64,8 +72,9 @@ def check_distinct_slots(slots: list, *, name: str = "slots") -> None:
     seen: dict = {}
     for i, slot in enumerate(slots):
         if slot in seen:
-            raise ValueError(f"{name} gives slot {slot} twice (positions {seen[slot]} and {i}): each request "
-                             f"takes its own slot")
+            raise ValueError(
+                f"{name} gives slot {slot} twice (positions {seen[slot]} and {i}): each request takes its own slot"
+            )
         seen[slot] = i
 
 
@@ -75,13 +84,16 @@ def _host_array(tokens: Any, name: str) -> np.ndarray:
     if hasattr(tokens, "__dlpack_device__"):
         dev_type = int(tokens.__dlpack_device__()[0])
         if dev_type not in (1, 3):  # kDLCPU, kDLCUDAHost
-            raise ValueError(f"{name} must be host data (a list, a numpy array or a CPU tensor); got an "
-                             f"array on a device (DLPack device type {dev_type}): copy it to the host first")
+            raise ValueError(
+                f"{name} must be host data (a list, a numpy array or a CPU tensor); got an "
+                f"array on a device (DLPack device type {dev_type}): copy it to the host first"
+            )
         return np.from_dlpack(tokens)
     if isinstance(tokens, (list, tuple, range)):
         return np.asarray(tokens)
-    raise TypeError(f"{name} must be a 1-D sequence of token ids (list, numpy array or CPU tensor); "
-                    f"got {type(tokens).__name__}")
+    raise TypeError(
+        f"{name} must be a 1-D sequence of token ids (list, numpy array or CPU tensor); got {type(tokens).__name__}"
+    )
 
 
 def trace_array(tokens: Any, *, max_trace_len: int, name: str = "tokens") -> np.ndarray:
@@ -109,8 +121,10 @@ def trace_block(tokens: Any, *, rows: int, max_trace_len: int, name: str = "trac
     looked at: :func:`copy_trace` checks them. The result may share memory with ``tokens``."""
     arr = tokens if type(tokens) is np.ndarray else _host_array(tokens, name)
     if arr.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D array [traces, tokens] or a list of 1-D traces "
-                         f"(got an array of shape {list(arr.shape)})")
+        raise ValueError(
+            f"{name} must be a 2-D array [traces, tokens] or a list of 1-D traces "
+            f"(got an array of shape {list(arr.shape)})"
+        )
     if arr.shape[0] != rows:
         raise ValueError(f"{name} has {arr.shape[0]} traces but slots has {rows} entries")
     if arr.dtype.kind not in "iu":
@@ -139,8 +153,7 @@ def token_error(values: np.ndarray, vocab_size: int | None, name: str) -> ValueE
     return ValueError(f"{name} must be below {what} (got {int(values[at])} at index {at})")
 
 
-def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: Optional[int],
-                name: str = "tokens") -> np.ndarray:
+def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: int | None, name: str = "tokens") -> np.ndarray:
     """Return ``tokens`` as a validated 1-D integer numpy array, or raise naming what is wrong.
 
     The result may share memory with ``tokens``: callers copy it into storage they own
@@ -178,32 +191,38 @@ def check_disjoint(named) -> None:
     """Refuse outputs that overlap each other or the inputs: ``named`` is (name, view) pairs."""
     spans = [(name, _span(v)) for name, v in named if v is not None and v.size]
     for i, (a, (alo, ahi)) in enumerate(spans):
-        for b, (blo, bhi) in spans[i + 1:]:
+        for b, (blo, bhi) in spans[i + 1 :]:
             if alo < bhi and blo < ahi:
-                raise ValueError(f"{a} and {b} overlap in memory ({a} at 0x{alo:x}..0x{ahi:x}, {b} at "
-                                 f"0x{blo:x}..0x{bhi:x}); the outputs must not alias the inputs or each other")
+                raise ValueError(
+                    f"{a} and {b} overlap in memory ({a} at 0x{alo:x}..0x{ahi:x}, {b} at "
+                    f"0x{blo:x}..0x{bhi:x}); the outputs must not alias the inputs or each other"
+                )
 
 
 def check_logits(v: ArrayView) -> ArrayView:
     check_view(v, name="logits", dtypes=LOGITS_DTYPES, ndim=2, contiguous=False)
     batch, vocab = v.shape
     if not 1 <= vocab <= LOGPROB_MAX_VOCAB:
-        raise ValueError(f"logits must have between 1 and {LOGPROB_MAX_VOCAB} columns (the vocabulary) "
-                         f"(got shape {list(v.shape)})")
+        raise ValueError(
+            f"logits must have between 1 and {LOGPROB_MAX_VOCAB} columns (the vocabulary) (got shape {list(v.shape)})"
+        )
     row_stride, col_stride = v.strides
     if batch and vocab > 1 and col_stride != 1:
-        raise ValueError(f"logits must be contiguous along the vocabulary (element stride 1 in dimension 1; "
-                         f"got shape {list(v.shape)} with element strides {list(v.strides)})")
+        raise ValueError(
+            f"logits must be contiguous along the vocabulary (element stride 1 in dimension 1; "
+            f"got shape {list(v.shape)} with element strides {list(v.strides)})"
+        )
     if batch > 1 and not 0 <= row_stride <= INT32_MAX:
-        raise ValueError(f"logits must have a row stride between 0 and {INT32_MAX} elements "
-                         f"(got shape {list(v.shape)} with element strides {list(v.strides)})")
+        raise ValueError(
+            f"logits must have a row stride between 0 and {INT32_MAX} elements "
+            f"(got shape {list(v.shape)} with element strides {list(v.strides)})"
+        )
     return v
 
 
 def check_token_ids(v: ArrayView, batch: int, device: str) -> ArrayView:
     if not (v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1)):
-        raise ValueError(f"token_ids must be 1-D [batch] or [batch, 1], one token per row "
-                         f"(got shape {list(v.shape)})")
+        raise ValueError(f"token_ids must be 1-D [batch] or [batch, 1], one token per row (got shape {list(v.shape)})")
     return check_view(v, name="token_ids", dtypes=TOKEN_DTYPES, device=device, length=batch)
 
 
@@ -212,13 +231,14 @@ def check_top_k(top_k: Any, vocab: int) -> int:
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     limit = min(LOGPROB_TOPK_MAX, vocab)
     if not 0 <= int(top_k) <= limit:
-        raise ValueError(f"top_k must be between 0 and {limit} (at most {LOGPROB_TOPK_MAX} and at most the "
-                         f"vocabulary, {vocab}) (got {top_k})")
+        raise ValueError(
+            f"top_k must be between 0 and {limit} (at most {LOGPROB_TOPK_MAX} and at most the "
+            f"vocabulary, {vocab}) (got {top_k})"
+        )
     return int(top_k)
 
 
-def check_topk_outputs(lp: Optional[ArrayView], ids: Optional[ArrayView], batch: int, top_k: int,
-                       device: str) -> None:
+def check_topk_outputs(lp: ArrayView | None, ids: ArrayView | None, batch: int, top_k: int, device: str) -> None:
     if top_k == 0:
         for name, v in (("out_topk_logprobs", lp), ("out_topk_ids", ids)):
             if v is not None:
@@ -240,8 +260,10 @@ def check_temperature_values(t: np.ndarray) -> None:
     """Host data only: every temperature finite and > 0 (device arrays are not read)."""
     bad = np.flatnonzero(~(np.isfinite(t) & (t > 0)))
     if bad.size:
-        raise ValueError(f"temperature must be finite and > 0 in every row (got {float(t[bad[0]])!r} in row {bad[0]}, "
-                         f"{bad.size} bad rows)")
+        raise ValueError(
+            f"temperature must be finite and > 0 in every row (got {float(t[bad[0]])!r} in row {bad[0]}, "
+            f"{bad.size} bad rows)"
+        )
 
 
 def check_workspace(v: ArrayView, device: str, need: int) -> ArrayView:
@@ -249,8 +271,10 @@ def check_workspace(v: ArrayView, device: str, need: int) -> ArrayView:
     check_view(v, name="workspace", dtypes=(v.dtype,), device=device, ndim=1, writable=True)
     nbytes = v.size * v.itemsize
     if nbytes < need:
-        raise ValueError(f"workspace must hold at least {need} bytes for this call (see "
-                         f"logprob_rank_workspace_bytes; got {nbytes} bytes, {v.describe()})")
+        raise ValueError(
+            f"workspace must hold at least {need} bytes for this call (see "
+            f"logprob_rank_workspace_bytes; got {nbytes} bytes, {v.describe()})"
+        )
     if v.ptr % 16:
         raise ValueError(f"workspace must be aligned to 16 bytes (got address 0x{v.ptr:x})")
     return v

@@ -6,17 +6,20 @@ is meant to be fast. All inputs are numpy arrays; nothing is modified; results a
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 __all__ = ["replay_reference", "token_logprob_rank_reference", "greedy_argmax_reference"]
 
 
-def replay_reference(sampled: np.ndarray, idx_mapping: np.ndarray, table: np.ndarray,
-                     trace_len: np.ndarray, total_len: Optional[np.ndarray] = None,
-                     prompt_len: Optional[np.ndarray] = None,
-                     step: Optional[np.ndarray] = None) -> np.ndarray:
+def replay_reference(
+    sampled: np.ndarray,
+    idx_mapping: np.ndarray,
+    table: np.ndarray,
+    trace_len: np.ndarray,
+    total_len: np.ndarray | None = None,
+    prompt_len: np.ndarray | None = None,
+    step: np.ndarray | None = None,
+) -> np.ndarray:
     """Return a copy of ``sampled`` with traced rows replaced by their trace token.
 
     ``table`` is ``[max_slots, max_trace_len]``, ``trace_len`` ``[max_slots]``. Give either
@@ -74,4 +77,4 @@ def greedy_argmax_reference(logits: np.ndarray) -> np.ndarray:
     :func:`token_logprob_rank_reference`)."""
     x = np.asarray(logits, dtype=np.float64)
     top = np.max(x, axis=1, initial=-np.inf, where=~np.isnan(x), keepdims=True)
-    return np.argmax(x == top, axis=1).astype(np.int64)       # the first entry equal to it; none: 0
+    return np.argmax(x == top, axis=1).astype(np.int64)  # the first entry equal to it; none: 0

@@ -43,11 +43,21 @@ variable.
 
 from .devices import resolve_device
 from .jnp_replay import ReplayTables, replay, replay_at_step
-from .logprob import (LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRankTopKArgmax,
-                      token_logprob_rank)
+from .logprob import LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRankTopKArgmax, token_logprob_rank
 from .sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "ReplayTables", "replay", "replay_at_step", "token_logprob_rank",
-           "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax", "LogprobRankTopKArgmax",
-           "token_logprob_rank_sharded", "token_logprob_rank_in_shard_map", "resolve_device"]
+__all__ = [
+    "TraceReplayState",
+    "ReplayTables",
+    "replay",
+    "replay_at_step",
+    "token_logprob_rank",
+    "LogprobRank",
+    "LogprobRankTopK",
+    "LogprobRankArgmax",
+    "LogprobRankTopKArgmax",
+    "token_logprob_rank_sharded",
+    "token_logprob_rank_in_shard_map",
+    "resolve_device",
+]

@@ -23,7 +23,8 @@ callback runs when the op is queued, not when the device reaches it.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,21 +48,22 @@ class XlaCommit:
     program there and is not read) queues one commit; stream-ordered, never blocks on the device.
     """
 
-    def __init__(self, table: Any, stream_of: Callable[[Any], int] = _xla_stream,
-                 activate: Optional[Callable[[], None]] = None):
+    def __init__(
+        self, table: Any, stream_of: Callable[[Any], int] = _xla_stream, activate: Callable[[], None] | None = None
+    ):
         self._table = table
         self._stream_of = stream_of
         self._activate = activate
         self._idle = threading.Event()
         self._idle.set()
-        self._error: Optional[BaseException] = None
-        self._token: Optional[jax.Array] = None
+        self._error: BaseException | None = None
+        self._token: jax.Array | None = None
         op = buffer_callback(self._callback, jax.ShapeDtypeStruct((), np.int32), has_side_effect=True)
         self._run = jax.jit(op)
 
     def _callback(self, ctx, out, anchor) -> None:
         if getattr(ctx, "stage", ExecutionStage.EXECUTE) != ExecutionStage.EXECUTE:
-            return                                       # only the execute stage queues work
+            return  # only the execute stage queues work
         try:
             if self._activate is not None:
                 self._activate()
@@ -78,7 +80,7 @@ class XlaCommit:
             token = self._token
             if token is not None and token.is_ready() and not self._idle.is_set():
                 self._idle.set()
-                token.block_until_ready()   # raises XLA's error for the program that never ran the op
+                token.block_until_ready()  # raises XLA's error for the program that never ran the op
                 raise RuntimeError("the commit queued by apply_staged_writes() finished without running")
         error, self._error = self._error, None
         if error is not None:

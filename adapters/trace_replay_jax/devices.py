@@ -8,7 +8,7 @@ traces, and hands out its tables as global arrays replicated over the whole mesh
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -29,7 +29,7 @@ def resolve_device(device: Any) -> jax.Device:
     if device is None:
         device = jax.devices()[0]
     elif isinstance(device, str):
-        try:                                 # the core's one device parser ("gpu" is JAX's name for cuda)
+        try:  # the core's one device parser ("gpu" is JAX's name for cuda)
             kind, ordinal = split_device("cuda" + device[3:] if device.startswith("gpu") else device)
         except ValueError:
             raise ValueError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None (got {device!r})") from None
@@ -37,20 +37,22 @@ def resolve_device(device: Any) -> jax.Device:
         try:
             devices = jax.devices(platform)
         except RuntimeError as exc:
-            raise ValueError(f"device {device!r} is not available: JAX has no {platform} backend here "
-                             f"({exc}); use device='cpu'") from exc
+            raise ValueError(
+                f"device {device!r} is not available: JAX has no {platform} backend here ({exc}); use device='cpu'"
+            ) from exc
         if kind == "cpu":
             device = devices[0]
         else:
             wanted = ordinal
             match = [d for d in devices if getattr(d, "local_hardware_id", d.id) == wanted]
             if not match:
-                raise ValueError(f"device {device!r} is not available: JAX sees CUDA devices "
-                                 f"{[getattr(d, 'local_hardware_id', d.id) for d in devices]}")
+                raise ValueError(
+                    f"device {device!r} is not available: JAX sees CUDA devices "
+                    f"{[getattr(d, 'local_hardware_id', d.id) for d in devices]}"
+                )
             device = match[0]
     elif not isinstance(device, jax.Device):
-        raise TypeError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None "
-                        f"(got {type(device).__name__})")
+        raise TypeError(f"device must be a jax.Device, 'cpu', 'cuda', 'cuda:N' or None (got {type(device).__name__})")
     _check_platform(device)
     return device
 
@@ -60,7 +62,7 @@ def _check_platform(device: jax.Device) -> None:
         raise ValueError(f"device must be a CPU or CUDA GPU device (got {device.platform} device {device})")
 
 
-def resolve_placement(device: Any, mesh: Any) -> Tuple[Tuple[jax.Device, ...], Optional[NamedSharding]]:
+def resolve_placement(device: Any, mesh: Any) -> tuple[tuple[jax.Device, ...], NamedSharding | None]:
     """``(devices, sharding)``: the local devices that get a core table, and the replicated
     sharding of the tables over ``mesh`` (``None`` for a single device)."""
     if mesh is None:

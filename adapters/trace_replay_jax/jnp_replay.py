@@ -72,25 +72,30 @@ def _check_int(x: Any, name: str, allowed=_INDEX_DTYPES) -> None:
     if dt not in allowed:
         hint = ""
         if name == "sampled" and dt.kind in "fc":
-            hint = ("; replay overwrites integer token ids and has no gradient: apply it to the "
-                    "sampler's token ids, outside jax.grad")
+            hint = (
+                "; replay overwrites integer token ids and has no gradient: apply it to the "
+                "sampler's token ids, outside jax.grad"
+            )
         raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)} (got {dt}){hint}")
 
 
 def _check_args(tables, sampled, idx_mapping, first, second, per_row: bool) -> int:
     table, trace_len = tables.table, tables.trace_len
     if _dtype(table, "tables.table") != np.int32 or np.ndim(table) != 2:
-        raise TypeError(f"tables.table must be a 2-D int32 array (got {_dtype(table, 'tables.table')}"
-                        f"{_shape(table)})")
+        raise TypeError(f"tables.table must be a 2-D int32 array (got {_dtype(table, 'tables.table')}{_shape(table)})")
     max_slots = np.shape(table)[0]
     if _dtype(trace_len, "tables.trace_len") != np.int32 or _shape(trace_len) != [max_slots]:
-        raise TypeError(f"tables.trace_len must be int32[{max_slots}] (got "
-                        f"{_dtype(trace_len, 'tables.trace_len')}{_shape(trace_len)})")
+        raise TypeError(
+            f"tables.trace_len must be int32[{max_slots}] (got "
+            f"{_dtype(trace_len, 'tables.trace_len')}{_shape(trace_len)})"
+        )
     _check_int(sampled, "sampled", _TOKEN_DTYPES)
     shape = _shape(sampled)
     if len(shape) == 2 and shape[1] != 1:
-        raise ValueError(f"sampled has {shape[1]} tokens per row (shape {shape}): speculative decoding is "
-                         f"not supported; replay takes exactly one token per request per step")
+        raise ValueError(
+            f"sampled has {shape[1]} tokens per row (shape {shape}): speculative decoding is "
+            f"not supported; replay takes exactly one token per request per step"
+        )
     if len(shape) not in (1, 2):
         raise ValueError(f"sampled must be 1-D [batch] or [batch, 1] (got shape {shape})")
     rows = shape[0]
@@ -105,8 +110,7 @@ def _check_args(tables, sampled, idx_mapping, first, second, per_row: bool) -> i
     for x, name in ((first, "total_len"), (second, "prompt_len")):
         _check_int(x, name)
         if np.ndim(x) != 1 or np.shape(x)[0] < max_slots:
-            raise ValueError(f"{name} must be 1-D with at least max_slots={max_slots} entries "
-                             f"(got shape {_shape(x)})")
+            raise ValueError(f"{name} must be 1-D with at least max_slots={max_slots} entries (got shape {_shape(x)})")
     return rows
 
 
@@ -138,7 +142,7 @@ def _rows(table, trace_len, sampled, idx_mapping, first, second):
         # so no wrap-around can turn an absurd pair of lengths into a valid step.
         step = total.astype(unsigned) - prompt.astype(unsigned)
         live = (trace_len > 0) & (total >= prompt) & (step < trace_len.astype(unsigned))
-        slot_step = jnp.where(live, step, -1).astype(jnp.int32)   # a live step is < trace_len: fits
+        slot_step = jnp.where(live, step, -1).astype(jnp.int32)  # a live step is < trace_len: fits
         step = _gather(slot_step, slot)
         ok = active & (step >= 0)
         step = jnp.maximum(step, 0)
@@ -146,9 +150,11 @@ def _rows(table, trace_len, sampled, idx_mapping, first, second):
     return jnp.where(ok, token.astype(flat.dtype), flat).reshape(sampled.shape)
 
 
-VMAP_MESSAGE = ("trace_replay_jax.replay does not support jax.vmap: it already replays a whole batch. "
-                "Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
-                "sampled and idx_mapping as [n * batch]), without vmap")
+VMAP_MESSAGE = (
+    "trace_replay_jax.replay does not support jax.vmap: it already replays a whole batch. "
+    "Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
+    "sampled and idx_mapping as [n * batch]), without vmap"
+)
 
 
 def _refuse_vmap(axis_size, in_batched, *args):
@@ -200,12 +206,14 @@ def _traced_rows(tables, sampled, idx_mapping, step, method="jnp"):
 def _eager(jitted, check):
     """``jitted`` for concrete arrays. Argument errors raised while JAX traces it carry JAX's
     traceback note; on failure the checks run again outside JAX to raise them plainly."""
+
     def call(table, trace_len, *args):
         try:
             return jitted(table, trace_len, *args)
         except (TypeError, ValueError):
             check(ReplayTables(table, trace_len), *args)
             raise
+
     return call
 
 
@@ -243,10 +251,12 @@ def _mode(tables, args) -> bool:
     if not traced:
         return False
     if not isinstance(tables.table, jax.core.Tracer) and not any(is_vmap_tracer(a) for a in traced):
-        raise ValueError("tables must be passed into the jitted function as an argument (got a concrete "
-                         "array while sampled/idx_mapping are traced): a closed-over table is compiled in "
-                         "as a constant and would miss later apply_staged_writes(); write "
-                         "jax.jit(step)(..., state.tables) and call replay(tables, ...) inside")
+        raise ValueError(
+            "tables must be passed into the jitted function as an argument (got a concrete "
+            "array while sampled/idx_mapping are traced): a closed-over table is compiled in "
+            "as a constant and would miss later apply_staged_writes(); write "
+            "jax.jit(step)(..., state.tables) and call replay(tables, ...) inside"
+        )
     return True
 
 

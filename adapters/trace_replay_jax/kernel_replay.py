@@ -36,14 +36,13 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
-from trace_replay_core import replay_reference
-from trace_replay_core import BoundCache
+from trace_replay_core import BoundCache, replay_reference
 
 __all__ = ["register_table", "unregister_table", "kernel_replay"]
 
@@ -51,7 +50,7 @@ _BOUND_CACHE_SIZE = 64
 _KDL_CPU = 1
 
 # (CUDA ordinal, table address) -> the core TraceTable that owns that memory.
-_TABLES: Dict[Tuple[int, int], "weakref.ReferenceType[Any]"] = {}
+_TABLES: dict[tuple[int, int], weakref.ReferenceType[Any]] = {}
 _TABLES_LOCK = threading.Lock()
 
 
@@ -74,9 +73,11 @@ def _owner(device_id: int, ptr: int) -> Any:
     ref = _TABLES.get((device_id, ptr))
     table = ref() if ref is not None else None
     if table is None or table.closed:
-        raise RuntimeError(f"replay(method='kernel') got a table at 0x{ptr:x} on cuda:{device_id} that no open "
-                           f"TraceReplayState owns: pass state.tables of an open state into the jitted function "
-                           f"(or use method='jnp', which reads any ReplayTables)")
+        raise RuntimeError(
+            f"replay(method='kernel') got a table at 0x{ptr:x} on cuda:{device_id} that no open "
+            f"TraceReplayState owns: pass state.tables of an open state into the jitted function "
+            f"(or use method='jnp', which reads any ReplayTables)"
+        )
     return table
 
 
@@ -84,11 +85,16 @@ def _cpu_replay(out, table, trace_len, sampled, idx, first, second) -> None:
     """Host buffers: the core's numpy replay, written into XLA's output buffer."""
     res = np.asarray(out)
     if second is None:
-        got = replay_reference(res, np.asarray(idx), np.asarray(table), np.asarray(trace_len),
-                               step=np.asarray(first))
+        got = replay_reference(res, np.asarray(idx), np.asarray(table), np.asarray(trace_len), step=np.asarray(first))
     else:
-        got = replay_reference(res, np.asarray(idx), np.asarray(table), np.asarray(trace_len),
-                               total_len=np.asarray(first), prompt_len=np.asarray(second))
+        got = replay_reference(
+            res,
+            np.asarray(idx),
+            np.asarray(table),
+            np.asarray(trace_len),
+            total_len=np.asarray(first),
+            prompt_len=np.asarray(second),
+        )
     res[...] = got
 
 
@@ -115,8 +121,7 @@ class _ReplayCallback:
         stream = int(ctx.stream)
         device_id = int(out.__dlpack_device__()[1])
         core = _owner(device_id, _address(table))
-        key = (id(core), _address(out), _address(idx), _address(first),
-               0 if second is None else _address(second))
+        key = (id(core), _address(out), _address(idx), _address(first), 0 if second is None else _address(second))
         if self._per_row:
             bound = self._bound.bind(key, lambda: core.bind_replay(out, idx, step=first, stream=stream))
         else:
@@ -124,12 +129,16 @@ class _ReplayCallback:
         bound(stream=stream)
 
 
-@functools.lru_cache(maxsize=None)
-def _op(out_shape: Tuple[int, ...], out_dtype: str, per_row: bool):
+@functools.cache
+def _op(out_shape: tuple[int, ...], out_dtype: str, per_row: bool):
     # Flattened inputs: table, trace_len, sampled, idx, first[, second]; sampled (index 2) is
     # aliased to the one output, which the kernel then overwrites row by row.
-    return buffer_callback(_ReplayCallback(per_row), jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype)),
-                           input_output_aliases={2: 0}, command_buffer_compatible=True)
+    return buffer_callback(
+        _ReplayCallback(per_row),
+        jax.ShapeDtypeStruct(out_shape, np.dtype(out_dtype)),
+        input_output_aliases={2: 0},
+        command_buffer_compatible=True,
+    )
 
 
 def kernel_replay(table, trace_len, sampled, idx_mapping, first, second):

@@ -31,35 +31,53 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
-from trace_replay_core import bind_logprob_rank
+from trace_replay_core import (
+    LOGITS_DTYPES,
+    MAX_VOCAB,
+    TOKEN_DTYPES,
+    TOPK_MAX,
+    BoundCache,
+    bind_logprob_rank,
+    logprob_rank_workspace_bytes,
+)
 from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
-from trace_replay_core import (LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX, BoundCache,
-                               logprob_rank_workspace_bytes)
 
 from .jnp_replay import is_vmap_tracer
 
-__all__ = ["token_logprob_rank", "METHODS", "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax",
-           "LogprobRankTopKArgmax"]
+__all__ = [
+    "token_logprob_rank",
+    "METHODS",
+    "LogprobRank",
+    "LogprobRankTopK",
+    "LogprobRankArgmax",
+    "LogprobRankTopKArgmax",
+]
 
 METHODS = ("kernel", "jnp")
 _TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
 
-_VMAP_MESSAGE = ("trace_replay_jax.token_logprob_rank does not support jax.vmap: it already takes a whole "
-                 "batch. Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
-                 "logits as [n * batch, vocab], token_ids as [n * batch]), without vmap")
-_GRAD_MESSAGE = ("token_logprob_rank(method='kernel') has no gradient: use method='jnp', which is "
-                 "differentiable in logits (ranks are integers and have none), or jax.nn.log_softmax")
+_VMAP_MESSAGE = (
+    "trace_replay_jax.token_logprob_rank does not support jax.vmap: it already takes a whole "
+    "batch. Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
+    "logits as [n * batch, vocab], token_ids as [n * batch]), without vmap"
+)
+_GRAD_MESSAGE = (
+    "token_logprob_rank(method='kernel') has no gradient: use method='jnp', which is "
+    "differentiable in logits (ranks are integers and have none), or jax.nn.log_softmax"
+)
 
 
 class LogprobRank(NamedTuple):
     """``token_logprob_rank``'s result without top-k (a pytree): unpacks as ``logprobs, ranks``."""
+
     logprobs: jax.Array
     ranks: jax.Array
 
@@ -67,6 +85,7 @@ class LogprobRank(NamedTuple):
 class LogprobRankTopK(NamedTuple):
     """``token_logprob_rank``'s result with ``top_k > 0`` (a pytree):
     ``logprobs, ranks, topk_logprobs, topk_ids``."""
+
     logprobs: jax.Array
     ranks: jax.Array
     topk_logprobs: jax.Array
@@ -76,6 +95,7 @@ class LogprobRankTopK(NamedTuple):
 class LogprobRankArgmax(NamedTuple):
     """``token_logprob_rank``'s result with ``argmax=True`` and no top-k (a pytree):
     ``logprobs, ranks, argmax`` (``argmax``: int32 ``[batch]``, each row's greedy token)."""
+
     logprobs: jax.Array
     ranks: jax.Array
     argmax: jax.Array
@@ -84,6 +104,7 @@ class LogprobRankArgmax(NamedTuple):
 class LogprobRankTopKArgmax(NamedTuple):
     """``token_logprob_rank``'s result with ``top_k > 0`` and ``argmax=True`` (a pytree):
     ``logprobs, ranks, topk_logprobs, topk_ids, argmax``."""
+
     logprobs: jax.Array
     ranks: jax.Array
     topk_logprobs: jax.Array
@@ -101,7 +122,7 @@ def _result(fields: Sequence[jax.Array], top_k: int, argmax: bool) -> LogprobRes
     return LogprobRankArgmax(*fields) if argmax else LogprobRank(*fields)
 
 
-def _check(logits: Any, token_ids: Any, method: Any) -> Tuple[int, int]:
+def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
     """Argument checks on shapes and dtypes (trace time); returns (batch, vocab)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS} (got {method!r})")
@@ -115,12 +136,15 @@ def _check(logits: Any, token_ids: Any, method: Any) -> Tuple[int, int]:
         raise ValueError(f"logits must be one of {LOGITS_DTYPES} (got {np.dtype(logits.dtype).name})")
     batch, vocab = shape
     if not 1 <= vocab <= MAX_VOCAB:
-        raise ValueError(f"logits must have between 1 and {MAX_VOCAB} columns (the vocabulary) "
-                         f"(got shape {list(shape)})")
+        raise ValueError(
+            f"logits must have between 1 and {MAX_VOCAB} columns (the vocabulary) (got shape {list(shape)})"
+        )
     ids_shape = tuple(token_ids.shape)
     if ids_shape not in ((batch,), (batch, 1)):
-        raise ValueError(f"token_ids must be [batch] or [batch, 1] with batch = {batch}, one token per row "
-                         f"(got shape {list(ids_shape)})")
+        raise ValueError(
+            f"token_ids must be [batch] or [batch, 1] with batch = {batch}, one token per row "
+            f"(got shape {list(ids_shape)})"
+        )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
         raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
     return batch, vocab
@@ -131,8 +155,10 @@ def _check_top_k(top_k: Any, vocab: int) -> int:
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     limit = min(TOPK_MAX, vocab)
     if not 0 <= int(top_k) <= limit:
-        raise ValueError(f"top_k must be between 0 and {limit} (at most {TOPK_MAX} and at most the "
-                         f"vocabulary, {vocab}) (got {top_k})")
+        raise ValueError(
+            f"top_k must be between 0 and {limit} (at most {TOPK_MAX} and at most the "
+            f"vocabulary, {vocab}) (got {top_k})"
+        )
     return int(top_k)
 
 
@@ -142,7 +168,7 @@ def _check_argmax(argmax: Any) -> bool:
     return bool(argmax)
 
 
-def _temperature(temperature: Any, batch: int) -> Optional[Any]:
+def _temperature(temperature: Any, batch: int) -> Any | None:
     """None, or a float32 [batch] array (a float is checked and broadcast; host numpy data is
     checked; a JAX array is not read on the host)."""
     if temperature is None:
@@ -161,15 +187,18 @@ def _temperature(temperature: Any, batch: int) -> Optional[Any]:
     if isinstance(temperature, np.ndarray):
         bad = np.flatnonzero(~(np.isfinite(temperature) & (temperature > 0)))
         if bad.size:
-            raise ValueError(f"temperature must be finite and > 0 in every row (got {float(temperature[bad[0]])!r} in "
-                             f"row {bad[0]})")
+            raise ValueError(
+                f"temperature must be finite and > 0 in every row (got {float(temperature[bad[0]])!r} in row {bad[0]})"
+            )
     return temperature
 
 
 # -- method="jnp" -------------------------------------------------------------------------------
 
-def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int,
-                      argmax: bool = False):
+
+def _jnp_logprob_rank(
+    logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
+):
     """The contract in jnp ops: float32 log-sum-exp with the row maximum subtracted, a count of
     ``y >= y[t]`` (IEEE: NaN never counts), NaN/-1 for an id outside ``[0, vocab)``, and
     ``lax.top_k`` (ties: the lower index first) with NaN ranked as ``-inf`` and reported as -1.
@@ -184,13 +213,13 @@ def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[j
     greedy = None
     if argmax:
         top = jax.lax.stop_gradient(jnp.max(jnp.where(jnp.isnan(y), -jnp.inf, y), axis=1))
-        greedy = jnp.argmax(y == top[:, None], axis=1).astype(jnp.int32)     # no entry equal: 0
+        greedy = jnp.argmax(y == top[:, None], axis=1).astype(jnp.int32)  # no entry equal: 0
         ids = jnp.where(ids < 0, greedy.astype(ids.dtype), ids)
     valid = (ids >= 0) & (ids < vocab)
     safe = jnp.where(valid, ids, 0).astype(jnp.int32)
     chosen = jnp.take_along_axis(y, safe[:, None], axis=1)[:, 0]
     chosen = jnp.where(valid, chosen, jnp.nan)
-    m = jax.lax.stop_gradient(jnp.max(y, axis=1))             # NaN or +inf in the row -> NaN sum
+    m = jax.lax.stop_gradient(jnp.max(y, axis=1))  # NaN or +inf in the row -> NaN sum
     lse = m + jnp.log(jnp.sum(jnp.exp(y - m[:, None]), axis=1))
     logprob = jnp.where(valid, chosen - lse, jnp.nan)
     rank = jnp.sum(y >= jax.lax.stop_gradient(chosen)[:, None], axis=1, dtype=jnp.int32)
@@ -202,8 +231,12 @@ def _jnp_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[j
     _, top_ids = jax.lax.top_k(keyed, top_k)
     top_y = jnp.take_along_axis(y, top_ids, axis=1)
     nan = jnp.isnan(top_y)
-    return _result((logprob, rank, jnp.where(nan, jnp.nan, top_y - lse[:, None]),
-                    jnp.where(nan, -1, top_ids).astype(jnp.int32)) + extra, top_k, argmax)
+    return _result(
+        (logprob, rank, jnp.where(nan, jnp.nan, top_y - lse[:, None]), jnp.where(nan, -1, top_ids).astype(jnp.int32))
+        + extra,
+        top_k,
+        argmax,
+    )
 
 
 # -- method="kernel" ----------------------------------------------------------------------------
@@ -234,24 +267,45 @@ class _KernelCallback:
         greedy = outs[-2] if self._argmax else None
         workspace = outs[-1]
         temp = temperature[0] if temperature else None
-        if logits.__dlpack_device__()[0] == 1:   # host buffers: the core computes them in numpy
-            _core_token_logprob_rank(logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=0,
-                                     workspace=workspace, temperature=temp, top_k=top_k,
-                                     out_topk_logprobs=top_lp, out_topk_ids=top_ids, out_argmax=greedy)
+        if logits.__dlpack_device__()[0] == 1:  # host buffers: the core computes them in numpy
+            _core_token_logprob_rank(
+                logits,
+                ids,
+                out_logprobs=logprobs,
+                out_ranks=ranks,
+                stream=0,
+                workspace=workspace,
+                temperature=temp,
+                top_k=top_k,
+                out_topk_logprobs=top_lp,
+                out_topk_ids=top_ids,
+                out_argmax=greedy,
+            )
             return
         stream = int(ctx.stream)
-        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy)
-                   if b is not None]
+        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy) if b is not None]
         key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
-        bound = self._bound.bind(key, lambda: bind_logprob_rank(
-            logits, ids, out_logprobs=logprobs, out_ranks=ranks, stream=stream, workspace=workspace,
-            temperature=temp, top_k=top_k, out_topk_logprobs=top_lp, out_topk_ids=top_ids, out_argmax=greedy))
+        bound = self._bound.bind(
+            key,
+            lambda: bind_logprob_rank(
+                logits,
+                ids,
+                out_logprobs=logprobs,
+                out_ranks=ranks,
+                stream=stream,
+                workspace=workspace,
+                temperature=temp,
+                top_k=top_k,
+                out_topk_logprobs=top_lp,
+                out_topk_ids=top_ids,
+                out_argmax=greedy,
+            ),
+        )
         bound(stream=stream)
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool,
-               argmax: bool):
+@functools.cache
+def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool, argmax: bool):
     """The jitted-callable op of one signature; its outputs are ``logprobs, ranks[, topk_logprobs,
     topk_ids][, argmax], workspace`` (the workspace is scratch and dropped)."""
     outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
@@ -274,8 +328,9 @@ def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k:
     return run
 
 
-def _kernel_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optional[jax.Array], top_k: int,
-                         argmax: bool = False):
+def _kernel_logprob_rank(
+    logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
+):
     batch, vocab = logits.shape
     if batch == 0:
         empty = [jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)]
@@ -284,8 +339,9 @@ def _kernel_logprob_rank(logits: jax.Array, ids: jax.Array, temperature: Optiona
         if argmax:
             empty.append(jnp.zeros((0,), jnp.int32))
         return _result(empty, top_k, argmax)
-    run = _kernel_op(batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k,
-                     temperature is not None, argmax)
+    run = _kernel_op(
+        batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k, temperature is not None, argmax
+    )
     return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))
 
 
@@ -293,8 +349,15 @@ _IMPL = {"kernel": _kernel_logprob_rank, "jnp": _jnp_logprob_rank}
 _EAGER = {name: jax.jit(impl, static_argnums=(3, 4)) for name, impl in _IMPL.items()}
 
 
-def token_logprob_rank(logits: jax.Array, token_ids: jax.Array, *, method: str = "kernel", top_k: int = 0,
-                       temperature: Union[None, float, jax.Array] = None, argmax: bool = False) -> LogprobResult:
+def token_logprob_rank(
+    logits: jax.Array,
+    token_ids: jax.Array,
+    *,
+    method: str = "kernel",
+    top_k: int = 0,
+    temperature: None | float | jax.Array = None,
+    argmax: bool = False,
+) -> LogprobResult:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
     optionally the row's ``top_k`` most likely tokens.
 

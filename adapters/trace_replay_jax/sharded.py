@@ -26,7 +26,7 @@ of the local block.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +50,10 @@ def _check_block(logits: Any, token_ids: Any) -> None:
         raise ValueError(f"logits must be one of {LOGITS_DTYPES} (got {np.dtype(logits.dtype).name})")
     batch = logits.shape[0]
     if tuple(token_ids.shape) not in ((batch,), (batch, 1)):
-        raise ValueError(f"token_ids must be [batch] or [batch, 1] with batch = {batch}, one token per row "
-                         f"(got shape {list(token_ids.shape)})")
+        raise ValueError(
+            f"token_ids must be [batch] or [batch, 1] with batch = {batch}, one token per row "
+            f"(got shape {list(token_ids.shape)})"
+        )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
         raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
 
@@ -64,8 +66,9 @@ def _in_order(parts: jax.Array) -> jax.Array:
     return total
 
 
-def token_logprob_rank_in_shard_map(logits: jax.Array, token_ids: jax.Array, *,
-                                    vocab_axis: str) -> Tuple[jax.Array, jax.Array]:
+def token_logprob_rank_in_shard_map(
+    logits: jax.Array, token_ids: jax.Array, *, vocab_axis: str
+) -> tuple[jax.Array, jax.Array]:
     """The merge, called inside ``shard_map`` on each device's block.
 
     ``logits``: this device's ``[batch, vocab / n]`` block of columns (shard ``k`` of the
@@ -79,19 +82,19 @@ def token_logprob_rank_in_shard_map(logits: jax.Array, token_ids: jax.Array, *,
     shard = jax.lax.axis_index(vocab_axis)
     x = logits.astype(jnp.float32)
     ids = token_ids.reshape(-1)
-    local = ids - (shard * block).astype(ids.dtype)                         # column in this block
+    local = ids - (shard * block).astype(ids.dtype)  # column in this block
     here = (local >= 0) & (local < block)
     picked = jnp.take_along_axis(x, jnp.where(here, local, 0).astype(jnp.int32)[:, None], axis=1)[:, 0]
     # Round 1: maxima and the chosen logit's candidates, by shard.
-    maxima = jax.lax.all_gather(jnp.max(x, axis=1), vocab_axis)            # [n, batch]
-    candidates = jax.lax.all_gather(picked, vocab_axis)                      # [n, batch]
+    maxima = jax.lax.all_gather(jnp.max(x, axis=1), vocab_axis)  # [n, batch]
+    candidates = jax.lax.all_gather(picked, vocab_axis)  # [n, batch]
     n = maxima.shape[0]
     vocab = n * block
     valid = (ids >= 0) & (ids < vocab)
     owner = jnp.where(valid, ids // block, 0).astype(jnp.int32)
     chosen = jnp.take_along_axis(candidates, owner[None, :], axis=0)[0]
     chosen = jnp.where(valid, chosen, jnp.nan)
-    m = jnp.max(maxima, axis=0)                                              # exact in any order
+    m = jnp.max(maxima, axis=0)  # exact in any order
     # Round 2: each block's sum of exponentials and count, added in shard order.
     sums = jax.lax.all_gather(jnp.sum(jnp.exp(x - m[:, None]), axis=1), vocab_axis)
     counts = jax.lax.all_gather(jnp.sum(x >= chosen[:, None], axis=1, dtype=jnp.int32), vocab_axis)
@@ -101,8 +104,9 @@ def token_logprob_rank_in_shard_map(logits: jax.Array, token_ids: jax.Array, *,
     return logprob, rank
 
 
-def token_logprob_rank_sharded(logits: jax.Array, token_ids: jax.Array, *, mesh: Mesh, vocab_axis: str,
-                               batch_axis: Optional[str] = None) -> Tuple[jax.Array, jax.Array]:
+def token_logprob_rank_sharded(
+    logits: jax.Array, token_ids: jax.Array, *, mesh: Mesh, vocab_axis: str, batch_axis: str | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of vocabulary-sharded ``logits``.
 
     ``logits``: global ``[batch, vocab]`` array, columns split evenly over ``vocab_axis`` of
@@ -123,19 +127,28 @@ def token_logprob_rank_sharded(logits: jax.Array, token_ids: jax.Array, *, mesh:
     batch, vocab = logits.shape
     shards = mesh.shape[vocab_axis]
     if vocab % shards:
-        raise ValueError(f"logits has {vocab} columns, which {shards} shards of vocab_axis {vocab_axis!r} do not "
-                         f"split evenly: pad the vocabulary to a multiple of {shards}")
+        raise ValueError(
+            f"logits has {vocab} columns, which {shards} shards of vocab_axis {vocab_axis!r} do not "
+            f"split evenly: pad the vocabulary to a multiple of {shards}"
+        )
     rows = mesh.shape[batch_axis] if batch_axis is not None else 1
     if batch % rows:
-        raise ValueError(f"logits has {batch} rows, which {rows} shards of batch_axis {batch_axis!r} do not "
-                         f"split evenly")
+        raise ValueError(
+            f"logits has {batch} rows, which {rows} shards of batch_axis {batch_axis!r} do not split evenly"
+        )
     return _sharded(mesh, vocab_axis, batch_axis, len(token_ids.shape))(logits, token_ids)
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(mesh: Mesh, vocab_axis: str, batch_axis: Optional[str], ids_ndim: int):
+def _sharded(mesh: Mesh, vocab_axis: str, batch_axis: str | None, ids_ndim: int):
     """The ``shard_map`` of one layout, jitted: eagerly one dispatch; under a trace, inlined."""
     ids_spec = PartitionSpec(batch_axis) if ids_ndim == 1 else PartitionSpec(batch_axis, None)
-    return jax.jit(jax.shard_map(lambda lg, ids: token_logprob_rank_in_shard_map(lg, ids, vocab_axis=vocab_axis),
-                                 mesh=mesh, in_specs=(PartitionSpec(batch_axis, vocab_axis), ids_spec),
-                                 out_specs=(PartitionSpec(batch_axis), PartitionSpec(batch_axis)), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            lambda lg, ids: token_logprob_rank_in_shard_map(lg, ids, vocab_axis=vocab_axis),
+            mesh=mesh,
+            in_specs=(PartitionSpec(batch_axis, vocab_axis), ids_spec),
+            out_specs=(PartitionSpec(batch_axis), PartitionSpec(batch_axis)),
+            check_vma=False,
+        )
+    )

@@ -24,7 +24,8 @@ Memory and ordering:
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -49,17 +50,23 @@ def _refuse_traced(args, name: str) -> None:
 def _check_host(trace, name: str, method: str) -> None:
     """Refuse trace data that is traced or lives on a device: staging reads host memory only."""
     if isinstance(trace, jax.core.Tracer):
-        raise TypeError(f"{name} must be concrete host data; {method}() is host-only and cannot run "
-                        f"inside jax.jit or other transformations")
+        raise TypeError(
+            f"{name} must be concrete host data; {method}() is host-only and cannot run "
+            f"inside jax.jit or other transformations"
+        )
     if isinstance(trace, jax.Array) and any(d.platform != "cpu" for d in trace.devices()):
-        raise ValueError(f"{name} must be host data (a list, a numpy array or a CPU array); got a JAX "
-                         f"array on {sorted(str(d) for d in trace.devices())}: pass np.asarray({name}) "
-                         f"(a device-to-host copy you choose to make)")
+        raise ValueError(
+            f"{name} must be host data (a list, a numpy array or a CPU array); got a JAX "
+            f"array on {sorted(str(d) for d in trace.devices())}: pass np.asarray({name}) "
+            f"(a device-to-host copy you choose to make)"
+        )
 
 
-_IN_JIT = ("state.{name}() cannot be used inside jax.jit, lax loops or other transformations (got traced "
-           "arrays): pass state.tables into the jitted function as an argument and call "
-           "trace_replay_jax.{name}(tables, ...) there")
+_IN_JIT = (
+    "state.{name}() cannot be used inside jax.jit, lax loops or other transformations (got traced "
+    "arrays): pass state.tables into the jitted function as an argument and call "
+    "trace_replay_jax.{name}(tables, ...) there"
+)
 
 
 class TraceReplayState:
@@ -104,20 +111,37 @@ class TraceReplayState:
     it alive while its tables are in use. Closing it deletes those arrays.
     """
 
-    def __init__(self, max_slots: int, max_trace_len: int, *, device: Any = None, mesh: Any = None,
-                 placement: str = "device", vocab_size: Optional[int] = None, staging_depth: int = 4):
+    def __init__(
+        self,
+        max_slots: int,
+        max_trace_len: int,
+        *,
+        device: Any = None,
+        mesh: Any = None,
+        placement: str = "device",
+        vocab_size: int | None = None,
+        staging_depth: int = 4,
+    ):
         refuse_under_trace("TraceReplayState")
         self.devices, self._sharding = resolve_placement(device, mesh)
         self.mesh = mesh
         self.device = self.devices[0] if mesh is None else None
         self._gpu = self.devices[0].platform == "gpu"
-        self._cores: List[TraceTable] = []
+        self._cores: list[TraceTable] = []
         self._commits: list = []
-        self._views: List[ReplayTables] = []
+        self._views: list[ReplayTables] = []
         try:
             for d in self.devices:
-                self._cores.append(TraceTable(max_slots, max_trace_len, device=core_device(d), placement=placement,
-                                              vocab_size=vocab_size, staging_depth=staging_depth))
+                self._cores.append(
+                    TraceTable(
+                        max_slots,
+                        max_trace_len,
+                        device=core_device(d),
+                        placement=placement,
+                        vocab_size=vocab_size,
+                        staging_depth=staging_depth,
+                    )
+                )
             self.table = self._cores[0]
             self.max_slots, self.max_trace_len = self.table.max_slots, self.table.max_trace_len
             if self._gpu:
@@ -134,6 +158,7 @@ class TraceReplayState:
         from .commit import XlaCommit
         from .kernel_replay import register_table
         from .views import jax_view
+
         # Compile the scatter kernel now (a no-op commit that clears slot 0, already clear), so
         # that the first commit inside XLA does not compile; then let every write land.
         core.clear(0)
@@ -145,10 +170,12 @@ class TraceReplayState:
         except Exception as exc:
             if core.placement != "host_mapped":
                 raise
-            raise ValueError(f"placement='host_mapped' is not usable with this JAX: it could not view the "
-                             f"host-mapped table ({exc}); use placement='device'") from exc
+            raise ValueError(
+                f"placement='host_mapped' is not usable with this JAX: it could not view the "
+                f"host-mapped table ({exc}); use placement='device'"
+            ) from exc
         views = ReplayTables(table, jax_view(lengths_view))
-        self._commits.append(XlaCommit(core))   # the core makes its context current itself
+        self._commits.append(XlaCommit(core))  # the core makes its context current itself
         register_table(core)
         return views
 
@@ -157,21 +184,23 @@ class TraceReplayState:
         it whose shard on each local device is that device's array (no copy)."""
         if self._sharding is None:
             return per_device[0]
+
         def glob(arrays):
             return jax.make_array_from_single_device_arrays(arrays[0].shape, self._sharding, list(arrays))
+
         return ReplayTables(glob([t.table for t in per_device]), glob([t.trace_len for t in per_device]))
 
     def _cpu_copy(self) -> ReplayTables:
         per_device = []
         for core, d in zip(self._cores, self.devices):
-            table, trace_len = core.snapshot()    # fresh host copies, owned by nobody else
+            table, trace_len = core.snapshot()  # fresh host copies, owned by nobody else
             per_device.append(ReplayTables(jax.device_put(table, d), jax.device_put(trace_len, d)))
         return self._assemble(per_device)
 
     # lifetime --------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        cores = getattr(self, "_cores", None)     # None: construction was refused before any table
+        cores = getattr(self, "_cores", None)  # None: construction was refused before any table
         return not cores or cores[0].closed
 
     def _live(self) -> None:
@@ -196,9 +225,11 @@ class TraceReplayState:
         finally:
             if self._gpu:
                 from .kernel_replay import unregister_table
+
                 tables = getattr(self, "_tables", None)
-                for arr in ([tables.table, tables.trace_len] if tables is not None else []) + \
-                        [a for v in self._views for a in (v.table, v.trace_len)]:
+                for arr in ([tables.table, tables.trace_len] if tables is not None else []) + [
+                    a for v in self._views for a in (v.table, v.trace_len)
+                ]:
                     if not arr.is_deleted():
                         arr.delete()
                 for core in self._cores:
@@ -215,7 +246,7 @@ class TraceReplayState:
         except Exception:  # noqa: BLE001 - interpreter shutdown: JAX or the driver may be gone
             pass
 
-    def __enter__(self) -> "TraceReplayState":
+    def __enter__(self) -> TraceReplayState:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -230,7 +261,7 @@ class TraceReplayState:
         self._wait()
         return self.table.pending
 
-    def add_request(self, slot: int, trace: Optional[Union[Sequence[int], np.ndarray, jax.Array]] = None) -> None:
+    def add_request(self, slot: int, trace: Sequence[int] | np.ndarray | jax.Array | None = None) -> None:
         """A request takes ``slot``: stage its trace, or mark the slot untraced (``trace=None``).
 
         ``trace``: host data (list of ints, numpy array, or a JAX array on the CPU), 1-D,
@@ -322,8 +353,15 @@ class TraceReplayState:
         self._wait()
         return self.table.snapshot()
 
-    def replay(self, sampled: jax.Array, idx_mapping: jax.Array, total_len: jax.Array,
-               prompt_len: jax.Array, *, method: str = "jnp") -> jax.Array:
+    def replay(
+        self,
+        sampled: jax.Array,
+        idx_mapping: jax.Array,
+        total_len: jax.Array,
+        prompt_len: jax.Array,
+        *,
+        method: str = "jnp",
+    ) -> jax.Array:
         """Return ``sampled`` with traced rows replaced (eager use; see :func:`trace_replay_jax.replay`).
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64 token ids; ``idx_mapping``:
@@ -338,8 +376,9 @@ class TraceReplayState:
         tables = self._tables
         return EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
 
-    def replay_at_step(self, sampled: jax.Array, idx_mapping: jax.Array, step: jax.Array, *,
-                       method: str = "jnp") -> jax.Array:
+    def replay_at_step(
+        self, sampled: jax.Array, idx_mapping: jax.Array, step: jax.Array, *, method: str = "jnp"
+    ) -> jax.Array:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) per row."""
         _refuse_traced((sampled, idx_mapping, step), "replay_at_step")
         _check_method(method)

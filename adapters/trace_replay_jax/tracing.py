@@ -30,8 +30,9 @@ _HOST_ONLY = {
     "add_request": "call it between jitted calls, on the host",
     "add_requests": "call it between jitted calls, on the host",
     "remove_request": "call it between jitted calls, on the host",
-    "apply_staged_writes": ("call it between jitted calls, on the host, and pass state.tables into the next "
-                            "jitted call as an argument"),
+    "apply_staged_writes": (
+        "call it between jitted calls, on the host, and pass state.tables into the next jitted call as an argument"
+    ),
     "snapshot": "call it outside the traced function (it waits for the device and copies to the host)",
     "close": "close the state outside the traced function, after its last use",
     "pending": "read it between jitted calls, on the host",
@@ -44,5 +45,7 @@ def refuse_under_trace(method: str) -> None:
     if get_opaque_trace_state() != _TOP_LEVEL:
         name = method if method == "TraceReplayState" else f"state.{method}"
         call = f"{name}()" if method != "pending" else name
-        raise RuntimeError(f"{call} is host-only and cannot run inside jax.jit, lax loops, vmap, grad or "
-                           f"shard_map (it was called while JAX was tracing): {_HOST_ONLY[method]}")
+        raise RuntimeError(
+            f"{call} is host-only and cannot run inside jax.jit, lax loops, vmap, grad or "
+            f"shard_map (it was called while JAX was tracing): {_HOST_ONLY[method]}"
+        )

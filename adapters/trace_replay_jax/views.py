@@ -12,7 +12,7 @@ writes happen on XLA's own stream (see ``commit.py``).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -29,8 +29,10 @@ def jax_view(view: ArrayView) -> jax.Array:
     """
     array = jax.dlpack.from_dlpack(view, copy=False)
     if array.unsafe_buffer_pointer() != view.ptr:
-        raise RuntimeError(f"JAX copied the memory instead of viewing it (0x{view.ptr:x} -> "
-                           f"0x{array.unsafe_buffer_pointer():x}); it must be compact and aligned")
+        raise RuntimeError(
+            f"JAX copied the memory instead of viewing it (0x{view.ptr:x} -> "
+            f"0x{array.unsafe_buffer_pointer():x}); it must be compact and aligned"
+        )
     return array
 
 

@@ -27,5 +27,14 @@ from .logprob import LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRan
 from .ops import replay_at_step_op, replay_op, token_logprob_rank_op
 from .state import TraceReplayState
 
-__all__ = ["TraceReplayState", "token_logprob_rank", "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax",
-           "LogprobRankTopKArgmax", "replay_op", "replay_at_step_op", "token_logprob_rank_op"]
+__all__ = [
+    "TraceReplayState",
+    "token_logprob_rank",
+    "LogprobRank",
+    "LogprobRankTopK",
+    "LogprobRankArgmax",
+    "LogprobRankTopKArgmax",
+    "replay_op",
+    "replay_at_step_op",
+    "token_logprob_rank_op",
+]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import NamedTuple, Union
 
 import torch
 
-from trace_replay_core import bind_logprob_rank
+from trace_replay_core import BoundCache, bind_logprob_rank, logprob_rank_workspace_bytes
 from trace_replay_core import token_logprob_rank as core_token_logprob_rank
-from trace_replay_core import BoundCache, logprob_rank_workspace_bytes
 
 from .views import layout_key, raw_stream
 
@@ -28,6 +28,7 @@ __all__ = ["token_logprob_rank", "LogprobRank", "LogprobRankTopK", "LogprobRankA
 
 class LogprobRank(NamedTuple):
     """``token_logprob_rank``'s result without top-k: unpacks as ``logprobs, ranks``."""
+
     logprobs: torch.Tensor
     ranks: torch.Tensor
 
@@ -35,6 +36,7 @@ class LogprobRank(NamedTuple):
 class LogprobRankTopK(NamedTuple):
     """``token_logprob_rank``'s result with ``top_k > 0``:
     ``logprobs, ranks, topk_logprobs, topk_ids``."""
+
     logprobs: torch.Tensor
     ranks: torch.Tensor
     topk_logprobs: torch.Tensor
@@ -44,6 +46,7 @@ class LogprobRankTopK(NamedTuple):
 class LogprobRankArgmax(NamedTuple):
     """``token_logprob_rank``'s result with ``argmax=True`` and no top-k:
     ``logprobs, ranks, argmax``."""
+
     logprobs: torch.Tensor
     ranks: torch.Tensor
     argmax: torch.Tensor
@@ -52,6 +55,7 @@ class LogprobRankArgmax(NamedTuple):
 class LogprobRankTopKArgmax(NamedTuple):
     """``token_logprob_rank``'s result with ``argmax=True`` and ``top_k > 0``:
     ``logprobs, ranks, topk_logprobs, topk_ids, argmax``."""
+
     logprobs: torch.Tensor
     ranks: torch.Tensor
     topk_logprobs: torch.Tensor
@@ -62,7 +66,7 @@ class LogprobRankTopKArgmax(NamedTuple):
 LogprobRankResult = Union[LogprobRank, LogprobRankTopK, LogprobRankArgmax, LogprobRankTopKArgmax]
 
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
-_BOUND = BoundCache(64)     # bound calls by tensor layout
+_BOUND = BoundCache(64)  # bound calls by tensor layout
 
 
 def _bound(tensors, top_k, stream):
@@ -71,16 +75,26 @@ def _bound(tensors, top_k, stream):
     argmax (the last four may be None); every one of them is part of the key."""
 
     def bind():
-        t = [None if x is None else x.detach() for x in tensors]   # logits may require grad: read-only use
-        return bind_logprob_rank(t[0], t[1], out_logprobs=t[2], out_ranks=t[3], stream=stream, workspace=t[4],
-                                 temperature=t[5], top_k=top_k, out_topk_logprobs=t[6], out_topk_ids=t[7],
-                                 out_argmax=t[8])
+        t = [None if x is None else x.detach() for x in tensors]  # logits may require grad: read-only use
+        return bind_logprob_rank(
+            t[0],
+            t[1],
+            out_logprobs=t[2],
+            out_ranks=t[3],
+            stream=stream,
+            workspace=t[4],
+            temperature=t[5],
+            top_k=top_k,
+            out_topk_logprobs=t[6],
+            out_topk_ids=t[7],
+            out_argmax=t[8],
+        )
 
     key = (top_k,) + tuple(None if x is None else layout_key(x) for x in tensors)
     return _BOUND.bind(key, bind)
 
 
-def _temperature(temperature, batch: int, device) -> Optional[torch.Tensor]:
+def _temperature(temperature, batch: int, device) -> torch.Tensor | None:
     if temperature is None:
         return None
     if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
@@ -93,9 +107,15 @@ def _temperature(temperature, batch: int, device) -> Optional[torch.Tensor]:
     return temperature
 
 
-def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: int = 0,
-                       temperature: Union[None, float, torch.Tensor] = None,
-                       out: Optional[Sequence[torch.Tensor]] = None, argmax: bool = False) -> LogprobRankResult:
+def token_logprob_rank(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    top_k: int = 0,
+    temperature: None | float | torch.Tensor = None,
+    out: Sequence[torch.Tensor] | None = None,
+    argmax: bool = False,
+) -> LogprobRankResult:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
     optionally the row's ``top_k`` most likely tokens and its greedy token, from one read of
     the logits.
@@ -169,11 +189,15 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: 
     top_k = int(top_k)
     batch, vocab = logits.shape
     if out is None:
-        outs = [torch.empty(batch, dtype=torch.float32, device=device),
-                torch.empty(batch, dtype=torch.int64, device=device)]
+        outs = [
+            torch.empty(batch, dtype=torch.float32, device=device),
+            torch.empty(batch, dtype=torch.int64, device=device),
+        ]
         if top_k > 0 and 0 < top_k <= min(64, vocab):
-            outs += [torch.empty(batch, top_k, dtype=torch.float32, device=device),
-                     torch.empty(batch, top_k, dtype=torch.int64, device=device)]
+            outs += [
+                torch.empty(batch, top_k, dtype=torch.float32, device=device),
+                torch.empty(batch, top_k, dtype=torch.int64, device=device),
+            ]
         else:
             outs += [None, None]
         outs.append(torch.empty(batch, dtype=torch.int64, device=device) if argmax else None)
@@ -186,16 +210,26 @@ def token_logprob_rank(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: 
         result = LogprobRankArgmax(outs[0], outs[1], outs[4]) if argmax else LogprobRank(*outs[:2])
     if device.type == "cpu":
         # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
-        core_token_logprob_rank(logits.detach(), token_ids, out_logprobs=outs[0], out_ranks=outs[1], stream=0,
-                                temperature=temp, top_k=top_k, out_topk_logprobs=outs[2], out_topk_ids=outs[3],
-                                out_argmax=outs[4])
+        core_token_logprob_rank(
+            logits.detach(),
+            token_ids,
+            out_logprobs=outs[0],
+            out_ranks=outs[1],
+            stream=0,
+            temperature=temp,
+            top_k=top_k,
+            out_topk_logprobs=outs[2],
+            out_topk_ids=outs[3],
+            out_argmax=outs[4],
+        )
         return result
     stream = raw_stream(device.index)
     nbytes = _workspace_bytes(batch, vocab, top_k) if 0 <= top_k <= min(64, vocab) else 0
     # Freed when this call returns: torch reuses it only for work queued after ours.
     workspace = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, outs[2], outs[3], outs[4]), top_k,
-           stream)(stream=stream)
+    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, outs[2], outs[3], outs[4]), top_k, stream)(
+        stream=stream
+    )
     return result
 
 
@@ -203,12 +237,17 @@ def _caller_outs(out, top_k: int, argmax: bool) -> list:
     """``out`` as the five slots the core takes (logprobs, ranks, topk logprobs, topk ids,
     argmax; None where the call has no such output), or ``TypeError`` naming what it expected
     and what it got. Shapes and dtypes are the core's to check."""
-    names = ("logprobs", "ranks") + (("topk_logprobs", "topk_ids") if top_k > 0 else ()) + \
-        (("argmax",) if argmax else ())
-    if (not isinstance(out, (tuple, list)) or len(out) != len(names)
-            or not all(isinstance(t, torch.Tensor) for t in out)):
+    names = (
+        ("logprobs", "ranks") + (("topk_logprobs", "topk_ids") if top_k > 0 else ()) + (("argmax",) if argmax else ())
+    )
+    if (
+        not isinstance(out, (tuple, list))
+        or len(out) != len(names)
+        or not all(isinstance(t, torch.Tensor) for t in out)
+    ):
         got = [type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__
-        raise TypeError(f"out must be a ({', '.join(names)}) tuple of torch.Tensor with top_k={top_k}, "
-                        f"argmax={argmax} (got {got})")
+        raise TypeError(
+            f"out must be a ({', '.join(names)}) tuple of torch.Tensor with top_k={top_k}, argmax={argmax} (got {got})"
+        )
     outs = list(out[:2]) + (list(out[2:4]) if top_k > 0 else [None, None])
     return outs + [out[-1] if argmax else None]

@@ -68,30 +68,43 @@ function once before capturing it.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 from . import registry
-from .logprob import (LogprobRank, LogprobRankArgmax, LogprobRankResult, LogprobRankTopK, LogprobRankTopKArgmax,
-                      _temperature, token_logprob_rank)
+from .logprob import (
+    LogprobRank,
+    LogprobRankArgmax,
+    LogprobRankResult,
+    LogprobRankTopK,
+    LogprobRankTopKArgmax,
+    _temperature,
+    token_logprob_rank,
+)
 from .state import TraceReplayState
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
 
-_LIB = torch.library.Library("trace_replay", "DEF")   # kept alive: dropping it deregisters the ops
-_LIB.define("replay(Tensor(a!) sampled, Tensor idx_mapping, Tensor total_len, Tensor prompt_len, "
-            "int state) -> ()")
+_LIB = torch.library.Library("trace_replay", "DEF")  # kept alive: dropping it deregisters the ops
+_LIB.define("replay(Tensor(a!) sampled, Tensor idx_mapping, Tensor total_len, Tensor prompt_len, int state) -> ()")
 _LIB.define("replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step, int state) -> ()")
 _LIB.define("token_logprob_rank(Tensor logits, Tensor token_ids, Tensor? temperature=None) -> (Tensor, Tensor)")
-_LIB.define("token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
-            "-> (Tensor, Tensor, Tensor, Tensor)")
-_LIB.define("token_logprob_rank_argmax(Tensor logits, Tensor token_ids, Tensor? temperature=None) "
-            "-> (Tensor, Tensor, Tensor)")
-_LIB.define("token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
-            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-_LOGPROB_OPS = ("token_logprob_rank", "token_logprob_rank_topk", "token_logprob_rank_argmax",
-                "token_logprob_rank_topk_argmax")
+_LIB.define(
+    "token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "token_logprob_rank_argmax(Tensor logits, Tensor token_ids, Tensor? temperature=None) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_LOGPROB_OPS = (
+    "token_logprob_rank",
+    "token_logprob_rank_topk",
+    "token_logprob_rank_argmax",
+    "token_logprob_rank_topk_argmax",
+)
 
 
 # kernels: real tensors on the CPU or a CUDA device ----------------------------------------------
@@ -157,8 +170,12 @@ def _logprob_fake(logits, token_ids, temperature=None):
 @torch.library.register_fake("trace_replay::token_logprob_rank_topk", lib=_LIB)
 def _logprob_topk_fake(logits, token_ids, top_k, temperature=None):
     batch = _check_logits(logits)
-    return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64),
-            logits.new_empty(batch, top_k, dtype=torch.float32), logits.new_empty(batch, top_k, dtype=torch.int64))
+    return (
+        logits.new_empty(batch, dtype=torch.float32),
+        logits.new_empty(batch, dtype=torch.int64),
+        logits.new_empty(batch, top_k, dtype=torch.float32),
+        logits.new_empty(batch, top_k, dtype=torch.int64),
+    )
 
 
 @torch.library.register_fake("trace_replay::token_logprob_rank_argmax", lib=_LIB)
@@ -168,8 +185,9 @@ def _logprob_argmax_fake(logits, token_ids, temperature=None):
 
 @torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax", lib=_LIB)
 def _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature=None):
-    return (_logprob_topk_fake(logits, token_ids, top_k, temperature)
-            + (logits.new_empty(logits.shape[0], dtype=torch.int64),))
+    return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
+        logits.new_empty(logits.shape[0], dtype=torch.int64),
+    )
 
 
 # wrappers: the public functions ----------------------------------------------------------------
@@ -184,8 +202,13 @@ def _check_state(state) -> None:
         raise TypeError(f"state must be a trace_replay_torch.TraceReplayState (got {type(state).__name__})")
 
 
-def replay_op(state: TraceReplayState, sampled: torch.Tensor, idx_mapping: torch.Tensor,
-              total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+def replay_op(
+    state: TraceReplayState,
+    sampled: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    total_len: torch.Tensor | None = None,
+    prompt_len: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:meth:`TraceReplayState.replay` through the registered op ``trace_replay::replay``: the
     form to call inside ``torch.compile`` (no graph break) and CUDA graphs.
 
@@ -206,8 +229,9 @@ def replay_op(state: TraceReplayState, sampled: torch.Tensor, idx_mapping: torch
     return sampled
 
 
-def replay_at_step_op(state: TraceReplayState, sampled: torch.Tensor, idx_mapping: torch.Tensor,
-                      step: torch.Tensor) -> torch.Tensor:
+def replay_at_step_op(
+    state: TraceReplayState, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor
+) -> torch.Tensor:
     """:meth:`TraceReplayState.replay_at_step` through the registered op
     ``trace_replay::replay_at_step`` (``step``: ``[batch]`` int32/int64 outputs already produced
     per row). In place on ``sampled``, which it returns; stream-ordered, no host sync."""
@@ -218,9 +242,14 @@ def replay_at_step_op(state: TraceReplayState, sampled: torch.Tensor, idx_mappin
     return sampled
 
 
-def token_logprob_rank_op(logits: torch.Tensor, token_ids: torch.Tensor, *, top_k: int = 0,
-                          temperature: Union[None, float, torch.Tensor] = None,
-                          argmax: bool = False) -> LogprobRankResult:
+def token_logprob_rank_op(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    top_k: int = 0,
+    temperature: None | float | torch.Tensor = None,
+    argmax: bool = False,
+) -> LogprobRankResult:
     """:func:`trace_replay_torch.token_logprob_rank` through the registered ops
     ``trace_replay::token_logprob_rank`` (``top_k == 0``), ``trace_replay::token_logprob_rank_topk``
     and their ``_argmax`` forms (``argmax=True``): the form to call inside ``torch.compile``.

@@ -18,7 +18,7 @@ import weakref
 
 __all__ = ["register", "unregister", "lookup"]
 
-_LIVE: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_LIVE: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
 
@@ -42,6 +42,8 @@ def lookup(state_id: int):
     garbage collected or never issued."""
     state = _LIVE.get(state_id)
     if state is None:
-        raise RuntimeError(f"no open TraceReplayState has id {state_id!r}: it was closed or garbage collected "
-                           f"(or never opened); a compiled function cannot outlive the state it replays")
+        raise RuntimeError(
+            f"no open TraceReplayState has id {state_id!r}: it was closed or garbage collected "
+            f"(or never opened); a compiled function cannot outlive the state it replays"
+        )
     return state

@@ -6,7 +6,7 @@ synchronises with the device, and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ __all__ = ["TraceReplayState"]
 _CLOSED = "this TraceReplayState is closed"
 
 
-def _not_a_tensor(**arrays) -> Optional[TypeError]:
+def _not_a_tensor(**arrays) -> TypeError | None:
     """A ``TypeError`` naming the first of ``arrays`` that is not a torch tensor, else None."""
     for name, value in arrays.items():
         if not isinstance(value, torch.Tensor):
@@ -31,8 +31,10 @@ def _not_a_tensor(**arrays) -> Optional[TypeError]:
 def _check_host(trace, name: str) -> None:
     """Refuse trace data that lives on a device: staging reads host memory only."""
     if isinstance(trace, torch.Tensor) and trace.device.type != "cpu":
-        raise ValueError(f"{name} must be host data (list, numpy array or CPU tensor); got a tensor on "
-                         f"{trace.device}: pass {name}.cpu() (a host sync you choose to make)")
+        raise ValueError(
+            f"{name} must be host data (list, numpy array or CPU tensor); got a tensor on "
+            f"{trace.device}: pass {name}.cpu() (a host sync you choose to make)"
+        )
 
 
 class TraceReplayState:
@@ -73,14 +75,23 @@ class TraceReplayState:
     Staging methods are thread-safe (the table's lock); ``close`` must not race with a replay.
     """
 
-    def __init__(self, max_slots: int, max_trace_len: int, *, device: Union[str, torch.device],
-                 total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None,
-                 placement: str = "device", vocab_size: Optional[int] = None, staging_depth: int = 4):
+    def __init__(
+        self,
+        max_slots: int,
+        max_trace_len: int,
+        *,
+        device: str | torch.device,
+        total_len: torch.Tensor | None = None,
+        prompt_len: torch.Tensor | None = None,
+        placement: str = "device",
+        vocab_size: int | None = None,
+        staging_depth: int = 4,
+    ):
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be a cpu or cuda device (got {device})")
         if device.type == "cuda":
-            parse_device(str(device))            # the core's check: the same error for "cuda" and "cuda:N"
+            parse_device(str(device))  # the core's check: the same error for "cuda" and "cuda:N"
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
         if (total_len is None) != (prompt_len is None):
@@ -88,9 +99,15 @@ class TraceReplayState:
         self.device = device
         self._index = device.index if device.type == "cuda" else None
         self._closed = False
-        self._lengths: Optional[Tuple[torch.Tensor, torch.Tensor]] = None   # the bound tensors
-        self.table = TraceTable(max_slots, max_trace_len, device=str(device), placement=placement,
-                                vocab_size=vocab_size, staging_depth=staging_depth)
+        self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # the bound tensors
+        self.table = TraceTable(
+            max_slots,
+            max_trace_len,
+            device=str(device),
+            placement=placement,
+            vocab_size=vocab_size,
+            staging_depth=staging_depth,
+        )
         if total_len is not None:
             try:
                 self.bind_lengths(total_len, prompt_len)
@@ -129,7 +146,7 @@ class TraceReplayState:
         self._lengths = None
         self.table.close()
 
-    def __enter__(self) -> "TraceReplayState":
+    def __enter__(self) -> TraceReplayState:
         self._check_open()
         return self
 
@@ -137,7 +154,7 @@ class TraceReplayState:
         self.close()
 
     # requests --------------------------------------------------------------------------------
-    def add_request(self, slot: int, trace: Optional[Union[Sequence[int], torch.Tensor]] = None) -> None:
+    def add_request(self, slot: int, trace: Sequence[int] | torch.Tensor | None = None) -> None:
         """A request takes ``slot``: stage its trace, or mark the slot untraced (``trace=None``).
 
         ``trace`` is host data (list of ints, numpy array or CPU tensor). Reusing a slot always
@@ -195,7 +212,7 @@ class TraceReplayState:
         self.table.bind_lengths(total_len, prompt_len, stream=self._stream())
         self._lengths = (total_len, prompt_len)
 
-    def _bound_lengths(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _bound_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The bound ``(total_len, prompt_len)``, for the registered ops' wrappers."""
         self._check_open()
         if self._lengths is None:
@@ -203,8 +220,13 @@ class TraceReplayState:
         return self._lengths
 
     # replay ----------------------------------------------------------------------------------
-    def replay(self, sampled: torch.Tensor, idx_mapping: torch.Tensor,
-               total_len: Optional[torch.Tensor] = None, prompt_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def replay(
+        self,
+        sampled: torch.Tensor,
+        idx_mapping: torch.Tensor,
+        total_len: torch.Tensor | None = None,
+        prompt_len: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Overwrite traced rows of ``sampled`` in place on the current stream; return it.
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
@@ -215,8 +237,7 @@ class TraceReplayState:
             self._check_open()
             if total_len is None or prompt_len is None:
                 raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
-            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len,
-                                  prompt_len=prompt_len)
+            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len, prompt_len=prompt_len)
             if error is not None:
                 raise error
             key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
@@ -226,10 +247,19 @@ class TraceReplayState:
         # Nothing is checked before the launch; a failure is explained afterwards (closed first:
         # closing clears the table's cache, so a closed state always reaches the except clause).
         try:
-            key = (sampled.data_ptr(), sampled.dtype, sampled.shape, sampled.stride(),
-                   idx_mapping.data_ptr(), idx_mapping.dtype, idx_mapping.shape, idx_mapping.stride())
-            self.table.replay_cached(key, sampled, idx_mapping,
-                                     stream=raw_stream(self._index) if self._index is not None else 0)
+            key = (
+                sampled.data_ptr(),
+                sampled.dtype,
+                sampled.shape,
+                sampled.stride(),
+                idx_mapping.data_ptr(),
+                idx_mapping.dtype,
+                idx_mapping.shape,
+                idx_mapping.stride(),
+            )
+            self.table.replay_cached(
+                key, sampled, idx_mapping, stream=raw_stream(self._index) if self._index is not None else 0
+            )
         except Exception:
             if self._closed:
                 raise RuntimeError(_CLOSED) from None

@@ -15,6 +15,7 @@ __all__ = ["layout_key", "raw_stream"]
 try:  # ~0.2 us instead of ~2 us for torch.cuda.current_stream(...).cuda_stream
     from torch._C import _cuda_getCurrentRawStream as raw_stream
 except ImportError:  # pragma: no cover - older or CPU-only builds
+
     def raw_stream(index: int) -> int:
         """The raw handle of torch's current stream on CUDA device ``index``."""
         return torch.cuda.current_stream(index).cuda_stream

@@ -21,21 +21,30 @@ from typing import Tuple
 from . import gpt2, llama
 from .family import FRAMEWORKS, Family, FrameworkMissing, RunDecode
 
-__all__ = ["Family", "FrameworkMissing", "FRAMEWORKS", "RunDecode", "families", "get_family",
-           "family_for_model_type", "family_for_config", "supported_model_types"]
+__all__ = [
+    "Family",
+    "FrameworkMissing",
+    "FRAMEWORKS",
+    "RunDecode",
+    "families",
+    "get_family",
+    "family_for_model_type",
+    "family_for_config",
+    "supported_model_types",
+]
 
-_FAMILIES: Tuple[Family, ...] = (
+_FAMILIES: tuple[Family, ...] = (
     gpt2.FAMILY,
     *llama.FAMILIES,
 )
 
 
-def families() -> Tuple[Family, ...]:
+def families() -> tuple[Family, ...]:
     """Every registered family, in registration order."""
     return _FAMILIES
 
 
-def supported_model_types() -> Tuple[str, ...]:
+def supported_model_types() -> tuple[str, ...]:
     """Every Hugging Face ``model_type`` some family serves, in registration order."""
     return tuple(t for f in _FAMILIES for t in f.model_types)
 
@@ -45,8 +54,7 @@ def get_family(name: str) -> Family:
     for f in _FAMILIES:
         if f.name == name:
             return f
-    raise ValueError(f"model family {name!r} is not supported (supported: "
-                     f"{', '.join(f.name for f in _FAMILIES)})")
+    raise ValueError(f"model family {name!r} is not supported (supported: {', '.join(f.name for f in _FAMILIES)})")
 
 
 def family_for_model_type(model_type: str) -> Family:
@@ -55,8 +63,7 @@ def family_for_model_type(model_type: str) -> Family:
     for f in _FAMILIES:
         if model_type in f.model_types:
             return f
-    raise ValueError(f"model_type {model_type!r} is not supported (supported: "
-                     f"{', '.join(supported_model_types())})")
+    raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})")
 
 
 def family_for_config(config) -> Family:
@@ -64,5 +71,7 @@ def family_for_config(config) -> Family:
     for f in _FAMILIES:
         if isinstance(config, f.config_type):
             return f
-    raise TypeError(f"config must be the config of a registered family "
-                    f"({', '.join(f.config_type.__name__ for f in _FAMILIES)}; got {type(config).__name__})")
+    raise TypeError(
+        f"config must be the config of a registered family "
+        f"({', '.join(f.config_type.__name__ for f in _FAMILIES)}; got {type(config).__name__})"
+    )

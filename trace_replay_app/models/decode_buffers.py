@@ -9,14 +9,15 @@ family's own jitted admit and step; the framework comes in as the ``put``/``fetc
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 __all__ = ["CHUNK", "bucket", "fresh_outputs", "outputs", "prompt_prefix", "run_chunks"]
 
 MIN_BUCKET = 8
-CHUNK = 256          # decode steps per chunk of on-device outputs
+CHUNK = 256  # decode steps per chunk of on-device outputs
 
 
 def bucket(n: int, limit: int) -> int:
@@ -24,15 +25,19 @@ def bucket(n: int, limit: int) -> int:
     return min(limit, max(MIN_BUCKET, 1 << max(0, n - 1).bit_length()))
 
 
-def fresh_outputs(rows: int) -> Dict[str, np.ndarray]:
+def fresh_outputs(rows: int) -> dict[str, np.ndarray]:
     """Host zeros for one chunk of per-step outputs, and the step counter at its start."""
     shape = (CHUNK, rows)
-    return {"step": np.zeros((), np.int32), "tokens": np.zeros(shape, np.int32),
-            "argmax": np.zeros(shape, np.int32), "logprobs": np.zeros(shape, np.float32),
-            "ranks": np.zeros(shape, np.int32)}
+    return {
+        "step": np.zeros((), np.int32),
+        "tokens": np.zeros(shape, np.int32),
+        "argmax": np.zeros(shape, np.int32),
+        "logprobs": np.zeros(shape, np.float32),
+        "ranks": np.zeros(shape, np.int32),
+    }
 
 
-def outputs(carry: Any) -> Dict[str, Any]:
+def outputs(carry: Any) -> dict[str, Any]:
     """The per-step output arrays of a loop's carry (any record with these four fields)."""
     return {"tokens": carry.tokens, "argmax": carry.argmax, "logprobs": carry.logprobs, "ranks": carry.ranks}
 
@@ -41,12 +46,23 @@ def prompt_prefix(prompt: Sequence[int], kv_len: int) -> np.ndarray:
     """The tokens a request prefills (its prompt but the last token, which the first decode
     step feeds), int32, zero-padded to a :func:`bucket` size of at most ``kv_len``."""
     prefix = np.zeros(bucket(len(prompt) - 1, kv_len), np.int32)
-    prefix[:len(prompt) - 1] = prompt[:-1]
+    prefix[: len(prompt) - 1] = prompt[:-1]
     return prefix
 
 
-def run_chunks(schedule, prompts, traces, state, carry, *, put: Callable, fetch: Callable,
-               admit: Callable, step: Callable, on_step: Optional[Callable[[int], None]]) -> Dict[str, np.ndarray]:
+def run_chunks(
+    schedule,
+    prompts,
+    traces,
+    state,
+    carry,
+    *,
+    put: Callable,
+    fetch: Callable,
+    admit: Callable,
+    step: Callable,
+    on_step: Callable[[int], None] | None,
+) -> dict[str, np.ndarray]:
     """Every step of ``schedule``; the per-step outputs ``[n_steps, max_batch]`` on the host.
 
     Per step: a full chunk of outputs is set aside (still on the device) and the carry gets
@@ -59,10 +75,10 @@ def run_chunks(schedule, prompts, traces, state, carry, *, put: Callable, fetch:
     """
     rows, steps = schedule.max_batch, schedule.n_steps
     n_chunks = -(-steps // CHUNK)
-    idx_all = np.full((n_chunks * CHUNK, rows), -1, dtype=np.int32)   # padded with empty rows, like the outputs
+    idx_all = np.full((n_chunks * CHUNK, rows), -1, dtype=np.int32)  # padded with empty rows, like the outputs
     idx_all[:steps] = schedule.idx_mapping
     idx_chunks = [put(chunk) for chunk in np.split(idx_all, n_chunks)]
-    chunks = []                  # outputs of finished chunks, still on the device
+    chunks = []  # outputs of finished chunks, still on the device
     per_step = schedule.tokens_per_step.tolist()
     for k in range(steps):
         if k and k % CHUNK == 0:

@@ -26,7 +26,8 @@ call raises ``TypeError``/``ValueError`` naming the argument, before anything ru
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +44,10 @@ class FrameworkMissing(ImportError):
 
     def __init__(self, family: str, framework: str, cause: BaseException):
         self.family, self.framework = family, framework
-        super().__init__(f"the {framework} decode loop of {family} cannot be imported ({cause}); install the "
-                         f"framework, e.g. pip install 'trace-replay[{framework}]'")
+        super().__init__(
+            f"the {framework} decode loop of {family} cannot be imported ({cause}); install the "
+            f"framework, e.g. pip install 'trace-replay[{framework}]'"
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -68,15 +71,15 @@ class Family:
 
     name: str
     label: str
-    model_types: Tuple[str, ...]
+    model_types: tuple[str, ...]
     config_type: type
     config_from_hf: Callable[[Mapping[str, Any]], Any]
     default_config: Callable[[], Any]
-    seeded_weights: Callable[[Any, int], Dict[str, np.ndarray]]
-    weights_from_tensors: Callable[[Any, Mapping[str, np.ndarray]], Dict[str, np.ndarray]]
+    seeded_weights: Callable[[Any, int], dict[str, np.ndarray]]
+    weights_from_tensors: Callable[[Any, Mapping[str, np.ndarray]], dict[str, np.ndarray]]
     check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]
     load_loop: Callable[[str], RunDecode]
-    to_hf: Optional[Callable[..., Tuple[Dict[str, Any], Dict[str, np.ndarray]]]] = None
+    to_hf: Callable[..., tuple[dict[str, Any], dict[str, np.ndarray]]] | None = None
     describe: Callable[[Any], str] = repr
 
     def run_decode(self, framework: str) -> RunDecode:

@@ -7,7 +7,8 @@ misread (the string ``"false"`` as true).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 __all__ = ["get", "get_int", "get_float", "get_bool", "get_mapping"]
 
@@ -29,8 +30,7 @@ def get_int(hf: Mapping[str, Any], key: str, default: Any = None, required: bool
     return value
 
 
-def get_float(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False, *,
-              name: str = "") -> float:
+def get_float(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False, *, name: str = "") -> float:
     """``hf[key]`` (or ``default``) as a float; only JSON numbers are accepted, naming the key."""
     value = get(hf, key, default, required)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -48,7 +48,7 @@ def get_bool(hf: Mapping[str, Any], key: str) -> bool:
     return value
 
 
-def get_mapping(hf: Mapping[str, Any], key: str) -> Dict[str, Any]:
+def get_mapping(hf: Mapping[str, Any], key: str) -> dict[str, Any]:
     """``hf[key]`` as a dict (missing or null: empty), else ``ValueError`` naming the key."""
     value = hf.get(key)
     if value is None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,15 +53,29 @@ class Pointer:
 class CompiledKernel:
     """A loaded Triton binary and its launcher. :meth:`launch` is stream-ordered, never blocks."""
 
-    __slots__ = ("name", "_run", "_function", "_metadata", "_constexprs", "_params", "_n_args", "_threads",
-                 "_shared", "driver_launch", "n_regs", "n_spills", "_clusters")
+    __slots__ = (
+        "name",
+        "_run",
+        "_function",
+        "_metadata",
+        "_constexprs",
+        "_params",
+        "_n_args",
+        "_threads",
+        "_shared",
+        "driver_launch",
+        "n_regs",
+        "n_spills",
+        "_clusters",
+    )
 
-    def __init__(self, jit_fn, args: Sequence[Any], constexprs: Dict[str, Any], num_warps: int,
-                 maxnreg: Optional[int] = None):
+    def __init__(
+        self, jit_fn, args: Sequence[Any], constexprs: dict[str, Any], num_warps: int, maxnreg: int | None = None
+    ):
         options = {} if maxnreg is None else {"maxnreg": maxnreg}
         kernel = jit_fn.warmup(*args, grid=(1,), num_warps=num_warps, **options, **constexprs)
         self.name = kernel.name
-        self._run = kernel.run               # loads the binary on first access
+        self._run = kernel.run  # loads the binary on first access
         self._function = kernel.function
         #: registers per thread and bytes spilled per thread, as the loaded binary reports them
         self.n_regs = int(getattr(kernel, "n_regs", 0) or 0)
@@ -72,19 +87,39 @@ class CompiledKernel:
         self._shared = int(md.shared)
         self._params = _ptx_params(kernel.asm.get("ptx", ""), kernel.name)
         self._n_args = len(args)
-        self._clusters: Dict[tuple, int] = {}
-        simple = (int(getattr(md, "num_ctas", 1)) == 1 and not getattr(md, "launch_cooperative_grid", False)
-                  and not getattr(md, "launch_pdl", False))
+        self._clusters: dict[tuple, int] = {}
+        simple = (
+            int(getattr(md, "num_ctas", 1)) == 1
+            and not getattr(md, "launch_cooperative_grid", False)
+            and not getattr(md, "launch_pdl", False)
+        )
         #: whether :meth:`bind` launches through cuLaunchKernel (else through Triton's launcher)
         self.driver_launch = simple and self._params is not None and len(self._params) >= len(args)
 
-    def launch(self, grid: Tuple[int, int, int], stream: int, *args: int) -> None:
+    def launch(self, grid: tuple[int, int, int], stream: int, *args: int) -> None:
         """Queue one launch on ``stream``; ``args`` are the runtime arguments in order."""
-        self._run(grid[0], grid[1], grid[2], stream, self._function, self._metadata, None, None, None,
-                  *args, *self._constexprs)
+        self._run(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            self._function,
+            self._metadata,
+            None,
+            None,
+            None,
+            *args,
+            *self._constexprs,
+        )
 
-    def bind(self, grid: Tuple[int, int, int], *args: int, driver: Optional[bool] = None, pdl: bool = False,
-             cluster: Optional[Tuple[int, int, int]] = None):
+    def bind(
+        self,
+        grid: tuple[int, int, int],
+        *args: int,
+        driver: bool | None = None,
+        pdl: bool = False,
+        cluster: tuple[int, int, int] | None = None,
+    ):
         """Return ``launch(stream)`` that queues this kernel with ``grid`` and ``args`` fixed.
 
         Binding once and launching many times saves the argument handling of every call.
@@ -125,30 +160,36 @@ class CompiledKernel:
         view, pack, params, function = block.view, block.pack, block.params, block.function
         threads, shared, launch_kernel, ok = block.threads, block.shared, block.launch_kernel, block.ok
 
-        def launch(grid: Tuple[int, int, int], stream: int, *args: int) -> None:
+        def launch(grid: tuple[int, int, int], stream: int, *args: int) -> None:
             pack(view, 0, *args)
             err = launch_kernel(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, params, 0)[0]
             if err != ok:
                 block.fail(err)
 
-        launch.params = block          # the parameter block lives as long as the launcher
+        launch.params = block  # the parameter block lives as long as the launcher
         return launch
 
-    def max_active_clusters(self, grid: Tuple[int, int, int], cluster: Tuple[int, int, int]) -> int:
+    def max_active_clusters(self, grid: tuple[int, int, int], cluster: tuple[int, int, int]) -> int:
         """How many clusters of ``cluster`` CTAs of this kernel the device can hold at once (0: such
         a cluster cannot be launched; ``cuOccupancyMaxActiveClusters``). Host-only."""
         key = tuple(cluster)
         n = self._clusters.get(key)
         if n is None:
             from cuda.bindings import driver as cu
+
             block = _ParamBlock(self)
             config = _bind_ex(block, tuple(int(g) for g in grid), False, cluster).config[0]
             err, n = cu.cuOccupancyMaxActiveClusters(block.function, config)
             n = self._clusters[key] = int(n) if err == cu.CUresult.CUDA_SUCCESS else 0
         return n
 
-    def _bind_driver(self, grid: Tuple[int, int, int], args: Sequence[int], pdl: bool = False,
-                     cluster: Optional[Tuple[int, int, int]] = None):
+    def _bind_driver(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[int],
+        pdl: bool = False,
+        cluster: tuple[int, int, int] | None = None,
+    ):
         block = _ParamBlock(self)
         block.pack(block.view, 0, *args)
         params, function = block.params, block.function
@@ -162,16 +203,16 @@ class CompiledKernel:
             if err != ok:
                 block.fail(err)
 
-        launch.params = block          # the parameter block lives as long as the launch
+        launch.params = block  # the parameter block lives as long as the launch
         return launch
 
 
-def _bind_ex(block: "_ParamBlock", grid: Tuple[int, int, int], pdl: bool,
-             cluster: Optional[Tuple[int, int, int]]):
+def _bind_ex(block: _ParamBlock, grid: tuple[int, int, int], pdl: bool, cluster: tuple[int, int, int] | None):
     """``launch(stream)`` through ``cuLaunchKernelEx``, with programmatic stream serialization
     allowed (``pdl``) and/or clusters of ``cluster`` CTAs; the launch configuration is built
     once, only its stream is set per call."""
     from cuda.bindings import driver as cu
+
     attrs = []
     if pdl:
         attr = cu.CUlaunchAttribute()
@@ -184,9 +225,12 @@ def _bind_ex(block: "_ParamBlock", grid: Tuple[int, int, int], pdl: bool,
             raise ValueError(f"cluster={cluster!r} must divide grid={grid!r} ({block.name})")
         if dims[0] * dims[1] * dims[2] > 8:
             from .._cuda import _check
+
             non_portable = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-            _check(cu.cuFuncSetAttribute(block.function, non_portable, 1),
-                   f"cuFuncSetAttribute({block.name}, non-portable cluster size)")
+            _check(
+                cu.cuFuncSetAttribute(block.function, non_portable, 1),
+                f"cuFuncSetAttribute({block.name}, non-portable cluster size)",
+            )
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = dims
@@ -205,7 +249,7 @@ def _bind_ex(block: "_ParamBlock", grid: Tuple[int, int, int], pdl: bool,
         if err != ok:
             block.fail(err)
 
-    launch.params = block          # the parameter block lives as long as the launch
+    launch.params = block  # the parameter block lives as long as the launch
     launch.config = (config, attrs)
     return launch
 
@@ -222,12 +266,13 @@ class _ParamBlock:
         import struct
 
         from cuda.bindings import driver as cu
+
         sizes = kernel._params
         self.values = np.zeros(len(sizes), dtype=np.uint64)
         self.addresses = np.array([self.values.ctypes.data + 8 * i for i in range(len(sizes))], dtype=np.uint64)
         self.params = self.addresses.ctypes.data
         self.view = memoryview(self.values).cast("B")
-        self.pack = struct.Struct("<" + "".join(self._CODES[n] for n in sizes[:kernel._n_args])).pack_into
+        self.pack = struct.Struct("<" + "".join(self._CODES[n] for n in sizes[: kernel._n_args])).pack_into
         self.function = cu.CUfunction(kernel._function)
         self.threads, self.shared = kernel._threads, kernel._shared
         self.launch_kernel, self.ok = cu.cuLaunchKernel, cu.CUresult.CUDA_SUCCESS
@@ -235,10 +280,11 @@ class _ParamBlock:
 
     def fail(self, err) -> None:
         from .._cuda import _check
+
         _check((err,), f"cuLaunchKernel({self.name})")
 
 
-def _ptx_params(ptx: str, name: str) -> Optional[List[int]]:
+def _ptx_params(ptx: str, name: str) -> list[int] | None:
     """Byte sizes of the parameters of PTX entry ``name``, or ``None`` if they cannot be read."""
     m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
     if not m:
@@ -252,12 +298,19 @@ def _ptx_params(ptx: str, name: str) -> Optional[List[int]]:
     return sizes
 
 
-_cache: Dict[tuple, CompiledKernel] = {}
+_cache: dict[tuple, CompiledKernel] = {}
 _lock = threading.Lock()
 
 
-def compiled(jit_fn, device_id: int, pointer_dtypes: Sequence[str], n_ints: int,
-             constexprs: Dict[str, Any], num_warps: int, maxnreg: Optional[int] = None) -> CompiledKernel:
+def compiled(
+    jit_fn,
+    device_id: int,
+    pointer_dtypes: Sequence[str],
+    n_ints: int,
+    constexprs: dict[str, Any],
+    num_warps: int,
+    maxnreg: int | None = None,
+) -> CompiledKernel:
     """Return the compiled kernel for this device and signature, compiling it on first use.
 
     Kernels take their pointer arguments first, then ``n_ints`` integer arguments, then the
@@ -272,6 +325,7 @@ def compiled(jit_fn, device_id: int, pointer_dtypes: Sequence[str], n_ints: int,
             kernel = _cache.get(key)
             if kernel is None:
                 from triton.runtime import driver
+
                 previous = driver.active.get_current_device()
                 if previous != device_id:
                     driver.active.set_current_device(device_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)     # a chunk of only -inf keeps a finite maximum
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)  # a chunk of only -inf keeps a finite maximum
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -46,8 +46,8 @@ def online_update(x, m, s):
     barriers (unaligned rows are shifted into the same lines first, ``SHIFT``). A NaN never
     becomes a line maximum (IEEE maxNum), but poisons the sum."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    scale = tl.exp2((m - m_new) * LOG2E)                 # m = m_new = +inf: NaN, as it should
-    terms = tl.exp2((x - m_new[:, None]) * LOG2E)        # x = -inf: 0; x = NaN: NaN
+    scale = tl.exp2((m - m_new) * LOG2E)  # m = m_new = +inf: NaN, as it should
+    terms = tl.exp2((x - m_new[:, None]) * LOG2E)  # x = -inf: 0; x = NaN: NaN
     return m_new, s * scale + tl.sum(terms, axis=1)
 
 
@@ -91,8 +91,7 @@ def argmax_chunk(row_ptr, cols, end, ag, ab, count, t, greedy, HAS_TEMP: tl.cons
     amax = tl.max(ag, axis=0)
     cand = ag == amax
     idx = ab[:, None] + cols
-    v = scaled(tl.load(row_ptr + idx, mask=cand[:, None] & (idx < end), other=float("nan")).to(tl.float32), t,
-               HAS_TEMP)
+    v = scaled(tl.load(row_ptr + idx, mask=cand[:, None] & (idx < end), other=float("nan")).to(tl.float32), t, HAS_TEMP)
     acol = tl.min(tl.min(tl.where(v == amax, idx, INT32_MAX), axis=1), axis=0)
     ties = tl.sum(tl.where(cand, count, 0), axis=0)
     return amax, acol, tl.where(greedy, ties, tl.sum(count, axis=0))

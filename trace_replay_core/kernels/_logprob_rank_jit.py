@@ -13,24 +13,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import (INT32_MAX, LOG2E, NEG_FLT_MAX, argmax_chunk, argmax_lines, online_update, scaled,
-                                  stream_load, track_lines)
+from ._logprob_common_jit import (
+    INT32_MAX,
+    LOG2E,
+    NEG_FLT_MAX,
+    argmax_chunk,
+    argmax_lines,
+    online_update,
+    scaled,
+    stream_load,
+    track_lines,
+)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import (TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, exact_words, line_values,
-                                 shifted_block)
+from ._logprob_words_jit import (
+    TAME,
+    ahead_blocks,
+    chunk_end_fast,
+    chunk_lines_fast,
+    exact_words,
+    line_values,
+    shifted_block,
+)
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel", "merge_row"]
 
 
 # -- device helpers -------------------------------------------------------------------------------
 
+
 @triton.jit
 def _launch_dependents():
     """Let the next kernel on the stream, if launched as a programmatic dependent launch, start
     now (it waits for this grid's results with :func:`_wait_prerequisites`; PTX
     ``griddepcontrol``, sm_90)."""
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -45,15 +63,13 @@ def _cluster_arrive():
     """Arrive at the cluster's barrier with release semantics: this thread's earlier writes are
     visible to every thread of the cluster that then waits on it (PTX ``barrier.cluster``,
     sm_90). A thread may exit after arriving: an exited thread holds no barrier up."""
-    tl.inline_asm_elementwise("barrier.cluster.arrive.release; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    tl.inline_asm_elementwise("barrier.cluster.arrive.release; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _cluster_wait():
     """Wait until every thread of the cluster has arrived (or exited), acquiring their writes."""
-    tl.inline_asm_elementwise("barrier.cluster.wait.acquire; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    tl.inline_asm_elementwise("barrier.cluster.wait.acquire; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -71,8 +87,27 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1, g2, gab, HAS_TEMP: tl.constexpr,
-               TRACK: tl.constexpr, ARGMAX: tl.constexpr, GREEDY: tl.constexpr, SHIFT: tl.constexpr):
+def _tail_safe(
+    row_ptr,
+    cols,
+    off,
+    end,
+    chosen,
+    t,
+    m,
+    s,
+    count,
+    ag,
+    ab,
+    g1,
+    g2,
+    gab,
+    HAS_TEMP: tl.constexpr,
+    TRACK: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    GREEDY: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
     """Fold the block at column ``off`` into :func:`_chunk_safe`'s line states, a logit per load,
     masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
     the values of the whole-block path, the same steps."""
@@ -80,8 +115,9 @@ def _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1, g2, 
     inside = idx < end
     if SHIFT:
         ELEM: tl.constexpr = row_ptr.dtype.element_ty
-        y = tl.where(inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM),
-                     float("-inf"))
+        y = tl.where(
+            inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM), float("-inf")
+        )
     else:
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
     y = scaled(y, t, HAS_TEMP)
@@ -97,10 +133,31 @@ def _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1, g2, 
 
 
 @triton.jit
-def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, words, wcols, skew, row_words,
-                LINES: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, TRACK: tl.constexpr,
-                ARGMAX: tl.constexpr, GREEDY: tl.constexpr, EVICT_FIRST: tl.constexpr, SHIFT: tl.constexpr,
-                UNROLL: tl.constexpr):
+def _chunk_safe(
+    row_ptr,
+    cols,
+    start,
+    full_end,
+    end,
+    chosen,
+    t,
+    g1,
+    g2,
+    gab,
+    words,
+    wcols,
+    skew,
+    row_words,
+    LINES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    TRACK: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    GREEDY: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    SHIFT: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
@@ -112,11 +169,11 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
     and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
     unroll factor (speed only: every block is folded in by the same steps, in column order)."""
     ELEM: tl.constexpr = row_ptr.dtype.element_ty
-    PER_WORD: tl.constexpr = BLOCK // LINES // 4      # logits per 32-bit word (lines of 16 bytes)
+    PER_WORD: tl.constexpr = BLOCK // LINES // 4  # logits per 32-bit word (lines of 16 bytes)
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
-    ag = tl.full([LINES], float("-inf"), tl.float32)       # ARGMAX: the line maximum, from -inf
+    ag = tl.full([LINES], float("-inf"), tl.float32)  # ARGMAX: the line maximum, from -inf
     ab = tl.zeros([LINES], tl.int32) + start
     # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
@@ -129,7 +186,7 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
         m, s = online_update(y, m, s)
         if ARGMAX:
             up, ag, ab = argmax_lines(y, off, ag, ab)
-        if GREEDY:      # the ties at the line's maximum, restarted when it grows
+        if GREEDY:  # the ties at the line's maximum, restarted when it grows
             count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
         else:
             count += tl.sum((y >= chosen).to(tl.int32), axis=1)
@@ -139,13 +196,51 @@ def _chunk_safe(row_ptr, cols, start, full_end, end, chosen, t, g1, g2, gab, wor
     # they are, so it is skipped.
     if SHIFT:
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            m, s, count, ag, ab, g1, g2, gab = _tail_safe(row_ptr, cols, off, end, chosen, t, m, s, count, ag, ab, g1,
-                                                          g2, gab, HAS_TEMP, TRACK, ARGMAX, GREEDY, True)
+            m, s, count, ag, ab, g1, g2, gab = _tail_safe(
+                row_ptr,
+                cols,
+                off,
+                end,
+                chosen,
+                t,
+                m,
+                s,
+                count,
+                ag,
+                ab,
+                g1,
+                g2,
+                gab,
+                HAS_TEMP,
+                TRACK,
+                ARGMAX,
+                GREEDY,
+                True,
+            )
     elif full_end < end:
-        m, s, count, ag, ab, g1, g2, gab = _tail_safe(row_ptr, cols, full_end, end, chosen, t, m, s, count, ag, ab, g1,
-                                                      g2, gab, HAS_TEMP, TRACK, ARGMAX, GREEDY, False)
+        m, s, count, ag, ab, g1, g2, gab = _tail_safe(
+            row_ptr,
+            cols,
+            full_end,
+            end,
+            chosen,
+            t,
+            m,
+            s,
+            count,
+            ag,
+            ab,
+            g1,
+            g2,
+            gab,
+            HAS_TEMP,
+            TRACK,
+            ARGMAX,
+            GREEDY,
+            False,
+        )
     big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)   # a line whose max is +inf: NaN
+    total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)  # a line whose max is +inf: NaN
     if ARGMAX:
         amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, GREEDY, HAS_TEMP)
     else:
@@ -167,9 +262,30 @@ def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def merge_row(row, row_ptr, base, chosen, code, logprob_ptr, rank_ptr, argmax_ptr, part_m_ptr, part_s_ptr, part_c_ptr,
-              part_am_ptr, part_a_ptr, vocab, n_chunks, chunk_span, BLOCK: tl.constexpr, RESUM: tl.constexpr,
-              RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr, ARGMAX: tl.constexpr, CACHE: tl.constexpr):
+def merge_row(
+    row,
+    row_ptr,
+    base,
+    chosen,
+    code,
+    logprob_ptr,
+    rank_ptr,
+    argmax_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    part_c_ptr,
+    part_am_ptr,
+    part_a_ptr,
+    vocab,
+    n_chunks,
+    chunk_span,
+    BLOCK: tl.constexpr,
+    RESUM: tl.constexpr,
+    RESUM_BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    CACHE: tl.constexpr,
+):
     """Merge row ``row``'s ``n_chunks`` partials (at ``base``) in chunk order and store its
     logprob, rank and (``ARGMAX``) greedy token; return its log-sum-exp. ``chosen`` is the token's
     scaled logit, ``code`` 0 for an invalid id, 1 for a valid one, 2 for a greedy row. Run by the
@@ -197,16 +313,17 @@ def merge_row(row, row_ptr, base, chosen, code, logprob_ptr, rank_ptr, argmax_pt
             cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
             for k in range(0, n_chunks):
                 if (tl.load(part_s_ptr + base + k, cache_modifier=CACHE) < 0) & (
-                        tl.load(part_m_ptr + base + k, cache_modifier=CACHE) >= big - 128.0):
+                    tl.load(part_m_ptr + base + k, cache_modifier=CACHE) >= big - 128.0
+                ):
                     start = k * chunk_span
                     s_k = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
                     tl.store(part_s_ptr + base + k, s_k)
-            tl.debug_barrier()          # the re-summed partials are read by every thread below
+            tl.debug_barrier()  # the re-summed partials are read by every thread below
             s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     total = tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
     count = tl.sum(c, axis=0)
-    lse = big + tl.log(total)                   # total == 0 only for a row of -inf: lse = -inf
+    lse = big + tl.log(total)  # total == 0 only for a row of -inf: lse = -inf
     if ARGMAX:
         # The row's greedy maximum, its lowest column over the chunks that hold it (exact: no
         # order of evaluation matters), and the ties at it; a row of only NaN gets column 0.
@@ -237,57 +354,78 @@ def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.conste
 
 # -- kernels ----------------------------------------------------------------------------------------
 
+
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
-    do_not_specialize_on_alignment=["logits_ptr", "ids_ptr", "temp_ptr", "part_m_ptr", "part_s_ptr",
-                                    "part_c_ptr", "tok_y_ptr", "tok_ok_ptr", "part_k_ptr", "cand_ptr",
-                                    "pairs_ptr", "part_am_ptr", "part_a_ptr", "logprob_ptr", "rank_ptr", "argmax_ptr"],
+    do_not_specialize_on_alignment=[
+        "logits_ptr",
+        "ids_ptr",
+        "temp_ptr",
+        "part_m_ptr",
+        "part_s_ptr",
+        "part_c_ptr",
+        "tok_y_ptr",
+        "tok_ok_ptr",
+        "part_k_ptr",
+        "cand_ptr",
+        "pairs_ptr",
+        "part_am_ptr",
+        "part_a_ptr",
+        "logprob_ptr",
+        "rank_ptr",
+        "argmax_ptr",
+    ],
 )
 def logprob_rank_chunk_kernel(
-    logits_ptr,         # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
-    ids_ptr,            # [batch] int32/int64 token per row
-    temp_ptr,           # [batch] float32 temperature (read when HAS_TEMP)
-    part_m_ptr,         # [batch * n_chunks] float32 out: chunk maximum (a chunk of -inf: -FLT_MAX; WORDS: -inf)
-    part_s_ptr,         # [batch * n_chunks] float32 out: sum of exp(y - max) (WORDS: -1 for a flagged chunk)
-    part_c_ptr,         # [batch * n_chunks] int32 out: count of y >= y[token]
-    tok_y_ptr,          # [batch] float32 out: the token's scaled logit (NaN for an invalid id)
-    tok_ok_ptr,         # [batch] int32 out: whether the id is in [0, vocab)
-    part_k_ptr,         # [batch * n_chunks, TOPK] int64 out: a program's best keys at its first chunk (TOPK > 0)
-    cand_ptr,           # [batch * n_chunks, CAP] int64 scratch: candidate keys (TOPK > 0)
-    pairs_ptr,          # [batch * n_chunks, CAP_P] int32 scratch: first columns of candidate vectors (TOPK > 0)
-    part_am_ptr,        # [batch * n_chunks] float32 out: the chunk's largest non-NaN logit (ARGMAX)
-    part_a_ptr,         # [batch * n_chunks] int32 out: its lowest column, INT32_MAX if none (ARGMAX)
-    logprob_ptr,        # [batch] float32 out (CLUSTER)
-    rank_ptr,           # [batch] int32/int64 out (CLUSTER)
-    argmax_ptr,         # [batch] int32/int64 out (CLUSTER and ARGMAX)
+    logits_ptr,  # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
+    ids_ptr,  # [batch] int32/int64 token per row
+    temp_ptr,  # [batch] float32 temperature (read when HAS_TEMP)
+    part_m_ptr,  # [batch * n_chunks] float32 out: chunk maximum (a chunk of -inf: -FLT_MAX; WORDS: -inf)
+    part_s_ptr,  # [batch * n_chunks] float32 out: sum of exp(y - max) (WORDS: -1 for a flagged chunk)
+    part_c_ptr,  # [batch * n_chunks] int32 out: count of y >= y[token]
+    tok_y_ptr,  # [batch] float32 out: the token's scaled logit (NaN for an invalid id)
+    tok_ok_ptr,  # [batch] int32 out: whether the id is in [0, vocab)
+    part_k_ptr,  # [batch * n_chunks, TOPK] int64 out: a program's best keys at its first chunk (TOPK > 0)
+    cand_ptr,  # [batch * n_chunks, CAP] int64 scratch: candidate keys (TOPK > 0)
+    pairs_ptr,  # [batch * n_chunks, CAP_P] int32 scratch: first columns of candidate vectors (TOPK > 0)
+    part_am_ptr,  # [batch * n_chunks] float32 out: the chunk's largest non-NaN logit (ARGMAX)
+    part_a_ptr,  # [batch * n_chunks] int32 out: its lowest column, INT32_MAX if none (ARGMAX)
+    logprob_ptr,  # [batch] float32 out (CLUSTER)
+    rank_ptr,  # [batch] int32/int64 out (CLUSTER)
+    argmax_ptr,  # [batch] int32/int64 out (CLUSTER and ARGMAX)
     vocab,
-    row_stride,         # elements between rows
-    chunk_blocks,       # blocks of BLOCK logits per chunk
-    n_chunks,           # chunks per row
-    group,              # consecutive chunks per program (grid axis 1 = cdiv(n_chunks, group))
+    row_stride,  # elements between rows
+    chunk_blocks,  # blocks of BLOCK logits per chunk
+    n_chunks,  # chunks per row
+    group,  # consecutive chunks per program (grid axis 1 = cdiv(n_chunks, group))
     top_k,
-    BLOCK: tl.constexpr,    # logits per loop step
-    VEC: tl.constexpr,      # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
+    BLOCK: tl.constexpr,  # logits per loop step
+    VEC: tl.constexpr,  # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
     ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
-    WORDS: tl.constexpr,    # bfloat16, no temperature: chunk_lines_fast and chunk_end_fast
-    SHIFT: tl.constexpr,    # rows that are not ALIGNED: each line's words shifted into place
+    WORDS: tl.constexpr,  # bfloat16, no temperature: chunk_lines_fast and chunk_end_fast
+    SHIFT: tl.constexpr,  # rows that are not ALIGNED: each line's words shifted into place
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
-    GDC: tl.constexpr,      # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
-    TOPK: tl.constexpr,     # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
-    SEL: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr,
+    GDC: tl.constexpr,  # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
+    TOPK: tl.constexpr,  # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
+    SEL: tl.constexpr,
+    CAP_P: tl.constexpr,
+    PAIRS: tl.constexpr,
+    CAP: tl.constexpr,
+    RESCAN: tl.constexpr,
     PIECE: tl.constexpr,
-    ARGMAX: tl.constexpr,   # each chunk's greedy maximum and column; negative ids are greedy rows
-    AHEAD: tl.constexpr,    # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
+    ARGMAX: tl.constexpr,  # each chunk's greedy maximum and column; negative ids are greedy rows
+    AHEAD: tl.constexpr,  # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
     EVICT_FIRST: tl.constexpr,  # whole blocks loaded evict-first in L1 and L2 (stream_load)
     TOPK_SORTED: tl.constexpr,  # TOPK: each program's keys sorted even where they need no selection
-    UNROLL: tl.constexpr,   # not WORDS: the block loop's unroll factor
+    UNROLL: tl.constexpr,  # not WORDS: the block loop's unroll factor
     CLUSTER: tl.constexpr,  # a row's programs form one cluster (sm_90+), whose first merges the row (no TOPK)
-    MERGE_BLOCK: tl.constexpr, RESUM_BLOCK: tl.constexpr,   # CLUSTER: as the combine kernel's BLOCK, RESUM_BLOCK
+    MERGE_BLOCK: tl.constexpr,
+    RESUM_BLOCK: tl.constexpr,  # CLUSTER: as the combine kernel's BLOCK, RESUM_BLOCK
 ):
     if GDC:
         _launch_dependents()
-        _wait_prerequisites()   # launched as a dependent of the kernel before it: wait for its writes
+        _wait_prerequisites()  # launched as a dependent of the kernel before it: wait for its writes
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * group
     last = tl.minimum(first + group, n_chunks)
@@ -296,9 +434,9 @@ def logprob_rank_chunk_kernel(
         row_ptr = tl.multiple_of(row_ptr, 16)
     LINES: tl.constexpr = BLOCK // VEC
     span = chunk_blocks * BLOCK
-    stop = tl.minimum(last * span, vocab)          # the end of the program's columns
+    stop = tl.minimum(last * span, vocab)  # the end of the program's columns
     ITEMSIZE: tl.constexpr = 16 // VEC
-    if SHIFT:       # the row's start rounded down to 16 bytes, and how far below the row it lies
+    if SHIFT:  # the row's start rounded down to 16 bytes, and how far below the row it lies
         skew = (row_ptr.to(tl.int64) % 16).to(tl.int32)
         words = tl.multiple_of((row_ptr - skew // ITEMSIZE).to(tl.pointer_type(tl.int32)), 16)
         # The row's last 16-byte boundary, in words past ``words``, and the columns before it: the
@@ -309,22 +447,23 @@ def logprob_rank_chunk_kernel(
         skew = 0
         words = row_ptr.to(tl.pointer_type(tl.int32))
         row_words = 0
-    wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]      # each line's four words
+    wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]  # each line's four words
     if WORDS:
         # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
-        w0, w1, w2, w3 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT,
-                                      EVICT_FIRST)
+        w0, w1, w2, w3 = ahead_blocks(
+            words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
+        )
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-    if first == 0:          # the row's token, for the combine kernel (it need not load it again)
+    if first == 0:  # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
-        if ARGMAX:          # 0: invalid id, 1: valid, 2: greedy row
+        if ARGMAX:  # 0: invalid id, 1: valid, 2: greedy row
             tl.store(tok_ok_ptr + row, tl.where(greedy, 2, valid_tok.to(tl.int32)))
         else:
             tl.store(tok_ok_ptr + row, valid_tok.to(tl.int32))
     cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     if WORDS:
-        bits = (chosen.to(tl.uint32, bitcast=True) >> 16)          # the token's bfloat16 bits
+        bits = chosen.to(tl.uint32, bitcast=True) >> 16  # the token's bfloat16 bits
         chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
     # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
     g1 = tl.full([LINES], float("-inf"), tl.float32)
@@ -336,7 +475,7 @@ def logprob_rank_chunk_kernel(
         start = chunk * span
         n_here = tl.minimum(span, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
-        if SHIFT:   # whole blocks up to the row's last 16-byte boundary; the columns after it a logit per load
+        if SHIFT:  # whole blocks up to the row's last 16-byte boundary; the columns after it a logit per load
             full_end = start + (tl.maximum(tl.minimum(full_end, safe_cols) - start, 0) // BLOCK) * BLOCK
         end = start + n_here
         # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
@@ -347,21 +486,50 @@ def logprob_rank_chunk_kernel(
         # bits depend on it alone.
         if WORDS:
             line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
-                words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1, g2,
-                gab, skew, row_words, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, AHEAD, SHIFT, EVICT_FIRST)
+                words,
+                wcols,
+                w0,
+                w1,
+                w2,
+                w3,
+                row_ptr,
+                cols,
+                start,
+                full_end,
+                end,
+                chosen,
+                chosen_w,
+                greedy,
+                g1,
+                g2,
+                gab,
+                skew,
+                row_words,
+                LINES,
+                BLOCK,
+                PACKED_COUNT,
+                TOPK > 0,
+                ARGMAX,
+                AHEAD,
+                SHIFT,
+                EVICT_FIRST,
+            )
             # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
             # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
             # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
             # registers too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per
             # SM, not 9).
             if not ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD,
-                                              SHIFT, EVICT_FIRST)
-            big, total, count, amax, acol = chunk_end_fast(row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy,
-                                                           ARGMAX)
+                w0, w1, w2, w3 = ahead_blocks(
+                    words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
+                )
+            big, total, count, amax, acol = chunk_end_fast(
+                row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy, ARGMAX
+            )
             if ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD,
-                                              SHIFT, EVICT_FIRST)
+                w0, w1, w2, w3 = ahead_blocks(
+                    words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
+                )
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
@@ -369,15 +537,57 @@ def logprob_rank_chunk_kernel(
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
             if ARGMAX and greedy:
-                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
-                                                                         t, g1, g2, gab, words, wcols, skew, row_words,
-                                                                         LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True,
-                                                                         EVICT_FIRST, SHIFT, UNROLL)
+                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
+                    row_ptr,
+                    cols,
+                    start,
+                    full_end,
+                    end,
+                    chosen,
+                    t,
+                    g1,
+                    g2,
+                    gab,
+                    words,
+                    wcols,
+                    skew,
+                    row_words,
+                    LINES,
+                    BLOCK,
+                    HAS_TEMP,
+                    TOPK > 0,
+                    True,
+                    True,
+                    EVICT_FIRST,
+                    SHIFT,
+                    UNROLL,
+                )
             else:
-                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(row_ptr, cols, start, full_end, end, chosen,
-                                                                         t, g1, g2, gab, words, wcols, skew, row_words,
-                                                                         LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX,
-                                                                         False, EVICT_FIRST, SHIFT, UNROLL)
+                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
+                    row_ptr,
+                    cols,
+                    start,
+                    full_end,
+                    end,
+                    chosen,
+                    t,
+                    g1,
+                    g2,
+                    gab,
+                    words,
+                    wcols,
+                    skew,
+                    row_words,
+                    LINES,
+                    BLOCK,
+                    HAS_TEMP,
+                    TOPK > 0,
+                    ARGMAX,
+                    False,
+                    EVICT_FIRST,
+                    SHIFT,
+                    UNROLL,
+                )
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
@@ -397,45 +607,110 @@ def logprob_rank_chunk_kernel(
                 code = tl.where(greedy, 2, valid_tok.to(tl.int32))
             else:
                 code = valid_tok.to(tl.int32)
-            merge_row(row, row_ptr, row * n_chunks, chosen, code, logprob_ptr, rank_ptr, argmax_ptr, part_m_ptr,
-                      part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, vocab, n_chunks, span, MERGE_BLOCK, WORDS,
-                      RESUM_BLOCK, VEC, ARGMAX, ".cg")
+            merge_row(
+                row,
+                row_ptr,
+                row * n_chunks,
+                chosen,
+                code,
+                logprob_ptr,
+                rank_ptr,
+                argmax_ptr,
+                part_m_ptr,
+                part_s_ptr,
+                part_c_ptr,
+                part_am_ptr,
+                part_a_ptr,
+                vocab,
+                n_chunks,
+                span,
+                MERGE_BLOCK,
+                WORDS,
+                RESUM_BLOCK,
+                VEC,
+                ARGMAX,
+                ".cg",
+            )
     if TOPK > 0:
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
         # the row's top-k), at its first chunk's slot (the combine kernel reads no other).
         slot = row * n_chunks + first
-        program_topk(row_ptr, first * span, tl.minimum(last * span, vocab), g1, g2, gab, t, top_k,
-                     pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, part_k_ptr + slot * TOPK, LINES, VEC, BLOCK, SEL,
-                     TOPK, CAP_P, PAIRS, CAP, RESCAN, PIECE, HAS_TEMP, TOPK_SORTED)
+        program_topk(
+            row_ptr,
+            first * span,
+            tl.minimum(last * span, vocab),
+            g1,
+            g2,
+            gab,
+            t,
+            top_k,
+            pairs_ptr + slot * CAP_P,
+            cand_ptr + slot * CAP,
+            part_k_ptr + slot * TOPK,
+            LINES,
+            VEC,
+            BLOCK,
+            SEL,
+            TOPK,
+            CAP_P,
+            PAIRS,
+            CAP,
+            RESCAN,
+            PIECE,
+            HAS_TEMP,
+            TOPK_SORTED,
+        )
 
 
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span", "group"],
-    do_not_specialize_on_alignment=["logits_ptr", "logprob_ptr", "rank_ptr", "topk_lp_ptr", "topk_id_ptr",
-                                    "part_m_ptr", "part_s_ptr", "part_c_ptr", "part_k_ptr", "tok_y_ptr",
-                                    "tok_ok_ptr", "argmax_ptr", "part_am_ptr", "part_a_ptr"],
+    do_not_specialize_on_alignment=[
+        "logits_ptr",
+        "logprob_ptr",
+        "rank_ptr",
+        "topk_lp_ptr",
+        "topk_id_ptr",
+        "part_m_ptr",
+        "part_s_ptr",
+        "part_c_ptr",
+        "part_k_ptr",
+        "tok_y_ptr",
+        "tok_ok_ptr",
+        "argmax_ptr",
+        "part_am_ptr",
+        "part_a_ptr",
+    ],
 )
 def logprob_rank_combine_kernel(
-    logits_ptr,         # as in the chunk kernel (read only to re-sum flagged chunks, RESUM)
-    logprob_ptr,        # [batch] float32 out
-    rank_ptr,           # [batch] int32/int64 out
-    topk_lp_ptr,        # [batch, top_k] float32 out (K_PAD > 0)
-    topk_id_ptr,        # [batch, top_k] int32/int64 out (K_PAD > 0)
-    part_m_ptr, part_s_ptr, part_c_ptr, part_k_ptr,
-    tok_y_ptr, tok_ok_ptr,   # the token's scaled logit and validity, written by the chunk kernel
-    argmax_ptr,         # [batch] int32/int64 out: the row's greedy token (ARGMAX)
-    part_am_ptr, part_a_ptr,   # each chunk's greedy maximum and its column (ARGMAX)
-    vocab, row_stride, n_chunks, top_k,
-    chunk_span,         # logits per chunk (read where RESUM)
-    group,              # the chunk kernel's chunks per program (K_PAD > 0: where a row's programs' keys are)
-    BLOCK: tl.constexpr,        # a power of two >= n_chunks: one tile holds a row's partials
+    logits_ptr,  # as in the chunk kernel (read only to re-sum flagged chunks, RESUM)
+    logprob_ptr,  # [batch] float32 out
+    rank_ptr,  # [batch] int32/int64 out
+    topk_lp_ptr,  # [batch, top_k] float32 out (K_PAD > 0)
+    topk_id_ptr,  # [batch, top_k] int32/int64 out (K_PAD > 0)
+    part_m_ptr,
+    part_s_ptr,
+    part_c_ptr,
+    part_k_ptr,
+    tok_y_ptr,
+    tok_ok_ptr,  # the token's scaled logit and validity, written by the chunk kernel
+    argmax_ptr,  # [batch] int32/int64 out: the row's greedy token (ARGMAX)
+    part_am_ptr,
+    part_a_ptr,  # each chunk's greedy maximum and its column (ARGMAX)
+    vocab,
+    row_stride,
+    n_chunks,
+    top_k,
+    chunk_span,  # logits per chunk (read where RESUM)
+    group,  # the chunk kernel's chunks per program (K_PAD > 0: where a row's programs' keys are)
+    BLOCK: tl.constexpr,  # a power of two >= n_chunks: one tile holds a row's partials
     K_PAD: tl.constexpr,
-    KEY_TILES: tl.constexpr,    # programs' key sets merged per step
-    RESUM: tl.constexpr,        # the chunk kernel ran the fused path: partials with sum -1 are re-summed
-    RESUM_BLOCK: tl.constexpr, VEC: tl.constexpr,   # the re-sum's block and 16-byte vector
-    GDC: tl.constexpr,          # wait for the chunk kernel (launched as its programmatic dependent)
-    ARGMAX: tl.constexpr,       # write the greedy token; score greedy rows (validity code 2) as it
-    RELEASE_FIRST: tl.constexpr,    # GDC: let the next kernel launch before waiting for the chunk kernel
+    KEY_TILES: tl.constexpr,  # programs' key sets merged per step
+    RESUM: tl.constexpr,  # the chunk kernel ran the fused path: partials with sum -1 are re-summed
+    RESUM_BLOCK: tl.constexpr,
+    VEC: tl.constexpr,  # the re-sum's block and 16-byte vector
+    GDC: tl.constexpr,  # wait for the chunk kernel (launched as its programmatic dependent)
+    ARGMAX: tl.constexpr,  # write the greedy token; score greedy rows (validity code 2) as it
+    RELEASE_FIRST: tl.constexpr,  # GDC: let the next kernel launch before waiting for the chunk kernel
 ):
     if GDC:
         # A chained kernel's programs may be scheduled now or once this grid's wait is over; either
@@ -449,9 +724,30 @@ def logprob_rank_combine_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks
-    lse = merge_row(row, row_ptr, base, tl.load(tok_y_ptr + row), tl.load(tok_ok_ptr + row), logprob_ptr, rank_ptr,
-                    argmax_ptr, part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, vocab, n_chunks,
-                    chunk_span, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "")
+    lse = merge_row(
+        row,
+        row_ptr,
+        base,
+        tl.load(tok_y_ptr + row),
+        tl.load(tok_ok_ptr + row),
+        logprob_ptr,
+        rank_ptr,
+        argmax_ptr,
+        part_m_ptr,
+        part_s_ptr,
+        part_c_ptr,
+        part_am_ptr,
+        part_a_ptr,
+        vocab,
+        n_chunks,
+        chunk_span,
+        BLOCK,
+        RESUM,
+        RESUM_BLOCK,
+        VEC,
+        ARGMAX,
+        "",
+    )
     if K_PAD > 0:
         # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), in no
         # particular order: the row's best K_PAD of KEY_TILES programs at a time, sorted.
@@ -460,12 +756,11 @@ def logprob_rank_combine_kernel(
         n_progs = (n_chunks + group - 1) // group
         best = _program_keys(part_k_ptr, base, 0, tt, kk, n_progs, group, K_PAD, KEY_TILES)
         for p0 in range(KEY_TILES, n_progs, KEY_TILES):
-            best = merge_top(best, _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD, KEY_TILES),
-                             K_PAD)
+            best = merge_top(best, _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD, KEY_TILES), K_PAD)
         pad = best == KEY_PAD
         o = (best >> 32).to(tl.int32)
         y = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        col = ~(best.to(tl.int32))                  # the padding key decodes to -1
+        col = ~(best.to(tl.int32))  # the padding key decodes to -1
         out = row * top_k + kk
         keep = kk < top_k
         tl.store(topk_lp_ptr + out, tl.where(pad, float("nan"), y - lse), mask=keep)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._logprob_common_jit import NEG_FLT_MAX, scaled
 
-KEY_PAD = tl.constexpr(-(2**63))                       # the smallest key: padding, NaN, masked lanes
+KEY_PAD = tl.constexpr(-(2**63))  # the smallest key: padding, NaN, masked lanes
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def keys_of(y, cols, ok):
     y = tl.where(y == 0.0, 0.0, y)
     b = y.to(tl.int32, bitcast=True)
     o = b ^ ((b >> 31) & 0x7FFFFFFF)
-    low = (~cols).to(tl.uint32, bitcast=True).to(tl.int64)        # 2**32 - 1 - column
+    low = (~cols).to(tl.uint32, bitcast=True).to(tl.int64)  # 2**32 - 1 - column
     key = (o.to(tl.int64) << 32) | low
     return tl.where(ok & (y == y), key, KEY_PAD)
 
@@ -75,7 +75,7 @@ def _tau(g1, top_k, LINES: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr)
     (the element path's start value, not a logit) or when there are fewer than ``K_PAD`` groups."""
     if SEL >= K_PAD:
         g = tl.max(tl.reshape(g1, [LINES // SEL, SEL]), axis=0)
-        top = tl.topk(g, K_PAD)                                    # sorted, largest first
+        top = tl.topk(g, K_PAD)  # sorted, largest first
         tau = tl.max(tl.where(tl.arange(0, K_PAD) == top_k - 1, top, float("-inf")), axis=0)
         return tl.where(tau <= NEG_FLT_MAX, float("-inf"), tau)
     else:
@@ -83,9 +83,25 @@ def _tau(g1, top_k, LINES: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr)
 
 
 @triton.jit
-def _from_vectors(row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LINES: tl.constexpr, VEC: tl.constexpr,
-                  BLOCK: tl.constexpr, CAP_P: tl.constexpr, PAIRS: tl.constexpr, CAP: tl.constexpr,
-                  HAS_TEMP: tl.constexpr):
+def _from_vectors(
+    row_ptr,
+    lo,
+    hi,
+    g1,
+    g2,
+    gab,
+    tau,
+    t,
+    pairs_dst,
+    cand_dst,
+    LINES: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAP_P: tl.constexpr,
+    PAIRS: tl.constexpr,
+    CAP: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+):
     """Step 2: the logits ``>= tau`` of the vectors that can hold one, into ``cand_dst``; their
     number, or -1 if more than ``CAP_P`` vectors or ``CAP`` logits would be needed. A line with
     ``g1 >= tau`` needs its vector at ``gab`` alone when ``g2 < tau``, else all its blocks."""
@@ -102,7 +118,7 @@ def _from_vectors(row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LIN
         if tl.sum(every.to(tl.int32), axis=0) > 0:
             for b in range(0, n_blocks):
                 tl.store(pairs_dst + at + b, lo + b * BLOCK + line_col, mask=every)
-        tl.debug_barrier()                   # the vectors' columns are read by other threads below
+        tl.debug_barrier()  # the vectors' columns are read by other threads below
         jp = tl.arange(0, PAIRS)
         n = 0
         for p0 in range(0, n_vec, PAIRS):
@@ -119,11 +135,10 @@ def _from_vectors(row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LIN
 
 
 @triton.jit
-def _rescan(row_ptr, lo, hi, tau, t, top_k, cand_dst, CAP: tl.constexpr, RESCAN: tl.constexpr,
-            HAS_TEMP: tl.constexpr):
+def _rescan(row_ptr, lo, hi, tau, t, top_k, cand_dst, CAP: tl.constexpr, RESCAN: tl.constexpr, HAS_TEMP: tl.constexpr):
     """Step 3: the logits ``> tau`` and the ``top_k`` lowest columns ``== tau``, into
     ``cand_dst``; their number, or -1 if more than ``CAP``."""
-    tl.debug_barrier()                  # step 2 may have written cand_dst: its stores come first
+    tl.debug_barrier()  # step 2 may have written cand_dst: its stores come first
     j = tl.arange(0, RESCAN)
     n_sel = 0
     n_eq = 0
@@ -147,16 +162,36 @@ def _pieces(row_ptr, lo, hi, t, K_PAD: tl.constexpr, PIECE: tl.constexpr, HAS_TE
     for off in range(lo, hi, PIECE):
         cols = off + j
         ok = cols < hi
-        best = merge_top(best, tl.topk(keys_of(_load_scaled(row_ptr, cols, ok, t, HAS_TEMP), cols, ok), K_PAD),
-                         K_PAD)
+        best = merge_top(best, tl.topk(keys_of(_load_scaled(row_ptr, cols, ok, t, HAS_TEMP), cols, ok), K_PAD), K_PAD)
     return best
 
 
 @triton.jit
-def program_topk(row_ptr, lo, hi, g1, g2, gab, t, top_k, pairs_dst, cand_dst, out, LINES: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK: tl.constexpr, SEL: tl.constexpr, K_PAD: tl.constexpr, CAP_P: tl.constexpr,
-                 PAIRS: tl.constexpr, CAP: tl.constexpr, RESCAN: tl.constexpr, PIECE: tl.constexpr,
-                 HAS_TEMP: tl.constexpr, SORTED: tl.constexpr):
+def program_topk(
+    row_ptr,
+    lo,
+    hi,
+    g1,
+    g2,
+    gab,
+    t,
+    top_k,
+    pairs_dst,
+    cand_dst,
+    out,
+    LINES: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SEL: tl.constexpr,
+    K_PAD: tl.constexpr,
+    CAP_P: tl.constexpr,
+    PAIRS: tl.constexpr,
+    CAP: tl.constexpr,
+    RESCAN: tl.constexpr,
+    PIECE: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    SORTED: tl.constexpr,
+):
     """Write the best ``K_PAD`` keys of columns ``[lo, hi)`` of the row (exact for the best
     ``top_k``) to ``out[0:K_PAD]``, padded with ``KEY_PAD``, in no particular order unless
     ``SORTED`` (then largest first; the combine kernel sorts them either way); ``g1``, ``g2``,
@@ -164,13 +199,14 @@ def program_topk(row_ptr, lo, hi, g1, g2, gab, t, top_k, pairs_dst, cand_dst, ou
     instead of by sorting networks measured 2.4x slower: 90.8 against 37.7 us at batch 256,
     bench/README.md, 11:50 UTC.)"""
     tau = _tau(g1, top_k, LINES, SEL, K_PAD)
-    n = _from_vectors(row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LINES, VEC, BLOCK, CAP_P, PAIRS,
-                      CAP, HAS_TEMP)
+    n = _from_vectors(
+        row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LINES, VEC, BLOCK, CAP_P, PAIRS, CAP, HAS_TEMP
+    )
     if n < 0:
         n = _rescan(row_ptr, lo, hi, tau, t, top_k, cand_dst, CAP, RESCAN, HAS_TEMP)
     kk = tl.arange(0, K_PAD)
     if n >= 0:
-        tl.debug_barrier()              # the candidates were written by other threads
+        tl.debug_barrier()  # the candidates were written by other threads
         if (n <= K_PAD) & (not SORTED):
             # All of them fit (the common case): written as they are, padded; the combine kernel
             # sorts every program's keys anyway.

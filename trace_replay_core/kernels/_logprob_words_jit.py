@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ._logprob_common_jit import LOG2E, argmax_chunk, argmax_lines, stream_load, track_lines
 
-TAME = tl.constexpr(2.0 ** 20)      # line maxima clamped to +-TAME; a chunk beyond it is flagged
+TAME = tl.constexpr(2.0**20)  # line maxima clamped to +-TAME; a chunk beyond it is flagged
 
 
 @triton.jit
@@ -45,15 +45,16 @@ def _ge_masks(w, chosen_w):
     """Per 32-bit word of two bfloat16 logits: ``0xFFFF`` in each half whose logit is ``>=`` the
     chosen one (``chosen_w`` holds it in both halves; NaN compares false), else 0. One packed
     compare per two logits (PTX ``set.ge.u32.bf16x2``, sm_90)."""
-    return tl.inline_asm_elementwise("set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", [w, chosen_w],
-                                     dtype=tl.uint32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", [w, chosen_w], dtype=tl.uint32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
 def _split4(v):
     """The four words of each line of ``[LINES, 4]`` words, as four ``[LINES]`` tensors (within
     each thread: a line's words are one 16-byte vector of its registers)."""
-    even, odd = tl.split(v.reshape([v.shape[0], 2, 2]))       # words 0 and 2, words 1 and 3
+    even, odd = tl.split(v.reshape([v.shape[0], 2, 2]))  # words 0 and 2, words 1 and 3
     w0, w2 = tl.split(even)
     w1, w3 = tl.split(odd)
     return w0, w1, w2, w3
@@ -78,7 +79,7 @@ def shift_words(va, vb, skew):
     e1 = _pick(q, a1, a2, a3, b0).to(tl.uint32, bitcast=True)
     e2 = _pick(q, a2, a3, b0, b1).to(tl.uint32, bitcast=True)
     e3 = _pick(q, a3, b0, b1, b2).to(tl.uint32, bitcast=True)
-    if skew % 4 != 0:       # the line starts in the upper half of a word: funnel each pair by 16 bits
+    if skew % 4 != 0:  # the line starts in the upper half of a word: funnel each pair by 16 bits
         e4 = _pick(q, b0, b1, b2, b3).to(tl.uint32, bitcast=True)
         e0 = (e0 >> 16) | (e1 << 16)
         e1 = (e1 >> 16) | (e2 << 16)
@@ -113,7 +114,7 @@ def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constex
     16-byte boundary, in words past ``words``): no load reaches past the row's end. A line that
     needs bytes beyond that boundary does not take this path (the chunk kernel reads the row's
     last columns a logit at a time: its ``full_end``)."""
-    lines = tl.arange(0, wcols.shape[0])[:, None] * 4            # each line's first word
+    lines = tl.arange(0, wcols.shape[0])[:, None] * 4  # each line's first word
     inside = off_w + lines + 8 <= row_words
     if MASKED:
         va = tl.load(words + off_w + wcols, mask=mask, other=0)
@@ -144,7 +145,7 @@ def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
     :func:`shifted_block` lays them out (each line's four words in its registers), from one load
     per logit masked at ``end`` (zero bits past it): for the row's last columns, where a vector
     load would read past the row's end."""
-    first = off + tl.arange(0, LINES) * (16 // ITEMSIZE)          # each line's first column
+    first = off + tl.arange(0, LINES) * (16 // ITEMSIZE)  # each line's first column
     w0 = _exact_word(row_ptr, first, 0, end, ITEMSIZE)
     w1 = _exact_word(row_ptr, first, 1, end, ITEMSIZE)
     w2 = _exact_word(row_ptr, first, 2, end, ITEMSIZE)
@@ -153,20 +154,33 @@ def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
 
 
 @triton.jit
-def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr,
-                 EVICT_FIRST: tl.constexpr):
+def _whole_block(
+    words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr, EVICT_FIRST: tl.constexpr
+):
     """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
     chunk's first ``words_in`` words); ``EVICT_FIRST`` as in ``stream_load`` (aligned rows)."""
     if SHIFT:
-        return shifted_block(words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words,
-                             True)
+        return shifted_block(
+            words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words, True
+        )
     else:
         return stream_load(words + wcols + at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, EVICT_FIRST)
 
 
 @triton.jit
-def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.constexpr, AHEAD: tl.constexpr,
-                 SHIFT: tl.constexpr, EVICT_FIRST: tl.constexpr):
+def ahead_blocks(
+    words,
+    wcols,
+    start,
+    span,
+    end,
+    skew,
+    row_words,
+    BLOCK: tl.constexpr,
+    AHEAD: tl.constexpr,
+    SHIFT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+):
     """The words of the first ``AHEAD`` (2 or 4) whole blocks of the chunk of ``span`` logits at
     ``start`` (zeros for a block that does not lie whole before ``end``; with ``AHEAD`` 2 the last
     two returned are the first two again, unused), loaded ahead of the chunk's block loop: the
@@ -176,7 +190,7 @@ def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.cons
     4.05 / 3.76 us at batch 1, 23.95 / 23.55 at 256, 292.3 / 293.2 at 4096; top-k 20 44.59 /
     43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256. ``skew``,
     ``row_words``, ``SHIFT`` and ``EVICT_FIRST`` as in :func:`chunk_lines_fast`."""
-    words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)     # words in the chunk's whole blocks
+    words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)  # words in the chunk's whole blocks
     chunk_words = words + start // 2
     row_words -= start // 2
     w0 = _whole_block(chunk_words, wcols, 0, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
@@ -190,8 +204,26 @@ def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.cons
 
 
 @triton.jit
-def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2, gab, LINES: tl.constexpr,
-                BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr, TRACK: tl.constexpr, ARGMAX: tl.constexpr):
+def _fast_block(
+    w,
+    off,
+    m,
+    s,
+    count,
+    masks,
+    ab,
+    chosen,
+    chosen_w,
+    greedy,
+    g1,
+    g2,
+    gab,
+    LINES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PACKED_COUNT: tl.constexpr,
+    TRACK: tl.constexpr,
+    ARGMAX: tl.constexpr,
+):
     """Fold the whole block of words ``w`` at column ``off`` into the line states of
     :func:`chunk_lines_fast` (maximum, sum, count or packed count masks, block of the maximum) and the
     line tracking of ``track_lines``."""
@@ -199,36 +231,51 @@ def _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1, g2
     hi = (w & -65536).to(tl.float32, bitcast=True)
     y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
     g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-    if ARGMAX:      # the line maximum is m itself (from -inf, as argmax_lines wants)
+    if ARGMAX:  # the line maximum is m itself (from -inf, as argmax_lines wants)
         up, _, ab = argmax_lines(y, off, m, ab)
     m, s = _online_fast(y, m, s)
-    if ARGMAX:      # a greedy row counts the ties at its line's maximum, restarted when it grows
+    if ARGMAX:  # a greedy row counts the ties at its line's maximum, restarted when it grows
         restart = greedy & up
         if PACKED_COUNT:
-            bits = m.to(tl.uint32, bitcast=True) >> 16     # the line maximum's bfloat16 bits
+            bits = m.to(tl.uint32, bitcast=True) >> 16  # the line maximum's bfloat16 bits
             ref_w = tl.where(greedy, (bits | (bits << 16))[:, None], chosen_w)
             masks = tl.where(restart, tl.zeros_like(masks), masks) + tl.sum(_ge_masks(w, ref_w), axis=1)
         else:
             ref = tl.where(greedy, m, chosen)[:, None]
             count = tl.where(restart, 0, count) + tl.sum((lo >= ref).to(tl.int32) + (hi >= ref).to(tl.int32), axis=1)
     elif PACKED_COUNT:
-        masks += tl.sum(_ge_masks(w, chosen_w), axis=1)      # wraps: decoded in chunk_lines_fast
+        masks += tl.sum(_ge_masks(w, chosen_w), axis=1)  # wraps: decoded in chunk_lines_fast
     else:
         count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
     return m, s, count, masks, ab, g1, g2, gab
 
 
 @triton.jit
-def _tail_fast(row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2, gab, TRACK: tl.constexpr,
-               ARGMAX: tl.constexpr, SHIFT: tl.constexpr):
+def _tail_fast(
+    row_ptr,
+    cols,
+    off,
+    end,
+    chosen,
+    greedy,
+    m,
+    s,
+    count,
+    ab,
+    g1,
+    g2,
+    gab,
+    TRACK: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
     """Fold the block at column ``off`` into the line states of :func:`chunk_lines_fast`, a logit
     per load, masked at ``end`` (a row's partial last block; with ``SHIFT`` any block past
     ``full_end``, as words laid out as the whole blocks' by :func:`exact_words`)."""
     idx = off + cols
     inside = idx < end
     if SHIFT:
-        y = tl.where(inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 2), tl.bfloat16),
-                     float("-inf"))
+        y = tl.where(inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 2), tl.bfloat16), float("-inf"))
     else:
         y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
     g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
@@ -244,10 +291,35 @@ def _tail_fast(row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2,
 
 
 @triton.jit
-def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_end, end, chosen, chosen_w, greedy, g1,
-                     g2, gab, skew, row_words, LINES: tl.constexpr, BLOCK: tl.constexpr, PACKED_COUNT: tl.constexpr,
-                     TRACK: tl.constexpr, ARGMAX: tl.constexpr, AHEAD: tl.constexpr, SHIFT: tl.constexpr,
-                     EVICT_FIRST: tl.constexpr):
+def chunk_lines_fast(
+    words,
+    wcols,
+    w0,
+    w1,
+    w2,
+    w3,
+    row_ptr,
+    cols,
+    start,
+    full_end,
+    end,
+    chosen,
+    chosen_w,
+    greedy,
+    g1,
+    g2,
+    gab,
+    skew,
+    row_words,
+    LINES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PACKED_COUNT: tl.constexpr,
+    TRACK: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    AHEAD: tl.constexpr,
+    SHIFT: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+):
     """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
     (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
@@ -265,24 +337,93 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
     masks = tl.zeros([LINES], tl.uint32)
-    ab = tl.zeros([LINES], tl.int32) + start               # ARGMAX: the block of each line's maximum
+    ab = tl.zeros([LINES], tl.int32) + start  # ARGMAX: the block of each line's maximum
     n_full = (full_end - start) // BLOCK
     if n_full >= 1:
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(w0, start, m, s, count, masks, ab, chosen, chosen_w, greedy,
-                                                          g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(
+            w0,
+            start,
+            m,
+            s,
+            count,
+            masks,
+            ab,
+            chosen,
+            chosen_w,
+            greedy,
+            g1,
+            g2,
+            gab,
+            LINES,
+            BLOCK,
+            PACKED_COUNT,
+            TRACK,
+            ARGMAX,
+        )
     if n_full >= 2:
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(w1, start + BLOCK, m, s, count, masks, ab, chosen, chosen_w,
-                                                          greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK,
-                                                          ARGMAX)
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(
+            w1,
+            start + BLOCK,
+            m,
+            s,
+            count,
+            masks,
+            ab,
+            chosen,
+            chosen_w,
+            greedy,
+            g1,
+            g2,
+            gab,
+            LINES,
+            BLOCK,
+            PACKED_COUNT,
+            TRACK,
+            ARGMAX,
+        )
     if AHEAD == 4:
         if n_full >= 3:
-            m, s, count, masks, ab, g1, g2, gab = _fast_block(w2, start + 2 * BLOCK, m, s, count, masks, ab, chosen,
-                                                              chosen_w, greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT,
-                                                              TRACK, ARGMAX)
+            m, s, count, masks, ab, g1, g2, gab = _fast_block(
+                w2,
+                start + 2 * BLOCK,
+                m,
+                s,
+                count,
+                masks,
+                ab,
+                chosen,
+                chosen_w,
+                greedy,
+                g1,
+                g2,
+                gab,
+                LINES,
+                BLOCK,
+                PACKED_COUNT,
+                TRACK,
+                ARGMAX,
+            )
         if n_full >= 4:
-            m, s, count, masks, ab, g1, g2, gab = _fast_block(w3, start + 3 * BLOCK, m, s, count, masks, ab, chosen,
-                                                              chosen_w, greedy, g1, g2, gab, LINES, BLOCK, PACKED_COUNT,
-                                                              TRACK, ARGMAX)
+            m, s, count, masks, ab, g1, g2, gab = _fast_block(
+                w3,
+                start + 3 * BLOCK,
+                m,
+                s,
+                count,
+                masks,
+                ab,
+                chosen,
+                chosen_w,
+                greedy,
+                g1,
+                g2,
+                gab,
+                LINES,
+                BLOCK,
+                PACKED_COUNT,
+                TRACK,
+                ARGMAX,
+            )
     # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
     # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
     # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
@@ -291,21 +432,41 @@ def chunk_lines_fast(words, wcols, w0, w1, w2, w3, row_ptr, cols, start, full_en
             w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
         else:
             w = stream_load(words + off // 2 + wcols, None, EVICT_FIRST)
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, m, s, count, masks, ab, chosen, chosen_w, greedy, g1,
-                                                          g2, gab, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(
+            w,
+            off,
+            m,
+            s,
+            count,
+            masks,
+            ab,
+            chosen,
+            chosen_w,
+            greedy,
+            g1,
+            g2,
+            gab,
+            LINES,
+            BLOCK,
+            PACKED_COUNT,
+            TRACK,
+            ARGMAX,
+        )
     if PACKED_COUNT:
         # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
         # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most
         # 4 * chunk_blocks < 2**16 logits: the host checks the plan).
         packed = masks * 0xFFFEFFFF
         count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
-    if SHIFT:       # the row's last columns may reach into a second block (see the chunk kernel's full_end)
+    if SHIFT:  # the row's last columns may reach into a second block (see the chunk kernel's full_end)
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            m, s, count, ab, g1, g2, gab = _tail_fast(row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2,
-                                                      gab, TRACK, ARGMAX, True)
+            m, s, count, ab, g1, g2, gab = _tail_fast(
+                row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2, gab, TRACK, ARGMAX, True
+            )
     elif full_end < end:
-        m, s, count, ab, g1, g2, gab = _tail_fast(row_ptr, cols, full_end, end, chosen, greedy, m, s, count, ab, g1, g2,
-                                                  gab, TRACK, ARGMAX, False)
+        m, s, count, ab, g1, g2, gab = _tail_fast(
+            row_ptr, cols, full_end, end, chosen, greedy, m, s, count, ab, g1, g2, gab, TRACK, ARGMAX, False
+        )
     return m, s, count, ab, g1, g2, gab
 
 

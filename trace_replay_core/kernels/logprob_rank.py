@@ -103,7 +103,8 @@ kernels and device helpers are in :mod:`._logprob_rank_jit`, re-exported here.
 
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from ._logprob_rank_jit import logprob_rank_chunk_kernel, logprob_rank_combine_kernel, merge_row
 
@@ -315,6 +316,7 @@ class LogprobRankPlan(NamedTuple):
     the threshold, ``cap_p`` candidate vectors and ``cap`` candidate logits kept per program;
     ``maxnreg`` caps the chunk kernel's registers (speed only).
     """
+
     block: int
     n_chunks: int
     num_warps: int
@@ -324,28 +326,30 @@ class LogprobRankPlan(NamedTuple):
     sel: int = 1
     cap_p: int = 1
     cap: int = 1
-    maxnreg: int = 0           # the chunk kernel's register cap per thread (0: the compiler's choice)
+    maxnreg: int = 0  # the chunk kernel's register cap per thread (0: the compiler's choice)
 
 
 class LogprobRankArgs(NamedTuple):
     """The integers of one call: byte addresses (0 where absent) and sizes (elements)."""
+
     logits: int
     token_ids: int
-    temperature: int      # float32 [batch], or 0 for T = 1
+    temperature: int  # float32 [batch], or 0 for T = 1
     logprobs: int
     ranks: int
-    topk_logprobs: int    # float32 [batch, top_k], or 0
-    topk_ids: int         # [batch, top_k], or 0
-    workspace: int        # 16-byte aligned, workspace_layout(...)[-1] bytes
+    topk_logprobs: int  # float32 [batch, top_k], or 0
+    topk_ids: int  # [batch, top_k], or 0
+    workspace: int  # 16-byte aligned, workspace_layout(...)[-1] bytes
     batch: int
     vocab: int
-    row_stride: int       # elements between rows (for one row: its layout's, or 0; see _layout_stride)
+    row_stride: int  # elements between rows (for one row: its layout's, or 0; see _layout_stride)
     top_k: int
-    argmax: int = 0       # [batch] int32/int64 greedy tokens out (ARGMAX), or 0
+    argmax: int = 0  # [batch] int32/int64 greedy tokens out (ARGMAX), or 0
 
 
 class LogprobRankDtypes(NamedTuple):
     """Element type names: ``logits`` float32/bfloat16/float16, the rest int32/int64."""
+
     logits: str
     token_ids: str
     ranks: str
@@ -365,9 +369,17 @@ def _k_pad(top_k: int) -> int:
     return 0 if top_k <= 0 else (8 if top_k <= 8 else (32 if top_k <= 32 else 64))
 
 
-def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optional[int] = None,
-                      num_warps: Optional[int] = None, chunk_blocks: Optional[int] = None,
-                      words: Optional[bool] = None, maxnreg: Optional[int] = None) -> LogprobRankPlan:
+def plan_logprob_rank(
+    vocab: int,
+    itemsize: int,
+    top_k: int = 0,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
+    chunk_blocks: int | None = None,
+    words: bool | None = None,
+    maxnreg: int | None = None,
+) -> LogprobRankPlan:
     """The plan for rows of ``vocab`` logits of ``itemsize`` bytes (host-only, pure): rows cut
     into about :data:`LOGPROB_CHUNKS` chunks of whole blocks (of at least
     :data:`LOGPROB_UNALIGNED_CHUNK_BLOCKS` blocks where ``vocab`` is not a multiple of
@@ -388,17 +400,27 @@ def plan_logprob_rank(vocab: int, itemsize: int, top_k: int = 0, *, block: Optio
         if vocab % LOGPROB_ALIGN_LOGITS:
             chunk_blocks = max(chunk_blocks, LOGPROB_UNALIGNED_CHUNK_BLOCKS)
     elif _cdiv(n_blocks, chunk_blocks) > COMBINE_BLOCK:
-        raise ValueError(f"chunk_blocks={chunk_blocks} cuts rows of {vocab} logits into more than {COMBINE_BLOCK} "
-                         f"chunks of {block}-logit blocks; use chunk_blocks >= {_cdiv(n_blocks, COMBINE_BLOCK)}")
+        raise ValueError(
+            f"chunk_blocks={chunk_blocks} cuts rows of {vocab} logits into more than {COMBINE_BLOCK} "
+            f"chunks of {block}-logit blocks; use chunk_blocks >= {_cdiv(n_blocks, COMBINE_BLOCK)}"
+        )
     k_pad = _k_pad(top_k)
     lines = block // (16 // itemsize)
-    return LogprobRankPlan(block, _cdiv(n_blocks, chunk_blocks), num_warps, chunk_blocks,
-                           LOGPROB_WORDS if words is None else words, k_pad,
-                           min(LOGPROB_TOPK_SEL, lines) if k_pad else 1, 4 * k_pad or 1, 2 * k_pad or 1,
-                           (LOGPROB_TOPK_MAXNREG if k_pad else 0) if maxnreg is None else maxnreg)
+    return LogprobRankPlan(
+        block,
+        _cdiv(n_blocks, chunk_blocks),
+        num_warps,
+        chunk_blocks,
+        LOGPROB_WORDS if words is None else words,
+        k_pad,
+        min(LOGPROB_TOPK_SEL, lines) if k_pad else 1,
+        4 * k_pad or 1,
+        2 * k_pad or 1,
+        (LOGPROB_TOPK_MAXNREG if k_pad else 0) if maxnreg is None else maxnreg,
+    )
 
 
-def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
+def workspace_layout(batch: int, plan: LogprobRankPlan) -> tuple[int, ...]:
     """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidate keys,
     candidate vectors, the token's logit, its validity, the greedy maximum and its column) and
     the total size: ``batch * n_chunks`` partials and one token per row, each region starting on
@@ -407,8 +429,18 @@ def workspace_layout(batch: int, plan: LogprobRankPlan) -> Tuple[int, ...]:
     k = plan.k_pad > 0
     offsets = []
     at = 0
-    for nbytes in (4 * parts, 4 * parts, 4 * parts, 8 * parts * plan.k_pad, 8 * parts * plan.cap * k,
-                   4 * parts * plan.cap_p * k, 4 * batch, 4 * batch, 4 * parts, 4 * parts):
+    for nbytes in (
+        4 * parts,
+        4 * parts,
+        4 * parts,
+        8 * parts * plan.k_pad,
+        8 * parts * plan.cap * k,
+        4 * parts * plan.cap_p * k,
+        4 * batch,
+        4 * batch,
+        4 * parts,
+        4 * parts,
+    ):
         offsets.append(at)
         at += _cdiv(nbytes, 16) * 16
     return (*offsets, at)
@@ -420,8 +452,9 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 def _chunk_group(batch: int, n_chunks: int, top_k: int = 0) -> int:
     """Consecutive chunks per program of the chunk kernel: a question of speed only (each chunk
     is summed by the same instructions whichever program runs it, and top-k is an exact set)."""
-    groups, least = (LOGPROB_TOPK_GROUPS, LOGPROB_TOPK_MIN_PROGRAMS) if top_k else (LOGPROB_GROUPS,
-                                                                                 LOGPROB_MIN_PROGRAMS)
+    groups, least = (
+        (LOGPROB_TOPK_GROUPS, LOGPROB_TOPK_MIN_PROGRAMS) if top_k else (LOGPROB_GROUPS, LOGPROB_MIN_PROGRAMS)
+    )
     for group in groups:
         if batch * _cdiv(n_chunks, group) >= least:
             return group
@@ -439,8 +472,13 @@ def _layout_stride(args: LogprobRankArgs) -> int:
     return args.row_stride if args.batch > 1 or args.row_stride >= args.vocab else args.vocab
 
 
-def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optional[LogprobRankPlan] = None,
-                 group: Optional[int] = None, cluster: bool = False):
+def launch_specs(
+    args: LogprobRankArgs,
+    dtypes: LogprobRankDtypes,
+    plan: LogprobRankPlan | None = None,
+    group: int | None = None,
+    cluster: bool = False,
+):
     """The launches of one call, as plain data, in order:
     ``(jit kernel, grid, pointers, pointer dtypes, ints, constexprs, num_warps)``: the chunk
     kernel, then the combine kernel. ``group`` overrides :func:`_chunk_group` (tuning, tests).
@@ -450,61 +488,119 @@ def launch_specs(args: LogprobRankArgs, dtypes: LogprobRankDtypes, plan: Optiona
     itemsize = _ITEMSIZE[dtypes.logits]
     if plan is None:
         plan = plan_logprob_rank(args.vocab, itemsize, args.top_k)
-    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, off_am, off_a, _ = workspace_layout(args.batch,
-                                                                                                       plan)
+    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, off_am, off_a, _ = workspace_layout(
+        args.batch, plan
+    )
     ws = args.workspace
     has_temp = args.temperature != 0
-    temp = args.temperature if has_temp else ws + off_m           # never read without a temperature
+    temp = args.temperature if has_temp else ws + off_m  # never read without a temperature
     aligned = args.logits % 16 == 0 and (_layout_stride(args) * itemsize) % 16 == 0
     tok = (ws + off_ty, ws + off_tok)
-    part_k = ws + off_k if plan.k_pad else ws + off_m             # never read without top-k
+    part_k = ws + off_k if plan.k_pad else ws + off_m  # never read without top-k
     topk_ws = (ws + off_cand, ws + off_pairs) if plan.k_pad else (ws + off_m, ws + off_m)
     has_argmax = args.argmax != 0
-    greedy_ws = (ws + off_am, ws + off_a)                         # written and read only with ARGMAX
-    argmax_out = (args.argmax, dtypes.argmax) if has_argmax else (args.ranks, dtypes.ranks)   # never written without
+    greedy_ws = (ws + off_am, ws + off_a)  # written and read only with ARGMAX
+    argmax_out = (args.argmax, dtypes.argmax) if has_argmax else (args.ranks, dtypes.ranks)  # never written without
     cluster = cluster and not plan.k_pad
-    chunk_ptrs = (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c) + tok + (part_k,) + topk_ws \
-        + greedy_ws + (args.logprobs, args.ranks, argmax_out[0])
-    chunk_dtypes = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32", "float32", "int32",
-                    "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks, argmax_out[1])
+    chunk_ptrs = (
+        (args.logits, args.token_ids, temp, ws + off_m, ws + off_s, ws + off_c)
+        + tok
+        + (part_k,)
+        + topk_ws
+        + greedy_ws
+        + (args.logprobs, args.ranks, argmax_out[0])
+    )
+    chunk_dtypes = (
+        dtypes.logits,
+        dtypes.token_ids,
+        "float32",
+        "float32",
+        "float32",
+        "int32",
+        "float32",
+        "int32",
+        "int64",
+        "int64",
+        "int32",
+        "float32",
+        "int32",
+        "float32",
+        dtypes.ranks,
+        argmax_out[1],
+    )
     if group is None:
         group = _chunk_group(args.batch, plan.n_chunks, plan.k_pad)
     chunk_ints = (args.vocab, args.row_stride, plan.chunk_blocks, plan.n_chunks, group, args.top_k)
     words = plan.words and dtypes.logits == "bfloat16" and not has_temp
-    chunk_const = {"BLOCK": plan.block, "VEC": 16 // itemsize, "ALIGNED": aligned, "HAS_TEMP": has_temp,
-                   "WORDS": words, "SHIFT": not aligned and (words or LOGPROB_SHIFT_ELEMENTS),
-                   "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16, "GDC": False,
-                   "TOPK": plan.k_pad, "SEL": plan.sel, "CAP_P": plan.cap_p,
-                   "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p), "CAP": plan.cap,
-                   "RESCAN": LOGPROB_TOPK_RESCAN, "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
-                   "ARGMAX": has_argmax, "AHEAD": LOGPROB_AHEAD,
-                   "EVICT_FIRST": LOGPROB_EVICT_FIRST, "TOPK_SORTED": LOGPROB_TOPK_SORTED,
-                   "UNROLL": (LOGPROB_SHIFTED_F32_TOPK_UNROLL if itemsize == 4 and not aligned and plan.k_pad
-                              and not has_argmax and not has_temp else 2),
-                   "CLUSTER": cluster, "MERGE_BLOCK": _next_pow2(max(plan.n_chunks, 2)),
-                   "RESUM_BLOCK": 32 * COMBINE_CHUNK_WARPS * (16 // itemsize)}
+    chunk_const = {
+        "BLOCK": plan.block,
+        "VEC": 16 // itemsize,
+        "ALIGNED": aligned,
+        "HAS_TEMP": has_temp,
+        "WORDS": words,
+        "SHIFT": not aligned and (words or LOGPROB_SHIFT_ELEMENTS),
+        "PACKED_COUNT": words and 4 * plan.chunk_blocks < 1 << 16,
+        "GDC": False,
+        "TOPK": plan.k_pad,
+        "SEL": plan.sel,
+        "CAP_P": plan.cap_p,
+        "PAIRS": min(LOGPROB_TOPK_PAIRS, plan.cap_p),
+        "CAP": plan.cap,
+        "RESCAN": LOGPROB_TOPK_RESCAN,
+        "PIECE": max(LOGPROB_TOPK_PIECE, plan.k_pad),
+        "ARGMAX": has_argmax,
+        "AHEAD": LOGPROB_AHEAD,
+        "EVICT_FIRST": LOGPROB_EVICT_FIRST,
+        "TOPK_SORTED": LOGPROB_TOPK_SORTED,
+        "UNROLL": (
+            LOGPROB_SHIFTED_F32_TOPK_UNROLL
+            if itemsize == 4 and not aligned and plan.k_pad and not has_argmax and not has_temp
+            else 2
+        ),
+        "CLUSTER": cluster,
+        "MERGE_BLOCK": _next_pow2(max(plan.n_chunks, 2)),
+        "RESUM_BLOCK": 32 * COMBINE_CHUNK_WARPS * (16 // itemsize),
+    }
     chunk_grid = (args.batch, _cdiv(plan.n_chunks, group), 1)
     if cluster:
-        return [(logprob_rank_chunk_kernel, chunk_grid, chunk_ptrs, chunk_dtypes, chunk_ints, chunk_const,
-                 plan.num_warps)]
+        return [
+            (logprob_rank_chunk_kernel, chunk_grid, chunk_ptrs, chunk_dtypes, chunk_ints, chunk_const, plan.num_warps)
+        ]
     if plan.k_pad:
         comb_out = (args.topk_logprobs, args.topk_ids)
         comb_out_dtypes = ("float32", dtypes.topk_ids)
-    else:                                                         # never written without top-k
+    else:  # never written without top-k
         comb_out, comb_out_dtypes = (args.logprobs, args.ranks), ("float32", dtypes.ranks)
-    comb_ptrs = (args.logits, args.logprobs, args.ranks) + comb_out + (ws + off_m, ws + off_s, ws + off_c, part_k) + tok \
-        + (argmax_out[0],) + greedy_ws
-    comb_dtypes = (dtypes.logits, "float32", dtypes.ranks) + comb_out_dtypes + ("float32", "float32", "int32",
-                                                                               "int64", "float32", "int32",
-                                                                               argmax_out[1], "float32", "int32")
+    comb_ptrs = (
+        (args.logits, args.logprobs, args.ranks)
+        + comb_out
+        + (ws + off_m, ws + off_s, ws + off_c, part_k)
+        + tok
+        + (argmax_out[0],)
+        + greedy_ws
+    )
+    comb_dtypes = (
+        (dtypes.logits, "float32", dtypes.ranks)
+        + comb_out_dtypes
+        + ("float32", "float32", "int32", "int64", "float32", "int32", argmax_out[1], "float32", "int32")
+    )
     comb_warps = COMBINE_NUM_WARPS if plan.k_pad else COMBINE_CHUNK_WARPS
-    comb_const = {"BLOCK": _next_pow2(max(plan.n_chunks, 2)), "K_PAD": plan.k_pad,
-                  # with top-k, the key sets of a row's programs at the largest top-k group in one
-                  # merge step (a row of more programs takes more steps)
-                  "KEY_TILES": min(_next_pow2(max(_cdiv(plan.n_chunks, max(LOGPROB_TOPK_GROUPS)), 2)),
-                                   max(2, COMBINE_KEYS // max(plan.k_pad, 1))),
-                  "RESUM": words, "RESUM_BLOCK": 32 * comb_warps * (16 // itemsize), "VEC": 16 // itemsize,
-                  "GDC": False, "ARGMAX": has_argmax, "RELEASE_FIRST": LOGPROB_COMBINE_RELEASE_FIRST}
+    comb_const = {
+        "BLOCK": _next_pow2(max(plan.n_chunks, 2)),
+        "K_PAD": plan.k_pad,
+        # with top-k, the key sets of a row's programs at the largest top-k group in one
+        # merge step (a row of more programs takes more steps)
+        "KEY_TILES": min(
+            _next_pow2(max(_cdiv(plan.n_chunks, max(LOGPROB_TOPK_GROUPS)), 2)),
+            max(2, COMBINE_KEYS // max(plan.k_pad, 1)),
+        ),
+        "RESUM": words,
+        "RESUM_BLOCK": 32 * comb_warps * (16 // itemsize),
+        "VEC": 16 // itemsize,
+        "GDC": False,
+        "ARGMAX": has_argmax,
+        "RELEASE_FIRST": LOGPROB_COMBINE_RELEASE_FIRST,
+    }
     comb_ints = (args.vocab, args.row_stride, plan.n_chunks, args.top_k, plan.chunk_blocks * plan.block, group)
     return [
         (logprob_rank_chunk_kernel, chunk_grid, chunk_ptrs, chunk_dtypes, chunk_ints, chunk_const, plan.num_warps),
@@ -522,24 +618,46 @@ def cluster_merge(plan: LogprobRankPlan, device_id: int) -> bool:
     way; ``test_gpu_batch_invariant_bitwise`` compares the bits across batches that take both
     forms)."""
     from .._cuda import compute_capability
-    return (LOGPROB_CLUSTER and not plan.k_pad and plan.n_chunks <= LOGPROB_CLUSTER_MAX
-            and compute_capability(device_id) >= (9, 0))
+
+    return (
+        LOGPROB_CLUSTER
+        and not plan.k_pad
+        and plan.n_chunks <= LOGPROB_CLUSTER_MAX
+        and compute_capability(device_id) >= (9, 0)
+    )
 
 
 def _compiled_launches(args, dtypes, device_id, plan, group=None):
     """``(compiled kernel, grid, pointers, ints, pdl allowed, cluster dims or None)`` per launch."""
     from .._cuda import compute_capability
     from ._compiled import compiled
+
     if plan is None:
         plan = plan_logprob_rank(args.vocab, _ITEMSIZE[dtypes.logits], args.top_k)
     gdc = LOGPROB_PDL and compute_capability(device_id) >= (9, 0)
 
     def build(cluster):
-        return [(compiled(kernel, device_id, ptr_dtypes, len(ints), dict(constexprs, GDC=gdc), num_warps,
-                          plan.maxnreg if i == 0 and plan.maxnreg else None),
-                 grid, ptrs, ints, gdc, (1, grid[1], 1) if cluster else None)
-                for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps)
-                in enumerate(launch_specs(args, dtypes, plan, group, cluster))]
+        return [
+            (
+                compiled(
+                    kernel,
+                    device_id,
+                    ptr_dtypes,
+                    len(ints),
+                    dict(constexprs, GDC=gdc),
+                    num_warps,
+                    plan.maxnreg if i == 0 and plan.maxnreg else None,
+                ),
+                grid,
+                ptrs,
+                ints,
+                gdc,
+                (1, grid[1], 1) if cluster else None,
+            )
+            for i, (kernel, grid, ptrs, ptr_dtypes, ints, constexprs, num_warps) in enumerate(
+                launch_specs(args, dtypes, plan, group, cluster)
+            )
+        ]
 
     if cluster_merge(plan, device_id):
         launches = build(True)
@@ -551,8 +669,14 @@ def _compiled_launches(args, dtypes, device_id, plan, group=None):
     return build(False)
 
 
-def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int, stream: int,
-                        plan: Optional[LogprobRankPlan] = None, group: Optional[int] = None) -> None:
+def launch_logprob_rank(
+    args: LogprobRankArgs,
+    dtypes: LogprobRankDtypes,
+    device_id: int,
+    stream: int,
+    plan: LogprobRankPlan | None = None,
+    group: int | None = None,
+) -> None:
     """Queue the call's kernels on ``stream`` (stream-ordered, never blocking; the first call per
     device and signature compiles, host-blocking). The current CUDA context must be that of
     ``device_id``. ``plan`` and ``group`` override the defaults (tuning)."""
@@ -563,18 +687,24 @@ def launch_logprob_rank(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device
             kernel.bind(grid, *ptrs, *ints, cluster=cluster)(stream)
 
 
-def bind_logprob_rank_launch(args: LogprobRankArgs, dtypes: LogprobRankDtypes, device_id: int,
-                             plan: Optional[LogprobRankPlan] = None,
-                             group: Optional[int] = None) -> Callable[[int], None]:
+def bind_logprob_rank_launch(
+    args: LogprobRankArgs,
+    dtypes: LogprobRankDtypes,
+    device_id: int,
+    plan: LogprobRankPlan | None = None,
+    group: int | None = None,
+) -> Callable[[int], None]:
     """Return ``launch(stream)`` that queues this exact call (arguments packed once). ``plan``
     and ``group`` override the defaults (tuning)."""
     # Programmatic dependent launches where the device allows it (sm_90+): the chunk kernel of
     # the kernel before it on the stream (LOGPROB_PDL_CHAIN), the combine kernel of the chunk
     # kernel; each is scheduled early and waits on the device for the grid before it.
-    launches: List[Callable[[int], None]] = [kernel.bind(grid, *ptrs, *ints, cluster=cluster,
-                                                         pdl=gdc and (i == 1 or LOGPROB_PDL_CHAIN))
-                                             for i, (kernel, grid, ptrs, ints, gdc, cluster)
-                                             in enumerate(_compiled_launches(args, dtypes, device_id, plan, group))]
+    launches: list[Callable[[int], None]] = [
+        kernel.bind(grid, *ptrs, *ints, cluster=cluster, pdl=gdc and (i == 1 or LOGPROB_PDL_CHAIN))
+        for i, (kernel, grid, ptrs, ints, gdc, cluster) in enumerate(
+            _compiled_launches(args, dtypes, device_id, plan, group)
+        )
+    ]
     if len(launches) == 1:
         return launches[0]
     first, second = launches

@@ -16,36 +16,50 @@ the stream a raw ``CUstream`` handle.
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from collections.abc import Callable
 
 import triton
 import triton.language as tl
 
 from ._compiled import CompiledKernel, compiled
 
-__all__ = ["replay_kernel", "plan_replay", "replay_compiled", "bind_replay", "launch_replay", "REPLAY_BLOCK",
-           "REPLAY_NUM_WARPS"]
+__all__ = [
+    "replay_kernel",
+    "plan_replay",
+    "replay_compiled",
+    "bind_replay",
+    "launch_replay",
+    "REPLAY_BLOCK",
+    "REPLAY_NUM_WARPS",
+]
 
 # One program handles REPLAY_BLOCK rows: the kernel is a handful of dependent gathers per row,
 # so few, wide programs keep the launch the only cost up to batch ~1024.
 REPLAY_BLOCK = 256
 REPLAY_NUM_WARPS = 4
-_UNUSED_DTYPE = "int32"     # the dtype an absent step source is compiled with (its pointer is 0)
+_UNUSED_DTYPE = "int32"  # the dtype an absent step source is compiled with (its pointer is 0)
 
 
 @triton.jit(
     do_not_specialize=["n_rows", "max_slots", "row_stride"],
-    do_not_specialize_on_alignment=["sampled_ptr", "idx_ptr", "total_ptr", "prompt_ptr", "step_ptr",
-                                    "table_ptr", "trace_len_ptr"],
+    do_not_specialize_on_alignment=[
+        "sampled_ptr",
+        "idx_ptr",
+        "total_ptr",
+        "prompt_ptr",
+        "step_ptr",
+        "table_ptr",
+        "trace_len_ptr",
+    ],
 )
 def replay_kernel(
-    sampled_ptr,        # [n_rows] int32/int64, written in place
-    idx_ptr,            # [n_rows] int32/int64 slot per row, -1 = no request
-    total_ptr,          # [>= max_slots] per-slot total length (read unless PER_ROW_STEP)
-    prompt_ptr,         # [>= max_slots] per-slot prompt length (read unless PER_ROW_STEP)
-    step_ptr,           # [n_rows] per-row step (read when PER_ROW_STEP)
-    table_ptr,          # [max_slots, row_stride] int32 trace tokens
-    trace_len_ptr,      # [max_slots] int32 trace length per slot, 0 = untraced
+    sampled_ptr,  # [n_rows] int32/int64, written in place
+    idx_ptr,  # [n_rows] int32/int64 slot per row, -1 = no request
+    total_ptr,  # [>= max_slots] per-slot total length (read unless PER_ROW_STEP)
+    prompt_ptr,  # [>= max_slots] per-slot prompt length (read unless PER_ROW_STEP)
+    step_ptr,  # [n_rows] per-row step (read when PER_ROW_STEP)
+    table_ptr,  # [max_slots, row_stride] int32 trace tokens
+    trace_len_ptr,  # [max_slots] int32 trace length per slot, 0 = untraced
     n_rows,
     max_slots,
     row_stride,
@@ -68,41 +82,84 @@ def replay_kernel(
     tl.store(sampled_ptr + rows, token.to(sampled_ptr.dtype.element_ty), mask=active)
 
 
-def plan_replay(rows: int) -> Tuple[int, int, int]:
+def plan_replay(rows: int) -> tuple[int, int, int]:
     """The grid of a replay over ``rows`` batch rows (``rows >= 1``). Pure."""
     return ((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1)
 
 
-def replay_compiled(device_id: int, sampled_dtype: str, idx_dtype: str, length_dtypes: Tuple[str, str],
-                    step_dtype: str | None) -> CompiledKernel:
+def replay_compiled(
+    device_id: int, sampled_dtype: str, idx_dtype: str, length_dtypes: tuple[str, str], step_dtype: str | None
+) -> CompiledKernel:
     """The compiled replay kernel for these dtypes on ``device_id``: per-slot when ``step_dtype``
     is None (``length_dtypes`` = dtypes of total_len, prompt_len), else per-row (``length_dtypes``
     ignored). Compiles on first use (host-blocking), then a cache hit."""
     per_row = step_dtype is not None
     total_dtype, prompt_dtype = (_UNUSED_DTYPE, _UNUSED_DTYPE) if per_row else length_dtypes
     dtypes = (sampled_dtype, idx_dtype, total_dtype, prompt_dtype, step_dtype or _UNUSED_DTYPE, "int32", "int32")
-    return compiled(replay_kernel, device_id, dtypes, 3, {"PER_ROW_STEP": per_row, "BLOCK": REPLAY_BLOCK},
-                    REPLAY_NUM_WARPS)
+    return compiled(
+        replay_kernel, device_id, dtypes, 3, {"PER_ROW_STEP": per_row, "BLOCK": REPLAY_BLOCK}, REPLAY_NUM_WARPS
+    )
 
 
-def _args(rows, sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr, table_ptr, trace_len_ptr, max_slots,
-          row_stride):
-    return (sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr, table_ptr, trace_len_ptr, rows, max_slots,
-            row_stride)
+def _args(rows, sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr, table_ptr, trace_len_ptr, max_slots, row_stride):
+    return (
+        sampled_ptr,
+        idx_ptr,
+        total_ptr,
+        prompt_ptr,
+        step_ptr,
+        table_ptr,
+        trace_len_ptr,
+        rows,
+        max_slots,
+        row_stride,
+    )
 
 
-def bind_replay(kernel: CompiledKernel, *, rows: int, sampled_ptr: int, idx_ptr: int, total_ptr: int,
-                prompt_ptr: int, step_ptr: int, table_ptr: int, trace_len_ptr: int, max_slots: int,
-                row_stride: int) -> Callable[[int], None]:
+def bind_replay(
+    kernel: CompiledKernel,
+    *,
+    rows: int,
+    sampled_ptr: int,
+    idx_ptr: int,
+    total_ptr: int,
+    prompt_ptr: int,
+    step_ptr: int,
+    table_ptr: int,
+    trace_len_ptr: int,
+    max_slots: int,
+    row_stride: int,
+) -> Callable[[int], None]:
     """``launch(stream)`` queuing ``kernel`` (from :func:`replay_compiled`) with every argument
     fixed: one ``cuLaunchKernel`` per call. Absent step sources pass pointer 0. ``rows >= 1``."""
-    return kernel.bind(plan_replay(rows), *_args(rows, sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr,
-                                                 table_ptr, trace_len_ptr, max_slots, row_stride))
+    return kernel.bind(
+        plan_replay(rows),
+        *_args(
+            rows, sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr, table_ptr, trace_len_ptr, max_slots, row_stride
+        ),
+    )
 
 
-def launch_replay(kernel: CompiledKernel, stream: int, *, rows: int, sampled_ptr: int, idx_ptr: int,
-                  total_ptr: int, prompt_ptr: int, step_ptr: int, table_ptr: int, trace_len_ptr: int,
-                  max_slots: int, row_stride: int) -> None:
+def launch_replay(
+    kernel: CompiledKernel,
+    stream: int,
+    *,
+    rows: int,
+    sampled_ptr: int,
+    idx_ptr: int,
+    total_ptr: int,
+    prompt_ptr: int,
+    step_ptr: int,
+    table_ptr: int,
+    trace_len_ptr: int,
+    max_slots: int,
+    row_stride: int,
+) -> None:
     """Queue one replay on ``stream`` (stream-ordered, never blocks); arguments as :func:`bind_replay`."""
-    kernel.launch(plan_replay(rows), stream, *_args(rows, sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr,
-                                                    table_ptr, trace_len_ptr, max_slots, row_stride))
+    kernel.launch(
+        plan_replay(rows),
+        stream,
+        *_args(
+            rows, sampled_ptr, idx_ptr, total_ptr, prompt_ptr, step_ptr, table_ptr, trace_len_ptr, max_slots, row_stride
+        ),
+    )

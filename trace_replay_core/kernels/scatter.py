@@ -13,17 +13,23 @@ This module holds the kernel, its plan (:func:`plan_scatter`) and its launcher o
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from collections.abc import Callable
 
 import triton
 import triton.language as tl
 
 from ._compiled import compiled
 
-__all__ = ["scatter_kernel", "plan_scatter", "scatter_launcher", "SCATTER_BLOCK", "SCATTER_NUM_WARPS",
-           "SCATTER_MAX_CHUNK_PROGRAMS"]
+__all__ = [
+    "scatter_kernel",
+    "plan_scatter",
+    "scatter_launcher",
+    "SCATTER_BLOCK",
+    "SCATTER_NUM_WARPS",
+    "SCATTER_MAX_CHUNK_PROGRAMS",
+]
 
-SCATTER_BLOCK = 1024          # int32 tokens per program per iteration (4 KiB)
+SCATTER_BLOCK = 1024  # int32 tokens per program per iteration (4 KiB)
 SCATTER_NUM_WARPS = 4
 SCATTER_MAX_CHUNK_PROGRAMS = 64  # programs per entry; longer traces loop
 
@@ -33,12 +39,12 @@ SCATTER_MAX_CHUNK_PROGRAMS = 64  # programs per entry; longer traces loop
     do_not_specialize_on_alignment=["meta_ptr", "tokens_ptr", "table_ptr", "trace_len_ptr"],
 )
 def scatter_kernel(
-    meta_ptr,           # [n_entries, 3] int64: slot, length, offset (in tokens)
-    tokens_ptr,         # int32 staged tokens
-    table_ptr,          # [max_slots, row_stride] int32
-    trace_len_ptr,      # [max_slots] int32
+    meta_ptr,  # [n_entries, 3] int64: slot, length, offset (in tokens)
+    tokens_ptr,  # int32 staged tokens
+    table_ptr,  # [max_slots, row_stride] int32
+    trace_len_ptr,  # [max_slots] int32
     row_stride,
-    chunk_programs,     # grid size along axis 1
+    chunk_programs,  # grid size along axis 1
     BLOCK: tl.constexpr,
 ):
     entry = tl.program_id(0)
@@ -56,7 +62,7 @@ def scatter_kernel(
         tl.store(table_ptr + slot * row_stride + idx, tok, mask=mask)
 
 
-def plan_scatter(entries: int, longest: int) -> Tuple[int, int, int]:
+def plan_scatter(entries: int, longest: int) -> tuple[int, int, int]:
     """The grid of a commit of ``entries`` entries whose longest trace has ``longest`` tokens:
     one row of programs per entry, up to :data:`SCATTER_MAX_CHUNK_PROGRAMS` programs along it
     (``grid[1]`` is also the kernel's ``chunk_programs``). Pure."""
@@ -69,12 +75,21 @@ def scatter_launcher(device_id: int) -> Callable[..., None]:
     row_stride)`` queuing one scatter on ``stream`` (stream-ordered, never blocks). The launcher
     owns a parameter block that every call rewrites: one per caller that serialises its
     commits (a table, under its lock). Compiles on first use (host-blocking)."""
-    kernel = compiled(scatter_kernel, device_id, ("int64", "int32", "int32", "int32"), 2,
-                      {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS)
+    kernel = compiled(
+        scatter_kernel, device_id, ("int64", "int32", "int32", "int32"), 2, {"BLOCK": SCATTER_BLOCK}, SCATTER_NUM_WARPS
+    )
     run = kernel.launcher()
 
-    def launch(stream: int, entries: int, longest: int, meta_ptr: int, tokens_ptr: int, table_ptr: int,
-               trace_len_ptr: int, row_stride: int) -> None:
+    def launch(
+        stream: int,
+        entries: int,
+        longest: int,
+        meta_ptr: int,
+        tokens_ptr: int,
+        table_ptr: int,
+        trace_len_ptr: int,
+        row_stride: int,
+    ) -> None:
         grid = plan_scatter(entries, longest)
         run(grid, stream, meta_ptr, tokens_ptr, table_ptr, trace_len_ptr, row_stride, grid[1])
 

@@ -5,11 +5,30 @@
 from __future__ import annotations
 
 from ..family import Family
-from .config import (GPT2Config, check_weights, config_from_hf, describe, param_shapes, reference_logits,
-                     seeded_weights, to_hf, weights_from_tensors)
+from .config import (
+    GPT2Config,
+    check_weights,
+    config_from_hf,
+    describe,
+    param_shapes,
+    reference_logits,
+    seeded_weights,
+    to_hf,
+    weights_from_tensors,
+)
 
-__all__ = ["FAMILY", "GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits",
-           "config_from_hf", "weights_from_tensors", "to_hf", "load_loop"]
+__all__ = [
+    "FAMILY",
+    "GPT2Config",
+    "param_shapes",
+    "seeded_weights",
+    "check_weights",
+    "reference_logits",
+    "config_from_hf",
+    "weights_from_tensors",
+    "to_hf",
+    "load_loop",
+]
 
 
 def load_loop(framework: str):
@@ -23,6 +42,17 @@ def load_loop(framework: str):
     return run_decode
 
 
-FAMILY = Family(name="gpt2", label="GPT-2-style model", model_types=("gpt2",), config_type=GPT2Config, config_from_hf=config_from_hf,
-                default_config=GPT2Config, seeded_weights=seeded_weights, weights_from_tensors=weights_from_tensors,
-                check_weights=check_weights, load_loop=load_loop, to_hf=to_hf, describe=describe)
+FAMILY = Family(
+    name="gpt2",
+    label="GPT-2-style model",
+    model_types=("gpt2",),
+    config_type=GPT2Config,
+    config_from_hf=config_from_hf,
+    default_config=GPT2Config,
+    seeded_weights=seeded_weights,
+    weights_from_tensors=weights_from_tensors,
+    check_weights=check_weights,
+    load_loop=load_loop,
+    to_hf=to_hf,
+    describe=describe,
+)

@@ -15,20 +15,34 @@ when it equals ``wte.weight``), and :func:`to_hf` is the way back (for tests and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from ..hf_fields import get_float
 
-__all__ = ["GPT2Config", "param_shapes", "seeded_weights", "check_weights", "reference_logits", "config_from_hf",
-           "weights_from_tensors", "to_hf", "describe"]
+__all__ = [
+    "GPT2Config",
+    "param_shapes",
+    "seeded_weights",
+    "check_weights",
+    "reference_logits",
+    "config_from_hf",
+    "weights_from_tensors",
+    "to_hf",
+    "describe",
+]
 
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # config.json options whose other values the loops do not implement
-_FIXED_OPTIONS = (("activation_function", "gelu_new"), ("scale_attn_weights", True),
-                  ("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
-                  ("tie_word_embeddings", True))
+_FIXED_OPTIONS = (
+    ("activation_function", "gelu_new"),
+    ("scale_attn_weights", True),
+    ("scale_attn_by_inverse_layer_idx", False),
+    ("reorder_and_upcast_attn", False),
+    ("tie_word_embeddings", True),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +66,9 @@ class GPT2Config:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ValueError(f"GPT2Config.{name} must be a positive int (got {value!r})")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPT2Config.n_embd must be a multiple of n_head "
-                             f"(got n_embd={self.n_embd}, n_head={self.n_head})")
+            raise ValueError(
+                f"GPT2Config.n_embd must be a multiple of n_head (got n_embd={self.n_embd}, n_head={self.n_head})"
+            )
         eps = self.layer_norm_epsilon
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
             raise ValueError(f"GPT2Config.layer_norm_epsilon must be a positive float (got {eps!r})")
@@ -63,46 +78,67 @@ class GPT2Config:
         return self.n_embd // self.n_head
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> "GPT2Config":
+    def from_hf(cls, config: Mapping[str, Any]) -> GPT2Config:
         """From a Hugging Face GPT-2 ``config.json`` mapping (``n_ctx`` accepted for
         ``n_positions``); other keys are ignored."""
-        fields = {"vocab_size": config.get("vocab_size"),
-                  "n_positions": config.get("n_positions", config.get("n_ctx")),
-                  "n_embd": config.get("n_embd"), "n_layer": config.get("n_layer"),
-                  "n_head": config.get("n_head")}
+        fields = {
+            "vocab_size": config.get("vocab_size"),
+            "n_positions": config.get("n_positions", config.get("n_ctx")),
+            "n_embd": config.get("n_embd"),
+            "n_layer": config.get("n_layer"),
+            "n_head": config.get("n_head"),
+        }
         missing = [k for k, v in fields.items() if v is None]
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
         return cls(**fields, layer_norm_epsilon=get_float(config, "layer_norm_epsilon", 1e-5))
 
-    def to_hf(self) -> Dict[str, Any]:
+    def to_hf(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` mapping of this model."""
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                "vocab_size": self.vocab_size, "n_positions": self.n_positions, "n_ctx": self.n_positions,
-                "n_embd": self.n_embd, "n_layer": self.n_layer, "n_head": self.n_head,
-                "layer_norm_epsilon": self.layer_norm_epsilon, "activation_function": "gelu_new",
-                "tie_word_embeddings": True}
+        return {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions,
+            "n_ctx": self.n_positions,
+            "n_embd": self.n_embd,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": True,
+        }
 
 
-def param_shapes(config: GPT2Config) -> Dict[str, Tuple[int, ...]]:
+def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     """Every parameter name -> shape, in a fixed order."""
-    e, shapes = config.n_embd, {"wte.weight": (config.vocab_size, config.n_embd),
-                                "wpe.weight": (config.n_positions, config.n_embd)}
+    e, shapes = (
+        config.n_embd,
+        {"wte.weight": (config.vocab_size, config.n_embd), "wpe.weight": (config.n_positions, config.n_embd)},
+    )
     for i in range(config.n_layer):
         p = f"h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (e,), p + "ln_1.bias": (e,),
-            p + "attn.c_attn.weight": (e, 3 * e), p + "attn.c_attn.bias": (3 * e,),
-            p + "attn.c_proj.weight": (e, e), p + "attn.c_proj.bias": (e,),
-            p + "ln_2.weight": (e,), p + "ln_2.bias": (e,),
-            p + "mlp.c_fc.weight": (e, 4 * e), p + "mlp.c_fc.bias": (4 * e,),
-            p + "mlp.c_proj.weight": (4 * e, e), p + "mlp.c_proj.bias": (e,),
-        })
+        shapes.update(
+            {
+                p + "ln_1.weight": (e,),
+                p + "ln_1.bias": (e,),
+                p + "attn.c_attn.weight": (e, 3 * e),
+                p + "attn.c_attn.bias": (3 * e,),
+                p + "attn.c_proj.weight": (e, e),
+                p + "attn.c_proj.bias": (e,),
+                p + "ln_2.weight": (e,),
+                p + "ln_2.bias": (e,),
+                p + "mlp.c_fc.weight": (e, 4 * e),
+                p + "mlp.c_fc.bias": (4 * e,),
+                p + "mlp.c_proj.weight": (4 * e, e),
+                p + "mlp.c_proj.bias": (e,),
+            }
+        )
     shapes.update({"ln_f.weight": (e,), "ln_f.bias": (e,)})
     return shapes
 
 
-def seeded_weights(config: GPT2Config, seed: int = 0) -> Dict[str, np.ndarray]:
+def seeded_weights(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic float32 weights for ``config`` from ``seed`` (identical on every machine:
     numpy's PCG64 stream). Matrices ~ N(0, 0.02^2) with residual projections scaled by
     1/sqrt(2 n_layer) as in GPT-2; LayerNorm gains near 1 and every bias small but non-zero,
@@ -141,16 +177,17 @@ def config_from_hf(hf: Mapping[str, Any]) -> GPT2Config:
     config = GPT2Config.from_hf(hf)
     for key, supported in _FIXED_OPTIONS:
         if key in hf and hf[key] != supported:
-            raise ValueError(f"{key}={hf[key]!r} is not supported (the reference loops implement GPT-2 with "
-                             f"{key}={supported!r})")
+            raise ValueError(
+                f"{key}={hf[key]!r} is not supported (the reference loops implement GPT-2 with {key}={supported!r})"
+            )
     return config
 
 
-def weights_from_tensors(config: GPT2Config, tensors: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def weights_from_tensors(config: GPT2Config, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A Hugging Face GPT-2 checkpoint's ``tensors`` -> this project's weights (the arrays are
     not copied). Raises ``ValueError`` naming the tensor: missing, unexpected, mis-shaped (both
     shapes), present with and without the ``transformer.`` prefix, or an untied ``lm_head``."""
-    weights: Dict[str, np.ndarray] = {}
+    weights: dict[str, np.ndarray] = {}
     lm_head = None
     shapes = param_shapes(config)
     for name, value in tensors.items():
@@ -165,13 +202,21 @@ def weights_from_tensors(config: GPT2Config, tensors: Mapping[str, np.ndarray]) 
             weights[short] = value
     check_weights(config, weights)
     if lm_head is not None and not np.array_equal(lm_head, weights["wte.weight"]):
-        raise ValueError("tensor 'lm_head.weight' differs from 'wte.weight' (the reference loops tie the output "
-                         "projection to the token embedding)")
+        raise ValueError(
+            "tensor 'lm_head.weight' differs from 'wte.weight' (the reference loops tie the output "
+            "projection to the token embedding)"
+        )
     return weights
 
 
-def to_hf(config: GPT2Config, weights: Mapping[str, np.ndarray], *, prefix: str = "", tied_lm_head: bool = False,
-          mask_buffers: bool = False) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+def to_hf(
+    config: GPT2Config,
+    weights: Mapping[str, np.ndarray],
+    *,
+    prefix: str = "",
+    tied_lm_head: bool = False,
+    mask_buffers: bool = False,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config.json mapping, tensors)`` of a Hugging Face checkpoint of ``weights``: every name
     prefixed by ``prefix`` (e.g. ``"transformer."``), optionally with a tied ``lm_head.weight``
     and the causal-mask buffers Hugging Face stores."""
@@ -199,7 +244,7 @@ def _layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -
 
 
 def _gelu_new(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def reference_logits(config: GPT2Config, weights: Mapping[str, np.ndarray], tokens) -> np.ndarray:
@@ -230,13 +275,16 @@ def reference_logits(config: GPT2Config, weights: Mapping[str, np.ndarray], toke
         p = f"h.{layer}."
         h = _layer_norm(x, w[p + "ln_1.weight"], w[p + "ln_1.bias"], eps)
         qkv = h @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
-        q, k, v = (qkv[:, i * e:(i + 1) * e].reshape(n, heads, d).transpose(1, 0, 2) for i in range(3))
-        scores = np.where(causal, q @ k.transpose(0, 2, 1) / np.sqrt(d), -np.inf)   # [heads, n, n]
+        q, k, v = (qkv[:, i * e : (i + 1) * e].reshape(n, heads, d).transpose(1, 0, 2) for i in range(3))
+        scores = np.where(causal, q @ k.transpose(0, 2, 1) / np.sqrt(d), -np.inf)  # [heads, n, n]
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         attn = (probs @ v).transpose(1, 0, 2).reshape(n, e)
         x = x + attn @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
         h = _layer_norm(x, w[p + "ln_2.weight"], w[p + "ln_2.bias"], eps)
-        x = x + _gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"]) @ w[p + "mlp.c_proj.weight"] \
+        x = (
+            x
+            + _gelu_new(h @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"]) @ w[p + "mlp.c_proj.weight"]
             + w[p + "mlp.c_proj.bias"]
+        )
     return _layer_norm(x, w["ln_f.weight"], w["ln_f.bias"], eps) @ w["wte.weight"].T

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,7 @@ def _ln(p, x, name: str, eps: float):
 
 
 def _linear(p, x, name: str):
-    return _mm(x, p[name + ".weight"]) + p[name + ".bias"]          # Conv1D: x @ W + b
+    return _mm(x, p[name + ".weight"]) + p[name + ".bias"]  # Conv1D: x @ W + b
 
 
 def _layers(p, config: GPT2Config, x, attend, state):
@@ -128,7 +129,7 @@ def _prefill(p, config: GPT2Config, cache, slot, tokens):
         return _einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v), kv + [jnp.stack([k, v])]
 
     _, kv = _layers(p, config, _embed(p, tokens, jnp.arange(n)), attend, [])
-    update = jnp.stack(kv)[:, :, None]                         # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
+    update = jnp.stack(kv)[:, :, None]  # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
     return jax.lax.dynamic_update_slice(cache, update, (0, 0, slot, 0, 0, 0))
 
 
@@ -139,7 +140,7 @@ def _decode(p, config: GPT2Config, cache, tokens, positions):
     ``<= positions[b]``; an empty row computes garbage that no one reads.
     """
     rows = jnp.arange(tokens.shape[0])
-    visible = (jnp.arange(cache.shape[3]) <= positions[:, None])[:, None, :]   # [rows, 1, kv_len]
+    visible = (jnp.arange(cache.shape[3]) <= positions[:, None])[:, None, :]  # [rows, 1, kv_len]
     scale = 1.0 / math.sqrt(config.head_dim)
 
     def attend(layer, q, k, v, cache):
@@ -156,45 +157,63 @@ def _decode(p, config: GPT2Config, cache, tokens, positions):
 def _admit(params, carry: _Carry, slot, prefix, prompt_len, last, *, config: GPT2Config) -> _Carry:
     """A request joins ``slot``: prefill ``prefix`` (its prompt but the last token, padded to a
     bucket), set its lengths and the token it feeds first."""
-    return carry._replace(cache=_prefill(params, config, carry.cache, slot, prefix),
-                          prompt_len=carry.prompt_len.at[slot].set(prompt_len),
-                          total_len=carry.total_len.at[slot].set(prompt_len),
-                          last=carry.last.at[slot].set(last))
+    return carry._replace(
+        cache=_prefill(params, config, carry.cache, slot, prefix),
+        prompt_len=carry.prompt_len.at[slot].set(prompt_len),
+        total_len=carry.total_len.at[slot].set(prompt_len),
+        last=carry.last.at[slot].set(last),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sample"), donate_argnames=("carry",))
-def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: GPT2Config,
-          sample: bool) -> _Carry:
+def _step(
+    params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: GPT2Config, sample: bool
+) -> _Carry:
     """One decode step of every row: logits, (sampling), replay, then one pass over the logits
     (:func:`trace_replay_jax.token_logprob_rank` with ``argmax=True``) for logprob, rank and the
     greedy token, append. Greedy: rows start at -1 ("not drawn"), replay writes the traced rows,
     the logprob call scores the -1 rows as their argmax, and those rows take it."""
     k = carry.step
-    idx_mapping = idx_chunk[k]                             # row -> slot, -1: empty row (this chunk's schedule)
+    idx_mapping = idx_chunk[k]  # row -> slot, -1: empty row (this chunk's schedule)
     active = idx_mapping >= 0
-    positions = jnp.where(active, carry.total_len - 1, 0)           # empty rows: anywhere in range
+    positions = jnp.where(active, carry.total_len - 1, 0)  # empty rows: anywhere in range
     logits, cache = _decode(params, config, carry.cache, carry.last, positions)
-    drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)               # greedy: the argmax, chosen below
-    if sample:                                                       # Gumbel-max over logits / temperature
+    drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)  # greedy: the argmax, chosen below
+    if sample:  # Gumbel-max over logits / temperature
         noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32)
         drawn = jnp.argmax(logits / temperature + noise, axis=-1).astype(jnp.int32)
-    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)   # -1 rows stay -1
+    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)  # -1 rows stay -1
     # One read of the logits: logprob and rank of each row's token (a -1 row: of its argmax), and
     # the argmax (ties: the lowest id; NaN never chosen).
     logprobs, ranks, argmax = token_logprob_rank(logits, sampled, argmax=True)
     sampled = jnp.where(sampled < 0, argmax, sampled)
-    return _Carry(cache=cache, prompt_len=carry.prompt_len,
-                  total_len=carry.total_len + active.astype(jnp.int32),
-                  last=jnp.where(active, sampled, carry.last), step=k + 1, t=carry.t + 1,
-                  tokens=carry.tokens.at[k].set(sampled), argmax=carry.argmax.at[k].set(argmax),
-                  logprobs=carry.logprobs.at[k].set(logprobs),
-                  ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)))
+    return _Carry(
+        cache=cache,
+        prompt_len=carry.prompt_len,
+        total_len=carry.total_len + active.astype(jnp.int32),
+        last=jnp.where(active, sampled, carry.last),
+        step=k + 1,
+        t=carry.t + 1,
+        tokens=carry.tokens.at[k].set(sampled),
+        argmax=carry.argmax.at[k].set(argmax),
+        logprobs=carry.logprobs.at[k].set(logprobs),
+        ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)),
+    )
 
 
 # -- the loop -----------------------------------------------------------------------------------
-def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-               device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
-               dtype: str = "float32", temperature: float = 0.0, seed: int = 0) -> List[RequestResult]:
+def run_decode(
+    config: GPT2Config,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    *,
+    device: str = "cpu",
+    max_batch: int = 8,
+    on_step: Callable[[int], None] | None = None,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[RequestResult]:
     """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
 
     ``weights``: float numpy arrays named as in :func:`~trace_replay_app.models.gpt2.param_shapes`
@@ -222,21 +241,24 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
     the host at the end. Arguments are checked before anything runs (``TypeError`` /
     ``ValueError`` naming the argument); a rejected call does nothing.
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=GPT2Config,
-                                check_weights=check_weights)
+    prompts, traces = check_run(
+        config, weights, requests, max_batch, on_step, config_type=GPT2Config, check_weights=check_weights
+    )
     temperature = check_sampling(dtype, temperature, seed)
     check_device(device)
-    dev = resolve_device(device)                # ValueError when JAX has no such device
+    dev = resolve_device(device)  # ValueError when JAX has no such device
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:
-        outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step, jnp.dtype(dtype),
-                              temperature, seed)
+        outputs = _decode_all(
+            config, weights, prompts, traces, schedule, dev, on_step, jnp.dtype(dtype), temperature, seed
+        )
     return collect_results(requests, schedule, outputs)
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature,
-                seed) -> Dict[str, np.ndarray]:
+def _decode_all(
+    config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed
+) -> dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     rows = schedule.max_batch
     kv_len = bucket(schedule.kv_positions([len(p) for p in prompts]), config.n_positions)
@@ -246,14 +268,27 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
         params = jax.tree.map(lambda w: w.astype(dtype), params)
     key = put(jax.random.key(seed))
     temp = put(np.float32(temperature if temperature > 0 else 1.0))
-    carry = put(_Carry(
-        cache=jnp.zeros((config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim), dtype),
-        prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32), last=np.zeros(rows, np.int32),
-        t=np.zeros((), np.int32), **fresh_outputs(rows)))
+    carry = put(
+        _Carry(
+            cache=jnp.zeros((config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim), dtype),
+            prompt_len=np.zeros(rows, np.int32),
+            total_len=np.zeros(rows, np.int32),
+            last=np.zeros(rows, np.int32),
+            t=np.zeros((), np.int32),
+            **fresh_outputs(rows),
+        )
+    )
 
     def admit(carry: _Carry, slot: int, prompt) -> _Carry:
-        return _admit(params, carry, np.int32(slot), put(prompt_prefix(prompt, kv_len)), np.int32(len(prompt)),
-                      np.int32(prompt[-1]), config=config)
+        return _admit(
+            params,
+            carry,
+            np.int32(slot),
+            put(prompt_prefix(prompt, kv_len)),
+            np.int32(len(prompt)),
+            np.int32(prompt[-1]),
+            config=config,
+        )
 
     def step(carry: _Carry, tables: ReplayTables, idx_chunk) -> _Carry:
         return _step(params, tables, idx_chunk, carry, key, temp, config=config, sample=temperature > 0)
@@ -261,5 +296,15 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     # The table's shape is part of the step program's signature: bucket its row length too.
     max_trace = bucket(max((len(t) for t in traces if t is not None), default=1), config.n_positions)
     with TraceReplayState(rows, max_trace, device=dev, vocab_size=config.vocab_size) as state:
-        return run_chunks(schedule, prompts, traces, state, carry, put=put, fetch=jax.device_get, admit=admit,
-                          step=step, on_step=on_step)
+        return run_chunks(
+            schedule,
+            prompts,
+            traces,
+            state,
+            carry,
+            put=put,
+            fetch=jax.device_get,
+            admit=admit,
+            step=step,
+            on_step=on_step,
+        )

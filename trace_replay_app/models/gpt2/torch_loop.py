@@ -24,7 +24,7 @@ Example (CPU; ``device="cuda"`` on a GPU)::
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -43,14 +43,15 @@ __all__ = ["run_decode"]
 def _torch_device(device: str) -> torch.device:
     """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> a torch.device usable here."""
     check_device(device)
-    dev = torch.device(parse_device(device))     # ValueError naming the device when there is no such GPU
+    dev = torch.device(parse_device(device))  # ValueError naming the device when there is no such GPU
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} is not available: torch sees no CUDA GPU; use device='cpu'")
         index = dev.index
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} is not available: torch sees {torch.cuda.device_count()} "
-                             f"CUDA device(s)")
+            raise ValueError(
+                f"device {device!r} is not available: torch sees {torch.cuda.device_count()} CUDA device(s)"
+            )
         dev = torch.device("cuda", index)
     return dev
 
@@ -62,20 +63,27 @@ class _GPT2:
     ``cache``: ``[n_layer, 2 (keys, values), max_batch (slots), kv_len, n_head, head_dim]``.
     """
 
-    def __init__(self, config: GPT2Config, weights: Mapping[str, np.ndarray], device: torch.device,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: GPT2Config,
+        weights: Mapping[str, np.ndarray],
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.config = config
-        self.p: Dict[str, torch.Tensor] = {
+        self.p: dict[str, torch.Tensor] = {
             name: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
-            for name, w in weights.items()}
+            for name, w in weights.items()
+        }
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.p[name + ".weight"], self.p[name + ".bias"],
-                            self.config.layer_norm_epsilon)
+        return F.layer_norm(
+            x, x.shape[-1:], self.p[name + ".weight"], self.p[name + ".bias"], self.config.layer_norm_epsilon
+        )
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return torch.addmm(self.p[name + ".bias"], x, self.p[name + ".weight"])   # Conv1D: x @ W + b
+        return torch.addmm(self.p[name + ".bias"], x, self.p[name + ".weight"])  # Conv1D: x @ W + b
 
     def _layers(self, x: torch.Tensor, attend: Callable) -> torch.Tensor:
         """The transformer blocks over ``x`` ``[tokens, n_embd]``; ``attend(layer, q, k, v)``
@@ -120,16 +128,25 @@ class _GPT2:
             cache[layer, 0, rows, positions] = k
             cache[layer, 1, rows, positions] = v
             scores = torch.einsum("bhd,bthd->bht", q, cache[layer, 0]) * self.scale
-            probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)    # hidden: [rows, 1, kv_len]
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # hidden: [rows, 1, kv_len]
             return torch.einsum("bht,bthd->bhd", probs, cache[layer, 1])
 
         h = self._ln(self._layers(self._embed(tokens, positions), attend), "ln_f")
         return (h @ self.p["wte.weight"].T).float()
 
 
-def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-               device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
-               dtype: str = "float32", temperature: float = 0.0, seed: int = 0) -> List[RequestResult]:
+def run_decode(
+    config: GPT2Config,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    *,
+    device: str = "cpu",
+    max_batch: int = 8,
+    on_step: Callable[[int], None] | None = None,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[RequestResult]:
     """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
 
     ``weights``: float numpy arrays named as in :func:`~trace_replay_app.models.gpt2.param_shapes`
@@ -158,16 +175,18 @@ def run_decode(config: GPT2Config, weights: Mapping[str, np.ndarray], requests: 
     are checked before anything runs (``TypeError`` / ``ValueError`` naming the argument); a
     rejected call does nothing.
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=GPT2Config,
-                                check_weights=check_weights)
+    prompts, traces = check_run(
+        config, weights, requests, max_batch, on_step, config_type=GPT2Config, check_weights=check_weights
+    )
     temperature = check_sampling(dtype, temperature, seed)
     dev = _torch_device(device)
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:
         with torch.no_grad():
-            outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step,
-                                  getattr(torch, dtype), temperature, seed)
+            outputs = _decode_all(
+                config, weights, prompts, traces, schedule, dev, on_step, getattr(torch, dtype), temperature, seed
+            )
     return collect_results(requests, schedule, outputs)
 
 
@@ -178,54 +197,58 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return (logits / temperature + gumbel).argmax(dim=-1)
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature,
-                seed) -> Dict[str, np.ndarray]:
+def _decode_all(
+    config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed
+) -> dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     model = _GPT2(config, weights, dev, dtype)
     rows, steps = schedule.max_batch, schedule.n_steps
     kv_len = schedule.kv_positions([len(p) for p in prompts])
     cache = torch.zeros(config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim, device=dev, dtype=dtype)
     generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)    # per slot, read by replay
-    total_len = torch.zeros(rows, dtype=torch.int32, device=dev)     # prompt + tokens decoded so far
-    last = torch.zeros(rows, dtype=torch.int64, device=dev)          # the token each row feeds next
+    prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)  # per slot, read by replay
+    total_len = torch.zeros(rows, dtype=torch.int32, device=dev)  # prompt + tokens decoded so far
+    last = torch.zeros(rows, dtype=torch.int64, device=dev)  # the token each row feeds next
     # Prompts and schedule go to the device once, up front (a copy from pageable memory waits for it).
     idx_all = torch.from_numpy(schedule.idx_mapping).to(dev)
     offsets = np.cumsum([0] + [len(p) for p in prompts])
     prompt_ids = torch.from_numpy(np.concatenate(prompts)).to(dev)
-    idx_mapping = torch.empty(rows, dtype=torch.int32, device=dev)   # fixed buffers: replay binds them once
+    idx_mapping = torch.empty(rows, dtype=torch.int32, device=dev)  # fixed buffers: replay binds them once
     sampled = torch.empty(rows, dtype=torch.int64, device=dev)
     logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
     ranks = torch.empty(rows, dtype=torch.int64, device=dev)
     argmax = torch.empty(rows, dtype=torch.int64, device=dev)
-    greedy = torch.empty(rows, dtype=torch.bool, device=dev)        # rows that take their argmax
-    out = {"tokens": torch.empty(steps, rows, dtype=torch.int64, device=dev),
-           "argmax": torch.empty(steps, rows, dtype=torch.int64, device=dev),
-           "logprobs": torch.empty(steps, rows, dtype=torch.float32, device=dev),
-           "ranks": torch.empty(steps, rows, dtype=torch.int64, device=dev)}
+    greedy = torch.empty(rows, dtype=torch.bool, device=dev)  # rows that take their argmax
+    out = {
+        "tokens": torch.empty(steps, rows, dtype=torch.int64, device=dev),
+        "argmax": torch.empty(steps, rows, dtype=torch.int64, device=dev),
+        "logprobs": torch.empty(steps, rows, dtype=torch.float32, device=dev),
+        "ranks": torch.empty(steps, rows, dtype=torch.int64, device=dev),
+    }
     max_trace = max((len(t) for t in traces if t is not None), default=1)
     per_step = schedule.tokens_per_step.tolist()
-    with TraceReplayState(rows, max_trace, device=dev, total_len=total_len, prompt_len=prompt_len,
-                          vocab_size=config.vocab_size) as state:
+    with TraceReplayState(
+        rows, max_trace, device=dev, total_len=total_len, prompt_len=prompt_len, vocab_size=config.vocab_size
+    ) as state:
         for step in range(steps):
             for i in schedule.admitted(step).tolist():
                 slot, prompt = int(schedule.slot[i]), prompts[i]
                 if len(prompt) > 1:
-                    model.prefill(cache, slot, prompt_ids[offsets[i]:offsets[i + 1] - 1])
+                    model.prefill(cache, slot, prompt_ids[offsets[i] : offsets[i + 1] - 1])
                 prompt_len[slot] = len(prompt)
                 total_len[slot] = len(prompt)
                 last[slot] = int(prompt[-1])
-                state.add_request(slot, traces[i])      # None: untraced (forgets the slot's old trace)
+                state.add_request(slot, traces[i])  # None: untraced (forgets the slot's old trace)
             state.apply_staged_writes()
             idx_mapping.copy_(idx_all[step])
             active = idx_mapping >= 0
-            positions = torch.where(active, total_len.long() - 1, 0)   # empty rows: anywhere in range
+            positions = torch.where(active, total_len.long() - 1, 0)  # empty rows: anywhere in range
             logits = model.decode(cache, last, positions)
             if generator is None:
-                sampled.fill_(-1)                        # -1: greedy, the argmax below
+                sampled.fill_(-1)  # -1: greedy, the argmax below
             else:
                 sampled.copy_(_sample(logits, temperature, generator))
-            state.replay(sampled, idx_mapping)           # traced rows take their trace token, in place
+            state.replay(sampled, idx_mapping)  # traced rows take their trace token, in place
             # From the unmodified logits, one pass; argmax ties: the lowest id, as torch.argmax.
             token_logprob_rank(logits, sampled, argmax=True, out=(logprobs, ranks, argmax))
             if generator is None:

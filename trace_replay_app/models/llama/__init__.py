@@ -11,11 +11,33 @@ from __future__ import annotations
 import functools
 
 from ..family import Family
-from .config import (MODEL_TYPES, LlamaConfig, check_weights, config_from_hf, default_config, describe,
-                     param_shapes, seeded_weights, to_hf, weights_from_tensors)
+from .config import (
+    MODEL_TYPES,
+    LlamaConfig,
+    check_weights,
+    config_from_hf,
+    default_config,
+    describe,
+    param_shapes,
+    seeded_weights,
+    to_hf,
+    weights_from_tensors,
+)
 
-__all__ = ["FAMILIES", "LlamaConfig", "MODEL_TYPES", "config_from_hf", "default_config", "param_shapes",
-           "seeded_weights", "check_weights", "weights_from_tensors", "to_hf", "describe", "load_loop"]
+__all__ = [
+    "FAMILIES",
+    "LlamaConfig",
+    "MODEL_TYPES",
+    "config_from_hf",
+    "default_config",
+    "param_shapes",
+    "seeded_weights",
+    "check_weights",
+    "weights_from_tensors",
+    "to_hf",
+    "describe",
+    "load_loop",
+]
 
 
 def load_loop(framework: str):
@@ -30,12 +52,24 @@ def load_loop(framework: str):
 
 
 def _family(name: str, label: str, model_types) -> Family:
-    return Family(name=name, label=label, model_types=tuple(model_types), config_type=LlamaConfig, config_from_hf=config_from_hf,
-                  default_config=functools.partial(default_config, name), seeded_weights=seeded_weights,
-                  weights_from_tensors=weights_from_tensors, check_weights=check_weights, load_loop=load_loop,
-                  to_hf=to_hf, describe=describe)
+    return Family(
+        name=name,
+        label=label,
+        model_types=tuple(model_types),
+        config_type=LlamaConfig,
+        config_from_hf=config_from_hf,
+        default_config=functools.partial(default_config, name),
+        seeded_weights=seeded_weights,
+        weights_from_tensors=weights_from_tensors,
+        check_weights=check_weights,
+        load_loop=load_loop,
+        to_hf=to_hf,
+        describe=describe,
+    )
 
 
-FAMILIES = (_family("llama", "Llama-family model", ("llama", "mistral")),
-            _family("qwen2", "Qwen2-family model", ("qwen2",)),
-            _family("qwen3", "Qwen3-family model", ("qwen3",)))
+FAMILIES = (
+    _family("llama", "Llama-family model", ("llama", "mistral")),
+    _family("qwen2", "Qwen2-family model", ("qwen2",)),
+    _family("qwen3", "Qwen3-family model", ("qwen3",)),
+)

@@ -18,20 +18,37 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Mapping, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from ..hf_fields import get_bool, get_float, get_int, get_mapping
 
-__all__ = ["LlamaConfig", "MODEL_TYPES", "ROPE_TYPES", "config_from_hf", "default_config", "param_shapes",
-           "seeded_weights", "check_weights", "weights_from_tensors", "to_hf", "describe", "inv_freq"]
+__all__ = [
+    "LlamaConfig",
+    "MODEL_TYPES",
+    "ROPE_TYPES",
+    "config_from_hf",
+    "default_config",
+    "param_shapes",
+    "seeded_weights",
+    "check_weights",
+    "weights_from_tensors",
+    "to_hf",
+    "describe",
+    "inv_freq",
+]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
-_IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)     # a buffer older checkpoints store
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
@@ -75,26 +92,38 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    layer_windows: Tuple[int, ...] = ()
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
         owner = "LlamaConfig"
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"{owner}.model_type must be one of {', '.join(MODEL_TYPES)} (got {self.model_type!r})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings", "rope_original_max_positions"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rope_original_max_positions",
+        ):
             _positive_int(owner, name, getattr(self, name))
         if self.head_dim == 0:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"{owner}.hidden_size must be a multiple of num_attention_heads when head_dim is "
-                                 f"not given (got {self.hidden_size} and {self.num_attention_heads})")
+                raise ValueError(
+                    f"{owner}.hidden_size must be a multiple of num_attention_heads when head_dim is "
+                    f"not given (got {self.hidden_size} and {self.num_attention_heads})"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         _positive_int(owner, "head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"{owner}.head_dim must be even for rotary embeddings (got {self.head_dim})")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{owner}.num_attention_heads must be a multiple of num_key_value_heads "
-                             f"(got {self.num_attention_heads} and {self.num_key_value_heads})")
+            raise ValueError(
+                f"{owner}.num_attention_heads must be a multiple of num_key_value_heads "
+                f"(got {self.num_attention_heads} and {self.num_key_value_heads})"
+            )
         for name in ("rms_norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -103,12 +132,16 @@ class LlamaConfig:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"{owner}.rope_type must be one of {', '.join(ROPE_TYPES)} (got {self.rope_type!r})")
         if self.rope_type == "llama3" and not self.rope_high_freq_factor > self.rope_low_freq_factor:
-            raise ValueError(f"{owner}.rope_high_freq_factor must exceed rope_low_freq_factor (got "
-                             f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor})")
+            raise ValueError(
+                f"{owner}.rope_high_freq_factor must exceed rope_low_freq_factor (got "
+                f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor})"
+            )
         windows = tuple(self.layer_windows)
         if windows and len(windows) != self.num_hidden_layers:
-            raise ValueError(f"{owner}.layer_windows must hold one window per layer ({self.num_hidden_layers}) or "
-                             f"none (got {len(windows)})")
+            raise ValueError(
+                f"{owner}.layer_windows must hold one window per layer ({self.num_hidden_layers}) or "
+                f"none (got {len(windows)})"
+            )
         for w in windows:
             if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
                 raise ValueError(f"{owner}.layer_windows must hold ints >= 0 (0 = full attention) (got {w!r})")
@@ -128,7 +161,7 @@ class LlamaConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
 
-def _rope(hf: Mapping[str, Any]) -> Dict[str, Any]:
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The rotary options of ``hf``: transformers 5 writes ``rope_parameters``, older files
     ``rope_theta`` and ``rope_scaling`` (``"type"`` or ``"rope_type"``)."""
     params = get_mapping(hf, "rope_parameters")
@@ -136,28 +169,34 @@ def _rope(hf: Mapping[str, Any]) -> Dict[str, Any]:
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: none, "
-                         f"{', '.join(ROPE_TYPES)})")
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: none, {', '.join(ROPE_TYPES)})")
     partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor={partial!r} is not supported (rotary over the whole head only)")
     where = "rope_parameters" if "rope_theta" in params else ("rope_scaling" if "rope_theta" in scaling else "")
-    theta = (get_float(merged, "rope_theta", name=f"{where}.rope_theta") if where
-             else get_float(hf, "rope_theta", 10000.0))
+    theta = (
+        get_float(merged, "rope_theta", name=f"{where}.rope_theta") if where else get_float(hf, "rope_theta", 10000.0)
+    )
     out = {"rope_theta": theta, "rope_type": rope_type}
     if rope_type == "llama3":
-        for key, field in (("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
-                           ("high_freq_factor", "rope_high_freq_factor")):
+        for key, field in (
+            ("factor", "rope_factor"),
+            ("low_freq_factor", "rope_low_freq_factor"),
+            ("high_freq_factor", "rope_high_freq_factor"),
+        ):
             if merged.get(key) is None:
                 raise ValueError(f"rope_scaling type 'llama3' lacks {key!r}")
             out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
         key = "original_max_position_embeddings"
-        out["rope_original_max_positions"] = (get_int(merged, key, name=f"rope_scaling.{key}") if merged.get(key)
-                                              else get_int(hf, "max_position_embeddings", required=True))
+        out["rope_original_max_positions"] = (
+            get_int(merged, key, name=f"rope_scaling.{key}")
+            if merged.get(key)
+            else get_int(hf, "max_position_embeddings", required=True)
+        )
     return out
 
 
-def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> Tuple[int, ...]:
+def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
     """Per-layer sliding windows as transformers applies them: Mistral slides in every layer when
     ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
     ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``)."""
@@ -174,10 +213,15 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> Tuple[int, 
     if types is None:
         start = get_int(hf, "max_window_layers", layers)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or not all(
-            t in ("sliding_attention", "full_attention") for t in types):
-        raise ValueError(f"layer_types must list 'full_attention'/'sliding_attention' for each of the {layers} "
-                         f"layers (got {types!r})")
+    if (
+        not isinstance(types, list)
+        or len(types) != layers
+        or not all(t in ("sliding_attention", "full_attention") for t in types)
+    ):
+        raise ValueError(
+            f"layer_types must list 'full_attention'/'sliding_attention' for each of the {layers} "
+            f"layers (got {types!r})"
+        )
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
@@ -188,8 +232,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     rotary). Keys the loops do not need are ignored."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported by the llama family (supported: "
-                         f"{', '.join(MODEL_TYPES)})")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the llama family (supported: {', '.join(MODEL_TYPES)})"
+        )
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (the loops implement SwiGLU with 'silu')")
@@ -197,10 +242,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     layers = get_int(hf, "num_hidden_layers", required=True)
     attention_bias = get_bool(hf, "attention_bias")
     return LlamaConfig(
-        model_type=model_type, vocab_size=get_int(hf, "vocab_size", required=True),
+        model_type=model_type,
+        vocab_size=get_int(hf, "vocab_size", required=True),
         hidden_size=get_int(hf, "hidden_size", required=True),
         intermediate_size=get_int(hf, "intermediate_size", required=True),
-        num_hidden_layers=layers, num_attention_heads=heads,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=get_int(hf, "num_key_value_heads", heads),
         head_dim=get_int(hf, "head_dim", 0),
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
@@ -209,12 +256,21 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
         o_bias=attention_bias and model_type in ("llama", "qwen3"),
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
-        qk_norm=model_type == "qwen3", layer_windows=_windows(hf, model_type, layers), **_rope(hf))
+        qk_norm=model_type == "qwen3",
+        layer_windows=_windows(hf, model_type, layers),
+        **_rope(hf),
+    )
 
 
 _DEFAULTS = {
-    "llama": dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                  rope_original_max_positions=64, rope_theta=500000.0),
+    "llama": dict(
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_positions=64,
+        rope_theta=500000.0,
+    ),
     "mistral": dict(layer_windows=(32, 32)),
     "qwen2": dict(qkv_bias=True, tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
@@ -229,7 +285,7 @@ def default_config(model_type: str = "llama") -> LlamaConfig:
     return LlamaConfig(model_type=model_type, **_DEFAULTS[model_type])
 
 
-def param_shapes(config: LlamaConfig) -> Dict[str, Tuple[int, ...]]:
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter name -> shape, in a fixed order (the names transformers saves)."""
     h, d, v, inter = config.hidden_size, config.head_dim, config.vocab_size, config.intermediate_size
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
@@ -258,7 +314,7 @@ def param_shapes(config: LlamaConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
-def seeded_weights(config: LlamaConfig, seed: int = 0) -> Dict[str, np.ndarray]:
+def seeded_weights(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic float32 weights for ``config`` from ``seed`` (numpy's PCG64 stream, the
     same on every machine): matrices ~ N(0, 0.02^2), norm gains near 1, biases small but
     non-zero, so that no parameter is trivially zero in a test."""
@@ -290,12 +346,12 @@ def check_weights(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Non
         raise ValueError(f"weights hold tensors this config does not use: {extra[:5]}")
 
 
-def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A checkpoint's ``tensors`` (transformers' names) -> the loops' weights (the arrays are
     not copied). Rotary ``inv_freq`` buffers are ignored; with tied embeddings a stored
     ``lm_head.weight`` must equal ``model.embed_tokens.weight``. Raises ``ValueError`` naming
     the tensor: missing, unexpected, mis-shaped (both shapes) or an untied copy."""
-    weights: Dict[str, np.ndarray] = {}
+    weights: dict[str, np.ndarray] = {}
     lm_head = None
     for name, value in tensors.items():
         if name.endswith(_IGNORED_SUFFIXES):
@@ -305,42 +361,64 @@ def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray])
             continue
         weights[name] = value
     check_weights(config, weights)
-    if lm_head is not None and not np.array_equal(np.asarray(lm_head), np.asarray(weights["model.embed_tokens.weight"])):
-        raise ValueError("tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' although config.json "
-                         "ties the word embeddings (tie_word_embeddings=true)")
+    if lm_head is not None and not np.array_equal(
+        np.asarray(lm_head), np.asarray(weights["model.embed_tokens.weight"])
+    ):
+        raise ValueError(
+            "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' although config.json "
+            "ties the word embeddings (tie_word_embeddings=true)"
+        )
     return weights
 
 
-def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Tuple[Dict[str, Any], Dict[str, np.ndarray]]:
+def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config.json mapping, tensors)`` of a Hugging Face checkpoint of ``weights``."""
     check_weights(config, weights)
     rope = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
     if config.rope_type == "llama3":
-        rope.update(factor=config.rope_factor, low_freq_factor=config.rope_low_freq_factor,
-                    high_freq_factor=config.rope_high_freq_factor,
-                    original_max_position_embeddings=config.rope_original_max_positions)
+        rope.update(
+            factor=config.rope_factor,
+            low_freq_factor=config.rope_low_freq_factor,
+            high_freq_factor=config.rope_high_freq_factor,
+            original_max_position_embeddings=config.rope_original_max_positions,
+        )
     windows = set(config.layer_windows) - {0}
-    hf = {"model_type": config.model_type, "architectures": [_ARCHITECTURES[config.model_type]],
-          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
-          "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-          "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
-          "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu", "tie_word_embeddings": config.tie_word_embeddings,
-          "rope_theta": config.rope_theta, "rope_scaling": rope if config.rope_type != "default" else None,
-          "rope_parameters": rope, "attention_bias": config.o_bias or (config.qkv_bias and config.model_type != "qwen2"),
-          "mlp_bias": config.mlp_bias, "sliding_window": windows.pop() if windows else None}
+    hf = {
+        "model_type": config.model_type,
+        "architectures": [_ARCHITECTURES[config.model_type]],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope if config.rope_type != "default" else None,
+        "rope_parameters": rope,
+        "attention_bias": config.o_bias or (config.qkv_bias and config.model_type != "qwen2"),
+        "mlp_bias": config.mlp_bias,
+        "sliding_window": windows.pop() if windows else None,
+    }
     if config.model_type in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = hf["sliding_window"] is not None
-        hf["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
-                             for i in range(config.num_hidden_layers)]
+        hf["layer_types"] = [
+            "sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)
+        ]
     return hf, {name: np.asarray(weights[name]) for name in param_shapes(config)}
 
 
 def describe(config: LlamaConfig) -> str:
     """The model's type and sizes in a few words."""
-    return (f"{config.model_type}, vocabulary {config.vocab_size}, {config.num_hidden_layers} layers, width "
-            f"{config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} query/key-value heads"
-            f"{', tied embeddings' if config.tie_word_embeddings else ''}")
+    return (
+        f"{config.model_type}, vocabulary {config.vocab_size}, {config.num_hidden_layers} layers, width "
+        f"{config.hidden_size}, {config.num_attention_heads}/{config.num_key_value_heads} query/key-value heads"
+        f"{', tied embeddings' if config.tie_word_embeddings else ''}"
+    )
 
 
 def inv_freq(config: LlamaConfig) -> np.ndarray:

@@ -30,7 +30,8 @@ updated in place). Float32 matrix products run at full precision (``precision="h
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,8 @@ class _Carry(NamedTuple):
     ``ranks``: that chunk's per-step outputs ``[CHUNK, max_batch]``.
     """
 
-    keys: Tuple[jax.Array, ...]
-    values: Tuple[jax.Array, ...]
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
     prompt_len: jax.Array
     total_len: jax.Array
     last: jax.Array
@@ -71,24 +72,32 @@ class _Carry(NamedTuple):
 
 
 # -- the model ----------------------------------------------------------------------------------
-def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> Dict:
+def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> dict:
     """Host pytree of the weights: projections transposed to ``[in, out]``, q/k/v and gate/up
     concatenated (float32; the caller casts them on the device). Absent biases/norms are left out."""
+
     def get(name):
         return np.asarray(weights[name], dtype=np.float32) if name in weights else None
 
     layers = []
     for i in range(config.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        layer = {"ln1": get(f"model.layers.{i}.input_layernorm.weight"),
-                 "ln2": get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                 "qkv_w": np.concatenate([get(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]).T,
-                 "o_w": get(a + "o_proj.weight").T,
-                 "gu_w": np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).T,
-                 "down_w": get(m + "down_proj.weight").T}
-        optional = {"qkv_b": [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")], "o_b": [a + "o_proj.bias"],
-                    "q_norm": [a + "q_norm.weight"], "k_norm": [a + "k_norm.weight"],
-                    "gu_b": [m + "gate_proj.bias", m + "up_proj.bias"], "down_b": [m + "down_proj.bias"]}
+        layer = {
+            "ln1": get(f"model.layers.{i}.input_layernorm.weight"),
+            "ln2": get(f"model.layers.{i}.post_attention_layernorm.weight"),
+            "qkv_w": np.concatenate([get(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]).T,
+            "o_w": get(a + "o_proj.weight").T,
+            "gu_w": np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).T,
+            "down_w": get(m + "down_proj.weight").T,
+        }
+        optional = {
+            "qkv_b": [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")],
+            "o_b": [a + "o_proj.bias"],
+            "q_norm": [a + "q_norm.weight"],
+            "k_norm": [a + "k_norm.weight"],
+            "gu_b": [m + "gate_proj.bias", m + "up_proj.bias"],
+            "down_b": [m + "down_proj.bias"],
+        }
         for key, names in optional.items():
             if names[0] in weights:
                 layer[key] = np.concatenate([get(n) for n in names])
@@ -135,8 +144,8 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     for i, w in enumerate(p["layers"]):
         qkv = _linear(_rms(x, w["ln1"], eps), w["qkv_w"], w.get("qkv_b"))
         q = qkv[:, :q_dim].reshape(n, c.num_attention_heads, d)
-        k = qkv[:, q_dim:q_dim + kv_dim].reshape(n, c.num_key_value_heads, d)
-        v = qkv[:, q_dim + kv_dim:].reshape(n, c.num_key_value_heads, d)
+        k = qkv[:, q_dim : q_dim + kv_dim].reshape(n, c.num_key_value_heads, d)
+        v = qkv[:, q_dim + kv_dim :].reshape(n, c.num_key_value_heads, d)
         if c.qk_norm:
             q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
         a, state = attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v, state)
@@ -162,7 +171,7 @@ def _prefill(params, tokens, *, config: LlamaConfig):
     c = config
     n = tokens.shape[0]
     pos = jnp.arange(n)
-    scale = c.head_dim ** -0.5
+    scale = c.head_dim**-0.5
 
     def attend(layer, q, k, v, kv):
         window = c.window(layer)
@@ -186,10 +195,14 @@ def _admit(carry: _Carry, kv, slot, prompt_len, last) -> _Carry:
     Positions past the real prompt hold padding; a decode step overwrites each before any
     query reads it (a step writes its own position first and attends to no later one)."""
     keys = tuple(jax.lax.dynamic_update_slice(buf, k[None], (slot, 0, 0, 0)) for buf, (k, _) in zip(carry.keys, kv))
-    values = tuple(jax.lax.dynamic_update_slice(buf, v[None], (slot, 0, 0, 0))
-                   for buf, (_, v) in zip(carry.values, kv))
-    return carry._replace(keys=keys, values=values, prompt_len=carry.prompt_len.at[slot].set(prompt_len),
-                          total_len=carry.total_len.at[slot].set(prompt_len), last=carry.last.at[slot].set(last))
+    values = tuple(jax.lax.dynamic_update_slice(buf, v[None], (slot, 0, 0, 0)) for buf, (_, v) in zip(carry.values, kv))
+    return carry._replace(
+        keys=keys,
+        values=values,
+        prompt_len=carry.prompt_len.at[slot].set(prompt_len),
+        total_len=carry.total_len.at[slot].set(prompt_len),
+        last=carry.last.at[slot].set(last),
+    )
 
 
 def _decode(p, config: LlamaConfig, carry: _Carry, positions):
@@ -198,7 +211,7 @@ def _decode(p, config: LlamaConfig, carry: _Carry, positions):
     c = config
     rows = jnp.arange(positions.shape[0])
     kpos = jnp.arange(carry.keys[0].shape[2])
-    scale = c.head_dim ** -0.5
+    scale = c.head_dim**-0.5
     masks = {}
     for layer in range(c.num_hidden_layers):
         w = c.window(layer)
@@ -206,7 +219,7 @@ def _decode(p, config: LlamaConfig, carry: _Carry, positions):
             visible = kpos[None, :] <= positions[:, None]
             if w:
                 visible = visible & (kpos[None, :] > positions[:, None] - w)
-            masks[w] = visible[:, None, None, :]                    # [rows, 1, 1, kv_len]
+            masks[w] = visible[:, None, None, :]  # [rows, 1, 1, kv_len]
 
     def attend(layer, q, k, v, kv):
         keys, values = kv
@@ -217,45 +230,62 @@ def _decode(p, config: LlamaConfig, carry: _Carry, positions):
         scores = jnp.einsum("bkgd,bktd->bkgt", qg, kb, precision=prec) * scale
         probs = _softmax_f32(scores, masks[c.window(layer)], q.dtype)
         out = jnp.einsum("bkgt,bktd->bkgd", probs, vb, precision=prec).reshape(q.shape[0], -1)
-        return out, (keys[:layer] + (kb,) + keys[layer + 1:], values[:layer] + (vb,) + values[layer + 1:])
+        return out, (keys[:layer] + (kb,) + keys[layer + 1 :], values[:layer] + (vb,) + values[layer + 1 :])
 
     h, (keys, values) = _layers(p, c, carry.last, positions, attend, (carry.keys, carry.values))
     return _logits(p, h), keys, values
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sample"), donate_argnames=("carry",))
-def _step(params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: LlamaConfig,
-          sample: bool) -> _Carry:
+def _step(
+    params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: LlamaConfig, sample: bool
+) -> _Carry:
     """One decode step of every row: logits, (sampling), replay, then one pass over the logits
     (:func:`trace_replay_jax.token_logprob_rank` with ``argmax=True``) for logprob, rank and the
     greedy token, append. Greedy: rows start at -1 ("not drawn"), replay writes the traced rows,
     the logprob call scores the -1 rows as their argmax, and those rows take it."""
     k = carry.step
-    idx_mapping = idx_chunk[k]                             # row -> slot, -1: empty row (this chunk's schedule)
+    idx_mapping = idx_chunk[k]  # row -> slot, -1: empty row (this chunk's schedule)
     active = idx_mapping >= 0
-    positions = jnp.where(active, carry.total_len - 1, 0)           # empty rows: anywhere in range
+    positions = jnp.where(active, carry.total_len - 1, 0)  # empty rows: anywhere in range
     logits, keys, values = _decode(params, config, carry, positions)
-    drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)               # greedy: the argmax, chosen below
-    if sample:                                                       # Gumbel-max over logits / temperature
+    drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)  # greedy: the argmax, chosen below
+    if sample:  # Gumbel-max over logits / temperature
         noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32)
         drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
-    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)   # -1 rows stay -1
+    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)  # -1 rows stay -1
     # One read of the logits: logprob and rank of each row's token (a -1 row: of its argmax), and
     # the argmax (ties: the lowest id; NaN never chosen).
     logprobs, ranks, argmax = token_logprob_rank(logits, sampled, argmax=True)
     sampled = jnp.where(sampled < 0, argmax, sampled)
-    return _Carry(keys=keys, values=values, prompt_len=carry.prompt_len,
-                  total_len=carry.total_len + active.astype(jnp.int32),
-                  last=jnp.where(active, sampled, carry.last), step=k + 1, t=carry.t + 1,
-                  tokens=carry.tokens.at[k].set(sampled), argmax=carry.argmax.at[k].set(argmax),
-                  logprobs=carry.logprobs.at[k].set(logprobs),
-                  ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)))
+    return _Carry(
+        keys=keys,
+        values=values,
+        prompt_len=carry.prompt_len,
+        total_len=carry.total_len + active.astype(jnp.int32),
+        last=jnp.where(active, sampled, carry.last),
+        step=k + 1,
+        t=carry.t + 1,
+        tokens=carry.tokens.at[k].set(sampled),
+        argmax=carry.argmax.at[k].set(argmax),
+        logprobs=carry.logprobs.at[k].set(logprobs),
+        ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)),
+    )
 
 
 # -- the loop -----------------------------------------------------------------------------------
-def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-               device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
-               dtype: str = "float32", temperature: float = 0.0, seed: int = 0) -> List[RequestResult]:
+def run_decode(
+    config: LlamaConfig,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    *,
+    device: str = "cpu",
+    max_batch: int = 8,
+    on_step: Callable[[int], None] | None = None,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[RequestResult]:
     """Decode ``requests`` with the Llama-family model ``config``/``weights``, replaying traces.
 
     Arguments and results as in ``torch_loop.run_decode`` (the family contract of
@@ -272,21 +302,24 @@ def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests:
     once at the end. Arguments are checked before anything runs (``TypeError`` / ``ValueError``
     naming the argument); a rejected call does nothing.
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=LlamaConfig,
-                                check_weights=check_weights)
+    prompts, traces = check_run(
+        config, weights, requests, max_batch, on_step, config_type=LlamaConfig, check_weights=check_weights
+    )
     temperature = check_sampling(dtype, temperature, seed)
     check_device(device)
-    dev = resolve_device(device)                # ValueError when JAX has no such device
+    dev = resolve_device(device)  # ValueError when JAX has no such device
     schedule = plan([r.new_tokens for r in requests], max_batch)
     outputs = None
     if schedule.n_steps:
-        outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step, getattr(jnp, dtype),
-                              temperature, seed)
+        outputs = _decode_all(
+            config, weights, prompts, traces, schedule, dev, on_step, getattr(jnp, dtype), temperature, seed
+        )
     return collect_results(requests, schedule, outputs)
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature,
-                seed) -> Dict[str, np.ndarray]:
+def _decode_all(
+    config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed
+) -> dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     c = config
     rows = schedule.max_batch
@@ -298,9 +331,19 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     cache_shape = (rows, c.num_key_value_heads, kv_len, c.head_dim)
     with jax.default_device(dev):
         empty = [jnp.zeros(cache_shape, dtype) for _ in range(2 * c.num_hidden_layers)]
-    carry = _Carry(keys=tuple(empty[:c.num_hidden_layers]), values=tuple(empty[c.num_hidden_layers:]),
-                   **put(dict(prompt_len=np.zeros(rows, np.int32), total_len=np.zeros(rows, np.int32),
-                              last=np.zeros(rows, np.int32), t=np.zeros((), np.int32), **fresh_outputs(rows))))
+    carry = _Carry(
+        keys=tuple(empty[: c.num_hidden_layers]),
+        values=tuple(empty[c.num_hidden_layers :]),
+        **put(
+            dict(
+                prompt_len=np.zeros(rows, np.int32),
+                total_len=np.zeros(rows, np.int32),
+                last=np.zeros(rows, np.int32),
+                t=np.zeros((), np.int32),
+                **fresh_outputs(rows),
+            )
+        ),
+    )
 
     def admit(carry: _Carry, slot: int, prompt) -> _Carry:
         kv = _prefill(params, put(prompt_prefix(prompt, kv_len)), config=c)
@@ -311,5 +354,15 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
 
     max_trace = bucket(max((len(t) for t in traces if t is not None), default=1), c.n_positions)
     with TraceReplayState(rows, max_trace, device=dev, vocab_size=c.vocab_size) as state:
-        return run_chunks(schedule, prompts, traces, state, carry, put=put, fetch=jax.device_get, admit=admit,
-                          step=step, on_step=on_step)
+        return run_chunks(
+            schedule,
+            prompts,
+            traces,
+            state,
+            carry,
+            put=put,
+            fetch=jax.device_get,
+            admit=admit,
+            step=step,
+            on_step=on_step,
+        )

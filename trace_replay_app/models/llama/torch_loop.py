@@ -26,7 +26,7 @@ Example (CPU; ``device="cuda"`` on a GPU)::
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -41,13 +41,13 @@ from .config import LlamaConfig, check_weights, inv_freq
 
 __all__ = ["run_decode"]
 
-_PREFILL_TOKENS = 16384     # padded prompt tokens per batched prefill call
+_PREFILL_TOKENS = 16384  # padded prompt tokens per batched prefill call
 
 
 def _torch_device(device: str) -> torch.device:
     """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> a torch.device usable here."""
     check_device(device)
-    dev = torch.device(parse_device(device))     # ValueError naming the device when there is no such GPU
+    dev = torch.device(parse_device(device))  # ValueError naming the device when there is no such GPU
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} is not available: torch sees no CUDA GPU; use device='cpu'")
     return dev
@@ -87,8 +87,9 @@ class _Llama:
     and gate/up projections are concatenated once here (one matrix product each per layer).
     """
 
-    def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray], device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(
+        self, config: LlamaConfig, weights: Mapping[str, np.ndarray], device: torch.device, dtype: torch.dtype
+    ):
         c, self.config, self.dtype = config, config, dtype
 
         def get(name):
@@ -102,20 +103,27 @@ class _Llama:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            self.layers.append({
-                "ln1": get(p + "input_layernorm.weight"), "ln2": get(p + "post_attention_layernorm.weight"),
-                "qkv_w": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-                "qkv_b": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-                "o_w": get(a + "o_proj.weight"), "o_b": get(a + "o_proj.bias"),
-                "q_norm": get(a + "q_norm.weight"), "k_norm": get(a + "k_norm.weight"),
-                "gu_w": cat([m + "gate_proj.weight", m + "up_proj.weight"]),
-                "gu_b": cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-                "down_w": get(m + "down_proj.weight"), "down_b": get(m + "down_proj.bias")})
+            self.layers.append(
+                {
+                    "ln1": get(p + "input_layernorm.weight"),
+                    "ln2": get(p + "post_attention_layernorm.weight"),
+                    "qkv_w": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                    "qkv_b": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+                    "o_w": get(a + "o_proj.weight"),
+                    "o_b": get(a + "o_proj.bias"),
+                    "q_norm": get(a + "q_norm.weight"),
+                    "k_norm": get(a + "k_norm.weight"),
+                    "gu_w": cat([m + "gate_proj.weight", m + "up_proj.weight"]),
+                    "gu_b": cat([m + "gate_proj.bias", m + "up_proj.bias"]),
+                    "down_w": get(m + "down_proj.weight"),
+                    "down_b": get(m + "down_proj.bias"),
+                }
+            )
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         self.head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
         self.inv_freq = torch.from_numpy(inv_freq(c)).to(device)
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.head_dim**-0.5
         d = c.head_dim
         self.split = [c.num_attention_heads * d, c.num_key_value_heads * d, c.num_key_value_heads * d]
 
@@ -124,7 +132,7 @@ class _Llama:
         (``[tokens, heads or kv_heads, head_dim]``, rotated) stores keys/values and returns the
         attention output ``[tokens, heads * head_dim]``."""
         c, eps = self.config, self.config.rms_norm_eps
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]        # float32, as transformers
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # float32, as transformers
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         x = self.embed[tokens]
@@ -142,7 +150,7 @@ class _Llama:
             x = x + self._row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"])
         return _rms(x, self.norm, eps)
 
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The output and down projections, ``x @ w.T + b`` (the tensor-parallel loop sums them
         over its ranks here)."""
         return F.linear(x, w, b)
@@ -154,7 +162,7 @@ class _Llama:
         c = self.config
         r, n = tokens.shape
         pos = torch.arange(n, device=tokens.device)
-        causal = pos[None, :] <= pos[:, None]                               # [query, key]
+        causal = pos[None, :] <= pos[:, None]  # [query, key]
 
         def attend(layer, q, k, v):
             q, k, v = (t.reshape(r, n, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
@@ -185,24 +193,33 @@ class _Llama:
                 hidden = kpos[None, :] > positions[:, None]
                 if w:
                     hidden = hidden | (kpos[None, :] <= positions[:, None] - w)
-                masks[w] = hidden[:, None, None, :]                         # [rows, 1, 1, kv_len]
+                masks[w] = hidden[:, None, None, :]  # [rows, 1, 1, kv_len]
 
         def attend(layer, q, k, v):
-            keys, values = cache[layer, 0], cache[layer, 1]                 # [rows, kv_heads, kv_len, head_dim]
+            keys, values = cache[layer, 0], cache[layer, 1]  # [rows, kv_heads, kv_len, head_dim]
             keys[rows, :, positions] = k
             values[rows, :, positions] = v
             qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale   # [rows, kv_heads, groups, kv_len]
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [rows, kv_heads, groups, kv_len]
             probs = scores.float().masked_fill(masks[c.window(layer)], float("-inf")).softmax(dim=-1)
             return torch.matmul(probs.to(self.dtype), values).reshape(q.shape[0], -1)
 
         return F.linear(self._layers(tokens, positions, attend), self.head)
 
 
-def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-               device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
-               dtype: str = "float32", temperature: float = 0.0, seed: int = 0,
-               cuda_graph: Optional[bool] = None) -> List[RequestResult]:
+def run_decode(
+    config: LlamaConfig,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    *,
+    device: str = "cpu",
+    max_batch: int = 8,
+    on_step: Callable[[int], None] | None = None,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+    cuda_graph: bool | None = None,
+) -> list[RequestResult]:
     """Decode ``requests`` with the Llama-family model ``config``/``weights``, replaying traces.
 
     ``weights``: float numpy arrays named as in :func:`.config.param_shapes` (copied to
@@ -225,8 +242,9 @@ def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests:
     the host once at the end. Arguments are checked before anything runs (``TypeError`` /
     ``ValueError`` naming the argument); a rejected call does nothing.
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=LlamaConfig,
-                                check_weights=check_weights)
+    prompts, traces = check_run(
+        config, weights, requests, max_batch, on_step, config_type=LlamaConfig, check_weights=check_weights
+    )
     temperature = check_sampling(dtype, temperature, seed)
     if cuda_graph not in (None, True, False):
         raise TypeError(f"cuda_graph must be None, True or False (got {cuda_graph!r})")
@@ -237,12 +255,23 @@ def run_decode(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests:
     outputs = None
     if schedule.n_steps:
         with torch.no_grad():
-            outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step, getattr(torch, dtype),
-                                  temperature, seed, dev.type == "cuda" if cuda_graph is None else cuda_graph)
+            outputs = _decode_all(
+                config,
+                weights,
+                prompts,
+                traces,
+                schedule,
+                dev,
+                on_step,
+                getattr(torch, dtype),
+                temperature,
+                seed,
+                dev.type == "cuda" if cuda_graph is None else cuda_graph,
+            )
     return collect_results(requests, schedule, outputs)
 
 
-def _prefill_groups(admitted: List[int], prompts) -> List[List[int]]:
+def _prefill_groups(admitted: list[int], prompts) -> list[list[int]]:
     """Requests (indices) that prefill together: consecutive, at most ``_PREFILL_TOKENS``
     padded tokens per group; prompts of one token have nothing to prefill."""
     groups, group, longest = [], [], 0
@@ -267,21 +296,28 @@ class _Buffers:
 
     def __init__(self, schedule, vocab_size: int, dev: torch.device, temperature: float, seed: int):
         rows, steps = schedule.max_batch, schedule.n_steps
-        self.prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)    # per slot, read by replay
-        self.total_len = torch.zeros(rows, dtype=torch.int32, device=dev)     # prompt + tokens decoded so far
-        self.last = torch.zeros(rows, dtype=torch.int64, device=dev)          # the token each row feeds next
+        self.prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)  # per slot, read by replay
+        self.total_len = torch.zeros(rows, dtype=torch.int32, device=dev)  # prompt + tokens decoded so far
+        self.last = torch.zeros(rows, dtype=torch.int64, device=dev)  # the token each row feeds next
         self.idx_all = torch.from_numpy(schedule.idx_mapping).to(dev)
         self.idx_mapping = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         self.sampled = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.step_t = torch.zeros(1, dtype=torch.int64, device=dev)           # the step the graph writes
-        self.out = {name: torch.zeros(steps, rows, dtype=dt, device=dev)
-                    for name, dt in (("tokens", torch.int64), ("argmax", torch.int64),
-                                     ("logprobs", torch.float32), ("ranks", torch.int64))}
+        self.step_t = torch.zeros(1, dtype=torch.int64, device=dev)  # the step the graph writes
+        self.out = {
+            name: torch.zeros(steps, rows, dtype=dt, device=dev)
+            for name, dt in (
+                ("tokens", torch.int64),
+                ("argmax", torch.int64),
+                ("logprobs", torch.float32),
+                ("ranks", torch.int64),
+            )
+        }
         self.generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-        self.uniform = (torch.full((rows, vocab_size), 0.5, dtype=torch.float32, device=dev)
-                        if self.generator is not None else None)
+        self.uniform = (
+            torch.full((rows, vocab_size), 0.5, dtype=torch.float32, device=dev) if self.generator is not None else None
+        )
 
-    def positions(self) -> "tuple[torch.Tensor, torch.Tensor]":
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(active, positions)`` of the step: rows in use, and each one's cache position
         (empty rows: 0, anywhere in range)."""
         active = self.idx_mapping >= 0
@@ -297,16 +333,32 @@ class _Buffers:
         self.step_t.add_(1)
 
 
-def _run_steps(model, cache: torch.Tensor, buf: _Buffers, schedule, prompts, traces, vocab_size: int,
-               dev: torch.device, step: Callable[[TraceReplayState], None], use_graph: bool,
-               on_step: Optional[Callable[[int], None]]) -> Dict[str, np.ndarray]:
+def _run_steps(
+    model,
+    cache: torch.Tensor,
+    buf: _Buffers,
+    schedule,
+    prompts,
+    traces,
+    vocab_size: int,
+    dev: torch.device,
+    step: Callable[[TraceReplayState], None],
+    use_graph: bool,
+    on_step: Callable[[int], None] | None,
+) -> dict[str, np.ndarray]:
     """Every step of ``schedule``: prefill and admit the step's requests (lengths, last tokens,
     traces), ``apply_staged_writes``, then ``step(state)`` on ``buf`` (captured once in a CUDA
     graph when ``use_graph``). Returns the outputs on the host, copied once at the end."""
     max_trace = max((len(t) for t in traces if t is not None), default=1)
     per_step = schedule.tokens_per_step.tolist()
-    with TraceReplayState(schedule.max_batch, max_trace, device=dev, total_len=buf.total_len,
-                          prompt_len=buf.prompt_len, vocab_size=vocab_size) as state:
+    with TraceReplayState(
+        schedule.max_batch,
+        max_trace,
+        device=dev,
+        total_len=buf.total_len,
+        prompt_len=buf.prompt_len,
+        vocab_size=vocab_size,
+    ) as state:
         graph = _capture(lambda: step(state), buf.step_t) if use_graph else None
         for k in range(schedule.n_steps):
             admitted = schedule.admitted(k).tolist()
@@ -314,9 +366,12 @@ def _run_steps(model, cache: torch.Tensor, buf: _Buffers, schedule, prompts, tra
                 n = max(len(prompts[i]) - 1 for i in group)
                 block = np.zeros((len(group), n), dtype=np.int64)
                 for j, i in enumerate(group):
-                    block[j, :len(prompts[i]) - 1] = prompts[i][:-1]
-                model.prefill(cache, _upload([schedule.slot[i] for i in group], torch.int64, dev),
-                              _upload(block, torch.int64, dev))
+                    block[j, : len(prompts[i]) - 1] = prompts[i][:-1]
+                model.prefill(
+                    cache,
+                    _upload([schedule.slot[i] for i in group], torch.int64, dev),
+                    _upload(block, torch.int64, dev),
+                )
             if admitted:
                 slots = _upload([schedule.slot[i] for i in admitted], torch.int64, dev)
                 lens = _upload([len(prompts[i]) for i in admitted], torch.int32, dev)
@@ -324,8 +379,8 @@ def _run_steps(model, cache: torch.Tensor, buf: _Buffers, schedule, prompts, tra
                 buf.total_len[slots] = lens
                 buf.last[slots] = _upload([prompts[i][-1] for i in admitted], torch.int64, dev)
                 for i in admitted:
-                    state.add_request(int(schedule.slot[i]), traces[i])   # None: untraced
-            state.apply_staged_writes()                              # outside the graph, between replays
+                    state.add_request(int(schedule.slot[i]), traces[i])  # None: untraced
+            state.apply_staged_writes()  # outside the graph, between replays
             buf.idx_mapping.copy_(buf.idx_all[k])
             if buf.uniform is not None:
                 torch.rand(buf.uniform.shape, generator=buf.generator, device=dev, out=buf.uniform)
@@ -338,20 +393,22 @@ def _run_steps(model, cache: torch.Tensor, buf: _Buffers, schedule, prompts, tra
         return {name: t.cpu().numpy() for name, t in buf.out.items()}
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed,
-                use_graph) -> Dict[str, np.ndarray]:
+def _decode_all(
+    config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed, use_graph
+) -> dict[str, np.ndarray]:
     """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
     c = config
     model = _Llama(c, weights, dev, dtype)
     rows = schedule.max_batch
     kv_len = schedule.kv_positions([len(p) for p in prompts])
-    cache = torch.zeros(c.num_hidden_layers, 2, rows, c.num_key_value_heads, kv_len, c.head_dim, dtype=dtype,
-                        device=dev)
+    cache = torch.zeros(
+        c.num_hidden_layers, 2, rows, c.num_key_value_heads, kv_len, c.head_dim, dtype=dtype, device=dev
+    )
     buf = _Buffers(schedule, c.vocab_size, dev, temperature, seed)
     logprobs = torch.zeros(rows, dtype=torch.float32, device=dev)
     ranks = torch.zeros(rows, dtype=torch.int64, device=dev)
     argmax = torch.zeros(rows, dtype=torch.int64, device=dev)
-    greedy = torch.zeros(rows, dtype=torch.bool, device=dev)         # rows that take their argmax
+    greedy = torch.zeros(rows, dtype=torch.bool, device=dev)  # rows that take their argmax
 
     def step(state: TraceReplayState) -> None:
         """One decode step of every row, on fixed buffers (no host sync, no allocation the
@@ -360,11 +417,11 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
         active, positions = buf.positions()
         logits = model.decode(cache, buf.last, positions)
         if buf.uniform is None:
-            buf.sampled.fill_(-1)                                    # -1: greedy, the argmax below
-        else:                                                        # Gumbel-max over logits / temperature
+            buf.sampled.fill_(-1)  # -1: greedy, the argmax below
+        else:  # Gumbel-max over logits / temperature
             gumbel = -torch.log(-torch.log(buf.uniform.clamp_min(torch.finfo(torch.float32).tiny)))
             buf.sampled.copy_((logits.float() / temperature + gumbel).argmax(dim=-1))
-        state.replay(buf.sampled, buf.idx_mapping)                   # traced rows take their trace token
+        state.replay(buf.sampled, buf.idx_mapping)  # traced rows take their trace token
         # From the unmodified logits; argmax ties: the lowest id, as torch.argmax.
         token_logprob_rank(logits, buf.sampled, argmax=True, out=(logprobs, ranks, argmax))
         if buf.uniform is None:
@@ -375,7 +432,7 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     return _run_steps(model, cache, buf, schedule, prompts, traces, c.vocab_size, dev, step, use_graph, on_step)
 
 
-def _capture(step: Callable[[], None], step_t: torch.Tensor) -> "torch.cuda.CUDAGraph":
+def _capture(step: Callable[[], None], step_t: torch.Tensor) -> torch.cuda.CUDAGraph:
     """``step`` captured in a CUDA graph, after one eager warm-up on a side stream (which
     compiles the kernels and binds the replay). The caller's ``idx_mapping`` is all -1 then,
     so the warm-up decodes nothing: it writes only cache position 0 (before any prefill) and

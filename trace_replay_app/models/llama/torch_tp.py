@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ from .torch_loop import _Buffers, _Llama, _run_steps, _torch_device
 __all__ = ["run_decode_tp", "vocab_blocks", "splits_layers"]
 
 
-def vocab_blocks(vocab_size: int, world_size: int) -> List[Tuple[int, int]]:
+def vocab_blocks(vocab_size: int, world_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each rank's block of the vocabulary: ``vocab_size`` split into
     ``world_size`` contiguous blocks whose sizes differ by at most one (the first ones larger)."""
     base, extra = divmod(vocab_size, world_size)
@@ -87,19 +87,21 @@ def _shard(config: LlamaConfig, weights: Mapping[str, np.ndarray], rank: int, wo
     c, d = config, config.head_dim
     kv, inter = c.num_key_value_heads // world, c.intermediate_size // world
     q = kv * c.kv_groups
-    local = dataclasses.replace(c, num_attention_heads=q, num_key_value_heads=kv, intermediate_size=inter,
-                                head_dim=d)
-    rows = {"q_proj": slice(rank * q * d, (rank + 1) * q * d), "k_proj": slice(rank * kv * d, (rank + 1) * kv * d),
-            "gate_proj": slice(rank * inter, (rank + 1) * inter)}
+    local = dataclasses.replace(c, num_attention_heads=q, num_key_value_heads=kv, intermediate_size=inter, head_dim=d)
+    rows = {
+        "q_proj": slice(rank * q * d, (rank + 1) * q * d),
+        "k_proj": slice(rank * kv * d, (rank + 1) * kv * d),
+        "gate_proj": slice(rank * inter, (rank + 1) * inter),
+    }
     rows["v_proj"], rows["up_proj"] = rows["k_proj"], rows["gate_proj"]
     cols = {"o_proj": rows["q_proj"], "down_proj": rows["gate_proj"]}
     out = {}
     for name, w in weights.items():
         parts = name.split(".")
         proj = parts[-2] if len(parts) >= 2 else ""
-        if proj in rows:                                   # column-parallel: output rows (and bias)
+        if proj in rows:  # column-parallel: output rows (and bias)
             out[name] = w[rows[proj]]
-        elif proj in cols and parts[-1] == "weight":       # row-parallel: input columns; bias after the sum
+        elif proj in cols and parts[-1] == "weight":  # row-parallel: input columns; bias after the sum
             out[name] = w[:, cols[proj]]
         else:
             out[name] = w
@@ -110,24 +112,34 @@ class _ShardedLlama(_Llama):
     """:class:`.torch_loop._Llama` on one rank: its share of the layers (when ``reduce`` sums
     the row-parallel products over the ranks) and its block of the output projection."""
 
-    def __init__(self, config: LlamaConfig, weights, device, dtype, *, rank: int, world: int, tp: bool,
-                 reduce: Callable[[torch.Tensor], None]):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights,
+        device,
+        dtype,
+        *,
+        rank: int,
+        world: int,
+        tp: bool,
+        reduce: Callable[[torch.Tensor], None],
+    ):
         local, local_weights = _shard(config, weights, rank, world, tp)
         self.start, self.end = vocab_blocks(config.vocab_size, world)[rank]
-        if not config.tie_word_embeddings:                     # only this rank's rows reach the device
-            local_weights["lm_head.weight"] = local_weights["lm_head.weight"][self.start:self.end]
+        if not config.tie_word_embeddings:  # only this rank's rows reach the device
+            local_weights["lm_head.weight"] = local_weights["lm_head.weight"][self.start : self.end]
         super().__init__(local, local_weights, device, dtype)
         if config.tie_word_embeddings:
-            self.head = self.embed[self.start:self.end]       # a view of the replicated embedding
+            self.head = self.embed[self.start : self.end]  # a view of the replicated embedding
         self.tp, self.reduce = tp, reduce
 
-    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """This rank's share of the output or down projection, summed over the ranks (one
         ``all_reduce``) with the bias added after; the whole product where layers replicate."""
         if not self.tp:
             return F.linear(x, w, b)
         y = F.linear(x, w)
-        self.reduce(y)                                         # in place, the sum over the ranks
+        self.reduce(y)  # in place, the sum over the ranks
         return y if b is None else y + b
 
 
@@ -155,16 +167,25 @@ class _Merge:
             best = torch.where((parts[r][:, value] > best[:, value])[:, None], parts[r], best)
         return best
 
-    def argmax(self, x: torch.Tensor, perturbed: Optional[torch.Tensor]):
+    def argmax(self, x: torch.Tensor, perturbed: torch.Tensor | None):
         """``(global argmax, global max)`` of the rows of ``x`` (the float32 block), and the
         argmax of ``perturbed`` (``None``: the same as the argmax), all ``[rows]``."""
-        idx = x.argmax(dim=-1, keepdim=True)                                  # ties: the lowest id
-        pert, pidx = x, idx                                                   # greedy: unused copies
+        idx = x.argmax(dim=-1, keepdim=True)  # ties: the lowest id
+        pert, pidx = x, idx  # greedy: unused copies
         if perturbed is not None:
             pert, pidx = perturbed, perturbed.argmax(dim=-1, keepdim=True)
         # float64 holds a float32 value and an id below 2**53 exactly: one gather for all four.
-        parts = self._gather(torch.cat([x.gather(1, idx).double(), (idx + self.start).double(),
-                                        pert.gather(1, pidx).double(), (pidx + self.start).double()], dim=1))
+        parts = self._gather(
+            torch.cat(
+                [
+                    x.gather(1, idx).double(),
+                    (idx + self.start).double(),
+                    pert.gather(1, pidx).double(),
+                    (pidx + self.start).double(),
+                ],
+                dim=1,
+            )
+        )
         best = self._first_max(parts, 0)
         drawn = best[:, 1] if perturbed is None else self._first_max(parts, 2)[:, 3]
         return best[:, 1].long(), best[:, 0].float(), drawn.long()
@@ -178,7 +199,7 @@ class _Merge:
         sums = torch.exp(x - m[:, None]).sum(dim=1)
         parts = self._gather(torch.stack([torch.where(here, picked, 0.0).double(), sums.double()], dim=1))
         owner = torch.zeros_like(token)
-        for r in range(1, self.world):                  # the rank whose block holds the token
+        for r in range(1, self.world):  # the rank whose block holds the token
             owner = torch.where(token >= self.start_of[r], r, owner)
         chosen = parts[:, :, 0].gather(0, owner[None])[0].float()
         total = parts[0, :, 1].float()
@@ -198,11 +219,21 @@ def _all_gather(out: torch.Tensor, part: torch.Tensor, group) -> None:
     fn(out, part, group=group)
 
 
-def run_decode_tp(config: LlamaConfig, weights: Mapping[str, np.ndarray], requests: Sequence[TraceRequest], *,
-                  device: str = "cpu", max_batch: int = 8, on_step: Optional[Callable[[int], None]] = None,
-                  dtype: str = "float32", temperature: float = 0.0, seed: int = 0,
-                  cuda_graph: Optional[bool] = None, tp_layers: Optional[bool] = None,
-                  group=None) -> List[RequestResult]:
+def run_decode_tp(
+    config: LlamaConfig,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    *,
+    device: str = "cpu",
+    max_batch: int = 8,
+    on_step: Callable[[int], None] | None = None,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+    cuda_graph: bool | None = None,
+    tp_layers: bool | None = None,
+    group=None,
+) -> list[RequestResult]:
     """Decode ``requests`` on this rank of a ``torch.distributed`` job, tensor-parallel.
 
     Call it on every rank of ``group`` (default: the default group; it must be initialised)
@@ -221,14 +252,17 @@ def run_decode_tp(config: LlamaConfig, weights: Mapping[str, np.ndarray], reques
     ``ValueError``, and the other ranks then wait in their first collective: pass the same
     arguments everywhere).
     """
-    prompts, traces = check_run(config, weights, requests, max_batch, on_step, config_type=LlamaConfig,
-                                check_weights=check_weights)
+    prompts, traces = check_run(
+        config, weights, requests, max_batch, on_step, config_type=LlamaConfig, check_weights=check_weights
+    )
     temperature = check_sampling(dtype, temperature, seed)
     if cuda_graph not in (None, True, False):
         raise TypeError(f"cuda_graph must be None, True or False (got {cuda_graph!r})")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("run_decode_tp needs an initialised torch.distributed process group "
-                           "(torch.distributed.init_process_group, or a torchrun launch)")
+        raise RuntimeError(
+            "run_decode_tp needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group, or a torchrun launch)"
+        )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world > config.vocab_size:
         raise ValueError(f"world_size {world} exceeds config.vocab_size={config.vocab_size}")
@@ -236,8 +270,10 @@ def run_decode_tp(config: LlamaConfig, weights: Mapping[str, np.ndarray], reques
         raise TypeError(f"tp_layers must be None, True or False (got {tp_layers!r})")
     even = splits_layers(config, world)
     if tp_layers and not even:
-        raise ValueError(f"tp_layers=True needs num_key_value_heads ({config.num_key_value_heads}) and "
-                         f"intermediate_size ({config.intermediate_size}) to be multiples of world_size {world}")
+        raise ValueError(
+            f"tp_layers=True needs num_key_value_heads ({config.num_key_value_heads}) and "
+            f"intermediate_size ({config.intermediate_size}) to be multiples of world_size {world}"
+        )
     dev = _torch_device(device)
     if cuda_graph and dev.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a CUDA device (got device={device!r})")
@@ -245,15 +281,44 @@ def run_decode_tp(config: LlamaConfig, weights: Mapping[str, np.ndarray], reques
     outputs = None
     if schedule.n_steps:
         use_graph = dev.type == "cuda" if cuda_graph is None else cuda_graph
-        with torch.no_grad(), (torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()):
-            outputs = _decode_all(config, weights, prompts, traces, schedule, dev, on_step, getattr(torch, dtype),
-                                  temperature, seed, use_graph, rank, world, even if tp_layers is None else tp_layers,
-                                  group)
+        with torch.no_grad(), torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            outputs = _decode_all(
+                config,
+                weights,
+                prompts,
+                traces,
+                schedule,
+                dev,
+                on_step,
+                getattr(torch, dtype),
+                temperature,
+                seed,
+                use_graph,
+                rank,
+                world,
+                even if tp_layers is None else tp_layers,
+                group,
+            )
     return collect_results(requests, schedule, outputs)
 
 
-def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed, use_graph,
-                rank, world, tp, group) -> Dict[str, np.ndarray]:
+def _decode_all(
+    config,
+    weights,
+    prompts,
+    traces,
+    schedule,
+    dev,
+    on_step,
+    dtype,
+    temperature,
+    seed,
+    use_graph,
+    rank,
+    world,
+    tp,
+    group,
+) -> dict[str, np.ndarray]:
     """Every step of ``schedule`` on this rank; the per-step outputs ``[n_steps, max_batch]`` on the host."""
     c = config
 
@@ -261,11 +326,12 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
         dist.all_reduce(t, group=group)
 
     model = _ShardedLlama(c, weights, dev, dtype, rank=rank, world=world, tp=tp, reduce=reduce)
-    lc = model.config                                                  # this rank's heads
+    lc = model.config  # this rank's heads
     rows = schedule.max_batch
     kv_len = schedule.kv_positions([len(p) for p in prompts])
-    cache = torch.zeros(lc.num_hidden_layers, 2, rows, lc.num_key_value_heads, kv_len, lc.head_dim, dtype=dtype,
-                        device=dev)
+    cache = torch.zeros(
+        lc.num_hidden_layers, 2, rows, lc.num_key_value_heads, kv_len, lc.head_dim, dtype=dtype, device=dev
+    )
     merge = _Merge(rows, c.vocab_size, rank, world, group, dev)
     # The whole vocabulary's noise, as the one-process loop draws it; this rank reads its block.
     buf = _Buffers(schedule, c.vocab_size, dev, temperature, seed)
@@ -273,14 +339,14 @@ def _decode_all(config, weights, prompts, traces, schedule, dev, on_step, dtype,
     def step(state: TraceReplayState) -> None:
         """One decode step of every row on fixed buffers, collectives included."""
         active, positions = buf.positions()
-        x = model.decode(cache, buf.last, positions).float()           # this rank's block of the logits
+        x = model.decode(cache, buf.last, positions).float()  # this rank's block of the logits
         perturbed = None
         if buf.uniform is not None:
-            u = buf.uniform[:, model.start:model.end]
+            u = buf.uniform[:, model.start : model.end]
             perturbed = x / temperature - torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
         argmax, m, drawn = merge.argmax(x, perturbed)
         buf.sampled.copy_(drawn)
-        state.replay(buf.sampled, buf.idx_mapping)                     # local, the same on every rank
+        state.replay(buf.sampled, buf.idx_mapping)  # local, the same on every rank
         logprobs, ranks = merge.logprob_rank(x, m, buf.sampled)
         buf.record(active, argmax, logprobs, ranks)
 
