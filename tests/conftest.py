@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers.staging_doubles import fake_cuda, make_table  # noqa: F401 (fixtures shared by the staging tests)
 
 
 def _cuda_available() -> tuple:

@@ -30,7 +30,7 @@ from trace_replay_core import token_logprob_rank_reference  # noqa: E402
 from trace_replay_jax.sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded  # noqa: E402
 
 try:
-    from scenarios import make_scenario, reference_tokens
+    from helpers.scenarios import make_scenario, reference_tokens
 except ImportError:  # tests/ collected as a package
     from tests.scenarios import make_scenario, reference_tokens
 

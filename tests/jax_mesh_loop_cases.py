@@ -31,7 +31,7 @@ from trace_replay_app.models.llama.config import LlamaConfig, default_config, se
 from trace_replay_app.models.llama.jax_mesh import run_decode_mesh  # noqa: E402
 
 try:
-    from llama_cases import check_same, hf_reference, make_requests
+    from helpers.llama_cases import check_same, hf_reference, make_requests
 except ImportError:  # tests/ collected as a package
     from tests.llama_cases import check_same, hf_reference, make_requests
 

@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-from cli_helpers import load
-from cli_helpers import main as run_cli
+from helpers.cli_helpers import load
+from helpers.cli_helpers import main as run_cli
 
 from trace_replay_app import cli, demo
 from trace_replay_app.models import get_family

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from test_gpt2_loops import CONFIG, LOOPS  # noqa: E402
+from helpers.gpt2_cases import CONFIG, LOOPS  # noqa: E402
 
 from trace_replay_app.models.gpt2 import seeded_weights  # noqa: E402
 from trace_replay_app.records import TraceRequest  # noqa: E402

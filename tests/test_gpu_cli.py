@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-from cli_helpers import load
-from cli_helpers import main as run_cli
+from helpers.cli_helpers import load
+from helpers.cli_helpers import main as run_cli
 
 from trace_replay_app.checkpoint import save_checkpoint
 from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights

@@ -13,8 +13,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from jax_helpers import jax_gpu  # noqa: E402
-from test_gpt2_loops import (  # noqa: E402
+from helpers.gpt2_cases import (  # noqa: E402
     CONFIG,
     LOOPS,
     check_against_reference,
@@ -27,6 +26,7 @@ from test_gpt2_loops import (  # noqa: E402
     small_jax_chunks,  # noqa: E402, F401 - the autouse fixture, applied here too
     weights_for,
 )
+from helpers.jax_helpers import jax_gpu  # noqa: E402
 
 import trace_replay_app.models.gpt2.jax_loop as jax_gpt2  # noqa: E402
 import trace_replay_app.models.gpt2.torch_loop as torch_gpt2  # noqa: E402

@@ -20,8 +20,8 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_helpers import jax_gpu  # noqa: E402
-from test_jax_adapter import POISON, REPO, VOCAB, _one_row_step  # noqa: E402
+from helpers.jax_adapter_cases import POISON, REPO, VOCAB, _one_row_step  # noqa: E402
+from helpers.jax_helpers import jax_gpu  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
@@ -264,8 +264,8 @@ def test_gpu_kernel_argmax_vocab_151936_greedy_rows_batch_invariant():
     """token_logprob_rank(argmax=True) at vocab 151,936 bf16, batches 1 and 257, greedy (-1) and
     explicit rows mixed: the argmax is jnp.argmax's (rows without NaN), a greedy row has the bits
     of a call passing its argmax id, and a row has the same bits alone as in the batch of 257."""
-    from test_jax_argmax import assert_greedy
-    from test_logprob_rank import make_case
+    from helpers.argmax_cases import assert_greedy
+    from helpers.logprob_cases import make_case
 
     gpu = jax_gpu()
     x, ids = make_case(np.random.default_rng(257), 257, 151936, "bfloat16")  # ties, -inf; no NaN

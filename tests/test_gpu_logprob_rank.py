@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import (  # noqa: E402
+from helpers.logprob_cases import (  # noqa: E402
     BATCHES,
     POISON_LOGPROB,
     POISON_RANK,

@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, round_to  # noqa: E402
-from test_logprob_topk import assert_topk, processed, special_rows, tied_case  # noqa: E402
+from helpers.logprob_cases import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, round_to  # noqa: E402
+from helpers.topk_cases import assert_topk, processed, special_rows, tied_case  # noqa: E402
 
 from trace_replay_core import token_logprob_rank  # noqa: E402
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
@@ -93,7 +93,7 @@ def test_gpu_batch_invariant_bitwise(dtype):
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 def test_gpu_jax_kernel_batch_invariant_and_equal_to_torch(dtype):
     jax = pytest.importorskip("jax")
-    from jax_helpers import jax_gpu
+    from helpers.jax_helpers import jax_gpu
 
     from trace_replay_jax import token_logprob_rank as jax_logprob_rank
     from trace_replay_torch import token_logprob_rank as torch_logprob_rank

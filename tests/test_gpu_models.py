@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import check_against_hf, check_same, hf_model, load, make_checkpoint, make_requests  # noqa: E402
+from helpers.llama_cases import check_against_hf, check_same, hf_model, load, make_checkpoint, make_requests  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 
@@ -23,7 +23,7 @@ def _loop(framework):
     if framework == "torch":
         return torch_loop.run_decode
     pytest.importorskip("jax")
-    from jax_helpers import jax_gpu
+    from helpers.jax_helpers import jax_gpu
 
     jax_gpu()  # skips with the reason when JAX sees no GPU
     from trace_replay_app.models.llama import jax_loop
@@ -59,7 +59,7 @@ def test_gpu_bfloat16_close_to_transformers(checkpoints, case, framework, rng):
     model = hf_model(folder, device="cuda", dtype=torch.bfloat16)
     requests = [r for r in make_requests(rng, config.vocab_size, n=10) if r.trace is not None]
     results = _loop(framework)(config, weights, requests, device="cuda", max_batch=3, dtype="bfloat16")
-    from llama_cases import teacher_forced
+    from helpers.llama_cases import teacher_forced
 
     diffs = []
     for r, res in zip(requests, results):

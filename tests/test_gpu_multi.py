@@ -27,8 +27,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import check_same, hf_model, hf_reference, load, make_checkpoint, make_requests  # noqa: E402
-from multi_device_workers import NO_MULTICAST, run_ranks  # noqa: E402
+from helpers.llama_cases import check_same, hf_model, hf_reference, load, make_checkpoint, make_requests  # noqa: E402
+from helpers.multi_device_workers import NO_MULTICAST, run_ranks  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 from trace_replay_app.models.llama.config import LlamaConfig, seeded_weights  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, round_to  # noqa: E402
+from helpers.logprob_cases import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, round_to  # noqa: E402
 
 from trace_replay_core import greedy_argmax_reference  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
-from torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+from helpers.torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
 
 from trace_replay_torch import TraceReplayState  # noqa: E402
 

@@ -8,81 +8,29 @@ wrong) and fresh random data every run.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
-from jax_helpers import x64  # noqa: E402
+from helpers.jax_adapter_cases import (  # noqa: E402
+    CPU,
+    POISON,
+    REPO,
+    VOCAB,
+    _FakeTable,
+    _inputs,
+    _one_row_step,
+    _random_state,
+    _reference,
+    jax,
+    jnp,
+)
+from helpers.jax_helpers import x64  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
-from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
-
-POISON = 2**30 + 7  # never a trace token (traces are below vocab_size)
-VOCAB = 50_000
-CPU = jax.devices("cpu")[0]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _random_state(rng, device, max_slots=16, max_len=32):
-    """A state with random committed traces on most slots; returns (state, traces)."""
-    state = TraceReplayState(max_slots, max_len, device=device, vocab_size=VOCAB)
-    traces = {}
-    for slot in range(max_slots):
-        if rng.random() < 0.75:
-            traces[slot] = rng.integers(0, VOCAB, int(rng.integers(1, max_len + 1)))
-            state.add_request(slot, traces[slot])
-    state.apply_staged_writes()
-    return state, traces
-
-
-def _reference(traces, max_slots, max_len, sampled, idx, total=None, prompt=None, step=None):
-    table = np.zeros((max_slots, max_len), np.int32)
-    lens = np.zeros(max_slots, np.int32)
-    for slot, tr in traces.items():
-        table[slot, : len(tr)] = tr
-        lens[slot] = len(tr)
-    return replay_reference(
-        np.asarray(sampled),
-        np.asarray(idx),
-        table,
-        lens,
-        None if total is None else np.asarray(total),
-        None if prompt is None else np.asarray(prompt),
-        None if step is None else np.asarray(step),
-    )
-
-
-def _inputs(rng, batch, max_slots, max_len, device, sampled_dtype=np.int32, index_dtype=np.int32, traces=None):
-    """Random replay inputs: rows of valid, padding (-1) and out-of-range slots, per-slot steps
-    before, inside and past the traces. With ``traces``, row 0 is planted on a traced slot at
-    step 0, so at least one row is replaced whatever the draw."""
-    idx = rng.integers(0, max_slots, batch)
-    special = rng.random(batch)
-    idx[special < 0.15] = -1
-    idx[(special >= 0.15) & (special < 0.2)] = max_slots + 2
-    prompt = rng.integers(0, 100, max_slots + 2)
-    total = prompt + rng.integers(-3, max_len + 3, max_slots + 2)
-    if traces and batch:
-        slot = min(traces)
-        idx[0], total[slot] = slot, prompt[slot]
-    sampled = np.full(batch, POISON)
-    step = rng.integers(-3, max_len + 3, batch)
-    put = lambda x, dt: jax.device_put(np.asarray(x, dt), device)  # noqa: E731
-    return (
-        put(sampled, sampled_dtype),
-        put(idx, index_dtype),
-        put(total, index_dtype),
-        put(prompt, index_dtype),
-        put(step, index_dtype),
-    )
 
 
 # -- semantics ------------------------------------------------------------------------------------
@@ -197,14 +145,6 @@ def test_inside_fori_loop_and_while_loop(rng):
     np.testing.assert_array_equal(
         np.asarray(last), _reference(traces, state.max_slots, state.max_trace_len, s, i, np.asarray(tl) + 2, pl)
     )
-
-
-# -- state operations and ordering ----------------------------------------------------------------
-def _one_row_step(state, slot, step, device=CPU):
-    put = lambda x: jax.device_put(np.asarray(x, np.int32), device)  # noqa: E731
-    total = np.zeros(state.max_slots, np.int32)
-    total[slot] = step
-    return put([POISON]), put([slot]), put(total), put(np.zeros(state.max_slots))
 
 
 def test_staged_writes_seen_by_the_next_jitted_call_only_after_apply(rng):
@@ -368,16 +308,6 @@ def test_external_view_refuses_memory_jax_would_copy():
     off = (-raw.ctypes.data) % 64 + 4  # 4-byte aligned, not 64
     with pytest.raises((RuntimeError, ValueError)):
         external_view(raw.ctypes.data + off, (8,), np.int32, CPU)
-
-
-class _FakeTable:
-    def __init__(self, fail=False):
-        self.streams, self.fail = [], fail
-
-    def commit(self, *, stream):
-        self.streams.append(stream)
-        if self.fail:
-            raise RuntimeError("scatter launch failed")
 
 
 def test_xla_commit_runs_inside_a_jitted_op_and_reports_errors_later():

@@ -11,7 +11,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from test_jax_adapter import POISON, VOCAB  # noqa: E402
+from helpers.jax_adapter_cases import POISON, VOCAB  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402

@@ -17,9 +17,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from jax_helpers import x64  # noqa: E402
-from test_logprob_argmax import assert_greedy, greedy_case  # noqa: E402
-from test_logprob_topk import assert_topk, processed, tied_case  # noqa: E402
+from helpers.argmax_cases import assert_greedy, greedy_case  # noqa: E402
+from helpers.jax_helpers import x64  # noqa: E402
+from helpers.topk_cases import assert_topk, processed, tied_case  # noqa: E402
 
 from trace_replay_jax import LogprobRank, LogprobRankArgmax, LogprobRankTopKArgmax, token_logprob_rank  # noqa: E402
 

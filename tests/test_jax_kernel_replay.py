@@ -21,7 +21,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_helpers import jax_gpu, x64  # noqa: E402
+from helpers.jax_helpers import jax_gpu, x64  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_core import replay_reference  # noqa: E402

@@ -13,8 +13,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-from jax_helpers import jax_gpu, x64  # noqa: E402
-from test_logprob_rank import assert_matches_reference, assert_planted, assert_special, make_case, special_case  # noqa: E402
+from helpers.jax_helpers import jax_gpu, x64  # noqa: E402
+from helpers.logprob_cases import assert_matches_reference, assert_planted, assert_special, make_case, special_case  # noqa: E402
 
 from trace_replay_jax import token_logprob_rank  # noqa: E402
 

@@ -28,7 +28,7 @@ from trace_replay_app.models.llama.config import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from llama_cases import _SIZES, CASES, make_checkpoint  # noqa: E402
+from helpers.llama_cases import _SIZES, CASES, make_checkpoint  # noqa: E402
 
 
 def _hf(case):

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import CASES, check_against_hf, check_same, hf_model, load, make_checkpoint, make_requests  # noqa: E402
+from helpers.llama_cases import CASES, check_against_hf, check_same, hf_model, load, make_checkpoint, make_requests  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 

@@ -9,8 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from logprob_interpreter import run_cases_by_name  # noqa: E402
-from test_logprob_rank import (  # noqa: E402
+from helpers.logprob_cases import (  # noqa: E402
     TORCH_DTYPES,
     assert_matches_reference,
     assert_planted,
@@ -20,6 +19,7 @@ from test_logprob_rank import (  # noqa: E402
     round_to,
     special_case,
 )
+from helpers.logprob_interpreter import run_cases_by_name  # noqa: E402
 
 from trace_replay_core.kernels.logprob_rank import (  # noqa: E402
     LOGPROB_ALIGN_LOGITS,

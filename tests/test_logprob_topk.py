@@ -17,114 +17,29 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
-from logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
-from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, make_case, round_to  # noqa: E402
+from helpers.logprob_cases import (  # noqa: E402
+    POISON_LOGPROB,
+    POISON_RANK,
+    assert_matches_reference,
+)
+from helpers.topk_cases import (  # noqa: F401 (module fixtures)  # noqa: E402
+    _X,
+    BAD,
+    CPU_TOPK,
+    _interpreter_topk_cases,
+    assert_same_bits,
+    assert_topk,
+    interpreted_invariance,
+    interpreted_topk,
+    invariance_batches,
+    processed,
+    run_cpu,
+    special_rows,
+    tied_case,
+    torch,
+)
 
 from trace_replay_core import token_logprob_rank  # noqa: E402
-
-# -- references and data --------------------------------------------------------------------------
-
-
-def processed(x: np.ndarray, temp) -> np.ndarray:
-    """float32 logits / float32 T, in float32 (what the kernels compute before reducing)."""
-    x = x.astype(np.float32)
-    if temp is None:
-        return x
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        return x / np.asarray(temp, np.float32)[:, None]
-
-
-def topk_reference(y: np.ndarray, top_k: int):
-    """(logprobs float64, ids int64) ``[batch, top_k]`` of float32 ``y``: largest first, ties by
-    the lower id, NaN never selected (-1 and NaN in the places left)."""
-    batch, vocab = y.shape
-    ids = np.full((batch, top_k), -1, np.int64)
-    lps = np.full((batch, top_k), np.nan)
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        y64 = y.astype(np.float64)
-        m = y64.max(axis=1, keepdims=True)  # the contract: NaN, +inf or only -inf -> NaN
-        lse = (m + np.log(np.exp(y64 - m).sum(axis=1, keepdims=True)))[:, 0]
-    for r in range(batch):
-        ok = np.flatnonzero(~np.isnan(y[r]))
-        order = ok[np.lexsort((ok, -y64[r, ok]))][:top_k]
-        ids[r, : order.size] = order
-        with np.errstate(invalid="ignore"):
-            lps[r, : order.size] = y64[r, order] - lse[r]
-    return lps, ids
-
-
-def assert_topk(y: np.ndarray, top_k: int, lp, ids, what: str) -> None:
-    ref_lp, ref_ids = topk_reference(y, top_k)
-    ids = np.asarray(ids).astype(np.int64)
-    bad = np.argwhere(ids != ref_ids)
-    assert bad.size == 0, (
-        f"{what}: {len(bad)} top-k id mismatches, first at {bad[:5].tolist()}: got "
-        f"{ids[tuple(bad[0])]}, want {ref_ids[tuple(bad[0])]}"
-    )
-    lp = np.asarray(lp, np.float64)
-    assert np.array_equal(np.isnan(lp), np.isnan(ref_lp)), f"{what}: NaN places differ"
-    fin = np.isfinite(ref_lp)
-    assert np.array_equal(np.isinf(lp), np.isinf(ref_lp)) and np.all(lp[np.isinf(ref_lp)] == ref_lp[np.isinf(ref_lp)])
-    tol = 2e-5 + 3e-7 * (
-        np.abs(np.where(fin, ref_lp, 0))
-        + 2 * np.abs(np.where(fin, y[np.arange(y.shape[0])[:, None], np.maximum(ref_ids, 0)], 0))
-    )
-    err = np.where(fin, np.abs(np.where(fin, lp, 0) - np.where(fin, ref_lp, 0)), 0)
-    bad = np.argwhere(err > tol)
-    assert bad.size == 0, f"{what}: top-k logprob error above bound at {bad[:5].tolist()}: {err[tuple(bad[0])]}"
-
-
-def tied_case(rng, batch: int, vocab: int, dtype: str, top_k: int):
-    """make_case's rows plus top-k ties: in odd rows the values around the k-th place repeat
-    (several ids share them, spread over the row), some -0.0/+0.0 pairs, and a temperature."""
-    x, ids = make_case(rng, batch, vocab, dtype)
-    for r in range(1, batch, 2):
-        if vocab < 8:
-            break
-        order = np.argsort(-x[r], kind="stable")
-        k = min(top_k, vocab - 1)
-        v = x[r, order[max(0, k - 1)]]
-        spots = rng.choice(vocab, size=min(vocab, 4), replace=False)
-        x[r, spots] = v
-        x[r, rng.choice(vocab, size=2, replace=False)] = [0.0, -0.0]
-    temp = rng.uniform(0.5, 2.0, size=batch).astype(np.float32)
-    return round_to(x, dtype), ids, temp
-
-
-# -- the numpy backend ---------------------------------------------------------------------------
-
-
-def run_cpu(x, ids, dtype, *, temp=None, top_k=0, rank_dtype=np.int64):
-    logits = torch.from_numpy(x).to(TORCH_DTYPES[dtype])
-    batch = x.shape[0]
-    lp = np.full(batch, POISON_LOGPROB, np.float32)
-    rk = np.full(batch, POISON_RANK, rank_dtype)
-    tlp = np.full((batch, top_k), POISON_LOGPROB, np.float32) if top_k else None
-    tid = np.full((batch, top_k), POISON_RANK, rank_dtype) if top_k else None
-    token_logprob_rank(
-        logits,
-        ids,
-        out_logprobs=lp,
-        out_ranks=rk,
-        stream=0,
-        top_k=top_k,
-        temperature=None if temp is None else np.asarray(temp, np.float32),
-        out_topk_logprobs=tlp,
-        out_topk_ids=tid,
-    )
-    return dict(lp=lp, rk=rk, tlp=tlp, tid=tid)
-
-
-CPU_TOPK = [
-    (b, v, d, k)
-    for d in TORCH_DTYPES
-    for b, v in ((1, 1), (5, 7), (9, 1000), (4, 32000))
-    for k in (1, 5, 20, 64)
-    if k <= v
-]
 
 
 @pytest.mark.parametrize("batch,vocab,dtype,top_k", CPU_TOPK, ids=[f"b{b}-v{v}-{d}-k{k}" for b, v, d, k in CPU_TOPK])
@@ -139,34 +54,6 @@ def test_cpu_topk_and_temperature_match_reference(batch, vocab, dtype, top_k, wi
     assert_topk(y, top_k, out["tlp"], out["tid"], f"cpu top-{top_k}")
 
 
-# -- special rows ----------------------------------------------------------------------------------
-
-
-def special_rows(vocab: int, block: int, rng):
-    """Rows of issue 16: 0 mostly -inf (3 finite), 1 whole blocks of -inf, 2 one finite entry,
-    3 a NaN, 4 all NaN, 5 all -inf, 6 all equal, 7 -0.0 and +0.0 at the top, 8 a plain row with
-    the big values packed into a few lines of one block (the top-k filter lets too many through:
-    that program's logits are merged piece by piece), 9 +inf."""
-    x = (rng.standard_normal((10, vocab)) * 3).astype(np.float32)
-    x[x == 0] = 0.5
-    ids = rng.integers(0, vocab, size=10).astype(np.int64)
-    x[0, :] = -np.inf
-    x[0, rng.choice(vocab, 3, replace=False)] = [1.0, 2.0, 1.0]
-    x[1, : min(vocab, 2 * block)] = -np.inf
-    x[2, :] = -np.inf
-    x[2, vocab // 2] = 0.25
-    x[3, vocab // 3] = np.nan
-    x[4, :] = np.nan
-    x[5, :] = -np.inf
-    x[6, :] = 1.5
-    x[7, :] = -5.0
-    x[7, [vocab // 2, 1]] = [-0.0, 0.0]
-    x[8, :] = -50.0 - np.arange(vocab) * 1e-3
-    x[8, :28] = 100.0 + np.arange(28)
-    x[9, vocab - 1] = np.inf
-    return x, ids
-
-
 @pytest.mark.parametrize("top_k", [1, 5, 20, 64])
 def test_cpu_special_rows(top_k):
     vocab = 1000
@@ -177,48 +64,6 @@ def test_cpu_special_rows(top_k):
     assert out["tid"][0, :3].tolist() == sorted(out["tid"][0, :3].tolist(), key=lambda i: (-x[0, i], i))
     assert out["tid"][7, :2].tolist() == [1, vocab // 2][:top_k]  # -0.0 ties +0.0: the lower id first
     assert np.all(out["tid"][4] == -1) and np.all(np.isnan(out["tlp"][4]))
-
-
-# -- batch invariance: the same rows in other batches ------------------------------------------------
-
-BATCHES = (1, 3, 8, 17)
-N_WATCHED = 6
-
-
-def invariance_batches(n_rows: int, rng):
-    """For each batch size, batches of row indices: the first ``N_WATCHED`` rows are watched,
-    each appears in some batch of every size at a changing position; the other rows fill up."""
-    plans = {}
-    for b in BATCHES:
-        watched = rng.permutation(N_WATCHED)
-        batches = []
-        for s in range(0, N_WATCHED, b):
-            rows = list(watched[s : s + b]) + list(
-                rng.choice(np.arange(N_WATCHED, n_rows), b - len(watched[s : s + b]))
-            )
-            batches.append(rng.permutation(np.array(rows, dtype=np.int64)))
-        plans[b] = batches
-    return plans
-
-
-def assert_same_bits(results, plans, what):
-    """``results[b][i]`` the outputs of batch ``i`` of size ``b``: every watched row's bits agree."""
-    first = {}
-    for b, batches in plans.items():
-        for i, rows in enumerate(batches):
-            out = results[b][i]
-            for pos, row in enumerate(rows):
-                if row >= N_WATCHED:
-                    continue
-                got = tuple(
-                    np.asarray(out[k][pos]).tobytes() for k in ("lp", "rk", "tlp", "tid") if out.get(k) is not None
-                )
-                want = first.setdefault(int(row), (got, b, pos))
-                assert got == want[0], (
-                    f"{what}: row {row} differs between batch {want[1]} (position {want[2]}) "
-                    f"and batch {b} (position {pos})"
-                )
-    assert len(first) == N_WATCHED
 
 
 def test_numpy_backend_is_batch_invariant():
@@ -232,43 +77,6 @@ def test_numpy_backend_is_batch_invariant():
     assert_same_bits(results, plans, "numpy backend")
 
 
-def _interpreter_invariance_cases():
-    rng = np.random.default_rng(21)
-    cases, index = [], []
-    # The interpreter is slow: few chunks per row there.
-    for dtype, vocab, block, top_k, with_temp in (
-        ("bfloat16", 1000, 512, 5, True),
-        ("float32", 300, None, 0, False),
-        ("float16", 999, 128, 0, True),
-    ):
-        x, ids, temp = tied_case(rng, 23, vocab, dtype, max(top_k, 1))
-        temp = temp if with_temp else None
-        plans = invariance_batches(23, rng)
-        for b, batches in plans.items():
-            for i, rows in enumerate(batches):
-                name = f"{dtype}-v{vocab}-b{b}-{i}"
-                cases.append(
-                    dict(
-                        name=name,
-                        x=x[rows],
-                        ids=ids[rows],
-                        temp=None if temp is None else temp[rows],
-                        dtype=dtype,
-                        block=block,
-                        top_k=top_k,
-                    )
-                )
-        index.append((dtype, vocab, plans, x, ids, temp, top_k))
-    return cases, index
-
-
-@pytest.fixture(scope="module")
-def interpreted_invariance(tmp_path_factory):
-    pytest.importorskip("triton")
-    cases, index = _interpreter_invariance_cases()
-    return run_cases(cases, str(tmp_path_factory.mktemp("inv"))), index
-
-
 def test_kernels_in_interpreter_are_batch_invariant_and_exact(interpreted_invariance):
     out, index = interpreted_invariance
     for dtype, vocab, plans, x, ids, temp, top_k in index:
@@ -280,68 +88,6 @@ def test_kernels_in_interpreter_are_batch_invariant_and_exact(interpreted_invari
         assert_matches_reference(y, ids[rows], whole["lp"], whole["rk"], f"interpreter {dtype} v{vocab}")
         if top_k:
             assert_topk(y, top_k, whole["tlp"], whole["tid"], f"interpreter {dtype} v{vocab} top-{top_k}")
-
-
-def _interpreter_topk_cases():
-    rng = np.random.default_rng(5)
-    cases = []
-    for top_k, vocab, block in ((1, 1000, 256), (5, 1000, 256), (20, 1000, 256), (64, 300, None)):
-        x, ids = special_rows(vocab, block or 512, rng)
-        cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", block=block, top_k=top_k))
-        x, ids, temp = tied_case(rng, 3, 3000, "bfloat16", top_k)
-        cases.append(
-            dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k, pad=3, shift=1)
-        )
-        if top_k == 20:  # the same rows with 4 chunks per program (block 256: 12 chunks of 1 block)
-            for group in (1, 4):
-                cases.append(
-                    dict(
-                        name=f"tied-bf16-k20-b256-g{group}",
-                        x=x,
-                        ids=ids,
-                        dtype="bfloat16",
-                        top_k=20,
-                        block=256,
-                        group=group,
-                    )
-                )
-            # ... and with each program's keys sorted even where they need no selection
-            cases.append(
-                dict(
-                    name="tied-bf16-k20-b256-g4-sorted",
-                    x=x,
-                    ids=ids,
-                    dtype="bfloat16",
-                    top_k=20,
-                    block=256,
-                    group=4,
-                    constants={"LOGPROB_TOPK_SORTED": True},
-                )
-            )
-    # The real block (vocab 9000: 5 chunks of one block, the last of 808 logits), aligned bfloat16
-    # rows without a temperature (the fused path); row 8 runs the piecewise merge.
-    x, ids = special_rows(9000, 2048, rng)
-    cases.append(dict(name="special-v9000-k20", x=round_to(x, "bfloat16"), ids=ids, dtype="bfloat16", top_k=20))
-    cases.append(
-        dict(
-            name="vocab1-k1",
-            x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
-            ids=np.array([0, 0, 1]),
-            dtype="float32",
-            top_k=1,
-        )
-    )
-    x, ids = make_case(rng, 3, 1000, "float32")
-    cases.append(dict(name="top0-same-bits", x=x, ids=ids, dtype="float32", top_k=0))
-    cases.append(dict(name="top20-same-bits", x=x, ids=ids, dtype="float32", top_k=20))
-    cases.append(dict(name="t1-same-bits", x=x, ids=ids, temp=np.ones(3, np.float32), dtype="float32", top_k=0))
-    return cases
-
-
-@pytest.fixture(scope="module")
-def interpreted_topk(tmp_path_factory):
-    pytest.importorskip("triton")
-    return run_cases_by_name(_interpreter_topk_cases(), str(tmp_path_factory.mktemp("topk")))
 
 
 @pytest.mark.parametrize(
@@ -383,65 +129,6 @@ def test_kernels_in_interpreter_topk_program_key_order_changes_no_bit(interprete
         assert unsorted[k].tobytes() == ordered[k].tobytes(), k
 
 
-# -- errors ------------------------------------------------------------------------------------------
-
-
-def _bad_calls():
-    x = np.ones((3, 10), np.float32) * 0.5
-    tlp, tid = np.empty((3, 4), np.float32), np.empty((3, 4), np.int64)
-    return {
-        "top-k-above-64": (dict(top_k=65), ValueError, r"^top_k must be between 0 and 10 .*\(got 65\)"),
-        "top-k-above-vocab": (
-            dict(top_k=11),
-            ValueError,
-            r"^top_k must be between 0 and 10 \(at most 64 and at most "
-            r"the vocabulary, 10\) \(got 11\)",
-        ),
-        "top-k-negative": (dict(top_k=-1), ValueError, r"^top_k must be between 0 and 10"),
-        "top-k-bool": (dict(top_k=True), TypeError, r"^top_k must be an int \(got bool True\)"),
-        "top-k-no-outputs": (dict(top_k=4), ValueError, r"^out_topk_logprobs must be given when top_k > 0"),
-        "top-k-shape": (
-            dict(top_k=3, out_topk_logprobs=tlp, out_topk_ids=tid),
-            ValueError,
-            r"^out_topk_logprobs must have shape \[3, 3\] \(\[batch, top_k\]\) \(got shape \[3, 4\]\)",
-        ),
-        "top-k-ids-dtype": (
-            dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=np.empty((3, 4), np.float32)),
-            TypeError,
-            r"^out_topk_ids must have dtype int32 or int64 \(got float32\)",
-        ),
-        "top-k-outputs-without-top-k": (
-            dict(out_topk_logprobs=tlp),
-            ValueError,
-            r"^out_topk_logprobs is given but top_k is 0",
-        ),
-        "top-k-aliases-logprobs": (
-            dict(top_k=4, out_topk_logprobs=tlp, out_topk_ids=tlp.view(np.int32)),
-            ValueError,
-            r"^out_topk_logprobs and out_topk_ids overlap in memory",
-        ),
-        "temperature-zero": (
-            dict(temperature=np.array([1.0, 0.0, 1.0], np.float32)),
-            ValueError,
-            r"^temperature must be finite and > 0 in every row \(got 0\.0 in row 1",
-        ),
-        "temperature-nan": (
-            dict(temperature=np.array([1.0, 1.0, np.nan], np.float32)),
-            ValueError,
-            r"^temperature must be finite and > 0 in every row \(got nan in row 2",
-        ),
-        "temperature-length": (
-            dict(temperature=np.ones(2, np.float32)),
-            ValueError,
-            r"^temperature must have 3 rows \(got shape \[2\]\)",
-        ),
-        "temperature-f64": (dict(temperature=np.ones(3)), TypeError, r"^temperature must have dtype float32"),
-    }, x
-
-
-BAD, _X = _bad_calls()
-
-
 @pytest.mark.parametrize("case", list(BAD))
 def test_errors_name_the_argument_and_change_nothing(case):
     override, exc, pattern = BAD[case]
@@ -453,9 +140,6 @@ def test_errors_name_the_argument_and_change_nothing(case):
         token_logprob_rank(_X, np.zeros(3, np.int64), **kwargs)
     for a, b in zip(outs, before):
         assert a.tobytes() == b.tobytes()
-
-
-# -- adapters on the CPU -------------------------------------------------------------------------
 
 
 def test_torch_adapter_cpu_named_results_and_out():

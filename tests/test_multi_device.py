@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from llama_cases import (  # noqa: E402
+from helpers.llama_cases import (  # noqa: E402
     CASES,
     check_against_hf,
     check_same,
@@ -36,7 +36,7 @@ from llama_cases import (  # noqa: E402
     make_checkpoint,
     make_requests,
 )
-from multi_device_workers import run_ranks  # noqa: E402
+from helpers.multi_device_workers import run_ranks  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 from trace_replay_app.models.llama.config import LlamaConfig, seeded_weights  # noqa: E402

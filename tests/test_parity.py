@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 try:
-    from scenarios import Scenario, Step, make_scenario, reference_tokens
+    from helpers.scenarios import Scenario, Step, make_scenario, reference_tokens
 except ImportError:  # tests/ collected as a package
     from tests.scenarios import Scenario, Step, make_scenario, reference_tokens
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-from jax_helpers import jax_gpu, x64  # noqa: E402
+from helpers.jax_helpers import jax_gpu, x64  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 

@@ -125,7 +125,7 @@ class InterpretedKernelsMachine(CpuBackendMachine):
 
     @initialize()
     def setup(self):
-        from kernel_double import InterpretedTable
+        from helpers.kernel_double import InterpretedTable
 
         self.model = Model()
         self.table = InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)

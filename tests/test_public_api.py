@@ -3,7 +3,7 @@ their parameters (names, kinds, defaults). A change here is a change users see: 
 on purpose (``python tests/api_surface.py PACKAGE`` prints the current surface)."""
 
 import pytest
-from api_surface import surface
+from helpers.api_surface import surface
 
 PINNED = {
     "trace_replay_app": {

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
-from test_gpt2_loops import (  # noqa: E402
+from helpers.gpt2_cases import (  # noqa: E402
     CONFIG,
     LOGPROB_ATOL,
     LOOPS,

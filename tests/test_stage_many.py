@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from staging_doubles import assert_unchanged, everything, expect_rows, fake_cuda, make_table  # noqa: F401
+from helpers.staging_doubles import assert_unchanged, everything, expect_rows
 
 from trace_replay_core import TraceTable
 

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import pytest
 from helpers import run_threads
-from staging_doubles import assert_unchanged, committed, everything, expect_rows, fake_cuda, make_table  # noqa: F401 (fixtures)
+from helpers.staging_doubles import assert_unchanged, committed, everything, expect_rows
 
 from trace_replay_core import TraceTable
 from trace_replay_core._staging import copy_trace

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from helpers import assert_tokens_equal  # noqa: E402
-from test_logprob_argmax import assert_greedy, greedy_case  # noqa: E402
-from test_logprob_rank import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference  # noqa: E402
-from torch_samplers import DecodeLoop, eager_sampler  # noqa: E402
+from helpers.argmax_cases import assert_greedy, greedy_case  # noqa: E402
+from helpers.logprob_cases import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference  # noqa: E402
+from helpers.torch_samplers import DecodeLoop, eager_sampler  # noqa: E402
 
 from trace_replay_core import greedy_argmax_reference  # noqa: E402
 from trace_replay_torch import (  # noqa: E402
