@@ -7,7 +7,19 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TraceRequest", "RequestResult"]
+__all__ = ["TraceRequest", "RequestResult", "DeviceMemoryError"]
+
+
+class DeviceMemoryError(RuntimeError):
+    """A decode run would need more memory on ``device`` than it has free (``needed`` and ``free``
+    in bytes); raised before anything is allocated there."""
+
+    def __init__(self, device: str, needed: int, free: int):
+        super().__init__(
+            f"the decode run needs {needed / 2**20:,.1f} MiB on {device}, which has {free / 2**20:,.1f} MiB free: "
+            "lower --max-batch or run fewer or shorter requests at once"
+        )
+        self.device, self.needed, self.free = device, needed, free
 
 
 @dataclasses.dataclass(frozen=True)
