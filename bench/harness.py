@@ -1,6 +1,8 @@
 """Shared benchmark harness: provenance, timing helpers, result files.
 
-- :func:`provenance` records the machine and versions a result came from.
+- :func:`provenance` records where a result came from: GPU, driver, library versions, date, the
+  command line, and the commit measured with a dirty flag (:func:`source_commit`).
+- :func:`parse_args` gives every bench the same ``--help`` from its docstring.
 - :func:`time_cuda` times device work with CUDA events (``triton.testing.do_bench``), after
   warm-up, and reports p20/p50/p80 in microseconds.
 - :func:`time_host` times host-side cost per call (wall clock over back-to-back calls, no
@@ -18,6 +20,7 @@ Benchmarks report figures; they never assert. Correctness lives in ``tests/``.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import importlib
 import itertools
@@ -33,6 +36,8 @@ import numpy as np
 
 __all__ = [
     "provenance",
+    "source_commit",
+    "parse_args",
     "time_cuda",
     "time_host",
     "percentiles",
@@ -54,8 +59,51 @@ def _version(module: str) -> str | None:
         return None
 
 
+COMMIT_ENV = "TRACE_REPLAY_COMMIT"
+RESULTS_PATHSPEC = "bench/results"  # what benches write: not a change to the code measured
+PROVENANCE_KEYS = ("gpu", "driver", "versions", "date", "command", "commit", "dirty")
+
+
+def _git(root: str, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def parse_commit(value: str) -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` from the form ``TRACE_REPLAY_COMMIT`` takes: a commit hash, with
+    ``-dirty`` appended when the tree had changes the commit lacks (as ``git describe
+    --dirty`` writes it). An empty value says nothing: ``(None, None)``."""
+    value = value.strip()
+    if not value:
+        return None, None
+    if value.endswith("-dirty"):
+        return value[: -len("-dirty")], True
+    return value, False
+
+
+def source_commit(root: str | None = None) -> tuple[str | None, bool | None]:
+    """The commit this tree was checked out at, and whether it had changes: ``(commit, dirty)``.
+
+    From ``git rev-parse HEAD`` and ``git status --porcelain`` (results files left out: the
+    benches of one run write them) when ``root`` (default: this repository) is a git checkout;
+    else from the environment variable ``TRACE_REPLAY_COMMIT`` (see :func:`parse_commit`),
+    which a runner sets when it ships a copy of the tree without ``.git``; else
+    ``(None, None)``."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(root, ".git")):
+        head = _git(root, "rev-parse", "HEAD")
+        status = _git(root, "status", "--porcelain", "--", ".", f":(exclude){RESULTS_PATHSPEC}")
+        if head:
+            return head.strip(), (bool(status.strip()) if status is not None else None)
+    return parse_commit(os.environ.get(COMMIT_ENV, ""))
+
+
 def provenance() -> dict[str, object]:
-    """GPU name, driver, library versions, date (UTC) and the command line of this run."""
+    """GPU name, driver, library versions, date (UTC), the command line of this run, and the
+    commit measured with its dirty flag (:func:`source_commit`)."""
     gpu = driver = None
     try:
         out = (
@@ -70,18 +118,30 @@ def provenance() -> dict[str, object]:
         )
         if out:
             gpu, driver = [x.strip() for x in out[0].split(",")]
-    except Exception:  # noqa: BLE001 - no nvidia-smi: CPU machine
+    except (OSError, subprocess.SubprocessError):  # no nvidia-smi: CPU machine
         pass
     versions = {m: _version(m) for m in ("numpy", "torch", "triton", "jax", "jaxlib", "cuda.core", "cuda.bindings")}
     versions["python"] = platform.python_version()
+    commit, dirty = source_commit()
     return {
         "gpu": gpu,
         "driver": driver,
         "versions": versions,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "commit": commit,
+        "dirty": dirty,
         "host": platform.node(),
     }
+
+
+def parse_args(doc: str | None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse this bench's command line: ``--help`` prints ``doc`` (the script's docstring).
+    Pass ``parser`` to add options of the script's own first."""
+    parser = parser or argparse.ArgumentParser()
+    parser.description = doc
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    return parser.parse_args()
 
 
 def percentiles(samples_us) -> dict[str, float]:
@@ -166,10 +226,10 @@ def time_host(
 
 def write_results(name: str, rows: list[dict]) -> str:
     """Write ``results/<name>.json``: a list of ``rows``, each carrying its provenance (GPU,
-    driver, versions, date, command). Return the path."""
+    driver, versions, date, command, commit and dirty flag: :func:`provenance`). Return the path."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     prov = provenance()
-    keep = {k: prov[k] for k in ("gpu", "driver", "versions", "date", "command")}
+    keep = {k: prov[k] for k in PROVENANCE_KEYS}
     path = os.path.join(RESULTS_DIR, f"{name}.json")
     with open(path, "w") as f:
         json.dump([dict(r, **keep) for r in rows], f, indent=1)
@@ -287,6 +347,5 @@ def copy_bandwidth(nbytes: int = 256 << 20, *, reps: int = 10, device: int = 0) 
         times.append((time.perf_counter() - t0) * 1e6)
     stats = percentiles(times)
     out["host_memcpy"] = dict(stats, bytes=nbytes, **bandwidth(nbytes, stats))
-    a = b = pinned = pinned_np = None  # the buffers go back before returning
     torch.cuda.synchronize(dev)
     return out

@@ -40,13 +40,14 @@ Run: ``python bench/launch.py`` on a GPU; writes ``bench/results/launch.json``.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import provenance, table, time_host, write_results  # noqa: E402
+from harness import parse_args, provenance, table, time_host, write_results  # noqa: E402
 
 MAX_SLOTS = 1024
 MAX_TRACE_LEN = 8192
@@ -76,6 +77,7 @@ def _samplers():
 
 
 def main() -> None:
+    parse_args(__doc__)
     import torch
     import triton
 
@@ -122,13 +124,14 @@ def main() -> None:
         outs = {}
         for placement, st in states.items():
             sampled = base.clone()
-            record("trace_replay_torch", batch, placement, time_host(lambda: st.replay(sampled, idx), sync=sync))
+            replay = functools.partial(st.replay, sampled, idx)
+            record("trace_replay_torch", batch, placement, time_host(replay, sync=sync))
             outs[placement] = sampled
         st = states["device"]
         stream = torch.cuda.current_stream().cuda_stream
         sampled = base.clone()
         bound = st.table.bind_replay(sampled, idx, total_len, prompt_len, stream=stream)
-        record("core_bound", batch, "device", time_host(lambda: bound(stream=stream), sync=sync))
+        record("core_bound", batch, "device", time_host(functools.partial(bound, stream=stream), sync=sync))
         sampled = base.clone()
         kernel = replay_compiled(0, "int64", "int32", ("int32", "int32"), None)
         table_view, lengths_view = st.table.device_views()
@@ -146,7 +149,8 @@ def main() -> None:
             MAX_TRACE_LEN,
             driver=False,
         )
-        record("core_bound_triton_launcher", batch, "device", time_host(lambda: via_triton(stream), sync=sync))
+        stats = time_host(functools.partial(via_triton, stream), sync=sync)
+        record("core_bound_triton_launcher", batch, "device", stats)
         outs["triton_launcher"] = sampled
         sampled = base.clone()
         record(
@@ -154,7 +158,7 @@ def main() -> None:
             batch,
             "device",
             time_host(
-                lambda: st.table.replay(sampled, idx, total_len, prompt_len, stream=stream),
+                functools.partial(st.table.replay, sampled, idx, total_len, prompt_len, stream=stream),
                 sync=sync,
                 calls=300,
                 rounds=7,
@@ -165,30 +169,28 @@ def main() -> None:
         grid = (triton.cdiv(batch, REPLAY_BLOCK),)
         for name, kernel in (("triton_jit_launcher", plain_kernel), ("triton_jit_launcher_hinted", replay_kernel)):
             sampled = base.clone()
-
-            def jit_launch():
-                kernel[grid](
-                    sampled,
-                    idx,
-                    total_len,
-                    prompt_len,
-                    total_len,
-                    table_t,
-                    len_t,
-                    batch,
-                    MAX_SLOTS,
-                    MAX_TRACE_LEN,
-                    PER_ROW_STEP=False,
-                    BLOCK=REPLAY_BLOCK,
-                    num_warps=4,
-                )
-
+            jit_launch = functools.partial(
+                kernel[grid],
+                sampled,
+                idx,
+                total_len,
+                prompt_len,
+                total_len,
+                table_t,
+                len_t,
+                batch,
+                MAX_SLOTS,
+                MAX_TRACE_LEN,
+                PER_ROW_STEP=False,
+                BLOCK=REPLAY_BLOCK,
+                num_warps=4,
+            )
             record(name, batch, "device", time_host(jit_launch, sync=sync))
             outs[name] = sampled
 
         sampled = base.clone()
 
-        def native():
+        def native(sampled=sampled, idx=idx):
             slot = idx.long()
             valid = slot >= 0
             s = slot.clamp(min=0)
@@ -221,7 +223,7 @@ def main() -> None:
             "torch_ops_eager",
             batch,
             "device",
-            time_host(lambda: replay_through_op(sampled, idx, total_len, prompt_len, op_id), sync=sync),
+            time_host(functools.partial(replay_through_op, sampled, idx, total_len, prompt_len, op_id), sync=sync),
         )
         outs["torch_ops"] = sampled
         sync()
@@ -232,13 +234,14 @@ def main() -> None:
         logits = torch.randn(batch, VOCAB, device=dev).to(torch.bfloat16)
         eager, through_ops = _samplers()
         results = {"sampler_eager": eager(st, logits, idx)}
-        record("sampler_eager", batch, "device", time_host(lambda: eager(st, logits, idx), sync=sync))
+        record("sampler_eager", batch, "device", time_host(functools.partial(eager, st, logits, idx), sync=sync))
         compiled = torch.compile(through_ops, fullgraph=True, dynamic=False)
         results["sampler_compiled"] = compiled(st, logits, idx)
-        record("sampler_compiled", batch, "device", time_host(lambda: compiled(st, logits, idx), sync=sync))
+        sampler_compiled = functools.partial(compiled, st, logits, idx)
+        record("sampler_compiled", batch, "device", time_host(sampler_compiled, sync=sync))
         graphed = torch.compile(through_ops, fullgraph=True, dynamic=False, mode="reduce-overhead")
 
-        def graphed_step():
+        def graphed_step(graphed=graphed, st=st, logits=logits, idx=idx):
             torch.compiler.cudagraph_mark_step_begin()
             return graphed(st, logits, idx)
 

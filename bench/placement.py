@@ -46,7 +46,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import provenance, rotating, table, time_cuda, time_host, write_results  # noqa: E402
+from harness import parse_args, provenance, rotating, table, time_cuda, time_host, write_results  # noqa: E402
 
 TRACE_LENS = (1024, 8192, 32768, 131072)
 BATCHES = (1, 4, 16, 64, 256, 1024, 4096)
@@ -67,6 +67,7 @@ def max_slots_for(length: int) -> int:
 
 
 def main() -> None:
+    parse_args(__doc__)
     import torch
 
     from trace_replay_torch import TraceReplayState

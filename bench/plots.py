@@ -1,30 +1,30 @@
-"""Plots and summary tables from the JSON results in ``bench/results/``.
+"""Plots from the JSON results in ``bench/results/`` (the tables come from ``summary.py``).
 
-Reads whatever of ``scaling.json``, ``placement.json``, ``staging.json``, ``launch.json`` (and,
-when present, ``jax_step.json``) exists and writes, next to them:
+Reads whatever of ``scaling.json``, ``placement.json``, ``staging.json`` (and, when present,
+``jax_step.json``) exists and writes, next to them:
 
 - ``cost_vs_batch.png``: cost per replay step vs batch size, log-log. Left: each path (torch
   eager host time, CUDA graph replay host time, kernel device time, JAX rows when present) for
   each placement, 8K-token traces (``scaling.json``). Right: kernel device time for each trace
   length and placement (``placement.json``). Lines are p50, bands p20-p80.
-- ``staging_bandwidth.png``: GB/s of ``stage`` and ``stage_many`` (with the native copy and with
-  numpy's), of the commit on the device
+- ``staging_bandwidth.png``: GB/s of ``stage`` and ``stage_many``, of the commit on the device
   and end to end, per (traces x tokens) and placement, next to the copy ceilings measured in the
   same run and, as black marks, the bare host copy of the same bytes (``staging.json``).
-- ``summary.md``: the Markdown tables that ``bench/README.md`` quotes.
 
 Missing inputs are skipped with a message. Uses matplotlib's Agg backend (no display).
-Run: ``python bench/plots.py [results_dir]`` (default: ``bench/results``).
+Run: ``python bench/plots.py [--results DIR]`` (default: ``bench/results``).
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import RESULTS_DIR, table  # noqa: E402
+from harness import RESULTS_DIR, parse_args  # noqa: E402
+from summary import load as load_rows  # noqa: E402
+from summary import machine, staging_rows  # noqa: E402
 
 STYLE = {"device": "-", "host_mapped": "--"}
 PATH_LABELS = {
@@ -34,11 +34,10 @@ PATH_LABELS = {
     "jax_jit": "JAX inside jit (added per fori_loop step)",
     "jax_jit_baseline": "JAX fori_loop step without replay",
 }
-# (metric, api, label); rows written before the api axis existed count as api "stage"
+# (metric, api, label)
 STAGING_METRICS = (
     ("stage_host", "stage", "stage, one call per trace (host)"),
     ("stage_host", "stage_many", "stage_many, one call (host)"),
-    ("stage_host", "stage_many_numpy", "stage_many, numpy's copy (host)"),
     ("commit_device", "stage", "commit (device)"),
     ("end_to_end", "stage", "stage + commit + sync"),
     ("end_to_end", "stage_many", "stage_many + commit + sync"),
@@ -46,21 +45,10 @@ STAGING_METRICS = (
 
 
 def load(results: str, name: str):
-    path = os.path.join(results, f"{name}.json")
-    if not os.path.exists(path):
+    rows = load_rows(results, name)
+    if rows is None:
         print(f"{name}.json: not found, skipped")
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def machine(rows) -> str:
-    r = rows[0]
-    v = r.get("versions") or {}
-    return (
-        f"{r.get('gpu')}, driver {r.get('driver')}, torch {v.get('torch')}, triton {v.get('triton')}, "
-        f"{str(r.get('date', ''))[:10]}"
-    )
+    return rows
 
 
 def band(ax, xs, rs, **kw):
@@ -117,15 +105,15 @@ def cost_vs_batch(results, scaling, placement, jax_step) -> None:
                 and isinstance(r.get("batch"), int)
             }
         )
-        colors = {}
+        colors: dict[str, str] = {}
         for p in providers:
             for placement_name in ("device", "host_mapped", None):
                 xs, rs = series(rows, provider=p, placement=placement_name)
                 if not rs:
                     continue
                 kw = dict(
-                    linestyle=STYLE.get(placement_name, ":"),
-                    label=f"{PATH_LABELS.get(p, p)}, {placement_name or 'n/a'}",
+                    linestyle=STYLE.get(placement_name or "", ":"),
+                    label=f"{PATH_LABELS.get(str(p), p)}, {placement_name or 'n/a'}",
                 )
                 if p in colors:
                     kw["color"] = colors[p]
@@ -190,7 +178,7 @@ def save(fig, results, name: str) -> None:
 def staging_bandwidth(results, staging) -> None:
     import matplotlib.pyplot as plt
 
-    rows = [r for r in staging if r.get("kind") == "staging"]
+    rows = staging_rows(staging)
     placements = [p for p in ("device", "host_mapped") if any(r["placement"] == p for r in rows)]
     fig, axes = plt.subplots(1, len(placements), figsize=(7 * len(placements), 6.4), squeeze=False)
     for ax, placement_name in zip(axes[0], placements):
@@ -198,11 +186,7 @@ def staging_bandwidth(results, staging) -> None:
         configs = sorted({(r["n_traces"], r["trace_tokens"]) for r in sub})
         width = 0.8 / len(STAGING_METRICS)
         for m, (metric, api, label) in enumerate(STAGING_METRICS):
-            pts = {
-                (r["n_traces"], r["trace_tokens"]): r
-                for r in sub
-                if r["metric"] == metric and r.get("api", "stage") == api
-            }
+            pts = {(r["n_traces"], r["trace_tokens"]): r for r in sub if r["metric"] == metric and r["api"] == api}
             xs = [i + (m - (len(STAGING_METRICS) - 1) / 2) * width for i in range(len(configs))]
             ys = [pts[c]["gbps_p50"] if c in pts else 0.0 for c in configs]
             lo = [max(0.0, y - pts[c]["gbps_p20"]) if c in pts else 0.0 for c, y in zip(configs, ys)]
@@ -251,212 +235,20 @@ def staging_bandwidth(results, staging) -> None:
     save(fig, results, "staging_bandwidth.png")
 
 
-def summary(results, launch, staging, placement, scaling, logprob=None) -> None:
-    parts = ["# Benchmark summary (generated by bench/plots.py from the JSON results)", ""]
-    for name, rows in (
-        ("launch", launch),
-        ("staging", staging),
-        ("placement", placement),
-        ("scaling", scaling),
-        ("logprob_rank", logprob),
-    ):
-        if rows:
-            parts += [f"Machine for {name}.json: {machine(rows)}", ""]
-    if launch:
-        providers = list(dict.fromkeys(r["provider"] for r in launch))
-        batches = sorted({r["batch"] for r in launch})
-        t = []
-        for p in providers:
-            for placement_name in ("device", "host_mapped"):
-                cells = {r["batch"]: r for r in launch if r["provider"] == p and r["placement"] == placement_name}
-                if cells:
-                    row = dict(provider=p, placement=placement_name)
-                    for b in batches:
-                        c = cells.get(b)
-                        row[f"B={b}"] = f"{c['us_p50']:.2f} ({c['us_p20']:.2f}-{c['us_p80']:.2f})" if c else ""
-                    t.append(row)
-        parts += [
-            "## launch.py: host us per step, p50 (p20-p80)",
-            "",
-            table(t, ["provider", "placement"] + [f"B={b}" for b in batches]),
-            "",
-        ]
-    if staging:
-        parts += [
-            "## staging.py: ceilings",
-            "",
-            table(
-                [r for r in staging if r.get("kind") == "ceiling"],
-                ["ceiling", "bytes", "gbps_p50", "gbps_p20", "gbps_p80"],
-            ),
-            "",
-            "## staging.py: the copy alone (no id check, no bookkeeping), against host_memcpy",
-            "",
-            table(
-                [
-                    dict(r, fraction_of_ceiling=f"{r['fraction_of_ceiling']:.0%}")
-                    for r in staging
-                    if r.get("kind") == "bare_copy"
-                ],
-                ["n_traces", "trace_tokens", "us_p50", "us_p20", "us_p80", "gbps_p50", "fraction_of_ceiling"],
-            ),
-            "",
-            "## staging.py: GB/s = traces x tokens x 4 B / time",
-            "",
-            table(
-                [
-                    dict(
-                        r,
-                        fraction_of_ceiling=(
-                            f"{r['fraction_of_ceiling']:.0%}" if r.get("fraction_of_ceiling") is not None else ""
-                        ),
-                    )
-                    for r in staging
-                    if r.get("kind") == "staging"
-                ],
-                [
-                    "placement",
-                    "api",
-                    "copy",
-                    "n_traces",
-                    "trace_tokens",
-                    "metric",
-                    "us_p50",
-                    "gbps_p50",
-                    "ceiling",
-                    "fraction_of_ceiling",
-                ],
-            ),
-            "",
-        ]
-    if placement:
-        timing = {
-            (r["trace_tokens"], r["batch"], r["placement"], r["provider"]): r["us_p50"]
-            for r in placement
-            if r.get("kind") == "timing" and r.get("provider") != "event_floor"
-        }
-        keys = sorted({(k[0], k[1]) for k in timing})
-        t = [
-            dict(
-                trace_tokens=L,
-                batch=b,
-                device_kernel_us=timing.get((L, b, "device", "kernel_device")),
-                host_mapped_kernel_us=timing.get((L, b, "host_mapped", "kernel_device")),
-                device_adapter_host_us=timing.get((L, b, "device", "torch_adapter_host")),
-                host_mapped_adapter_host_us=timing.get((L, b, "host_mapped", "torch_adapter_host")),
-            )
-            for L, b in keys
-        ]
-        floor = [r for r in placement if r.get("provider") == "event_floor"]
-        parts += [
-            "## placement.py: us per replay step, p50",
-            "",
-            (f"Event floor (empty do_bench): {floor[0]['us_p50']:.2f} us" if floor else ""),
-            "",
-            table(
-                t,
-                [
-                    "trace_tokens",
-                    "batch",
-                    "device_kernel_us",
-                    "host_mapped_kernel_us",
-                    "device_adapter_host_us",
-                    "host_mapped_adapter_host_us",
-                ],
-            ),
-            "",
-            "## placement.py: memory",
-            "",
-            table(
-                [r for r in placement if r.get("kind") == "memory"],
-                [
-                    "trace_tokens",
-                    "max_slots",
-                    "placement",
-                    "table_bytes",
-                    "table_memory",
-                    "gpu_bytes_formula",
-                    "gpu_bytes_measured",
-                    "pinned_host_bytes_formula",
-                ],
-            ),
-            "",
-        ]
-    if scaling:
-        timing = {
-            (r["provider"], r["placement"], r["batch"]): r["us_p50"] for r in scaling if r.get("kind") == "timing"
-        }
-        providers = [p for p in PATH_LABELS if any(k[0] == p for k in timing)]
-        keys = sorted({(k[1], k[2]) for k in timing if k[1] is not None})
-        t = [dict(placement=pl, batch=b, **{p: timing.get((p, pl, b)) for p in providers}) for pl, b in keys]
-        floor = [r for r in scaling if r.get("provider") == "event_floor"]
-        parts += [
-            "## scaling.py: us per step, p50",
-            "",
-            (f"Event floor (empty do_bench): {floor[0]['us_p50']:.2f} us" if floor else ""),
-            "",
-            table(t, ["placement", "batch"] + providers),
-            "",
-            "## scaling.py: where the kernel dominates",
-            "",
-            table(
-                [r for r in scaling if r.get("kind") == "crossover"],
-                ["placement", "path", "kernel_dominates_from_batch"],
-            ),
-            "",
-            "## scaling.py: memory-traffic floor at the largest batch",
-            "",
-            table(
-                [r for r in scaling if r.get("kind") == "floor"],
-                ["placement", "batch", "model", "bytes_per_row", "floor_ns", "kernel_us_p50", "kernel_over_floor"],
-            ),
-            "",
-        ]
-    if logprob:
-        copy = next((r for r in logprob if r.get("provider") == "d2d_copy"), None)
-        parts += [
-            "## logprob_rank.py: us per call and GB/s of logits read, p50",
-            "",
-            (f"Device-to-device copy: {copy['gbps']:.0f} GB/s (read + write)" if copy else ""),
-            "",
-            table(
-                [r for r in logprob if r.get("provider") not in ("d2d_copy", "target")],
-                ["provider", "timing", "dtype", "batch", "vocab", "row_stride", "us_p50", "us_p20", "us_p80", "gbps"],
-            ),
-            "",
-            table(
-                [r for r in logprob if r.get("provider") == "target"],
-                ["dtype", "batch", "timing", "field", "value", "limit", "met"],
-            ),
-            "",
-        ]
-    floor = load(results, "read_floor")
-    if floor:
-        parts += [
-            "## read_floor.py: the simplest kernels that read the logits once, p50",
-            "",
-            table(floor, ["provider", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps_p50", "share_of_copy"]),
-            "",
-        ]
-    out = os.path.join(results, "summary.md")
-    with open(out, "w") as f:
-        f.write("\n".join(parts))
-    print(f"wrote {out}")
-
-
 def main() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    results = sys.argv[1] if len(sys.argv) > 1 else RESULTS_DIR
-    launch, staging = load(results, "launch"), load(results, "staging")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--results", default=RESULTS_DIR, help="folder of the results files (read and written)")
+    results = parse_args(__doc__, parser).results
+    staging = load(results, "staging")
     placement, scaling = load(results, "placement"), load(results, "scaling")
-    jax_step = load(results, "jax_step") if os.path.exists(os.path.join(results, "jax_step.json")) else None
+    jax_step = load(results, "jax_step")
     if scaling or placement:
         cost_vs_batch(results, scaling, placement, jax_step)
     if staging:
         staging_bandwidth(results, staging)
-    summary(results, launch, staging, placement, scaling, load(results, "logprob_rank"))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,17 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import copy_bandwidth, percentiles, provenance, rotating, table, time_cuda, time_host, write_results  # noqa: E402
+from harness import (
+    copy_bandwidth,
+    parse_args,
+    percentiles,
+    provenance,
+    rotating,
+    table,
+    time_cuda,
+    time_host,
+    write_results,
+)  # noqa: E402
 
 MAX_SLOTS = 4096
 MAX_TRACE_LEN = 8192
@@ -196,6 +206,7 @@ def jax_rows(batches, placements, traces, prompt, rng):
 
 
 def main() -> None:
+    parse_args(__doc__)
     import torch
 
     from trace_replay_torch import TraceReplayState

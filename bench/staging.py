@@ -18,13 +18,11 @@ are not counted)::
     bytes = n_traces x trace_tokens x 4        (int32 tokens)
     GB/s  = bytes / time / 1e9
 
-Three ways to stage, the ``api`` field of each row: ``stage`` (one ``stage(slot, trace)`` call
-per trace), ``stage_many`` (one ``stage_many(slots, block)`` call with the ``[n, tokens]``
-block: one copy and one id check for all of it; blocks of ``host_copy.MIN_BYTES`` and more go
-through the native copy when it is built, see the ``copy`` field) and ``stage_many_numpy`` (the
-same call with that copy switched off for the call: numpy's copy and check, what staging does
-without a C compiler). The three alternate iteration by iteration (each on its own fresh traces
-and slots), so that drift in the machine hits all alike.
+Two ways to stage, the ``api`` field of each row: ``stage`` (one ``stage(slot, trace)`` call
+per trace) and ``stage_many`` (one ``stage_many(slots, block)`` call with the ``[n, tokens]``
+block: one copy and one id check for all of it). Both copy with numpy. They alternate
+iteration by iteration (each on its own fresh traces and slots), so that drift in the machine
+hits both alike.
 
 Metrics, each per (placement, api, n_traces, trace_tokens):
 
@@ -64,11 +62,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import bandwidth, copy_bandwidth, percentiles, provenance, table, write_results  # noqa: E402
+from harness import bandwidth, copy_bandwidth, parse_args, percentiles, provenance, table, write_results  # noqa: E402
 
 MAX_SLOTS = 1024
 MAX_TRACE_LEN = 32768
@@ -80,7 +79,7 @@ ITERS = 20
 VOCAB = 150_000
 SLEEP_CYCLES = 4_000_000  # ~2 ms at ~2 GHz: longer than the host needs to queue a commit
 TARGET = (64, 8192, 0.70)  # n_traces, trace_tokens, fraction of the matching ceiling
-APIS = ("stage", "stage_many", "stage_many_numpy")
+APIS = ("stage", "stage_many")
 
 
 def serial(*gbps: float) -> float:
@@ -89,10 +88,10 @@ def serial(*gbps: float) -> float:
 
 
 def main() -> None:
+    parse_args(__doc__)
     import torch
 
     from trace_replay_core import TraceTable
-    from trace_replay_core import _host_copy as host_copy
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -160,21 +159,17 @@ def main() -> None:
         sync()
         window = 0
 
-        def stage_each(slots, traces):
+        def stage_each(slots, traces, tbl=tbl):
             for k in range(len(slots)):
                 tbl.stage(slots[k], traces[k])
 
-        def stage_many_numpy(slots, traces):
-            # The library's fallback path, side by side in the same run: the loaded native copy
-            # is hidden from _staging.copy_trace for this one call (host_copy's private switch
-            # for benchmarks and tests).
-            with host_copy._entry_points({}):
-                tbl.stage_many(slots, traces)
-
-        stagers = {"stage": stage_each, "stage_many": tbl.stage_many, "stage_many_numpy": stage_many_numpy}
+        stagers: dict[str, Callable[[list[int], np.ndarray], object]] = {
+            "stage": stage_each,
+            "stage_many": tbl.stage_many,
+        }
         for n, tokens in ((n, t) for n in N_TRACES for t in TRACE_TOKENS):
             nbytes = n * tokens * 4
-            samples = {
+            samples: dict[str, dict[str, list[float]]] = {
                 api: {"stage_host": [], "commit_host": [], "commit_device": [], "end_to_end": []} for api in APIS
             }
             for phase in ("split", "end_to_end"):
@@ -224,16 +219,10 @@ def main() -> None:
                 stats = percentiles(samples[api][metric])
                 bw = bandwidth(nbytes, stats)
                 ceil_name, ceil_gbps = matching[metric]
-                # Which copy staged these bytes: native only where it is loaded and one call's
-                # output reaches host_copy.MIN_BYTES.
-                per_call = nbytes if api == "stage_many" else nbytes // n if api == "stage" else 0
-                native = host_copy.status().startswith("native") and per_call >= host_copy.MIN_BYTES
-                copy = "native" if native else "numpy"
                 row = dict(
                     kind="staging",
                     placement=placement,
                     api=api,
-                    copy=copy,
                     metric=metric,
                     n_traces=n,
                     trace_tokens=tokens,
@@ -293,7 +282,6 @@ def main() -> None:
             [
                 "placement",
                 "api",
-                "copy",
                 "n_traces",
                 "trace_tokens",
                 "metric",
@@ -304,7 +292,6 @@ def main() -> None:
             ],
         )
     )
-    print(f"\nstaging's copy: {host_copy.status()}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,21 @@
 # Run the GPU test tier and the GPU benchmarks on a machine with a CUDA GPU, using the
 # packages already installed there (no install step). Logs and results go to $OUT (default
 # ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [tests-parallel] [sanitizer] [sanitizer-logprob]
-# [profile-logprob] [profile-logprob-source] [tune-groups] [demo] [cli] [bench-NAME] ...
+# [profile-logprob] [profile-logprob-source] [tune-groups] [demo] [cli] [bench-core] [bench-all]
+# [bench-NAME] ...
+# Results files record the commit measured: from git when this tree is a checkout, else from
+# TRACE_REPLAY_COMMIT=<hash>[-dirty] set by the caller (a copy of the tree without .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/adapters${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1 && [ -e .git ]; then
+  TRACE_REPLAY_COMMIT="$(git rev-parse HEAD)"
+  [ -n "$(git status --porcelain -- . ':(exclude)bench/results')" ] && TRACE_REPLAY_COMMIT+="-dirty"
+  export TRACE_REPLAY_COMMIT
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then  # carried pure-Python wheels (benchmarks only)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -42,6 +50,7 @@ parts=("$@")
 status=0
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
+  echo "commit ${TRACE_REPLAY_COMMIT:-unknown}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import sys, torch, triton, jax, numpy, cuda.bindings, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "jax", jax.__version__, "numpy", numpy.__version__, "cuda-bindings", cuda.bindings.__version__, "transformers", transformers.__version__)'
 } 2>&1 | tee "$OUT/env.txt"
@@ -129,9 +138,21 @@ print("wrote", out + "/traces.jsonl", "and a checkpoint in", out + "/ckpt")' "$O
         python3 -m trace_replay_app compare --traces "$OUT/cli/traces.jsonl" --device cuda --out-dir "$OUT/cli"
       } 2>&1 | tee "$OUT/cli.log" || status=1 ;;
     tune-groups)
-      # The logprob trials of bench/logprob_tuning.py --groups (GROUP_TRIALS: knobs of the shipped
-      # plan side by side, each checked for invariance and against the shipped bits).
-      python3 bench/logprob_tuning.py --groups 2>&1 | tee "$OUT/tune_groups.log" || status=1 ;;
+      # The logprob trials of bench/tuning/logprob_tuning.py --groups (knobs of the shipped plan
+      # side by side, each checked for invariance and against the shipped bits).
+      python3 bench/tuning/logprob_tuning.py --groups 2>&1 | tee "$OUT/tune_groups.log" || status=1 ;;
+    bench-core)
+      # The three benches whose figures the README quotes most, in this order, each under its own
+      # limit (seconds: LOGPROB_S, LAUNCH_S, JAX_STEP_S; the defaults add up to 570).
+      for job in "logprob_rank ${LOGPROB_S:-150}" "launch ${LAUNCH_S:-150}" "jax_step ${JAX_STEP_S:-270}"; do
+        set -- $job
+        start=$SECONDS
+        timeout -k 10 "$2" python3 "bench/$1.py" > "$OUT/bench_$1.log" 2>&1
+        rc=$?
+        echo "bench/$1.py: exit $rc after $((SECONDS - start)) s$([ $rc -eq 124 ] && echo " (timed out)")"
+        tail -n 3 "$OUT/bench_$1.log"
+        [ $rc -eq 0 ] || status=1
+      done ;;
     bench-all)
       BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-400}" BENCH_LOG_DIR="$OUT/logs" bash bench/run_all.sh 2>&1 | tee "$OUT/bench_all.log" || status=1 ;;
     bench-*)
