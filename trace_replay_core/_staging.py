@@ -2,8 +2,8 @@
 
 Three pieces, each used by both backends and by the tests' interpreted double:
 
-- :func:`copy_trace`: copies token ids into memory the library owns and checks them in the same
-  pass (native code for large outputs, :mod:`._host_copy`; numpy otherwise);
+- :func:`copy_trace`: copies token ids into memory the library owns with numpy and checks them
+  on the way (the copy read back from cache);
 - :class:`StagedEntries`: the layout of one staging buffer (tokens back to back, each trace on
   a 16-byte boundary, then one ``(slot, length, offset)`` int64 triple per entry) and the
   bookkeeping of what is staged; a rejected trace changes nothing;
@@ -21,7 +21,6 @@ from itertools import chain, repeat
 import numpy as np
 
 from . import _cuda
-from ._host_copy import copy_max
 from ._validate import TOKEN_LIMIT, token_error
 
 __all__ = [
@@ -56,18 +55,9 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
     padding between them); a uint32 view of the int32 storage that keeps the trace (an id below
     ``2**31`` has the same bits in both). ``arr`` is read once when its integers have 4 bytes or
     fewer. On a refusal ``out`` holds unspecified values: the caller publishes it only when this
-    returns. A value that does not fit int32 is refused, never wrapped. Native-order 32- and
-    64-bit ids of outputs of :data:`~._host_copy.MIN_BYTES` and more are copied by
-    :func:`~._host_copy.copy_max` (one pass over the source; prepared, i.e. built or loaded, at
-    the first such copy of the process); others, or every dtype without a C compiler, by
-    numpy, with the same results.
+    returns. A value that does not fit int32 is refused, never wrapped.
     """
     limit = TOKEN_LIMIT if vocab_size is None else vocab_size
-    top = copy_max(arr, out)  # one pass in native code for large outputs; else None
-    if top is not None:
-        if top < limit:
-            return
-        raise token_error(arr, vocab_size, name)
     if arr.dtype.itemsize <= 4:
         signed = arr.dtype.kind == "i"
         if arr.ndim == 2 and arr.dtype == _INT32:

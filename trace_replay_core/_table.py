@@ -51,9 +51,6 @@ class TraceTable:
     :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
     (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
-    The first staging copy of 1 MiB or more in a process loads staging's native copy
-    (:mod:`~._host_copy`), compiling it first when this machine has no cached build (a C
-    compiler run, well under a second); smaller copies never need it.
     """
 
     def __init__(
@@ -156,7 +153,7 @@ class TraceTable:
             slot = check_slot(slot, self.max_slots)
         arr = trace_array(tokens, max_trace_len=self.max_trace_len)
         # The backend copies the trace into its staging memory and checks the token ids in the
-        # same pass (validate.copy_trace); it records the entry only once they pass.
+        # same pass (_staging.copy_trace); it records the entry only once they pass.
         with self._lock:
             if self._closed:
                 self._live()
@@ -198,7 +195,7 @@ class TraceTable:
         if not slots:
             return
         # The backend copies every trace into its staging memory, checking the ids on the way
-        # (validate.copy_trace), and records the entries only once all of them pass.
+        # (_staging.copy_trace), and records the entries only once all of them pass.
         with self._lock:
             if self._closed:
                 self._live()
