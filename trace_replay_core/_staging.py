@@ -15,7 +15,7 @@ Three pieces, each used by both backends and by the tests' interpreted double:
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import chain, repeat
 
 import numpy as np
@@ -138,12 +138,13 @@ class StagedEntries:
         self.fill = (end + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
         self.longest = max(self.longest, n)  # an upper bound (a restaged slot may shrink): sizes the grid
 
-    def stage_many(self, slots: list[int], traces, vocab_size: int | None) -> None:
+    def stage_many(self, slots: list[int], traces: np.ndarray | list[np.ndarray], vocab_size: int | None) -> None:
         """Stage ``traces[i]`` for ``slots[i]``, in order, as one step: a 2-D block (one copy
         and one check for all of it; rows padded to 16 bytes) or a list of
         :func:`~._validate.trace_array` results. Entries are recorded only once every trace has
         passed; a refusal changes no entry and no fill mark."""
         start = self.fill
+        entries: Iterable[tuple[int, int, int]]
         if isinstance(traces, np.ndarray):
             rows, length = traces.shape
             stride = (length + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
@@ -158,12 +159,13 @@ class StagedEntries:
             lengths = [t.shape[0] for t in traces]
             end = start + sum((n + ALIGN_TOKENS - 1) & -ALIGN_TOKENS for n in lengths)
             self._reserve(end, len(traces))
-            entries = []
+            listed = []
             at = start
             for i, (slot, tokens, n) in enumerate(zip(slots, traces, lengths)):
                 copy_trace(tokens, self.tokens[at : at + n], vocab_size=vocab_size, name=f"traces[{i}]")
-                entries.append((slot, n, at))
+                listed.append((slot, n, at))
                 at = (at + n + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
+            entries = listed
             longest = max(lengths, default=0)
         self.entries.update(zip(slots, entries))  # a slot given twice keeps its last entry
         self.fill = end
@@ -182,7 +184,7 @@ class StagedEntries:
         # One pack_into for all entries: 64 entries cost ~7 us against ~60 us row by row in numpy.
         struct.pack_into(
             f"<{n * META_FIELDS}q",
-            memoryview(self.tokens).cast("B"),
+            self.tokens.data.cast("B"),
             meta_off,
             *chain.from_iterable(self.entries.values()),
         )
