@@ -108,7 +108,8 @@ CORE = {
     "sampled-speculative": (
         lambda t, a: t.replay(np.zeros((4, 3), np.int64), a["idx"], a["total"], a["prompt"], stream=0),
         ValueError,
-        r"^sampled has 3 tokens per row \(shape \[4, 3\]\): speculative decoding is not supported; replay takes exactly one token per request per step$",
+        r"^sampled has 3 tokens per row \(shape \[4, 3\]\): speculative decoding is not supported; "
+        r"replay takes exactly one token per request per step$",
     ),
     "sampled-3d": (
         lambda t, a: t.replay(np.zeros((4, 1, 1), np.int64), a["idx"], a["total"], a["prompt"], stream=0),

@@ -17,17 +17,13 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 from helpers.jax_helpers import jax_gpu  # noqa: E402
+from helpers.scenarios import make_scenario, reference_tokens  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_core import ArrayView  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
-
-try:
-    from helpers.scenarios import make_scenario, reference_tokens
-except ImportError:  # tests/ collected as a package
-    from tests.scenarios import make_scenario, reference_tokens
 
 pytestmark = pytest.mark.gpu
 

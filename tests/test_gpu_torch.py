@@ -3,6 +3,8 @@
 Skipped with a reason on machines without a GPU (see conftest.py).
 """
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -228,7 +230,7 @@ def _guard_scenario(rng, guard: bool):
     """
     max_slots, max_len, commits = 24, 4096, 24
     t = TraceTable(max_slots, max_len, device=DEV, staging_depth=2)
-    backend = t._backend
+    backend: Any = t._backend  # the GPU backend: its staging ring and guard
     if not guard:  # what the guard prevents: pretend every earlier copy already ran
         for pair in backend.ring.pairs:
             pair.event.done = lambda: True

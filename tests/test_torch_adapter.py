@@ -125,7 +125,8 @@ ADAPTER_REFUSALS = {
     "device-trace": (
         lambda st: st.add_request(0, torch.empty(3, dtype=torch.int64, device="meta")),
         ValueError,
-        r"^trace must be host data \(list, numpy array or CPU tensor\); got a tensor on meta: pass trace.cpu\(\) \(a host sync you choose to make\)$",
+        r"^trace must be host data \(list, numpy array or CPU tensor\); got a tensor on meta: "
+        r"pass trace.cpu\(\) \(a host sync you choose to make\)$",
     ),
     "no-bound-lengths": (
         lambda st: TraceReplayState(4, 4, device="cpu").replay(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from typing import Any
 
 __all__ = [
     "CudaError",
@@ -78,7 +79,7 @@ def compute_capability(device_id: int) -> tuple:
     return int(major), int(minor)
 
 
-_primary_contexts = {}
+_primary_contexts: dict[int, Any] = {}  # device id -> the retained CUcontext
 _context_lock = threading.Lock()
 
 

@@ -16,6 +16,8 @@ launch (:mod:`.kernels.scatter`) on ``stream``. Replays are launches of
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from . import _cuda
@@ -54,9 +56,12 @@ class DeviceTable:
         self.max_trace_len = max_trace_len
         self.placement = placement
         self._closed = False
-        self._table_dev = self._table_host = self._trace_len = None
-        self.ring: StagingRing | None = None
-        self._scatter = None  # the table's own scatter launcher, built on first commit
+        self._table_dev: _cuda.DeviceAllocation | None = None
+        self._table_host: _cuda.PinnedAllocation | None = None
+        self._trace_len: _cuda.DeviceAllocation | None = None
+        self.table_ptr = self.trace_len_ptr = 0  # device addresses, set by _allocate
+        self._ring: StagingRing | None = None
+        self._scatter: Callable[..., None] | None = None  # the table's own scatter launcher, built on first commit
         with _cuda.on_device(device_id):
             self._allocate(staging_depth, staging_bytes)
 
@@ -65,22 +70,29 @@ class DeviceTable:
         try:
             table_bytes = self.max_slots * self.max_trace_len * 4
             if self.placement == "device":
-                self._table_dev = _cuda.DeviceAllocation(table_bytes)
-                self.table_ptr = self._table_dev.ptr
+                table_dev = self._table_dev = _cuda.DeviceAllocation(table_bytes)
+                self.table_ptr = table_dev.ptr
             else:
-                self._table_host = _cuda.PinnedAllocation(table_bytes)
-                self.table_ptr = self._table_host.device_ptr
-            self._trace_len = _cuda.DeviceAllocation(self.max_slots * 4)
-            self.trace_len_ptr = self._trace_len.ptr
+                table_host = self._table_host = _cuda.PinnedAllocation(table_bytes)
+                self.table_ptr = table_host.device_ptr
+            trace_len = self._trace_len = _cuda.DeviceAllocation(self.max_slots * 4)
+            self.trace_len_ptr = trace_len.ptr
             _cuda.memset_d8_async(self.trace_len_ptr, 0, self.max_slots * 4, init_stream)
             _cuda.memset_d8_async(self.table_ptr, 0, table_bytes, init_stream)
-            self.ring = StagingRing(self.device_id, staging_depth, staging_bytes)
+            self._ring = StagingRing(self.device_id, staging_depth, staging_bytes)
             _cuda.synchronize_stream(init_stream)
         except BaseException:
             self.close()
             raise
         finally:
             _cuda.destroy_stream(init_stream)
+
+    @property
+    def ring(self) -> StagingRing:
+        """The staging ring (built with the table; the table is unusable without one)."""
+        if self._ring is None:
+            raise RuntimeError("this DeviceTable has no staging ring (its construction failed)")
+        return self._ring
 
     # staging (the caller holds the table's lock) ----------------------------------------------
     def stage(self, slot: int, tokens: np.ndarray, vocab_size: int | None) -> None:
@@ -104,14 +116,10 @@ class DeviceTable:
                     "commit() cannot be captured into a CUDA graph: its staging data changes "
                     "every time; commit outside the graph, between replays"
                 )
-            if self._scatter is None:
-                self._scatter = scatter_launcher(self.device_id)
-            launch, table_ptr, trace_len_ptr, stride = (
-                self._scatter,
-                self.table_ptr,
-                self.trace_len_ptr,
-                self.max_trace_len,
-            )
+            launch = self._scatter
+            if launch is None:
+                launch = self._scatter = scatter_launcher(self.device_id)
+            table_ptr, trace_len_ptr, stride = self.table_ptr, self.trace_len_ptr, self.max_trace_len
             self.ring.commit(
                 stream,
                 lambda n, meta_ptr, tokens_ptr, longest: launch(
@@ -128,9 +136,11 @@ class DeviceTable:
         prompt: ArrayView | None,
         step: ArrayView | None,
     ):
-        if step is None:
-            return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (total.dtype, prompt.dtype), None)
-        return replay_compiled(self.device_id, sampled.dtype, idx.dtype, ("", ""), step.dtype)
+        if step is not None:
+            return replay_compiled(self.device_id, sampled.dtype, idx.dtype, ("", ""), step.dtype)
+        if total is None or prompt is None:
+            raise ValueError("a replay needs total_len and prompt_len (per slot), or step (per row)")
+        return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (total.dtype, prompt.dtype), None)
 
     def bind(
         self,
@@ -221,8 +231,8 @@ class DeviceTable:
         self._closed = True
         with _cuda.on_device(self.device_id):
             _cuda.synchronize_device()
-            if self.ring is not None:
-                self.ring.close()
+            if self._ring is not None:
+                self._ring.close()
             for alloc in (self._table_dev, self._table_host, self._trace_len):
                 if alloc is not None:
                     alloc.close()

@@ -299,6 +299,7 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         capsule = _capsule_of(obj, name, stream)
     except BufferError as exc:
         raise ValueError(f"{name} could not be exported over DLPack ({exc})") from exc
+    managed: _DLManagedTensorVersioned | _DLManagedTensor
     if _capsule_is_valid(capsule, _VERSIONED):
         managed = _DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, _VERSIONED))
         if managed.version.major > 1:
@@ -324,11 +325,11 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     if t.strides:
         strides = tuple(t.strides[i] for i in range(ndim))
     else:  # NULL strides: compact row-major
-        strides, acc = [], 1
+        compact, acc = [], 1
         for s in reversed(shape):
-            strides.append(acc)
+            compact.append(acc)
             acc *= s
-        strides = tuple(reversed(strides))
+        strides = tuple(reversed(compact))
     dev_type = t.device.device_type
     if dev_type in (_KDL_CPU, _KDL_CUDA_HOST):
         device_type, device_id = CPU, 0

@@ -2,8 +2,8 @@
 
 Three pieces, each used by both backends and by the tests' interpreted double:
 
-- :func:`copy_trace`: copies token ids into memory the library owns and checks them in the same
-  pass (native code for large outputs, :mod:`._host_copy`; numpy otherwise);
+- :func:`copy_trace`: copies token ids into memory the library owns with numpy and checks them
+  on the way (the copy read back from cache);
 - :class:`StagedEntries`: the layout of one staging buffer (tokens back to back, each trace on
   a 16-byte boundary, then one ``(slot, length, offset)`` int64 triple per entry) and the
   bookkeeping of what is staged; a rejected trace changes nothing;
@@ -15,13 +15,12 @@ Three pieces, each used by both backends and by the tests' interpreted double:
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import chain, repeat
 
 import numpy as np
 
 from . import _cuda
-from ._host_copy import copy_max
 from ._validate import TOKEN_LIMIT, token_error
 
 __all__ = [
@@ -56,18 +55,9 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
     padding between them); a uint32 view of the int32 storage that keeps the trace (an id below
     ``2**31`` has the same bits in both). ``arr`` is read once when its integers have 4 bytes or
     fewer. On a refusal ``out`` holds unspecified values: the caller publishes it only when this
-    returns. A value that does not fit int32 is refused, never wrapped. Native-order 32- and
-    64-bit ids of outputs of :data:`~._host_copy.MIN_BYTES` and more are copied by
-    :func:`~._host_copy.copy_max` (one pass over the source; prepared, i.e. built or loaded, at
-    the first such copy of the process); others, or every dtype without a C compiler, by
-    numpy, with the same results.
+    returns. A value that does not fit int32 is refused, never wrapped.
     """
     limit = TOKEN_LIMIT if vocab_size is None else vocab_size
-    top = copy_max(arr, out)  # one pass in native code for large outputs; else None
-    if top is not None:
-        if top < limit:
-            return
-        raise token_error(arr, vocab_size, name)
     if arr.dtype.itemsize <= 4:
         signed = arr.dtype.kind == "i"
         if arr.ndim == 2 and arr.dtype == _INT32:
@@ -148,12 +138,13 @@ class StagedEntries:
         self.fill = (end + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
         self.longest = max(self.longest, n)  # an upper bound (a restaged slot may shrink): sizes the grid
 
-    def stage_many(self, slots: list[int], traces, vocab_size: int | None) -> None:
+    def stage_many(self, slots: list[int], traces: np.ndarray | list[np.ndarray], vocab_size: int | None) -> None:
         """Stage ``traces[i]`` for ``slots[i]``, in order, as one step: a 2-D block (one copy
         and one check for all of it; rows padded to 16 bytes) or a list of
         :func:`~._validate.trace_array` results. Entries are recorded only once every trace has
         passed; a refusal changes no entry and no fill mark."""
         start = self.fill
+        entries: Iterable[tuple[int, int, int]]
         if isinstance(traces, np.ndarray):
             rows, length = traces.shape
             stride = (length + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
@@ -168,12 +159,13 @@ class StagedEntries:
             lengths = [t.shape[0] for t in traces]
             end = start + sum((n + ALIGN_TOKENS - 1) & -ALIGN_TOKENS for n in lengths)
             self._reserve(end, len(traces))
-            entries = []
+            listed = []
             at = start
             for i, (slot, tokens, n) in enumerate(zip(slots, traces, lengths)):
                 copy_trace(tokens, self.tokens[at : at + n], vocab_size=vocab_size, name=f"traces[{i}]")
-                entries.append((slot, n, at))
+                listed.append((slot, n, at))
                 at = (at + n + ALIGN_TOKENS - 1) & -ALIGN_TOKENS
+            entries = listed
             longest = max(lengths, default=0)
         self.entries.update(zip(slots, entries))  # a slot given twice keeps its last entry
         self.fill = end
@@ -192,7 +184,7 @@ class StagedEntries:
         # One pack_into for all entries: 64 entries cost ~7 us against ~60 us row by row in numpy.
         struct.pack_into(
             f"<{n * META_FIELDS}q",
-            memoryview(self.tokens).cast("B"),
+            self.tokens.data.cast("B"),
             meta_off,
             *chain.from_iterable(self.entries.values()),
         )

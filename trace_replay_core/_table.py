@@ -8,19 +8,24 @@ committed in one stream-ordered batch; replay then overwrites sampled tokens on 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._bound_cache import BoundCache
+from ._bound_replay import BoundReplay
 from ._devices import parse_device
-from ._dlpack import ArrayView, as_view, check_view
-from ._dtypes import INDEX_DTYPES, TOKEN_DTYPES
+from ._dlpack import ArrayView
+from ._replay_views import ReplayViews, check_per_slot, check_replay
 from ._streams import stream_handle
 from ._validate import check_distinct_slots, check_positive_int, check_slot, check_slots, trace_array, trace_block
 
-__all__ = ["TraceTable", "BoundReplay", "PLACEMENTS"]
+if TYPE_CHECKING:
+    from ._device_table import DeviceTable
+    from ._numpy_backend import NumpyTable
+
+__all__ = ["TraceTable", "PLACEMENTS"]
 
 PLACEMENTS = ("device", "host_mapped")
 _CLOSED = "this TraceTable is closed"
@@ -51,9 +56,6 @@ class TraceTable:
     :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
     (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
-    The first staging copy of 1 MiB or more in a process loads staging's native copy
-    (:mod:`~._host_copy`), compiling it first when this machine has no cached build (a C
-    compiler run, well under a second); smaller copies never need it.
     """
 
     def __init__(
@@ -84,7 +86,7 @@ class TraceTable:
         self.placement = placement
         self._lock = threading.Lock()
         self._closed = False
-        self._backend = None
+        self._backend: NumpyTable | DeviceTable | None = None  # None only if construction failed
         self._lengths: tuple[ArrayView, ArrayView] | None = None  # bound total_len, prompt_len
         self._replays = BoundCache(_REPLAY_CACHE_SIZE)  # caller key -> launch(stream)
         if self.device == "cpu":
@@ -108,8 +110,8 @@ class TraceTable:
     def closed(self) -> bool:
         return self._closed
 
-    def _live(self):
-        if self._closed:
+    def _live(self) -> NumpyTable | DeviceTable:
+        if self._closed or self._backend is None:
             raise RuntimeError(_CLOSED)
         return self._backend
 
@@ -156,11 +158,9 @@ class TraceTable:
             slot = check_slot(slot, self.max_slots)
         arr = trace_array(tokens, max_trace_len=self.max_trace_len)
         # The backend copies the trace into its staging memory and checks the token ids in the
-        # same pass (validate.copy_trace); it records the entry only once they pass.
+        # same pass (_staging.copy_trace); it records the entry only once they pass.
         with self._lock:
-            if self._closed:
-                self._live()
-            self._backend.stage(slot, arr, self.vocab_size)
+            self._live().stage(slot, arr, self.vocab_size)
 
     def stage_many(self, slots: Any, traces: Any, *, distinct: bool = False) -> None:
         """Stage ``traces[i]`` as the trace of ``slots[i]`` for every ``i``: the same as calling
@@ -198,11 +198,9 @@ class TraceTable:
         if not slots:
             return
         # The backend copies every trace into its staging memory, checking the ids on the way
-        # (validate.copy_trace), and records the entries only once all of them pass.
+        # (_staging.copy_trace), and records the entries only once all of them pass.
         with self._lock:
-            if self._closed:
-                self._live()
-            self._backend.stage_many(slots, traces, self.vocab_size)
+            self._live().stage_many(slots, traces, self.vocab_size)
 
     def clear(self, slot: int) -> None:
         """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only."""
@@ -231,55 +229,18 @@ class TraceTable:
             backend.commit(handle)
 
     # replay ----------------------------------------------------------------------------------
-    def _check_sampled(self, sampled: Any, handle: int) -> ArrayView:
-        v = as_view(sampled, name="sampled", stream=handle)
-        if v.ndim == 2 and v.shape[1] != 1:
-            raise ValueError(
-                f"sampled has {v.shape[1]} tokens per row (shape {list(v.shape)}): speculative "
-                f"decoding is not supported; replay takes exactly one token per request per step"
-            )
-        if v.ndim not in (1, 2):
-            raise ValueError(f"sampled must be 1-D [batch] or [batch, 1] (got shape {list(v.shape)})")
-        return check_view(v, name="sampled", dtypes=TOKEN_DTYPES, device=self.device, writable=True)
-
-    def _check_rows(self, arr: Any, name: str, rows: int, handle: int) -> ArrayView:
-        return check_view(
-            as_view(arr, name=name, stream=handle),
-            name=name,
-            dtypes=INDEX_DTYPES,
+    def _check_replay(
+        self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any, handle: int
+    ) -> ReplayViews:
+        return check_replay(
+            sampled,
+            idx_mapping,
+            total_len,
+            prompt_len,
+            step,
+            max_slots=self.max_slots,
             device=self.device,
-            ndim=1,
-            length=rows,
-        )
-
-    def _check_per_slot(self, arr: Any, name: str, handle: int) -> ArrayView:
-        return check_view(
-            as_view(arr, name=name, stream=handle),
-            name=name,
-            dtypes=INDEX_DTYPES,
-            device=self.device,
-            ndim=1,
-            min_length=self.max_slots,
-        )
-
-    def _check_replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any, handle: int):
-        """Validated views ``(sampled, idx_mapping, total_len, prompt_len, step)`` of one replay:
-        ``step`` None for the per-slot step, else ``total_len`` and ``prompt_len`` None."""
-        s = self._check_sampled(sampled, handle)
-        rows = s.shape[0]
-        idx = self._check_rows(idx_mapping, "idx_mapping", rows, handle)
-        if step is not None:
-            if total_len is not None or prompt_len is not None:
-                raise ValueError("give either total_len and prompt_len (per slot) or step (per row), not both")
-            return s, idx, None, None, self._check_rows(step, "step", rows, handle)
-        if total_len is None or prompt_len is None:
-            raise ValueError("give both total_len and prompt_len (per slot), or step (per row)")
-        return (
-            s,
-            idx,
-            self._check_per_slot(total_len, "total_len", handle),
-            self._check_per_slot(prompt_len, "prompt_len", handle),
-            None,
+            handle=handle,
         )
 
     def bind_lengths(self, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
@@ -294,8 +255,8 @@ class TraceTable:
         handle = stream_handle(stream)
         self._live()
         lengths = (
-            self._check_per_slot(total_len, "total_len", handle),
-            self._check_per_slot(prompt_len, "prompt_len", handle),
+            check_per_slot(total_len, "total_len", self.max_slots, device=self.device, handle=handle),
+            check_per_slot(prompt_len, "prompt_len", self.max_slots, device=self.device, handle=handle),
         )
         with self._lock:
             self._replays.clear()
@@ -363,7 +324,7 @@ class TraceTable:
 
     def _bind_cached(
         self, key: Hashable, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, step: Any, handle: int
-    ):
+    ) -> Callable[[int], None]:
         backend = self._live()
         if step is None and total_len is None and prompt_len is None:
             if self._lengths is None:
@@ -414,32 +375,3 @@ class TraceTable:
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of (table, trace_len) as committed. Host-blocking (synchronises the device)."""
         return self._live().snapshot()
-
-
-class BoundReplay:
-    """A replay whose arrays were validated and fixed by :meth:`TraceTable.bind_replay`.
-
-    ``bound(stream=s)`` queues the replay on stream ``s`` (stream-ordered, never blocks): the
-    cheapest way to replay, a single kernel launch. ``views`` holds the validated arrays, whose
-    DLPack capsules keep their memory alive while the bound replay lives.
-    """
-
-    __slots__ = ("_table", "_launch", "views")
-
-    def __init__(self, table: TraceTable, launch, views):
-        self._table = table
-        self._launch = launch
-        self.views = views
-
-    def release(self) -> None:
-        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
-        caller must keep them alive while it uses this bound replay (a cache keyed by address
-        does). Host-only."""
-        for v in self.views:
-            v.keepalive = None
-        self.views = ()
-
-    def __call__(self, *, stream: Any) -> None:
-        if self._table._closed:
-            raise RuntimeError(_CLOSED)
-        self._launch(stream if type(stream) is int and stream >= 0 else stream_handle(stream))

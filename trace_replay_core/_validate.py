@@ -1,10 +1,8 @@
 """Host-side validation of slots and traces.
 
-``check_*``, :func:`trace_array` and :func:`trace_block` only read their input.
-:func:`copy_trace` copies a trace (or a block of equally long traces) into storage the caller
-owns and checks the token ids on the way: staging reads the caller's int32 (or narrower) data
-once, validates exactly the bytes it keeps, and refuses an id that int32 cannot hold instead
-of wrapping it.
+``check_*``, :func:`trace_array` and :func:`trace_block` only read their input; the token ids
+are checked later, while staging copies them (:func:`~._staging.copy_trace`): it validates
+exactly the bytes it keeps, and refuses an id that int32 cannot hold instead of wrapping it.
 """
 
 from __future__ import annotations
@@ -98,7 +96,8 @@ def _host_array(tokens: Any, name: str) -> np.ndarray:
 
 def trace_array(tokens: Any, *, max_trace_len: int, name: str = "tokens") -> np.ndarray:
     """Return ``tokens`` as a 1-D integer host numpy array of 1 to ``max_trace_len`` elements, or
-    raise naming what is wrong. Token values are not looked at: :func:`copy_trace` checks them.
+    raise naming what is wrong. Token values are not looked at: staging's copy checks them
+    (:func:`~._staging.copy_trace`).
 
     The result may share memory with ``tokens`` (a numpy array is returned as it is).
     """
@@ -118,7 +117,7 @@ def trace_array(tokens: Any, *, max_trace_len: int, name: str = "tokens") -> np.
 def trace_block(tokens: Any, *, rows: int, max_trace_len: int, name: str = "traces") -> np.ndarray:
     """Return ``tokens`` as a 2-D integer host numpy array ``[rows, length]`` (``rows`` traces of
     1 to ``max_trace_len`` tokens each), or raise naming what is wrong. Token values are not
-    looked at: :func:`copy_trace` checks them. The result may share memory with ``tokens``."""
+    looked at: :func:`~._staging.copy_trace` checks them. The result may share memory with ``tokens``."""
     arr = tokens if type(tokens) is np.ndarray else _host_array(tokens, name)
     if arr.ndim != 2:
         raise ValueError(
@@ -157,7 +156,7 @@ def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: int | None, name
     """Return ``tokens`` as a validated 1-D integer numpy array, or raise naming what is wrong.
 
     The result may share memory with ``tokens``: callers copy it into storage they own
-    (:func:`copy_trace` validates while it copies, for staging's hot path).
+    (:func:`~._staging.copy_trace` validates while it copies, for staging's hot path).
 
     A trace is 1-D, non-empty, of an integer dtype, non-negative, at most ``max_trace_len`` long
     and below ``vocab_size`` when one is set.

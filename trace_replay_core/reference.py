@@ -37,7 +37,11 @@ def replay_reference(
         n = int(trace_len[slot])
         if n <= 0:
             continue
-        s = int(step[b]) if step is not None else int(total_len[slot]) - int(prompt_len[slot])
+        if step is not None:
+            s = int(step[b])
+        else:
+            assert total_len is not None and prompt_len is not None  # checked above
+            s = int(total_len[slot]) - int(prompt_len[slot])
         if s < 0 or s >= n:
             continue
         flat[b] = table[slot, s]

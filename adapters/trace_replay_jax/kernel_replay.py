@@ -8,7 +8,7 @@ lengths, ``sampled``, ``idx_mapping`` and the step source), with the output alia
 kernel launch on ``ctx.stream`` that overwrites the traced rows of the output in place.
 Nothing waits for the device.
 
-Why this mechanism: measured on an H200 (FACTS.md, 2026-11-30) a command-buffer-compatible
+Why this mechanism: measured on an H200 (2026-11-30), a command-buffer-compatible
 ``buffer_callback`` was the cheapest way to run a foreign kernel inside a jitted step (+3.4 us
 per dispatch, +4.2 us per ``fori_loop`` step) against +14.6 / +5.9 us for jax-triton's
 ``triton_call`` and +46.9 / +6.0 us for a callback XLA cannot record.

@@ -1,18 +1,14 @@
-"""``token_logprob_rank`` for JAX arrays: logprob, rank and optional top-k of one token per row, eager or in ``jax.jit``.
+"""``token_logprob_rank`` for JAX arrays: logprob, rank and optional top-k of one token per
+row, eager or in ``jax.jit``: the argument checks, ``method="jnp"`` and the public function.
 
 Two implementations of one contract (the core's, see
 :func:`trace_replay_core.token_logprob_rank`):
 
 - ``method="kernel"`` (the default): the core's Triton kernels, which read each logit once and
   reduce in an order fixed by the vocabulary (batch-invariant: a row gives the same bits in any
-  batch), run through ``jax.experimental.buffer_callback`` on XLA's own stream: the callback
-  hands XLA's input and output buffers to the core over DLPack and queues the kernels on
-  ``ctx.stream``; nothing waits for the device. Each set of buffer addresses is bound once
-  (validated, parameters packed); later calls on the same addresses only launch. The op is a
-  pure function of its buffers, so it is marked command-buffer compatible: where XLA records it
-  into a CUDA graph, the Python callback runs when XLA records (again whenever the buffers
-  move) instead of on every call. On the CPU the same callback runs the core's numpy backend
-  (row by row, also batch-invariant) on XLA's host buffers.
+  batch), run on XLA's own stream through ``jax.experimental.buffer_callback``
+  (:mod:`.logprob_callback`); on the CPU the same callback runs the core's numpy backend (row by
+  row, also batch-invariant) on XLA's host buffers.
 - ``method="jnp"``: the same arithmetic in ``jax.numpy`` (a max, a sum of exponentials, a
   gather, a count, ``lax.top_k``), fused by XLA into the surrounding program; it reads the
   logits more than once, but needs no callback and is differentiable in ``logits``. It is *not*
@@ -28,29 +24,26 @@ logits once (see :func:`token_logprob_rank`).
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
-from collections.abc import Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
-from trace_replay_core import (
-    LOGITS_DTYPES,
-    MAX_VOCAB,
-    TOKEN_DTYPES,
-    TOPK_MAX,
-    BoundCache,
-    bind_logprob_rank,
-    logprob_rank_workspace_bytes,
-)
-from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
+from trace_replay_core import LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX
 
 from .jnp_replay import is_vmap_tracer
+from .logprob_callback import kernel_logprob_rank
+from .logprob_results import (
+    LogprobRank,
+    LogprobRankArgmax,
+    LogprobRankTopK,
+    LogprobRankTopKArgmax,
+    LogprobResult,
+    named_result,
+)
 
 __all__ = [
     "token_logprob_rank",
@@ -69,57 +62,6 @@ _VMAP_MESSAGE = (
     "batch. Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
     "logits as [n * batch, vocab], token_ids as [n * batch]), without vmap"
 )
-_GRAD_MESSAGE = (
-    "token_logprob_rank(method='kernel') has no gradient: use method='jnp', which is "
-    "differentiable in logits (ranks are integers and have none), or jax.nn.log_softmax"
-)
-
-
-class LogprobRank(NamedTuple):
-    """``token_logprob_rank``'s result without top-k (a pytree): unpacks as ``logprobs, ranks``."""
-
-    logprobs: jax.Array
-    ranks: jax.Array
-
-
-class LogprobRankTopK(NamedTuple):
-    """``token_logprob_rank``'s result with ``top_k > 0`` (a pytree):
-    ``logprobs, ranks, topk_logprobs, topk_ids``."""
-
-    logprobs: jax.Array
-    ranks: jax.Array
-    topk_logprobs: jax.Array
-    topk_ids: jax.Array
-
-
-class LogprobRankArgmax(NamedTuple):
-    """``token_logprob_rank``'s result with ``argmax=True`` and no top-k (a pytree):
-    ``logprobs, ranks, argmax`` (``argmax``: int32 ``[batch]``, each row's greedy token)."""
-
-    logprobs: jax.Array
-    ranks: jax.Array
-    argmax: jax.Array
-
-
-class LogprobRankTopKArgmax(NamedTuple):
-    """``token_logprob_rank``'s result with ``top_k > 0`` and ``argmax=True`` (a pytree):
-    ``logprobs, ranks, topk_logprobs, topk_ids, argmax``."""
-
-    logprobs: jax.Array
-    ranks: jax.Array
-    topk_logprobs: jax.Array
-    topk_ids: jax.Array
-    argmax: jax.Array
-
-
-LogprobResult = Union[LogprobRank, LogprobRankTopK, LogprobRankArgmax, LogprobRankTopKArgmax]
-
-
-def _result(fields: Sequence[jax.Array], top_k: int, argmax: bool) -> LogprobResult:
-    """The named result for ``(logprobs, ranks[, topk_logprobs, topk_ids][, argmax])``."""
-    if top_k:
-        return LogprobRankTopKArgmax(*fields) if argmax else LogprobRankTopK(*fields)
-    return LogprobRankArgmax(*fields) if argmax else LogprobRank(*fields)
 
 
 def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
@@ -198,7 +140,7 @@ def _temperature(temperature: Any, batch: int) -> Any | None:
 
 def _jnp_logprob_rank(
     logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
-):
+) -> LogprobResult:
     """The contract in jnp ops: float32 log-sum-exp with the row maximum subtracted, a count of
     ``y >= y[t]`` (IEEE: NaN never counts), NaN/-1 for an id outside ``[0, vocab)``, and
     ``lax.top_k`` (ties: the lower index first) with NaN ranked as ``-inf`` and reported as -1.
@@ -226,12 +168,12 @@ def _jnp_logprob_rank(
     rank = jnp.where(valid, rank, -1).astype(jnp.int32)
     extra = (greedy,) if argmax else ()
     if not top_k:
-        return _result((logprob, rank) + extra, 0, argmax)
+        return named_result((logprob, rank) + extra, 0, argmax)
     keyed = jax.lax.stop_gradient(jnp.where(jnp.isnan(y), -jnp.inf, jnp.where(y == 0, 0.0, y)))
     _, top_ids = jax.lax.top_k(keyed, top_k)
     top_y = jnp.take_along_axis(y, top_ids, axis=1)
     nan = jnp.isnan(top_y)
-    return _result(
+    return named_result(
         (logprob, rank, jnp.where(nan, jnp.nan, top_y - lse[:, None]), jnp.where(nan, -1, top_ids).astype(jnp.int32))
         + extra,
         top_k,
@@ -239,113 +181,7 @@ def _jnp_logprob_rank(
     )
 
 
-# -- method="kernel" ----------------------------------------------------------------------------
-
-_BOUND_CACHE_SIZE = 64
-
-
-class _KernelCallback:
-    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature, argmax) signature.
-
-    XLA hands it its buffers; on a GPU it queues the core's kernels on ``ctx.stream``. A call is
-    bound (validated over DLPack, parameters packed) once per set of buffer addresses and then
-    only launched: XLA's allocator gives a program the same few addresses call after call.
-    A bound entry holds addresses, never the buffers (they belong to XLA).
-    """
-
-    def __init__(self, top_k: int, argmax: bool):
-        self._bound = BoundCache(_BOUND_CACHE_SIZE)
-        self._top_k = top_k
-        self._argmax = argmax
-
-    def __call__(self, ctx, outs, logits, ids, *temperature) -> None:
-        if ctx.stage != ExecutionStage.EXECUTE:
-            return
-        top_k = self._top_k
-        logprobs, ranks = outs[0], outs[1]
-        top_lp, top_ids = (outs[2], outs[3]) if top_k else (None, None)
-        greedy = outs[-2] if self._argmax else None
-        workspace = outs[-1]
-        temp = temperature[0] if temperature else None
-        if logits.__dlpack_device__()[0] == 1:  # host buffers: the core computes them in numpy
-            _core_token_logprob_rank(
-                logits,
-                ids,
-                out_logprobs=logprobs,
-                out_ranks=ranks,
-                stream=0,
-                workspace=workspace,
-                temperature=temp,
-                top_k=top_k,
-                out_topk_logprobs=top_lp,
-                out_topk_ids=top_ids,
-                out_argmax=greedy,
-            )
-            return
-        stream = int(ctx.stream)
-        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy) if b is not None]
-        key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
-        bound = self._bound.bind(
-            key,
-            lambda: bind_logprob_rank(
-                logits,
-                ids,
-                out_logprobs=logprobs,
-                out_ranks=ranks,
-                stream=stream,
-                workspace=workspace,
-                temperature=temp,
-                top_k=top_k,
-                out_topk_logprobs=top_lp,
-                out_topk_ids=top_ids,
-                out_argmax=greedy,
-            ),
-        )
-        bound(stream=stream)
-
-
-@functools.cache
-def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool, argmax: bool):
-    """The jitted-callable op of one signature; its outputs are ``logprobs, ranks[, topk_logprobs,
-    topk_ids][, argmax], workspace`` (the workspace is scratch and dropped)."""
-    outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
-    if top_k:
-        outs += [jax.ShapeDtypeStruct((batch, top_k), jnp.float32), jax.ShapeDtypeStruct((batch, top_k), jnp.int32)]
-    if argmax:
-        outs.append(jax.ShapeDtypeStruct((batch,), jnp.int32))
-    outs.append(jax.ShapeDtypeStruct((max(16, logprob_rank_workspace_bytes(batch, vocab, top_k)),), jnp.uint8))
-    op = buffer_callback(_KernelCallback(top_k, argmax), outs, command_buffer_compatible=True)
-
-    @jax.custom_jvp
-    def run(logits, ids, *temperature):
-        out = op(logits, ids, *temperature)
-        return _result(out[:-1], top_k, argmax)
-
-    @run.defjvp
-    def _no_grad(primals, tangents):
-        raise TypeError(_GRAD_MESSAGE)
-
-    return run
-
-
-def _kernel_logprob_rank(
-    logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
-):
-    batch, vocab = logits.shape
-    if batch == 0:
-        empty = [jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)]
-        if top_k:
-            empty += [jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)]
-        if argmax:
-            empty.append(jnp.zeros((0,), jnp.int32))
-        return _result(empty, top_k, argmax)
-    run = _kernel_op(
-        batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k, temperature is not None, argmax
-    )
-    return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))
-
-
-_IMPL = {"kernel": _kernel_logprob_rank, "jnp": _jnp_logprob_rank}
+_IMPL = {"kernel": kernel_logprob_rank, "jnp": _jnp_logprob_rank}
 _EAGER = {name: jax.jit(impl, static_argnums=(3, 4)) for name, impl in _IMPL.items()}
 
 

@@ -14,7 +14,7 @@ import functools
 import math
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 
@@ -63,7 +63,7 @@ class LogprobRankTopKArgmax(NamedTuple):
     argmax: torch.Tensor
 
 
-LogprobRankResult = Union[LogprobRank, LogprobRankTopK, LogprobRankArgmax, LogprobRankTopKArgmax]
+LogprobRankResult = LogprobRank | LogprobRankTopK | LogprobRankArgmax | LogprobRankTopKArgmax
 
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
 _BOUND = BoundCache(64)  # bound calls by tensor layout

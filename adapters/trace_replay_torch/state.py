@@ -240,8 +240,8 @@ class TraceReplayState:
             error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len, prompt_len=prompt_len)
             if error is not None:
                 raise error
-            key = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
-            self.table.replay_cached(key, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
+            layout = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
+            self.table.replay_cached(layout, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
             return sampled
         # The hot path of a decode loop: one flat key, one dict lookup, one launch (in the core).
         # Nothing is checked before the launch; a failure is explained afterwards (closed first:

@@ -1,7 +1,7 @@
 """What the torch adapter's modules share: the layout key of a tensor, and torch's current stream.
 
 A layout key (data pointer, dtype, shape, strides) describes a tensor's memory completely: the
-adapter binds a launch once per key (``trace_replay_core._bound_cache.BoundCache``) instead of
+adapter binds a launch once per key (:class:`trace_replay_core.BoundCache`) instead of
 exporting tensors over DLPack every call, which costs torch tens of microseconds per CUDA
 tensor (it builds an external stream object and may record an event).
 """

@@ -3,6 +3,7 @@ functions and methods, the parameter list without annotations (``(a, b=1, *, str
 
 import importlib
 import inspect
+from typing import Any
 
 _KEEP_DUNDERS = ("__init__", "__call__", "__enter__", "__exit__")
 
@@ -30,7 +31,7 @@ def _params(fn) -> str:
 
 def surface(module_name: str) -> dict:
     module = importlib.import_module(module_name)
-    out = {}
+    out: dict[str, Any] = {}
     for name in module.__all__:
         obj = getattr(module, name)
         if inspect.isclass(obj):

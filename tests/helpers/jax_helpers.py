@@ -7,9 +7,11 @@ import pytest
 def x64(enabled: bool = True):
     """Scoped x64 mode (int64 token ids in JAX); restores the previous setting."""
     scoped = getattr(jax, "enable_x64", None)
-    if scoped is None:
-        from jax.experimental import enable_x64 as scoped
-    return scoped(enabled)
+    if scoped is not None:
+        return scoped(enabled)
+    from jax.experimental import enable_x64  # before jax.enable_x64 existed
+
+    return enable_x64(enabled)
 
 
 def jax_gpu():

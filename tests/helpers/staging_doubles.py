@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from trace_replay_core import TraceTable, _cuda
+from trace_replay_core._device_table import DeviceTable
+from trace_replay_core._numpy_backend import NumpyTable
 from trace_replay_core.kernels import scatter as scatter_module
 
 __all__ = [
@@ -238,9 +240,10 @@ def make_table(request):
 
 def committed(t: TraceTable):
     """(table, trace_len) as committed, on either backend."""
-    backend = t._backend
     if t.device == "cpu":
         return t.snapshot()
+    backend = t._backend
+    assert isinstance(backend, DeviceTable)
     driver = _cuda._driver()
     driver.run()
     table = driver.read(backend.table_ptr, t.nbytes, np.int32).reshape(t.max_slots, t.max_trace_len)
@@ -250,8 +253,9 @@ def committed(t: TraceTable):
 def staged_state(t: TraceTable):
     """Everything staging keeps between calls, as plain values (to compare before and after)."""
     b = t._backend
-    if t.device == "cpu":
+    if isinstance(b, NumpyTable):
         return {k: (None if v is None else v.tolist()) for k, v in b._staged.items()}
+    assert isinstance(b, DeviceTable)
     ring, staged = b.ring, b.ring.staged
     pair = ring.pairs[ring._open]
     return {

@@ -1,0 +1,140 @@
+"""``method="kernel"`` of :func:`~trace_replay_jax.token_logprob_rank`: the core's Triton
+kernels run inside XLA's program through ``jax.experimental.buffer_callback``.
+
+One op per signature (batch, vocabulary, dtypes, ``top_k``, temperature or not, ``argmax``),
+built once per process and cached. XLA hands the callback its input and output buffers; on a
+GPU it passes them to the core over DLPack and queues the kernels on ``ctx.stream`` (XLA's own
+stream; nothing waits for the device). Each set of buffer addresses is bound once (validated,
+parameters packed) and only launched afterwards; an entry holds addresses, never the buffers,
+which belong to XLA. The op is a pure function of its buffers, so it is marked command-buffer
+compatible: where XLA records it into a CUDA graph, the callback runs when XLA records (again
+whenever the buffers move) instead of on every call. On the CPU the same callback runs the
+core's numpy backend on XLA's host buffers. The op has no gradient (a ``jax.custom_jvp`` that
+refuses, naming ``method="jnp"``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
+
+from trace_replay_core import BoundCache, bind_logprob_rank, logprob_rank_workspace_bytes
+from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
+
+from .logprob_results import LogprobResult, named_result
+
+__all__ = ["kernel_logprob_rank", "GRAD_MESSAGE"]
+
+GRAD_MESSAGE = (
+    "token_logprob_rank(method='kernel') has no gradient: use method='jnp', which is "
+    "differentiable in logits (ranks are integers and have none), or jax.nn.log_softmax"
+)
+
+_BOUND_CACHE_SIZE = 64
+
+
+class _KernelCallback:
+    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature, argmax) signature.
+
+    XLA hands it its buffers; on a GPU it queues the core's kernels on ``ctx.stream``. A call is
+    bound (validated over DLPack, parameters packed) once per set of buffer addresses and then
+    only launched: XLA's allocator gives a program the same few addresses call after call.
+    A bound entry holds addresses, never the buffers (they belong to XLA).
+    """
+
+    def __init__(self, top_k: int, argmax: bool):
+        self._bound = BoundCache(_BOUND_CACHE_SIZE)
+        self._top_k = top_k
+        self._argmax = argmax
+
+    def __call__(self, ctx, outs, logits, ids, *temperature) -> None:
+        if ctx.stage != ExecutionStage.EXECUTE:
+            return
+        top_k = self._top_k
+        logprobs, ranks = outs[0], outs[1]
+        top_lp, top_ids = (outs[2], outs[3]) if top_k else (None, None)
+        greedy = outs[-2] if self._argmax else None
+        workspace = outs[-1]
+        temp = temperature[0] if temperature else None
+        if logits.__dlpack_device__()[0] == 1:  # host buffers: the core computes them in numpy
+            _core_token_logprob_rank(
+                logits,
+                ids,
+                out_logprobs=logprobs,
+                out_ranks=ranks,
+                stream=0,
+                workspace=workspace,
+                temperature=temp,
+                top_k=top_k,
+                out_topk_logprobs=top_lp,
+                out_topk_ids=top_ids,
+                out_argmax=greedy,
+            )
+            return
+        stream = int(ctx.stream)
+        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy) if b is not None]
+        key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
+        bound = self._bound.bind(
+            key,
+            lambda: bind_logprob_rank(
+                logits,
+                ids,
+                out_logprobs=logprobs,
+                out_ranks=ranks,
+                stream=stream,
+                workspace=workspace,
+                temperature=temp,
+                top_k=top_k,
+                out_topk_logprobs=top_lp,
+                out_topk_ids=top_ids,
+                out_argmax=greedy,
+            ),
+        )
+        bound(stream=stream)
+
+
+@functools.cache
+def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool, argmax: bool):
+    """The jitted-callable op of one signature; its outputs are ``logprobs, ranks[, topk_logprobs,
+    topk_ids][, argmax], workspace`` (the workspace is scratch and dropped)."""
+    outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
+    if top_k:
+        outs += [jax.ShapeDtypeStruct((batch, top_k), jnp.float32), jax.ShapeDtypeStruct((batch, top_k), jnp.int32)]
+    if argmax:
+        outs.append(jax.ShapeDtypeStruct((batch,), jnp.int32))
+    outs.append(jax.ShapeDtypeStruct((max(16, logprob_rank_workspace_bytes(batch, vocab, top_k)),), jnp.uint8))
+    op = buffer_callback(_KernelCallback(top_k, argmax), outs, command_buffer_compatible=True)
+
+    @jax.custom_jvp
+    def run(logits, ids, *temperature):
+        out = op(logits, ids, *temperature)
+        return named_result(out[:-1], top_k, argmax)
+
+    @run.defjvp
+    def _no_grad(primals, tangents):
+        raise TypeError(GRAD_MESSAGE)
+
+    return run
+
+
+def kernel_logprob_rank(
+    logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
+) -> LogprobResult:
+    """``method="kernel"`` on arguments already checked by the public function (``ids``
+    ``[batch]`` or ``[batch, 1]``; ``temperature`` None or ``[batch]``); traceable. New arrays."""
+    batch, vocab = logits.shape
+    if batch == 0:
+        empty = [jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)]
+        if top_k:
+            empty += [jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)]
+        if argmax:
+            empty.append(jnp.zeros((0,), jnp.int32))
+        return named_result(empty, top_k, argmax)
+    run = _kernel_op(
+        batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k, temperature is not None, argmax
+    )
+    return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))
