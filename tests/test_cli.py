@@ -246,7 +246,8 @@ def test_bad_paths_and_devices_exit_2(tmp_path, trace_file, capsys):
                         "--device",
                         "cuda",
                     ],
-                    r"--device cuda: torch sees no CUDA device; use --device cpu",
+                    r"--device cuda: torch \S+ sees no CUDA device \(its CPU build is installed; install its CUDA "
+                    r"build: pip uninstall -y torch && pip install .torch==[0-9.]+.\); or use --device cpu$",
                 )
             )
     except ImportError:

@@ -2,7 +2,6 @@
 ``--max-k3``, the demo with one framework, refused output paths, Ctrl-C and ``--version``."""
 
 import dataclasses
-import io
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 from helpers.cli_helpers import load
 from helpers.cli_helpers import main as run_cli
 
-from trace_replay_app import __version__, cli, demo
+from trace_replay_app import __version__, cli
 from trace_replay_app.compare import compare_results, requests_above_k3
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
@@ -115,7 +114,18 @@ def test_out_equal_to_traces_is_refused(tmp_path, capsys):
             r"--out .*t\.jsonl: is the --traces file",
         ),
         (["compare", "--report", str(traces)], r"--report .*t\.jsonl: is the --traces file"),
-        (["compare", "--out-dir", str(tmp_path), "--plot", str(traces)], r"--plot .*t\.jsonl: is the --traces file"),
+        (
+            ["compare", "--report", str(tmp_path / "r.json"), "--plot", str(traces)],
+            r"--plot .*t\.jsonl: is the --traces file",
+        ),
+        (
+            ["compare", "--out-dir", str(tmp_path), "--plot", str(tmp_path / "p.png")],
+            r"--out-dir .*: give --out-dir or --plot, not both",
+        ),
+        (
+            ["compare", "--report", str(tmp_path / "x"), "--plot", os.path.join(str(tmp_path), ".", "x")],
+            r"--plot .*x: is also the --report path",
+        ),
     ]
     for args, pattern in cases:
         assert run_cli(*args, "--traces", str(traces))[0] == 2, args
@@ -271,8 +281,8 @@ def test_compare_reports_the_measures_and_max_k3_fails_the_requests_above(tmp_pa
     k3 = np.exp(-0.5) - 1 + 0.5
     assert status == 1
     assert re.match(
-        rf"^trace-replay compare: 2 requests have a k3 KL estimate above 0\.01: r1 \({k3:.3g}\), "
-        rf"r4 \({k3:.3g}\)$",
+        rf"^trace-replay compare: 2 requests fail --max-k3 0\.01 \(k3 KL estimate above it or missing\): "
+        rf"r1 \({k3:.3g}\), r4 \({k3:.3g}\)$",
         err.strip(),
     ), err
     report = load(tmp_path / "bad" / "compare_report.json")  # the report is still written
@@ -280,7 +290,6 @@ def test_compare_reports_the_measures_and_max_k3_fails_the_requests_above(tmp_pa
 
 
 def test_compare_summary_lines_name_every_measure():
-    out = io.StringIO()
     rows = compare_results(
         [TraceRequest("a", (1,), (2, 3))],
         [_result("a", [2, 3], [-1, -2], [2, 3])],
@@ -288,7 +297,10 @@ def test_compare_summary_lines_name_every_measure():
     )
     from trace_replay_app.compare import summary_lines
 
-    print("\n".join(summary_lines(rows)), file=out)
-    text = out.getvalue()
-    assert "k3 KL estimate" in text and "logprob correlation" in text and "argmax differs at 1 positions" in text
-    assert demo.report is not None
+    text = "\n".join(summary_lines(rows))
+    k3 = (np.exp(-0.5) - 1 + 0.5) / 2  # d = -0.5 at position 0, 0 at position 1
+    dp = abs(np.exp(-1.5) - np.exp(-1.0))
+    assert f"|logprob difference|: max 0.5, mean 0.25, p50 0.25, p99 {np.percentile([0.5, 0], 99):.3g}," in text
+    assert f"|probability difference|: max {dp:.3g}, mean {dp / 2:.3g}; k3 KL estimate {k3:.3g};" in text
+    assert "logprob correlation 1; argmax differs at 1 positions" in text, text
+    assert "argmax choices differ in 1 requests; earliest at position 1 (request a)" in text
