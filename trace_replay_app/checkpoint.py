@@ -136,10 +136,14 @@ def write_safetensors(
         f.write(data)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, parse_constant=_no_constant)  # NaN / Infinity: Python's extension
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except RecursionError:

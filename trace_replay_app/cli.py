@@ -346,17 +346,18 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
     usage). ``out`` receives what would go to stdout (default ``sys.stdout``). Ctrl-C ends every
     subcommand with 130 however a framework wraps the interrupt (any error after a SIGINT is
     taken for it), and nothing is written."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = f"trace-replay {argv[0]}" if argv and argv[0] in _COMMANDS else "trace-replay"
     with sigint_tracked():
-        stage("start")
-        args = build_parser().parse_args(argv)
-        out = out if out is not None else sys.stdout
         try:
-            return _COMMANDS[args.command](args, out)
+            stage("start")
+            args = build_parser().parse_args(argv)
+            return _COMMANDS[args.command](args, out if out is not None else sys.stdout)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) or (interrupted() and not isinstance(exc, SystemExit)):
-                print(f"trace-replay {args.command}: interrupted", file=sys.stderr)
+                print(f"{name}: interrupted", file=sys.stderr)
                 return 130
             if isinstance(exc, (CliError, DeviceMemoryError)):
-                print(f"trace-replay {args.command}: error: {exc}", file=sys.stderr)
+                print(f"{name}: error: {exc}", file=sys.stderr)
                 return 2
             raise

@@ -59,6 +59,7 @@ class CliError(Exception):
 def load_loop(family: Family, framework: str) -> RunDecode:
     """``family``'s decode loop for ``framework``, imported now; :class:`CliError` saying what to
     install when it cannot be imported."""
+    stage(f"{framework}-import")
     try:
         return family.run_decode(framework)
     except (FrameworkMissing, ValueError) as exc:
