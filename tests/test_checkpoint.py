@@ -174,6 +174,16 @@ def _rewrite_weights(folder, edit):
     write_safetensors(f"{folder}/model.safetensors", tensors)
 
 
+def _f64_weights(folder, name, index, value):
+    """Store every tensor as F64 (through safetensors itself), with ``value`` at ``index`` of ``name``."""
+    from safetensors.numpy import save_file
+
+    tensors, _ = read_safetensors(f"{folder}/model.safetensors")
+    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    wide[name][index] = value
+    save_file(wide, f"{folder}/model.safetensors")
+
+
 BAD_CHECKPOINTS = {
     "not_a_folder": (lambda d: str(d / "nope"), r"nope: not a folder"),
     "no_config": (lambda d: _bytes(d / "model.safetensors", b"", d), r"config\.json: missing$"),
@@ -230,6 +240,27 @@ BAD_CHECKPOINTS = {
     "config_integer_too_long": (
         lambda d: _bytes(d / "config.json", b'{"vocab_size": ' + b"7" * 5000 + b"}", d),
         r"config\.json: cannot read \(Exceeds the limit \(4300 digits\)",
+    ),
+    "config_nan": (
+        lambda d: _bytes(d / "config.json", b'{"model_type": "gpt2", "layer_norm_epsilon": NaN}', d),
+        r"config\.json: cannot read \(NaN is not a JSON value\)$",
+    ),
+    "nan_weight": (
+        lambda d: (
+            _rewrite_weights(_checkpoint(d), lambda t: t["h.1.attn.c_attn.weight"].__setitem__((3, 7), np.nan))
+            or str(d)
+        ),
+        r"model\.safetensors: tensor 'h\.1\.attn\.c_attn\.weight': value nan at index \[3, 7\] is not finite$",
+    ),
+    "infinite_bias": (
+        lambda d: (
+            _rewrite_weights(_checkpoint(d), lambda t: t["ln_f.bias"].__setitem__(slice(4, None), -np.inf)) or str(d)
+        ),
+        r"model\.safetensors: tensor 'ln_f\.bias': value -inf at index \[4\] is not finite$",
+    ),
+    "f64_beyond_float32": (
+        lambda d: _f64_weights(_checkpoint(d), "wpe.weight", (0, 2), 1e300) or str(d),
+        r"model\.safetensors: tensor 'wpe\.weight': value 1e\+300 at index \[0, 2\] is beyond float32's range$",
     ),
     "epsilon_not_a_number": (
         lambda d: _edit_config(_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),

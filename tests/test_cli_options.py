@@ -4,8 +4,10 @@
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from trace_replay_app import __version__, cli
 from trace_replay_app.compare import compare_results, requests_above_k3
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
-from trace_replay_app.records import RequestResult, TraceRequest
+from trace_replay_app.records import DeviceMemoryError, RequestResult, TraceRequest
 from trace_replay_app.traces import random_requests, write_traces
 
 CONFIG = GPT2Config()
@@ -147,6 +149,59 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_out_untouched(tmp_path, trace
         assert status == 130 and text == ""
         assert err.strip() == f"trace-replay {args[0]}: interrupted" and "Traceback" not in err
         assert out.read_text() == "previous results\n" and os.listdir(tmp_path) == ["out.json"]
+
+
+def _sigint_then(outcome):
+    """A loop that receives a real SIGINT mid-run, then ends as ``outcome`` says: a framework
+    that wraps the ``KeyboardInterrupt`` (JAX's callbacks report it as an INTERNAL error), or
+    one that swallows it and returns results."""
+
+    def loop(config, weights, requests, **kw):
+        kw["on_step"](1)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            if outcome == "wrapped":
+                raise ValueError("INTERNAL: CpuCallback error: KeyboardInterrupt") from None
+        return [_result(r.id, [0] * r.new_tokens, [-1.0] * r.new_tokens, [0] * r.new_tokens) for r in requests]
+
+    return loop
+
+
+@pytest.mark.parametrize("outcome", ["wrapped", "swallowed"])
+def test_ctrl_c_exits_130_however_the_framework_reports_it(tmp_path, trace_file, monkeypatch, capfd, outcome):
+    monkeypatch.setattr(GPT2, "load_loop", lambda fw: _sigint_then(outcome))
+    out = tmp_path / "out.json"
+    out.write_text("previous results\n")
+    before = signal.getsignal(signal.SIGINT)
+    for args in (
+        ["run", "--framework", "jax", "--out", str(out)],
+        ["compare", "--report", str(out), "--plot", str(tmp_path / "p.png")],
+    ):
+        status, text = run_cli(*args, "--traces", trace_file)
+        err = capfd.readouterr().err
+        assert (status, text, err) == (130, "", f"trace-replay {args[0]}: interrupted\n")
+        assert out.read_text() == "previous results\n" and os.listdir(tmp_path) == ["out.json"]
+    assert signal.getsignal(signal.SIGINT) is before  # the command's handler is gone again
+
+
+def test_slots_follow_the_requests_and_device_memory_errors_exit_2(tmp_path, trace_file, monkeypatch, capsys):
+    seen = []
+
+    def short_of_memory(config, weights, requests, **kw):
+        seen.append(kw["max_batch"])
+        raise DeviceMemoryError("cuda:0", 3 * 2**30, 2**30)
+
+    monkeypatch.setattr(GPT2, "load_loop", lambda fw: short_of_memory)
+    out = tmp_path / "out.json"
+    status, _ = run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--max-batch", "99")
+    assert status == 2 and seen == [10]  # 10 requests: never more slots than requests
+    assert capsys.readouterr().err == (
+        "trace-replay run: error: the decode run needs 3,072.0 MiB on cuda:0, which has 1,024.0 MiB free: "
+        "lower --max-batch or run fewer or shorter requests at once\n"
+    )
+    assert os.listdir(tmp_path) == []
 
 
 # the demo with one framework -------------------------------------------------------------------------
