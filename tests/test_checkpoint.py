@@ -88,7 +88,7 @@ def _bytes(path, data: bytes, result=None) -> str:
     return str(path if result is None else result)
 
 
-def _raw_file(path, header: dict, data: bytes = b"", *, length=None):
+def _raw_file(path, header: dict | list, data: bytes = b"", *, length=None):
     text = json.dumps(header).encode()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text) if length is None else length) + text + data)

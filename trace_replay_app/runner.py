@@ -101,7 +101,8 @@ def check_framework_device(framework: str, device: str) -> None:
     if ordinal in seen:
         return
     if not seen:
-        why = f"its CPU build is installed; install its CUDA build: {fix}" if fix else "is the NVIDIA driver loaded?"
+        hiding = "CUDA_VISIBLE_DEVICES" + (" and JAX_PLATFORMS" if framework == "jax" else "")
+        why = f"its CPU build is installed; install its CUDA build: {fix}" if fix else f"check the driver, {hiding}"
         raise CliError(f"--device {device}: {framework} {version} sees no CUDA device ({why}); or use --device cpu")
     raise CliError(f"--device {device}: {framework} {version} sees CUDA devices {seen} only")
 

@@ -61,8 +61,8 @@ class Child:
         return lines[0]
 
 
-def _env(stages: bool) -> dict:
-    env = dict(os.environ)
+def _env(stages: bool, extra: dict | None) -> dict:
+    env = dict(os.environ, **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "adapters"), env.get("PYTHONPATH", "")])
     env.pop("TRACE_REPLAY_TEST_STAGES", None)
     if stages:
@@ -86,15 +86,17 @@ def child(
     cwd,
     interrupt_at: str | None = None,
     memory_limit: int | None = None,
+    env: dict | None = None,
     timeout_s: float = 120,
 ) -> Child:
     """Run ``python -m trace_replay_app args...`` in ``cwd``; with ``interrupt_at``, send it
     SIGINT as soon as it says it reached that stage (fails if it ends first). ``memory_limit``
-    caps its address space (bytes), so a run that would take the machine's memory fails instead."""
+    caps its address space (bytes), so a run that would take the machine's memory fails instead;
+    ``env``: variables set for it."""
     proc = subprocess.Popen(
         _command(args, memory_limit),
         cwd=cwd,
-        env=_env(interrupt_at is not None),
+        env=_env(interrupt_at is not None, env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
