@@ -23,7 +23,7 @@ def test_readme_quick_start_replays_the_trace(capsys):
 
 
 def test_gpu_section_names_the_extra_and_the_set_up_that_installs_it():
-    """ "On a GPU machine": the same two commands, the gpu extra brings JAX's CUDA 13 build,
+    """The section "On a GPU machine": the same two commands; the gpu extra brings JAX's CUDA 13 build,
     and scripts/setup.sh picks it from `nvidia-smi -L` (TRACE_REPLAY_GPU overrides) and also
     installs the lint extra the tests' lint step needs."""
     tomllib = pytest.importorskip("tomllib")
