@@ -260,7 +260,7 @@ INTERRUPTS = {
     "run_jax_importing": (["run", "--framework", "jax"], "jax-import"),
     "run_jax_decoding": (["run", "--framework", "jax"], "jax-decode"),
     "compare_decoding": (["compare"], "torch-decode"),
-    "demo_decoding": (["demo"], "jax-decode"),
+    "demo_decoding": (["demo"], "torch-decode"),
 }
 
 

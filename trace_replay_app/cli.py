@@ -14,9 +14,14 @@ The model: ``--model NAME`` (a registry family, seeded weights of its small defa
 ``--seed``; default ``gpt2``) or ``--checkpoint DIR`` (a Hugging Face folder; the family from
 its ``config.json``). ``--dtype`` sets the compute dtype (default float32 on the CPU, bfloat16
 on a GPU); ``--temperature``/``--sampling-seed`` the sampling of untraced requests (0 = greedy).
-A framework is imported only when a subcommand runs its loop. Exit status: 0 success; 1 a check
-failed (a traced request not reproduced exactly, a demo check, ``--max-k3``); 2 bad arguments
-or input files (nothing is written); 130 interrupted (Ctrl-C; nothing is written).
+A framework is imported only when a subcommand asks it about ``--device`` or runs its loop.
+Before any work: the arguments, the output paths (none may replace an input or another output),
+the trace file and the model's config, then each framework's view of the device, then the
+weights (finite values only). Exit status: 0 success; 1 a check failed (a traced request not
+reproduced exactly, a non-finite logprob, a demo check, a gate such as ``--max-k3``; the output
+is written); 2 refused: bad arguments, inputs, output paths or device, or a run that does not
+fit in the device's memory (one line on stderr; nothing is written); 130 interrupted (Ctrl-C,
+however a framework reports it; nothing is written).
 """
 
 from __future__ import annotations
