@@ -1,4 +1,5 @@
-"""Helpers shared by the command-line test modules: in-process runs, child processes, sentinels."""
+"""Helpers shared by the command-line test modules: in-process runs, child processes, sentinels,
+and checkpoint folders and safetensors files, good and bad."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import io
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
 
+import numpy as np
+
 from trace_replay_app import cli
+from trace_replay_app.checkpoint import read_safetensors, save_checkpoint, write_safetensors
+from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL_GPT2 = GPT2Config(vocab_size=96, n_positions=40, n_embd=16, n_layer=2, n_head=2)
 STAGE = "trace-replay: stage "  # what the command says at each stage when TRACE_REPLAY_TEST_STAGES is set
 
 
@@ -121,3 +128,86 @@ def child(
     err.append(rest)
     kept = "".join(line for line in "".join(err).splitlines(keepends=True) if not line.startswith(STAGE))
     return Child(proc.returncode, out, kept)
+
+
+# checkpoint folders and safetensors files, good and bad -------------------------------------------
+def file_of_bytes(path, data: bytes, result=None) -> str:
+    """Write ``data`` at ``path``; return ``result`` (default ``path``) as a string."""
+    path.write_bytes(data)
+    return str(path if result is None else result)
+
+
+def raw_safetensors(path, header: dict | list, data: bytes = b"", *, length=None):
+    """A safetensors file written by hand: the header (its length field may lie), then ``data``."""
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text) if length is None else length) + text + data)
+    return str(path)
+
+
+def good_safetensors_bytes() -> bytes:
+    from safetensors.numpy import save
+
+    return save({"t": np.arange(12, dtype=np.float32)})
+
+
+def small_checkpoint(tmp_path, **kw):
+    """A checkpoint folder of the small GPT-2 (``SMALL_GPT2``, seeded weights); ``kw`` to ``save_checkpoint``."""
+    save_checkpoint(str(tmp_path), SMALL_GPT2, seeded_weights(SMALL_GPT2, 0), **kw)
+    return str(tmp_path)
+
+
+def edit_config(folder, **changes):
+    """Update the folder's ``config.json`` with ``changes``."""
+    path = f"{folder}/config.json"
+    hf = load(path)
+    hf.update(changes)
+    with open(path, "w") as f:
+        json.dump(hf, f)
+
+
+def rewrite_weights(folder, edit):
+    """Read the folder's ``model.safetensors``, let ``edit`` change the tensors in place, write it back."""
+    tensors, _ = read_safetensors(f"{folder}/model.safetensors")
+    edit(tensors)
+    write_safetensors(f"{folder}/model.safetensors", tensors)
+
+
+def store_as_f64(folder, name, index, value):
+    """Store every tensor as F64 (through safetensors itself), with ``value`` at ``index`` of ``name``."""
+    from safetensors.numpy import save_file
+
+    tensors, _ = read_safetensors(f"{folder}/model.safetensors")
+    wide = {k: v.astype(np.float64) for k, v in tensors.items()}
+    wide[name][index] = value
+    save_file(wide, f"{folder}/model.safetensors")
+
+
+def sharded_checkpoint(d):
+    """A checkpoint of the small GPT-2 in two shards and an index."""
+    save_checkpoint(str(d), SMALL_GPT2, seeded_weights(SMALL_GPT2, 0), shards=2)
+    return str(d)
+
+
+def relabelled_checkpoint(d, model_type):
+    edit_config(small_checkpoint(d), model_type=model_type)
+    return str(d)
+
+
+def checkpoint_without_shard(d):
+    sharded_checkpoint(d)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return str(d)
+
+
+def truncate(path, keep: int = -10):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def index_naming_absent_tensor(d):
+    sharded_checkpoint(d)
+    index = load(d / "model.safetensors.index.json")
+    index["weight_map"]["h.0.ln_1.weight"] = "model-00002-of-00002.safetensors"  # it lives in shard 1
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(d)
