@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_float,
         default=None,
         metavar="X",
-        help="exit 1 and list the requests whose k3 KL estimate is above X",
+        help="exit 1 and list the requests whose k3 KL estimate is above X or missing (not finite, none compared)",
     )
     common(cmp, max_batch=8)
     return parser
