@@ -151,7 +151,7 @@ def test_each_framework_is_asked_about_the_device_before_any_work(tmp_path, trac
     backend, exits 2 in one line naming the framework, before anything ran or was written."""
     for fw in ("torch", "jax"):
         check_framework_device(fw, "cuda")
-        with pytest.raises(CliError, match=rf"^--device cuda:99: {fw} \S+ sees CUDA devices \[0.*\] only$"):
+        with pytest.raises(CliError, match=rf"^--device cuda:99: {fw} \S+ .*CUDA devices \[0.*\]"):
             check_framework_device(fw, "cuda:99")
     env = {"JAX_PLATFORMS": "cpu"}
     got = child("demo", "--device", "cuda", cwd=tmp_path, env=env)

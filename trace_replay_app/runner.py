@@ -1,7 +1,7 @@
 """What the subcommands share: models and loops from the registry, the device check of each
 framework, trace files in, runs with a progress bar, output documents out, and Ctrl-C. Host-only;
-imports a framework only to ask it about a device (:func:`check_framework_device`) or through
-:meth:`~trace_replay_app.models.Family.run_decode` when a subcommand asks for a loop.
+imports a framework only through an adapter asked about a device (:func:`check_framework_device`)
+or through :meth:`~trace_replay_app.models.Family.run_decode` when a subcommand asks for a loop.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from trace_replay_core import split_device
+from trace_replay_core import parse_device, split_device
 
 from .models import Family, FrameworkMissing, RunDecode, get_family
 from .records import RequestResult, TraceRequest
@@ -66,45 +66,67 @@ def load_loop(family: Family, framework: str) -> RunDecode:
         raise CliError(str(exc)) from None
 
 
-def _cuda_view(framework: str) -> tuple[list[int], str, str | None]:
-    """``(CUDA ordinals the framework sees, its version, the command that installs its CUDA
-    build when it has none, else None)``; imports the framework."""
-    if framework == "torch":
-        import torch
-
-        base = torch.__version__.split("+")[0]  # PyPI's Linux wheels of torch are its CUDA builds
-        fix = f"pip uninstall -y torch && pip install 'torch=={base}'" if torch.version.cuda is None else None
-        return list(range(torch.cuda.device_count() if torch.cuda.is_available() else 0)), torch.__version__, fix
-    import jax
-
+def _version(distribution: str) -> str | None:
     try:
-        gpus = sorted(getattr(d, "local_hardware_id", d.id) for d in jax.devices("gpu"))
-    except RuntimeError:  # no gpu backend: none installed, or one that found no GPU
-        gpus = []
-    try:
-        importlib.metadata.version("jax-cuda13-plugin")
-        fix = None
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        fix = f"pip install 'jax[cuda13]=={jax.__version__}'"
-    return gpus, jax.__version__, fix
+        return None
+
+
+def _torch_device_error(device: str, version: str) -> str | None:
+    """Why torch cannot use ``device``, from its installed metadata (a CPU build carries no CUDA
+    requirement, or a ``+cpu`` label) and the CUDA driver's device count (the core's parser):
+    the application imports a framework only in its loop modules."""
+    label = version.partition("+")[2]  # "cpu", "cu130", ...; none on PyPI, whose Linux wheels require CUDA's
+    needs = importlib.metadata.requires("torch") or []
+    cuda_build = label.startswith(("cu", "rocm")) or (not label and any("nvidia-" in r or "cuda-" in r for r in needs))
+    if not cuda_build:
+        fix = f"pip uninstall -y torch && pip install 'torch=={version.partition('+')[0]}'"  # PyPI's Linux wheels
+        return f"sees no CUDA device (its CPU build is installed; install its CUDA build: {fix})"
+    seen = [i for i in range(split_device(device)[1] + 1) if _driver_sees(f"cuda:{i}")]
+    if not seen:
+        return "sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)"
+    return None if len(seen) > split_device(device)[1] else f"sees CUDA devices {seen} only"
+
+
+def _driver_sees(device: str) -> bool:
+    try:
+        parse_device(device)
+    except ValueError:
+        return False
+    return True
+
+
+def _jax_device_error(device: str, version: str) -> str | None:
+    """Why JAX cannot use ``device``, asked through its adapter (which imports JAX)."""
+    from trace_replay_jax import resolve_device
+
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        if "no gpu backend" not in str(exc):
+            return f"cannot use it ({exc})"
+        if _version("jax-cuda13-plugin") is None and _version("jax-cuda12-plugin") is None:
+            fix = f"pip install 'jax[cuda13]=={version}'"
+            return f"sees no CUDA device (its CPU build is installed; install its CUDA build: {fix})"
+        return "sees no CUDA device (check the driver, CUDA_VISIBLE_DEVICES and JAX_PLATFORMS)"
+    return None
 
 
 def check_framework_device(framework: str, device: str) -> None:
-    """Raise :class:`CliError` unless ``framework`` (``torch`` or ``jax``, imported now) sees
-    ``device`` (``cpu``, ``cuda`` or ``cuda:N``); the one-line message names the framework, the
-    device, and the command that installs the framework's CUDA build when it has none."""
-    kind, ordinal = split_device(device)
-    if kind == "cpu":
+    """Raise :class:`CliError` unless ``framework`` (``torch`` or ``jax``) can use ``device``
+    (``cpu``, ``cuda`` or ``cuda:N``); the one-line message names the framework, the device, and
+    the command that installs the framework's CUDA build when it has none. A framework that is not
+    installed passes here (:func:`load_loop` says what to install)."""
+    if split_device(device)[0] == "cpu":
         return
     stage(f"{framework}-import")
-    seen, version, fix = _cuda_view(framework)
-    if ordinal in seen:
+    version = _version(framework)
+    if version is None:
         return
-    if not seen:
-        hiding = "CUDA_VISIBLE_DEVICES" + (" and JAX_PLATFORMS" if framework == "jax" else "")
-        why = f"its CPU build is installed; install its CUDA build: {fix}" if fix else f"check the driver, {hiding}"
-        raise CliError(f"--device {device}: {framework} {version} sees no CUDA device ({why}); or use --device cpu")
-    raise CliError(f"--device {device}: {framework} {version} sees CUDA devices {seen} only")
+    why = (_torch_device_error if framework == "torch" else _jax_device_error)(device, version)
+    if why is not None:
+        raise CliError(f"--device {device}: {framework} {version} {why}; or use --device cpu")
 
 
 def load_model(model: str | None, checkpoint: str | None, seed: int) -> tuple[Family, Any, dict[str, Any]]:
