@@ -8,6 +8,21 @@ import struct
 
 import numpy as np
 import pytest
+from helpers.cli_helpers import (
+    SMALL_GPT2,
+    checkpoint_without_shard,
+    edit_config,
+    file_of_bytes,
+    good_safetensors_bytes,
+    index_naming_absent_tensor,
+    raw_safetensors,
+    relabelled_checkpoint,
+    rewrite_weights,
+    sharded_checkpoint,
+    small_checkpoint,
+    store_as_f64,
+    truncate,
+)
 
 from trace_replay_app.checkpoint import (
     CheckpointError,
@@ -17,8 +32,6 @@ from trace_replay_app.checkpoint import (
     write_safetensors,
 )
 from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
-
-SMALL = GPT2Config(vocab_size=96, n_positions=40, n_embd=16, n_layer=2, n_head=2)
 
 
 def _load(path):
@@ -83,51 +96,33 @@ def test_read_only_some_names(tmp_path):
     assert list(read_safetensors(path, names={"b"})[0]) == ["b"]
 
 
-def _bytes(path, data: bytes, result=None) -> str:
-    path.write_bytes(data)
-    return str(path if result is None else result)
-
-
-def _raw_file(path, header: dict, data: bytes = b"", *, length=None):
-    text = json.dumps(header).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text) if length is None else length) + text + data)
-    return str(path)
-
-
 # The package's own words for a malformed file vary between its versions: the file is named, the
 # problem is "not a readable safetensors file (<the package's reason>)".
 _UNREADABLE = r"not a readable safetensors file \(.+\)$"
 BAD_FILES = {
-    "too_short": (lambda p: _bytes(p, b"\x01\x02"), _UNREADABLE),
-    "header_too_long": (lambda p: _raw_file(p, {}, length=10_000), _UNREADABLE),
-    "header_not_json": (lambda p: _bytes(p, struct.pack("<Q", 3) + b"{x}"), _UNREADABLE),
-    "header_not_object": (lambda p: _raw_file(p, [1]), _UNREADABLE),
+    "too_short": (lambda p: file_of_bytes(p, b"\x01\x02"), _UNREADABLE),
+    "header_too_long": (lambda p: raw_safetensors(p, {}, length=10_000), _UNREADABLE),
+    "header_not_json": (lambda p: file_of_bytes(p, struct.pack("<Q", 3) + b"{x}"), _UNREADABLE),
+    "header_not_object": (lambda p: raw_safetensors(p, [1]), _UNREADABLE),
     "dtype": (
-        lambda p: _raw_file(p, {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+        lambda p: raw_safetensors(p, {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
         r"tensor 't': dtype 'I64' is not supported \(supported: F32, F16, BF16, F64\)",
     ),
     "shape": (
-        lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+        lambda p: raw_safetensors(p, {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
         _UNREADABLE,
     ),
     "offsets_outside": (
-        lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+        lambda p: raw_safetensors(p, {"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
         _UNREADABLE,
     ),
     "offsets_vs_shape": (
-        lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
+        lambda p: raw_safetensors(p, {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
         _UNREADABLE,
     ),
-    "missing_offsets": (lambda p: _raw_file(p, {"t": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), _UNREADABLE),
-    "truncated": (lambda p: _bytes(p, _good_bytes()[:-6]), _UNREADABLE),
+    "missing_offsets": (lambda p: raw_safetensors(p, {"t": {"dtype": "F32", "shape": [1]}}, b"\0" * 4), _UNREADABLE),
+    "truncated": (lambda p: file_of_bytes(p, good_safetensors_bytes()[:-6]), _UNREADABLE),
 }
-
-
-def _good_bytes() -> bytes:
-    from safetensors.numpy import save
-
-    return save({"t": np.arange(12, dtype=np.float32)})
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
@@ -142,10 +137,12 @@ def test_bad_safetensors_files(tmp_path, case):
     "dtype, prefix, extras", [("F32", "", False), ("BF16", "transformer.", True), ("F16", "transformer.", False)]
 )
 def test_checkpoint_round_trip(tmp_path, dtype, prefix, extras):
-    weights = seeded_weights(SMALL, 5)
-    save_checkpoint(str(tmp_path), SMALL, weights, dtype=dtype, prefix=prefix, tied_lm_head=extras, mask_buffers=extras)
+    weights = seeded_weights(SMALL_GPT2, 5)
+    save_checkpoint(
+        str(tmp_path), SMALL_GPT2, weights, dtype=dtype, prefix=prefix, tied_lm_head=extras, mask_buffers=extras
+    )
     family, config, loaded = load_checkpoint(str(tmp_path))
-    assert config == SMALL and set(loaded) == set(weights)
+    assert config == SMALL_GPT2 and set(loaded) == set(weights)
     for name, w in weights.items():
         expected = _bf16(w) if dtype == "BF16" else w.astype(np.float16).astype(np.float32) if dtype == "F16" else w
         assert loaded[name].dtype == np.float32
@@ -155,84 +152,90 @@ def test_checkpoint_round_trip(tmp_path, dtype, prefix, extras):
     assert any(k.startswith("transformer.") for k in header) == bool(prefix)
 
 
-def _checkpoint(tmp_path, **kw):
-    save_checkpoint(str(tmp_path), SMALL, seeded_weights(SMALL, 0), **kw)
-    return str(tmp_path)
-
-
-def _edit_config(folder, **changes):
-    path = f"{folder}/config.json"
-    hf = _load(path)
-    hf.update(changes)
-    with open(path, "w") as f:
-        json.dump(hf, f)
-
-
-def _rewrite_weights(folder, edit):
-    tensors, _ = read_safetensors(f"{folder}/model.safetensors")
-    edit(tensors)
-    write_safetensors(f"{folder}/model.safetensors", tensors)
-
-
 BAD_CHECKPOINTS = {
     "not_a_folder": (lambda d: str(d / "nope"), r"nope: not a folder"),
-    "no_config": (lambda d: _bytes(d / "model.safetensors", b"", d), r"config\.json: missing$"),
+    "no_config": (lambda d: file_of_bytes(d / "model.safetensors", b"", d), r"config\.json: missing$"),
     "config_lacks": (
-        lambda d: _bytes(d / "config.json", b'{"vocab_size": 5}', d),
+        lambda d: file_of_bytes(d / "config.json", b'{"vocab_size": 5}', d),
         r"config\.json: config\.json lacks n_positions, n_embd, n_layer, n_head$",
     ),
     "activation": (
-        lambda d: _edit_config(_checkpoint(d), activation_function="relu") or str(d),
+        lambda d: edit_config(small_checkpoint(d), activation_function="relu") or str(d),
         r"config\.json: activation_function='relu' is not supported",
     ),
     "no_weights": (
-        lambda d: _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d),
+        lambda d: file_of_bytes(d / "config.json", json.dumps(SMALL_GPT2.to_hf()).encode(), d),
         r"model\.safetensors: missing \(and no model\.safetensors\.index\.json of a sharded checkpoint\)$",
     ),
     "empty_index": (
-        lambda d: _bytes(
-            d / "model.safetensors.index.json", b"{}", _bytes(d / "config.json", json.dumps(SMALL.to_hf()).encode(), d)
+        lambda d: file_of_bytes(
+            d / "model.safetensors.index.json",
+            b"{}",
+            file_of_bytes(d / "config.json", json.dumps(SMALL_GPT2.to_hf()).encode(), d),
         ),
         r"model\.safetensors\.index\.json: must hold a non-empty \"weight_map\"",
     ),
     "missing_tensor": (
-        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.pop("h.1.mlp.c_fc.bias")) or str(d),
+        lambda d: rewrite_weights(small_checkpoint(d), lambda t: t.pop("h.1.mlp.c_fc.bias")) or str(d),
         r"model\.safetensors: weights lack parameter 'h\.1\.mlp\.c_fc\.bias'",
     ),
     "wrong_shape": (
-        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"wpe.weight": np.zeros((4, 16))})) or str(d),
+        lambda d: rewrite_weights(small_checkpoint(d), lambda t: t.update({"wpe.weight": np.zeros((4, 16))})) or str(d),
         r"model\.safetensors: weights\['wpe\.weight'\] must have shape \(40, 16\)",
     ),
     "untied_lm_head": (
         lambda d: (
-            _rewrite_weights(_checkpoint(d), lambda t: t.update({"lm_head.weight": t["wte.weight"] + 1})) or str(d)
+            rewrite_weights(small_checkpoint(d), lambda t: t.update({"lm_head.weight": t["wte.weight"] + 1})) or str(d)
         ),
         r"model\.safetensors: tensor 'lm_head\.weight' differs from 'wte\.weight'",
     ),
     "twice": (
         lambda d: (
-            _rewrite_weights(_checkpoint(d), lambda t: t.update({"transformer.ln_f.bias": t["ln_f.bias"]})) or str(d)
+            rewrite_weights(small_checkpoint(d), lambda t: t.update({"transformer.ln_f.bias": t["ln_f.bias"]}))
+            or str(d)
         ),
         r"tensor 'ln_f\.bias' appears twice",
     ),
     "unexpected": (
-        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"h.9.ln_1.weight": np.ones(16)})) or str(d),
+        lambda d: rewrite_weights(small_checkpoint(d), lambda t: t.update({"h.9.ln_1.weight": np.ones(16)})) or str(d),
         r"weights hold unexpected parameters \['h\.9\.ln_1\.weight'\]",
     ),
     "config_not_utf8": (
-        lambda d: _bytes(d / "config.json", b'{"model_type": "gpt\xff"}', d),
+        lambda d: file_of_bytes(d / "config.json", b'{"model_type": "gpt\xff"}', d),
         r"config\.json: cannot read \('utf-8' codec can't decode byte 0xff",
     ),
     "config_nested_deeply": (
-        lambda d: _bytes(d / "config.json", b"[" * 100_000 + b"]" * 100_000, d),
+        lambda d: file_of_bytes(d / "config.json", b"[" * 100_000 + b"]" * 100_000, d),
         r"config\.json: cannot read \(JSON nested too deeply\)$",
     ),
     "config_integer_too_long": (
-        lambda d: _bytes(d / "config.json", b'{"vocab_size": ' + b"7" * 5000 + b"}", d),
+        lambda d: file_of_bytes(d / "config.json", b'{"vocab_size": ' + b"7" * 5000 + b"}", d),
         r"config\.json: cannot read \(Exceeds the limit \(4300 digits\)",
     ),
+    "config_nan": (
+        lambda d: file_of_bytes(d / "config.json", b'{"model_type": "gpt2", "layer_norm_epsilon": NaN}', d),
+        r"config\.json: cannot read \(NaN is not a JSON value\)$",
+    ),
+    "nan_weight": (
+        lambda d: (
+            rewrite_weights(small_checkpoint(d), lambda t: t["h.1.attn.c_attn.weight"].__setitem__((3, 7), np.nan))
+            or str(d)
+        ),
+        r"model\.safetensors: tensor 'h\.1\.attn\.c_attn\.weight': value nan at index \[3, 7\] is not finite$",
+    ),
+    "infinite_bias": (
+        lambda d: (
+            rewrite_weights(small_checkpoint(d), lambda t: t["ln_f.bias"].__setitem__(slice(4, None), -np.inf))
+            or str(d)
+        ),
+        r"model\.safetensors: tensor 'ln_f\.bias': value -inf at index \[4\] is not finite$",
+    ),
+    "f64_beyond_float32": (
+        lambda d: store_as_f64(small_checkpoint(d), "wpe.weight", (0, 2), 1e300) or str(d),
+        r"model\.safetensors: tensor 'wpe\.weight': value 1e\+300 at index \[0, 2\] is beyond float32's range$",
+    ),
     "epsilon_not_a_number": (
-        lambda d: _edit_config(_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),
+        lambda d: edit_config(small_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),
         r"config\.json: layer_norm_epsilon must be a number \(got '1e-5'\)$",
     ),
 }
@@ -256,15 +259,15 @@ def test_checkpoint_runs_the_same_in_both_frameworks(tmp_path, capsys):
     folder = tmp_path / "ckpt"
     save_checkpoint(
         str(folder),
-        SMALL,
-        seeded_weights(SMALL, 2),
+        SMALL_GPT2,
+        seeded_weights(SMALL_GPT2, 2),
         dtype="BF16",
         prefix="transformer.",
         tied_lm_head=True,
         mask_buffers=True,
     )
     traces = str(tmp_path / "t.jsonl")
-    write_traces(traces, random_requests(SMALL, 10, seed=4, prompt_len=(1, 12), new_tokens=(1, 12)))
+    write_traces(traces, random_requests(SMALL_GPT2, 10, seed=4, prompt_len=(1, 12), new_tokens=(1, 12)))
     outs = {}
     for fw in ("torch", "jax"):
         out = str(tmp_path / f"{fw}.json")
@@ -312,9 +315,9 @@ def test_checkpoint_runs_the_same_in_both_frameworks(tmp_path, capsys):
 # sharded sets, model_type, refusals through the command line --------------------------------------
 def test_sharded_checkpoint_loads_like_one_file(tmp_path):
     """An index and 2 shards (the Hugging Face layout) load to the same weights as one file."""
-    weights = seeded_weights(SMALL, 7)
-    save_checkpoint(str(tmp_path / "one"), SMALL, weights, prefix="transformer.")
-    save_checkpoint(str(tmp_path / "two"), SMALL, weights, prefix="transformer.", shards=2)
+    weights = seeded_weights(SMALL_GPT2, 7)
+    save_checkpoint(str(tmp_path / "one"), SMALL_GPT2, weights, prefix="transformer.")
+    save_checkpoint(str(tmp_path / "two"), SMALL_GPT2, weights, prefix="transformer.", shards=2)
     index = _load(tmp_path / "two" / "model.safetensors.index.json")
     assert sorted(set(index["weight_map"].values())) == [
         "model-00001-of-00002.safetensors",
@@ -323,66 +326,37 @@ def test_sharded_checkpoint_loads_like_one_file(tmp_path):
     assert not (tmp_path / "two" / "model.safetensors").exists()
     family, config, one = load_checkpoint(str(tmp_path / "one"))
     family2, config2, two = load_checkpoint(str(tmp_path / "two"))
-    assert family is family2 and family.name == "gpt2" and config == config2 == SMALL
+    assert family is family2 and family.name == "gpt2" and config == config2 == SMALL_GPT2
     assert sorted(one) == sorted(two) == sorted(weights)
     for name in weights:
         np.testing.assert_array_equal(two[name], weights[name], err_msg=name)
 
 
-def _sharded(d):
-    save_checkpoint(str(d), SMALL, seeded_weights(SMALL, 0), shards=2)
-    return str(d)
-
-
-def _relabel(d, model_type):
-    _edit_config(_checkpoint(d), model_type=model_type)
-    return str(d)
-
-
-def _drop_shard(d):
-    _sharded(d)
-    (d / "model-00002-of-00002.safetensors").unlink()
-    return str(d)
-
-
-def _truncate(path, keep: int = -10):
-    data = path.read_bytes()
-    path.write_bytes(data[:keep])
-
-
-def _index_names_absent_tensor(d):
-    _sharded(d)
-    index = _load(d / "model.safetensors.index.json")
-    index["weight_map"]["h.0.ln_1.weight"] = "model-00002-of-00002.safetensors"  # it lives in shard 1
-    (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    return str(d)
-
-
 REFUSED = {
     "unsupported_model_type": (
-        lambda d: _relabel(d, "bert"),
+        lambda d: relabelled_checkpoint(d, "bert"),
         r"config\.json: model_type 'bert' is not supported \(supported: gpt2(, \w+)*\)$",
     ),
     "missing_shard": (
-        _drop_shard,
+        checkpoint_without_shard,
         r"model-00002-of-00002\.safetensors: missing \(the shard "
         r"model\.safetensors\.index\.json names for tensor '.+'\)$",
     ),
     "truncated_file": (
-        lambda d: _truncate(d / "model.safetensors") or str(d) if _checkpoint(d) else None,
+        lambda d: truncate(d / "model.safetensors") or str(d) if small_checkpoint(d) else None,
         r"model\.safetensors: not a readable safetensors file \(.+\)$",
     ),
     "truncated_shard": (
-        lambda d: _truncate(d / "model-00001-of-00002.safetensors") or str(d) if _sharded(d) else None,
+        lambda d: truncate(d / "model-00001-of-00002.safetensors") or str(d) if sharded_checkpoint(d) else None,
         r"model-00001-of-00002\.safetensors: not a readable safetensors file \(.+\)$",
     ),
     "tensor_not_in_its_shard": (
-        _index_names_absent_tensor,
+        index_naming_absent_tensor,
         r"model-00002-of-00002\.safetensors: tensor 'h\.0\.ln_1\.weight' missing \(named by "
         r"model\.safetensors\.index\.json\)$",
     ),
     "wrong_shape": (
-        lambda d: _rewrite_weights(_checkpoint(d), lambda t: t.update({"ln_f.bias": np.zeros(17)})) or str(d),
+        lambda d: rewrite_weights(small_checkpoint(d), lambda t: t.update({"ln_f.bias": np.zeros(17)})) or str(d),
         r"model\.safetensors: weights\['ln_f\.bias'\] must have shape \(16,\) \(got \(17,\)\)$",
     ),
 }
@@ -399,7 +373,7 @@ def test_refused_checkpoints_exit_2_and_write_nothing(tmp_path, case, capsys):
     work = tmp_path / "work"
     work.mkdir()
     traces = str(work / "t.jsonl")
-    write_traces(traces, random_requests(SMALL, 3, seed=1))
+    write_traces(traces, random_requests(SMALL_GPT2, 3, seed=1))
     before = {p: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
     for args in (
         ["run", "--framework", "torch", "--out", str(work / "o.json")],

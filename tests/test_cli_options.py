@@ -2,22 +2,23 @@
 ``--max-k3``, the demo with one framework, refused output paths, Ctrl-C and ``--version``."""
 
 import dataclasses
-import io
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 from helpers.cli_helpers import load
 from helpers.cli_helpers import main as run_cli
 
-from trace_replay_app import __version__, cli, demo
+from trace_replay_app import __version__, cli
 from trace_replay_app.compare import compare_results, requests_above_k3
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
-from trace_replay_app.records import RequestResult, TraceRequest
+from trace_replay_app.records import DeviceMemoryError, RequestResult, TraceRequest
 from trace_replay_app.traces import random_requests, write_traces
 
 CONFIG = GPT2Config()
@@ -115,7 +116,18 @@ def test_out_equal_to_traces_is_refused(tmp_path, capsys):
             r"--out .*t\.jsonl: is the --traces file",
         ),
         (["compare", "--report", str(traces)], r"--report .*t\.jsonl: is the --traces file"),
-        (["compare", "--out-dir", str(tmp_path), "--plot", str(traces)], r"--plot .*t\.jsonl: is the --traces file"),
+        (
+            ["compare", "--report", str(tmp_path / "r.json"), "--plot", str(traces)],
+            r"--plot .*t\.jsonl: is the --traces file",
+        ),
+        (
+            ["compare", "--out-dir", str(tmp_path), "--plot", str(tmp_path / "p.png")],
+            r"--out-dir .*: give --out-dir or --plot, not both",
+        ),
+        (
+            ["compare", "--report", str(tmp_path / "x"), "--plot", os.path.join(str(tmp_path), ".", "x")],
+            r"--plot .*x: is also the --report path",
+        ),
     ]
     for args, pattern in cases:
         assert run_cli(*args, "--traces", str(traces))[0] == 2, args
@@ -137,6 +149,59 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_out_untouched(tmp_path, trace
         assert status == 130 and text == ""
         assert err.strip() == f"trace-replay {args[0]}: interrupted" and "Traceback" not in err
         assert out.read_text() == "previous results\n" and os.listdir(tmp_path) == ["out.json"]
+
+
+def _sigint_then(outcome):
+    """A loop that receives a real SIGINT mid-run, then ends as ``outcome`` says: a framework
+    that wraps the ``KeyboardInterrupt`` (JAX's callbacks report it as an INTERNAL error), or
+    one that swallows it and returns results."""
+
+    def loop(config, weights, requests, **kw):
+        kw["on_step"](1)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            if outcome == "wrapped":
+                raise ValueError("INTERNAL: CpuCallback error: KeyboardInterrupt") from None
+        return [_result(r.id, [0] * r.new_tokens, [-1.0] * r.new_tokens, [0] * r.new_tokens) for r in requests]
+
+    return loop
+
+
+@pytest.mark.parametrize("outcome", ["wrapped", "swallowed"])
+def test_ctrl_c_exits_130_however_the_framework_reports_it(tmp_path, trace_file, monkeypatch, capfd, outcome):
+    monkeypatch.setattr(GPT2, "load_loop", lambda fw: _sigint_then(outcome))
+    out = tmp_path / "out.json"
+    out.write_text("previous results\n")
+    before = signal.getsignal(signal.SIGINT)
+    for args in (
+        ["run", "--framework", "jax", "--out", str(out)],
+        ["compare", "--report", str(out), "--plot", str(tmp_path / "p.png")],
+    ):
+        status, text = run_cli(*args, "--traces", trace_file)
+        err = capfd.readouterr().err
+        assert (status, text, err) == (130, "", f"trace-replay {args[0]}: interrupted\n")
+        assert out.read_text() == "previous results\n" and os.listdir(tmp_path) == ["out.json"]
+    assert signal.getsignal(signal.SIGINT) is before  # the command's handler is gone again
+
+
+def test_slots_follow_the_requests_and_device_memory_errors_exit_2(tmp_path, trace_file, monkeypatch, capsys):
+    seen = []
+
+    def short_of_memory(config, weights, requests, **kw):
+        seen.append(kw["max_batch"])
+        raise DeviceMemoryError("cuda:0", 3 * 2**30, 2**30)
+
+    monkeypatch.setattr(GPT2, "load_loop", lambda fw: short_of_memory)
+    out = tmp_path / "out.json"
+    status, _ = run_cli("run", "--framework", "torch", "--traces", trace_file, "--out", str(out), "--max-batch", "99")
+    assert status == 2 and seen == [10]  # 10 requests: never more slots than requests
+    assert capsys.readouterr().err == (
+        "trace-replay run: error: the decode run needs 3,072.0 MiB on cuda:0, which has 1,024.0 MiB free: "
+        "lower --max-batch or run fewer or shorter requests at once\n"
+    )
+    assert os.listdir(tmp_path) == []
 
 
 # the demo with one framework -------------------------------------------------------------------------
@@ -271,8 +336,8 @@ def test_compare_reports_the_measures_and_max_k3_fails_the_requests_above(tmp_pa
     k3 = np.exp(-0.5) - 1 + 0.5
     assert status == 1
     assert re.match(
-        rf"^trace-replay compare: 2 requests have a k3 KL estimate above 0\.01: r1 \({k3:.3g}\), "
-        rf"r4 \({k3:.3g}\)$",
+        rf"^trace-replay compare: 2 requests fail --max-k3 0\.01 \(k3 KL estimate above it or missing\): "
+        rf"r1 \({k3:.3g}\), r4 \({k3:.3g}\)$",
         err.strip(),
     ), err
     report = load(tmp_path / "bad" / "compare_report.json")  # the report is still written
@@ -280,7 +345,6 @@ def test_compare_reports_the_measures_and_max_k3_fails_the_requests_above(tmp_pa
 
 
 def test_compare_summary_lines_name_every_measure():
-    out = io.StringIO()
     rows = compare_results(
         [TraceRequest("a", (1,), (2, 3))],
         [_result("a", [2, 3], [-1, -2], [2, 3])],
@@ -288,7 +352,10 @@ def test_compare_summary_lines_name_every_measure():
     )
     from trace_replay_app.compare import summary_lines
 
-    print("\n".join(summary_lines(rows)), file=out)
-    text = out.getvalue()
-    assert "k3 KL estimate" in text and "logprob correlation" in text and "argmax differs at 1 positions" in text
-    assert demo.report is not None
+    text = "\n".join(summary_lines(rows))
+    k3 = (np.exp(-0.5) - 1 + 0.5) / 2  # d = -0.5 at position 0, 0 at position 1
+    dp = abs(np.exp(-1.5) - np.exp(-1.0))
+    assert f"|logprob difference|: max 0.5, mean 0.25, p50 0.25, p99 {np.percentile([0.5, 0], 99):.3g}," in text
+    assert f"|probability difference|: max {dp:.3g}, mean {dp / 2:.3g}; k3 KL estimate {k3:.3g};" in text
+    assert "logprob correlation 1; argmax differs at 1 positions" in text, text
+    assert "argmax choices differ in 1 requests; earliest at position 1 (request a)" in text

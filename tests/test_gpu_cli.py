@@ -1,12 +1,16 @@
 """The ``trace-replay`` command line end to end with ``--device cuda`` (GPU tier)."""
 
+import os
+import re
+
 import numpy as np
 import pytest
-from helpers.cli_helpers import load
+from helpers.cli_helpers import child, load, sentinel, sha256
 from helpers.cli_helpers import main as run_cli
 
 from trace_replay_app.checkpoint import save_checkpoint
 from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
+from trace_replay_app.runner import CliError, check_framework_device
 from trace_replay_app.traces import random_requests, read_traces, write_traces
 
 pytestmark = pytest.mark.gpu
@@ -140,3 +144,61 @@ def test_run_on_cuda_defaults_to_bfloat16_and_samples_reproducibly(tmp_path, tra
     assert s["dtype"] == "bfloat16" and s["exact_reproductions"] == s["traced_requests"] == 48
     assert s["logprobs"] == "raw logits (before temperature)"
     assert docs[0]["requests"] == docs[1]["requests"]
+
+
+def test_each_framework_is_asked_about_the_device_before_any_work(tmp_path, trace_file):
+    """Both frameworks see cuda here; a device they do not see, or JAX limited to its CPU
+    backend, exits 2 in one line naming the framework, before anything ran or was written."""
+    for fw in ("torch", "jax"):
+        check_framework_device(fw, "cuda")
+        with pytest.raises(CliError, match=rf"^--device cuda:99: {fw} \S+ .*CUDA devices \[0.*\]"):
+            check_framework_device(fw, "cuda:99")
+    env = {"JAX_PLATFORMS": "cpu"}
+    got = child("demo", "--device", "cuda", cwd=tmp_path, env=env)
+    assert got.status == 2 and got.out == "", got
+    assert re.match(
+        r"^trace-replay demo: error: --device cuda: jax \S+ sees no CUDA device \(check the driver, "
+        r"CUDA_VISIBLE_DEVICES and JAX_PLATFORMS\); or use --device cpu$",
+        got.error_line(),
+    )
+    out = tmp_path / "o.json"
+    digest = sentinel(out)
+    got = child(
+        "run",
+        "--framework",
+        "jax",
+        "--traces",
+        trace_file,
+        "--device",
+        "cuda",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+        env=env,
+    )
+    assert got.status == 2 and sha256(out) == digest and "jax" in got.error_line()
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_ctrl_c_during_a_cuda_decode_exits_130(tmp_path, trace_file, framework):
+    """Ctrl-C while a CUDA decode runs (in JAX the interrupt can arrive inside a buffer
+    callback, wrapped as an INTERNAL error): 130, one line, the output untouched; three tries."""
+    out = tmp_path / "o.json"
+    digest = sentinel(out)
+    for _ in range(3):
+        args = ("--framework", framework, "--traces", trace_file, "--device", "cuda", "--max-batch", "2")
+        got = child("run", *args, "--out", str(out), cwd=tmp_path, interrupt_at=f"{framework}-decode")
+        assert got.status == 130, got
+        assert got.error_line() == "trace-replay run: interrupted" and sha256(out) == digest
+        assert os.listdir(tmp_path) == ["o.json"]
+
+
+def test_max_batch_far_beyond_the_requests_runs_on_cuda(tmp_path):
+    traces = str(tmp_path / "t.jsonl")
+    write_traces(traces, random_requests(CONFIG, 4, seed=5))
+    out = str(tmp_path / "o.json")
+    for framework in ("torch", "jax"):
+        args = ("--framework", framework, "--traces", traces, "--out", out, "--device", "cuda", "--quiet")
+        status, text = run_cli("run", *args, "--max-batch", "100000000000")
+        assert status == 0, text
+        assert load(out)["summary"]["exact_reproductions"] == 4

@@ -12,12 +12,14 @@ which registers numpy's ``bfloat16``). Framework-neutral: no torch, no JAX.
 
 Every problem raises :class:`CheckpointError` naming the file and, where there is one, the
 tensor: a truncated or malformed file, an index naming a missing shard, a tensor the index
-names but its shard lacks, a missing or mis-shaped tensor (both shapes). Files are only read.
+names but its shard lacks, a missing or mis-shaped tensor (both shapes), a NaN or infinite
+weight (or one beyond float32's range: the first such index and its value). Files are only read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +40,7 @@ __all__ = [
     "read_tensors",
     "load_checkpoint",
     "save_checkpoint",
+    "checkpoint_inputs",
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "INDEX_FILE",
@@ -64,12 +67,28 @@ def _message(exc: BaseException) -> str:
     return str(exc).strip() or type(exc).__name__
 
 
-def read_safetensors(path: str, names: set | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _finite(path: str, name: str, stored: np.ndarray, widened: np.ndarray) -> np.ndarray:
+    """``widened`` (float32) if every value is finite, else :class:`CheckpointError` naming the
+    tensor, the first bad index and its stored value (NaN, infinite, or beyond float32)."""
+    bad = ~np.isfinite(widened)
+    if bad.any():
+        index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), widened.shape))
+        value = float(np.asarray(stored, dtype=np.float64)[index])
+        what = "beyond float32's range" if math.isfinite(value) else "not finite"
+        raise CheckpointError(f"{path}: tensor {name!r}: value {value!r} at index {list(index)} is {what}")
+    return widened
+
+
+def read_safetensors(
+    path: str, names: set | None = None, *, finite: bool = False
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """``(tensors, metadata)`` of the safetensors file ``path``: every tensor (or only those in
     ``names``) as a new native float32 array, and the ``__metadata__`` mapping (empty if none).
 
     Raises :class:`CheckpointError` naming the file (and tensor) for a truncated or malformed
-    file, or a tensor of a dtype other than F32, F16, BF16 or F64. Host-only, reads the file.
+    file, a tensor of a dtype other than F32, F16, BF16 or F64, and with ``finite`` a tensor
+    holding a NaN or infinite value (or one beyond float32's range), naming the first such index
+    and its value. Host-only, reads the file.
     """
     tensors: dict[str, np.ndarray] = {}
     try:
@@ -85,9 +104,12 @@ def read_safetensors(path: str, names: set | None = None) -> tuple[dict[str, np.
                         f"(supported: {', '.join(STORED_DTYPES)})"
                     )
                 try:
-                    tensors[name] = np.asarray(f.get_tensor(name)).astype(np.float32)
+                    stored = np.asarray(f.get_tensor(name))
+                    with np.errstate(over="ignore"):  # F64 beyond float32 becomes inf: refused with finite
+                        widened = stored.astype(np.float32)
                 except (SafetensorError, ValueError, TypeError, OSError) as exc:
                     raise CheckpointError(f"{path}: tensor {name!r}: cannot read ({_message(exc)})") from None
+                tensors[name] = _finite(path, name, stored, widened) if finite else widened
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except (SafetensorError, OSError, ValueError) as exc:
@@ -114,10 +136,14 @@ def write_safetensors(
         f.write(data)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, parse_constant=_no_constant)  # NaN / Infinity: Python's extension
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except RecursionError:
@@ -146,7 +172,7 @@ def read_config(folder: str) -> tuple[Family, Any]:
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def _shards(folder: str) -> tuple[str, dict[str, list]]:
+def _shards(folder: str) -> tuple[str, dict[str, list[str] | None]]:
     """``(where, {shard path: [tensor names] or None for all})``: the one weights file, or the
     index's shards (``where`` is the file that errors about the whole set name)."""
     single, index = os.path.join(folder, WEIGHTS_FILE), os.path.join(folder, INDEX_FILE)
@@ -162,7 +188,7 @@ def _shards(folder: str) -> tuple[str, dict[str, list]]:
         or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
     ):
         raise CheckpointError(f'{index}: must hold a non-empty "weight_map" of tensor name -> shard file')
-    shards: dict[str, list] = {}
+    shards: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         if os.path.basename(shard) != shard or shard in ("", ".", ".."):
             raise CheckpointError(f"{index}: tensor {name!r}: shard {shard!r} must be a file name in the folder")
@@ -170,18 +196,18 @@ def _shards(folder: str) -> tuple[str, dict[str, list]]:
         if path not in shards and not os.path.isfile(path):
             raise CheckpointError(f"{path}: missing (the shard {INDEX_FILE} names for tensor {name!r})")
         shards.setdefault(path, []).append(name)
-    return index, shards
+    return index, {path: names for path, names in shards.items()}
 
 
 def read_tensors(folder: str) -> tuple[str, dict[str, np.ndarray]]:
     """``(where, tensors)``: every tensor of the folder's weights (one file or every shard of
     the index) as float32 arrays, and the file naming the set. Raises :class:`CheckpointError`
-    naming the file for a truncated shard, a missing shard, or a tensor the index places in a
-    shard that lacks it."""
+    naming the file for a truncated shard, a missing shard, a tensor the index places in a
+    shard that lacks it, or a weight that is not finite (the tensor and the first bad index)."""
     where, shards = _shards(folder)
     tensors: dict[str, np.ndarray] = {}
     for path, names in shards.items():
-        got, _ = read_safetensors(path, names=None if names is None else set(names))
+        got, _ = read_safetensors(path, names=None if names is None else set(names), finite=True)
         for name in names or ():
             if name not in got:
                 raise CheckpointError(f"{path}: tensor {name!r} missing (named by {INDEX_FILE})")
@@ -190,6 +216,15 @@ def read_tensors(folder: str) -> tuple[str, dict[str, np.ndarray]]:
                 raise CheckpointError(f"{path}: tensor {name!r} appears in two shards")
             tensors[name] = value
     return where, tensors
+
+
+def checkpoint_inputs(folder: str | None) -> list[str]:
+    """The files of the checkpoint ``folder`` that loading it reads and that exist (config,
+    weights, index and every ``*.safetensors`` shard): outputs must not replace them."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    names = sorted(n for n in os.listdir(folder) if n in (CONFIG_FILE, INDEX_FILE) or n.endswith(".safetensors"))
+    return [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
 
 
 def load_checkpoint(folder: str) -> tuple[Family, Any, dict[str, np.ndarray]]:

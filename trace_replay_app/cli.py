@@ -14,15 +14,19 @@ The model: ``--model NAME`` (a registry family, seeded weights of its small defa
 ``--seed``; default ``gpt2``) or ``--checkpoint DIR`` (a Hugging Face folder; the family from
 its ``config.json``). ``--dtype`` sets the compute dtype (default float32 on the CPU, bfloat16
 on a GPU); ``--temperature``/``--sampling-seed`` the sampling of untraced requests (0 = greedy).
-A framework is imported only when a subcommand runs its loop. Exit status: 0 success; 1 a check
-failed (a traced request not reproduced exactly, a demo check, ``--max-k3``); 2 bad arguments
-or input files (nothing is written); 130 interrupted (Ctrl-C; nothing is written).
+A framework is imported only when a subcommand asks it about ``--device`` or runs its loop.
+Before any work: the arguments, the output paths (none may replace an input or another output),
+the trace file and the model's config, then each framework's view of the device, then the
+weights (finite values only). Exit status: 0 success; 1 a check failed (a traced request not
+reproduced exactly, a non-finite logprob, a demo check, a gate such as ``--max-k3``; the output
+is written); 2 refused: bad arguments, inputs, output paths or device, or a run that does not
+fit in the device's memory (one line on stderr; nothing is written); 130 interrupted (Ctrl-C,
+however a framework reports it; nothing is written).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -32,127 +36,101 @@ from trace_replay_core import split_device
 
 from . import __version__, demo
 from .models import FRAMEWORKS, families
+from .records import DeviceMemoryError
 from .runner import (
-    LOGPROBS_NOTE,
     CliError,
-    check_device,
-    check_out_path,
-    load_loop,
-    load_model,
-    read_requests,
+    check_outputs,
+    decode_options,
+    model_summary,
+    prepare_run,
     replay_requests,
     reproduced,
     result_to_json,
     run_summary,
     say,
+    stage,
     write_json_document,
 )
 from .schedule import COMPUTE_DTYPES
+from .traces import interrupted, sigint_tracked
 
 __all__ = ["main", "build_parser", "cmd_run", "cmd_compare"]
 
 
-def _decode_options(args) -> dict:
-    """The loop's ``dtype``/``temperature``/``seed`` from the arguments (dtype default: float32
-    on the CPU, bfloat16 on a GPU)."""
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    return {"dtype": dtype, "temperature": args.temperature, "seed": args.sampling_seed}
+def _ids(ids: Sequence[str]) -> str:
+    return ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
 
 
-def _model_summary(family, config, source, decode) -> dict:
-    sizes = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(vars(config))
-    return {
-        "family": family.name,
-        "weights": source,
-        "model": sizes,
-        "dtype": decode["dtype"],
-        "temperature": decode["temperature"],
-        "sampling_seed": decode["seed"],
-        "logprobs": LOGPROBS_NOTE,
-    }
+def _f(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
 
 
 # subcommands ------------------------------------------------------------------------------------
 def cmd_run(args, out: TextIO) -> int:
-    check_out_path("--out", args.out, inputs=[("--traces", args.traces)])
-    family, config, weights, source = load_model(args.model, args.checkpoint, args.seed)
-    requests = read_requests(args.traces, config)
-    check_device(args.framework, args.device)
-    loop = load_loop(family, args.framework)
-    decode = _decode_options(args)
+    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
+    decode = decode_options(args)
     results, seconds = replay_requests(
         args.framework,
         config,
         weights,
         requests,
-        loop=loop,
+        loop=loops[args.framework],
         device=args.device,
         max_batch=args.max_batch,
         show_progress=False if args.quiet else None,
         **decode,
     )
-    summary = run_summary(requests, results, seconds)
+    s = run_summary(requests, results, seconds)
     head = {
         "summary": dict(
-            summary,
+            s,
             framework=args.framework,
             device=args.device,
             max_batch=args.max_batch,
             traces=args.traces,
-            **_model_summary(family, config, source, decode),
+            **model_summary(family, config, source, decode),
         )
     }
     rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
     write_json_document(args.out, head, "requests", rows)
-    s = summary
-    rate = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "n/a"
     say(
         out,
         args.quiet,
         f"{args.framework} on {args.device}: {s['requests']} requests ({s['traced_requests']} "
-        f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({rate} tokens/s)",
+        f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({_f(s['tokens_per_s'], '.0f')} tokens/s)",
     )
     if s["forced_tokens"]:
         say(
             out,
             args.quiet,
             f"exact reproduction: {s['exact_reproductions']}/{s['traced_requests']} traced "
-            f"requests; forced tokens: mean logprob {s['mean_forced_logprob']:.3f}, "
-            f"mean rank {s['mean_forced_rank']:.1f}",
+            f"requests; forced tokens: mean logprob {_f(s['mean_forced_logprob'], '.3f')}, "
+            f"mean rank {_f(s['mean_forced_rank'], '.1f')}",
         )
     say(out, args.quiet, f"wrote {args.out}")
+    status = 0
     if s["exact_reproductions"] != s["traced_requests"]:
         bad = [q.id for q, r in zip(requests, results, strict=True) if reproduced(q, r) is False]
+        print(f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: {_ids(bad)}", file=sys.stderr)
+        status = 1
+    if s["non_finite_logprobs"]:
+        bad = s["requests_with_non_finite_logprobs"]
         print(
-            f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: "
-            f"{', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}",
+            f"trace-replay run: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
+            f"{len(bad)} requests: {_ids(bad)}",
             file=sys.stderr,
         )
-        return 1
-    return 0
+        status = 1
+    return status
 
 
 def cmd_compare(args, out: TextIO) -> int:
-    from .compare import compare_results, plot_divergence, requests_above_k3, summary_lines
+    from .compare import compare_results, gate_failures, output_paths, plot_divergence, summary_lines
 
-    out_dir = args.out_dir
-    report_path = args.report or os.path.join(out_dir, "compare_report.json")
-    plot_path = args.plot or os.path.join(out_dir, "compare_divergence.png")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CliError(f"--out-dir {out_dir}: exists and is not a folder")
-    for option, path in (("--report", report_path), ("--plot", plot_path)):
-        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(out_dir):  # out_dir is created later
-            check_out_path(option, path, inputs=[("--traces", args.traces)])
-        elif os.path.isdir(path):
-            raise CliError(f"{option} {path}: is a folder (give a file name)")
-        elif os.path.exists(path) and os.path.realpath(path) == os.path.realpath(args.traces):
-            raise CliError(f"{option} {path}: is the --traces file (the output would replace the input)")
-    family, config, weights, source = load_model(args.model, args.checkpoint, args.seed)
-    requests = read_requests(args.traces, config)
-    for fw in FRAMEWORKS:
-        check_device(fw, args.device)
-    loops = {fw: load_loop(family, fw) for fw in FRAMEWORKS}
-    decode = _decode_options(args)
+    report_path, plot_path, create = output_paths(args.out_dir, args.report, args.plot, args.traces, args.checkpoint)
+    family, config, source, requests, weights, loops = prepare_run(args, FRAMEWORKS)
+    decode = decode_options(args)
     runs, summaries = {}, {}
     for fw in FRAMEWORKS:
         runs[fw], seconds = replay_requests(
@@ -173,9 +151,10 @@ def cmd_compare(args, out: TextIO) -> int:
         max_batch=args.max_batch,
         traces=args.traces,
         runs=summaries,
-        **_model_summary(family, config, source, decode),
+        **model_summary(family, config, source, decode),
     )
-    os.makedirs(out_dir, exist_ok=True)
+    if create is not None:
+        os.makedirs(create, exist_ok=True)
     write_json_document(
         report_path,
         {"summary": report["summary"], "per_position": report["per_position"]},
@@ -205,12 +184,16 @@ def cmd_compare(args, out: TextIO) -> int:
             f"trace-replay compare: traced requests were not reproduced exactly by {', '.join(failed)}", file=sys.stderr
         )
         status = 1
+    bad = report["summary"]["requests_with_non_finite_logprobs"]
+    if bad:
+        print(f"trace-replay compare: {len(bad)} requests have non-finite logprobs: {_ids(bad)}", file=sys.stderr)
+        status = 1
     if args.max_k3 is not None:
-        above = requests_above_k3(report, args.max_k3)
+        above = gate_failures(report, "k3", args.max_k3)
         if above:
             print(
-                f"trace-replay compare: {len(above)} requests have a k3 KL estimate above {args.max_k3:g}: "
-                + ", ".join(f"{rid} ({k3:.3g})" for rid, k3 in above),
+                f"trace-replay compare: {len(above)} requests fail --max-k3 {args.max_k3:g} (k3 KL estimate above it "
+                f"or missing): {', '.join(above)}",
                 file=sys.stderr,
             )
             status = 1
@@ -343,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
     cmp.add_argument(
         "--out-dir",
-        default=".",
+        default=None,
         metavar="DIR",
-        help="folder for compare_report.json and compare_divergence.png (default: .)",
+        help="folder for compare_report.json and compare_divergence.png (default: .); not with --report/--plot",
     )
     cmp.add_argument("--report", metavar="FILE", help="report path (default: OUT_DIR/compare_report.json)")
     cmp.add_argument("--plot", metavar="FILE", help="plot path (default: OUT_DIR/compare_divergence.png)")
@@ -354,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative_float,
         default=None,
         metavar="X",
-        help="exit 1 and list the requests whose k3 KL estimate is above X",
+        help="exit 1 and list the requests whose k3 KL estimate is above X or missing (not finite, none compared)",
     )
     common(cmp, max_batch=8)
     return parser
@@ -365,14 +348,21 @@ _COMMANDS = {"demo": demo.cmd_demo, "run": cmd_run, "compare": cmd_compare}
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
     """Entry point of ``trace-replay``; returns the exit status (argparse exits with 2 on bad
-    usage). ``out`` receives what would go to stdout (default ``sys.stdout``)."""
-    args = build_parser().parse_args(argv)
-    out = out if out is not None else sys.stdout
-    try:
-        return _COMMANDS[args.command](args, out)
-    except CliError as exc:
-        print(f"trace-replay {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"trace-replay {args.command}: interrupted", file=sys.stderr)
-        return 130
+    usage). ``out`` receives what would go to stdout (default ``sys.stdout``). Ctrl-C ends every
+    subcommand with 130 however a framework wraps the interrupt (any error after a SIGINT is
+    taken for it), and nothing is written."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = f"trace-replay {argv[0]}" if argv and argv[0] in _COMMANDS else "trace-replay"
+    with sigint_tracked():
+        try:
+            stage("start")
+            args = build_parser().parse_args(argv)
+            return _COMMANDS[args.command](args, out if out is not None else sys.stdout)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) or (interrupted() and not isinstance(exc, SystemExit)):
+                print(f"{name}: interrupted", file=sys.stderr)
+                return 130
+            if isinstance(exc, (CliError, DeviceMemoryError)):
+                print(f"{name}: error: {exc}", file=sys.stderr)
+                return 2
+            raise

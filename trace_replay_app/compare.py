@@ -20,14 +20,28 @@ positions' argmax differ; and the first divergent position (argmax or token, whi
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .records import RequestResult, TraceRequest
+from .runner import CliError, check_outputs
 
-__all__ = ["compare_results", "plot_divergence", "summary_lines", "mismatch_measures", "requests_above_k3"]
+__all__ = [
+    "compare_results",
+    "plot_divergence",
+    "summary_lines",
+    "mismatch_measures",
+    "requests_above_k3",
+    "gate_failures",
+    "output_paths",
+    "GATED_MEASURES",
+]
+
+# the per-request measures a gate (``--max-k3``) may bound
+GATED_MEASURES = ("k3", "mean_abs_logprob_diff", "max_abs_logprob_diff", "mean_abs_prob_diff", "max_abs_prob_diff")
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -72,8 +86,30 @@ def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> dict[str, Any]:
 
 def requests_above_k3(report: dict[str, Any], limit: float) -> list[tuple]:
     """``[(id, k3)]`` of the requests of a :func:`compare_results` report whose k3 estimate is
-    above ``limit``, in report order."""
+    above ``limit``, in report order (see :func:`gate_failures` for the gate, which also fails
+    requests whose k3 is missing)."""
     return [(r["id"], r["k3"]) for r in report["requests"] if r["k3"] is not None and r["k3"] > limit]
+
+
+def gate_failures(report: dict[str, Any], measure: str, limit: float) -> list[str]:
+    """The requests of a :func:`compare_results` report that fail the gate ``measure <= limit``,
+    each as ``"id (why)"``: the value above ``limit``, the value missing (no compared position,
+    or not finite), or any compared logprob not finite (the measure then covers only part of the
+    request). A gate never passes a request it cannot measure. ``ValueError`` for a
+    ``measure`` not in :data:`GATED_MEASURES`."""
+    if measure not in GATED_MEASURES:
+        raise ValueError(f"measure must be one of {', '.join(GATED_MEASURES)} (got {measure!r})")
+    failed = []
+    for r in report["requests"]:
+        value, bad = r[measure], r.get("non_finite_logprobs", 0)
+        if bad:
+            failed.append(f"{r['id']} ({bad} non-finite logprobs)")
+        elif value is None:
+            why = "not finite" if r["compared_positions"] else "no compared position"
+            failed.append(f"{r['id']} ({measure} missing: {why})")
+        elif value > limit:
+            failed.append(f"{r['id']} ({value:.3g})")
+    return failed
 
 
 def compare_results(
@@ -122,6 +158,7 @@ def compare_results(
         absd = np.abs(diff[valid])
         all_diffs.append(absd)
         ok = valid & np.isfinite(la) & np.isfinite(lb)
+        non_finite = int(np.sum(valid & ~ok))
         pairs_a.append(la[ok])
         pairs_b.append(lb[ok])
         mismatched = int(np.sum(np.asarray(ra.argmax[:m]) != np.asarray(rb.argmax[:m])))
@@ -135,6 +172,7 @@ def compare_results(
                 "traced": req.trace is not None,
                 "tokens": [int(t) for t in ta],
                 "compared_positions": int(valid.sum()),
+                "non_finite_logprobs": non_finite,
                 "first_token_divergence": token_div,
                 "first_argmax_divergence": argmax_div,
                 **mismatch_measures(la[ok], lb[ok]),
@@ -166,6 +204,7 @@ def compare_results(
         "traced_requests": sum(r["traced"] for r in rows),
         "compared_positions": int(flat.size),
         "non_finite_differences": int(flat.size - finite.size),
+        "requests_with_non_finite_logprobs": [r["id"] for r in rows if r["non_finite_logprobs"]],
         "max_abs_logprob_diff": stat(np.max),
         "mean_abs_logprob_diff": stat(np.mean),
         "p50_abs_logprob_diff": stat(lambda x: np.percentile(x, 50)),
@@ -192,6 +231,26 @@ def compare_results(
         for p, v in sorted(by_position.items())
     ]
     return {"summary": summary, "per_position": per_position, "requests": rows}
+
+
+def output_paths(
+    out_dir_option: str | None, report: str | None, plot: str | None, traces: str, checkpoint: str | None
+) -> tuple[str, str, str | None]:
+    """``compare``'s ``(report path, plot path, folder to create or None)`` from its options;
+    :class:`~trace_replay_app.runner.CliError` for options that exclude each other (``--out-dir``
+    with ``--report``/``--plot``) and outputs that would replace an input or each other."""
+    if out_dir_option is not None and (report or plot):
+        given = " and ".join(o for o, v in (("--report", report), ("--plot", plot)) if v)
+        raise CliError(f"--out-dir {out_dir_option}: give --out-dir or {given}, not both")
+    out_dir = out_dir_option or "."
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CliError(f"--out-dir {out_dir}: exists and is not a folder")
+    report = report or os.path.join(out_dir, "compare_report.json")
+    plot = plot or os.path.join(out_dir, "compare_divergence.png")
+    create = out_dir if not os.path.isdir(out_dir) else None  # made once the work is done: holds no input
+    if create is None:
+        check_outputs([("--report", report), ("--plot", plot)], [("--traces", traces)], checkpoint)
+    return report, plot, create
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -265,9 +324,9 @@ def plot_divergence(report: dict[str, Any], path: str, *, title: str | None = No
         ax.scatter(xs, ys, s=10, alpha=0.5, color="tab:gray", label="one token", linewidths=0, zorder=3)
     per = report["per_position"]
     if per:
-        pos = [p["position"] for p in per]
-        ax.plot(pos, [p["max_abs_logprob_diff"] for p in per], color="tab:red", label="max over requests")
-        ax.plot(pos, [p["mean_abs_logprob_diff"] for p in per], color="tab:blue", label="mean over requests")
+        at = [p["position"] for p in per]
+        ax.plot(at, [p["max_abs_logprob_diff"] for p in per], color="tab:red", label="max over requests")
+        ax.plot(at, [p["mean_abs_logprob_diff"] for p in per], color="tab:blue", label="mean over requests")
     divs = [r["first_argmax_divergence"] for r in report["requests"] if r["first_argmax_divergence"] is not None]
     for i, d in enumerate(sorted(set(divs))):
         ax.axvline(

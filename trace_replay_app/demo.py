@@ -30,9 +30,9 @@ from typing import Any, TextIO
 from .compare import compare_results
 from .models import FRAMEWORKS, Family, FrameworkMissing, get_family
 from .records import RequestResult, TraceRequest
-from .runner import CliError, check_device, replay_requests
+from .runner import CliError, check_framework_device, replay_requests
 
-__all__ = ["builtin_requests", "run_demo", "report", "cmd_demo", "DemoResult", "Check"]
+__all__ = ["builtin_requests", "available_loops", "run_demo", "report", "cmd_demo", "DemoResult", "Check"]
 
 KINDS = ("own", "random", "free")
 
@@ -94,6 +94,20 @@ def _tokens(result: RequestResult) -> list[int]:
     return [int(t) for t in result.tokens]
 
 
+def available_loops(family: Family) -> tuple[dict[str, Callable[..., list[RequestResult]]], dict[str, str]]:
+    """``(loops, missing)``: ``family``'s decode loop of each framework that imports (imported
+    now), and why each other one cannot; :class:`~trace_replay_app.runner.CliError` when none can."""
+    loops, missing = {}, {}
+    for fw in FRAMEWORKS:
+        try:
+            loops[fw] = family.run_decode(fw)
+        except FrameworkMissing as exc:
+            missing[fw] = str(exc)
+    if not loops:
+        raise CliError("no framework can run the demo: " + "; ".join(missing.values()))
+    return loops, missing
+
+
 def run_demo(
     *,
     device: str = "cpu",
@@ -102,28 +116,20 @@ def run_demo(
     loops: Mapping[str, Callable[..., list[RequestResult]]] | None = None,
     show_progress: bool | None = False,
     model: str = "gpt2",
+    missing: Mapping[str, str] | None = None,
 ) -> DemoResult:
     """Run the demo and its checks; return everything (see :class:`DemoResult`).
 
-    ``loops`` maps framework names to ``run_decode`` functions (default: the family ``model``'s
-    torch and JAX loops, imported now; a framework that cannot be imported is skipped and named
-    in ``missing``; :class:`~trace_replay_app.runner.CliError` when none can); ``seed`` seeds
-    the model's weights.
+    ``loops`` maps framework names to ``run_decode`` functions (default: those of
+    :func:`available_loops` for the family ``model``, whose ``missing`` frameworks the result
+    names; or pass them as ``missing``); ``seed`` seeds the model's weights.
     """
     family = get_family(model)
     config = family.default_config()
     weights = family.seeded_weights(config, seed)
-    missing: dict[str, str] = {}
     if loops is None:
-        loops = {}
-        for fw in FRAMEWORKS:
-            try:
-                loops[fw] = family.run_decode(fw)
-            except FrameworkMissing as exc:
-                missing[fw] = str(exc)
-        if not loops:
-            raise CliError("no framework can run the demo: " + "; ".join(missing.values()))
-    loops = dict(loops)
+        loops, missing = available_loops(family)
+    loops, missing = dict(loops), dict(missing or {})
     names = list(loops)
     untraced = builtin_requests(config)
 
@@ -160,9 +166,9 @@ def run_demo(
     for fw in names:
         traced = [(q, r) for q, r in zip(requests, results[fw], strict=True) if q.trace is not None]
         bad = [
-            f"{q.id}: tokens {_tokens(r)} != trace {list(q.trace)}"
+            f"{q.id}: tokens {_tokens(r)} != trace {list(q.trace or ())}"
             for q, r in traced
-            if _tokens(r) != list(q.trace) or not all(bool(f) for f in r.forced)
+            if _tokens(r) != list(q.trace or ()) or not all(bool(f) for f in r.forced)
         ]
         checks.append(
             Check(f"{fw}: traced requests reproduced their traces exactly", len(traced) - len(bad), len(traced), bad)
@@ -284,13 +290,18 @@ def report(result: DemoResult, *, quiet: bool = False, out: TextIO | None = None
 
 
 def cmd_demo(args, out: TextIO) -> int:
-    """The ``demo`` subcommand: run, report, exit status 0 when every check passed, else 1."""
-    for fw in FRAMEWORKS:
-        check_device(fw, args.device)
+    """The ``demo`` subcommand: run, report, exit status 0 when every check passed, else 1.
+    Before any work, each framework that will run must see ``--device``
+    (:class:`~trace_replay_app.runner.CliError` naming it and how to install its CUDA build)."""
+    loops, missing = available_loops(get_family(args.model or "gpt2"))
+    for fw in loops:
+        check_framework_device(fw, args.device)
     result = run_demo(
         device=args.device,
         seed=args.seed,
         max_batch=args.max_batch,
+        loops=loops,
+        missing=missing,
         show_progress=False if args.quiet else None,
         model=args.model or "gpt2",
     )

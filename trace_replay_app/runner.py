@@ -1,10 +1,13 @@
-"""What the subcommands share: models and loops from the registry, trace files in, runs with a
-progress bar, output documents out. Host-only; imports no framework (loops load through
-:meth:`~trace_replay_app.models.Family.run_decode` when a subcommand asks for one).
+"""What the subcommands share: models and loops from the registry, the device check of each
+framework, trace files in, runs with a progress bar, output documents out, and Ctrl-C. Host-only;
+imports a framework only through an adapter asked about a device (:func:`check_framework_device`)
+or through :meth:`~trace_replay_app.models.Family.run_decode` when a subcommand asks for a loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import json
 import math
 import os
@@ -15,17 +18,21 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from trace_replay_core import parse_device
+from trace_replay_core import parse_device, split_device
 
 from .models import Family, FrameworkMissing, RunDecode, get_family
 from .records import RequestResult, TraceRequest
-from .traces import TraceFileError, atomic_write, read_traces
+from .traces import TraceFileError, atomic_write, read_traces, stop_if_interrupted
 
 __all__ = [
     "CliError",
     "load_loop",
-    "check_device",
+    "check_framework_device",
     "load_model",
+    "load_weights",
+    "decode_options",
+    "model_summary",
+    "prepare_run",
     "read_requests",
     "progress_bar",
     "replay_requests",
@@ -34,8 +41,11 @@ __all__ = [
     "run_summary",
     "write_json_document",
     "check_out_path",
+    "check_outputs",
     "say",
     "finite_or_none",
+    "non_finite_requests",
+    "stage",
     "LOGPROBS_NOTE",
 ]
 
@@ -49,48 +59,109 @@ class CliError(Exception):
 def load_loop(family: Family, framework: str) -> RunDecode:
     """``family``'s decode loop for ``framework``, imported now; :class:`CliError` saying what to
     install when it cannot be imported."""
+    stage(f"{framework}-import")
     try:
         return family.run_decode(framework)
     except (FrameworkMissing, ValueError) as exc:
         raise CliError(str(exc)) from None
 
 
-def check_device(framework: str, device: str) -> None:
-    """Raise :class:`CliError` unless ``device`` (``cpu``, ``cuda`` or ``cuda:N``) exists here
-    (asked through ``trace_replay_core.parse_device``; imports no framework)."""
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _torch_device_error(device: str, version: str) -> str | None:
+    """Why torch cannot use ``device``, from its installed metadata (a CPU build carries no CUDA
+    requirement, or a ``+cpu`` label) and the CUDA driver's device count (the core's parser):
+    the application imports a framework only in its loop modules."""
+    label = version.partition("+")[2]  # "cpu", "cu130", ...; none on PyPI, whose Linux wheels require CUDA's
+    needs = importlib.metadata.requires("torch") or []
+    cuda_build = label.startswith(("cu", "rocm")) or (not label and any("nvidia-" in r or "cuda-" in r for r in needs))
+    if not cuda_build:
+        fix = f"pip uninstall -y torch && pip install 'torch=={version.partition('+')[0]}'"  # PyPI's Linux wheels
+        return f"sees no CUDA device (its CPU build is installed; install its CUDA build: {fix})"
+    seen = [i for i in range(split_device(device)[1] + 1) if _driver_sees(f"cuda:{i}")]
+    if not seen:
+        return "sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)"
+    return None if len(seen) > split_device(device)[1] else f"sees CUDA devices {seen} only"
+
+
+def _driver_sees(device: str) -> bool:
     try:
         parse_device(device)
-    except (TypeError, ValueError):
-        if device == "cpu" or not (device == "cuda" or device.startswith("cuda:")):
-            raise CliError(f"--device must be cpu, cuda or cuda:N (got {device!r})") from None
-        raise CliError(
-            f"--device {device}: {framework} sees no CUDA device{'' if device == 'cuda' else ' ' + device}"
-            "; use --device cpu"
-        ) from None
+    except ValueError:
+        return False
+    return True
 
 
-def load_model(
-    model: str | None, checkpoint: str | None, seed: int
-) -> tuple[Family, Any, dict[str, Any], dict[str, Any]]:
-    """``(family, config, weights, source)``: from the checkpoint folder if given (the family
-    from its ``config.json``), else the family ``model`` (default ``gpt2``) with its small
-    default config and seeded weights; ``source`` says where the weights came from."""
-    from .checkpoint import CheckpointError, load_checkpoint  # reads safetensors only when asked
+def _jax_device_error(device: str, version: str) -> str | None:
+    """Why JAX cannot use ``device``, asked through its adapter (which imports JAX)."""
+    from trace_replay_jax import resolve_device
+
+    try:
+        resolve_device(device)
+    except ValueError as exc:
+        if "no gpu backend" not in str(exc):
+            return f"cannot use it ({exc})"
+        if _version("jax-cuda13-plugin") is None and _version("jax-cuda12-plugin") is None:
+            fix = f"pip install 'jax[cuda13]=={version}'"
+            return f"sees no CUDA device (its CPU build is installed; install its CUDA build: {fix})"
+        return "sees no CUDA device (check the driver, CUDA_VISIBLE_DEVICES and JAX_PLATFORMS)"
+    return None
+
+
+def check_framework_device(framework: str, device: str) -> None:
+    """Raise :class:`CliError` unless ``framework`` (``torch`` or ``jax``) can use ``device``
+    (``cpu``, ``cuda`` or ``cuda:N``); the one-line message names the framework, the device, and
+    the command that installs the framework's CUDA build when it has none. A framework that is not
+    installed passes here (:func:`load_loop` says what to install)."""
+    if split_device(device)[0] == "cpu":
+        return
+    stage(f"{framework}-import")
+    version = _version(framework)
+    if version is None:
+        return
+    why = (_torch_device_error if framework == "torch" else _jax_device_error)(device, version)
+    if why is not None:
+        raise CliError(f"--device {device}: {framework} {version} {why}; or use --device cpu")
+
+
+def load_model(model: str | None, checkpoint: str | None, seed: int) -> tuple[Family, Any, dict[str, Any]]:
+    """``(family, config, source)``: from the checkpoint folder's ``config.json`` if given, else
+    the family ``model`` (default ``gpt2``) with its small default config; ``source`` says where
+    the weights come from (:func:`load_weights` reads them)."""
+    from .checkpoint import CheckpointError, read_config  # reads safetensors only when asked
 
     if checkpoint is not None:
         try:
-            family, config, weights = load_checkpoint(checkpoint)
+            family, config = read_config(checkpoint)
         except CheckpointError as exc:
             raise CliError(str(exc)) from None
         if model is not None and model != family.name:
             raise CliError(f"--model {model}: the checkpoint {checkpoint} holds a {family.name} model")
-        return family, config, weights, {"source": "checkpoint", "checkpoint": checkpoint}
+        return family, config, {"source": "checkpoint", "checkpoint": checkpoint}
     try:
         family = get_family(model or "gpt2")
     except ValueError as exc:
         raise CliError(f"--model: {exc}") from None
-    config = family.default_config()
-    return family, config, family.seeded_weights(config, seed), {"source": "seeded", "seed": seed}
+    return family, family.default_config(), {"source": "seeded", "seed": seed}
+
+
+def load_weights(family: Family, config: Any, source: Mapping[str, Any]) -> dict[str, Any]:
+    """The weights :func:`load_model` named: the checkpoint's (every tensor checked, finite
+    values only) or the seeded ones; :class:`CliError` naming the file and tensor at fault."""
+    from .checkpoint import CheckpointError, load_checkpoint
+
+    stage("load")
+    if source["source"] == "seeded":
+        return family.seeded_weights(config, source["seed"])
+    try:
+        return load_checkpoint(source["checkpoint"])[2]
+    except CheckpointError as exc:
+        raise CliError(str(exc)) from None
 
 
 def read_requests(path: str, config: Any) -> list[TraceRequest]:
@@ -102,6 +173,40 @@ def read_requests(path: str, config: Any) -> list[TraceRequest]:
         raise CliError(str(exc)) from None
     except OSError as exc:
         raise CliError(f"--traces {path}: cannot read ({exc.strerror or exc})") from None
+
+
+def decode_options(args) -> dict:
+    """The loop's ``dtype``/``temperature``/``seed`` from the arguments (dtype default: float32
+    on the CPU, bfloat16 on a GPU)."""
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return {"dtype": dtype, "temperature": args.temperature, "seed": args.sampling_seed}
+
+
+def model_summary(family, config, source, decode) -> dict:
+    """The model and decoding part of an output's summary."""
+    dataclass = dataclasses.is_dataclass(config) and not isinstance(config, type)
+    sizes = dataclasses.asdict(config) if dataclass else dict(vars(config))
+    return {
+        "family": family.name,
+        "weights": source,
+        "model": sizes,
+        "dtype": decode["dtype"],
+        "temperature": decode["temperature"],
+        "sampling_seed": decode["seed"],
+        "logprobs": LOGPROBS_NOTE,
+    }
+
+
+def prepare_run(args, frameworks: Sequence[str]):
+    """What ``run`` and ``compare`` do before decoding, cheapest check first: the model's config,
+    the trace file against it, each framework's view of the device, the weights, the loops."""
+    family, config, source = load_model(args.model, args.checkpoint, args.seed)
+    requests = read_requests(args.traces, config)
+    for fw in frameworks:
+        check_framework_device(fw, args.device)
+    weights = load_weights(family, config, source)
+    loops = {fw: load_loop(family, fw) for fw in frameworks}
+    return family, config, source, requests, weights, loops
 
 
 def progress_bar(
@@ -144,10 +249,22 @@ def replay_requests(
     and decoding). ``decode``: ``dtype``, ``temperature``, ``seed`` for the loop. A progress bar
     is drawn on stderr when ``show_progress`` is true, or when it is None and stderr is a terminal."""
     total = sum(r.new_tokens for r in requests)
+    first = [True]
+
     with progress_bar(total, framework, enabled=show_progress) as bar:
+
+        def on_step(k: int) -> None:
+            if first[0]:
+                first[0] = False
+                stage(f"{framework}-decode")
+            bar.update(k)
+
         t0 = time.perf_counter()
-        results = loop(config, weights, requests, device=device, max_batch=max_batch, on_step=bar.update, **decode)
+        # slots follow the work: never more than there are requests to hold
+        slots = max(1, min(max_batch, len(requests)))
+        results = loop(config, weights, requests, device=device, max_batch=slots, on_step=on_step, **decode)
         seconds = time.perf_counter() - t0
+    stop_if_interrupted()  # a framework may have swallowed the KeyboardInterrupt
     if len(results) != len(requests) or any(res.id != req.id for res, req in zip(results, requests, strict=True)):
         raise RuntimeError(f"the {framework} loop returned results that do not match the requests in order")
     return list(results), seconds
@@ -191,6 +308,7 @@ def run_summary(requests: Sequence[TraceRequest], results: Sequence[RequestResul
     forced_lp = [float(lp) for r in results for lp, f in zip(r.logprobs, r.forced, strict=True) if f]
     forced_rank = [int(rk) for r in results for rk, f in zip(r.ranks, r.forced, strict=True) if f]
     traced = [(q, r) for q, r in zip(requests, results, strict=True) if q.trace is not None]
+    bad = non_finite_requests(requests, results)
     return {
         "requests": len(requests),
         "traced_requests": len(traced),
@@ -201,11 +319,23 @@ def run_summary(requests: Sequence[TraceRequest], results: Sequence[RequestResul
         "exact_reproductions": sum(bool(reproduced(q, r)) for q, r in traced),
         "mean_forced_logprob": finite_or_none(sum(forced_lp) / len(forced_lp)) if forced_lp else None,
         "mean_forced_rank": sum(forced_rank) / len(forced_rank) if forced_rank else None,
+        "non_finite_logprobs": sum(bad.values()),
+        "requests_with_non_finite_logprobs": list(bad),
     }
 
 
+def non_finite_requests(requests: Sequence[TraceRequest], results: Sequence[RequestResult]) -> dict[str, int]:
+    """``{request id: how many of its logprobs are not finite}`` for the requests that have any
+    (written as null in the outputs: JSON has no NaN), in request order."""
+    counts = {
+        q.id: int(len(r.logprobs) - sum(math.isfinite(float(x)) for x in r.logprobs))
+        for q, r in zip(requests, results, strict=True)
+    }
+    return {rid: n for rid, n in counts.items() if n}
+
+
 def write_json_document(path: str, head: dict[str, Any], key: str, rows: Sequence[dict[str, Any]]) -> None:
-    """``{**head, key: rows}`` as JSON with one row per line (atomically)."""
+    """``{**head, key: rows}`` as JSON with one row per line (atomically; not after Ctrl-C)."""
     with atomic_write(path) as f:
         f.write("{")
         for name, value in head.items():
@@ -215,7 +345,7 @@ def write_json_document(path: str, head: dict[str, Any], key: str, rows: Sequenc
         f.write("\n]}\n")
 
 
-def check_out_path(option: str, path: str, *, inputs: Sequence[tuple[str, str]] = ()) -> None:
+def check_out_path(option: str, path: str, *, inputs: Sequence[tuple[str, str | None]] = ()) -> None:
     """:class:`CliError` unless ``path`` can be written: its folder exists, it is not a folder,
     and it is none of ``inputs`` (``(option, path)`` pairs: an output must not replace an input)."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -232,3 +362,28 @@ def say(out: TextIO, quiet: bool, text: str) -> None:
     """Print ``text`` to ``out`` unless ``quiet``."""
     if not quiet:
         print(text, file=out)
+
+
+def check_outputs(
+    outputs: Sequence[tuple[str, str]], inputs: Sequence[tuple[str, str | None]], checkpoint: str | None
+) -> None:
+    """:class:`CliError` before any work when an output cannot be written (see
+    :func:`check_out_path`), would replace an input (``inputs``, or a file the ``checkpoint``
+    folder's weights are read from) or another output (``(option, path)`` pairs)."""
+    from .checkpoint import checkpoint_inputs
+
+    every_input = [*inputs, *(("--checkpoint", f) for f in checkpoint_inputs(checkpoint))]
+    seen: dict[str, str] = {}
+    for option, path in outputs:
+        check_out_path(option, path, inputs=every_input)
+        real = os.path.realpath(path)
+        if real in seen:
+            raise CliError(f"{option} {path}: is also the {seen[real]} path (one output would replace the other)")
+        seen[real] = option
+
+
+def stage(name: str) -> None:
+    """Say on stderr that the command reached ``name`` when ``TRACE_REPLAY_TEST_STAGES`` is set
+    (tests interrupt the command at these points); nothing otherwise."""
+    if os.environ.get("TRACE_REPLAY_TEST_STAGES"):
+        print(f"trace-replay: stage {name}", file=sys.stderr, flush=True)

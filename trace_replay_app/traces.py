@@ -17,7 +17,8 @@ Every error names the file, the line (counting from 1) and the field, e.g.
 ``traces.jsonl, line 3, field "prompt": must not be empty``.
 
 Output files are written through :func:`atomic_write`: a temporary file in the same folder,
-renamed over the target only when complete, so a failed run leaves nothing behind.
+renamed over the target only when complete and no Ctrl-C arrived (see :func:`sigint_tracked`),
+so a failed or interrupted run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import random
 import secrets
+import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,6 +46,9 @@ __all__ = [
     "write_traces",
     "random_requests",
     "atomic_write",
+    "sigint_tracked",
+    "interrupted",
+    "stop_if_interrupted",
 ]
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids")
@@ -260,16 +265,58 @@ def random_requests(
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "w") -> Iterator[Any]:
     """Open a temporary file next to ``path`` for writing; on a clean exit it replaces ``path``
-    (``os.replace``), on an exception it is removed and ``path`` is left as it was."""
+    (``os.replace``), on an exception, or after a Ctrl-C inside :func:`sigint_tracked` (even one
+    a framework swallowed: ``KeyboardInterrupt``), it is removed and ``path`` is left as it was."""
+    stop_if_interrupted()
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # os.open with 0o666 lets the umask set the final permissions, as a plain open() would.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with os.fdopen(fd, mode) if "b" in mode else os.fdopen(fd, mode, encoding="utf-8") as f:
             yield f
+        stop_if_interrupted()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+# Ctrl-C ------------------------------------------------------------------------------------------
+_SIGINT = {"received": False}
+
+
+@contextlib.contextmanager
+def sigint_tracked() -> Iterator[None]:
+    """Within: Ctrl-C (SIGINT) is recorded, then raises ``KeyboardInterrupt`` as usual, so that
+    an interrupt a framework wraps in another exception (a ``KeyboardInterrupt`` raised in a
+    JAX callback arrives as an "INTERNAL" error) is still known as one (:func:`interrupted`).
+    The previous handler is restored on exit; outside the main thread nothing is installed."""
+    _SIGINT["received"] = False
+
+    def handle(signum, frame):
+        _SIGINT["received"] = True
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, handle)
+    except ValueError:  # not the main thread: Python delivers signals to the main thread only
+        previous = None
+    try:
+        yield
+    finally:
+        _SIGINT["received"] = False
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C arrived inside the current :func:`sigint_tracked` block."""
+    return _SIGINT["received"]
+
+
+def stop_if_interrupted() -> None:
+    """``KeyboardInterrupt`` if a Ctrl-C arrived (even one that a framework swallowed)."""
+    if _SIGINT["received"]:
+        raise KeyboardInterrupt
