@@ -253,7 +253,7 @@ def _replay_logprob_us(framework, batch, vocab, device):
             times = {}
             for name, step in (("fused", fused), ("separate", separate), ("argmax", argmax)):
                 loop = loop_of(step)
-                fn = lambda: loop(state.tables, logits, total_len)  # noqa: E731
+                fn = lambda loop=loop: loop(state.tables, logits, total_len)  # noqa: E731
                 fn().block_until_ready()
                 runs = []
                 for _ in range(5):
@@ -322,8 +322,8 @@ def main() -> None:
             if provider == "transformers":
                 call = _generate(model, device)
                 call(requests, 8)  # warm-up
-                whole, _ = _timed(lambda: call(requests, steps), device)
-                prefill, _ = _timed(lambda: call(requests, 1), device)
+                whole, _ = _timed(lambda call=call, requests=requests, steps=steps: call(requests, steps), device)
+                prefill, _ = _timed(lambda call=call, requests=requests: call(requests, 1), device)
                 exact, replay_us, replay = None, None, {}
                 wholes, prefills = [whole], [prefill]
             else:
@@ -336,9 +336,9 @@ def main() -> None:
                 # times, and their medians are subtracted.
                 wholes, prefills = [], []
                 for _ in range(REPEATS):
-                    whole, results = _timed(lambda: call(requests), device)
+                    whole, results = _timed(lambda call=call, requests=requests: call(requests), device)
                     wholes.append(whole)
-                    prefills.append(_timed(lambda: call(prefill_only), device)[0])
+                    prefills.append(_timed(lambda call=call, p=prefill_only: call(p), device)[0])
                 whole, prefill = float(np.median(wholes)), float(np.median(prefills))
                 exact = all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))
                 replay = _replay_logprob_us(provider, batch, config.vocab_size, device)

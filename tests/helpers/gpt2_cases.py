@@ -65,9 +65,9 @@ def torch_one_thread():
 def small_jax_chunks(monkeypatch):
     """JAX keeps per-step outputs on the device in chunks of steps: small chunks here, so that
     every run crosses chunk boundaries (and all tests share one chunk shape: fewer compilations)."""
-    from trace_replay_app.models import decode_buffers
+    from trace_replay_app.drivers import jax_chunks
 
-    monkeypatch.setattr(decode_buffers, "CHUNK", 16)  # the driver's chunking and the buffers it allocates
+    monkeypatch.setattr(jax_chunks, "CHUNK", 16)  # the driver's chunking and the buffers it allocates
 
 
 # -- data ---------------------------------------------------------------------------------------
