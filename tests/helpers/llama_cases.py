@@ -2,7 +2,8 @@
 
 Shared by ``test_llama_loops.py`` (CPU) and ``test_gpu_models.py`` (CUDA). Import only after
 ``pytest.importorskip("transformers")``. Nothing is downloaded: every model comes from
-``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config`` with random weights.
+``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config`` with random weights (biases
+drawn too: transformers starts them at 0).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def make_checkpoint(case: str, folder: str, seed: int = 0) -> str:
     config = transformers.AutoConfig.for_model(model_type, **_SIZES, **options)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts biases at 0: a loop that drops one would match by accident
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     if save.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(folder, exist_ok=True)

@@ -304,8 +304,8 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
             longest_trace=bucket(call.longest_trace, config.n_positions),
             sampling=call.temperature > 0,
         )
-        for dev in devices:
-            check_fits(str(dev), needed, free_bytes(dev))
+        for dev in devices:  # the caller's name of its device, or each device of the mesh
+            check_fits(device if mesh is None else str(dev), needed, free_bytes(dev))
         outputs = _decode_all(family, config, weights, call, devices[0], jdtype, kv_len, mesh, vocab_axis)
     return collect_results(requests, call.schedule, outputs)
 
