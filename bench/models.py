@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -52,7 +53,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import copy_bandwidth, table, time_cuda_queued, write_results  # noqa: E402
 
-FULL = dict(
+FULL: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=151936,
         hidden_size=896,
@@ -68,7 +69,7 @@ FULL = dict(
     device="cuda",
 )
 REPEATS = 2  # timed whole / prefill-only calls of our loops (medians)
-QUICK = dict(
+QUICK: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=512,
         hidden_size=64,
@@ -234,24 +235,24 @@ def _replay_logprob_us(framework, batch, vocab, device):
 
                 return loop
 
-            def fused(tables, logits, total_len):
+            def fused_step(tables, logits, total_len):
                 tok = trace_replay_jax.replay(tables, jnp.full((batch,), -1, jnp.int32), idx, total_len, prompt_len)
                 lp, rk, am = trace_replay_jax.token_logprob_rank(logits, tok, argmax=True)
                 return lp.sum() + rk.sum() + jnp.where(tok < 0, am, tok).sum()
 
-            def separate(tables, logits, total_len):
+            def separate_step(tables, logits, total_len):
                 tok = trace_replay_jax.replay(
                     tables, jnp.argmax(logits, -1).astype(jnp.int32), idx, total_len, prompt_len
                 )
                 lp, rk = trace_replay_jax.token_logprob_rank(logits, tok)
                 return lp.sum() + rk.sum() + tok.sum()
 
-            def argmax(tables, logits, total_len):
+            def argmax_step(tables, logits, total_len):
                 return jnp.argmax(logits, -1).astype(jnp.float32).sum() + total_len[0]
 
             total_len = put(np.full(batch, 13, np.int32))
             times = {}
-            for name, step in (("fused", fused), ("separate", separate), ("argmax", argmax)):
+            for name, step in (("fused", fused_step), ("separate", separate_step), ("argmax", argmax_step)):
                 loop = loop_of(step)
                 fn = lambda loop=loop: loop(state.tables, logits, total_len)  # noqa: E731
                 fn().block_until_ready()
@@ -280,7 +281,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from trace_replay_app.models.llama.config import config_from_hf, weights_from_tensors
+    from trace_replay_app.models.llama.hf import config_from_hf, weights_from_tensors
 
     hf_config = transformers.AutoConfig.for_model(
         "qwen2",

@@ -42,6 +42,7 @@ import pickle
 import sys
 import tempfile
 import time
+from typing import Any
 
 # Before torch, JAX or NCCL start, here and in every child process.
 os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -55,7 +56,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import provenance, table, write_results  # noqa: E402
 
-FULL = dict(
+FULL: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=151936,
         hidden_size=896,
@@ -71,7 +72,7 @@ FULL = dict(
     backend="nccl",
     dtype="bfloat16",
 )
-QUICK = dict(
+QUICK: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=512,
         hidden_size=64,

@@ -88,7 +88,7 @@ class Schedule:
         """The most KV-cache positions any scheduled request fills: its prompt plus its new
         tokens, less the last token (sampled, never fed back). ``prompt_lens[i]``: request
         ``i``'s prompt length. Needs at least one scheduled request."""
-        return max(int(prompt_lens[i]) + int(self.new_tokens[i]) - 1 for i in np.nonzero(self.slot >= 0)[0])
+        return max(int(prompt_lens[int(i)]) + int(self.new_tokens[i]) - 1 for i in np.nonzero(self.slot >= 0)[0])
 
     def outputs(self, i: int, per_step: np.ndarray) -> np.ndarray:
         """Request ``i``'s entries of a ``[n_steps, slots, ...]`` per-step array, in decode order."""
@@ -207,7 +207,7 @@ def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:
         or not 0 <= float(temperature) < float("inf")
     ):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy) (got {temperature!r})")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**63:
         raise ValueError(f"seed must be an int in [0, 2**63) (got {seed!r})")
     return float(temperature)
 

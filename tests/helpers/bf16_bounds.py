@@ -86,8 +86,10 @@ GPT2_BF16 = Bound(
 # (torch vs JAX, seed 0). Not caught by any bf16 bound, so left to the float32 tests (1e-5):
 # rms_norm_eps 1e-5 (mean 6.4e-3, inside the noise) and rope_theta halved (mean 1.1e-2 - 1.6e-2,
 # too close to it).
+# The other cases of llama_cases (llama3 rope, a sliding window, q/k norms), seeds 0-1: bf16 vs
+# transformers' bf16, mean <= 6.4e-3, max <= 2.4e-2; bf16 vs float32, mean <= 9.2e-3 (qwen3).
 LLAMA_BF16 = Bound(
-    mean=1e-2,
+    mean=1.5e-2,
     max=5e-2,
-    measured="CPU, seeds 0-3: noise mean |d| <= 8.0e-3, max <= 2.8e-2; smallest planted error mean 3.8e-2",
+    measured="CPU, seeds 0-3: noise mean |d| <= 9.2e-3, max <= 2.8e-2; smallest planted error mean 3.8e-2",
 )

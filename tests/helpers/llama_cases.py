@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +86,7 @@ def load(folder: str):
 
 def hf_model(folder: str, device: str = "cpu", dtype=torch.float32):
     """transformers' own model of ``folder`` (eager attention) in ``dtype`` on ``device``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     return model.to(device).eval()
 
 
@@ -171,7 +172,7 @@ def hf_reference(config, weights, folder: str, device: str = "cpu"):
     ``folder`` through the application's writer; refuses a config transformers cannot express
     (its ``config.json`` must read back as the same config)."""
     from trace_replay_app.checkpoint import save_checkpoint
-    from trace_replay_app.models.llama.config import config_from_hf, to_hf
+    from trace_replay_app.models.llama.hf import config_from_hf, to_hf
 
     back = config_from_hf(to_hf(config, weights)[0])
     assert back == config, f"transformers cannot express {config} (it reads back as {back})"

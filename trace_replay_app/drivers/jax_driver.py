@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +171,7 @@ def _step(
         if noise is not None:  # Gumbel-max over logits / temperature
             drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
         sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)  # -1 rows stay -1
-        logprobs, ranks, argmax = token_logprob_rank(logits, sampled, argmax=True)
+        logprobs, ranks, argmax = cast(tuple, token_logprob_rank(logits, sampled, argmax=True))
         sampled = jnp.where(sampled < 0, argmax, sampled)
     else:
         by_vocab = NamedSharding(mesh, P(None, vocab_axis))
