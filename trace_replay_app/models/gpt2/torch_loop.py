@@ -125,6 +125,8 @@ class GPT2Torch:
         return (h @ self.head.T).float()
 
 
+# prefill_tokens=1: one prompt per prefill call, unpadded. Padded groups round the cached keys
+# and values of float32 runs differently, so tokens decoded after them can change their last bits.
 TORCH = TorchFamily(
     config_type=GPT2Config, check_weights=check_weights, cache_shape=cache_shape, build=GPT2Torch, prefill_tokens=1
 )
