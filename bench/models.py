@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -52,7 +53,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import copy_bandwidth, table, time_cuda_queued, write_results  # noqa: E402
 
-FULL = dict(
+FULL: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=151936,
         hidden_size=896,
@@ -68,7 +69,7 @@ FULL = dict(
     device="cuda",
 )
 REPEATS = 2  # timed whole / prefill-only calls of our loops (medians)
-QUICK = dict(
+QUICK: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=512,
         hidden_size=64,
@@ -234,26 +235,26 @@ def _replay_logprob_us(framework, batch, vocab, device):
 
                 return loop
 
-            def fused(tables, logits, total_len):
+            def fused_step(tables, logits, total_len):
                 tok = trace_replay_jax.replay(tables, jnp.full((batch,), -1, jnp.int32), idx, total_len, prompt_len)
                 lp, rk, am = trace_replay_jax.token_logprob_rank(logits, tok, argmax=True)
                 return lp.sum() + rk.sum() + jnp.where(tok < 0, am, tok).sum()
 
-            def separate(tables, logits, total_len):
+            def separate_step(tables, logits, total_len):
                 tok = trace_replay_jax.replay(
                     tables, jnp.argmax(logits, -1).astype(jnp.int32), idx, total_len, prompt_len
                 )
                 lp, rk = trace_replay_jax.token_logprob_rank(logits, tok)
                 return lp.sum() + rk.sum() + tok.sum()
 
-            def argmax(tables, logits, total_len):
+            def argmax_step(tables, logits, total_len):
                 return jnp.argmax(logits, -1).astype(jnp.float32).sum() + total_len[0]
 
             total_len = put(np.full(batch, 13, np.int32))
             times = {}
-            for name, step in (("fused", fused), ("separate", separate), ("argmax", argmax)):
+            for name, step in (("fused", fused_step), ("separate", separate_step), ("argmax", argmax_step)):
                 loop = loop_of(step)
-                fn = lambda: loop(state.tables, logits, total_len)  # noqa: E731
+                fn = lambda loop=loop: loop(state.tables, logits, total_len)  # noqa: E731
                 fn().block_until_ready()
                 runs = []
                 for _ in range(5):
@@ -280,7 +281,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from trace_replay_app.models.llama.config import config_from_hf, weights_from_tensors
+    from trace_replay_app.models.llama.hf import config_from_hf, weights_from_tensors
 
     hf_config = transformers.AutoConfig.for_model(
         "qwen2",
@@ -322,8 +323,8 @@ def main() -> None:
             if provider == "transformers":
                 call = _generate(model, device)
                 call(requests, 8)  # warm-up
-                whole, _ = _timed(lambda: call(requests, steps), device)
-                prefill, _ = _timed(lambda: call(requests, 1), device)
+                whole, _ = _timed(lambda call=call, requests=requests, steps=steps: call(requests, steps), device)
+                prefill, _ = _timed(lambda call=call, requests=requests: call(requests, 1), device)
                 exact, replay_us, replay = None, None, {}
                 wholes, prefills = [whole], [prefill]
             else:
@@ -336,9 +337,9 @@ def main() -> None:
                 # times, and their medians are subtracted.
                 wholes, prefills = [], []
                 for _ in range(REPEATS):
-                    whole, results = _timed(lambda: call(requests), device)
+                    whole, results = _timed(lambda call=call, requests=requests: call(requests), device)
                     wholes.append(whole)
-                    prefills.append(_timed(lambda: call(prefill_only), device)[0])
+                    prefills.append(_timed(lambda call=call, p=prefill_only: call(p), device)[0])
                 whole, prefill = float(np.median(wholes)), float(np.median(prefills))
                 exact = all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))
                 replay = _replay_logprob_us(provider, batch, config.vocab_size, device)

@@ -2,10 +2,10 @@
 
 Question: replaying traced requests through a Qwen2.5-0.5B-shaped model in bf16, how many
 tokens per second does each loop reach on one GPU and split over two: the torch loop
-(``torch_loop.run_decode`` on ``cuda:0``; ``torch_tp.run_decode_tp`` on 2 ranks, NCCL, one
-GPU each, vocabulary-parallel head and tensor-parallel attention/MLP, CUDA-graph step with the
-collectives inside) and the JAX loop (``jax_loop.run_decode`` on one GPU;
-``jax_mesh.run_decode_mesh`` on a 2-GPU mesh, the logits sharded over the vocabulary)? And do
+(``torch_loop.run_decode`` on ``cuda:0``; the same with ``tensor_parallel=TensorParallel()`` on 2
+ranks, NCCL, one GPU each, vocabulary-parallel head and tensor-parallel attention/MLP, CUDA-graph
+step with the collectives inside) and the JAX loop (``jax_loop.run_decode`` on one GPU; the same
+with ``mesh=`` a 2-GPU mesh, the logits sharded over the vocabulary)? And do
 the 2-GPU runs give the 1-GPU tokens, with logprobs within bf16 tolerance?
 
 Setup: as ``bench/models.py``: a ``qwen2`` model of hidden 896, 24 layers, 14 heads, 2
@@ -42,6 +42,7 @@ import pickle
 import sys
 import tempfile
 import time
+from typing import Any
 
 # Before torch, JAX or NCCL start, here and in every child process.
 os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -55,7 +56,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import provenance, table, write_results  # noqa: E402
 
-FULL = dict(
+FULL: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=151936,
         hidden_size=896,
@@ -71,7 +72,7 @@ FULL = dict(
     backend="nccl",
     dtype="bfloat16",
 )
-QUICK = dict(
+QUICK: dict[str, Any] = dict(
     sizes=dict(
         vocab_size=512,
         hidden_size=64,
@@ -154,7 +155,8 @@ def _tp_rank(rank, world, folder, work_dir, setup):
     import torch.distributed as dist
 
     from trace_replay_app.checkpoint import load_checkpoint
-    from trace_replay_app.models.llama.torch_tp import run_decode_tp
+    from trace_replay_app.drivers.torch_parallel import TensorParallel
+    from trace_replay_app.models.llama.torch_loop import run_decode
 
     gpu = setup["backend"] == "nccl"
     if gpu:
@@ -176,12 +178,13 @@ def _tp_rank(rank, world, folder, work_dir, setup):
         out = {}
         for batch, requests, prefill_only in _workloads(setup, config.vocab_size):
 
-            def call(reqs):
-                return run_decode_tp(
+            def call(reqs, batch=batch):
+                return run_decode(
                     config,
                     weights,
                     reqs,
                     device=device,
+                    tensor_parallel=TensorParallel(),
                     max_batch=batch,
                     dtype=setup["dtype"],
                     cuda_graph=setup["cuda_graph"],
@@ -274,7 +277,7 @@ def main() -> int:
             ref = {}
             for batch, requests, prefill_only in workloads:
 
-                def call(reqs):
+                def call(reqs, batch=batch):
                     return run_decode(
                         config,
                         weights,
@@ -310,17 +313,16 @@ def main() -> int:
             from jax.sharding import Mesh
 
             from trace_replay_app.models.llama.jax_loop import run_decode as jax_run
-            from trace_replay_app.models.llama.jax_mesh import run_decode_mesh
 
             devices = jax.devices("gpu" if gpu else "cpu")[:2]
             mesh = Mesh(np.array(devices), ("vocab",))
             for batch, requests, prefill_only in workloads:
 
-                def one(reqs):
+                def one(reqs, batch=batch):
                     return jax_run(config, weights, reqs, device=device, max_batch=batch, dtype=setup["dtype"])
 
-                def two(reqs):
-                    return run_decode_mesh(config, weights, reqs, mesh=mesh, max_batch=batch, dtype=setup["dtype"])
+                def two(reqs, batch=batch):
+                    return jax_run(config, weights, reqs, mesh=mesh, max_batch=batch, dtype=setup["dtype"])
 
                 whole, prefill, ref_jax = _time_calls(one, requests, prefill_only, lambda: None)
                 rows.append(_row("jax", 1, batch, requests, whole, prefill, ref_jax))

@@ -1,6 +1,7 @@
 """The application's layering, read from its source with ``ast``: frameworks are imported only by
-the framework-specific loop modules, the library and the adapters only through their public
-top-level names, no ``importlib``/``__import__``, and no import circle among its modules."""
+the framework-specific driver and family modules, the library and the adapters only through their
+public top-level names, no module imports another's private name, no ``importlib``/``__import__``,
+and no import circle among its modules."""
 
 import ast
 import pathlib
@@ -9,12 +10,15 @@ import trace_replay_app
 
 ROOT = pathlib.Path(trace_replay_app.__file__).parent
 LIBRARIES = ("trace_replay_core", "trace_replay_torch", "trace_replay_jax")
-# framework -> the loop modules that may import it (one device; several: torch_tp over ranks, jax_mesh over a mesh)
+# framework -> the modules that may import it: its driver (and the driver's tensor-parallel option)
+# and each family's math for it
 FRAMEWORK_MODULES = {
-    "torch": ("torch_loop", "torch_tp"),
-    "jax": ("jax_loop", "jax_mesh"),
-    "jaxlib": ("jax_loop", "jax_mesh"),
+    "torch": ("torch_loop", "torch_driver", "torch_parallel"),
+    "jax": ("jax_loop", "jax_driver"),
+    "jaxlib": ("jax_loop", "jax_driver"),
 }
+TORCH_ONLY = tuple("." + m for m in FRAMEWORK_MODULES["torch"])
+JAX_ONLY = tuple("." + m for m in FRAMEWORK_MODULES["jax"])
 
 
 def _modules():
@@ -66,13 +70,22 @@ def test_frameworks_only_in_their_loop_modules():
                 bad.append(f"{name}:{line} imports {module}")
             if module == "<dynamic import>":
                 bad.append(f"{name}:{line} imports dynamically")
-            if (
-                top == "torch"
-                and name.endswith((".jax_loop", ".jax_mesh"))
-                or top in ("jax", "jaxlib")
-                and name.endswith((".torch_loop", ".torch_tp"))
-            ):
+            if top == "torch" and name.endswith(JAX_ONLY) or top in ("jax", "jaxlib") and name.endswith(TORCH_ONLY):
                 bad.append(f"{name}:{line} imports {module}")
+    assert bad == []
+
+
+def test_no_module_imports_another_modules_private_name():
+    bad = []
+    for name in MODULES:
+        path, is_package = MODULES[name]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                bad += [
+                    f"{name}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.endswith("__")
+                ]
     assert bad == []
 
 

@@ -117,3 +117,32 @@ def test_gpu_torch_and_jax_share_the_device(rng):
     ]
     for framework, a, b in zip(("torch", "jax"), first, second):
         check_same_results(weights, requests, a, b, f"{framework}, first vs second run")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_gpt2_cuda_graph_equals_eager(dtype, temperature, rng):
+    """The GPT-2 torch loop runs on the shared driver, so its step is a CUDA graph on CUDA: the
+    same bits as the eager step, greedy and sampled."""
+    weights, requests = weights_for(rng, "scaled"), make_requests(rng, 10)
+    kwargs = dict(device="cuda", max_batch=4, dtype=dtype, temperature=temperature, seed=9)
+    graph = torch_gpt2.run_decode(CONFIG, weights, requests, cuda_graph=True, **kwargs)
+    eager = torch_gpt2.run_decode(CONFIG, weights, requests, cuda_graph=False, **kwargs)
+    for a, b in zip(graph, eager, strict=True):
+        for field in ("tokens", "forced", "logprobs", "ranks", "argmax"):
+            assert (getattr(a, field) == getattr(b, field)).all(), (a.id, field, dtype, temperature)
+
+
+@pytest.mark.parametrize("framework", sorted(LOOPS))
+def test_gpu_gpt2_matches_transformers(framework, rng, tmp_path):
+    """Both loops on CUDA against transformers' own GPT2LMHeadModel on CUDA (float32)."""
+    pytest.importorskip("transformers")
+    from helpers.gpt2_hf import load, make_checkpoint
+    from helpers.llama_cases import check_against_hf, hf_model
+    from helpers.llama_cases import make_requests as hf_requests
+
+    folder = make_checkpoint("gpt2-small", str(tmp_path / "gpt2"), seed=3)
+    config, weights = load(folder)
+    requests = hf_requests(rng, config.vocab_size, n=8, longest=config.n_positions // 2)
+    results = LOOPS[framework](config, weights, requests, device=_device(framework), max_batch=3)
+    check_against_hf(hf_model(folder, device="cuda"), requests, results, f"gpt2 {framework} cuda", atol=2e-5)

@@ -16,14 +16,12 @@ from trace_replay_app.models.llama.config import (
     MODEL_TYPES,
     LlamaConfig,
     check_weights,
-    config_from_hf,
     default_config,
     inv_freq,
     param_shapes,
     seeded_weights,
-    to_hf,
-    weights_from_tensors,
 )
+from trace_replay_app.models.llama.hf import config_from_hf, to_hf, weights_from_tensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -4,10 +4,16 @@ Per case (see ``llama_cases.CASES``): a random model made and saved by transform
 through ``trace_replay_app.checkpoint``; every forced token's logprob within 1e-5 of
 transformers' teacher-forced forward (float32), ranks and argmax identical wherever a logit gap
 above ``llama_cases.RANK_EPS`` decides them; untraced greedy requests equal
-``generate(do_sample=False)``; the two frameworks agree; temperature sampling is reproducible.
+``generate(do_sample=False)``; the two frameworks agree; temperature sampling is reproducible;
+bfloat16 runs stay within ``bf16_bounds.LLAMA_BF16`` of float32 and of transformers' bf16 model,
+and the same bound refuses bf16 runs with a planted error (q/k/v biases dropped, rotary base
+1e4 instead of 1e6, RMSNorm epsilon 1e-3 instead of 1e-6).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import importlib.util
 
 import numpy as np
 import pytest
@@ -15,17 +21,26 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from helpers.llama_cases import CASES, check_against_hf, check_same, hf_model, load, make_checkpoint, make_requests  # noqa: E402
+from helpers.bf16_bounds import LLAMA_BF16, check_caught, check_close, gaps, refs_gaps  # noqa: E402
+from helpers.llama_cases import (  # noqa: E402
+    CASES,
+    check_against_hf,
+    check_same,
+    hf_model,
+    load,
+    make_checkpoint,
+    make_requests,
+    teacher_forced,
+)
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 
 LOOPS = {"torch": torch_loop.run_decode}
-try:
+HAS_JAX = importlib.util.find_spec("jax") is not None
+if HAS_JAX:  # only a missing jax skips the JAX cases: an import error in our own loop fails here
     from trace_replay_app.models.llama import jax_loop
 
     LOOPS["jax"] = jax_loop.run_decode
-except ImportError:  # pragma: no cover - the JAX tier needs jax
-    jax_loop = None
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +64,7 @@ def test_matches_transformers(checkpoints, case, framework, rng):
     check_against_hf(model, requests, results, f"{case} {framework}")
 
 
-@pytest.mark.skipif(jax_loop is None, reason="jax is not installed")
+@pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_torch_and_jax_agree(checkpoints, case, rng):
     _, config, weights, model = checkpoints[case]
@@ -78,12 +93,58 @@ def test_temperature_sampling_is_reproducible(checkpoints, framework, rng):
             np.testing.assert_allclose(a[i].logprobs, greedy[i].logprobs, atol=1e-6)
 
 
+def _traced(rng, config):
+    return [r for r in make_requests(rng, config.vocab_size, n=16) if r.trace is not None]
+
+
 @pytest.mark.parametrize("framework", sorted(LOOPS))
 def test_bfloat16_compute_close_to_float32(checkpoints, framework, rng):
-    _, config, weights, _ = checkpoints["llama-tied-llama3-sharded"]
-    requests = [r for r in make_requests(rng, config.vocab_size, n=6) if r.trace is not None]
-    f32 = LOOPS[framework](config, weights, requests, max_batch=2)
-    bf16 = LOOPS[framework](config, weights, requests, max_batch=2, dtype="bfloat16")
+    _, config, weights, _ = checkpoints["qwen2"]
+    requests = _traced(rng, config)
+    f32 = LOOPS[framework](config, weights, requests, max_batch=3)
+    bf16 = LOOPS[framework](config, weights, requests, max_batch=3, dtype="bfloat16")
     for x, y in zip(f32, bf16):
         assert y.tokens.tolist() == x.tokens.tolist()
-        assert np.abs(x.logprobs - y.logprobs).max() < 0.1, f"{x.id}: bf16 far from float32"
+    check_close(gaps(bf16, f32), LLAMA_BF16, f"qwen2 {framework}: bf16 vs float32")
+
+
+def _planted(error: str, config, weights):
+    """``(config, weights)`` with one modelling error planted (the caller's objects unchanged)."""
+    if error == "no-qkv-bias":  # a loader that drops the q/k/v biases
+        return config, {
+            k: np.zeros_like(v) if k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) else v
+            for k, v in weights.items()
+        }
+    if error == "rope-base-1e4":  # the Llama default read for a Qwen config (1e6)
+        return dataclasses.replace(config, rope_theta=10000.0), weights
+    assert error == "norm-eps-1e-3"  # 1000x the config's 1e-6; 10x is inside the bf16 noise
+    return dataclasses.replace(config, rms_norm_eps=1e-3), weights
+
+
+@pytest.mark.parametrize("error", ["no-qkv-bias", "rope-base-1e4", "norm-eps-1e-3"])
+@pytest.mark.parametrize("framework", sorted(LOOPS))
+def test_bfloat16_bound_catches_planted_errors(checkpoints, framework, error, rng):
+    """Negative control of LLAMA_BF16: a bf16 run with one modelling error is refused, against
+    the correct float32 run (the check above) and against transformers' own bf16 model."""
+    _, config, weights, _ = checkpoints["qwen2"]
+    assert config.rope_theta == 1e6 and config.rms_norm_eps == 1e-6 and config.qkv_bias
+    requests = _traced(rng, config)
+    f32 = LOOPS[framework](config, weights, requests, max_batch=3)
+    bad_config, bad_weights = _planted(error, config, weights)
+    bad = LOOPS[framework](bad_config, bad_weights, requests, max_batch=3, dtype="bfloat16")
+    check_caught(gaps(bad, f32), LLAMA_BF16, f"{error} {framework}: bf16 vs float32")
+
+
+@pytest.mark.parametrize("framework", sorted(LOOPS))
+def test_bfloat16_close_to_transformers_bfloat16(checkpoints, framework, rng):
+    """The comparison the GPU tier makes (test_gpu_models), on the CPU: the loop's bf16 logprobs
+    against transformers' own bf16 model, within LLAMA_BF16; and the same with the q/k/v biases
+    dropped is refused."""
+    folder, config, weights, _ = checkpoints["qwen2"]
+    model = hf_model(folder, dtype=torch.bfloat16)
+    requests = _traced(rng, config)
+    want = [teacher_forced(model, r.prompt, r.trace)[0] for r in requests]
+    got = LOOPS[framework](config, weights, requests, max_batch=3, dtype="bfloat16")
+    check_close(refs_gaps(got, want), LLAMA_BF16, f"qwen2 {framework} bf16 vs transformers bf16")
+    bad = LOOPS[framework](*_planted("no-qkv-bias", config, weights), requests, max_batch=3, dtype="bfloat16")
+    check_caught(refs_gaps(bad, want), LLAMA_BF16, f"no-qkv-bias {framework} bf16 vs transformers bf16")

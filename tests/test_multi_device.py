@@ -38,9 +38,13 @@ from helpers.llama_cases import (  # noqa: E402
 )
 from helpers.multi_device_workers import run_ranks  # noqa: E402
 
+from trace_replay_app.drivers.torch_parallel import TensorParallel, vocab_blocks  # noqa: E402
+from trace_replay_app.models import family_for_config  # noqa: E402
+from trace_replay_app.models.gpt2 import GPT2Config  # noqa: E402
+from trace_replay_app.models.gpt2 import seeded_weights as gpt2_weights  # noqa: E402
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 from trace_replay_app.models.llama.config import LlamaConfig, seeded_weights  # noqa: E402
-from trace_replay_app.models.llama.torch_tp import run_decode_tp, splits_layers, vocab_blocks  # noqa: E402
+from trace_replay_app.models.llama.torch_loop import splits_layers  # noqa: E402
 
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
@@ -73,7 +77,9 @@ def test_vocab_blocks_cover_the_vocabulary():
 def test_refused_without_a_process_group():
     config = LlamaConfig()
     with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
-        run_decode_tp(config, seeded_weights(config), [], max_batch=2)
+        torch_loop.run_decode(config, seeded_weights(config), [], max_batch=2, tensor_parallel=TensorParallel())
+    with pytest.raises(TypeError, match=r"^tensor_parallel must be a TensorParallel or None \(got dict\)"):
+        torch_loop.run_decode(config, seeded_weights(config), [], max_batch=2, tensor_parallel={})
 
 
 def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
@@ -88,6 +94,10 @@ def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
     odd_weights = seeded_weights(ODD, seed=int(rng.integers(2**31)))
     jobs.append(("odd-sizes", ODD, odd_weights, odd_requests, dict(max_batch=2)))
     models["odd-sizes"] = hf_reference(ODD, odd_weights, str(tmp_path / "odd-sizes"))
+    # GPT-2 on the same driver: replicated layers, its vocabulary blocks merged over the ranks.
+    gpt2 = GPT2Config(vocab_size=251)
+    gpt2_requests = make_requests(rng, gpt2.vocab_size, n=5, longest=16)
+    jobs.append(("gpt2", gpt2, gpt2_weights(gpt2, seed=int(rng.integers(2**31))), gpt2_requests, dict(max_batch=3)))
     sampled = jobs[sorted(CASES).index("qwen3")]
     jobs.append(("qwen3-sampled", sampled[1], sampled[2], sampled[3], dict(max_batch=3, temperature=1.5, seed=7)))
     models["qwen3-sampled"] = models["qwen3"]
@@ -95,7 +105,12 @@ def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
     per_rank = run_ranks(jobs, str(tmp_path))
 
     for name, config, weights, requests, options in jobs:
-        ref = torch_loop.run_decode(config, weights, requests, **options)
+        ref = family_for_config(config).run_decode("torch")(config, weights, requests, **options)
+        if name == "gpt2":  # no transformers model here: the bits of the merge against one process
+            check_same(per_rank[0][name], per_rank[1][name], "gpt2: rank 1 vs rank 0", atol=0)
+            assert [r.tokens.tolist() for r in per_rank[0][name]] == [r.tokens.tolist() for r in ref]
+            assert max(abs(a.logprobs - b.logprobs).max() for a, b in zip(per_rank[0][name], ref)) <= 1e-5
+            continue
         check_same(
             per_rank[0][name],
             ref,

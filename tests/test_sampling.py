@@ -4,10 +4,14 @@ Greedy (temperature 0, the default) is the path the other loop tests check; here
 defaults explicitly changes nothing, bit for bit; sampling with a seed is reproducible and
 follows the temperature; logprobs and ranks stay those of the raw logits (checked against the
 float64 reference at the sampled tokens); bfloat16 compute runs, replays every trace and stays
-near the float32 reference; bad dtype/temperature/seed are refused before anything runs.
+near the float64 reference and the other framework within ``bf16_bounds.GPT2_BF16``, which
+refuses the same runs with a dropped bias or a layer-norm epsilon 10x off; bad
+dtype/temperature/seed are refused before anything runs.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
+from helpers.bf16_bounds import GPT2_BF16, check_caught, check_close, gaps, refs_gaps  # noqa: E402
 from helpers.gpt2_cases import (  # noqa: E402
     CONFIG,
     LOGPROB_ATOL,
@@ -30,10 +35,6 @@ from helpers.gpt2_cases import (  # noqa: E402
 from trace_replay_app.records import TraceRequest  # noqa: E402
 
 __all__ = ["small_jax_chunks", "torch_one_thread"]  # the autouse fixtures, applied here too
-
-# bfloat16 keeps 8 significant bits: logprobs of the seeded model move by ~1e-2 (measured up to
-# 0.03 on this CPU); a modelling error moves them by 0.1 or more (see test_gpt2_loops).
-BF16_ATOL = 0.08
 
 
 def _free(rng, n: int, new: int = 12):
@@ -102,26 +103,60 @@ def test_low_temperature_approaches_greedy(framework, rng):
 @pytest.mark.parametrize("framework", sorted(LOOPS))
 def test_bfloat16_compute(framework, rng):
     run, weights = LOOPS[framework], weights_for(rng)
-    requests = make_requests(rng, 6)
+    requests = make_requests(rng, 12)
     bf16 = run(CONFIG, weights, requests, max_batch=3, dtype="bfloat16")
-    diffs = []
     for q, r in zip(requests, bf16, strict=True):
         assert r.logprobs.dtype == np.float32
         if q.trace is not None:
             assert r.tokens.tolist() == list(q.trace)
-        ref_lp = log_softmax(reference_rows(weights, q, r.tokens))[np.arange(len(r.tokens)), r.tokens]
-        diffs.append(np.abs(r.logprobs - ref_lp))
-    worst = np.concatenate(diffs).max()
-    assert 0 < worst <= BF16_ATOL, worst  # not float32 (which is within 5e-5), but near it
+    d = refs_gaps(bf16, _reference_logprobs(weights, requests, bf16))
+    assert d.max() > 0  # not float32 (which is within 5e-5) ...
+    check_close(d, GPT2_BF16, f"{framework} bf16 vs the float64 reference")  # ... but near it
+
+
+def _reference_logprobs(weights, requests, results):
+    """The float64 reference's logprobs of each result's tokens."""
+    out = []
+    for q, r in zip(requests, results, strict=True):
+        out.append(log_softmax(reference_rows(weights, q, r.tokens))[np.arange(len(r.tokens)), r.tokens])
+    return out
+
+
+def _traced(rng, n: int = 16):
+    return [r for r in make_requests(rng, n, traced_share=1.0) if r.trace is not None]
 
 
 def test_bfloat16_torch_and_jax_agree_on_traced_tokens(rng):
     weights = weights_for(rng)
-    requests = [r for r in make_requests(rng, 6, traced_share=1.0) if r.trace is not None]
+    requests = _traced(rng)
     a, b = (LOOPS[fw](CONFIG, weights, requests, max_batch=3, dtype="bfloat16") for fw in ("torch", "jax"))
     for x, y in zip(a, b, strict=True):
         assert x.tokens.tolist() == y.tokens.tolist()
-        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=2 * BF16_ATOL)
+    check_close(gaps(a, b), GPT2_BF16, "torch bf16 vs JAX bf16")
+
+
+def _planted(error: str, weights):
+    """``(config, weights)`` with one modelling error planted (the caller's weights unchanged)."""
+    if error == "no-mlp-bias":  # a loader that drops one tensor kind
+        broken = dict(weights)
+        for layer in range(CONFIG.n_layer):
+            broken[f"h.{layer}.mlp.c_fc.bias"] = np.zeros_like(weights[f"h.{layer}.mlp.c_fc.bias"])
+        return CONFIG, broken
+    assert error == "eps-10x"
+    return dataclasses.replace(CONFIG, layer_norm_epsilon=10 * CONFIG.layer_norm_epsilon), weights
+
+
+@pytest.mark.parametrize("error", ["no-mlp-bias", "eps-10x"])
+def test_bfloat16_bound_catches_planted_errors(error, rng):
+    """Negative control of GPT2_BF16: the JAX loop with one modelling error, against the torch
+    loop (the cross-framework check) and against the float64 reference, is refused."""
+    weights = weights_for(rng)
+    requests = _traced(rng)
+    config, broken = _planted(error, weights)
+    good = LOOPS["torch"](CONFIG, weights, requests, max_batch=3, dtype="bfloat16")
+    bad = LOOPS["jax"](config, broken, requests, max_batch=3, dtype="bfloat16")
+    check_caught(gaps(good, bad), GPT2_BF16, f"{error}: torch bf16 vs JAX bf16")
+    check_caught(refs_gaps(bad, _reference_logprobs(weights, requests, bad)), GPT2_BF16, f"{error}: vs reference")
 
 
 BAD = {

@@ -1,10 +1,12 @@
 """The continuous-batching schedule of the reference decode loops, and the checks of their arguments.
 
-Every family's loops (e.g. ``trace_replay_app.models.gpt2.torch_loop`` and ``.jax_loop``) run the
-schedule made here, so the two frameworks decode identical batches step by step. Numpy only.
+Both decode drivers (``trace_replay_app.drivers.torch_driver`` and ``.jax_driver``) run the
+schedule made here, so the two frameworks decode identical batches step by step; :func:`check_decode`
+is the one check of a ``run_decode`` call's arguments. Numpy only.
 
-The rules: the loop has ``max_batch`` slots and a fixed row layout of ``max_batch`` batch rows,
-row ``b`` serving slot ``b``. Requests are admitted in input order, each into the free slot
+The rules: the loop has ``slots = min(max_batch, requests that decode)`` slots (at least one;
+more would never be used) and a fixed row layout of that many batch rows, row ``b`` serving
+slot ``b``. Requests are admitted in input order, each into the free slot
 with the lowest index, at the first step where one is free: a request that decodes ``n``
 tokens and is admitted before step ``s`` decodes at steps ``s .. s + n - 1`` and frees its slot
 for the next waiting request at step ``s + n``. Requests with no new tokens take no slot.
@@ -18,6 +20,8 @@ Example::
     ([0, 1, 1, 0], [0, 0, 1, 3], 4)
     >>> s.idx_mapping.tolist()          # per step, row -> slot (-1: empty row)
     [[0, 1], [0, 1], [0, 1], [0, -1]]
+    >>> plan([5, 2], max_batch=10**11).slots   # slots follow the work, not the option
+    2
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from .records import RequestResult, TraceRequest
 
 __all__ = [
     "Schedule",
+    "DecodeCall",
     "plan",
+    "check_decode",
     "check_run",
     "check_device",
     "check_sampling",
@@ -52,13 +58,14 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 class Schedule:
     """Which request decodes in which slot at which step.
 
-    ``slot[i]``, ``start[i]``: slot and first decode step of request ``i`` (-1 for a request
-    with no new tokens); ``new_tokens[i]``: how many steps it decodes. ``idx_mapping``:
-    ``[n_steps, max_batch]`` int32, ``idx_mapping[k, b] = b`` when row ``b`` decodes at step
+    ``slots``: slots and batch rows of the loop (``min(max_batch, requests that decode)``, at
+    least 1). ``slot[i]``, ``start[i]``: slot and first decode step of request ``i`` (-1 for a
+    request with no new tokens); ``new_tokens[i]``: how many steps it decodes. ``idx_mapping``:
+    ``[n_steps, slots]`` int32, ``idx_mapping[k, b] = b`` when row ``b`` decodes at step
     ``k`` and -1 when it is empty.
     """
 
-    max_batch: int
+    slots: int
     slot: np.ndarray
     start: np.ndarray
     new_tokens: np.ndarray
@@ -81,17 +88,19 @@ class Schedule:
         """The most KV-cache positions any scheduled request fills: its prompt plus its new
         tokens, less the last token (sampled, never fed back). ``prompt_lens[i]``: request
         ``i``'s prompt length. Needs at least one scheduled request."""
-        return max(int(prompt_lens[i]) + int(self.new_tokens[i]) - 1 for i in np.nonzero(self.slot >= 0)[0])
+        return max(int(prompt_lens[int(i)]) + int(self.new_tokens[i]) - 1 for i in np.nonzero(self.slot >= 0)[0])
 
     def outputs(self, i: int, per_step: np.ndarray) -> np.ndarray:
-        """Request ``i``'s entries of a ``[n_steps, max_batch, ...]`` per-step array, in decode order."""
+        """Request ``i``'s entries of a ``[n_steps, slots, ...]`` per-step array, in decode order."""
         if self.slot[i] < 0:
             return per_step[:0, 0]
         return per_step[self.start[i] : self.start[i] + self.new_tokens[i], self.slot[i]]
 
 
 def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
-    """The schedule of requests decoding ``new_tokens[i]`` tokens each through ``max_batch`` slots.
+    """The schedule of requests decoding ``new_tokens[i]`` tokens each through at most
+    ``max_batch`` slots (``max_batch`` may be far above the work: the schedule, and every buffer
+    a loop sizes from it, has ``min(max_batch, requests that decode)`` rows).
 
     Host-only and deterministic; see the module docstring for the rules.
     """
@@ -101,9 +110,10 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
     counts = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
     if (counts < 0).any():
         raise ValueError(f"new_tokens must be >= 0 (got {counts[counts < 0][0]})")
+    slots = max(1, min(max_batch, int((counts > 0).sum())))
     slot = np.full(counts.size, -1, dtype=np.int32)
     start = np.full(counts.size, -1, dtype=np.int32)
-    free = [(0, s) for s in range(max_batch)]  # (step the slot is free from, slot): a heap
+    free = [(0, s) for s in range(slots)]  # (step the slot is free from, slot): a heap
     for i, n in enumerate(counts):
         if n == 0:
             continue
@@ -112,10 +122,10 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
         slot[i], start[i] = s, free_at
         heapq.heappush(free, (free_at + int(n), s))
     n_steps = int((start + counts).max(initial=0))
-    idx_mapping = np.full((n_steps, max_batch), -1, dtype=np.int32)
+    idx_mapping = np.full((n_steps, slots), -1, dtype=np.int32)
     for i in np.nonzero(counts > 0)[0]:
         idx_mapping[start[i] : start[i] + counts[i], slot[i]] = slot[i]
-    return Schedule(max_batch, slot, start, counts.astype(np.int32), idx_mapping)
+    return Schedule(slots, slot, start, counts.astype(np.int32), idx_mapping)
 
 
 def _ids(value: Any, what: str, vocab_size: int) -> np.ndarray:
@@ -197,7 +207,7 @@ def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:
         or not 0 <= float(temperature) < float("inf")
     ):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy) (got {temperature!r})")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**63:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**63:
         raise ValueError(f"seed must be an int in [0, 2**63) (got {seed!r})")
     return float(temperature)
 
@@ -244,13 +254,70 @@ def collect_results(
     requests: Sequence[TraceRequest], schedule: Schedule, outputs: Mapping[str, np.ndarray] | None
 ) -> list[RequestResult]:
     """One :class:`RequestResult` per request, in request order, cut out of a loop's per-step
-    host outputs ``[n_steps, max_batch]`` (``tokens``, ``argmax``, ``logprobs``, ``ranks``;
+    host outputs ``[n_steps, slots]`` (``tokens``, ``argmax``, ``logprobs``, ``ranks``;
     ``None`` when the schedule has no step). ``forced`` is True for every token of a traced
     request (it decodes exactly its trace)."""
     if outputs is None:
-        outputs = {name: np.zeros((0, schedule.max_batch), dtype) for name, dtype in _OUTPUT_DTYPES.items()}
+        outputs = {name: np.zeros((0, schedule.slots), dtype) for name, dtype in _OUTPUT_DTYPES.items()}
     results = []
     for i, r in enumerate(requests):
         cut = {name: schedule.outputs(i, outputs[name]).astype(dtype) for name, dtype in _OUTPUT_DTYPES.items()}
         results.append(RequestResult(id=r.id, forced=np.full(cut["tokens"].shape, r.trace is not None), **cut))
     return results
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+    """A ``run_decode`` call whose arguments passed :func:`check_decode`.
+
+    ``prompts``/``traces``: per request, int64 ids (a trace or ``None``); ``schedule``: its
+    :func:`plan`; ``temperature`` as a float; ``dtype``: the compute dtype's name; ``seed``;
+    ``on_step``: the caller's callback or ``None``."""
+
+    prompts: list
+    traces: list
+    schedule: Schedule
+    dtype: str
+    temperature: float
+    seed: int
+    on_step: Callable[[int], None] | None
+
+    @property
+    def kv_positions(self) -> int:
+        """The most KV-cache positions a request fills (see :meth:`Schedule.kv_positions`); 0 with no step."""
+        if not self.schedule.n_steps:
+            return 0
+        return self.schedule.kv_positions([len(p) for p in self.prompts])
+
+    @property
+    def longest_trace(self) -> int:
+        """The longest trace's length (1 when no request is traced: a replay table needs a column)."""
+        return max((len(t) for t in self.traces if t is not None), default=1)
+
+
+def check_decode(
+    config: Any,
+    weights: Mapping[str, np.ndarray],
+    requests: Sequence[TraceRequest],
+    *,
+    max_batch: int,
+    on_step: Any,
+    dtype: Any,
+    temperature: Any,
+    seed: Any,
+    config_type: type,
+    check_weights: Callable[[Any, Mapping[str, np.ndarray]], None],
+    device: Any = None,
+) -> DecodeCall:
+    """Every framework-neutral check of a ``run_decode`` call (:func:`check_run`,
+    :func:`check_sampling`, and :func:`check_device` unless ``device`` is None), then the
+    schedule. The one place these checks live; host-only; a refused call raises
+    ``TypeError``/``ValueError`` naming the argument before anything is allocated."""
+    prompts, traces = check_run(
+        config, weights, requests, max_batch, on_step, config_type=config_type, check_weights=check_weights
+    )
+    temp = check_sampling(dtype, temperature, seed)
+    if device is not None:
+        check_device(device)
+    schedule = plan([r.new_tokens for r in requests], max_batch)
+    return DecodeCall(prompts, traces, schedule, dtype, temp, int(seed), on_step)

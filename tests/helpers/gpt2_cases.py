@@ -65,9 +65,9 @@ def torch_one_thread():
 def small_jax_chunks(monkeypatch):
     """JAX keeps per-step outputs on the device in chunks of steps: small chunks here, so that
     every run crosses chunk boundaries (and all tests share one chunk shape: fewer compilations)."""
-    from trace_replay_app.models import decode_buffers
+    from trace_replay_app.drivers import jax_chunks
 
-    monkeypatch.setattr(decode_buffers, "CHUNK", 16)  # the driver's chunking and the buffers it allocates
+    monkeypatch.setattr(jax_chunks, "CHUNK", 16)  # the driver's chunking and the buffers it allocates
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def check_batch_sizes(run, device, rng) -> None:
     for max_batch in (1, 3, 8):
         schedule = plan([r.new_tokens for r in requests], max_batch)
         assert np.bincount(schedule.slot[schedule.slot >= 0]).max() > 1, "no slot was reused"
-        steps = []
+        steps: list[int] = []
         results[max_batch] = run(CONFIG, weights, requests, device=device, max_batch=max_batch, on_step=steps.append)
         assert len(steps) == schedule.n_steps and sum(steps) == total, (max_batch, steps)
         assert steps == schedule.tokens_per_step.tolist()

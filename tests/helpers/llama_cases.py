@@ -2,13 +2,15 @@
 
 Shared by ``test_llama_loops.py`` (CPU) and ``test_gpu_models.py`` (CUDA). Import only after
 ``pytest.importorskip("transformers")``. Nothing is downloaded: every model comes from
-``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config`` with random weights.
+``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config`` with random weights (biases
+drawn too: transformers starts them at 0).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,6 +67,10 @@ def make_checkpoint(case: str, folder: str, seed: int = 0) -> str:
     config = transformers.AutoConfig.for_model(model_type, **_SIZES, **options)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers starts biases at 0: a loop that drops one would match by accident
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     if save.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(folder, exist_ok=True)
@@ -80,7 +86,7 @@ def load(folder: str):
 
 def hf_model(folder: str, device: str = "cpu", dtype=torch.float32):
     """transformers' own model of ``folder`` (eager attention) in ``dtype`` on ``device``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     return model.to(device).eval()
 
 
@@ -166,7 +172,7 @@ def hf_reference(config, weights, folder: str, device: str = "cpu"):
     ``folder`` through the application's writer; refuses a config transformers cannot express
     (its ``config.json`` must read back as the same config)."""
     from trace_replay_app.checkpoint import save_checkpoint
-    from trace_replay_app.models.llama.config import config_from_hf, to_hf
+    from trace_replay_app.models.llama.hf import config_from_hf, to_hf
 
     back = config_from_hf(to_hf(config, weights)[0])
     assert back == config, f"transformers cannot express {config} (it reads back as {back})"

@@ -1,9 +1,10 @@
 """Rank bodies of the multi-process tests (``test_multi_device.py``, ``test_gpu_multi.py``).
 
 Kept apart from the test modules so that a spawned rank imports torch and the application
-only (no pytest, no transformers). A job file (pickle) lists runs of
-:func:`trace_replay_app.models.llama.torch_tp.run_decode_tp`: ``(name, config, weights,
-requests, options)``; each rank writes ``{name: results}`` to ``<out_dir>/rank<r>.pkl``.
+only (no pytest, no transformers). A job file (pickle) lists tensor-parallel runs of the torch
+driver (the ``run_decode`` of the config's family with ``tensor_parallel=TensorParallel()``):
+``(name, config, weights, requests, options)``; each rank writes ``{name: results}`` to
+``<out_dir>/rank<r>.pkl``.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ def tp_rank(rank: int, world: int, init_file: str, jobs_file: str, out_dir: str,
         device = f"cuda:{rank}"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        from trace_replay_app.models.llama.torch_tp import run_decode_tp
+        from trace_replay_app.drivers.torch_parallel import TensorParallel
+        from trace_replay_app.models import family_for_config
 
         with open(jobs_file, "rb") as f:
             jobs = pickle.load(f)
         out = {}
         for name, config, weights, requests, options in jobs:
-            out[name] = run_decode_tp(config, weights, requests, device=device, **options)
+            options = dict(options)
+            tp = TensorParallel(layers=options.pop("tp_layers", None))
+            run_decode = family_for_config(config).run_decode("torch")
+            out[name] = run_decode(config, weights, requests, device=device, tensor_parallel=tp, **options)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(out, f)
     finally:

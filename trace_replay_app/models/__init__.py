@@ -1,9 +1,11 @@
 """The model registry: one :class:`Family` per model family (see :mod:`.family`).
 
-Adding a family: write ``models/<name>/`` (``config.py`` numpy-only, ``torch_loop.py`` and
-``jax_loop.py`` with ``run_decode``, ``__init__.py`` building ``FAMILY``) and add one line to
-``_FAMILIES`` below. Importing this package imports no framework: loops load on
-:meth:`Family.run_decode`.
+Adding a family: write ``models/<name>/`` (``config.py`` numpy-only; ``torch_loop.py`` and
+``jax_loop.py`` with the family's prefill/decode math, a
+:class:`~trace_replay_app.drivers.torch_driver.TorchFamily` /
+:class:`~trace_replay_app.drivers.jax_driver.JaxFamily` and ``run_decode = decoder(...)``;
+``__init__.py`` building ``FAMILY``) and add one line to ``_FAMILIES`` below. Importing this
+package imports no framework: loops load on :meth:`Family.run_decode`.
 
 Example::
 
@@ -15,8 +17,6 @@ Example::
 """
 
 from __future__ import annotations
-
-from typing import Tuple
 
 from . import gpt2, llama
 from .family import FRAMEWORKS, Family, FrameworkMissing, RunDecode

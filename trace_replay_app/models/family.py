@@ -1,26 +1,31 @@
 """What a model family is: the record the registry keeps per family, and the decode-loop contract.
 
-A family is one framework-neutral config/weights module (numpy only) plus a PyTorch and a JAX
-decode loop side by side, e.g. ``models/gpt2/{config,torch_loop,jax_loop}.py``. Its package's
-``__init__`` builds one :class:`Family` named ``FAMILY``; ``models/__init__.py`` lists it.
+A family is one framework-neutral config/weights module (numpy only) plus its prefill/decode
+math in PyTorch and in JAX, each bound to that framework's one decode driver
+(:mod:`trace_replay_app.drivers`), e.g. ``models/gpt2/{config,torch_loop,jax_loop}.py``. Its
+package's ``__init__`` builds one :class:`Family` named ``FAMILY``; ``models/__init__.py`` lists it.
 
 The config object of every family exposes ``vocab_size`` and ``n_positions`` (the most prompt +
 decoded tokens of one request): trace files and the schedule check requests against those two.
 
-Every loop is a function with this signature (the contract both frameworks and every family keep)::
+Every loop is a function with this signature (the contract both drivers keep for every family;
+torch adds ``cuda_graph=`` and ``tensor_parallel=``, JAX ``mesh=`` and ``vocab_axis=``)::
 
     run_decode(config, weights, requests, *, device="cpu", max_batch=8, on_step=None,
                dtype="float32", temperature=0.0, seed=0) -> list[RequestResult]
 
 ``weights``: numpy float arrays under the family's names (the caller's arrays are not changed);
 ``requests``: :class:`~trace_replay_app.records.TraceRequest`; ``device``: ``"cpu"``, ``"cuda"``
-or ``"cuda:N"``; ``max_batch``: slots decoding together on the shared schedule
-(:mod:`trace_replay_app.schedule`); ``on_step(k)``: called on the host after each step is queued
-with the tokens it decodes; ``dtype``: compute dtype, ``"float32"`` or ``"bfloat16"``;
+or ``"cuda:N"``; ``max_batch``: the most slots decoding together on the shared schedule
+(:mod:`trace_replay_app.schedule`; a run uses ``min(max_batch, requests that decode)``);
+``on_step(k)``: called on the host after each step is queued with the tokens it decodes;
+``dtype``: compute dtype, ``"float32"`` or ``"bfloat16"``;
 ``temperature``: 0 = greedy (ties: lowest id), else sampling from ``softmax(logits / T)``
 with the ``seed`` (reproducible for the same arguments). Traced requests are forced onto their
 traces; logprobs and ranks are those of the raw float32 logits (before temperature). A rejected
-call raises ``TypeError``/``ValueError`` naming the argument, before anything runs.
+call raises ``TypeError``/``ValueError`` naming the argument, before anything runs; a run that
+cannot fit in the device's free memory raises :class:`~trace_replay_app.records.DeviceMemoryError`
+before anything is allocated there.
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ class FrameworkMissing(ImportError):
 class Family:
     """One model family of the registry (see the module docstring).
 
-    ``name``: what ``--model`` takes; ``label``: what it is, in words (e.g. "GPT-2-style model"). ``model_types``: the Hugging Face ``config.json``
-    ``model_type`` values it serves. ``config_type``: its config class. ``config_from_hf(hf)``:
+    ``name``: what ``--model`` takes; ``label``: what it is, in words (e.g. "GPT-2-style
+    model"). ``model_types``: the Hugging Face ``config.json`` ``model_type`` values it serves.
+    ``config_type``: its config class. ``config_from_hf(hf)``:
     the config of a ``config.json`` mapping (``ValueError`` naming the key for what it does not
     support). ``default_config()``: a small config for seeded runs. ``seeded_weights(config,
     seed)``: deterministic float32 weights. ``weights_from_tensors(config, tensors)``: a

@@ -1,6 +1,8 @@
 """The ``gpt2`` family: a GPT-2-style decoder (learned positions, pre-LayerNorm blocks,
-``gelu_new``, tied output projection). ``config.py`` is numpy-only; ``torch_loop.py`` and
-``jax_loop.py`` are the two decode loops, imported only by :func:`load_loop`."""
+``gelu_new``, tied output projection). ``config.py`` is numpy-only (config, weight names and
+shapes, seeded weights); ``torch_loop.py`` and ``jax_loop.py`` hold the family's prefill/decode
+math in each framework and its ``run_decode`` on that framework's shared driver
+(:mod:`trace_replay_app.drivers`), imported only by :func:`load_loop`."""
 
 from __future__ import annotations
 

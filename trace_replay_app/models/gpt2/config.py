@@ -112,10 +112,11 @@ class GPT2Config:
 
 def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     """Every parameter name -> shape, in a fixed order."""
-    e, shapes = (
-        config.n_embd,
-        {"wte.weight": (config.vocab_size, config.n_embd), "wpe.weight": (config.n_positions, config.n_embd)},
-    )
+    e = config.n_embd
+    shapes: dict[str, tuple[int, ...]] = {
+        "wte.weight": (config.vocab_size, config.n_embd),
+        "wpe.weight": (config.n_positions, config.n_embd),
+    }
     for i in range(config.n_layer):
         p = f"h.{i}."
         shapes.update(

@@ -1,12 +1,10 @@
-"""A reference decode loop of a small GPT-2-style model in PyTorch, replaying traces.
+"""The GPT-2-style family's math in PyTorch, and its ``run_decode`` on the shared torch driver.
 
-:func:`run_decode` decodes a list of :class:`~trace_replay_app.records.TraceRequest` with
-a KV cache and continuous batching through slots, greedily (or by temperature sampling), and
-forces traced requests onto their traces with :class:`trace_replay_torch.TraceReplayState`;
-logprob and rank of every output token come from the unmodified logits through
-:func:`trace_replay_torch.token_logprob_rank`. The JAX twin (``jax_loop.run_decode``) runs the
-same model on the same schedule (:mod:`trace_replay_app.schedule`), so the two can be compared
-token by token. This module is the only one of the family that imports torch.
+:class:`GPT2Torch` is the family's :class:`~trace_replay_app.drivers.torch_driver.TorchModel`:
+its prefill and decode over a slot-indexed KV cache. :data:`TORCH` tells the driver about it, and
+:func:`run_decode` is the driver bound to it (:func:`trace_replay_app.drivers.torch_driver.decoder`:
+slots, schedule, replay, logprob/rank, recording and, on CUDA, a CUDA graph per step). This
+module is the only one of the family that imports torch.
 
 Example (CPU; ``device="cuda"`` on a GPU)::
 
@@ -24,43 +22,29 @@ Example (CPU; ``device="cuda"`` on a GPU)::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trace_replay_core import parse_device
-from trace_replay_torch import TraceReplayState, token_logprob_rank
-
-from ...records import RequestResult, TraceRequest
-from ...schedule import check_device, check_run, check_sampling, collect_results, plan
+from ...drivers.torch_driver import TorchFamily, decoder
+from ...drivers.torch_parallel import Shard
 from .config import GPT2Config, check_weights
 
-__all__ = ["run_decode"]
+__all__ = ["GPT2Torch", "TORCH", "run_decode"]
 
 
-def _torch_device(device: str) -> torch.device:
-    """``"cpu"``, ``"cuda"`` (CUDA device 0) or ``"cuda:N"`` -> a torch.device usable here."""
-    check_device(device)
-    dev = torch.device(parse_device(device))  # ValueError naming the device when there is no such GPU
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} is not available: torch sees no CUDA GPU; use device='cpu'")
-        index = dev.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {device!r} is not available: torch sees {torch.cuda.device_count()} CUDA device(s)"
-            )
-        dev = torch.device("cuda", index)
-    return dev
+def cache_shape(config: GPT2Config, slots: int, kv_len: int) -> tuple[int, ...]:
+    """``[n_layer, 2 (keys, values), slots, kv_len, n_head, head_dim]``."""
+    return (config.n_layer, 2, slots, kv_len, config.n_head, config.head_dim)
 
 
-class _GPT2:
+class GPT2Torch:
     """The model's forward passes on ``device`` in ``dtype`` (weights, activations and KV cache;
-    logits are returned as float32), over a slot-indexed KV cache.
-
-    ``cache``: ``[n_layer, 2 (keys, values), max_batch (slots), kv_len, n_head, head_dim]``.
+    logits are returned as float32), over a :func:`cache_shape` KV cache. With a ``shard``
+    (tensor parallelism) it computes its vocabulary block of the logits; its layers are never
+    split (the family's ``splits_layers`` is the default, never).
     """
 
     def __init__(
@@ -69,12 +53,14 @@ class _GPT2:
         weights: Mapping[str, np.ndarray],
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        shard: Shard | None = None,
     ):
         self.config = config
         self.p: dict[str, torch.Tensor] = {
             name: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
             for name, w in weights.items()
         }
+        self.head = self.p["wte.weight"] if shard is None else self.p["wte.weight"][shard.start : shard.end]
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -101,25 +87,29 @@ class _GPT2:
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.p["wte.weight"][tokens] + self.p["wpe.weight"][positions]
 
-    def prefill(self, cache: torch.Tensor, slot: int, tokens: torch.Tensor) -> None:
-        """Store the keys and values of ``tokens`` (``[n]``, positions ``0 .. n-1``) in ``slot``'s cache."""
-        n = tokens.shape[0]
+    def prefill(self, cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Store the keys and values of ``tokens`` ``[requests, n]`` (positions ``0 .. n-1``,
+        right-padded) in the caches of ``slots`` ``[requests]``."""
+        r, n = tokens.shape
+        c = self.config
+        pos = torch.arange(n, device=tokens.device)
         future = torch.ones(n, n, dtype=torch.bool, device=tokens.device).triu(diagonal=1)
 
         def attend(layer, q, k, v):
-            cache[layer, 0, slot, :n] = k
-            cache[layer, 1, slot, :n] = v
-            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            q, k, v = (t.reshape(r, n, c.n_head, c.head_dim) for t in (q, k, v))
+            cache[layer, 0, slots, :n] = k
+            cache[layer, 1, slots, :n] = v
+            scores = torch.einsum("rqhd,rkhd->rhqk", q, k) * self.scale
             probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
-            return torch.einsum("hqk,khd->qhd", probs, v)
+            return torch.einsum("rhqk,rkhd->rqhd", probs, v).reshape(r * n, c.n_head, c.head_dim)
 
-        self._layers(self._embed(tokens, torch.arange(n, device=tokens.device)), attend)
+        self._layers(self._embed(tokens.reshape(-1), pos.repeat(r)), attend)
 
     def decode(self, cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache.
 
-        Returns float32 logits ``[max_batch, vocab_size]``. Rows attend to cache positions
-        ``<= positions[b]``; an empty row computes garbage that no one reads.
+        Returns float32 logits ``[rows, vocab_size]`` (a shard's block of the vocabulary). Rows
+        attend to cache positions ``<= positions[b]``; an empty row computes garbage that no one reads.
         """
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         hidden = (torch.arange(cache.shape[3], device=tokens.device) > positions[:, None])[:, None, :]
@@ -132,134 +122,12 @@ class _GPT2:
             return torch.einsum("bht,bthd->bhd", probs, cache[layer, 1])
 
         h = self._ln(self._layers(self._embed(tokens, positions), attend), "ln_f")
-        return (h @ self.p["wte.weight"].T).float()
+        return (h @ self.head.T).float()
 
 
-def run_decode(
-    config: GPT2Config,
-    weights: Mapping[str, np.ndarray],
-    requests: Sequence[TraceRequest],
-    *,
-    device: str = "cpu",
-    max_batch: int = 8,
-    on_step: Callable[[int], None] | None = None,
-    dtype: str = "float32",
-    temperature: float = 0.0,
-    seed: int = 0,
-) -> list[RequestResult]:
-    """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
-
-    ``weights``: float numpy arrays named as in :func:`~trace_replay_app.models.gpt2.param_shapes`
-    (copied to ``device`` in ``dtype``, ``"float32"`` or ``"bfloat16"``, the compute dtype; the
-    caller's arrays are not changed). ``temperature``: 0 (default) decodes greedily; above 0,
-    untraced rows sample from ``softmax(logits / temperature)`` (Gumbel-max with noise from a
-    ``torch.Generator`` seeded with ``seed`` on ``device``: the same arguments give the same
-    tokens). ``requests``: each
-    decodes ``request.new_tokens`` tokens; a traced one is forced onto its trace at every step.
-    ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. ``max_batch``: slots (and batch rows)
-    decoding at once; requests join in input order as slots free up (the schedule of
-    :func:`trace_replay_app.schedule.plan`). ``on_step(k)`` is called on the host after
-    each decode step is queued, with the number of tokens that step decodes.
-
-    Returns one :class:`RequestResult` per request, in the order of ``requests``: the tokens
-    (the trace for a traced request), ``forced`` (True inside the trace), the logprob and rank
-    of each token under the unmodified float32 logits (before temperature), and the greedy
-    ``argmax`` (ties: lowest id). Matrix products follow torch's float32 settings (full float32 unless the caller
-    allowed TF32, e.g. ``torch.backends.cuda.matmul.allow_tf32``).
-
-    Each step: feed every active row's last token at its position, logits, sample (greedy:
-    every row -1, "take the argmax"), replay in place (the step of a slot is ``total_len -
-    prompt_len``, read on the device), logprob/rank/argmax in one pass over the logits (rows
-    still at -1 scored as, and then set to, their argmax), append. Nothing waits for the device
-    between steps; outputs stay on the device until one copy to the host at the end. Arguments
-    are checked before anything runs (``TypeError`` / ``ValueError`` naming the argument); a
-    rejected call does nothing.
-    """
-    prompts, traces = check_run(
-        config, weights, requests, max_batch, on_step, config_type=GPT2Config, check_weights=check_weights
-    )
-    temperature = check_sampling(dtype, temperature, seed)
-    dev = _torch_device(device)
-    schedule = plan([r.new_tokens for r in requests], max_batch)
-    outputs = None
-    if schedule.n_steps:
-        with torch.no_grad():
-            outputs = _decode_all(
-                config, weights, prompts, traces, schedule, dev, on_step, getattr(torch, dtype), temperature, seed
-            )
-    return collect_results(requests, schedule, outputs)
-
-
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from ``softmax(logits / temperature)``: Gumbel-max, noise from ``generator``."""
-    u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float32)
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
-    return (logits / temperature + gumbel).argmax(dim=-1)
-
-
-def _decode_all(
-    config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed
-) -> dict[str, np.ndarray]:
-    """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
-    model = _GPT2(config, weights, dev, dtype)
-    rows, steps = schedule.max_batch, schedule.n_steps
-    kv_len = schedule.kv_positions([len(p) for p in prompts])
-    cache = torch.zeros(config.n_layer, 2, rows, kv_len, config.n_head, config.head_dim, device=dev, dtype=dtype)
-    generator = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
-    prompt_len = torch.zeros(rows, dtype=torch.int32, device=dev)  # per slot, read by replay
-    total_len = torch.zeros(rows, dtype=torch.int32, device=dev)  # prompt + tokens decoded so far
-    last = torch.zeros(rows, dtype=torch.int64, device=dev)  # the token each row feeds next
-    # Prompts and schedule go to the device once, up front (a copy from pageable memory waits for it).
-    idx_all = torch.from_numpy(schedule.idx_mapping).to(dev)
-    offsets = np.cumsum([0] + [len(p) for p in prompts])
-    prompt_ids = torch.from_numpy(np.concatenate(prompts)).to(dev)
-    idx_mapping = torch.empty(rows, dtype=torch.int32, device=dev)  # fixed buffers: replay binds them once
-    sampled = torch.empty(rows, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
-    ranks = torch.empty(rows, dtype=torch.int64, device=dev)
-    argmax = torch.empty(rows, dtype=torch.int64, device=dev)
-    greedy = torch.empty(rows, dtype=torch.bool, device=dev)  # rows that take their argmax
-    out = {
-        "tokens": torch.empty(steps, rows, dtype=torch.int64, device=dev),
-        "argmax": torch.empty(steps, rows, dtype=torch.int64, device=dev),
-        "logprobs": torch.empty(steps, rows, dtype=torch.float32, device=dev),
-        "ranks": torch.empty(steps, rows, dtype=torch.int64, device=dev),
-    }
-    max_trace = max((len(t) for t in traces if t is not None), default=1)
-    per_step = schedule.tokens_per_step.tolist()
-    with TraceReplayState(
-        rows, max_trace, device=dev, total_len=total_len, prompt_len=prompt_len, vocab_size=config.vocab_size
-    ) as state:
-        for step in range(steps):
-            for i in schedule.admitted(step).tolist():
-                slot, prompt = int(schedule.slot[i]), prompts[i]
-                if len(prompt) > 1:
-                    model.prefill(cache, slot, prompt_ids[offsets[i] : offsets[i + 1] - 1])
-                prompt_len[slot] = len(prompt)
-                total_len[slot] = len(prompt)
-                last[slot] = int(prompt[-1])
-                state.add_request(slot, traces[i])  # None: untraced (forgets the slot's old trace)
-            state.apply_staged_writes()
-            idx_mapping.copy_(idx_all[step])
-            active = idx_mapping >= 0
-            positions = torch.where(active, total_len.long() - 1, 0)  # empty rows: anywhere in range
-            logits = model.decode(cache, last, positions)
-            if generator is None:
-                sampled.fill_(-1)  # -1: greedy, the argmax below
-            else:
-                sampled.copy_(_sample(logits, temperature, generator))
-            state.replay(sampled, idx_mapping)  # traced rows take their trace token, in place
-            # From the unmodified logits, one pass; argmax ties: the lowest id, as torch.argmax.
-            token_logprob_rank(logits, sampled, argmax=True, out=(logprobs, ranks, argmax))
-            if generator is None:
-                torch.lt(sampled, 0, out=greedy)
-                torch.where(greedy, argmax, sampled, out=sampled)
-            out["tokens"][step] = sampled
-            out["argmax"][step] = argmax
-            out["logprobs"][step] = logprobs
-            out["ranks"][step] = ranks
-            total_len += active
-            last = torch.where(active, sampled, last)
-            if on_step is not None:
-                on_step(per_step[step])
-        return {name: t.cpu().numpy() for name, t in out.items()}
+# prefill_tokens=1: one prompt per prefill call, unpadded. Padded groups round the cached keys
+# and values of float32 runs differently, so tokens decoded after them can change their last bits.
+TORCH = TorchFamily(
+    config_type=GPT2Config, check_weights=check_weights, cache_shape=cache_shape, build=GPT2Torch, prefill_tokens=1
+)
+run_decode = decoder(TORCH)

@@ -1,6 +1,10 @@
 """The Llama-family models: ``llama`` (Llama 2/3/3.1, also serving ``mistral`` checkpoints),
-``qwen2`` and ``qwen3``, one framework-neutral config (``config.py``, numpy only) and two decode
-loops (``torch_loop.py``, ``jax_loop.py``), imported only by :func:`load_loop`.
+``qwen2`` and ``qwen3``, one framework-neutral config (``config.py``, numpy only; the Hugging
+Face ``config.json`` and tensor conversions in ``hf.py``) and the
+prefill/decode math in each framework with its ``run_decode`` on that framework's shared driver
+(``torch_loop.py``, ``jax_loop.py``; :mod:`trace_replay_app.drivers`), imported only by
+:func:`load_loop`. Tensor parallelism (``tensor_parallel=``) and a JAX mesh (``mesh=``) are
+options of those ``run_decode``.
 
 The three registry entries share the config class and the loops; they differ in the Hugging
 Face ``model_type`` values they serve and in the small default config of a seeded run.
@@ -15,14 +19,12 @@ from .config import (
     MODEL_TYPES,
     LlamaConfig,
     check_weights,
-    config_from_hf,
     default_config,
     describe,
     param_shapes,
     seeded_weights,
-    to_hf,
-    weights_from_tensors,
 )
+from .hf import config_from_hf, to_hf, weights_from_tensors
 
 __all__ = [
     "FAMILIES",

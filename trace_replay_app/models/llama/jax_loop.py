@@ -1,11 +1,10 @@
-"""The Llama-family decode loop in JAX: one jitted program per decode step, replay inside it.
+"""The Llama family's math in JAX, and its ``run_decode`` on the shared JAX driver.
 
-:func:`run_decode` decodes :class:`~trace_replay_app.records.TraceRequest` with a KV cache and
-continuous batching through slots (the shared schedule, :mod:`trace_replay_app.schedule`),
-forces traced requests onto their traces with :func:`trace_replay_jax.replay` inside the
-jitted step (``state.tables`` passed in as an argument), and takes logprob and rank of every
-token from the unmodified logits with :func:`trace_replay_jax.token_logprob_rank`, in the same
-program. The PyTorch twin is ``torch_loop.run_decode``.
+The functions here are the family's side of :class:`~trace_replay_app.drivers.jax_driver.JaxFamily`
+(parameters, KV cache, prefill, write, decode); :data:`JAX` tells the driver about them and
+:func:`run_decode` is the driver bound to them (:func:`trace_replay_app.drivers.jax_driver.decoder`:
+slots, schedule, jitted admission and step with replay and logprob/rank inside, and ``mesh=``
+for the logits sharded over the vocabulary).
 
 Example (CPU; ``device="cuda"`` on a GPU)::
 
@@ -19,62 +18,31 @@ Example (CPU; ``device="cuda"`` on a GPU)::
     a, b = run_decode(config, seeded_weights(config), requests)
     assert a.tokens.tolist() == [7, 8, 9] and a.forced.all()
 
-Programs: the decode step (one per config, dtype, ``max_batch``, KV length and trace length
-bucket), the prefill of one prompt (one per config, dtype and prompt length bucket, whatever
-the batch) and the write of its keys and values into a slot. Buckets are powers of two, so a
-run compiles a handful of programs and later runs of similar sizes reuse them. Keys and values
-live in one buffer per layer (``[slots, kv_heads, kv_len, head_dim]``, donated to each step and
-updated in place). Float32 matrix products run at full precision (``precision="highest"``).
+Keys and values live in one buffer per layer (``([slots, kv_heads, kv_len, head_dim], ...)``
+for keys, then values; donated to each step and updated in place). Float32 matrix products run
+at full precision (``precision="highest"``).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_replay_jax import ReplayTables, TraceReplayState, replay, resolve_device, token_logprob_rank
-
-from ...records import RequestResult, TraceRequest
-from ...schedule import check_device, check_run, check_sampling, collect_results, plan
-from ..decode_buffers import bucket, fresh_outputs, prompt_prefix, run_chunks
+from ...drivers.jax_driver import JaxFamily, decoder
 from .config import LlamaConfig, check_weights, inv_freq
 
-__all__ = ["run_decode"]
-
-
-class _Carry(NamedTuple):
-    """Decode state that lives on the device between steps (donated to each step).
-
-    ``keys``/``values``: one ``[slots, kv_heads, kv_len, head_dim]`` buffer per layer, in the
-    compute dtype. ``prompt_len``/``total_len``: per slot, int32 (``total_len`` = prompt + tokens
-    decoded so far). ``last``: the token each row feeds next. ``step``: the next step's index
-    within the current chunk of ``CHUNK`` steps; ``t``: its index in the run (the sampling
-    noise of step ``t`` comes from ``fold_in(key, t)``). ``tokens``, ``argmax``, ``logprobs``,
-    ``ranks``: that chunk's per-step outputs ``[CHUNK, max_batch]``.
-    """
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    prompt_len: jax.Array
-    total_len: jax.Array
-    last: jax.Array
-    step: jax.Array
-    t: jax.Array
-    tokens: jax.Array
-    argmax: jax.Array
-    logprobs: jax.Array
-    ranks: jax.Array
+__all__ = ["JAX", "run_decode"]
 
 
 # -- the model ----------------------------------------------------------------------------------
-def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> dict:
+def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray], head: bool = False) -> dict:
     """Host pytree of the weights: projections transposed to ``[in, out]``, q/k/v and gate/up
-    concatenated (float32; the caller casts them on the device). Absent biases/norms are left out."""
+    concatenated (float32; the caller casts them on the device). Absent biases/norms are left
+    out. ``head``: the output projection as ``"head"`` even when tied (a copy of the embedding's
+    transpose)."""
 
     def get(name):
         return np.asarray(weights[name], dtype=np.float32) if name in weights else None
@@ -105,6 +73,8 @@ def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> dict:
     params = {"layers": layers, "embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
     if not config.tie_word_embeddings:
         params["head"] = np.ascontiguousarray(get("lm_head.weight").T)
+    elif head:
+        params["head"] = np.ascontiguousarray(params["embed"].T)
     return params
 
 
@@ -164,10 +134,9 @@ def _softmax_f32(scores, visible, dtype):
     return jax.nn.softmax(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _prefill(params, tokens, *, config: LlamaConfig):
+def _prefill(params, config: LlamaConfig, tokens):
     """Keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``): per layer ``(k, v)``,
-    each ``[kv_heads, bucket, head_dim]``. Independent of the batch: one program per bucket."""
+    each ``[kv_heads, bucket, head_dim]``."""
     c = config
     n = tokens.shape[0]
     pos = jnp.arange(n)
@@ -188,29 +157,26 @@ def _prefill(params, tokens, *, config: LlamaConfig):
     return kv
 
 
-@functools.partial(jax.jit, donate_argnames=("carry",))
-def _admit(carry: _Carry, kv, slot, prompt_len, last) -> _Carry:
-    """A request joins ``slot``: its prefilled keys/values (``kv`` from :func:`_prefill`) go
-    into the slot's cache at positions ``0 ..``; its lengths and first token are set.
-    Positions past the real prompt hold padding; a decode step overwrites each before any
-    query reads it (a step writes its own position first and attends to no later one)."""
-    keys = tuple(jax.lax.dynamic_update_slice(buf, k[None], (slot, 0, 0, 0)) for buf, (k, _) in zip(carry.keys, kv))
-    values = tuple(jax.lax.dynamic_update_slice(buf, v[None], (slot, 0, 0, 0)) for buf, (_, v) in zip(carry.values, kv))
-    return carry._replace(
-        keys=keys,
-        values=values,
-        prompt_len=carry.prompt_len.at[slot].set(prompt_len),
-        total_len=carry.total_len.at[slot].set(prompt_len),
-        last=carry.last.at[slot].set(last),
-    )
+def _write(cache, kv, slot):
+    """``cache`` (keys, values) with ``kv`` (from :func:`_prefill`) at positions ``0 ..`` of ``slot``."""
+    keys = tuple(jax.lax.dynamic_update_slice(buf, k[None], (slot, 0, 0, 0)) for buf, (k, _) in zip(cache[0], kv))
+    values = tuple(jax.lax.dynamic_update_slice(buf, v[None], (slot, 0, 0, 0)) for buf, (_, v) in zip(cache[1], kv))
+    return keys, values
 
 
-def _decode(p, config: LlamaConfig, carry: _Carry, positions):
-    """One token per row: row ``b`` feeds ``carry.last[b]`` at ``positions[b]`` to slot ``b``'s
-    cache. Returns ``(logits [rows, vocab] in the compute dtype, keys, values)``."""
+def _new_cache(config: LlamaConfig, slots: int, kv_len: int, dtype):
+    c = config
+    shape = (slots, c.num_key_value_heads, kv_len, c.head_dim)
+    keys = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
+    return keys, tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
+
+
+def _decode(p, config: LlamaConfig, cache, tokens, positions):
+    """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s
+    cache. Returns ``(logits [rows, vocab] in the compute dtype, (keys, values))``."""
     c = config
     rows = jnp.arange(positions.shape[0])
-    kpos = jnp.arange(carry.keys[0].shape[2])
+    kpos = jnp.arange(cache[0][0].shape[2])
     scale = c.head_dim**-0.5
     masks = {}
     for layer in range(c.num_hidden_layers):
@@ -232,137 +198,17 @@ def _decode(p, config: LlamaConfig, carry: _Carry, positions):
         out = jnp.einsum("bkgt,bktd->bkgd", probs, vb, precision=prec).reshape(q.shape[0], -1)
         return out, (keys[:layer] + (kb,) + keys[layer + 1 :], values[:layer] + (vb,) + values[layer + 1 :])
 
-    h, (keys, values) = _layers(p, c, carry.last, positions, attend, (carry.keys, carry.values))
-    return _logits(p, h), keys, values
+    h, cache = _layers(p, c, tokens, positions, attend, cache)
+    return _logits(p, h), cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sample"), donate_argnames=("carry",))
-def _step(
-    params, tables: ReplayTables, idx_chunk, carry: _Carry, key, temperature, *, config: LlamaConfig, sample: bool
-) -> _Carry:
-    """One decode step of every row: logits, (sampling), replay, then one pass over the logits
-    (:func:`trace_replay_jax.token_logprob_rank` with ``argmax=True``) for logprob, rank and the
-    greedy token, append. Greedy: rows start at -1 ("not drawn"), replay writes the traced rows,
-    the logprob call scores the -1 rows as their argmax, and those rows take it."""
-    k = carry.step
-    idx_mapping = idx_chunk[k]  # row -> slot, -1: empty row (this chunk's schedule)
-    active = idx_mapping >= 0
-    positions = jnp.where(active, carry.total_len - 1, 0)  # empty rows: anywhere in range
-    logits, keys, values = _decode(params, config, carry, positions)
-    drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)  # greedy: the argmax, chosen below
-    if sample:  # Gumbel-max over logits / temperature
-        noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32)
-        drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
-    sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)  # -1 rows stay -1
-    # One read of the logits: logprob and rank of each row's token (a -1 row: of its argmax), and
-    # the argmax (ties: the lowest id; NaN never chosen).
-    logprobs, ranks, argmax = token_logprob_rank(logits, sampled, argmax=True)
-    sampled = jnp.where(sampled < 0, argmax, sampled)
-    return _Carry(
-        keys=keys,
-        values=values,
-        prompt_len=carry.prompt_len,
-        total_len=carry.total_len + active.astype(jnp.int32),
-        last=jnp.where(active, sampled, carry.last),
-        step=k + 1,
-        t=carry.t + 1,
-        tokens=carry.tokens.at[k].set(sampled),
-        argmax=carry.argmax.at[k].set(argmax),
-        logprobs=carry.logprobs.at[k].set(logprobs),
-        ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)),
-    )
-
-
-# -- the loop -----------------------------------------------------------------------------------
-def run_decode(
-    config: LlamaConfig,
-    weights: Mapping[str, np.ndarray],
-    requests: Sequence[TraceRequest],
-    *,
-    device: str = "cpu",
-    max_batch: int = 8,
-    on_step: Callable[[int], None] | None = None,
-    dtype: str = "float32",
-    temperature: float = 0.0,
-    seed: int = 0,
-) -> list[RequestResult]:
-    """Decode ``requests`` with the Llama-family model ``config``/``weights``, replaying traces.
-
-    Arguments and results as in ``torch_loop.run_decode`` (the family contract of
-    :mod:`trace_replay_app.models.family`), except the sampling noise: with ``temperature``
-    above 0, untraced rows sample from ``softmax(logits / temperature)`` by Gumbel-max, the
-    noise of step ``t`` drawn from ``jax.random.fold_in(jax.random.key(seed), t)``, so the
-    same arguments give the same tokens (not the torch loop's tokens). Token ids are int32 on
-    the device and int64 in the results.
-
-    Each step is one jitted program (caches and outputs donated): logits, (sampling), replay
-    with ``state.tables`` passed in, logprob/rank/argmax in one read of the logits (greedy rows
-    take the argmax), append; ``state.apply_staged_writes()`` runs
-    between steps. Nothing waits for the device between steps; outputs are copied to the host
-    once at the end. Arguments are checked before anything runs (``TypeError`` / ``ValueError``
-    naming the argument); a rejected call does nothing.
-    """
-    prompts, traces = check_run(
-        config, weights, requests, max_batch, on_step, config_type=LlamaConfig, check_weights=check_weights
-    )
-    temperature = check_sampling(dtype, temperature, seed)
-    check_device(device)
-    dev = resolve_device(device)  # ValueError when JAX has no such device
-    schedule = plan([r.new_tokens for r in requests], max_batch)
-    outputs = None
-    if schedule.n_steps:
-        outputs = _decode_all(
-            config, weights, prompts, traces, schedule, dev, on_step, getattr(jnp, dtype), temperature, seed
-        )
-    return collect_results(requests, schedule, outputs)
-
-
-def _decode_all(
-    config, weights, prompts, traces, schedule, dev, on_step, dtype, temperature, seed
-) -> dict[str, np.ndarray]:
-    """Run every step of ``schedule``; return the per-step outputs ``[n_steps, max_batch]`` on the host."""
-    c = config
-    rows = schedule.max_batch
-    kv_len = bucket(schedule.kv_positions([len(p) for p in prompts]), c.n_positions)
-    put = functools.partial(jax.device_put, device=dev)
-    params = jax.tree.map(lambda w: put(w).astype(dtype), _params(c, weights))
-    key = put(jax.random.key(seed))
-    temp = put(np.float32(temperature if temperature > 0 else 1.0))
-    cache_shape = (rows, c.num_key_value_heads, kv_len, c.head_dim)
-    with jax.default_device(dev):
-        empty = [jnp.zeros(cache_shape, dtype) for _ in range(2 * c.num_hidden_layers)]
-    carry = _Carry(
-        keys=tuple(empty[: c.num_hidden_layers]),
-        values=tuple(empty[c.num_hidden_layers :]),
-        **put(
-            dict(
-                prompt_len=np.zeros(rows, np.int32),
-                total_len=np.zeros(rows, np.int32),
-                last=np.zeros(rows, np.int32),
-                t=np.zeros((), np.int32),
-                **fresh_outputs(rows),
-            )
-        ),
-    )
-
-    def admit(carry: _Carry, slot: int, prompt) -> _Carry:
-        kv = _prefill(params, put(prompt_prefix(prompt, kv_len)), config=c)
-        return _admit(carry, kv, np.int32(slot), np.int32(len(prompt)), np.int32(prompt[-1]))
-
-    def step(carry: _Carry, tables: ReplayTables, idx_chunk) -> _Carry:
-        return _step(params, tables, idx_chunk, carry, key, temp, config=c, sample=temperature > 0)
-
-    max_trace = bucket(max((len(t) for t in traces if t is not None), default=1), c.n_positions)
-    with TraceReplayState(rows, max_trace, device=dev, vocab_size=c.vocab_size) as state:
-        return run_chunks(
-            schedule,
-            prompts,
-            traces,
-            state,
-            carry,
-            put=put,
-            fetch=jax.device_get,
-            admit=admit,
-            step=step,
-            on_step=on_step,
-        )
+JAX = JaxFamily(
+    config_type=LlamaConfig,
+    check_weights=check_weights,
+    params=_params,
+    new_cache=_new_cache,
+    prefill=_prefill,
+    write=_write,
+    decode=_decode,
+)
+run_decode = decoder(JAX)

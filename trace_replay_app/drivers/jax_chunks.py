@@ -1,10 +1,10 @@
-"""Shapes, host buffers and the step driver the JAX decode loops of every family share (numpy only).
+"""Shapes, host buffers and the step loop of the JAX decode driver (numpy only).
 
 A loop keeps its per-step outputs on the device in chunks of :data:`CHUNK` steps (a fixed shape,
 so one compiled step serves any run length) and pads prompts, traces and the KV cache to
 :func:`bucket` sizes (a few compiled shapes instead of one per length). :func:`run_chunks`
 drives a run (admit, apply the staged traces, step, one copy to the host at the end) with the
-family's own jitted admit and step; the framework comes in as the ``put``/``fetch`` callables.
+driver's jitted admit and step; the framework comes in as the ``put``/``fetch`` callables.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def run_chunks(
     step: Callable,
     on_step: Callable[[int], None] | None,
 ) -> dict[str, np.ndarray]:
-    """Every step of ``schedule``; the per-step outputs ``[n_steps, max_batch]`` on the host.
+    """Every step of ``schedule``; the per-step outputs ``[n_steps, slots]`` on the host.
 
     Per step: a full chunk of outputs is set aside (still on the device) and the carry gets
     fresh ones; each admitted request ``i`` goes through ``admit(carry, slot, prompt) -> carry``
@@ -73,7 +73,7 @@ def run_chunks(
     host arrays where the carry lives; ``fetch`` copies a pytree to the host, once, at the end
     (the run's one wait for the device). ``on_step(k)`` after each step is queued.
     """
-    rows, steps = schedule.max_batch, schedule.n_steps
+    rows, steps = schedule.slots, schedule.n_steps
     n_chunks = -(-steps // CHUNK)
     idx_all = np.full((n_chunks * CHUNK, rows), -1, dtype=np.int32)  # padded with empty rows, like the outputs
     idx_all[:steps] = schedule.idx_mapping

@@ -1,0 +1,190 @@
+"""The Llama family and Hugging Face checkpoints: ``config.json`` -> :class:`~.config.LlamaConfig`,
+a checkpoint's tensors -> the loops' weights, and back (numpy only; host-only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..hf_fields import get_bool, get_float, get_int, get_mapping
+from .config import MODEL_TYPES, ROPE_TYPES, LlamaConfig, check_weights, param_shapes
+
+__all__ = ["config_from_hf", "weights_from_tensors", "to_hf"]
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The rotary options of ``hf``: transformers 5 writes ``rope_parameters``, older files
+    ``rope_theta`` and ``rope_scaling`` (``"type"`` or ``"rope_type"``)."""
+    params = get_mapping(hf, "rope_parameters")
+    scaling = get_mapping(hf, "rope_scaling")
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (supported: none, {', '.join(ROPE_TYPES)})")
+    partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial!r} is not supported (rotary over the whole head only)")
+    where = "rope_parameters" if "rope_theta" in params else ("rope_scaling" if "rope_theta" in scaling else "")
+    theta = (
+        get_float(merged, "rope_theta", name=f"{where}.rope_theta") if where else get_float(hf, "rope_theta", 10000.0)
+    )
+    out = {"rope_theta": theta, "rope_type": rope_type}
+    if rope_type == "llama3":
+        for key, field in (
+            ("factor", "rope_factor"),
+            ("low_freq_factor", "rope_low_freq_factor"),
+            ("high_freq_factor", "rope_high_freq_factor"),
+        ):
+            if merged.get(key) is None:
+                raise ValueError(f"rope_scaling type 'llama3' lacks {key!r}")
+            out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
+        key = "original_max_position_embeddings"
+        out["rope_original_max_positions"] = (
+            get_int(merged, key, name=f"rope_scaling.{key}")
+            if merged.get(key)
+            else get_int(hf, "max_position_embeddings", required=True)
+        )
+    return out
+
+
+def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows as transformers applies them: Mistral slides in every layer when
+    ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
+    ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``)."""
+    window = hf.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
+    if model_type == "mistral":
+        return (window,) * layers
+    if not get_bool(hf, "use_sliding_window"):
+        return ()
+    types = hf.get("layer_types")
+    if types is None:
+        start = get_int(hf, "max_window_layers", layers)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    if (
+        not isinstance(types, list)
+        or len(types) != layers
+        or not all(t in ("sliding_attention", "full_attention") for t in types)
+    ):
+        raise ValueError(
+            f"layer_types must list 'full_attention'/'sliding_attention' for each of the {layers} "
+            f"layers (got {types!r})"
+        )
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
+    """The config of a Hugging Face ``config.json`` mapping of model_type ``llama``,
+    ``mistral``, ``qwen2`` or ``qwen3``; ``ValueError`` naming the key for a missing size or an
+    option the loops do not implement (another activation, another rotary scaling, partial
+    rotary). Keys the loops do not need are ignored."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the llama family (supported: {', '.join(MODEL_TYPES)})"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported (the loops implement SwiGLU with 'silu')")
+    heads = get_int(hf, "num_attention_heads", required=True)
+    layers = get_int(hf, "num_hidden_layers", required=True)
+    attention_bias = get_bool(hf, "attention_bias")
+    return LlamaConfig(
+        model_type=model_type,
+        vocab_size=get_int(hf, "vocab_size", required=True),
+        hidden_size=get_int(hf, "hidden_size", required=True),
+        intermediate_size=get_int(hf, "intermediate_size", required=True),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=get_int(hf, "num_key_value_heads", heads),
+        head_dim=get_int(hf, "head_dim", 0),
+        max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
+        rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
+        tie_word_embeddings=get_bool(hf, "tie_word_embeddings"),
+        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
+        o_bias=attention_bias and model_type in ("llama", "qwen3"),
+        mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
+        qk_norm=model_type == "qwen3",
+        layer_windows=_windows(hf, model_type, layers),
+        **_rope(hf),
+    )
+
+
+def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A checkpoint's ``tensors`` (transformers' names) -> the loops' weights (the arrays are
+    not copied). Rotary ``inv_freq`` buffers are ignored; with tied embeddings a stored
+    ``lm_head.weight`` must equal ``model.embed_tokens.weight``. Raises ``ValueError`` naming
+    the tensor: missing, unexpected, mis-shaped (both shapes) or an untied copy."""
+    weights: dict[str, np.ndarray] = {}
+    lm_head = None
+    for name, value in tensors.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            lm_head = value
+            continue
+        weights[name] = value
+    check_weights(config, weights)
+    if lm_head is not None and not np.array_equal(
+        np.asarray(lm_head), np.asarray(weights["model.embed_tokens.weight"])
+    ):
+        raise ValueError(
+            "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' although config.json "
+            "ties the word embeddings (tie_word_embeddings=true)"
+        )
+    return weights
+
+
+def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json mapping, tensors)`` of a Hugging Face checkpoint of ``weights``."""
+    check_weights(config, weights)
+    rope = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    if config.rope_type == "llama3":
+        rope.update(
+            factor=config.rope_factor,
+            low_freq_factor=config.rope_low_freq_factor,
+            high_freq_factor=config.rope_high_freq_factor,
+            original_max_position_embeddings=config.rope_original_max_positions,
+        )
+    windows = set(config.layer_windows) - {0}
+    hf = {
+        "model_type": config.model_type,
+        "architectures": [_ARCHITECTURES[config.model_type]],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope if config.rope_type != "default" else None,
+        "rope_parameters": rope,
+        "attention_bias": config.o_bias or (config.qkv_bias and config.model_type != "qwen2"),
+        "mlp_bias": config.mlp_bias,
+        "sliding_window": windows.pop() if windows else None,
+    }
+    if config.model_type in ("qwen2", "qwen3"):
+        hf["use_sliding_window"] = hf["sliding_window"] is not None
+        hf["layer_types"] = [
+            "sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)
+        ]
+    return hf, {name: np.asarray(weights[name]) for name in param_shapes(config)}
