@@ -179,7 +179,7 @@ def test_mesh_refusals():
 
 
 # -- vocabulary-sharded logprob ----------------------------------------------------------------
-def _logits(rng, batch: int, vocab: int, dtype) -> np.ndarray:
+def _logits(rng, batch: int, vocab: int, dtype) -> jax.Array:
     x = rng.normal(0, 3, (batch, vocab)).astype(np.float32)
     x[0, rng.integers(vocab, size=vocab // 4)] = -np.inf  # -inf entries are fine
     x[1, :] = np.round(x[1, :])  # many ties

@@ -10,13 +10,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
+from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads
 
-torch = pytest.importorskip("torch")
-
-from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads  # noqa: E402
-
-from trace_replay_core import TraceTable  # noqa: E402
-from trace_replay_torch import TraceReplayState  # noqa: E402
+from trace_replay_core import TraceTable
+from trace_replay_torch import TraceReplayState
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -137,8 +137,7 @@ def run_threads(worker, threads: int, *, timeout: float = 300.0) -> None:
         i, first = errors[0]
         others = ", ".join(f"thread {j}: {type(e).__name__}: {e}" for j, e in errors[1:])
         raise AssertionError(
-            f"thread {i} of {threads} raised {type(first).__name__}: {first}"
-            + (f" (also {others})" if others else "")
+            f"thread {i} of {threads} raised {type(first).__name__}: {first}" + (f" (also {others})" if others else "")
         ) from first
     missing = sorted(set(range(threads)) - finished)
     assert not missing, f"threads {missing} of {threads} did not finish within {timeout} s"
