@@ -48,10 +48,8 @@ from helpers.staging_doubles import fake_cuda, make_table  # noqa: E402, F401 (f
 
 
 def _cuda_available() -> tuple:
-    try:
-        import torch
-    except ImportError:
-        return False, "torch is not installed"
+    import torch  # required: checked above
+
     if not torch.cuda.is_available():
         return False, "no CUDA GPU visible (the GPU tier runs on a machine with one)"
     return True, ""

@@ -249,10 +249,12 @@ def test_gpu_kernel_method_refuses_a_table_no_open_state_owns(rng):
         copy = trj.ReplayTables(state.tables.table + 0, state.tables.trace_len + 0)  # other memory
         args = [jax.device_put(a, gpu) for a in _inputs(rng, 8, state.max_slots, state.max_trace_len)[:4]]
         np.testing.assert_array_equal(np.asarray(trj.replay(copy, *args)), np.asarray(trj.replay(state.tables, *args)))
+        # The callback's RuntimeError reaches the caller wrapped by XLA, traceback included.
         with pytest.raises(
-            Exception,
-            match=r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
-            r"that no open TraceReplayState owns",
+            jax.errors.JaxRuntimeError,
+            match=r"^INTERNAL: Error when calling buffer callback: (?s:.*)RuntimeError: "
+            r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
+            r"that no open TraceReplayState owns: pass state\.tables of an open state",
         ):
             np.asarray(trj.replay(copy, *args, method="kernel"))
 
