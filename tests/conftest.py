@@ -44,6 +44,11 @@ def _require_packages() -> None:
 _require_packages()  # before the helpers below import the library (which imports triton and numpy)
 
 import numpy as np  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
+
+# ``--hypothesis-profile=mutants`` (tests/mutants/run.py): a failing example is reported as found,
+# without shrinking it, since a planted fault only needs to be caught.
+settings.register_profile("mutants", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 from helpers.staging_doubles import fake_cuda, make_table  # noqa: E402, F401 (fixtures shared by the staging tests)
 
 

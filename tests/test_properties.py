@@ -101,10 +101,20 @@ class Model:
 class CpuBackendMachine(RuleBasedStateMachine):
     """The numpy backend of TraceTable."""
 
-    @initialize()
-    def setup(self):
+    def new_table(self):
+        return TraceTable(MAX_SLOTS, MAX_LEN, device="cpu", vocab_size=VOCAB)
+
+    @initialize(traces=st.dictionaries(slot_st, tokens_st, max_size=MAX_SLOTS))
+    def setup(self, traces):
+        """Start from committed traces, so that even short sequences replay something (a large
+        batch then has traced rows past the first replay block)."""
         self.model = Model()
-        self.table = TraceTable(MAX_SLOTS, MAX_LEN, device="cpu", vocab_size=VOCAB)
+        self.table = self.new_table()
+        for slot, tokens in traces.items():
+            self.table.stage(slot, tokens)
+            self.model.stage(slot, tokens)
+        self.table.commit(stream=0)
+        self.model.commit()
 
     def teardown(self):
         self.table.close()
@@ -177,12 +187,10 @@ class CpuBackendMachine(RuleBasedStateMachine):
 class InterpretedKernelsMachine(CpuBackendMachine):
     """The same sequences, with commits and replays done by the Triton kernels (interpreted)."""
 
-    @initialize()
-    def setup(self):
+    def new_table(self):
         from helpers.kernel_double import InterpretedTable
 
-        self.model = Model()
-        self.table = InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)
+        return InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)
 
 
 TestCpuBackend = CpuBackendMachine.TestCase
