@@ -147,8 +147,8 @@ FAULTS = (
         "DLPack intake drops byte_offset",
         T + "_dlpack.py",
         (("    ptr = (t.data or 0) + t.byte_offset\n", "    ptr = t.data or 0\n"),),
-        ("tests/test_dlpack.py::test_byte_offset_is_included",),
-        "tests/test_dlpack.py::test_byte_offset_is_included",
+        ("tests/test_dlpack.py::test_byte_offset_is_included", "tests/test_dlpack_byte_offset.py"),
+        "tests/test_dlpack_byte_offset.py::test_the_view_starts_at_data_plus_byte_offset",
     ),
     Fault(
         "token ids equal to vocab_size accepted",
@@ -248,7 +248,10 @@ FAULTS = (
             ),
             ("os.O_WRONLY | os.O_CREAT | os.O_EXCL", "os.O_WRONLY | os.O_CREAT | os.O_TRUNC"),
         ),
-        ("tests/test_cli.py::test_a_run_that_fails_midway_writes_nothing",),
-        "tests/test_cli.py::test_a_run_that_fails_midway_writes_nothing",
+        (
+            "tests/test_cli.py::test_a_run_that_fails_midway_writes_nothing",
+            "tests/test_traces.py::test_atomic_write_leaves_nothing_on_failure",
+        ),
+        "tests/test_traces.py::test_atomic_write_leaves_nothing_on_failure",
     ),
 )
