@@ -209,10 +209,9 @@ FAULTS = (
         "adapters/trace_replay_torch/state.py",
         (
             (
-                "            self.table.replay_cached(key, sampled, idx_mapping, total_len,",
-                "            sampled = sampled.clone()\n"
-                "            key = (layout_key(sampled),) + key[1:]\n"
-                "            self.table.replay_cached(key, sampled, idx_mapping, total_len,",
+                "            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len,",
+                "            sampled = sampled.clone()  # replays into a copy and returns it\n"
+                "            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len,",
             ),
         ),
         ("tests/test_torch_adapter.py::test_adapter_matches_reference",),
