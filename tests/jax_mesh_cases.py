@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.replay_oracle import scenario_tokens
+from helpers.scenarios import make_scenario
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import trace_replay_jax as trj  # noqa: E402
-from trace_replay_core import token_logprob_rank_reference  # noqa: E402
-from trace_replay_jax.sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded  # noqa: E402
-
-try:
-    from helpers.scenarios import make_scenario, reference_tokens
-except ImportError:  # tests/ collected as a package
-    from tests.scenarios import make_scenario, reference_tokens
+import trace_replay_jax as trj
+from trace_replay_core import token_logprob_rank_reference
+from trace_replay_jax.sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 
 DEVICES = 8
 if len(jax.devices("cpu")) < DEVICES:
@@ -158,7 +154,7 @@ def test_replay_on_batch_sharded_arrays_matches_the_reference(shape, method, whe
     for per_row in (False, True):
         with trj.TraceReplayState(sc.max_slots, sc.max_trace_len, mesh=mesh, vocab_size=sc.vocab_size) as state:
             got = _run(state, sc, mesh, per_row, method, where)
-        _compare(f"{shape} {method} {where} per_row={per_row} ({sc.describe()})", got, reference_tokens(sc, per_row))
+        _compare(f"{shape} {method} {where} per_row={per_row} ({sc.describe()})", got, scenario_tokens(sc, per_row))
 
 
 def test_mesh_refusals():
@@ -183,7 +179,7 @@ def test_mesh_refusals():
 
 
 # -- vocabulary-sharded logprob ----------------------------------------------------------------
-def _logits(rng, batch: int, vocab: int, dtype) -> np.ndarray:
+def _logits(rng, batch: int, vocab: int, dtype) -> jax.Array:
     x = rng.normal(0, 3, (batch, vocab)).astype(np.float32)
     x[0, rng.integers(vocab, size=vocab // 4)] = -np.inf  # -inf entries are fine
     x[1, :] = np.round(x[1, :])  # many ties

@@ -10,13 +10,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
+from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads
 
-torch = pytest.importorskip("torch")
-
-from helpers import POISON, admit_requests, assert_tokens_equal, check_soak, run_threads  # noqa: E402
-
-from trace_replay_core import TraceTable  # noqa: E402
-from trace_replay_torch import TraceReplayState  # noqa: E402
+from trace_replay_core import TraceTable
+from trace_replay_torch import TraceReplayState
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -124,7 +122,7 @@ def test_staging_from_many_threads():
     max_slots, max_len, threads, per_thread = 64, 512, 8, 200
     t = TraceTable(max_slots, max_len, device=DEV, staging_bytes=4096)
     rngs = [np.random.default_rng(s) for s in range(threads)]
-    last = {}
+    last, staged = {}, {}
     lock = threading.Lock()
     barrier = threading.Barrier(threads)
 
@@ -136,12 +134,15 @@ def test_staging_from_many_threads():
             t.stage(slot, tr)
             with lock:
                 last[slot] = tr
+                staged[slot] = staged.get(slot, 0) + 1
 
     run_threads(worker, threads)
     t.commit(stream=torch.cuda.current_stream().cuda_stream)
     table, lens = t.snapshot()
     t.close()
-    for slot, tr in last.items():
+    # every slot was seen, as often as the threads' loops say (a thread that stopped early shows)
+    assert staged == {s: per_thread // (max_slots // threads) for s in range(max_slots)}, staged
+    for slot in range(max_slots):
+        tr = last[slot]
         assert lens[slot] == len(tr), f"slot {slot}"
         assert_tokens_equal(table[slot, : len(tr)], tr, f"slot {slot}")
-    assert len(last) == max_slots

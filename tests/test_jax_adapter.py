@@ -12,9 +12,11 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.jax_adapter_cases import (  # noqa: E402
+from helpers.jax_adapter_cases import (
     CPU,
     POISON,
     REPO,
@@ -24,13 +26,11 @@ from helpers.jax_adapter_cases import (  # noqa: E402
     _one_row_step,
     _random_state,
     _reference,
-    jax,
-    jnp,
 )
-from helpers.jax_helpers import x64  # noqa: E402
+from helpers.jax_helpers import x64
 
-import trace_replay_jax as trj  # noqa: E402
-from trace_replay_jax import TraceReplayState  # noqa: E402
+import trace_replay_jax as trj
+from trace_replay_jax import TraceReplayState
 
 
 # -- semantics ------------------------------------------------------------------------------------
@@ -91,12 +91,18 @@ def test_int64_under_x64(rng, sampled_dtype, index_dtype):
 
 
 def test_default_token_dtype_is_int32():
-    assert jnp.argmax(jnp.ones((2, 3)), axis=-1).dtype == np.int32  # JAX's default, without x64
-    with TraceReplayState(2, 2, device="cpu") as state:
-        out = state.replay(
-            jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32)
-        )
+    """Without x64 a sampler's argmax is int32, and the replay returns int32 tokens: the forced
+    ones (read from the int32 table) and the ones left alone."""
+    logits = jnp.zeros((3, 6)).at[jnp.arange(3), jnp.array([5, 4, 3])].set(1.0)
+    sampled = jnp.argmax(logits, axis=-1)
+    assert sampled.dtype == np.int32
+    with TraceReplayState(4, 8, device="cpu") as state:
+        state.add_request(2, [7, 11, 13])
+        state.apply_staged_writes()
+        total, prompt = jnp.array([0, 0, 4, 0], jnp.int32), jnp.array([0, 0, 3, 0], jnp.int32)
+        out = state.replay(sampled, jnp.array([2, -1, 2], jnp.int32), total, prompt)
         assert out.dtype == np.int32
+        assert np.asarray(out).tolist() == [11, 4, 11]
 
 
 @pytest.mark.parametrize("use_x64", [False, True])
@@ -185,8 +191,9 @@ def test_cpu_apply_leaves_tables_already_handed_out_unchanged(rng):
         args = _one_row_step(state, 1, 3)
         assert int(trj.replay(old, *args)[0]) == a[3]
         assert int(trj.replay(state.tables, *args)[0]) == b[3]
-        state.apply_staged_writes()  # nothing staged: same arrays
-        assert state.tables.table is state.tables.table
+        before = state.tables
+        state.apply_staged_writes()  # nothing staged: the same arrays
+        assert state.tables.table is before.table and state.tables.trace_len is before.trace_len
 
 
 def test_trace_may_be_a_cpu_jax_array(rng):
@@ -260,7 +267,7 @@ def test_gradient_through_replayed_tokens_is_that_of_constant_tokens():
         x = jnp.arange(12.0).reshape(2, 6)
         g = jax.grad(loss)(x)
         assert np.asarray(g).tolist() == [[0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]]
-        with pytest.raises(TypeError, match=r"grad requires real- or complex-valued inputs"):
+        with pytest.raises(TypeError, match=r"^grad requires real- or complex-valued inputs"):
             jax.grad(lambda s: state.replay(s, idx, tl, pl).sum())(jnp.zeros(2, jnp.int32))
 
 
@@ -301,13 +308,33 @@ def test_external_view_is_zero_copy_and_frees_only_its_descriptor(rng):
     assert mem[r, c] == -5
 
 
-def test_external_view_refuses_memory_jax_would_copy():
+def test_external_view_passes_on_jaxs_refusal_of_misaligned_memory():
     from trace_replay_jax.views import external_view
 
     raw = np.zeros(1024, np.uint8)
     off = (-raw.ctypes.data) % 64 + 4  # 4-byte aligned, not 64
-    with pytest.raises((RuntimeError, ValueError)):
+    with pytest.raises(
+        ValueError,
+        match=r"^Specified input which requires a copy since the source data buffer is not aligned to 64 bytes\.",
+    ):
         external_view(raw.ctypes.data + off, (8,), np.int32, CPU)
+
+
+def test_external_view_refuses_a_copy_where_a_view_was_asked_for(monkeypatch):
+    """A JAX that hands back a copy (as it may for memory it cannot view) is refused by the
+    adapter itself: a copy would silently stop seeing the table's writes."""
+    from trace_replay_jax.views import external_view
+
+    raw = np.zeros(1024, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    ptr = raw.ctypes.data + off
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda view, copy=None: jnp.arange(8, dtype=jnp.int32))
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^JAX copied the memory instead of viewing it \(0x{ptr:x} -> 0x[0-9a-f]+\); "
+        r"it must be compact and aligned$",
+    ):
+        external_view(ptr, (8,), np.int32, CPU)
 
 
 def test_xla_commit_runs_inside_a_jitted_op_and_reports_errors_later():

@@ -5,16 +5,14 @@ fix. CPU tier (the GPU tier's refusals are in ``test_gpu_jax_adapter.py``).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.jax_adapter_cases import POISON, VOCAB
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
-from helpers.jax_adapter_cases import POISON, VOCAB  # noqa: E402
-
-import trace_replay_jax as trj  # noqa: E402
-from trace_replay_jax import TraceReplayState  # noqa: E402
+import trace_replay_jax as trj
+from trace_replay_jax import TraceReplayState
 
 I32 = jnp.int32
 
@@ -74,7 +72,7 @@ REFUSALS = {
         r"^step must be 1-D with 4 rows like sampled \(got shape \[2\]\)$",
     ),
     "tables-type": (
-        lambda st: trj.replay((st.tables.table, st.tables.trace_len), *_args()),
+        lambda st: trj.replay((st.tables.table, st.tables.trace_len), *_args()),  # type: ignore[arg-type]
         TypeError,
         r"^tables must be a ReplayTables \(state\.tables\) \(got tuple\)$",
     ),

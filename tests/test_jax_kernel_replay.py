@@ -15,17 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.jax_helpers import jax_gpu, x64
+from helpers.replay_oracle import expected_replay
 
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
-from helpers.jax_helpers import jax_gpu, x64  # noqa: E402
-
-import trace_replay_jax as trj  # noqa: E402
-from trace_replay_core import replay_reference  # noqa: E402
-from trace_replay_jax import TraceReplayState  # noqa: E402
+import trace_replay_jax as trj
+from trace_replay_jax import TraceReplayState
 
 COMMAND_BUFFER_FLAGS = (
     "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
@@ -34,11 +32,14 @@ COMMAND_BUFFER_FLAGS = (
 
 
 def _state_with_traces(rng, device, max_slots=16, max_len=12, vocab=5000):
+    """A state with traces on half its slots; returns (state, slot -> trace)."""
     state = TraceReplayState(max_slots, max_len, device=device, vocab_size=vocab)
+    traces = {}
     for slot in rng.choice(max_slots, max_slots // 2, replace=False):
-        state.add_request(int(slot), rng.integers(0, vocab, int(rng.integers(1, max_len + 1))))
+        traces[int(slot)] = rng.integers(0, vocab, int(rng.integers(1, max_len + 1)))
+        state.add_request(int(slot), traces[int(slot)])
     state.apply_staged_writes()
-    return state
+    return state, traces
 
 
 def _inputs(rng, batch, max_slots, max_len, token_dtype=np.int32, index_dtype=np.int32):
@@ -50,11 +51,12 @@ def _inputs(rng, batch, max_slots, max_len, token_dtype=np.int32, index_dtype=np
     return sampled, idx, total, prompt, step
 
 
-def _want(state, sampled, idx, total, prompt, step=None):
-    table, lens = state.snapshot()
+def _want(traces, sampled, idx, total, prompt, step=None):
+    """The expected tokens from the traces the test staged (not from the library's numpy replay,
+    which the kernel method runs on the CPU)."""
     if step is not None:
-        return replay_reference(sampled, idx, table, lens, step=step)
-    return replay_reference(sampled, idx, table, lens, total_len=total, prompt_len=prompt)
+        return expected_replay(sampled, idx, traces, step=step)
+    return expected_replay(sampled, idx, traces, total, prompt)
 
 
 # -- CPU tier -------------------------------------------------------------------------------------
@@ -62,53 +64,62 @@ def test_the_kernel_method_is_a_buffer_callback_and_the_jnp_method_is_not():
     with TraceReplayState(4, 4, device="cpu") as state:
         args = (jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(4, jnp.int32), jnp.zeros(4, jnp.int32))
         for method, present in (("kernel", True), ("jnp", False)):
-            jaxpr = str(jax.make_jaxpr(lambda t, *a: trj.replay(t, *a, method=method))(state.tables, *args))
+            jaxpr = str(jax.make_jaxpr(lambda t, *a, m=method: trj.replay(t, *a, method=m))(state.tables, *args))
             assert ("buffer_callback" in jaxpr) == present, jaxpr
 
 
 @pytest.mark.parametrize("batch", [1, 5, 100, 1024])
 def test_kernel_method_equals_jnp_and_the_reference(batch, rng):
     cpu = jax.devices("cpu")[0]
-    with _state_with_traces(rng, cpu) as state:
+    state, traces = _state_with_traces(rng, cpu)
+    with state:
         sampled, idx, total, prompt, step = _inputs(rng, batch, state.max_slots, state.max_trace_len)
-        if batch >= 100:
-            # Random lengths leave every traced slot outside its trace about once in 70 runs: put
-            # one traced slot at step 0 in row 0, with a sampled token its trace replaces.
-            table, lens = state.snapshot()
-            slot = int(np.flatnonzero(lens > 0)[0])
-            total[slot], idx[0], sampled[0] = prompt[slot], slot, (table[slot, 0] + 1) % 5000
+        # Random lengths may leave every traced slot outside its trace: put one traced slot at
+        # step 0 in row 0 (per slot and per row), with a sampled token its trace replaces.
+        slot = min(traces)
+        total[slot], idx[0], step[0], sampled[0] = prompt[slot], slot, 0, (traces[slot][0] + 1) % 5000
         args = [jnp.asarray(a) for a in (sampled, idx, total, prompt)]
         got = {m: np.asarray(trj.replay(state.tables, *args, method=m)) for m in trj.jnp_replay.METHODS}
-        want = _want(state, sampled, idx, total, prompt)
+        want = _want(traces, sampled, idx, total, prompt)
         for m, g in got.items():
             np.testing.assert_array_equal(g, want, err_msg=m)
         rows = {
             m: np.asarray(state.replay_at_step(args[0], args[1], jnp.asarray(step), method=m))
             for m in trj.jnp_replay.METHODS
         }
-        want_rows = _want(state, sampled, idx, total, prompt, step)
+        want_rows = _want(traces, sampled, idx, total, prompt, step)
         for m, g in rows.items():
             np.testing.assert_array_equal(g, want_rows, err_msg=m)
-        if batch >= 100:  # both kinds of rows occur (small batches may have one kind)
-            assert want[0] != sampled[0] and (want == sampled).any()
+        assert want[0] != sampled[0] and want_rows[0] != sampled[0]  # row 0 is replaced
+        if batch >= 100:  # rows left alone occur too (small batches may have one kind)
+            assert (want == sampled).any()
 
 
 @pytest.mark.parametrize("token_dtype, index_dtype", [(np.int64, np.int32), (np.int32, np.int64), (np.int64, np.int64)])
 def test_kernel_method_with_int64_under_x64(token_dtype, index_dtype, rng):
-    with x64(True), _state_with_traces(rng, "cpu") as state:
-        sampled, idx, total, prompt, _ = _inputs(
-            rng, 37, state.max_slots, state.max_trace_len, token_dtype, index_dtype
-        )
-        out = jax.jit(lambda t, *a: trj.replay(t, *a, method="kernel"))(
-            state.tables, *(jnp.asarray(a) for a in (sampled[:, None], idx, total, prompt))
-        )
-        assert out.dtype == token_dtype and out.shape == (37, 1)
-        np.testing.assert_array_equal(np.asarray(out)[:, 0], _want(state, sampled, idx, total, prompt))
+    with x64(True):
+        state, traces = _state_with_traces(rng, "cpu")
+        with state:
+            sampled, idx, total, prompt, _ = _inputs(
+                rng, 37, state.max_slots, state.max_trace_len, token_dtype, index_dtype
+            )
+            slot = min(traces)  # row 0: a traced slot at its step 0, with a token above int32
+            total[slot], idx[0], sampled[0] = prompt[slot], slot, 2**40 if token_dtype == np.int64 else 2**30
+            out = jax.jit(lambda t, *a: trj.replay(t, *a, method="kernel"))(
+                state.tables, *(jnp.asarray(a) for a in (sampled[:, None], idx, total, prompt))
+            )
+            assert out.dtype == token_dtype and out.shape == (37, 1)
+            want = _want(traces, sampled, idx, total, prompt)
+            np.testing.assert_array_equal(np.asarray(out)[:, 0], want)
+            assert want[0] == traces[slot][0]
 
 
 def test_kernel_method_never_changes_sampled_and_handles_an_empty_batch(rng):
-    with _state_with_traces(rng, "cpu") as state:
+    state, traces = _state_with_traces(rng, "cpu")
+    with state:
         sampled, idx, total, prompt, _ = _inputs(rng, 64, state.max_slots, state.max_trace_len)
+        slot = min(traces)  # row 0 is replaced whatever the draw
+        total[slot], idx[0], sampled[0] = prompt[slot], slot, (traces[slot][0] + 1) % 5000
         s = jnp.asarray(sampled)
 
         @jax.jit
@@ -118,7 +129,9 @@ def test_kernel_method_never_changes_sampled_and_handles_an_empty_batch(rng):
         out, kept = both(state.tables, s, *(jnp.asarray(a) for a in (idx, total, prompt)))
         np.testing.assert_array_equal(np.asarray(kept), sampled)
         np.testing.assert_array_equal(np.asarray(s), sampled)
-        np.testing.assert_array_equal(np.asarray(out), _want(state, sampled, idx, total, prompt))
+        want = _want(traces, sampled, idx, total, prompt)
+        np.testing.assert_array_equal(np.asarray(out), want)
+        assert want[0] != sampled[0]
         empty = state.replay(
             jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), jnp.asarray(total), jnp.asarray(prompt), method="kernel"
         )
@@ -126,11 +139,15 @@ def test_kernel_method_never_changes_sampled_and_handles_an_empty_batch(rng):
 
 
 def test_kernel_method_inside_fori_loop_with_the_table_written_between_calls(rng):
-    with _state_with_traces(rng, "cpu") as state:
+    state, traces = _state_with_traces(rng, "cpu")
+    with state:
         steps, batch = 5, 24
         sampled = rng.integers(0, 5000, (steps, batch)).astype(np.int32)
         idx = rng.integers(-1, state.max_slots, (steps, batch)).astype(np.int32)
         prompt = rng.integers(0, 5, state.max_slots).astype(np.int32)
+        idx[:, 0] = min(traces)  # row 0 of each step: a traced slot, at steps 0..4 of its trace
+        prompt[min(traces)] = 0
+        forced = 0
 
         @jax.jit
         def loop(tables, s, i, prompt):
@@ -143,12 +160,14 @@ def test_kernel_method_inside_fori_loop_with_the_table_written_between_calls(rng
         for call in range(3):
             out = np.asarray(loop(state.tables, jnp.asarray(sampled), jnp.asarray(idx), jnp.asarray(prompt)))
             for k in range(steps):
-                np.testing.assert_array_equal(
-                    out[k], _want(state, sampled[k], idx[k], prompt + k, prompt), err_msg=f"call {call} step {k}"
-                )
+                want = _want(traces, sampled[k], idx[k], prompt + k, prompt)
+                np.testing.assert_array_equal(out[k], want, err_msg=f"call {call} step {k}")
+                forced += int((want != sampled[k]).sum())
             slot = int(rng.integers(state.max_slots))
-            state.add_request(slot, rng.integers(0, 5000, state.max_trace_len))
+            traces[slot] = rng.integers(0, 5000, state.max_trace_len)
+            state.add_request(slot, traces[slot])
             state.apply_staged_writes()
+        assert forced > 0
 
 
 def test_kernel_method_refusals():
@@ -169,7 +188,8 @@ def gpu_kernel_checks(device, rng) -> None:
     """New addresses every call; the same addresses with the table written between calls; a
     loop; each against the jnp method and the reference. Used in-process and in a subprocess
     with command buffers forced on."""
-    with _state_with_traces(rng, device, max_slots=64, max_len=32) as state:
+    state, traces = _state_with_traces(rng, device, max_slots=64, max_len=32)
+    with state:
         fns = {
             m: jax.jit(lambda t, s, i, tl, pl, m=m: trj.replay(t, s, i, tl, pl, method=m))
             for m in trj.jnp_replay.METHODS
@@ -186,8 +206,8 @@ def gpu_kernel_checks(device, rng) -> None:
             else:  # the very same arrays: a recorded launch is replayed
                 args = fixed
                 host = [np.asarray(a) for a in fixed]
-            want = _want(state, *host[:4])
-            want_rows = _want(state, *host)
+            want = _want(traces, *host[:4])
+            want_rows = _want(traces, *host)
             for m in fns:
                 got = np.asarray(fns[m](state.tables, *args[:4]))
                 assert np.array_equal(got, want), f"{m} call {call}: rows {np.nonzero(got != want)[0].tolist()}"
@@ -195,7 +215,8 @@ def gpu_kernel_checks(device, rng) -> None:
                 assert np.array_equal(got, want_rows), f"{m} per-row call {call}"
             # Write the table between calls, with nothing waiting: the next call must see it.
             for slot in rng.choice(64, 4, replace=False):
-                state.add_request(int(slot), rng.integers(0, 5000, int(rng.integers(1, 33))))
+                traces[int(slot)] = rng.integers(0, 5000, int(rng.integers(1, 33)))
+                state.add_request(int(slot), traces[int(slot)])
             state.apply_staged_writes()
 
 
@@ -223,14 +244,17 @@ def test_gpu_kernel_method_with_command_buffers_in_a_subprocess(rng):
 @pytest.mark.gpu
 def test_gpu_kernel_method_refuses_a_table_no_open_state_owns(rng):
     gpu = jax_gpu()
-    with _state_with_traces(rng, gpu) as state:
+    state, _ = _state_with_traces(rng, gpu)
+    with state:
         copy = trj.ReplayTables(state.tables.table + 0, state.tables.trace_len + 0)  # other memory
         args = [jax.device_put(a, gpu) for a in _inputs(rng, 8, state.max_slots, state.max_trace_len)[:4]]
         np.testing.assert_array_equal(np.asarray(trj.replay(copy, *args)), np.asarray(trj.replay(state.tables, *args)))
+        # The callback's RuntimeError reaches the caller wrapped by XLA, traceback included.
         with pytest.raises(
-            Exception,
-            match=r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
-            r"that no open TraceReplayState owns",
+            jax.errors.JaxRuntimeError,
+            match=r"^INTERNAL: Error when calling buffer callback: (?s:.*)RuntimeError: "
+            r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on cuda:\d+ "
+            r"that no open TraceReplayState owns: pass state\.tables of an open state",
         ):
             np.asarray(trj.replay(copy, *args, method="kernel"))
 

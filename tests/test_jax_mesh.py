@@ -13,10 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("jax")
-
 CASES = Path(__file__).with_name("jax_mesh_cases.py")
 
 

@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from helpers.jax_helpers import jax_gpu, x64
+from helpers.replay_oracle import scenario_tokens
+from helpers.scenarios import Scenario, Step, make_scenario, reference_tokens
 
-try:
-    from helpers.scenarios import Scenario, Step, make_scenario, reference_tokens
-except ImportError:  # tests/ collected as a package
-    from tests.scenarios import Scenario, Step, make_scenario, reference_tokens
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
-from helpers.jax_helpers import jax_gpu, x64  # noqa: E402
-
-import trace_replay_jax as trj  # noqa: E402
+import trace_replay_jax as trj
 
 LOOP_STEPS = 6  # steps per lax.fori_loop call (shorter runs end early: a dynamic trip count)
 METHODS = ("jnp", "kernel")
@@ -51,7 +47,7 @@ def _apply_ops(state, step: Step) -> None:
 
 
 def _check(scenario: Scenario, name: str, got: list[np.ndarray], per_row: bool) -> None:
-    want = reference_tokens(scenario, per_row)
+    want = scenario_tokens(scenario, per_row)  # not the library's numpy replay: "kernel" runs it on the CPU
     assert len(got) == len(want)
     for t, (g, w) in enumerate(zip(got, want)):
         g = np.asarray(g).reshape(-1).astype(np.int64)
@@ -103,7 +99,7 @@ def run_jax(
                 while len(run) < LOOP_STEPS and t + len(run) < len(steps) and not steps[t + len(run)].ops:
                     run.append(steps[t + len(run)])
                 pad = run + [run[-1]] * (LOOP_STEPS - len(run))
-                stack = lambda f, dt=None: put(np.stack([f(s) for s in pad]), dt)  # noqa: E731
+                stack = lambda f, dt=None, pad=pad: put(np.stack([f(s) for s in pad]), dt)  # noqa: E731
                 res = fn(
                     state.tables,
                     stack(lambda s: s.sampled, token_dtype),
@@ -134,7 +130,6 @@ def run_jax(
 
 
 def run_torch(scenario: Scenario, per_row: bool, device: str) -> list[np.ndarray]:
-    torch = pytest.importorskip("torch")
     from trace_replay_torch import TraceReplayState
 
     out = []
@@ -166,7 +161,10 @@ def test_scenario_exercises_every_case(rng):
     steps = np.concatenate([s.step[(s.idx_mapping >= 0) & (s.idx_mapping < sc.max_slots)] for s in sc.steps])
     assert (steps < 0).any() and (steps >= sc.max_trace_len).any() and ((steps >= 0) & (steps < 4)).any()
     assert any((s.idx_mapping == -1).any() for s in sc.steps)
-    want = reference_tokens(sc)
+    want = scenario_tokens(sc)
+    for per_row in (False, True):  # the library's reference agrees with the one written here
+        for t, (w, r) in enumerate(zip(scenario_tokens(sc, per_row), reference_tokens(sc, per_row))):
+            assert np.array_equal(w, r), f"step {t} per_row={per_row}: {sc.describe()}"
     replaced = sum(int((w != s.sampled).sum()) for w, s in zip(want, sc.steps))
     kept = sum(int((w == s.sampled).sum()) for w, s in zip(want, sc.steps))
     assert replaced > 20 and kept > 20
@@ -198,7 +196,6 @@ def test_parity_cpu_int64_under_x64(mode, method, rng):
 def test_parity_gpu(per_row, rng):
     gpu = jax_gpu()
     sc = make_scenario(_seed(rng), max_slots=40, max_trace_len=64, batch=33, n_steps=150)
-    torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         _check(sc, "torch cuda", run_torch(sc, per_row, f"cuda:{gpu.local_hardware_id}"), per_row)
     for method in METHODS:

@@ -11,18 +11,61 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from trace_replay_core import TraceTable
+from trace_replay_core.kernels.replay import REPLAY_BLOCK
+from trace_replay_core.kernels.scatter import SCATTER_BLOCK
 
-MAX_SLOTS, MAX_LEN, VOCAB = 6, 9, 1000
+# Traces up to a little past one scatter program's block, batches up to a little past two replay
+# programs' blocks: most draws stay small (fast, readable when shrunk), about one in six is large
+# enough to need a second kernel program.
+MAX_SLOTS, VOCAB = 6, 1000
+MAX_LEN = SCATTER_BLOCK + 6
+MAX_ROWS = 2 * REPLAY_BLOCK + 9
+SMALL_LEN, SMALL_ROWS = 9, 12
 SETTINGS = settings(
-    max_examples=1000,
+    max_examples=300,
     stateful_step_count=12,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
 
-tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_LEN)
+
+def _sometimes_large(small, large):
+    """``small`` five times in six, ``large`` otherwise (shrinking goes towards ``small``)."""
+    return st.integers(0, 5).flatmap(lambda k: large if k == 5 else small)
+
+
+def _seeded(fn, *sizes):
+    """Large inputs drawn from a seeded generator rather than element by element (fast)."""
+    return st.builds(lambda seed, *n: fn(np.random.default_rng(seed), *n), st.integers(0, 2**32 - 1), *sizes)
+
+
+tokens_st = _sometimes_large(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=SMALL_LEN),
+    _seeded(lambda r, n: r.integers(0, VOCAB, n).tolist(), st.integers(SCATTER_BLOCK + 1, MAX_LEN)),
+)
 slot_st = st.integers(0, MAX_SLOTS - 1)
-rows_st = st.lists(st.integers(-1, MAX_SLOTS + 1), min_size=0, max_size=12)
+rows_st = _sometimes_large(
+    st.lists(st.integers(-1, MAX_SLOTS + 1), min_size=0, max_size=SMALL_ROWS),
+    _seeded(lambda r, n: r.integers(-1, MAX_SLOTS + 2, n).tolist(), st.integers(REPLAY_BLOCK + 1, MAX_ROWS)),
+)
+
+
+def _steps_of(r, n):
+    """Steps of a large batch: near the start of a trace, near the table's end (where a long
+    trace's second scatter block lies), and anywhere."""
+    kind = r.integers(0, 3, n)
+    near_end = r.integers(SCATTER_BLOCK - 2, MAX_LEN + 2, n)
+    return np.where(
+        kind == 0, r.integers(-2, SMALL_LEN + 1, n), np.where(kind == 1, near_end, r.integers(-2, MAX_LEN + 2, n))
+    ).tolist()
+
+
+def _invalid_or_long(r, n):
+    """A trace around the table's row length, with one bad token now and then."""
+    tokens = r.integers(0, VOCAB, n)
+    if n and r.random() < 0.3:
+        tokens[r.integers(n)] = r.choice([-1, VOCAB])
+    return tokens.tolist()
 
 
 class Model:
@@ -58,10 +101,20 @@ class Model:
 class CpuBackendMachine(RuleBasedStateMachine):
     """The numpy backend of TraceTable."""
 
-    @initialize()
-    def setup(self):
+    def new_table(self):
+        return TraceTable(MAX_SLOTS, MAX_LEN, device="cpu", vocab_size=VOCAB)
+
+    @initialize(traces=st.dictionaries(slot_st, tokens_st, max_size=MAX_SLOTS))
+    def setup(self, traces):
+        """Start from committed traces, so that even short sequences replay something (a large
+        batch then has traced rows past the first replay block)."""
         self.model = Model()
-        self.table = TraceTable(MAX_SLOTS, MAX_LEN, device="cpu", vocab_size=VOCAB)
+        self.table = self.new_table()
+        for slot, tokens in traces.items():
+            self.table.stage(slot, tokens)
+            self.model.stage(slot, tokens)
+        self.table.commit(stream=0)
+        self.model.commit()
 
     def teardown(self):
         self.table.close()
@@ -71,7 +124,13 @@ class CpuBackendMachine(RuleBasedStateMachine):
         self.table.stage(slot, tokens)
         self.model.stage(slot, tokens)
 
-    @rule(slot=slot_st, tokens=st.lists(st.integers(-5, VOCAB + 5), min_size=0, max_size=MAX_LEN + 2))
+    @rule(
+        slot=slot_st,
+        tokens=_sometimes_large(
+            st.lists(st.integers(-5, VOCAB + 5), min_size=0, max_size=SMALL_LEN + 2),
+            _seeded(_invalid_or_long, st.integers(MAX_LEN - 2, MAX_LEN + 2)),
+        ),
+    )
     def stage_maybe_invalid(self, slot, tokens):
         valid = 0 < len(tokens) <= MAX_LEN and all(0 <= t < VOCAB for t in tokens)
         try:
@@ -94,11 +153,16 @@ class CpuBackendMachine(RuleBasedStateMachine):
 
     @rule(rows=rows_st, data=st.data(), per_row=st.booleans(), wide=st.booleans())
     def replay(self, rows, data, per_row, wide):
-        steps = data.draw(st.lists(st.integers(-2, MAX_LEN + 1), min_size=len(rows), max_size=len(rows)))
-        sampled = np.array(
-            data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(rows), max_size=len(rows))),
-            dtype=np.int64 if wide else np.int32,
-        )
+        if len(rows) > SMALL_ROWS:
+            seed = data.draw(st.integers(0, 2**32 - 1))
+            r = np.random.default_rng(seed)
+            steps = _steps_of(r, len(rows))
+            drawn = r.integers(0, 2**31 - 1, len(rows)).tolist()
+        else:
+            step_st = st.one_of(st.integers(-2, SMALL_LEN + 1), st.integers(SCATTER_BLOCK - 2, MAX_LEN + 1))
+            steps = data.draw(st.lists(step_st, min_size=len(rows), max_size=len(rows)))
+            drawn = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=len(rows), max_size=len(rows)))
+        sampled = np.array(drawn, dtype=np.int64 if wide else np.int32)
         idx = np.array(rows, dtype=np.int64 if wide else np.int32)
         expected = self.model.replay(sampled.tolist(), rows, steps)
         if per_row:
@@ -123,12 +187,10 @@ class CpuBackendMachine(RuleBasedStateMachine):
 class InterpretedKernelsMachine(CpuBackendMachine):
     """The same sequences, with commits and replays done by the Triton kernels (interpreted)."""
 
-    @initialize()
-    def setup(self):
+    def new_table(self):
         from helpers.kernel_double import InterpretedTable
 
-        self.model = Model()
-        self.table = InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)
+        return InterpretedTable(MAX_SLOTS, MAX_LEN, vocab_size=VOCAB)
 
 
 TestCpuBackend = CpuBackendMachine.TestCase

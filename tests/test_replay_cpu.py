@@ -94,25 +94,39 @@ def test_clear_and_reuse_slots(rng):
 
 
 def test_uncommitted_traces_are_not_visible():
+    """A staged trace is invisible until commit; after it, steps at and past the trace's end are
+    left alone. The sentinel differs from the zero-filled table, so a replay that ignored the
+    trace length (reading the table's zeros) would show."""
+    sentinel = 987_654
     with TraceTable(4, 4, device="cpu") as t:
         t.stage(1, [7, 8])
-        sampled = np.array([0], np.int64)
+        sampled = np.array([sentinel], np.int64)
         t.replay_at_step(sampled, np.array([1], np.int32), np.array([0], np.int32), stream=0)
-        assert sampled.tolist() == [0]
+        assert sampled.tolist() == [sentinel]
         assert t.pending == 1
         t.commit(stream=0)
         assert t.pending == 0
         t.replay_at_step(sampled, np.array([1], np.int32), np.array([1], np.int32), stream=0)
         assert sampled.tolist() == [8]
+        rows = np.full(4, sentinel, np.int64)
+        t.replay_at_step(rows, np.array([1, 1, 0, 1], np.int32), np.array([2, 3, 0, 0], np.int32), stream=0)
+        assert rows.tolist() == [sentinel, sentinel, sentinel, 7]  # past the end; untraced slot 0; step 0
 
 
 def test_empty_batch_is_a_no_op():
+    """An empty batch, given as an empty slice of a larger buffer, writes nothing around it; the
+    same call with one row does write (so the buffer really is reachable)."""
     with TraceTable(4, 4, device="cpu") as t:
-        t.stage(0, [1])
+        t.stage(0, [1, 2, 3, 4])
         t.commit(stream=0)
-        sampled = np.zeros(0, np.int64)
-        t.replay(sampled, np.zeros(0, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), stream=0)
-        assert sampled.shape == (0,)
+        buf = np.full(6, POISON, np.int64)
+        idx = np.zeros(6, np.int32)  # slot 0, traced, at step 0
+        lengths = np.zeros(4, np.int32), np.zeros(4, np.int32)
+        t.replay(buf[2:2], idx[2:2], *lengths, stream=0)
+        t.replay_at_step(buf[2:2], idx[2:2], np.zeros(0, np.int32), stream=0)
+        assert buf.tolist() == [POISON] * 6
+        t.replay(buf[2:3], idx[2:3], *lengths, stream=0)
+        assert buf.tolist() == [POISON, POISON, 1, POISON, POISON, POISON]
 
 
 def test_trace_may_fill_its_row():

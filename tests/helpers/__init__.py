@@ -107,10 +107,37 @@ def check_soak(got, base_all, idx_all, total_all, prompt, tables):
     return mismatches, forced, first
 
 
-def run_threads(worker, threads: int) -> None:
-    """Run ``worker(i)`` for ``i`` in ``range(threads)``, each on its own thread; wait for all."""
-    ths = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+def run_threads(worker, threads: int, *, timeout: float = 300.0) -> None:
+    """Run ``worker(i)`` for ``i`` in ``range(threads)``, each on its own thread; wait for all.
+
+    Re-raises the first exception a worker raised (the others are chained in the message), and
+    fails when a worker did not return (still running after ``timeout`` seconds), so a test
+    fails whenever the code under test raises on any thread.
+    """
+    errors: list[tuple[int, BaseException]] = []
+    finished: set[int] = set()
+    lock = threading.Lock()
+
+    def run(i: int) -> None:
+        try:
+            worker(i)
+        except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
+            with lock:
+                errors.append((i, exc))
+        else:
+            with lock:
+                finished.add(i)
+
+    ths = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
     for th in ths:
         th.start()
     for th in ths:
-        th.join()
+        th.join(timeout)
+    if errors:
+        i, first = errors[0]
+        others = ", ".join(f"thread {j}: {type(e).__name__}: {e}" for j, e in errors[1:])
+        raise AssertionError(
+            f"thread {i} of {threads} raised {type(first).__name__}: {first}" + (f" (also {others})" if others else "")
+        ) from first
+    missing = sorted(set(range(threads)) - finished)
+    assert not missing, f"threads {missing} of {threads} did not finish within {timeout} s"

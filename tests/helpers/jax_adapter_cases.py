@@ -10,27 +10,15 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
-import pytest
 
-from trace_replay_core import replay_reference  # noqa: E402
-from trace_replay_jax import TraceReplayState  # noqa: E402
-
-jax = pytest.importorskip("jax")
-
-
-jnp = pytest.importorskip("jax.numpy")
-
+from trace_replay_core import replay_reference
+from trace_replay_jax import TraceReplayState
 
 POISON = 2**30 + 7  # never a trace token (traces are below vocab_size)
-
-
 VOCAB = 50_000
-
-
 CPU = jax.devices("cpu")[0]
-
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -1,0 +1,256 @@
+"""The planted faults: each a textual patch of the library, the tests to run, the test that must fail.
+
+A :class:`Fault` names the file, one or more ``(old, new)`` replacements (each ``old`` must occur
+exactly once), the test node ids to run with the fault in place, and the one expected to
+catch it. Keep each test list small: every fault costs one pytest start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    name: str
+    path: str
+    patches: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+    catcher: str  # the node id (or a prefix of it) expected among the failures
+
+
+T = "trace_replay_core/"
+PROPS_KERNELS = "tests/test_properties.py::TestInterpretedKernels"
+PROPS_CPU = "tests/test_properties.py::TestCpuBackend"
+KERNEL_METHOD = "tests/test_jax_kernel_replay.py::test_kernel_method_equals_jnp_and_the_reference"
+
+_STAGE_FAILS = (
+    "        arr = trace_array(tokens, max_trace_len=self.max_trace_len)\n        # The backend copies",
+    '        calls = globals().setdefault("_planted_calls", [])\n'
+    "        calls.append(1)\n"
+    "        if len(calls) > 300:\n"
+    '            raise RuntimeError("planted: stage fails after 300 calls")\n'
+    "        arr = trace_array(tokens, max_trace_len=self.max_trace_len)\n        # The backend copies",
+)
+
+FAULTS = (
+    # -- faults the thread helpers let through before they re-raised what workers raised --------
+    Fault(
+        "replay_cached always raises",
+        T + "_table.py",
+        (
+            (
+                "        launch = self._replays.get(key)\n        if launch is None:",
+                '        raise RuntimeError("planted: replay_cached fails")\n'
+                "        launch = self._replays.get(key)\n        if launch is None:",
+            ),
+        ),
+        ("tests/test_bound_cache.py::test_replay_cached_from_many_threads",),
+        "tests/test_bound_cache.py::test_replay_cached_from_many_threads",
+    ),
+    Fault(
+        "stage raises after 300 calls",
+        T + "_table.py",
+        (_STAGE_FAILS,),
+        ("tests/test_threads.py::test_staging_from_many_threads_cpu",),
+        "tests/test_threads.py::test_staging_from_many_threads_cpu",
+    ),
+    # -- the CPU kernel method and its expected values sharing one numpy replay -------------------
+    Fault(
+        "numpy reference replays nothing (so does method='kernel' on the CPU)",
+        T + "reference.py",
+        (("        flat[b] = table[slot, s]\n", "        pass\n"),),
+        (KERNEL_METHOD, "tests/test_jax_kernel_replay.py::test_kernel_method_with_int64_under_x64"),
+        KERNEL_METHOD,
+    ),
+    Fault(
+        "numpy reference replays nothing: parity's kernel legs",
+        T + "reference.py",
+        (("        flat[b] = table[slot, s]\n", "        pass\n"),),
+        ("tests/test_parity.py::test_parity_cpu",),
+        "tests/test_parity.py::test_parity_cpu",
+    ),
+    Fault(
+        "numpy reference replays nothing: mesh cases' kernel legs",
+        T + "reference.py",
+        (("        flat[b] = table[slot, s]\n", "        pass\n"),),
+        ("tests/test_jax_mesh.py",),
+        "tests/test_jax_mesh.py::test_mesh_cases_on_8_cpu_host_devices",
+    ),
+    Fault(
+        "kernel method's CPU callback writes nothing",
+        "adapters/trace_replay_jax/kernel_replay.py",
+        (("    res[...] = got\n", "    del got\n"),),
+        (KERNEL_METHOD,),
+        KERNEL_METHOD,
+    ),
+    # -- sentinels and refusals ---------------------------------------------------------------------
+    Fault(
+        "numpy replay ignores the trace length",
+        T + "_numpy_backend.py",
+        (("    active &= (n > 0) & (at >= 0) & (at < n)\n", "    active &= (at >= 0) & (at < table.shape[1])\n"),),
+        ("tests/test_replay_cpu.py::test_uncommitted_traces_are_not_visible",),
+        "tests/test_replay_cpu.py::test_uncommitted_traces_are_not_visible",
+    ),
+    Fault(
+        "JAX view: refusal of a copy removed",
+        "adapters/trace_replay_jax/views.py",
+        (("    if array.unsafe_buffer_pointer() != view.ptr:\n", "    if False:\n"),),
+        ("tests/test_jax_adapter.py::test_external_view_refuses_a_copy_where_a_view_was_asked_for",),
+        "tests/test_jax_adapter.py::test_external_view_refuses_a_copy_where_a_view_was_asked_for",
+    ),
+    # -- kernels, host side: plans and launch arguments ---------------------------------------------
+    Fault(
+        "replay grid rounds down (rows past the first block left alone)",
+        T + "kernels/replay.py",
+        (
+            (
+                "    return ((rows + REPLAY_BLOCK - 1) // REPLAY_BLOCK, 1, 1)\n",
+                "    return (max(1, rows // REPLAY_BLOCK), 1, 1)\n",
+            ),
+        ),
+        (PROPS_KERNELS,),
+        PROPS_KERNELS,
+    ),
+    Fault(
+        "scatter grid drops the last entry",
+        T + "kernels/scatter.py",
+        (("    return (entries, chunks, 1)\n", "    return (max(1, entries - 1), chunks, 1)\n"),),
+        (PROPS_KERNELS,),
+        PROPS_KERNELS,
+    ),
+    Fault(
+        "staged entry records one token too few",
+        T + "_staging.py",
+        (
+            (
+                "        self.entries[slot] = (slot, n, start)\n",
+                "        self.entries[slot] = (slot, n - (n > 1024), start)\n",
+            ),
+        ),
+        (PROPS_KERNELS,),
+        PROPS_KERNELS,
+    ),
+    Fault(
+        "numpy replay casts tokens through int16",
+        T + "_numpy_backend.py",
+        (
+            (
+                "    out[rows] = table[s[rows], at[rows]].astype(out.dtype)\n",
+                "    out[rows] = table[s[rows], at[rows]].astype(np.int16)\n",
+            ),
+        ),
+        ("tests/test_replay_cpu.py::test_replay_matches_reference",),
+        "tests/test_replay_cpu.py::test_replay_matches_reference",
+    ),
+    Fault(
+        "DLPack intake drops byte_offset",
+        T + "_dlpack.py",
+        (("    ptr = (t.data or 0) + t.byte_offset\n", "    ptr = t.data or 0\n"),),
+        ("tests/test_dlpack.py::test_byte_offset_is_included", "tests/test_dlpack_byte_offset.py"),
+        "tests/test_dlpack_byte_offset.py::test_the_view_starts_at_data_plus_byte_offset",
+    ),
+    Fault(
+        "token ids equal to vocab_size accepted",
+        T + "_staging.py",
+        (
+            (
+                "    if (wide[wide.argmax()] if wide.ndim == 1 else wide.max()) >= limit:\n",
+                "    if (wide[wide.argmax()] if wide.ndim == 1 else wide.max()) > limit:\n",
+            ),
+        ),
+        (PROPS_CPU,),
+        PROPS_CPU,
+    ),
+    Fault(
+        "slot == max_slots accepted",
+        T + "_validate.py",
+        (("    if not 0 <= int(slot) < max_slots:\n", "    if not 0 <= int(slot) <= max_slots:\n"),),
+        ("tests/test_errors.py",),
+        "tests/test_errors.py",
+    ),
+    Fault(
+        "bound cache evicts the newest entry",
+        T + "_bound_cache.py",
+        (("                    self.pop(next(iter(self)))\n", "                    self.pop(next(reversed(self)))\n"),),
+        ("tests/test_bound_cache.py::test_concurrent_misses_bind_each_key_once_and_keep_the_bound",),
+        "tests/test_bound_cache.py::test_concurrent_misses_bind_each_key_once_and_keep_the_bound",
+    ),
+    # -- staging --------------------------------------------------------------------------------------
+    Fault(
+        "staging guard never waits",
+        T + "_staging.py",
+        (("                if not pair.event.done():\n", "                if False:\n"),),
+        ("tests/test_staging.py::test_gpu_staging_guard_waits_for_in_flight_copies",),
+        "tests/test_staging.py::test_gpu_staging_guard_waits_for_in_flight_copies",
+    ),
+    Fault(
+        "a reused slot keeps its longer trace length",
+        T + "_numpy_backend.py",
+        (
+            (
+                "                self.trace_len[slot] = tokens.shape[0]\n",
+                "                self.trace_len[slot] = max(int(self.trace_len[slot]), tokens.shape[0])\n",
+            ),
+        ),
+        ("tests/test_replay_cpu.py::test_clear_and_reuse_slots",),
+        "tests/test_replay_cpu.py::test_clear_and_reuse_slots",
+    ),
+    Fault(
+        "staged clear does not reset the length (kernel path)",
+        T + "_staging.py",
+        (("        self.entries[slot] = (slot, 0, 0)\n", "        self.entries.pop(slot, None)\n"),),
+        (PROPS_KERNELS,),
+        PROPS_KERNELS,
+    ),
+    # -- adapters -------------------------------------------------------------------------------------
+    Fault(
+        "torch replay with explicit lengths not in place",
+        "adapters/trace_replay_torch/state.py",
+        (
+            (
+                "            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len,",
+                "            sampled = sampled.clone()  # replays into a copy and returns it\n"
+                "            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len,",
+            ),
+        ),
+        ("tests/test_torch_adapter.py::test_adapter_matches_reference",),
+        "tests/test_torch_adapter.py::test_adapter_matches_reference",
+    ),
+    Fault(
+        "JAX replay ignores the sign of idx_mapping",
+        "adapters/trace_replay_jax/jnp_replay.py",
+        (("    active = (idx_mapping >= 0) & (idx_mapping < max_slots)\n", "    active = idx_mapping < max_slots\n"),),
+        ("tests/test_jax_adapter.py::test_replay_matches_reference_and_returns_a_new_array",),
+        "tests/test_jax_adapter.py::test_replay_matches_reference_and_returns_a_new_array",
+    ),
+    # -- the command line -----------------------------------------------------------------------------
+    Fault(
+        "run exits 0 when a trace was not reproduced",
+        "trace_replay_app/cli.py",
+        (
+            (
+                "        return 1\n    return 0\n\n\ndef cmd_compare",
+                "        return 0\n    return 0\n\n\ndef cmd_compare",
+            ),
+        ),
+        ("tests/test_cli.py::test_run_exits_1_when_a_trace_is_not_reproduced",),
+        "tests/test_cli.py::test_run_exits_1_when_a_trace_is_not_reproduced",
+    ),
+    Fault(
+        "outputs written in place, no atomic rename",
+        "trace_replay_app/traces.py",
+        (
+            (
+                '    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")\n',
+                "    tmp = os.path.join(folder, name)\n",
+            ),
+            ("os.O_WRONLY | os.O_CREAT | os.O_EXCL", "os.O_WRONLY | os.O_CREAT | os.O_TRUNC"),
+        ),
+        (
+            "tests/test_cli.py::test_a_run_that_fails_midway_writes_nothing",
+            "tests/test_traces.py::test_atomic_write_leaves_nothing_on_failure",
+        ),
+        "tests/test_traces.py::test_atomic_write_leaves_nothing_on_failure",
+    ),
+)
