@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
 from helpers.llama_cases import check_same, hf_reference, make_requests  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 

@@ -41,7 +41,8 @@ def _load(path):
 
 def _bf16(x):
     """float32 rounded to bfloat16 and back, through torch (an independent reference)."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     return torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16).float().numpy()
 
 

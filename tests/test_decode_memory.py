@@ -10,9 +10,6 @@ import time
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
 from trace_replay_app.drivers import jax_driver, torch_driver  # noqa: E402
 from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights  # noqa: E402
 from trace_replay_app.models.gpt2 import jax_loop as gpt2_jax  # noqa: E402

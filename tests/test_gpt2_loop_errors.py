@@ -4,12 +4,10 @@ step and change no weight; a device this machine lacks is refused. CPU tier."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
+import torch
 from helpers.gpt2_cases import CONFIG, LOOPS  # noqa: E402
 
 from trace_replay_app.models.gpt2 import seeded_weights  # noqa: E402

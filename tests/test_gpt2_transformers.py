@@ -19,11 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-pytest.importorskip("transformers")
-
 from helpers.gpt2_hf import CASES, load, make_checkpoint  # noqa: E402
 from helpers.llama_cases import check_against_hf, hf_model, make_requests, teacher_forced  # noqa: E402
 

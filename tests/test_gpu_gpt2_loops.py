@@ -10,9 +10,6 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
 from helpers.gpt2_cases import (  # noqa: E402
     CONFIG,
     LOOPS,
@@ -136,7 +133,6 @@ def test_gpu_gpt2_cuda_graph_equals_eager(dtype, temperature, rng):
 @pytest.mark.parametrize("framework", sorted(LOOPS))
 def test_gpu_gpt2_matches_transformers(framework, rng, tmp_path):
     """Both loops on CUDA against transformers' own GPT2LMHeadModel on CUDA (float32)."""
-    pytest.importorskip("transformers")
     from helpers.gpt2_hf import load, make_checkpoint
     from helpers.llama_cases import check_against_hf, hf_model
     from helpers.llama_cases import make_requests as hf_requests

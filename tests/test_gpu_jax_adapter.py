@@ -14,12 +14,10 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
 from helpers.jax_adapter_cases import POISON, REPO, VOCAB, _one_row_step  # noqa: E402
 from helpers.jax_helpers import jax_gpu  # noqa: E402
 
@@ -206,7 +204,8 @@ def test_gpu_commit_runs_on_xlas_stream():
 
 @pytest.mark.gpu
 def test_gpu_torch_adapter_in_the_same_process(rng):
-    torch = pytest.importorskip("torch")
+    import torch
+
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     from trace_replay_torch import TraceReplayState as TorchState

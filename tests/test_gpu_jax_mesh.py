@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
 from helpers.jax_helpers import jax_gpu  # noqa: E402
 from helpers.scenarios import make_scenario, reference_tokens  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402

@@ -9,12 +9,9 @@ through a command-buffer-compatible buffer callback). Length set by
 
 import os
 
+import jax
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
-
 from helpers import admit_requests, check_soak  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytestmark = pytest.mark.gpu
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
 
 from helpers.bf16_bounds import LLAMA_BF16, check_caught, check_close, refs_gaps  # noqa: E402
 from helpers.llama_cases import (  # noqa: E402
@@ -31,7 +29,6 @@ _GPU_CASES = ["llama-tied-llama3-sharded", "mistral-window-bf16", "qwen2", "qwen
 def _loop(framework):
     if framework == "torch":
         return torch_loop.run_decode
-    pytest.importorskip("jax")
     from helpers.jax_helpers import jax_gpu
 
     jax_gpu()  # skips with the reason when JAX sees no GPU

@@ -23,10 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
+import torch
 from helpers.llama_cases import check_same, hf_model, hf_reference, load, make_checkpoint, make_requests  # noqa: E402
 from helpers.multi_device_workers import NO_MULTICAST, run_ranks  # noqa: E402
 
@@ -90,7 +87,6 @@ def test_nccl_two_ranks_equal_one_gpu(tmp_path, rng):
 
 
 def test_jax_loop_on_a_two_gpu_mesh(rng):
-    pytest.importorskip("jax")
     env = dict(os.environ, **NO_MULTICAST)
     env["TRACE_REPLAY_MESH_PLATFORM"] = "gpu"
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"

@@ -7,9 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 
 from trace_replay_core import TraceTable, replay_reference  # noqa: E402

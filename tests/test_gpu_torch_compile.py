@@ -6,9 +6,7 @@ Skipped with a reason on machines without a GPU (see conftest.py).
 """
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 from helpers.torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
 

@@ -9,11 +9,10 @@ object with the same contents, and a later apply and replay work.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-jnp = pytest.importorskip("jax.numpy")
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402

@@ -10,6 +10,9 @@ import os
 
 import numpy as np
 import pytest
+import torch
+import transformers
+from helpers.llama_cases import _SIZES, CASES, make_checkpoint  # noqa: E402
 
 from trace_replay_app.models import family_for_model_type, get_family, supported_model_types
 from trace_replay_app.models.llama.config import (
@@ -22,11 +25,6 @@ from trace_replay_app.models.llama.config import (
     seeded_weights,
 )
 from trace_replay_app.models.llama.hf import config_from_hf, to_hf, weights_from_tensors
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from helpers.llama_cases import _SIZES, CASES, make_checkpoint  # noqa: E402
 
 
 def _hf(case):

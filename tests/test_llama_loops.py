@@ -17,10 +17,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
+import torch
 from helpers.bf16_bounds import LLAMA_BF16, check_caught, check_close, gaps, refs_gaps  # noqa: E402
 from helpers.llama_cases import (  # noqa: E402
     CASES,

@@ -22,10 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
+import torch
 from helpers.llama_cases import (  # noqa: E402
     CASES,
     check_against_hf,
@@ -129,7 +126,6 @@ def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
 
 
 def test_jax_loop_on_a_two_device_mesh(rng):
-    pytest.importorskip("jax")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
     env["JAX_PLATFORMS"] = "cpu"

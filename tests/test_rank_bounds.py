@@ -7,10 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
+import torch
 from helpers.llama_cases import RANK_EPS, check_against_hf, check_ranks, check_same, rank_bounds  # noqa: E402
 
 from trace_replay_app.records import RequestResult, TraceRequest  # noqa: E402

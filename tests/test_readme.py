@@ -26,7 +26,8 @@ def test_gpu_section_names_the_extra_and_the_set_up_that_installs_it():
     """The section "On a GPU machine": the same two commands; the gpu extra brings JAX's CUDA 13 build,
     and scripts/setup.sh picks it from `nvidia-smi -L` (TRACE_REPLAY_GPU overrides) and also
     installs the lint extra the tests' lint step needs."""
-    tomllib = pytest.importorskip("tomllib")
+    import tomllib
+
     root = README.parent
     text = README.read_text()
     section = text.split("\n## On a GPU machine\n", 1)[1].split("\n## ", 1)[0]

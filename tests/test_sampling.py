@@ -15,10 +15,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
-
 from helpers.bf16_bounds import GPT2_BF16, check_caught, check_close, gaps, refs_gaps  # noqa: E402
 from helpers.gpt2_cases import (  # noqa: E402
     CONFIG,

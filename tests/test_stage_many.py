@@ -55,7 +55,8 @@ def test_strided_and_foreign_blocks(rng, make_table):
     t.stage_many([0, 1, 2, 3], wide[:, ::2])  # a strided view
     t.stage_many(np.array([4, 5], np.int16), np.asfortranarray(wide[:2, :9]))
     expected = {s: wide[s, ::2] for s in range(4)} | {4: wide[0, :9], 5: wide[1, :9]}
-    torch = pytest.importorskip("torch")
+    import torch
+
     t.stage_many(torch.arange(6, 9), torch.from_numpy(wide[:3, :33].copy()))  # CPU tensors, over DLPack
     expected |= {6 + i: wide[i, :33] for i in range(3)}
     t.commit(stream=0)
@@ -66,7 +67,8 @@ def test_strided_and_foreign_blocks(rng, make_table):
 def test_ragged_list_staged_as_one_stage_each(rng, make_table):
     max_slots, max_len = 50, 80
     t = make_table(max_slots, max_len, staging_bytes=64, vocab_size=30_000)
-    torch = pytest.importorskip("torch")
+    import torch
+
     model = {}
     for _ in range(4):
         n = int(rng.integers(1, 25))

@@ -83,7 +83,8 @@ def test_sequences_staged_exactly(rng, make_table):
 
 @pytest.mark.parametrize("dtype", ["int16", "int32", "int64", "uint8"])
 def test_torch_cpu_tensors_staged_exactly(rng, make_table, dtype):
-    torch = pytest.importorskip("torch")
+    import torch
+
     t = make_table(3, 40)
     traces = {s: _random_ids(rng, dtype, int(rng.integers(1, 41))) for s in range(3)}
     for slot, tr in traces.items():
@@ -95,7 +96,8 @@ def test_torch_cpu_tensors_staged_exactly(rng, make_table, dtype):
 
 
 def test_jax_cpu_arrays_staged_exactly(rng, make_table):
-    jax = pytest.importorskip("jax")
+    import jax
+
     t = make_table(2, 40)
     traces = {s: rng.integers(1, INT32_MAX, int(rng.integers(1, 41)), dtype=np.int32) for s in range(2)}
     cpu = jax.devices("cpu")[0]

@@ -2,9 +2,7 @@
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 
 from trace_replay_core import replay_reference  # noqa: E402

@@ -6,9 +6,7 @@ Compiles are slow on a small CI machine: one sampler compile with inductor, the 
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 from helpers.torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
 

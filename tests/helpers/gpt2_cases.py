@@ -25,18 +25,13 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 import trace_replay_app.models.gpt2.jax_loop as jax_gpt2  # noqa: E402
 import trace_replay_app.models.gpt2.torch_loop as torch_gpt2  # noqa: E402
 from trace_replay_app.models.gpt2 import GPT2Config, reference_logits, seeded_weights  # noqa: E402
 from trace_replay_app.records import RequestResult, TraceRequest  # noqa: E402
 from trace_replay_app.schedule import plan  # noqa: E402
-
-torch = pytest.importorskip("torch")
-
-
-jax = pytest.importorskip("jax")
-
 
 LOOPS = {"torch": torch_gpt2.run_decode, "jax": jax_gpt2.run_decode}
 

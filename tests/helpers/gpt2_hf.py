@@ -1,8 +1,8 @@
 """Tiny GPT-2 checkpoints written by transformers itself (``GPT2Config`` + ``GPT2LMHeadModel`` +
 ``save_pretrained(safe_serialization=True)``), read through the application's checkpoint reader.
 
-Shared by ``test_gpt2_transformers.py`` (CPU) and ``test_gpu_gpt2_loops.py`` (CUDA). Import
-only after ``pytest.importorskip("transformers")``. Nothing is downloaded. transformers
+Shared by ``test_gpt2_transformers.py`` (CPU) and ``test_gpu_gpt2_loops.py`` (CUDA). Nothing is
+downloaded. transformers
 initialises biases to 0 and LayerNorm gains to 1; every one of them is drawn at random here
 instead, so that a loop that drops a bias or a gain cannot match by accident.
 """

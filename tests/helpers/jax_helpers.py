@@ -1,4 +1,4 @@
-"""Helpers shared by the JAX test modules (import only after ``pytest.importorskip("jax")``)."""
+"""Helpers shared by the JAX test modules ."""
 
 import jax
 import pytest

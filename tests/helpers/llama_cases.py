@@ -1,7 +1,6 @@
 """Tiny Llama-family checkpoints made by transformers itself, and its numerics as the reference.
 
-Shared by ``test_llama_loops.py`` (CPU) and ``test_gpu_models.py`` (CUDA). Import only after
-``pytest.importorskip("transformers")``. Nothing is downloaded: every model comes from
+Shared by ``test_llama_loops.py`` (CPU) and ``test_gpu_models.py`` (CUDA). Nothing is downloaded: every model comes from
 ``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config`` with random weights (biases
 drawn too: transformers starts them at 0).
 """
