@@ -21,20 +21,14 @@ def scaled(x, t, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def stream_load(ptr, mask, EVICT_FIRST: tl.constexpr):
+def stream_load(ptr, mask):
     """Load the logits (or words) at ``ptr`` that the chunk kernel reads once, 0 where ``mask`` is
-    given and false; marked evict-first in L1 and L2 where ``EVICT_FIRST`` (Triton's eviction
-    policy: the lines are the first to go when the caches need room)."""
-    if EVICT_FIRST:
-        if mask is None:
-            return tl.load(ptr, eviction_policy="evict_first")
-        else:
-            return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+    given and false, marked evict-first in L1 and L2 (the lines are the first to go when the
+    caches need room; the top-k read-back still finds its few vectors in L2 often enough)."""
+    if mask is None:
+        return tl.load(ptr, eviction_policy="evict_first")
     else:
-        if mask is None:
-            return tl.load(ptr)
-        else:
-            return tl.load(ptr, mask=mask, other=0)
+        return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
 
 
 @triton.jit

@@ -154,7 +154,6 @@ def _chunk_safe(
     TRACK: tl.constexpr,
     ARGMAX: tl.constexpr,
     GREEDY: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
     SHIFT: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
@@ -162,7 +161,7 @@ def _chunk_safe(
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
     (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
-    ``EVICT_FIRST``: whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
+    Whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
     16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
     shifted into place (``shifted_block``; ``words``, ``wcols``, ``skew``, ``row_words`` as in the
     fused path), so every line holds the same logits in the same registers as in an aligned row
@@ -180,7 +179,7 @@ def _chunk_safe(
         if SHIFT:
             y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
         else:
-            y = stream_load(row_ptr + off + cols, None, EVICT_FIRST).to(tl.float32)
+            y = stream_load(row_ptr + off + cols, None).to(tl.float32)
         y = scaled(y, t, HAS_TEMP)
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
         m, s = online_update(y, m, s)
@@ -401,10 +400,9 @@ def logprob_rank_chunk_kernel(
     top_k,
     BLOCK: tl.constexpr,  # logits per loop step
     VEC: tl.constexpr,  # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
-    ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
     WORDS: tl.constexpr,  # bfloat16, no temperature: chunk_lines_fast and chunk_end_fast
-    SHIFT: tl.constexpr,  # rows that are not ALIGNED: each line's words shifted into place
+    SHIFT: tl.constexpr,  # rows not 16-byte aligned: each line's words shifted into place
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,  # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
     TOPK: tl.constexpr,  # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
@@ -415,9 +413,6 @@ def logprob_rank_chunk_kernel(
     RESCAN: tl.constexpr,
     PIECE: tl.constexpr,
     ARGMAX: tl.constexpr,  # each chunk's greedy maximum and column; negative ids are greedy rows
-    AHEAD: tl.constexpr,  # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
-    EVICT_FIRST: tl.constexpr,  # whole blocks loaded evict-first in L1 and L2 (stream_load)
-    TOPK_SORTED: tl.constexpr,  # TOPK: each program's keys sorted even where they need no selection
     UNROLL: tl.constexpr,  # not WORDS: the block loop's unroll factor
     CLUSTER: tl.constexpr,  # a row's programs form one cluster (sm_90+), whose first merges the row (no TOPK)
     MERGE_BLOCK: tl.constexpr,
@@ -430,7 +425,7 @@ def logprob_rank_chunk_kernel(
     first = tl.program_id(1) * group
     last = tl.minimum(first + group, n_chunks)
     row_ptr = logits_ptr + row * row_stride
-    if ALIGNED:
+    if not SHIFT:
         row_ptr = tl.multiple_of(row_ptr, 16)
     LINES: tl.constexpr = BLOCK // VEC
     span = chunk_blocks * BLOCK
@@ -449,11 +444,9 @@ def logprob_rank_chunk_kernel(
         row_words = 0
     wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]  # each line's four words
     if WORDS:
-        # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
+        # The first chunk's first two blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
-        w0, w1, w2, w3 = ahead_blocks(
-            words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
-        )
+        w0, w1 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, SHIFT)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:  # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
@@ -490,8 +483,6 @@ def logprob_rank_chunk_kernel(
                 wcols,
                 w0,
                 w1,
-                w2,
-                w3,
                 row_ptr,
                 cols,
                 start,
@@ -510,26 +501,20 @@ def logprob_rank_chunk_kernel(
                 PACKED_COUNT,
                 TOPK > 0,
                 ARGMAX,
-                AHEAD,
                 SHIFT,
-                EVICT_FIRST,
             )
-            # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
+            # The next chunk's first two blocks, if any, issued before this chunk's reductions (its
             # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
             # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
             # registers too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per
             # SM, not 9).
             if not ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(
-                    words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
-                )
+                w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
             big, total, count, amax, acol = chunk_end_fast(
                 row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy, ARGMAX
             )
             if ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(
-                    words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
-                )
+                w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
@@ -558,7 +543,6 @@ def logprob_rank_chunk_kernel(
                     TOPK > 0,
                     True,
                     True,
-                    EVICT_FIRST,
                     SHIFT,
                     UNROLL,
                 )
@@ -584,7 +568,6 @@ def logprob_rank_chunk_kernel(
                     TOPK > 0,
                     ARGMAX,
                     False,
-                    EVICT_FIRST,
                     SHIFT,
                     UNROLL,
                 )
@@ -658,7 +641,6 @@ def logprob_rank_chunk_kernel(
             RESCAN,
             PIECE,
             HAS_TEMP,
-            TOPK_SORTED,
         )
 
 
@@ -710,17 +692,12 @@ def logprob_rank_combine_kernel(
     VEC: tl.constexpr,  # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,  # wait for the chunk kernel (launched as its programmatic dependent)
     ARGMAX: tl.constexpr,  # write the greedy token; score greedy rows (validity code 2) as it
-    RELEASE_FIRST: tl.constexpr,  # GDC: let the next kernel launch before waiting for the chunk kernel
 ):
     if GDC:
         # A chained kernel's programs may be scheduled now or once this grid's wait is over; either
         # way they wait for this grid to end before they read anything.
-        if RELEASE_FIRST:
-            _launch_dependents()
-            _wait_prerequisites()
-        else:
-            _wait_prerequisites()
-            _launch_dependents()
+        _launch_dependents()
+        _wait_prerequisites()
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks

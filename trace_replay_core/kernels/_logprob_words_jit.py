@@ -154,17 +154,15 @@ def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
 
 
 @triton.jit
-def _whole_block(
-    words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr, EVICT_FIRST: tl.constexpr
-):
+def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
     """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
-    chunk's first ``words_in`` words); ``EVICT_FIRST`` as in ``stream_load`` (aligned rows)."""
+    chunk's first ``words_in`` words)."""
     if SHIFT:
         return shifted_block(
             words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words, True
         )
     else:
-        return stream_load(words + wcols + at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, EVICT_FIRST)
+        return stream_load(words + wcols + at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in)
 
 
 @triton.jit
@@ -177,30 +175,20 @@ def ahead_blocks(
     skew,
     row_words,
     BLOCK: tl.constexpr,
-    AHEAD: tl.constexpr,
     SHIFT: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
 ):
-    """The words of the first ``AHEAD`` (2 or 4) whole blocks of the chunk of ``span`` logits at
-    ``start`` (zeros for a block that does not lie whole before ``end``; with ``AHEAD`` 2 the last
-    two returned are the first two again, unused), loaded ahead of the chunk's block loop: the
-    chunk kernel issues a program's first before the token's two dependent loads, and the next
-    chunk's at the end of a chunk's blocks. bench/logprob_tuning.py --latency, H200, 2026-12-02
-    09:54 UTC, before / after (two blocks) in one run (device time p50, bf16, vocabulary 151,936):
-    4.05 / 3.76 us at batch 1, 23.95 / 23.55 at 256, 292.3 / 293.2 at 4096; top-k 20 44.59 /
-    43.33 at 256 and 491.3 / 481.8 at 4096; argmax=True 28.49 / 27.16 at 256. ``skew``,
-    ``row_words``, ``SHIFT`` and ``EVICT_FIRST`` as in :func:`chunk_lines_fast`."""
+    """The words of the first two whole blocks of the chunk of ``span`` logits at ``start``
+    (zeros for a block that does not lie whole before ``end``), loaded ahead of the chunk's block
+    loop: the chunk kernel issues a program's first before the token's two dependent loads, and
+    the next chunk's at the end of a chunk's blocks, so that loads stay in flight across them
+    (3.76 instead of 4.05 us at batch 1 on an H200). ``skew``, ``row_words`` and ``SHIFT`` as in
+    :func:`chunk_lines_fast`."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)  # words in the chunk's whole blocks
     chunk_words = words + start // 2
     row_words -= start // 2
-    w0 = _whole_block(chunk_words, wcols, 0, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
-    w1 = _whole_block(chunk_words, wcols, 1, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
-    if AHEAD == 4:
-        w2 = _whole_block(chunk_words, wcols, 2, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
-        w3 = _whole_block(chunk_words, wcols, 3, words_in, skew, row_words, BLOCK, SHIFT, EVICT_FIRST)
-    else:
-        w2, w3 = w0, w1
-    return w0, w1, w2, w3
+    w0 = _whole_block(chunk_words, wcols, 0, words_in, skew, row_words, BLOCK, SHIFT)
+    w1 = _whole_block(chunk_words, wcols, 1, words_in, skew, row_words, BLOCK, SHIFT)
+    return w0, w1
 
 
 @triton.jit
@@ -296,8 +284,6 @@ def chunk_lines_fast(
     wcols,
     w0,
     w1,
-    w2,
-    w3,
     row_ptr,
     cols,
     start,
@@ -316,21 +302,18 @@ def chunk_lines_fast(
     PACKED_COUNT: tl.constexpr,
     TRACK: tl.constexpr,
     ARGMAX: tl.constexpr,
-    AHEAD: tl.constexpr,
     SHIFT: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
 ):
     """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
     (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
-    count by packed compares where ``PACKED_COUNT`` (else per logit). ``w0`` to ``w3`` are the
-    chunk's first ``AHEAD`` whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
+    count by packed compares where ``PACKED_COUNT`` (else per logit). ``w0`` and ``w1`` are the
+    chunk's first two whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
     same steps before its block loop, wherever they were loaded. With ``SHIFT`` (rows not 16-byte
     aligned) ``words`` is the row's start rounded down to 16 bytes, ``skew`` bytes before it, and
     ``row_words`` the row's last 16-byte boundary in words past ``words`` (``full_end`` stops
     where a line would need a vector beyond it; the rest, at most two blocks, is read a logit per
-    load by :func:`_tail_fast`). ``EVICT_FIRST``: aligned rows
-    load their whole blocks evict-first (``stream_load``). Returns each line's maximum
+    load by :func:`_tail_fast`). Returns each line's maximum
     (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
     ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token."""
     m = tl.full([LINES], float("-inf"), tl.float32)
@@ -381,57 +364,14 @@ def chunk_lines_fast(
             TRACK,
             ARGMAX,
         )
-    if AHEAD == 4:
-        if n_full >= 3:
-            m, s, count, masks, ab, g1, g2, gab = _fast_block(
-                w2,
-                start + 2 * BLOCK,
-                m,
-                s,
-                count,
-                masks,
-                ab,
-                chosen,
-                chosen_w,
-                greedy,
-                g1,
-                g2,
-                gab,
-                LINES,
-                BLOCK,
-                PACKED_COUNT,
-                TRACK,
-                ARGMAX,
-            )
-        if n_full >= 4:
-            m, s, count, masks, ab, g1, g2, gab = _fast_block(
-                w3,
-                start + 3 * BLOCK,
-                m,
-                s,
-                count,
-                masks,
-                ab,
-                chosen,
-                chosen_w,
-                greedy,
-                g1,
-                g2,
-                gab,
-                LINES,
-                BLOCK,
-                PACKED_COUNT,
-                TRACK,
-                ARGMAX,
-            )
     # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
     # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
     # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
-    for off in tl.range(tl.minimum(start + AHEAD * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
+    for off in tl.range(tl.minimum(start + 2 * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
         if SHIFT:
             w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
         else:
-            w = stream_load(words + off // 2 + wcols, None, EVICT_FIRST)
+            w = stream_load(words + off // 2 + wcols, None)
         m, s, count, masks, ab, g1, g2, gab = _fast_block(
             w,
             off,
