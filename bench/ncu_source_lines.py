@@ -98,11 +98,9 @@ def main() -> None:
     i_all = header.index("Warp Stall Sampling (All Samples)")
     stall_cols = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     base = int(data[0][i_addr], 16)
-    per_line, reasons, per_block = (
-        collections.Counter(),
-        collections.defaultdict(collections.Counter),
-        collections.defaultdict(collections.Counter),
-    )
+    per_line: collections.Counter[str] = collections.Counter()
+    reasons: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    per_block: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     total = mismatched = 0
     for row in data:
         offset = int(row[i_addr], 16) - base

@@ -36,7 +36,7 @@ LAYOUT_DATA = make_case(np.random.default_rng(14), 3, 1000, "bfloat16")
 # with the array 10 bytes off. Options of the interpreter driver (helpers/logprob_interpreter.py).
 LAYOUTS = {"aligned": {}, "stride1001": {"pad": 1}, "skew6": {"shift": 3}, "stride1005-skew10": {"pad": 5, "shift": 5}}
 LAYOUT_CALLS = {"plain": {}, "top5": {"top_k": 5}, "argmax": {"argmax": True}}
-LAYOUT_DTYPES = (
+LAYOUT_DTYPES: tuple[tuple[str, str, dict], ...] = (
     ("bf16", "bfloat16", {}),
     ("f32", "float32", {}),
     ("f16", "float16", {}),

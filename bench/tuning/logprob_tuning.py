@@ -40,7 +40,7 @@ ROTATE_BYTES = 256 << 20
 MAX_COPIES = 32
 SHIPPED: dict = {}  # the plan's own choice; every trial list starts with it
 # (dtype, batch, top_k or "argmax", vocab, row stride, trials)
-MODES = {
+MODES: dict[str, list[tuple]] = {
     "split": [
         (d, b, 0, VOCAB, VOCAB, (SHIPPED, {"chunk_blocks": 4}, {"chunk_blocks": 8}, {"num_warps": 8}))
         for d in ("bfloat16", "float32")
@@ -213,7 +213,7 @@ def main() -> None:
                 print(f"{dtype_name} B={batch} {name}: FAILED {row['error']}", flush=True)
                 traceback.print_exc()
             rows.append(row)
-        logits = ids = calls = copies = None
+        del logits, ids, calls, copies
         torch.cuda.empty_cache()
     print(f"\nwrote {write_results(f'logprob_tuning_{opts.mode}', rows)}\n")
 

@@ -171,7 +171,7 @@ def _hash_job(job):
 
 
 def _git(*cmd) -> str:
-    tree = os.path.dirname(os.path.dirname(sys.modules["trace_replay_core"].__file__))
+    tree = os.path.dirname(os.path.dirname(str(sys.modules["trace_replay_core"].__file__)))
     return subprocess.run(["git", *cmd], cwd=tree, capture_output=True, text=True).stdout.strip()
 
 
@@ -186,7 +186,9 @@ def main() -> None:
 
     specs = legacy_specs if a.legacy else current_specs
     # one compile per distinct kernel: configurations that share a kernel share its hash
-    jobs, seen, same_as = [], {}, {}
+    jobs: list[tuple[bool, str, str]] = []
+    seen: dict[tuple, tuple[str, str]] = {}
+    same_as: dict[tuple[str, str], tuple[str, str]] = {}
     for c in configurations():
         for label, kernel, ptrs, n_ints, const, warps, maxnreg in specs(c):
             key = (kernel.__name__, ptrs, n_ints, tuple(sorted(const.items())), warps, maxnreg)

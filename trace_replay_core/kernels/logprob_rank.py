@@ -278,8 +278,9 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     vec = 16 // v.itemsize
     argmax_dtype = dtypes.argmax if v.argmax else dtypes.ranks  # never written without argmax
     merge_block = _next_pow2(max(v.n_chunks, 2))
-    chunk_dtypes = (dtypes.logits, dtypes.token_ids) + ("float32",) * 3 + ("int32", "float32", "int32")
-    chunk_dtypes += ("int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks, argmax_dtype)
+    chunk_dtypes: tuple[str, ...] = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
+    chunk_dtypes += ("float32", "int32", "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks)
+    chunk_dtypes += (argmax_dtype,)
     chunk_const = dict(
         BLOCK=v.block,
         VEC=vec,
@@ -307,7 +308,7 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     if v.cluster:
         return (chunk,)
     out_dtypes = ("float32", dtypes.topk_ids) if k else ("float32", dtypes.ranks)
-    comb_dtypes = (dtypes.logits, "float32", dtypes.ranks) + out_dtypes
+    comb_dtypes: tuple[str, ...] = (dtypes.logits, "float32", dtypes.ranks) + out_dtypes
     comb_dtypes += ("float32", "float32", "int32", "int64", "float32", "int32", argmax_dtype, "float32", "int32")
     comb_warps = COMBINE_TOPK_WARPS if k else COMBINE_WARPS
     comb_const = dict(
@@ -336,7 +337,7 @@ def call_arguments(args: LogprobRankArgs, variant: LogprobVariant) -> tuple[tupl
     topk_ws = (ws + off_cand, ws + off_pairs) if v.k_pad else (m, m)
     greedy = (ws + off_am, ws + off_a)  # written and read only with argmax
     argmax_out = args.argmax or args.ranks  # never written without argmax
-    chunk_ptrs = (args.logits, args.token_ids, temp, m, s, c, *tok, part_k, *topk_ws, *greedy)
+    chunk_ptrs: tuple[int, ...] = (args.logits, args.token_ids, temp, m, s, c, *tok, part_k, *topk_ws, *greedy)
     chunk_ptrs += (args.logprobs, args.ranks, argmax_out)
     chunk_ints = (args.vocab, args.row_stride, v.chunk_blocks, v.n_chunks, v.group, args.top_k)
     chunk = ((args.batch, v.programs_per_row, 1), chunk_ptrs, chunk_ints)
