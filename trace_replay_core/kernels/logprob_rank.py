@@ -1,45 +1,41 @@
 """Logprob, rank and top-k of one token per row: one read of the logits, the same bits at any batch size.
 
-For row ``b`` with token ``t = token_ids[b]``, temperature ``T = temperature[b]`` (1 without one)
-and ``y = logits[b, :vocab] / T`` in float32 (bfloat16 and float16 convert exactly):
-``logprob[b] = y[t] - log(sum(exp(y)))``; ``rank[b] = count(y >= y[t])`` (vLLM's definition,
-IEEE comparisons: NaN never counts); optionally the ``top_k`` largest ``y`` as logprobs and ids,
-sorted descending, ties to the lower id, NaN never selected; optionally the greedy token (the
-lowest id among the largest non-NaN ``y``), a row with a negative id then scored as it.
+For row ``b`` with token ``t = token_ids[b]``, ``T = temperature[b]`` (1 without one) and ``y =
+logits[b, :vocab] / T`` in float32: ``logprob[b] = y[t] - log(sum(exp(y)))``; ``rank[b] =
+count(y >= y[t])`` (vLLM's; NaN never counts); optionally the ``top_k`` largest ``y`` (sorted,
+ties to the lower id, NaN never selected) and the greedy token (the lowest id of the largest
+non-NaN ``y``; a row with a negative id is then scored as it).
 
-This module is the op's host side: :func:`plan_logprob_rank` returns the :class:`LogprobVariant`
-of a call (cached per batch, vocabulary, dtype, top-k and options), :func:`kernel_specs` the
-kernels it compiles, :func:`launch_logprob_rank` and :func:`bind_logprob_rank_launch` queue them
-on a stream with integers only. The ``@triton.jit`` kernels are in :mod:`._logprob_rank_jit`.
+This module is the op's host side: :func:`plan_logprob_rank` returns a call's
+:class:`LogprobVariant` (cached per batch, vocabulary, dtype, top-k and options),
+:func:`kernel_specs` its kernels, :func:`launch_logprob_rank` and :func:`bind_logprob_rank_launch`
+queue them on a stream with integers only. The ``@triton.jit`` kernels: :mod:`._logprob_rank_jit`.
 
 Design reasons:
 
-- Batch invariance. A row is cut into ``n_chunks`` chunks of ``chunk_blocks`` blocks of
-  ``block`` logits, a function of the vocabulary alone (151,936: 13 chunks of 6 blocks of 2,048).
-  Each chunk's partial (max, sum, count) is computed by the same instructions whichever program
-  runs it; the combine kernel merges a row's partials in chunk order. Only *where* chunks run
-  follows the batch: ``group`` consecutive chunks per program (few programs of more logits pay
-  at large batches, where a program's start and the token's two dependent loads are paid once;
-  many small ones at small batches), and the cluster form below.
-- Blocks of 2,048 logits read as 16-byte lines, one line per thread, each keeping its own
-  running max and sum (no shuffles or barriers per block); about 13 chunks per row measured best
-  across batch 1 to 4,096 on an H200. Rows that are not 16-byte aligned (GPT-2's 50,257, a
-  padded stride) read each line as the two aligned vectors around it and shift it into place:
-  the same registers, the same bits as aligned rows; they cost more per chunk, so their chunks
-  are at least 4 blocks long.
-- bfloat16 without a temperature takes the fused ``words`` path: 32-bit words of two logits, one
-  fused multiply-add per exponent, the rank by one packed ``bf16x2`` compare per word (229
-  instead of 342 instructions per 32 logits). A chunk whose maximum lies beyond ``+-2**20`` is
-  flagged and re-summed exactly by the combine kernel.
-- Top-k from the same read: each program keeps per-line maxima and reads back only the vectors
-  that can pass a threshold (:mod:`._logprob_topk_jit`); its chunk kernel is capped at 64
-  registers and takes at most 2 chunks per program (spills and occupancy measured).
-- Clusters (sm_90+, no top-k): when a call's rows fit on the device at once, a row's programs
-  are one thread-block cluster and its first program merges the row (one kernel instead of
-  two; faster up to about 64 rows of 151,936, slower beyond, where the two kernels run). Which
-  kernel merges a row changes no bit of it.
-- Programmatic dependent launches (sm_90+): a bound call's kernels may be scheduled while the
-  kernel before each ends, and wait on the device for it.
+- Batch invariance: a row is cut into ``n_chunks`` chunks of ``chunk_blocks`` blocks of
+  ``block`` logits, from the vocabulary alone (151,936: 13 chunks of 6 blocks of 2,048); each
+  chunk's partial (max, sum, count) comes from the same instructions whichever program runs it,
+  and a row's partials are merged in chunk order. Only where chunks run follows the batch:
+  ``group`` chunks per program (few large programs pay at large batches, where a program's start
+  and the token's two dependent loads are paid once; many small ones at small batches), and the
+  cluster form.
+- Blocks read as 16-byte lines, a line per thread with its own running max and sum (no shuffles
+  or barriers per block); about 13 chunks per row measured best from batch 1 to 4,096 (H200).
+  Rows not 16-byte aligned (GPT-2's 50,257, a padded stride) read each line as the two aligned
+  vectors around it, shifted into place: the registers and bits of aligned rows, at a higher
+  cost per chunk, so their chunks are at least 4 blocks long.
+- bfloat16 without a temperature takes the fused ``words`` path: words of two logits, one fused
+  multiply-add per exponent, a packed ``bf16x2`` compare per word for the rank (229 instead of
+  342 instructions per 32 logits); a chunk whose maximum lies beyond ``+-2**20`` is flagged and
+  re-summed exactly by the combine kernel.
+- Top-k from the same read: per-line maxima, then a read-back of only the vectors that can pass
+  a threshold (:mod:`._logprob_topk_jit`); its chunk kernel is capped at 64 registers and takes at
+  most 2 chunks per program (spills and occupancy measured).
+- sm_90+: without top-k, when a call's rows fit on the device at once, a row's programs form one
+  cluster whose first program merges the row (one kernel instead of two: faster up to about 64
+  rows of 151,936; beyond, two kernels); either way the same bits. Bound calls are programmatic
+  dependent launches of the kernel before them.
 """
 
 from __future__ import annotations
@@ -138,10 +134,6 @@ class LogprobVariant:
     gdc: bool = False
     cluster: bool = False
     packed_count: bool = False
-
-    @property
-    def programs_per_row(self) -> int:
-        return _cdiv(self.n_chunks, self.group)
 
 
 class KernelSpec(NamedTuple):
@@ -281,27 +273,11 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     chunk_dtypes: tuple[str, ...] = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
     chunk_dtypes += ("float32", "int32", "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks)
     chunk_dtypes += (argmax_dtype,)
-    chunk_const = dict(
-        BLOCK=v.block,
-        VEC=vec,
-        HAS_TEMP=v.temperature,
-        WORDS=v.words,
-        SHIFT=v.shift,
-        PACKED_COUNT=v.packed_count,
-        GDC=v.gdc,
-        TOPK=k,
-        SEL=v.sel,
-        CAP_P=4 * k or 1,
-        PAIRS=min(TOPK_PAIRS, 4 * k or 1),
-        CAP=2 * k or 1,
-        RESCAN=TOPK_RESCAN,
-        PIECE=max(TOPK_PIECE, k),
-        ARGMAX=v.argmax,
-        UNROLL=v.unroll,
-        CLUSTER=v.cluster,
-        MERGE_BLOCK=merge_block,
-        RESUM_BLOCK=32 * COMBINE_WARPS * vec,
-    )
+    chunk_const = dict(BLOCK=v.block, VEC=vec, HAS_TEMP=v.temperature, WORDS=v.words, SHIFT=v.shift)
+    chunk_const.update(PACKED_COUNT=v.packed_count, GDC=v.gdc, TOPK=k, SEL=v.sel, CAP_P=4 * k or 1)
+    chunk_const.update(PAIRS=min(TOPK_PAIRS, 4 * k or 1), CAP=2 * k or 1, RESCAN=TOPK_RESCAN, PIECE=max(TOPK_PIECE, k))
+    chunk_const.update(ARGMAX=v.argmax, UNROLL=v.unroll, CLUSTER=v.cluster, MERGE_BLOCK=merge_block)
+    chunk_const.update(RESUM_BLOCK=32 * COMBINE_WARPS * vec)
     chunk = KernelSpec(
         logprob_rank_chunk_kernel, chunk_dtypes, 6, tuple(chunk_const.items()), v.num_warps, v.maxnreg or None
     )
@@ -311,17 +287,10 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     comb_dtypes: tuple[str, ...] = (dtypes.logits, "float32", dtypes.ranks) + out_dtypes
     comb_dtypes += ("float32", "float32", "int32", "int64", "float32", "int32", argmax_dtype, "float32", "int32")
     comb_warps = COMBINE_TOPK_WARPS if k else COMBINE_WARPS
-    comb_const = dict(
-        BLOCK=merge_block,
-        K_PAD=k,
-        # the key sets of a row's programs at the largest top-k group, in one merge step
-        KEY_TILES=min(_next_pow2(max(_cdiv(v.n_chunks, max(TOPK_GROUPS)), 2)), max(2, COMBINE_KEYS // max(k, 1))),
-        RESUM=v.words,
-        RESUM_BLOCK=32 * comb_warps * vec,
-        VEC=vec,
-        GDC=v.gdc,
-        ARGMAX=v.argmax,
-    )
+    # the key sets of a row's programs at the largest top-k group, in one merge step
+    key_tiles = min(_next_pow2(max(_cdiv(v.n_chunks, max(TOPK_GROUPS)), 2)), max(2, COMBINE_KEYS // max(k, 1)))
+    comb_const = dict(BLOCK=merge_block, K_PAD=k, KEY_TILES=key_tiles, RESUM=v.words)
+    comb_const.update(RESUM_BLOCK=32 * comb_warps * vec, VEC=vec, GDC=v.gdc, ARGMAX=v.argmax)
     return chunk, KernelSpec(logprob_rank_combine_kernel, comb_dtypes, 6, tuple(comb_const.items()), comb_warps, None)
 
 
@@ -340,7 +309,7 @@ def call_arguments(args: LogprobRankArgs, variant: LogprobVariant) -> tuple[tupl
     chunk_ptrs: tuple[int, ...] = (args.logits, args.token_ids, temp, m, s, c, *tok, part_k, *topk_ws, *greedy)
     chunk_ptrs += (args.logprobs, args.ranks, argmax_out)
     chunk_ints = (args.vocab, args.row_stride, v.chunk_blocks, v.n_chunks, v.group, args.top_k)
-    chunk = ((args.batch, v.programs_per_row, 1), chunk_ptrs, chunk_ints)
+    chunk = ((args.batch, _cdiv(v.n_chunks, v.group), 1), chunk_ptrs, chunk_ints)
     if v.cluster:
         return (chunk,)
     out = (args.topk_logprobs, args.topk_ids) if v.k_pad else (args.logprobs, args.ranks)  # never written without
