@@ -87,30 +87,11 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _tail_safe(
-    row_ptr,
-    cols,
-    off,
-    end,
-    chosen,
-    t,
-    m,
-    s,
-    count,
-    ag,
-    ab,
-    g1,
-    g2,
-    gab,
-    HAS_TEMP: tl.constexpr,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    GREEDY: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
+def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT):
     """Fold the block at column ``off`` into :func:`_chunk_safe`'s line states, a logit per load,
     masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
-    the values of the whole-block path, the same steps."""
+    the values of the whole-block path, the same steps. ``st``: the states, returned updated."""
+    m, s, count, ag, ab, g1, g2, gab = st
     idx = off + cols
     inside = idx < end
     if SHIFT:
@@ -134,28 +115,7 @@ def _tail_safe(
 
 @triton.jit
 def _chunk_safe(
-    row_ptr,
-    cols,
-    start,
-    full_end,
-    end,
-    chosen,
-    t,
-    g1,
-    g2,
-    gab,
-    words,
-    wcols,
-    skew,
-    row_words,
-    LINES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_TEMP: tl.constexpr,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    GREEDY: tl.constexpr,
-    SHIFT: tl.constexpr,
-    UNROLL: tl.constexpr,
+    lay, cols, start, full_end, end, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL
 ):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
@@ -163,10 +123,13 @@ def _chunk_safe(
     (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
     Whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
     16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
-    shifted into place (``shifted_block``; ``words``, ``wcols``, ``skew``, ``row_words`` as in the
-    fused path), so every line holds the same logits in the same registers as in an aligned row
+    shifted into place (``shifted_block``; ``lay`` holds ``row_ptr``, ``words``, ``wcols``, ``skew``,
+    ``row_words`` as in the fused path; ``track`` the line tracking), so every line holds the
+    same logits in the same registers as in an aligned row
     and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
     unroll factor (speed only: every block is folded in by the same steps, in column order)."""
+    row_ptr, words, wcols, skew, row_words = lay
+    g1, g2, gab = track
     ELEM: tl.constexpr = row_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = BLOCK // LINES // 4  # logits per 32-bit word (lines of 16 bytes)
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
@@ -195,48 +158,14 @@ def _chunk_safe(
     # they are, so it is skipped.
     if SHIFT:
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
+            st = (m, s, count, ag, ab, g1, g2, gab)
             m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-                row_ptr,
-                cols,
-                off,
-                end,
-                chosen,
-                t,
-                m,
-                s,
-                count,
-                ag,
-                ab,
-                g1,
-                g2,
-                gab,
-                HAS_TEMP,
-                TRACK,
-                ARGMAX,
-                GREEDY,
-                True,
+                row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, True
             )
     elif full_end < end:
+        st = (m, s, count, ag, ab, g1, g2, gab)
         m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-            row_ptr,
-            cols,
-            full_end,
-            end,
-            chosen,
-            t,
-            m,
-            s,
-            count,
-            ag,
-            ab,
-            g1,
-            g2,
-            gab,
-            HAS_TEMP,
-            TRACK,
-            ARGMAX,
-            GREEDY,
-            False,
+            row_ptr, cols, full_end, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, False
         )
     big = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)  # a line whose max is +inf: NaN
@@ -267,23 +196,17 @@ def merge_row(
     base,
     chosen,
     code,
-    logprob_ptr,
-    rank_ptr,
-    argmax_ptr,
-    part_m_ptr,
-    part_s_ptr,
-    part_c_ptr,
-    part_am_ptr,
-    part_a_ptr,
+    outs,
+    parts,
     vocab,
     n_chunks,
     chunk_span,
-    BLOCK: tl.constexpr,
-    RESUM: tl.constexpr,
-    RESUM_BLOCK: tl.constexpr,
-    VEC: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    CACHE: tl.constexpr,
+    BLOCK,
+    RESUM,
+    RESUM_BLOCK,
+    VEC,
+    ARGMAX,
+    CACHE,
 ):
     """Merge row ``row``'s ``n_chunks`` partials (at ``base``) in chunk order and store its
     logprob, rank and (``ARGMAX``) greedy token; return its log-sum-exp. ``chosen`` is the token's
@@ -291,7 +214,11 @@ def merge_row(
     combine kernel (one warp) or by a cluster's first program of the chunk kernel (four warps,
     reading the partials with ``CACHE = ".cg"``: from L2, where the cluster's other programs
     wrote them); a row's partials (in the cluster form at most 16, 13 at vocabulary 151,936) are
-    reduced within one warp in both, the same bits either way (checked on the GPU)."""
+    reduced within one warp in both, the same bits either way (checked on the GPU). ``outs``:
+    the logprob, rank and argmax outputs; ``parts``: the partials' max, sum, count, greedy
+    maximum and its column."""
+    logprob_ptr, rank_ptr, argmax_ptr = outs
+    part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr = parts
     # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
     # together: the merge below runs on registers.
     j = tl.arange(0, BLOCK)
@@ -356,24 +283,10 @@ def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.conste
 
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
-    do_not_specialize_on_alignment=[
-        "logits_ptr",
-        "ids_ptr",
-        "temp_ptr",
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_c_ptr",
-        "tok_y_ptr",
-        "tok_ok_ptr",
-        "part_k_ptr",
-        "cand_ptr",
-        "pairs_ptr",
-        "part_am_ptr",
-        "part_a_ptr",
-        "logprob_ptr",
-        "rank_ptr",
-        "argmax_ptr",
-    ],
+    do_not_specialize_on_alignment=(
+        "logits_ptr ids_ptr temp_ptr part_m_ptr part_s_ptr part_c_ptr tok_y_ptr tok_ok_ptr "
+        "part_k_ptr cand_ptr pairs_ptr part_am_ptr part_a_ptr logprob_ptr rank_ptr argmax_ptr"
+    ).split(),
 )
 def logprob_rank_chunk_kernel(
     logits_ptr,  # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -405,13 +318,8 @@ def logprob_rank_chunk_kernel(
     SHIFT: tl.constexpr,  # rows not 16-byte aligned: each line's words shifted into place
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,  # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
-    TOPK: tl.constexpr,  # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
-    SEL: tl.constexpr,
-    CAP_P: tl.constexpr,
-    PAIRS: tl.constexpr,
-    CAP: tl.constexpr,
-    RESCAN: tl.constexpr,
-    PIECE: tl.constexpr,
+    TOPK: tl.constexpr,  # k_pad (0: no top-k)
+    SEL: tl.constexpr,  # TOPK: group maxima for the threshold (see _logprob_topk_jit)
     ARGMAX: tl.constexpr,  # each chunk's greedy maximum and column; negative ids are greedy rows
     UNROLL: tl.constexpr,  # not WORDS: the block loop's unroll factor
     CLUSTER: tl.constexpr,  # a row's programs form one cluster (sm_90+), whose first merges the row (no TOPK)
@@ -443,6 +351,7 @@ def logprob_rank_chunk_kernel(
         words = row_ptr.to(tl.pointer_type(tl.int32))
         row_words = 0
     wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]  # each line's four words
+    lay = (row_ptr, words, wcols, skew, row_words)
     if WORDS:
         # The first chunk's first two blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
@@ -479,23 +388,14 @@ def logprob_rank_chunk_kernel(
         # bits depend on it alone.
         if WORDS:
             line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
-                words,
-                wcols,
-                w0,
-                w1,
-                row_ptr,
+                lay,
+                (w0, w1),
                 cols,
                 start,
                 full_end,
                 end,
-                chosen,
-                chosen_w,
-                greedy,
-                g1,
-                g2,
-                gab,
-                skew,
-                row_words,
+                (chosen, chosen_w, greedy),
+                (g1, g2, gab),
                 LINES,
                 BLOCK,
                 PACKED_COUNT,
@@ -523,20 +423,14 @@ def logprob_rank_chunk_kernel(
         else:
             if ARGMAX and greedy:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
-                    row_ptr,
+                    lay,
                     cols,
                     start,
                     full_end,
                     end,
                     chosen,
                     t,
-                    g1,
-                    g2,
-                    gab,
-                    words,
-                    wcols,
-                    skew,
-                    row_words,
+                    (g1, g2, gab),
                     LINES,
                     BLOCK,
                     HAS_TEMP,
@@ -548,20 +442,14 @@ def logprob_rank_chunk_kernel(
                 )
             else:
                 big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
-                    row_ptr,
+                    lay,
                     cols,
                     start,
                     full_end,
                     end,
                     chosen,
                     t,
-                    g1,
-                    g2,
-                    gab,
-                    words,
-                    wcols,
-                    skew,
-                    row_words,
+                    (g1, g2, gab),
                     LINES,
                     BLOCK,
                     HAS_TEMP,
@@ -590,20 +478,16 @@ def logprob_rank_chunk_kernel(
                 code = tl.where(greedy, 2, valid_tok.to(tl.int32))
             else:
                 code = valid_tok.to(tl.int32)
+            outs = (logprob_ptr, rank_ptr, argmax_ptr)
+            parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
             merge_row(
                 row,
                 row_ptr,
                 row * n_chunks,
                 chosen,
                 code,
-                logprob_ptr,
-                rank_ptr,
-                argmax_ptr,
-                part_m_ptr,
-                part_s_ptr,
-                part_c_ptr,
-                part_am_ptr,
-                part_a_ptr,
+                outs,
+                parts,
                 vocab,
                 n_chunks,
                 span,
@@ -618,50 +502,19 @@ def logprob_rank_chunk_kernel(
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
         # the row's top-k), at its first chunk's slot (the combine kernel reads no other).
         slot = row * n_chunks + first
-        program_topk(
-            row_ptr,
-            first * span,
-            tl.minimum(last * span, vocab),
-            g1,
-            g2,
-            gab,
-            t,
-            top_k,
-            pairs_ptr + slot * CAP_P,
-            cand_ptr + slot * CAP,
-            part_k_ptr + slot * TOPK,
-            LINES,
-            VEC,
-            BLOCK,
-            SEL,
-            TOPK,
-            CAP_P,
-            PAIRS,
-            CAP,
-            RESCAN,
-            PIECE,
-            HAS_TEMP,
-        )
+        CAP_P: tl.constexpr = 4 * TOPK  # as program_topk's
+        CAP: tl.constexpr = 2 * TOPK
+        lo, hi = first * span, tl.minimum(last * span, vocab)
+        dst = (pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, part_k_ptr + slot * TOPK)
+        program_topk(row_ptr, lo, hi, (g1, g2, gab), t, top_k, dst, LINES, VEC, BLOCK, SEL, TOPK, HAS_TEMP)
 
 
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span", "group"],
-    do_not_specialize_on_alignment=[
-        "logits_ptr",
-        "logprob_ptr",
-        "rank_ptr",
-        "topk_lp_ptr",
-        "topk_id_ptr",
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_c_ptr",
-        "part_k_ptr",
-        "tok_y_ptr",
-        "tok_ok_ptr",
-        "argmax_ptr",
-        "part_am_ptr",
-        "part_a_ptr",
-    ],
+    do_not_specialize_on_alignment=(
+        "logits_ptr logprob_ptr rank_ptr topk_lp_ptr topk_id_ptr part_m_ptr part_s_ptr "
+        "part_c_ptr part_k_ptr tok_y_ptr tok_ok_ptr argmax_ptr part_am_ptr part_a_ptr"
+    ).split(),
 )
 def logprob_rank_combine_kernel(
     logits_ptr,  # as in the chunk kernel (read only to re-sum flagged chunks, RESUM)
@@ -701,20 +554,16 @@ def logprob_rank_combine_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks
+    outs = (logprob_ptr, rank_ptr, argmax_ptr)
+    parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
     lse = merge_row(
         row,
         row_ptr,
         base,
         tl.load(tok_y_ptr + row),
         tl.load(tok_ok_ptr + row),
-        logprob_ptr,
-        rank_ptr,
-        argmax_ptr,
-        part_m_ptr,
-        part_s_ptr,
-        part_c_ptr,
-        part_am_ptr,
-        part_a_ptr,
+        outs,
+        parts,
         vocab,
         n_chunks,
         chunk_span,

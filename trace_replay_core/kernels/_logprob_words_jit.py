@@ -192,29 +192,13 @@ def ahead_blocks(
 
 
 @triton.jit
-def _fast_block(
-    w,
-    off,
-    m,
-    s,
-    count,
-    masks,
-    ab,
-    chosen,
-    chosen_w,
-    greedy,
-    g1,
-    g2,
-    gab,
-    LINES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PACKED_COUNT: tl.constexpr,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-):
+def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX):
     """Fold the whole block of words ``w`` at column ``off`` into the line states of
     :func:`chunk_lines_fast` (maximum, sum, count or packed count masks, block of the maximum) and the
-    line tracking of ``track_lines``."""
+    line tracking of ``track_lines``; ``st`` the states, returned updated; ``tok``: the token's
+    logit, its bits in both halves of a word, whether the row is greedy."""
+    m, s, count, masks, ab, g1, g2, gab = st
+    chosen, chosen_w, greedy = tok
     lo = (w << 16).to(tl.float32, bitcast=True)
     hi = (w & -65536).to(tl.float32, bitcast=True)
     y = tl.join(lo, hi).reshape([LINES, BLOCK // LINES])
@@ -239,27 +223,12 @@ def _fast_block(
 
 
 @triton.jit
-def _tail_fast(
-    row_ptr,
-    cols,
-    off,
-    end,
-    chosen,
-    greedy,
-    m,
-    s,
-    count,
-    ab,
-    g1,
-    g2,
-    gab,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
+def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT):
     """Fold the block at column ``off`` into the line states of :func:`chunk_lines_fast`, a logit
     per load, masked at ``end`` (a row's partial last block; with ``SHIFT`` any block past
-    ``full_end``, as words laid out as the whole blocks' by :func:`exact_words`)."""
+    ``full_end``, as words laid out as the whole blocks' by :func:`exact_words`); ``st`` the
+    states, returned updated."""
+    m, s, count, ab, g1, g2, gab = st
     idx = off + cols
     inside = idx < end
     if SHIFT:
@@ -280,29 +249,7 @@ def _tail_fast(
 
 @triton.jit
 def chunk_lines_fast(
-    words,
-    wcols,
-    w0,
-    w1,
-    row_ptr,
-    cols,
-    start,
-    full_end,
-    end,
-    chosen,
-    chosen_w,
-    greedy,
-    g1,
-    g2,
-    gab,
-    skew,
-    row_words,
-    LINES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PACKED_COUNT: tl.constexpr,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    SHIFT: tl.constexpr,
+    lay, ahead, cols, start, full_end, end, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT
 ):
     """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
@@ -315,7 +262,14 @@ def chunk_lines_fast(
     where a line would need a vector beyond it; the rest, at most two blocks, is read a logit per
     load by :func:`_tail_fast`). Returns each line's maximum
     (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
-    ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token."""
+    ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token.
+    ``lay``: ``row_ptr``, ``words``, ``wcols``, ``skew``, ``row_words``; ``ahead``: ``(w0, w1)``; ``tok``:
+    the token's logit, its bits in both halves of a word, whether the row is greedy; ``track``:
+    the line tracking."""
+    row_ptr, words, wcols, skew, row_words = lay
+    w0, w1 = ahead
+    chosen, chosen_w, greedy = tok
+    g1, g2, gab = track
     m = tl.full([LINES], float("-inf"), tl.float32)
     s = tl.zeros([LINES], tl.float32)
     count = tl.zeros([LINES], tl.int32)
@@ -323,46 +277,12 @@ def chunk_lines_fast(
     ab = tl.zeros([LINES], tl.int32) + start  # ARGMAX: the block of each line's maximum
     n_full = (full_end - start) // BLOCK
     if n_full >= 1:
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(
-            w0,
-            start,
-            m,
-            s,
-            count,
-            masks,
-            ab,
-            chosen,
-            chosen_w,
-            greedy,
-            g1,
-            g2,
-            gab,
-            LINES,
-            BLOCK,
-            PACKED_COUNT,
-            TRACK,
-            ARGMAX,
-        )
+        st = (m, s, count, masks, ab, g1, g2, gab)
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(w0, start, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
     if n_full >= 2:
+        st = (m, s, count, masks, ab, g1, g2, gab)
         m, s, count, masks, ab, g1, g2, gab = _fast_block(
-            w1,
-            start + BLOCK,
-            m,
-            s,
-            count,
-            masks,
-            ab,
-            chosen,
-            chosen_w,
-            greedy,
-            g1,
-            g2,
-            gab,
-            LINES,
-            BLOCK,
-            PACKED_COUNT,
-            TRACK,
-            ARGMAX,
+            w1, start + BLOCK, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX
         )
     # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
     # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
@@ -372,26 +292,8 @@ def chunk_lines_fast(
             w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
         else:
             w = stream_load(words + off // 2 + wcols, None)
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(
-            w,
-            off,
-            m,
-            s,
-            count,
-            masks,
-            ab,
-            chosen,
-            chosen_w,
-            greedy,
-            g1,
-            g2,
-            gab,
-            LINES,
-            BLOCK,
-            PACKED_COUNT,
-            TRACK,
-            ARGMAX,
-        )
+        st = (m, s, count, masks, ab, g1, g2, gab)
+        m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
     if PACKED_COUNT:
         # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
         # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most
@@ -400,12 +302,12 @@ def chunk_lines_fast(
         count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
     if SHIFT:  # the row's last columns may reach into a second block (see the chunk kernel's full_end)
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            m, s, count, ab, g1, g2, gab = _tail_fast(
-                row_ptr, cols, off, end, chosen, greedy, m, s, count, ab, g1, g2, gab, TRACK, ARGMAX, True
-            )
+            st = (m, s, count, ab, g1, g2, gab)
+            m, s, count, ab, g1, g2, gab = _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, True)
     elif full_end < end:
+        st = (m, s, count, ab, g1, g2, gab)
         m, s, count, ab, g1, g2, gab = _tail_fast(
-            row_ptr, cols, full_end, end, chosen, greedy, m, s, count, ab, g1, g2, gab, TRACK, ARGMAX, False
+            row_ptr, cols, full_end, end, chosen, greedy, st, TRACK, ARGMAX, False
         )
     return m, s, count, ab, g1, g2, gab
 

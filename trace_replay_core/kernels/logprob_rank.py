@@ -69,7 +69,6 @@ UNALIGNED_CHUNK_BLOCKS = 4
 GROUPS, MIN_PROGRAMS = (4, 2, 1), 2048  # chunks per program: the largest leaving >= MIN_PROGRAMS
 TOPK_GROUPS, TOPK_MIN_PROGRAMS = (2, 1), 1024
 TOPK_SEL = 128  # group maxima for the top-k threshold
-TOPK_PAIRS, TOPK_RESCAN, TOPK_PIECE = 32, 512, 256  # candidate vectors / logits per step
 TOPK_MAXNREG = 64
 TOPK_MAX = 64
 MAX_CHUNKS = 256  # the combine kernel holds a row's partials in one tile
@@ -274,8 +273,7 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     chunk_dtypes += ("float32", "int32", "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks)
     chunk_dtypes += (argmax_dtype,)
     chunk_const = dict(BLOCK=v.block, VEC=vec, HAS_TEMP=v.temperature, WORDS=v.words, SHIFT=v.shift)
-    chunk_const.update(PACKED_COUNT=v.packed_count, GDC=v.gdc, TOPK=k, SEL=v.sel, CAP_P=4 * k or 1)
-    chunk_const.update(PAIRS=min(TOPK_PAIRS, 4 * k or 1), CAP=2 * k or 1, RESCAN=TOPK_RESCAN, PIECE=max(TOPK_PIECE, k))
+    chunk_const.update(PACKED_COUNT=v.packed_count, GDC=v.gdc, TOPK=k, SEL=v.sel)
     chunk_const.update(ARGMAX=v.argmax, UNROLL=v.unroll, CLUSTER=v.cluster, MERGE_BLOCK=merge_block)
     chunk_const.update(RESUM_BLOCK=32 * COMBINE_WARPS * vec)
     chunk = KernelSpec(
