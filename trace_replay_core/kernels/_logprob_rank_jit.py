@@ -114,9 +114,7 @@ def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, 
 
 
 @triton.jit
-def _chunk_safe(
-    lay, cols, start, full_end, end, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL
-):
+def _chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL):
     """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
     tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
     for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
@@ -129,6 +127,7 @@ def _chunk_safe(
     and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
     unroll factor (speed only: every block is folded in by the same steps, in column order)."""
     row_ptr, words, wcols, skew, row_words = lay
+    start, full_end, end = bounds
     g1, g2, gab = track
     ELEM: tl.constexpr = row_ptr.dtype.element_ty
     PER_WORD: tl.constexpr = BLOCK // LINES // 4  # logits per 32-bit word (lines of 16 bytes)
@@ -198,9 +197,7 @@ def merge_row(
     code,
     outs,
     parts,
-    vocab,
-    n_chunks,
-    chunk_span,
+    sizes,
     BLOCK,
     RESUM,
     RESUM_BLOCK,
@@ -216,9 +213,10 @@ def merge_row(
     wrote them); a row's partials (in the cluster form at most 16, 13 at vocabulary 151,936) are
     reduced within one warp in both, the same bits either way (checked on the GPU). ``outs``:
     the logprob, rank and argmax outputs; ``parts``: the partials' max, sum, count, greedy
-    maximum and its column."""
+    maximum and its column; ``sizes``: the vocabulary, chunks per row, logits per chunk."""
     logprob_ptr, rank_ptr, argmax_ptr = outs
     part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr = parts
+    vocab, n_chunks, chunk_span = sizes
     # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
     # together: the merge below runs on registers.
     j = tl.arange(0, BLOCK)
@@ -367,6 +365,7 @@ def logprob_rank_chunk_kernel(
     if WORDS:
         bits = chosen.to(tl.uint32, bitcast=True) >> 16  # the token's bfloat16 bits
         chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
+        tok = (chosen, chosen_w, greedy)
     # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
     g1 = tl.full([LINES], float("-inf"), tl.float32)
     g2 = tl.full([LINES], float("-inf"), tl.float32)
@@ -380,6 +379,7 @@ def logprob_rank_chunk_kernel(
         if SHIFT:  # whole blocks up to the row's last 16-byte boundary; the columns after it a logit per load
             full_end = start + (tl.maximum(tl.minimum(full_end, safe_cols) - start, 0) // BLOCK) * BLOCK
         end = start + n_here
+        bounds, track = (start, full_end, end), (g1, g2, gab)
         # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
         # own id (greedy or scored), so that no block pays for the other's compares; the fused
         # bfloat16 path selects per line at run time instead, which measured faster there under
@@ -387,22 +387,10 @@ def logprob_rank_chunk_kernel(
         # 35.9 against 30.4 us at batch 256, 407.7 against 340.7 at 4096). Either way a row's
         # bits depend on it alone.
         if WORDS:
-            line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
-                lay,
-                (w0, w1),
-                cols,
-                start,
-                full_end,
-                end,
-                (chosen, chosen_w, greedy),
-                (g1, g2, gab),
-                LINES,
-                BLOCK,
-                PACKED_COUNT,
-                TOPK > 0,
-                ARGMAX,
-                SHIFT,
+            res = chunk_lines_fast(
+                lay, (w0, w1), cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, SHIFT
             )
+            line_m, line_s, line_c, line_b, g1, g2, gab = res
             # The next chunk's first two blocks, if any, issued before this chunk's reductions (its
             # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
             # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
@@ -422,43 +410,15 @@ def logprob_rank_chunk_kernel(
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
             if ARGMAX and greedy:
-                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
-                    lay,
-                    cols,
-                    start,
-                    full_end,
-                    end,
-                    chosen,
-                    t,
-                    (g1, g2, gab),
-                    LINES,
-                    BLOCK,
-                    HAS_TEMP,
-                    TOPK > 0,
-                    True,
-                    True,
-                    SHIFT,
-                    UNROLL,
+                res = _chunk_safe(
+                    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True, SHIFT, UNROLL
                 )
+                big, total, count, g1, g2, gab, amax, acol = res
             else:
-                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
-                    lay,
-                    cols,
-                    start,
-                    full_end,
-                    end,
-                    chosen,
-                    t,
-                    (g1, g2, gab),
-                    LINES,
-                    BLOCK,
-                    HAS_TEMP,
-                    TOPK > 0,
-                    ARGMAX,
-                    False,
-                    SHIFT,
-                    UNROLL,
+                res = _chunk_safe(
+                    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX, False, SHIFT, UNROLL
                 )
+                big, total, count, g1, g2, gab, amax, acol = res
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
@@ -480,6 +440,7 @@ def logprob_rank_chunk_kernel(
                 code = valid_tok.to(tl.int32)
             outs = (logprob_ptr, rank_ptr, argmax_ptr)
             parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
+            sizes = (vocab, n_chunks, span)
             merge_row(
                 row,
                 row_ptr,
@@ -488,9 +449,7 @@ def logprob_rank_chunk_kernel(
                 code,
                 outs,
                 parts,
-                vocab,
-                n_chunks,
-                span,
+                sizes,
                 MERGE_BLOCK,
                 WORDS,
                 RESUM_BLOCK,
@@ -556,24 +515,9 @@ def logprob_rank_combine_kernel(
     base = row * n_chunks
     outs = (logprob_ptr, rank_ptr, argmax_ptr)
     parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
-    lse = merge_row(
-        row,
-        row_ptr,
-        base,
-        tl.load(tok_y_ptr + row),
-        tl.load(tok_ok_ptr + row),
-        outs,
-        parts,
-        vocab,
-        n_chunks,
-        chunk_span,
-        BLOCK,
-        RESUM,
-        RESUM_BLOCK,
-        VEC,
-        ARGMAX,
-        "",
-    )
+    chosen, code = tl.load(tok_y_ptr + row), tl.load(tok_ok_ptr + row)
+    sizes = (vocab, n_chunks, chunk_span)
+    lse = merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "")
     if K_PAD > 0:
         # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), in no
         # particular order: the row's best K_PAD of KEY_TILES programs at a time, sorted.

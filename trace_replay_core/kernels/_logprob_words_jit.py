@@ -248,9 +248,7 @@ def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT
 
 
 @triton.jit
-def chunk_lines_fast(
-    lay, ahead, cols, start, full_end, end, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT
-):
+def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT):
     """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
     its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
     (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
@@ -267,6 +265,7 @@ def chunk_lines_fast(
     the token's logit, its bits in both halves of a word, whether the row is greedy; ``track``:
     the line tracking."""
     row_ptr, words, wcols, skew, row_words = lay
+    start, full_end, end = bounds
     w0, w1 = ahead
     chosen, chosen_w, greedy = tok
     g1, g2, gab = track
