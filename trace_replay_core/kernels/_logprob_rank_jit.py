@@ -1,44 +1,19 @@
 """The ``@triton.jit`` kernels of the logprob-and-rank op: the chunk kernel (one read of the
-logits: partial max, sum and count per chunk, and with top-k each program's best keys; launched
-in clusters, it also merges each row in its first program) and the combine kernel (one program
-per row), with their device helpers. The fused bfloat16 path's
-helpers are in :mod:`._logprob_words_jit`, the top-k selection in :mod:`._logprob_topk_jit`.
-
-The contract and the batch-invariance argument are described in :mod:`.logprob_rank`, which
-plans and launches these kernels on plain integers; nothing here runs on the host.
-"""
+logits: partial max, sum and count per chunk, with top-k each program's best keys; launched in
+clusters, it also merges each row in its first program) and the combine kernel (one program per
+row). A chunk's partial: :mod:`._logprob_chunk_jit`; top-k: :mod:`._logprob_topk_jit`. The
+contract and the design are in :mod:`.logprob_rank`, which plans and launches these kernels."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import (
-    INT32_MAX,
-    LOG2E,
-    NEG_FLT_MAX,
-    argmax_chunk,
-    argmax_lines,
-    online_update,
-    scaled,
-    stream_load,
-    track_lines,
-)
+from ._logprob_chunk_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, chunk_safe, resum_safe
+from ._logprob_lines_jit import INT32_MAX, LOG2E, scaled
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import (
-    TAME,
-    ahead_blocks,
-    chunk_end_fast,
-    chunk_lines_fast,
-    exact_words,
-    line_values,
-    shifted_block,
-)
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel", "merge_row"]
-
-
-# -- device helpers -------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -87,108 +62,6 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT):
-    """Fold the block at column ``off`` into :func:`_chunk_safe`'s line states, a logit per load,
-    masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
-    the values of the whole-block path, the same steps. ``st``: the states, returned updated."""
-    m, s, count, ag, ab, g1, g2, gab = st
-    idx = off + cols
-    inside = idx < end
-    if SHIFT:
-        ELEM: tl.constexpr = row_ptr.dtype.element_ty
-        y = tl.where(
-            inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM), float("-inf")
-        )
-    else:
-        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
-    y = scaled(y, t, HAS_TEMP)
-    if ARGMAX:
-        up, ag, ab = argmax_lines(y, off, ag, ab)
-    if GREEDY:
-        count = tl.where(up, 0, count) + tl.sum(((y >= ag[:, None]) & inside).to(tl.int32), axis=1)
-    else:
-        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-    g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-    m, s = online_update(y, m, s)
-    return m, s, count, ag, ab, g1, g2, gab
-
-
-@triton.jit
-def _chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL):
-    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
-    tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
-    for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
-    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
-    Whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
-    16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
-    shifted into place (``shifted_block``; ``lay`` holds ``row_ptr``, ``words``, ``wcols``, ``skew``,
-    ``row_words`` as in the fused path; ``track`` the line tracking), so every line holds the
-    same logits in the same registers as in an aligned row
-    and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
-    unroll factor (speed only: every block is folded in by the same steps, in column order)."""
-    row_ptr, words, wcols, skew, row_words = lay
-    start, full_end, end = bounds
-    g1, g2, gab = track
-    ELEM: tl.constexpr = row_ptr.dtype.element_ty
-    PER_WORD: tl.constexpr = BLOCK // LINES // 4  # logits per 32-bit word (lines of 16 bytes)
-    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    count = tl.zeros([LINES], tl.int32)
-    ag = tl.full([LINES], float("-inf"), tl.float32)  # ARGMAX: the line maximum, from -inf
-    ab = tl.zeros([LINES], tl.int32) + start
-    # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
-    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
-        if SHIFT:
-            y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
-        else:
-            y = stream_load(row_ptr + off + cols, None).to(tl.float32)
-        y = scaled(y, t, HAS_TEMP)
-        g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-        m, s = online_update(y, m, s)
-        if ARGMAX:
-            up, ag, ab = argmax_lines(y, off, ag, ab)
-        if GREEDY:  # the ties at the line's maximum, restarted when it grows
-            count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
-        else:
-            count += tl.sum((y >= chosen).to(tl.int32), axis=1)
-    # The partial last block, where there is one (only in a row's last chunk), a logit per load;
-    # with SHIFT also a whole block that holds the row's last 16-byte vector (full_end stops
-    # before it), so up to two. A fully masked block of -inf would leave finite m, s and count as
-    # they are, so it is skipped.
-    if SHIFT:
-        for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            st = (m, s, count, ag, ab, g1, g2, gab)
-            m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-                row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, True
-            )
-    elif full_end < end:
-        st = (m, s, count, ag, ab, g1, g2, gab)
-        m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-            row_ptr, cols, full_end, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, False
-        )
-    big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)  # a line whose max is +inf: NaN
-    if ARGMAX:
-        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, GREEDY, HAS_TEMP)
-    else:
-        amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
-    return big, total, n, g1, g2, gab, amax, acol
-
-
-@triton.jit
-def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
-    """The sum of :func:`_chunk_safe` for the chunk ``[start, end)`` of a row (no temperature),
-    in one plain masked loop: the combine kernel's rare path for chunks that the fused path
-    flagged."""
-    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
-        idx = off + cols
-        m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
-    return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)
-
-
-@triton.jit
 def merge_row(
     row,
     row_ptr,
@@ -208,12 +81,10 @@ def merge_row(
     """Merge row ``row``'s ``n_chunks`` partials (at ``base``) in chunk order and store its
     logprob, rank and (``ARGMAX``) greedy token; return its log-sum-exp. ``chosen`` is the token's
     scaled logit, ``code`` 0 for an invalid id, 1 for a valid one, 2 for a greedy row. Run by the
-    combine kernel (one warp) or by a cluster's first program of the chunk kernel (four warps,
-    reading the partials with ``CACHE = ".cg"``: from L2, where the cluster's other programs
-    wrote them); a row's partials (in the cluster form at most 16, 13 at vocabulary 151,936) are
-    reduced within one warp in both, the same bits either way (checked on the GPU). ``outs``:
-    the logprob, rank and argmax outputs; ``parts``: the partials' max, sum, count, greedy
-    maximum and its column; ``sizes``: the vocabulary, chunks per row, logits per chunk."""
+    combine kernel (one warp) or by a cluster's first program (four warps, ``CACHE = ".cg"``: the
+    partials read from L2); a row's partials (at most 16 in a cluster) are reduced within one warp
+    in both: the same bits. ``outs``: logprob, rank, argmax outputs; ``parts``: the partials' max,
+    sum, count, greedy maximum, its column; ``sizes``: vocabulary, chunks, logits per chunk."""
     logprob_ptr, rank_ptr, argmax_ptr = outs
     part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr = parts
     vocab, n_chunks, chunk_span = sizes
@@ -240,7 +111,7 @@ def merge_row(
                     tl.load(part_m_ptr + base + k, cache_modifier=CACHE) >= big - 128.0
                 ):
                     start = k * chunk_span
-                    s_k = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
+                    s_k = resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
                     tl.store(part_s_ptr + base + k, s_k)
             tl.debug_barrier()  # the re-summed partials are read by every thread below
             s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
@@ -274,9 +145,6 @@ def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.conste
     slots = base + p * group
     keys = tl.load(part_k_ptr + slots[:, None] * K_PAD + kk[None, :], mask=(p < n_progs)[:, None], other=KEY_PAD)
     return tl.topk(tl.reshape(keys, [KEY_TILES * K_PAD]), K_PAD)
-
-
-# -- kernels ----------------------------------------------------------------------------------------
 
 
 @triton.jit(
@@ -382,20 +250,15 @@ def logprob_rank_chunk_kernel(
         bounds, track = (start, full_end, end), (g1, g2, gab)
         # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
         # own id (greedy or scored), so that no block pays for the other's compares; the fused
-        # bfloat16 path selects per line at run time instead, which measured faster there under
-        # the device's Triton 3.6 (bench/README.md, logprob_tuning.py --argmax-only, 08:29 UTC:
-        # 35.9 against 30.4 us at batch 256, 407.7 against 340.7 at 4096). Either way a row's
-        # bits depend on it alone.
+        # path selects per line at run time (faster there). Either way a row's bits are its own.
         if WORDS:
             res = chunk_lines_fast(
                 lay, (w0, w1), cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, SHIFT
             )
             line_m, line_s, line_c, line_b, g1, g2, gab = res
             # The next chunk's first two blocks, if any, issued before this chunk's reductions (its
-            # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
-            # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
-            # registers too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per
-            # SM, not 9).
+            # cross-warp barriers): loads stay in flight across the chunk boundary. With ARGMAX
+            # after them: its read-back would otherwise hold them in registers too (occupancy).
             if not ARGMAX:
                 w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
             big, total, count, amax, acol = chunk_end_fast(
@@ -410,12 +273,12 @@ def logprob_rank_chunk_kernel(
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
             if ARGMAX and greedy:
-                res = _chunk_safe(
+                res = chunk_safe(
                     lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True, SHIFT, UNROLL
                 )
                 big, total, count, g1, g2, gab, amax, acol = res
             else:
-                res = _chunk_safe(
+                res = chunk_safe(
                     lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX, False, SHIFT, UNROLL
                 )
                 big, total, count, g1, g2, gab, amax, acol = res

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import NEG_FLT_MAX, scaled
+from ._logprob_lines_jit import NEG_FLT_MAX, scaled
 
 KEY_PAD = tl.constexpr(-(2**63))  # the smallest key: padding, NaN, masked lanes
 PAIRS = tl.constexpr(32)  # candidate vectors read back per step
@@ -175,8 +175,7 @@ def program_topk(row_ptr, lo, hi, track, t, top_k, dst, LINES, VEC, BLOCK, SEL, 
     ``top_k``) to ``out[0:K_PAD]``, padded with ``KEY_PAD``, in no particular order where no more than ``K_PAD``
     pass the filter (the combine kernel sorts them); ``g1``, ``g2``,
     ``gab``: the line tracking of ``track_lines`` over those columns. (Threshold and order by counting all pairs
-    instead of by sorting networks measured 2.4x slower: 90.8 against 37.7 us at batch 256,
-    bench/README.md, 11:50 UTC.)"""
+    instead of by sorting networks measured 2.4x slower.)"""
     g1, g2, gab = track
     pairs_dst, cand_dst, out = dst
     CAP_P: tl.constexpr = 4 * K_PAD  # candidate vectors, then candidate logits, kept per program

@@ -1,18 +1,31 @@
-"""The fused path of the logprob chunk kernel for bfloat16 rows without a temperature
-(``WORDS``): whole blocks read as 32-bit words of two logits, one fused multiply-add per
-exponent, the rank counted with one packed compare per word. Rows that are not 16-byte aligned
-(``SHIFT``: an odd vocabulary such as GPT-2's 50,257, or a padded stride) read the two aligned
-16-byte vectors that hold each line and shift the line's words into place, so every line holds
-the same logits in the same registers as in an aligned row: the same instructions follow, and
-the same bits. The contract and the handling of logits beyond ``+-2**20`` are described in
-:mod:`.logprob_rank`."""
+"""A chunk's partial in the logprob chunk kernel, by its two paths.
+
+The element path (every dtype, and bfloat16 with a temperature): a block of ``[LINES, VEC]``
+logits per step, exponentials as ``exp2((y - m) * log2(e))``, exact for any finite logits. The
+fused path (bfloat16 without a temperature, ``WORDS``): whole blocks read as 32-bit words of two
+logits, one fused multiply-add per exponent, the rank by one packed compare per word. Rows that
+are not 16-byte aligned (``SHIFT``) are shifted into place first (:mod:`._logprob_lines_jit`):
+the same instructions follow, the same bits. The contract and the handling of logits beyond
+``+-2**20`` are described in :mod:`.logprob_rank`."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import LOG2E, argmax_chunk, argmax_lines, stream_load, track_lines
+from ._logprob_lines_jit import (
+    LOG2E,
+    NEG_FLT_MAX,
+    argmax_chunk,
+    argmax_lines,
+    exact_words,
+    line_values,
+    online_update,
+    scaled,
+    shifted_block,
+    stream_load,
+    track_lines,
+)
 
 TAME = tl.constexpr(2.0**20)  # line maxima clamped to +-TAME; a chunk beyond it is flagged
 
@@ -51,109 +64,6 @@ def _ge_masks(w, chosen_w):
 
 
 @triton.jit
-def _split4(v):
-    """The four words of each line of ``[LINES, 4]`` words, as four ``[LINES]`` tensors (within
-    each thread: a line's words are one 16-byte vector of its registers)."""
-    even, odd = tl.split(v.reshape([v.shape[0], 2, 2]))  # words 0 and 2, words 1 and 3
-    w0, w2 = tl.split(even)
-    w1, w3 = tl.split(odd)
-    return w0, w1, w2, w3
-
-
-@triton.jit
-def _pick(q, x0, x1, x2, x3):
-    """``(x0, x1, x2, x3)[q]`` for a scalar ``q`` in 0..3."""
-    return tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
-
-
-@triton.jit
-def shift_words(va, vb, skew):
-    """The ``[LINES, 4]`` words of lines that start ``skew`` bytes (even, below 16) into the
-    aligned 16-byte vectors ``va``, continued in the next vectors ``vb``: a line's word ``k`` is
-    bytes ``skew + 4k .. skew + 4k + 4`` of ``va`` then ``vb`` (little-endian: the logit at the
-    lower address is the word's lower half, as in an aligned row)."""
-    a0, a1, a2, a3 = _split4(va)
-    b0, b1, b2, b3 = _split4(vb)
-    q = skew // 4
-    e0 = _pick(q, a0, a1, a2, a3).to(tl.uint32, bitcast=True)
-    e1 = _pick(q, a1, a2, a3, b0).to(tl.uint32, bitcast=True)
-    e2 = _pick(q, a2, a3, b0, b1).to(tl.uint32, bitcast=True)
-    e3 = _pick(q, a3, b0, b1, b2).to(tl.uint32, bitcast=True)
-    if skew % 4 != 0:  # the line starts in the upper half of a word: funnel each pair by 16 bits
-        e4 = _pick(q, b0, b1, b2, b3).to(tl.uint32, bitcast=True)
-        e0 = (e0 >> 16) | (e1 << 16)
-        e1 = (e1 >> 16) | (e2 << 16)
-        e2 = (e2 >> 16) | (e3 << 16)
-        e3 = (e3 >> 16) | (e4 << 16)
-    w = tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape([va.shape[0], 4])
-    return w.to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def line_values(w, ELEM: tl.constexpr):
-    """The logits of ``[LINES, 4]`` 32-bit words (each line one 16-byte vector) of elements of
-    type ``ELEM``, as ``[LINES, 16 // itemsize]`` float32 in column order (exact)."""
-    if ELEM == tl.float32:
-        return w.to(tl.float32, bitcast=True)
-    else:
-        if ELEM == tl.bfloat16:
-            lo = (w << 16).to(tl.float32, bitcast=True)
-            hi = (w & -65536).to(tl.float32, bitcast=True)
-        else:
-            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        return tl.join(lo, hi).reshape([w.shape[0], 8])
-
-
-@triton.jit
-def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
-    """With ``SHIFT``: the words of the block whose first line starts ``off_w`` words (plus
-    ``skew`` bytes) past the aligned ``words``. Where ``MASKED``, ``mask`` (the same along each
-    line) selects the lines to read (else all). Every line read must lie whole inside the row;
-    its second vector is read only where it lies whole before ``row_words`` (the row's last
-    16-byte boundary, in words past ``words``): no load reaches past the row's end. A line that
-    needs bytes beyond that boundary does not take this path (the chunk kernel reads the row's
-    last columns a logit at a time: its ``full_end``)."""
-    lines = tl.arange(0, wcols.shape[0])[:, None] * 4  # each line's first word
-    inside = off_w + lines + 8 <= row_words
-    if MASKED:
-        va = tl.load(words + off_w + wcols, mask=mask, other=0)
-        vb = tl.load(words + off_w + wcols + 4, mask=mask & inside, other=0)
-    else:
-        va = tl.load(words + off_w + wcols)
-        vb = tl.load(words + off_w + wcols + 4, mask=inside, other=0)
-    return shift_words(va, vb, skew)
-
-
-@triton.jit
-def _exact_word(row_ptr, first, k, end, ITEMSIZE: tl.constexpr):
-    """Word ``k`` of each line whose first column is ``first``: its logits loaded one at a time,
-    masked at ``end`` (zero bits past it)."""
-    if ITEMSIZE == 4:
-        c = first + k
-        return tl.load(row_ptr + c, mask=c < end, other=0).to(tl.int32, bitcast=True)
-    else:
-        c = first + 2 * k
-        lo = tl.load(row_ptr + c, mask=c < end, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        hi = tl.load(row_ptr + c + 1, mask=c + 1 < end, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-        return (lo | (hi << 16)).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
-    """With ``SHIFT``: the ``[LINES, 4]`` words of the block at column ``off`` as
-    :func:`shifted_block` lays them out (each line's four words in its registers), from one load
-    per logit masked at ``end`` (zero bits past it): for the row's last columns, where a vector
-    load would read past the row's end."""
-    first = off + tl.arange(0, LINES) * (16 // ITEMSIZE)  # each line's first column
-    w0 = _exact_word(row_ptr, first, 0, end, ITEMSIZE)
-    w1 = _exact_word(row_ptr, first, 1, end, ITEMSIZE)
-    w2 = _exact_word(row_ptr, first, 2, end, ITEMSIZE)
-    w3 = _exact_word(row_ptr, first, 3, end, ITEMSIZE)
-    return tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape([LINES, 4])
-
-
-@triton.jit
 def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
     """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
     chunk's first ``words_in`` words)."""
@@ -180,9 +90,8 @@ def ahead_blocks(
     """The words of the first two whole blocks of the chunk of ``span`` logits at ``start``
     (zeros for a block that does not lie whole before ``end``), loaded ahead of the chunk's block
     loop: the chunk kernel issues a program's first before the token's two dependent loads, and
-    the next chunk's at the end of a chunk's blocks, so that loads stay in flight across them
-    (3.76 instead of 4.05 us at batch 1 on an H200). ``skew``, ``row_words`` and ``SHIFT`` as in
-    :func:`chunk_lines_fast`."""
+    the next chunk's at the end of a chunk's blocks, so that loads stay in flight across them.
+    ``skew``, ``row_words`` and ``SHIFT`` as in :func:`chunk_lines_fast`."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)  # words in the chunk's whole blocks
     chunk_words = words + start // 2
     row_words -= start // 2
@@ -284,8 +193,8 @@ def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_
             w1, start + BLOCK, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX
         )
     # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
-    # block), the unrolled loop that Triton 3.6 compiled ran one iteration on the H200 and read
-    # the next row (tests/test_gpu_logprob_rank.py at vocabulary 32,000, 09:56 UTC).
+    # block), an unrolled loop once ran one iteration and read the next row (a GPU test at
+    # vocabulary 32,000 caught it).
     for off in tl.range(tl.minimum(start + 2 * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
         if SHIFT:
             w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
@@ -326,3 +235,105 @@ def chunk_end_fast(row_ptr, cols, end, m, s, count, ab, greedy, ARGMAX: tl.const
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
     return big, total, n, amax, acol
+
+
+@triton.jit
+def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT):
+    """Fold the block at column ``off`` into :func:`chunk_safe`'s line states, a logit per load,
+    masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
+    the values of the whole-block path, the same steps. ``st``: the states, returned updated."""
+    m, s, count, ag, ab, g1, g2, gab = st
+    idx = off + cols
+    inside = idx < end
+    if SHIFT:
+        ELEM: tl.constexpr = row_ptr.dtype.element_ty
+        y = tl.where(
+            inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM), float("-inf")
+        )
+    else:
+        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
+    y = scaled(y, t, HAS_TEMP)
+    if ARGMAX:
+        up, ag, ab = argmax_lines(y, off, ag, ab)
+    if GREEDY:
+        count = tl.where(up, 0, count) + tl.sum(((y >= ag[:, None]) & inside).to(tl.int32), axis=1)
+    else:
+        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
+    g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+    m, s = online_update(y, m, s)
+    return m, s, count, ag, ab, g1, g2, gab
+
+
+@triton.jit
+def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL):
+    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
+    tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
+    for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
+    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
+    Whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
+    16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
+    shifted into place (``shifted_block``; ``lay`` holds ``row_ptr``, ``words``, ``wcols``, ``skew``,
+    ``row_words`` as in the fused path; ``track`` the line tracking), so every line holds the
+    same logits in the same registers as in an aligned row
+    and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
+    unroll factor (speed only: every block is folded in by the same steps, in column order)."""
+    row_ptr, words, wcols, skew, row_words = lay
+    start, full_end, end = bounds
+    g1, g2, gab = track
+    ELEM: tl.constexpr = row_ptr.dtype.element_ty
+    PER_WORD: tl.constexpr = BLOCK // LINES // 4  # logits per 32-bit word (lines of 16 bytes)
+    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    count = tl.zeros([LINES], tl.int32)
+    ag = tl.full([LINES], float("-inf"), tl.float32)  # ARGMAX: the line maximum, from -inf
+    ab = tl.zeros([LINES], tl.int32) + start
+    # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
+    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
+        if SHIFT:
+            y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
+        else:
+            y = stream_load(row_ptr + off + cols, None).to(tl.float32)
+        y = scaled(y, t, HAS_TEMP)
+        g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
+        m, s = online_update(y, m, s)
+        if ARGMAX:
+            up, ag, ab = argmax_lines(y, off, ag, ab)
+        if GREEDY:  # the ties at the line's maximum, restarted when it grows
+            count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
+        else:
+            count += tl.sum((y >= chosen).to(tl.int32), axis=1)
+    # The partial last block, where there is one (only in a row's last chunk), a logit per load;
+    # with SHIFT also a whole block that holds the row's last 16-byte vector (full_end stops
+    # before it), so up to two. A fully masked block of -inf would leave finite m, s and count as
+    # they are, so it is skipped.
+    if SHIFT:
+        for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
+            st = (m, s, count, ag, ab, g1, g2, gab)
+            m, s, count, ag, ab, g1, g2, gab = _tail_safe(
+                row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, True
+            )
+    elif full_end < end:
+        st = (m, s, count, ag, ab, g1, g2, gab)
+        m, s, count, ag, ab, g1, g2, gab = _tail_safe(
+            row_ptr, cols, full_end, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, False
+        )
+    big = tl.max(m, axis=0)
+    total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)  # a line whose max is +inf: NaN
+    if ARGMAX:
+        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, GREEDY, HAS_TEMP)
+    else:
+        amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
+    return big, total, n, g1, g2, gab, amax, acol
+
+
+@triton.jit
+def resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
+    """The sum of :func:`chunk_safe` for the chunk ``[start, end)`` of a row (no temperature),
+    in one plain masked loop: the combine kernel's rare path for chunks that the fused path
+    flagged."""
+    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
+        idx = off + cols
+        m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
+    return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)
