@@ -118,14 +118,14 @@ def interpreted_invariance(tmp_path_factory):
 def _topk_cases():
     rng = np.random.default_rng(5)
     cases = []
-    for top_k, vocab, block in ((1, 1000, 256), (5, 1000, 256), (20, 1000, 256), (64, 300, None)):
+    for top_k, vocab, block in ((1, 600, 128), (5, 600, 128), (20, 600, 128), (64, 300, None)):
         x, ids = special_rows(vocab, block or 512, rng)
         cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", block=block, top_k=top_k))
-        x, ids, temp = tied_case(rng, 3, 3000, "bfloat16", top_k)
+        x, ids, temp = tied_case(rng, 3, 2100, "bfloat16", top_k)
         cases.append(
             dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k, pad=3, shift=1)
         )
-        if top_k == 20:  # the same rows with 4 chunks per program (block 256: 12 chunks of 1 block)
+        if top_k == 20:  # the same rows with 4 chunks per program (block 256: 9 chunks of 1 block)
             for group in (1, 4):
                 cases.append(
                     dict(
