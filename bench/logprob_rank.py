@@ -6,40 +6,27 @@ device time): batch 1 <= 6 us; batch 256 >= 3.6 TB/s of logits read; batch 4096 
 float32 at batch 256 near the copy ceiling; top-k 20 at batch 256 <= 1.5x the plain call. The
 floor is ``bytes / copy ceiling``: each logit is read once.
 
-Providers:
-- ``trace_replay``: ``trace_replay_torch.token_logprob_rank(logits, ids, out=...)``: two
-  kernels (chunks, then a per-row merge), bound once per tensor layout, so a call only launches.
-- ``trace_replay_topk20``: the same with ``top_k=20``.
-- ``trace_replay_argmax``: the same with ``argmax=True`` (each row's greedy token from the same
-  read; every other row's id is -1, a greedy row scored as its argmax): a greedy sampler and the
-  logprob/rank in one pass. ``torch_argmax``: ``logits.argmax(-1)`` alone, the pass a greedy
-  loop makes anyway: ``trace_replay_argmax`` minus it is what scoring adds to a greedy step.
-- ``torch``: ``log_softmax`` in float32 + ``gather`` + comparison count (``>=``, summed).
-- ``trace_replay_unaligned`` / ``torch_unaligned``: ``trace_replay`` and ``torch`` on rows that
-  are not 16-byte aligned (``UNALIGNED``: GPT-2's 50,257 logits per row, and 151,936 logits in
-  rows of 151,937): each line read as the two aligned 16-byte vectors around it and its words
-  shifted into place (bfloat16 on the fused path, float32 on the element path); batch 1, 256
-  and 4096.
-- ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp``: ``jax.jit`` of
-  ``trace_replay_jax.token_logprob_rank(logits, ids, method=...)`` (the core kernels through a
-  ``buffer_callback`` on XLA's stream, or the same contract in jnp).
+Providers: ``trace_replay`` (``trace_replay_torch.token_logprob_rank(logits, ids, out=...)``,
+bound once per tensor layout, so a call only launches), ``trace_replay_topk20`` (``top_k=20``),
+``trace_replay_argmax`` (``argmax=True``, every other row greedy: a greedy sampler and the
+logprob/rank in one pass; ``torch_argmax`` is ``logits.argmax(-1)`` alone, so the difference is
+what scoring adds to a greedy step), ``torch`` (float32 ``log_softmax`` + ``gather`` + a ``>=``
+count), ``trace_replay_unaligned`` / ``torch_unaligned`` (rows not 16-byte aligned,
+``UNALIGNED``: GPT-2's 50,257 logits per row, and 151,936 in rows of 151,937; batch 1, 256,
+4096), and ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp`` (``jax.jit`` of
+``trace_replay_jax.token_logprob_rank(logits, ids, method=...)``).
 
-Timings (the ``timing`` field of every row):
-- ``cuda events, queued behind a busy kernel`` (``harness.time_cuda_queued``; torch providers):
-  20 back-to-back calls queued while a sleep kernel holds the device (host enqueue cost hidden,
-  as in a decode loop whose host runs ahead); inputs rotate through copies of the logits (256 MiB
-  in all, at most 32 copies) so that L2 serves small batches less. The targets use this timing.
-- ``cuda events (do_bench, L2 flushed)`` (``harness.time_cuda``): one call at a time after an
-  L2 flush; a call whose host cost exceeds its device time shows the host cost here.
-- JAX rows: wall clock per call over back-to-back calls of the jitted function on rotated
-  copies: device time when the device is the bottleneck, dispatch cost otherwise.
+Timings (the ``timing`` field of every row): ``cuda events, queued behind a busy kernel``
+(``harness.time_cuda_queued``; the targets use it): 20 back-to-back calls queued while a sleep
+kernel holds the device, inputs rotated through copies of the logits (256 MiB in all, at most
+32) so that L2 serves small batches less; ``cuda events (do_bench, L2 flushed)``
+(``harness.time_cuda``): one call at a time; JAX rows: wall clock per call over back-to-back
+calls of the jitted function on rotated copies.
 
-Reported: p20/p50/p80 in us and GB/s of logits read (``batch * vocab * itemsize / time``), next
-to the ceiling ``harness.copy_bandwidth()["d2d"]`` (a 256 MiB device-to-device copy, bytes read
-+ written per second). Columns ``ranks_equal_to_kernel`` / ``max_abs_logprob_diff_to_kernel``
-compare each provider with the kernel; ``invariant`` says whether the batch's rows give the same
-bits in other batches: every row at another position (the batch reversed), the first, middle and
-last rows each in a batch of one, and up to 7 rows from a third of the way in as a batch of their own.
+Reported: p20/p50/p80 in us and GB/s of logits read, next to the ceiling
+``harness.copy_bandwidth()["d2d"]`` (bytes read + written per second). ``ranks_equal_to_kernel`` /
+``max_abs_logprob_diff_to_kernel`` compare each provider with the kernel; ``invariant`` says
+whether the batch's rows give the same bits in other batches (``harness.rows_same_bits``).
 
 Run: ``python bench/logprob_rank.py`` on a GPU; writes ``bench/results/logprob_rank.json``.
 """
@@ -172,10 +159,125 @@ def add_row(rows, base, ours, provider, timing, stats, result=None, inv=None):
     )
 
 
-def main() -> None:
+def bench_batch(rows, dev, dtype_name: str, batch: int, copy_gbps: float, jax_fns) -> None:
+    """Append the rows of every provider at one dtype and batch, vocabulary VOCAB."""
     import torch
 
     from trace_replay_torch import token_logprob_rank
+
+    dtype = getattr(torch, dtype_name)
+    logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(dtype)
+    ids = torch.randint(0, VOCAB, (batch,), device=dev)
+    nbytes = logits.numel() * logits.element_size()
+    n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
+    copies = [logits] + [logits.clone() for _ in range(n_copies - 1)]
+    out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
+    out_k = out + (
+        torch.empty(batch, TOP_K, device=dev),
+        torch.empty(batch, TOP_K, dtype=torch.int64, device=dev),
+    )
+    ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
+    ours_inv = invariant(lambda x, i: token_logprob_rank(x, i), logits, ids, token_logprob_rank(logits, ids))
+    gids = ids.clone()
+    gids[1::2] = -1  # greedy rows, scored as their argmax
+    out_a = out + (torch.empty(batch, dtype=torch.int64, device=dev),)
+    argmax_inv = invariant(
+        lambda x, i: token_logprob_rank(x, i, argmax=True),
+        logits,
+        gids,
+        token_logprob_rank(logits, gids, argmax=True),
+    )
+    topk_inv = invariant(
+        lambda x, i: token_logprob_rank(x, i, top_k=TOP_K),
+        logits,
+        ids,
+        token_logprob_rank(logits, ids, top_k=TOP_K),
+    )
+    naive = tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))
+    base = dict(
+        batch=batch,
+        vocab=VOCAB,
+        dtype=dtype_name,
+        bytes=nbytes,
+        copy_gbps=copy_gbps,
+        floor_us=nbytes / copy_gbps / 1e3,
+    )
+
+    def record(provider, timing, stats, result, inv=None):
+        add_row(rows, base, ours, provider, timing, stats, result, inv)
+
+    providers = [
+        ("trace_replay", lambda x: token_logprob_rank(x, ids, out=out), None, ours_inv),
+        (
+            f"trace_replay_topk{TOP_K}",
+            lambda x: token_logprob_rank(x, ids, top_k=TOP_K, out=out_k),
+            None,
+            topk_inv,
+        ),
+        ("torch", lambda x: torch_logprob_rank(x, ids), naive, None),
+        (
+            "trace_replay_argmax",
+            lambda x: token_logprob_rank(x, gids, argmax=True, out=out_a),
+            None,
+            argmax_inv,
+        ),
+        ("torch_argmax", lambda x: x.argmax(-1), None, None),
+    ]
+    for name, fn, result, inv in providers:
+        record(name, QUEUED, time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result, inv)
+        if name == "trace_replay":
+            record(name, DO_BENCH, time_cuda(lambda fn=fn: fn(logits)), result, inv)
+    if jax_fns and batch <= 1024:
+        import jax
+
+        ids32 = ids.to(torch.int32)
+        torch.cuda.synchronize()
+        xs_j = [jax.dlpack.from_dlpack(c) for c in copies[:8]]
+        ids_j = jax.dlpack.from_dlpack(ids32)
+        for name, fn in jax_fns.items():
+            result = tuple(np.asarray(a) for a in fn(xs_j[0], ids_j))
+            inv = None
+            if name.endswith("_kernel"):
+                one = tuple(np.asarray(a) for a in fn(xs_j[0][-1:], ids_j[-1:]))
+                inv = bool(one[0].tobytes() == result[0][-1:].tobytes())
+            stats = time_wall(rotating([lambda x_j=x_j, fn=fn: fn(x_j, ids_j) for x_j in xs_j]))
+            record(name, f"wall clock incl. dispatch, {len(xs_j)} copies rotated", stats, result, inv)
+        del xs_j, ids_j, ids32
+
+
+def bench_unaligned(rows, dev, vocab: int, stride: int, dtype_name: str, batch: int, copy_gbps: float) -> None:
+    """Append the rows of rows of ``vocab`` logits ``stride`` elements apart (not 16-byte aligned)."""
+    import torch
+
+    from trace_replay_torch import token_logprob_rank
+
+    wide = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))
+    logits = wide[:, :vocab]
+    ids = torch.randint(0, vocab, (batch,), device=dev)
+    nbytes = logits.numel() * logits.element_size()
+    n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
+    copies = [logits] + [wide.clone()[:, :vocab] for _ in range(n_copies - 1)]
+    out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
+    ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
+    # the rows in other batches of the same layout (fresh rows of ``stride`` elements)
+    inv = rows_same_bits(
+        lambda rows: token_logprob_rank(wide[rows].clone()[:, :vocab], ids[rows].clone()),
+        token_logprob_rank(logits, ids),
+        batch,
+    )
+    base = dict(batch=batch, vocab=vocab, row_stride=stride, dtype=dtype_name, bytes=nbytes, copy_gbps=copy_gbps)
+    base["floor_us"] = nbytes / copy_gbps / 1e3
+    naive = tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))
+    for provider, fn, result, row_inv in (
+        ("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out), None, inv),
+        ("torch_unaligned", lambda x: torch_logprob_rank(x, ids), naive, None),
+    ):
+        stats = time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies]))
+        add_row(rows, base, ours, provider, QUEUED, stats, result, row_inv)
+
+
+def main() -> None:
+    import torch
 
     if not torch.cuda.is_available():
         sys.exit("bench/logprob_rank.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -184,167 +286,26 @@ def main() -> None:
     rows = []
     copy = copy_bandwidth()["d2d"]
     copy_gbps = copy["gbps_p50"]
-    rows.append(
-        dict(
-            copy,
-            provider="d2d_copy",
-            batch=None,
-            vocab=None,
-            dtype=None,
-            gbps=copy_gbps,
-            timing="cuda events; GB/s counts bytes read + written",
-        )
-    )
+    timing = "cuda events; GB/s counts bytes read + written"
+    rows.append(dict(copy, provider="d2d_copy", batch=None, vocab=None, dtype=None, gbps=copy_gbps, timing=timing))
     print(f"device-to-device copy: p50 {copy['us_p50']:.1f} us = {copy_gbps:.0f} GB/s (read + write)", flush=True)
     jax_fns, jax_why = make_jax_fns()
     if not jax_fns:
         print(f"jax providers skipped: {jax_why}", flush=True)
 
     for dtype_name in DTYPES:
-        dtype = getattr(torch, dtype_name)
         for batch in BATCHES:
-            logits = (torch.randn(batch, VOCAB, device=dev) * 4).to(dtype)
-            ids = torch.randint(0, VOCAB, (batch,), device=dev)
-            nbytes = logits.numel() * logits.element_size()
-            n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
-            copies = [logits] + [logits.clone() for _ in range(n_copies - 1)]
-            out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
-            out_k = out + (
-                torch.empty(batch, TOP_K, device=dev),
-                torch.empty(batch, TOP_K, dtype=torch.int64, device=dev),
-            )
-            ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
-            ours_inv = invariant(lambda x, i: token_logprob_rank(x, i), logits, ids, token_logprob_rank(logits, ids))
-            gids = ids.clone()
-            gids[1::2] = -1  # greedy rows, scored as their argmax
-            out_a = out + (torch.empty(batch, dtype=torch.int64, device=dev),)
-            argmax_inv = invariant(
-                lambda x, i: token_logprob_rank(x, i, argmax=True),
-                logits,
-                gids,
-                token_logprob_rank(logits, gids, argmax=True),
-            )
-            topk_inv = invariant(
-                lambda x, i: token_logprob_rank(x, i, top_k=TOP_K),
-                logits,
-                ids,
-                token_logprob_rank(logits, ids, top_k=TOP_K),
-            )
-            naive = tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))
-            base = dict(
-                batch=batch,
-                vocab=VOCAB,
-                dtype=dtype_name,
-                bytes=nbytes,
-                copy_gbps=copy_gbps,
-                floor_us=nbytes / copy_gbps / 1e3,
-            )
-
-            def record(provider, timing, stats, result, inv=None):
-                add_row(rows, base, ours, provider, timing, stats, result, inv)
-
-            providers = [
-                ("trace_replay", lambda x: token_logprob_rank(x, ids, out=out), None, ours_inv),
-                (
-                    f"trace_replay_topk{TOP_K}",
-                    lambda x: token_logprob_rank(x, ids, top_k=TOP_K, out=out_k),
-                    None,
-                    topk_inv,
-                ),
-                ("torch", lambda x: torch_logprob_rank(x, ids), naive, None),
-                (
-                    "trace_replay_argmax",
-                    lambda x: token_logprob_rank(x, gids, argmax=True, out=out_a),
-                    None,
-                    argmax_inv,
-                ),
-                ("torch_argmax", lambda x: x.argmax(-1), None, None),
-            ]
-            for name, fn, result, inv in providers:
-                record(
-                    name, QUEUED, time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result, inv
-                )
-                if name == "trace_replay":
-                    record(name, DO_BENCH, time_cuda(lambda fn=fn: fn(logits)), result, inv)
-            if jax_fns and batch <= 1024:
-                import jax
-
-                ids32 = ids.to(torch.int32)
-                torch.cuda.synchronize()
-                xs_j = [jax.dlpack.from_dlpack(c) for c in copies[:8]]
-                ids_j = jax.dlpack.from_dlpack(ids32)
-                for name, fn in jax_fns.items():
-                    result = tuple(np.asarray(a) for a in fn(xs_j[0], ids_j))
-                    inv = None
-                    if name.endswith("_kernel"):
-                        one = tuple(np.asarray(a) for a in fn(xs_j[0][-1:], ids_j[-1:]))
-                        inv = bool(one[0].tobytes() == result[0][-1:].tobytes())
-                    stats = time_wall(rotating([lambda x_j=x_j: fn(x_j, ids_j) for x_j in xs_j]))
-                    record(name, f"wall clock incl. dispatch, {len(xs_j)} copies rotated", stats, result, inv)
-                xs_j = ids_j = ids32 = None
-            logits = ids = gids = out = out_k = out_a = copies = None  # drop the references before the next size
-            torch.cuda.empty_cache()
-
+            bench_batch(rows, dev, dtype_name, batch, copy_gbps, jax_fns)
+            torch.cuda.empty_cache()  # the batch's arrays are gone with its call
     for vocab, stride in UNALIGNED:  # rows not 16-byte aligned
         for dtype_name in DTYPES:
             for batch in UNALIGNED_BATCHES:
-                wide = (torch.randn(batch, stride, device=dev) * 4).to(getattr(torch, dtype_name))
-                logits = wide[:, :vocab]
-                ids = torch.randint(0, vocab, (batch,), device=dev)
-                nbytes = logits.numel() * logits.element_size()
-                n_copies = min(MAX_COPIES, max(1, -(-ROTATE_BYTES // nbytes)))
-                copies = [logits] + [wide.clone()[:, :vocab] for _ in range(n_copies - 1)]
-                out = (torch.empty(batch, device=dev), torch.empty(batch, dtype=torch.int64, device=dev))
-                ours = tuple(t.cpu().numpy() for t in token_logprob_rank(logits, ids, out=out))
-                # the rows in other batches of the same layout (fresh rows of ``stride`` elements)
-                inv = rows_same_bits(
-                    lambda rows: token_logprob_rank(wide[rows].clone()[:, :vocab], ids[rows].clone()),
-                    token_logprob_rank(logits, ids),
-                    batch,
-                )
-                base = dict(
-                    batch=batch,
-                    vocab=vocab,
-                    row_stride=stride,
-                    dtype=dtype_name,
-                    bytes=nbytes,
-                    copy_gbps=copy_gbps,
-                    floor_us=nbytes / copy_gbps / 1e3,
-                )
-                for provider, fn, result, row_inv in (
-                    ("trace_replay_unaligned", lambda x: token_logprob_rank(x, ids, out=out), None, inv),
-                    (
-                        "torch_unaligned",
-                        lambda x: torch_logprob_rank(x, ids),
-                        tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids)),
-                        None,
-                    ),
-                ):
-                    add_row(
-                        rows,
-                        base,
-                        ours,
-                        provider,
-                        QUEUED,
-                        time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])),
-                        result,
-                        row_inv,
-                    )
-                wide = logits = ids = out = copies = None
+                bench_unaligned(rows, dev, vocab, stride, dtype_name, batch, copy_gbps)
                 torch.cuda.empty_cache()
 
     def pick(provider, batch, dtype_name):
-        return next(
-            (
-                r
-                for r in rows
-                if r["provider"] == provider
-                and r.get("timing") == QUEUED
-                and r["batch"] == batch
-                and r["dtype"] == dtype_name
-            ),
-            None,
-        )
+        want = (provider, QUEUED, batch, dtype_name)
+        return next((r for r in rows if (r["provider"], r.get("timing"), r["batch"], r["dtype"]) == want), None)
 
     targets = [
         ("bfloat16", 1, "us_p50", "<=", 6.0),
@@ -374,19 +335,8 @@ def main() -> None:
     plain, topk = pick("trace_replay", 256, "bfloat16"), pick(f"trace_replay_topk{TOP_K}", 256, "bfloat16")
     if plain and topk:
         ratio = topk["us_p50"] / plain["us_p50"]
-        rows.append(
-            dict(
-                provider="target",
-                batch=256,
-                vocab=VOCAB,
-                dtype="bfloat16",
-                timing=QUEUED,
-                field=f"topk{TOP_K}_over_plain",
-                value=ratio,
-                limit=1.5,
-                met=bool(ratio <= 1.5),
-            )
-        )
+        target = dict(provider="target", batch=256, vocab=VOCAB, dtype="bfloat16", timing=QUEUED)
+        rows.append(dict(target, field=f"topk{TOP_K}_over_plain", value=ratio, limit=1.5, met=bool(ratio <= 1.5)))
 
     for batch in BATCHES:  # what scoring adds to a greedy pass that reads the logits anyway
         fused, alone = pick("trace_replay_argmax", batch, "bfloat16"), pick("torch_argmax", batch, "bfloat16")

@@ -43,37 +43,26 @@ def compiled_chunk_kernel(top_k: int):
     from trace_replay_core.kernels.logprob_rank import (
         LogprobRankArgs,
         LogprobRankDtypes,
-        launch_specs,
-        plan_logprob_rank,
+        kernel_specs,
+        plan_for_call,
     )
 
+    k = top_k
     args = LogprobRankArgs(
-        1 << 20,
-        2 << 20,
-        0,
-        4 << 20,
-        5 << 20,
-        (6 << 20) if top_k else 0,
-        (7 << 20) if top_k else 0,
-        8 << 20,
-        BATCH,
-        VOCAB,
-        VOCAB,
-        top_k,
-        0,
+        1 << 20, 2 << 20, 0, 4 << 20, 5 << 20, (6 << 20) * (k > 0), (7 << 20) * (k > 0), 8 << 20, BATCH, VOCAB, VOCAB, k
     )
-    plan = plan_logprob_rank(VOCAB, 2, top_k)
-    kernel, _, _, ptr_dtypes, ints, constexprs, num_warps = launch_specs(
-        args, LogprobRankDtypes("bfloat16", "int64", "int64", "int64", "int64"), plan
-    )[0]
-    constexprs = dict(constexprs, GDC=True)
+    dtypes = LogprobRankDtypes("bfloat16", "int64", "int64", "int64", "int64")
+    variant = plan_for_call(args, dtypes, sm90=True, cluster=False)  # batch 256: the two kernels
+    spec = kernel_specs(variant, dtypes)[0]
+    kernel, ptr_dtypes, constexprs, num_warps = spec.kernel, spec.pointer_dtypes, dict(spec.constexprs), spec.num_warps
+    ints = range(spec.n_ints)
     names = kernel.arg_names
     signature = dict(zip(names, [PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * len(ints)))
     fixed = {}
     for name in names[len(ptr_dtypes) + len(ints) :]:
         signature[name] = "constexpr"
         fixed[(names.index(name),)] = constexprs[name]
-    options = {"num_warps": num_warps, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {})}
+    options = {"num_warps": num_warps, **({"maxnreg": spec.maxnreg} if spec.maxnreg else {})}
     compiled = triton.compile(ASTSource(kernel, signature, fixed), target=GPUTarget("cuda", 90, 32), options=options)
     return compiled.asm["cubin"], triton.__version__
 
@@ -109,11 +98,9 @@ def main() -> None:
     i_all = header.index("Warp Stall Sampling (All Samples)")
     stall_cols = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     base = int(data[0][i_addr], 16)
-    per_line, reasons, per_block = (
-        collections.Counter(),
-        collections.defaultdict(collections.Counter),
-        collections.defaultdict(collections.Counter),
-    )
+    per_line: collections.Counter[str] = collections.Counter()
+    reasons: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    per_block: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     total = mismatched = 0
     for row in data:
         offset = int(row[i_addr], 16) - base

@@ -160,13 +160,67 @@ def sum_persistent_kernel(x_ptr, out_ptr, vocab, stride, n_chunks, n_items, SPAN
         tl.store(out_ptr + item, _chunk_sum(row_ptr, start, tl.minimum(start + SPAN, vocab), BLOCK))
 
 
+def make_providers(batch, copies, ids, parts, lp, rk, n_sms, token_logprob_rank):
+    """``{name: fn(x)}`` for one batch: the read kernels in their forms, torch's amax and the op
+    (each function binds this batch's arrays as arguments of this call)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    span = CHUNK_BLOCKS * BLOCK
+    n_chunks = triton.cdiv(VOCAB, span)
+    providers = {
+        "sum_grid": lambda x: sum_grid_kernel[(batch, n_chunks)](
+            x, ids, parts, VOCAB, VOCAB, n_chunks, span, BLOCK, False, num_warps=4
+        ),
+        "sum_grid_token": lambda x: sum_grid_kernel[(batch, n_chunks)](
+            x, ids, parts, VOCAB, VOCAB, n_chunks, span, BLOCK, True, num_warps=4
+        ),
+        "torch_amax": lambda x: x.amax(-1),
+        "trace_replay": lambda x: token_logprob_rank(x, ids, out=(lp, rk)),
+    }
+    for blocks, warps, evict, token in GRID_SHAPES:
+        chunks = triton.cdiv(VOCAB, blocks * BLOCK)
+        providers[f"sum_grid_c{blocks}_w{warps}{'_ef' if evict else ''}{'_token' if token else ''}"] = (
+            lambda x, chunks=chunks, blocks=blocks, warps=warps, evict=evict, token=token: sum_grid_kernel[
+                (batch, chunks)
+            ](x, ids, parts, VOCAB, VOCAB, chunks, blocks * BLOCK, BLOCK, token, evict, num_warps=warps)
+        )
+    descs = {
+        x.data_ptr(): TensorDescriptor.from_tensor(x.view(batch, VOCAB // 128, 128), [1, BLOCK // 128, 128])
+        for x in copies
+    }
+    for blocks, warps, stages, token in TMA_FORMS:
+        chunks = triton.cdiv(VOCAB, blocks * BLOCK)
+        providers[f"sum_tma_c{blocks}_w{warps}_s{stages}{'_token' if token else ''}"] = (
+            lambda x, chunks=chunks, blocks=blocks, warps=warps, stages=stages, token=token: sum_tma_kernel[
+                (batch, chunks)
+            ](
+                descs[x.data_ptr()],
+                x,
+                ids,
+                parts,
+                VOCAB,
+                VOCAB,
+                chunks,
+                blocks * BLOCK,
+                BLOCK,
+                stages,
+                token,
+                num_warps=warps,
+            )
+        )
+    for per_sm in PERSISTENT:
+        grid = min(batch * n_chunks, per_sm * n_sms)
+        providers[f"sum_persistent_{per_sm}"] = lambda x, grid=grid: sum_persistent_kernel[(grid,)](
+            x, parts, VOCAB, VOCAB, n_chunks, batch * n_chunks, span, BLOCK, num_warps=4
+        )
+    return providers
+
+
 def main() -> None:
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("bench/read_floor.py needs a CUDA GPU")
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from trace_replay_torch import token_logprob_rank
 
     only = sys.argv[1:]  # provider names that contain any of these words (default: all)
@@ -175,8 +229,6 @@ def main() -> None:
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth()["d2d"]["gbps_p50"]
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)", flush=True)
-    span = CHUNK_BLOCKS * BLOCK
-    n_chunks = triton.cdiv(VOCAB, span)
     rows = []
     for batch in BATCHES:
         base = (torch.randn(batch, VOCAB, device=dev) * 4).bfloat16()
@@ -186,52 +238,7 @@ def main() -> None:
         parts = torch.empty(batch * triton.cdiv(VOCAB, 3 * BLOCK), device=dev)  # room for the finest grid
         lp = torch.empty(batch, device=dev)
         rk = torch.empty(batch, dtype=torch.int64, device=dev)
-        providers = {
-            "sum_grid": lambda x: sum_grid_kernel[(batch, n_chunks)](
-                x, ids, parts, VOCAB, VOCAB, n_chunks, span, BLOCK, False, num_warps=4
-            ),
-            "sum_grid_token": lambda x: sum_grid_kernel[(batch, n_chunks)](
-                x, ids, parts, VOCAB, VOCAB, n_chunks, span, BLOCK, True, num_warps=4
-            ),
-            "torch_amax": lambda x: x.amax(-1),
-            "trace_replay": lambda x: token_logprob_rank(x, ids, out=(lp, rk)),
-        }
-        for blocks, warps, evict, token in GRID_SHAPES:
-            chunks = triton.cdiv(VOCAB, blocks * BLOCK)
-            providers[f"sum_grid_c{blocks}_w{warps}{'_ef' if evict else ''}{'_token' if token else ''}"] = (
-                lambda x, chunks=chunks, blocks=blocks, warps=warps, evict=evict, token=token: sum_grid_kernel[
-                    (batch, chunks)
-                ](x, ids, parts, VOCAB, VOCAB, chunks, blocks * BLOCK, BLOCK, token, evict, num_warps=warps)
-            )
-        descs = {
-            x.data_ptr(): TensorDescriptor.from_tensor(x.view(batch, VOCAB // 128, 128), [1, BLOCK // 128, 128])
-            for x in copies
-        }
-        for blocks, warps, stages, token in TMA_FORMS:
-            chunks = triton.cdiv(VOCAB, blocks * BLOCK)
-            providers[f"sum_tma_c{blocks}_w{warps}_s{stages}{'_token' if token else ''}"] = (
-                lambda x, chunks=chunks, blocks=blocks, warps=warps, stages=stages, token=token: sum_tma_kernel[
-                    (batch, chunks)
-                ](
-                    descs[x.data_ptr()],
-                    x,
-                    ids,
-                    parts,
-                    VOCAB,
-                    VOCAB,
-                    chunks,
-                    blocks * BLOCK,
-                    BLOCK,
-                    stages,
-                    token,
-                    num_warps=warps,
-                )
-            )
-        for per_sm in PERSISTENT:
-            grid = min(batch * n_chunks, per_sm * n_sms)
-            providers[f"sum_persistent_{per_sm}"] = lambda x, grid=grid: sum_persistent_kernel[(grid,)](
-                x, parts, VOCAB, VOCAB, n_chunks, batch * n_chunks, span, BLOCK, num_warps=4
-            )
+        providers = make_providers(batch, copies, ids, parts, lp, rk, n_sms, token_logprob_rank)
         for name, fn in providers.items():
             if only and not any(word in name for word in only):
                 continue
@@ -255,7 +262,7 @@ def main() -> None:
                 f"{'' if stats.get('host_hidden', True) else ' (host not hidden)'}",
                 flush=True,
             )
-        base = copies = None
+        del base, copies, providers
         torch.cuda.empty_cache()
     path = write_results("read_floor", rows)
     print(f"\nwrote {path}\n")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The logprob op on a CUDA GPU in one go, each stage under its own time limit: a compile-and-check
-# smoke run, bench/logprob_rank.py, bench/logprob_tuning.py, the GPU tests of the op. Logs and
+# smoke run, bench/logprob_rank.py, bench/tuning/logprob_tuning.py, the GPU tests of the op. Logs and
 # results go to $OUT (default ./gpu-out). Uses the packages already installed there. Stage limits
 # (seconds): SMOKE_S, BENCH_S, TUNING_S, TESTS_S, REST_S (defaults add up to under 600).
 set -uo pipefail
@@ -43,7 +43,7 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
         print(dtype, batch, vocab, k, f"{time.time() - t0:.1f} s", msg, flush=True)
 EOF
 stage bench_logprob_rank "${BENCH_S:-120}" python3 bench/logprob_rank.py
-stage bench_logprob_tuning "${TUNING_S:-90}" python3 bench/logprob_tuning.py
+stage bench_logprob_tuning "${TUNING_S:-90}" python3 bench/tuning/logprob_tuning.py --mode split
 stage tests_topk "${TESTS_S:-200}" python3 -m pytest tests/test_gpu_logprob_topk.py -m gpu -q -rfEs -p no:cacheprovider -x
 stage tests_rest "${REST_S:-120}" python3 -m pytest tests/test_gpu_logprob_rank.py tests/test_jax_logprob.py -m gpu -q -rfEs \
   -p no:cacheprovider -k "not 262144 and not b1024-v151936"

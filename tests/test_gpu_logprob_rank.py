@@ -158,13 +158,14 @@ def test_gpu_launch_forms_on_sm90():
             k,
         )
         dtypes = LogprobRankDtypes("bfloat16", "int64", "int64", "int64")
-        forms = [(gdc, cluster) for _, grid, _, _, gdc, cluster in _compiled_launches(args, dtypes, 0, None)]
+        variant, launches = _compiled_launches(args, dtypes, 0, None)
+        forms = (variant.gdc, variant.cluster, len(launches))
         if not sm90:
-            assert forms == [(False, None)] * 2
+            assert forms == (False, False, 2)
         elif k:
-            assert forms == [(True, None)] * 2, forms
+            assert forms == (True, False, 2), forms
         else:
-            assert len(forms) == 1 and forms[0][0] and forms[0][1] is not None and forms[0][1][1] >= 1, forms
+            assert forms == (True, True, 1) and launches[0][1][1] >= 1, forms
         bind_logprob_rank_launch(args, dtypes, 0)(torch.cuda.current_stream().cuda_stream)
         assert_matches_reference(
             x.float().cpu().numpy(), ids.cpu().numpy(), lp.cpu().numpy(), rk.cpu().numpy(), f"launch form top_k={k}"
@@ -174,7 +175,8 @@ def test_gpu_launch_forms_on_sm90():
     # 4096 rows of 151,936 (13 chunks): more rows than 13-program clusters fit at once (compiled
     # only; nothing is launched, so the addresses are never read).
     big = LogprobRankArgs(16, 32, 0, 48, 64, 0, 0, 80, 4096, 151936, 151936, 0)
-    assert len(_compiled_launches(big, dtypes, 0, None)) == 2
+    variant, launches = _compiled_launches(big, dtypes, 0, None)
+    assert len(launches) == 2 and not variant.cluster
 
 
 @pytest.mark.gpu

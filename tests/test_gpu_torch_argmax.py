@@ -99,7 +99,7 @@ def greedy_reference(x: np.ndarray) -> np.ndarray:
     return np.concatenate([greedy_argmax_reference(x[r : r + 32]) for r in range(0, x.shape[0], 32)])
 
 
-def _cuda(x: np.ndarray, dtype: str) -> torch.Tensor:
+def _cuda(x: np.ndarray, dtype: str):
     return torch.from_numpy(x).to("cuda").to(TORCH_DTYPES[dtype])
 
 
@@ -163,8 +163,8 @@ def test_gpu_argmax_greedy_rows_and_batch_invariance(dtype):
 
         plain_lp, plain_rk = (t.cpu().numpy() for t in token_logprob_rank(logits, explicit))
         lp2, rk2, am2 = _call(logits, explicit)
-        for name, (l, r) in {"without argmax": (plain_lp, plain_rk), "with argmax": (lp2, rk2)}.items():
-            bad = np.flatnonzero((_bits(l) != _bits(lp)) | (r != rk))
+        for name, (lp_x, rk_x) in {"without argmax": (plain_lp, plain_rk), "with argmax": (lp2, rk2)}.items():
+            bad = np.flatnonzero((_bits(lp_x) != _bits(lp)) | (rk_x != rk))
             assert bad.size == 0, f"{what}: explicit ids {name} differ at rows {bad[:10].tolist()}"
         assert (am2 == am).all()
         results[batch] = (s, lp, rk, am)

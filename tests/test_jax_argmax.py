@@ -153,7 +153,10 @@ BAD_ARGMAX = {
 @pytest.mark.parametrize("traced", [False, True])
 def test_bad_argmax_names_the_argument_and_the_value(case, traced):
     value, pattern = BAD_ARGMAX[case]
-    call = lambda a, b: token_logprob_rank(a, b, argmax=value)
+
+    def call(a, b):
+        return token_logprob_rank(a, b, argmax=value)
+
     if traced:
         call = jax.jit(call)
     with pytest.raises(TypeError, match=pattern):

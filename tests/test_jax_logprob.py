@@ -142,7 +142,10 @@ def test_errors_name_the_argument(case, traced):
     change, exc, pattern = BAD[case]
     args = dict(logits=_X, token_ids=_IDS, method="kernel") | change
     method = args.pop("method")
-    call = lambda a, b: token_logprob_rank(a, b, method=method)
+
+    def call(a, b):
+        return token_logprob_rank(a, b, method=method)
+
     if traced and case != "logits-list":
         call = jax.jit(call)
     with pytest.raises(exc, match=pattern):

@@ -18,6 +18,7 @@ logit would miss this by orders of magnitude.
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -43,11 +44,10 @@ from helpers.logprob_cases import (  # noqa: E402
 from trace_replay_core import bind_logprob_rank, token_logprob_rank, token_logprob_rank_reference  # noqa: E402
 from trace_replay_core._logprob import logprob_rank_workspace_bytes  # noqa: E402
 from trace_replay_core.kernels.logprob_rank import (  # noqa: E402
-    LOGPROB_BLOCK,
     LogprobRankArgs,
     LogprobRankDtypes,
-    _chunk_group,
-    launch_specs,
+    kernel_specs,
+    plan_for_call,
     plan_logprob_rank,
     workspace_layout,
 )
@@ -164,39 +164,75 @@ def test_errors_name_the_argument_and_change_nothing(case):
     np.testing.assert_array_equal(rk, before_rk)
 
 
-def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
-    # Rows are cut into chunks of whole blocks of a size chosen from the vocabulary alone (the
-    # batch is not an argument): that is what makes the results batch-invariant.
-    for vocab in (1, 1000, 4097, 32000, 151936, 262144, 2**30):
-        for itemsize in (2, 4):
-            p = plan_logprob_rank(vocab, itemsize)
-            assert p.block & (p.block - 1) == 0 and 128 <= p.block <= LOGPROB_BLOCK and p.n_chunks <= 256
-            span = p.chunk_blocks * p.block  # logits per chunk
-            assert (p.n_chunks - 1) * span < vocab <= p.n_chunks * span  # no empty chunk
-            assert p.k_pad == 0 and p == plan_logprob_rank(vocab, 6 - itemsize)
-            for top_k in (1, 20, 64):  # top-k: the same chunks
-                k = plan_logprob_rank(vocab, itemsize, top_k)
-                assert k[:4] == p[:4] and k.k_pad >= top_k and k.cap == 2 * k.k_pad and k.cap_p == 4 * k.k_pad
-                assert k.sel == min(128, p.block // (16 // itemsize))
-    assert plan_logprob_rank(151936, 2)[:2] == (2048, 13) and plan_logprob_rank(151936, 2).chunk_blocks == 6
-    assert plan_logprob_rank(32000, 2)[:2] == (2048, 8) and plan_logprob_rank(32000, 4).chunk_blocks == 2
-    # A vocabulary that leaves contiguous rows unaligned (not a multiple of 8 logits) takes chunks
-    # of at least 4 blocks, in every dtype.
-    for itemsize in (2, 4):
-        gpt2 = plan_logprob_rank(50257, itemsize)
-        assert gpt2[:2] == (2048, 7) and gpt2.chunk_blocks == 4
-        assert plan_logprob_rank(10001, itemsize)[:2] == (2048, 2)
-        assert plan_logprob_rank(151937, itemsize).chunk_blocks == 6  # already longer
+def test_row_split_depends_on_the_vocabulary_only():
+    # Rows are cut into chunks of whole blocks of a size chosen from the vocabulary alone, whatever
+    # the batch, dtype, top-k, layout or device: that is what makes the results batch-invariant.
+    for vocab in (1, 1000, 4097, 32000, 50257, 151936, 262144, 2**30):
+        p = plan_logprob_rank(1, vocab)
+        assert p.block & (p.block - 1) == 0 and 128 <= p.block <= 2048 and p.n_chunks <= 256
+        span = p.chunk_blocks * p.block  # logits per chunk
+        assert (p.n_chunks - 1) * span < vocab <= p.n_chunks * span  # no empty chunk
+        for batch, dtype, top_k, aligned, flag in itertools.product(
+            (1, 7, 4096), ("bfloat16", "float32", "float16"), (0, 20, 64), (True, False), (True, False)
+        ):
+            v = plan_logprob_rank(batch, vocab, dtype, top_k, aligned=aligned, temperature=flag, argmax=flag, sm90=flag)
+            assert (v.block, v.chunk_blocks, v.n_chunks) == (p.block, p.chunk_blocks, p.n_chunks), (batch, vocab)
+            assert v.k_pad >= top_k and v.k_pad in (0, 8, 32, 64)
+
+
+def test_plans_of_known_vocabularies():
+    # (block, chunk_blocks, n_chunks) pinned; vocabularies that leave contiguous rows unaligned
+    # (50,257, 10,001) take chunks of at least 4 blocks, in every dtype.
+    for vocab, split in ((151936, (2048, 6, 13)), (32000, (2048, 2, 8)), (50257, (2048, 4, 7)), (10001, (2048, 4, 2))):
+        for dtype in ("bfloat16", "float32"):
+            v = plan_logprob_rank(256, vocab, dtype)
+            assert (v.block, v.chunk_blocks, v.n_chunks) == split, vocab
+    assert plan_logprob_rank(1, 151937).chunk_blocks == 6  # already longer than 4 blocks
     # The combine kernel holds a row's partials in one tile: a tuning override that would cut a
     # row into more than 256 chunks is refused, by name, before anything is compiled.
-    assert plan_logprob_rank(2**20, 2, chunk_blocks=2).n_chunks == 256
+    assert plan_logprob_rank(1, 2**20, chunk_blocks=2).n_chunks == 256
     with pytest.raises(ValueError, match=r"chunk_blocks=1 cuts rows of 1048576 logits into more than 256 chunks"):
-        plan_logprob_rank(2**20, 2, chunk_blocks=1)
+        plan_logprob_rank(1, 2**20, chunk_blocks=1)
+    with pytest.raises(ValueError, match=r"dtype must be one of .* \(got 'int8'\)"):
+        plan_logprob_rank(1, 1000, "int8")
     # Chunks per program: from the batch (speed only); the grid still covers every chunk once.
-    assert [_chunk_group(b, 19) for b in (1, 64, 204, 205, 256, 409, 410, 4096)] == [1, 1, 1, 2, 2, 2, 4, 4]
-    assert [_chunk_group(b, 13) for b in (1, 256, 292, 293, 511, 512, 4096)] == [1, 1, 1, 2, 2, 4, 4]
-    assert all(_chunk_group(b, n) in (1, 2, 4) for b in (1, 5, 10_000) for n in (1, 2, 3, 19))
-    assert [plan_logprob_rank(1000, 2, k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [0, 8, 8, 32, 32, 32, 64, 64]
+    groups = [plan_logprob_rank(b, 151936).group for b in (1, 256, 292, 293, 511, 512, 4096)]
+    assert groups == [1, 1, 1, 2, 2, 4, 4]
+    assert [plan_logprob_rank(b, 151936, top_k=20).group for b in (1, 146, 147, 4096)] == [1, 1, 2, 2]
+    assert [plan_logprob_rank(1, 1000, top_k=k).k_pad for k in (0, 1, 8, 9, 20, 32, 33, 64)] == [
+        0,
+        8,
+        8,
+        32,
+        32,
+        32,
+        64,
+        64,
+    ]
+
+
+def test_variant_choices_and_cache():
+    # One plan per (batch, vocabulary, dtype, top-k, options), computed once: the same object.
+    assert plan_logprob_rank(256, 151936, "bfloat16") is plan_logprob_rank(256, 151936, "bfloat16")
+    plain = plan_logprob_rank(64, 151936, "bfloat16", sm90=True)
+    assert plain.words and plain.packed_count and plain.gdc and plain.cluster and not plain.shift
+    assert len(kernel_specs(plain, LogprobRankDtypes("bfloat16", "int64", "int64"))) == 1  # merged in clusters
+    # Only bfloat16 without a temperature takes the fused path; top-k is never clustered and its
+    # chunk kernel is capped at 64 registers; the interpreter's plan has no inline PTX.
+    assert not plan_logprob_rank(64, 151936, "bfloat16", temperature=True).words
+    assert not plan_logprob_rank(64, 151936, "float32").words
+    topk = plan_logprob_rank(64, 151936, "bfloat16", 20, sm90=True)
+    assert not topk.cluster and topk.maxnreg == 64 and topk.sel == 128
+    assert len(kernel_specs(topk, LogprobRankDtypes("bfloat16", "int64", "int64"))) == 2
+    assert not plan_logprob_rank(64, 151936, "bfloat16", inline_ptx=False).packed_count
+    assert not plan_logprob_rank(64, 151936, "bfloat16", sm90=True, cluster=False).cluster
+    assert not plan_logprob_rank(64, 2**20, "bfloat16", sm90=True, chunk_blocks=2).cluster  # 256 chunks
+    # float32 rows that are not aligned, with top-k: the element path's block loop not unrolled.
+    assert plan_logprob_rank(64, 50257, "float32", 20, aligned=False).unroll == 1
+    assert plan_logprob_rank(64, 50257, "float32", 20, aligned=False, argmax=True).unroll == 2
+
+
+def test_workspace_size():
     # 20 bytes per chunk and row (max, sum, count, and the greedy maximum and column, used with
     # out_argmax); with top-k, per chunk 8 bytes per kept key and per candidate key and 4 per
     # candidate vector; 8 bytes per row for the token's logit and validity.
@@ -209,11 +245,11 @@ def test_plan_depends_on_the_vocabulary_only_and_workspace_size():
             for top_k in (0, 1, 20, 64):
                 if top_k > vocab:
                     continue
-                plan = plan_logprob_rank(vocab, 2, top_k)
+                plan = plan_logprob_rank(batch, vocab, "float32", top_k)
                 offsets = workspace_layout(batch, plan)
                 assert all(o % 16 == 0 for o in offsets)
                 assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
-                per_chunk = 12 + (8 * plan.k_pad + 8 * plan.cap + 4 * plan.cap_p if top_k else 0)
+                per_chunk = 12 + (8 * plan.k_pad + 16 * plan.k_pad + 16 * plan.k_pad if top_k else 0)
                 assert offsets[-1] >= batch * plan.n_chunks * per_chunk + 8 * batch
 
 
@@ -224,24 +260,21 @@ def test_kernels_follow_the_layout_of_contiguous_rows_at_every_batch_size():
     one row alone included, whatever stride a one-row layout reports below the vocabulary.
     bfloat16 takes the fused path in every layout."""
 
-    def chunk_constexprs(batch, vocab, stride, dtype, base=1 << 20):
+    def variant(batch, vocab, stride, dtype, base=1 << 20):
         args = LogprobRankArgs(base, 2 << 20, 0, 3 << 20, 4 << 20, 0, 0, 5 << 20, batch, vocab, stride, 0)
-        return launch_specs(args, LogprobRankDtypes(dtype, "int64", "int64"))[0][5]
+        return plan_for_call(args, LogprobRankDtypes(dtype, "int64", "int64"))
 
     for dtype, itemsize in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
         for vocab in (151936, 50257, 32000, 1001, 1000, 1):
             aligned = vocab * itemsize % 16 == 0
             for batch, stride in ((1, vocab), (1, 0), (1, 1), (2, vocab), (7, vocab), (1024, vocab)):
-                const = chunk_constexprs(batch, vocab, stride, dtype)
+                v = variant(batch, vocab, stride, dtype)
                 where = f"{dtype} vocab {vocab} batch {batch} stride {stride}"
-                assert const["ALIGNED"] == aligned, where
-                assert const["WORDS"] == (dtype == "bfloat16"), where
-                assert const["SHIFT"] == (not aligned), where
+                assert v.shift == (not aligned) and v.words == (dtype == "bfloat16"), where
             # A layout that changes the alignment: rows padded to 151,939, one of them alone or a
             # batch; an array that starts 2 bytes off a 16-byte boundary.
-            padded = [chunk_constexprs(b, vocab, 151939, dtype)["ALIGNED"] for b in (1, 7)]
-            assert padded == [False, False], f"{dtype} vocab {vocab} padded"
-            assert not chunk_constexprs(1, vocab, vocab, dtype, base=(1 << 20) + 2)["ALIGNED"]
+            assert [variant(b, vocab, 151939, dtype).shift for b in (1, 7)] == [True, True], f"{dtype} {vocab}"
+            assert variant(1, vocab, vocab, dtype, base=(1 << 20) + 2).shift
 
 
 def test_core_imports_no_framework():

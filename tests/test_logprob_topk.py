@@ -7,7 +7,7 @@ selected. Ids and ranks must match exactly; logprobs within the bound of test_lo
 Ties are planted on purpose: equal values straddling the k-th place, ties across chunks, -0.0
 against +0.0.
 
-Batch invariance is checked bit for bit: the same rows in batches of 1, 3, 8 and 17 (at other
+Batch invariance is checked bit for bit: the same rows in batches of 1, 3 and 8 (at other
 positions, among other rows) through Triton's interpreter and the numpy backend here, and on the
 GPU at vocab 151,936 for batches 1 to 1024, both adapters and a CUDA graph in
 ``test_gpu_logprob_topk.py`` (which shares this file's references).
@@ -21,16 +21,17 @@ from helpers.logprob_cases import (  # noqa: E402
     POISON_LOGPROB,
     POISON_RANK,
     assert_matches_reference,
+    make_case,
+    round_to,
 )
-from helpers.topk_cases import (  # noqa: F401 (module fixtures)  # noqa: E402
+from helpers.logprob_interpreter import run_cases, run_cases_by_name  # noqa: E402
+from helpers.topk_cases import (  # noqa: E402
     _X,
     BAD,
+    BATCHES,
     CPU_TOPK,
-    _interpreter_topk_cases,
     assert_same_bits,
     assert_topk,
-    interpreted_invariance,
-    interpreted_topk,
     invariance_batches,
     processed,
     run_cpu,
@@ -77,13 +78,99 @@ def test_numpy_backend_is_batch_invariant():
     assert_same_bits(results, plans, "numpy backend")
 
 
+def _invariance_cases():
+    rng = np.random.default_rng(21)
+    cases, index = [], []
+    # The interpreter is slow: few chunks per row there.
+    for dtype, vocab, block, top_k, with_temp in (
+        ("bfloat16", 1000, 512, 5, True),
+        ("float32", 300, None, 0, False),
+        ("float16", 999, 128, 0, True),
+    ):
+        x, ids, temp = tied_case(rng, 23, vocab, dtype, max(top_k, 1))
+        temp = temp if with_temp else None
+        plans = invariance_batches(23, rng)
+        for b, batches in plans.items():
+            for i, rows in enumerate(batches):
+                name = f"{dtype}-v{vocab}-b{b}-{i}"
+                cases.append(
+                    dict(
+                        name=name,
+                        x=x[rows],
+                        ids=ids[rows],
+                        temp=None if temp is None else temp[rows],
+                        dtype=dtype,
+                        block=block,
+                        top_k=top_k,
+                    )
+                )
+        index.append((dtype, vocab, plans, x, ids, temp, top_k))
+    return cases, index
+
+
+@pytest.fixture(scope="module")
+def interpreted_invariance(tmp_path_factory):
+    pytest.importorskip("triton")
+    cases, index = _invariance_cases()
+    return run_cases(cases, str(tmp_path_factory.mktemp("inv"))), index
+
+
+def _topk_cases():
+    rng = np.random.default_rng(5)
+    cases = []
+    for top_k, vocab, block in ((1, 600, 128), (5, 600, 128), (20, 600, 128), (64, 300, None)):
+        x, ids = special_rows(vocab, block or 512, rng)
+        cases.append(dict(name=f"special-v{vocab}-k{top_k}", x=x, ids=ids, dtype="float32", block=block, top_k=top_k))
+        x, ids, temp = tied_case(rng, 3, 2100, "bfloat16", top_k)
+        cases.append(
+            dict(name=f"tied-bf16-k{top_k}", x=x, ids=ids, temp=temp, dtype="bfloat16", top_k=top_k, pad=3, shift=1)
+        )
+        if top_k == 20:  # the same rows with 4 chunks per program (block 256: 9 chunks of 1 block)
+            for group in (1, 4):
+                cases.append(
+                    dict(
+                        name=f"tied-bf16-k20-b256-g{group}",
+                        x=x,
+                        ids=ids,
+                        dtype="bfloat16",
+                        top_k=20,
+                        block=256,
+                        group=group,
+                    )
+                )
+    # The real block (vocab 4200: 3 chunks of one block, the last of 104 logits), aligned bfloat16
+    # rows without a temperature (the fused path); row 8 runs the piecewise merge.
+    x, ids = special_rows(4200, 2048, rng)
+    cases.append(dict(name="special-v4200-k20", x=round_to(x, "bfloat16"), ids=ids, dtype="bfloat16", top_k=20))
+    cases.append(
+        dict(
+            name="vocab1-k1",
+            x=np.array([[0.5], [-np.inf], [np.nan]], np.float32),
+            ids=np.array([0, 0, 1]),
+            dtype="float32",
+            top_k=1,
+        )
+    )
+    x, ids = make_case(rng, 3, 1000, "float32")
+    cases.append(dict(name="top0-same-bits", x=x, ids=ids, dtype="float32", top_k=0))
+    cases.append(dict(name="top20-same-bits", x=x, ids=ids, dtype="float32", top_k=20))
+    cases.append(dict(name="t1-same-bits", x=x, ids=ids, temp=np.ones(3, np.float32), dtype="float32", top_k=0))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interpreted_topk(tmp_path_factory):
+    pytest.importorskip("triton")
+    return run_cases_by_name(_topk_cases(), str(tmp_path_factory.mktemp("topk")))
+
+
 def test_kernels_in_interpreter_are_batch_invariant_and_exact(interpreted_invariance):
     out, index = interpreted_invariance
     for dtype, vocab, plans, x, ids, temp, top_k in index:
         results = {b: [out[f"{dtype}-v{vocab}-b{b}-{i}"] for i in range(len(batches))] for b, batches in plans.items()}
         assert_same_bits(results, plans, f"interpreter {dtype} v{vocab}")
-        whole = results[17][0]
-        rows = plans[17][0]
+        whole = results[max(BATCHES)][0]
+        rows = plans[max(BATCHES)][0]
         y = processed(x[rows], None if temp is None else temp[rows])
         assert_matches_reference(y, ids[rows], whole["lp"], whole["rk"], f"interpreter {dtype} v{vocab}")
         if top_k:
@@ -91,7 +178,7 @@ def test_kernels_in_interpreter_are_batch_invariant_and_exact(interpreted_invari
 
 
 @pytest.mark.parametrize(
-    "name", [c["name"] for c in _interpreter_topk_cases() if "same-bits" not in c["name"] and "-g" not in c["name"]]
+    "name", [c["name"] for c in _topk_cases() if "same-bits" not in c["name"] and "-g" not in c["name"]]
 )
 def test_kernels_in_interpreter_topk_special_rows(interpreted_topk, name):
     case, out = interpreted_topk[name]
@@ -118,15 +205,6 @@ def test_kernels_in_interpreter_topk_chunks_per_program_change_no_bit(interprete
     for k in ("lp", "rk", "tlp", "tid"):
         assert one[k].tobytes() == four[k].tobytes(), k
     assert_topk(processed(case["x"], None), 20, one["tlp"], one["tid"], "interpreter block 256")
-
-
-def test_kernels_in_interpreter_topk_program_key_order_changes_no_bit(interpreted_topk):
-    # A program writes its keys unsorted when they need no selection (no more than k_pad); the
-    # combine kernel sorts them: the same results as keys sorted in every program.
-    unsorted = interpreted_topk["tied-bf16-k20-b256-g4"][1]
-    _, ordered = interpreted_topk["tied-bf16-k20-b256-g4-sorted"]
-    for k in ("lp", "rk", "tlp", "tid"):
-        assert unsorted[k].tobytes() == ordered[k].tobytes(), k
 
 
 @pytest.mark.parametrize("case", list(BAD))

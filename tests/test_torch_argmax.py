@@ -43,11 +43,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _logits(x: np.ndarray, dtype: str) -> torch.Tensor:
+def _logits(x: np.ndarray, dtype: str):
     return torch.from_numpy(x).to(TORCH_DTYPES[dtype])
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
+def _bits(t) -> np.ndarray:
     return t.numpy().view(np.uint32)
 
 
@@ -166,7 +166,6 @@ def _refusals():
     lg = torch.randn(5, 40)
     ids = torch.tensor([1, -1, 3, -1, 0])
     lp, rk = torch.full((5,), POISON_LOGPROB), torch.full((5,), POISON_RANK, dtype=torch.int64)
-    i64 = dict(dtype=torch.int64)
 
     def poison(*shape, dtype=torch.int64):
         return torch.full(shape, POISON_ARGMAX, dtype=dtype)

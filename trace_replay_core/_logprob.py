@@ -71,7 +71,7 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
 
     if batch <= 0:
         return 0
-    return workspace_layout(batch, plan_logprob_rank(vocab, 2, top_k))[-1]
+    return workspace_layout(batch, plan_logprob_rank(batch, vocab, "bfloat16", top_k))[-1]
 
 
 def token_logprob_rank(
@@ -362,7 +362,7 @@ def _validated(
         return None
     from .kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes, plan_logprob_rank
 
-    n_chunks = plan_logprob_rank(vocab, 2, top_k).n_chunks
+    n_chunks = plan_logprob_rank(batch, vocab, lv.dtype, top_k).n_chunks
     if n_chunks * batch > INT32_MAX:
         raise ValueError(
             f"logits has too many rows for one call (got shape {[batch, vocab]}; at most "

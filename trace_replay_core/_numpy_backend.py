@@ -27,7 +27,7 @@ def numpy_of(view: ArrayView) -> np.ndarray:
     if view.size == 0:
         return np.empty(view.shape, dtype=view.dtype)
     nbytes = view.size * view.itemsize
-    buf = (ctypes.c_char * nbytes).from_address(view.ptr)
+    buf = memoryview((ctypes.c_char * nbytes).from_address(view.ptr)).cast("B")
     return np.frombuffer(buf, dtype=view.dtype).reshape(view.shape)
 
 
@@ -49,8 +49,10 @@ def replay_numpy(
     n = trace_len[s].astype(np.int64)
     if step is not None:
         at = step.astype(np.int64)
-    else:
+    elif total is not None and prompt is not None:
         at = total[s].astype(np.int64) - prompt[s].astype(np.int64)
+    else:
+        raise ValueError("replay_numpy needs step, or total and prompt (got neither)")
     active &= (n > 0) & (at >= 0) & (at < n)
     rows = np.nonzero(active)[0]
     out[rows] = table[s[rows], at[rows]].astype(out.dtype)
@@ -80,7 +82,8 @@ class NumpyTable:
         if isinstance(traces, np.ndarray):
             block = np.empty(traces.shape, dtype=np.uint32)
             copy_trace(traces, block, vocab_size=vocab_size, name="traces")
-            staged = list(block.view(np.int32))
+            rows = block.view(np.int32)
+            staged: list[np.ndarray] = [rows[i] for i in range(rows.shape[0])]
         else:
             staged = []
             for i, tokens in enumerate(traces):
@@ -170,7 +173,7 @@ def _strided_numpy(v: ArrayView) -> np.ndarray:
     if v.size == 0:
         return np.empty(v.shape, dtype=np_dtype)
     nbytes = (sum((n - 1) * s for n, s in zip(v.shape, v.strides)) + 1) * v.itemsize
-    base = np.frombuffer((ctypes.c_char * nbytes).from_address(v.ptr), dtype=np_dtype)
+    base = np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(v.ptr)).cast("B"), dtype=np_dtype)
     return np.lib.stride_tricks.as_strided(
         base, shape=v.shape, strides=[s * v.itemsize for s in v.strides], writeable=False
     )
@@ -214,8 +217,8 @@ def logprob_rank_numpy(
     ids_all = numpy_of(ids).reshape(-1)
     t_all = numpy_of(temperature) if temperature is not None else None
     lp_all, rank_all = numpy_of(out_lp), numpy_of(out_rank)
-    tlp_all = numpy_of(topk_lp) if top_k else None
-    tid_all = numpy_of(topk_ids) if top_k else None
+    tlp_all = numpy_of(topk_lp) if top_k and topk_lp is not None else None
+    tid_all = numpy_of(topk_ids) if top_k and topk_ids is not None else None
     am_all = numpy_of(out_argmax) if out_argmax is not None else None
     batch, vocab = logits.shape
     rows = max(1, _LOGPROB_ROWS_ELEMENTS // vocab)
@@ -238,7 +241,7 @@ def logprob_rank_numpy(
             lse = (m + np.log(total)).astype(np.float32)  # all -inf: -inf (NaN logprob)
             lp_all[r0:r1] = np.where(valid, chosen - lse, np.float32(np.nan))
             rank_all[r0:r1] = np.where(valid, (y >= chosen[:, None]).sum(axis=1), -1)
-            if top_k:
+            if top_k and tlp_all is not None and tid_all is not None:
                 keys = topk_keys(y)
                 best = np.sort(np.partition(keys, vocab - top_k, axis=1)[:, vocab - top_k :], axis=1)[:, ::-1]
                 values, cols = topk_decode(best)

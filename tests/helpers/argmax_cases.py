@@ -14,10 +14,8 @@ from helpers.logprob_cases import (  # noqa: E402
     POISON_RANK,
     TORCH_DTYPES,
     assert_matches_reference,
-    huge_case,
     round_to,
 )
-from helpers.logprob_interpreter import run_cases_by_name  # noqa: E402
 from trace_replay_core import greedy_argmax_reference, token_logprob_rank  # noqa: E402
 
 torch = pytest.importorskip("torch")
@@ -167,41 +165,3 @@ def _cpu(x, ids, dtype, **kw):
     am = np.full(len(ids), POISON_ARGMAX, np.int32)
     token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, out_argmax=am, stream=0, **kw)
     return lp, rk, am
-
-
-def _interpreter_cases():
-    rng = np.random.default_rng(21)
-    cases = []
-
-    def add(name, batch, vocab, dtype, data=None, **options):
-        x, ids = data if data is not None else greedy_case(rng, batch, vocab, dtype)
-        cases.append(dict(name=name, x=x, ids=ids, dtype=dtype, argmax=True, **options))
-
-    # The real block (2048): vocab 32,000 is 8 chunks of 2 blocks, the last one partial.
-    add("f32-11x32000", 11, 32000, "float32")
-    add("bf16-11x32000-padded", 11, 32000, "bfloat16", pad=8, ids_dtype="int32", rank_dtype="int32")
-    add("bf16-1x1", 1, 1, "bfloat16")
-    # Block 128: many chunks; aligned bfloat16 rows (fused path), unaligned float16, a partial
-    # last block, chunks of one block, and four chunks per program.
-    add("bf16-12x3000-t128", 12, 3000, "bfloat16", block=128)
-    add("f16-12x999-t128-unaligned", 12, 999, "float16", block=128, pad=3, shift=1)
-    add("f32-12x2000-t128-c1", 12, 2000, "float32", block=128, chunk_blocks=1)
-    same = greedy_case(rng, 12, 3000, "bfloat16")
-    add("bf16-12x3000-t128-g1", 12, 3000, "bfloat16", data=same, block=128, group=1)
-    add("bf16-12x3000-t128-g4", 12, 3000, "bfloat16", data=same, block=128, group=4)
-    add("bf16-12x3000-t128-g5", 12, 3000, "bfloat16", data=same, block=128, group=5)  # 12 chunks: 5, 5, 2
-    same = greedy_case(rng, 12, 999, "float16")
-    add("f16-12x999-t128-g1", 12, 999, "float16", data=same, block=128, group=1, pad=3, shift=1)
-    add("f16-12x999-t128-g5", 12, 999, "float16", data=same, block=128, group=5, pad=3, shift=1)
-    add("f32-12x3000-t128-topk5", 12, 3000, "float32", block=128, top_k=5)
-    # Logits beyond 2**20: the fused path flags and re-sums such chunks; the argmax is exact.
-    x, ids = huge_case(3000)
-    ids[::2] = -1
-    add("huge-bf16-t128", 9, 3000, "bfloat16", data=(round_to(x, "bfloat16"), ids), block=128)
-    return cases
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
-    return run_cases_by_name(_interpreter_cases(), str(tmp_path_factory.mktemp("interp_argmax")))

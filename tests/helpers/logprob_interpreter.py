@@ -5,8 +5,9 @@ kernels call other ``@triton.jit`` helpers, so they run in a child process with 
 for the child only. :func:`run_cases` (parent) writes the cases, starts this module as the child
 and reads the outputs back. The child (:func:`run_case`) lays every array out in its own poisoned
 torch CPU buffer (the interpreter takes torch CPU tensors), builds the integer arguments
-(:class:`LogprobRankArgs`), and launches exactly :func:`launch_specs`' kernels, each pointer
-handed over as a typed view of the buffer that holds its address.
+(:class:`LogprobRankArgs`), and launches exactly the kernels of the call's plan
+(:func:`plan_for_call`, :func:`kernel_specs`, :func:`call_arguments`), each pointer handed over
+as a typed view of the buffer that holds its address.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import nullcontext
 
 import numpy as np
 
@@ -31,7 +31,6 @@ CASE_KEYS = (
     "chunk_blocks",
     "group",
     "argmax",
-    "constants",
 )
 
 
@@ -120,8 +119,9 @@ def run_case(x, ids, temp, case: dict) -> dict:
     from trace_replay_core.kernels.logprob_rank import (
         LogprobRankArgs,
         LogprobRankDtypes,
-        launch_specs,
-        plan_logprob_rank,
+        call_arguments,
+        kernel_specs,
+        plan_for_call,
         workspace_layout,
     )
 
@@ -149,15 +149,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
     if temp is not None:
         t_buf = out(batch, "float32")
         t_buf.copy_(torch.from_numpy(np.asarray(temp, dtype=np.float32)))
-    plan = plan_logprob_rank(
-        vocab,
-        itemsize,
-        top_k,
-        block=case.get("block"),
-        num_warps=case.get("num_warps"),
-        chunk_blocks=case.get("chunk_blocks"),
-    )
-    ws = bufs.new(workspace_layout(batch, plan)[-1] + 16)
+    dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype, rank_dtype)
     args = LogprobRankArgs(
         logits.data_ptr(),
         ids_t.data_ptr(),
@@ -166,31 +158,27 @@ def run_case(x, ids, temp, case: dict) -> dict:
         rk.data_ptr(),
         tlp.data_ptr() if top_k else 0,
         tid.data_ptr() if top_k else 0,
-        ws.data_ptr(),
+        0,
         batch,
         vocab,
         stride,
         top_k,
         am.data_ptr() if am is not None else 0,
     )
-    dtypes = LogprobRankDtypes(dtype, ids_dtype, rank_dtype, rank_dtype, rank_dtype)
-    # group: chunks per program forced (several even at a small batch); None: the shipped choice.
-    # constants: module constants of kernels.logprob_rank for this case (the kernels' options).
-    from unittest import mock
-
-    from trace_replay_core.kernels import logprob_rank
-
-    with mock.patch.multiple(logprob_rank, **case.get("constants", {})) if case.get("constants") else nullcontext():
-        specs = launch_specs(args, dtypes, plan, case.get("group"))
-    for kernel, grid, ptrs, ptr_dtypes, ints, constexprs, _ in specs:
-        # The interpreter cannot run inline PTX: the chunk kernel counts per logit here instead of
-        # with packed compares (an exact integer either way; the GPU tier checks the packed count).
-        constexprs = dict(constexprs, PACKED_COUNT=False) if constexprs.get("PACKED_COUNT") else constexprs
-        kernel[grid](*[bufs.at(p, d) for p, d in zip(ptrs, ptr_dtypes)], *ints, **constexprs)
+    # The plan as the GPU path makes it, without inline PTX (the interpreter cannot run it: the
+    # chunk kernel counts per logit instead of with packed compares, an exact integer either way);
+    # block, warps, chunk_blocks and group as the case overrides them.
+    overrides = {k: case[k] for k in ("block", "num_warps", "chunk_blocks", "group") if case.get(k) is not None}
+    variant = plan_for_call(args, dtypes, inline_ptx=False, **overrides)
+    ws = bufs.new(workspace_layout(batch, variant)[-1] + 16)
+    args = args._replace(workspace=ws.data_ptr())
+    for spec, (grid, ptrs, ints) in zip(kernel_specs(variant, dtypes), call_arguments(args, variant)):
+        views = [bufs.at(p, d) for p, d in zip(ptrs, spec.pointer_dtypes)]
+        spec.kernel[grid](*views, *ints, **dict(spec.constexprs))
     result = {
         "lp": lp[:batch].numpy().copy(),
         "rk": rk[:batch].numpy().astype(np.int64),
-        "plan": np.array([plan.block, plan.n_chunks, plan.k_pad, plan.cap]),
+        "plan": np.array([variant.block, variant.chunk_blocks, variant.n_chunks, variant.k_pad]),
     }
     if am is not None:
         result["am"] = am[:batch].numpy().astype(np.int64)

@@ -178,7 +178,7 @@ class CompiledKernel:
             from cuda.bindings import driver as cu
 
             block = _ParamBlock(self)
-            config = _bind_ex(block, tuple(int(g) for g in grid), False, cluster).config[0]
+            config = _bind_ex(block, (int(grid[0]), int(grid[1]), int(grid[2])), False, cluster).config[0]
             err, n = cu.cuOccupancyMaxActiveClusters(block.function, config)
             n = self._clusters[key] = int(n) if err == cu.CUresult.CUDA_SUCCESS else 0
         return n
@@ -203,7 +203,7 @@ class CompiledKernel:
             if err != ok:
                 block.fail(err)
 
-        launch.params = block  # the parameter block lives as long as the launch
+        launch.params = block  # type: ignore[attr-defined]  # the parameter block lives as long as the launch
         return launch
 
 
@@ -249,8 +249,8 @@ def _bind_ex(block: _ParamBlock, grid: tuple[int, int, int], pdl: bool, cluster:
         if err != ok:
             block.fail(err)
 
-    launch.params = block  # the parameter block lives as long as the launch
-    launch.config = (config, attrs)
+    launch.params = block  # type: ignore[attr-defined]  # the parameter block lives as long as the launch
+    launch.config = (config, attrs)  # type: ignore[attr-defined]
     return launch
 
 
@@ -268,10 +268,12 @@ class _ParamBlock:
         from cuda.bindings import driver as cu
 
         sizes = kernel._params
+        if sizes is None:
+            raise ValueError(f"the PTX parameter list of {kernel.name} could not be read: no driver launch")
         self.values = np.zeros(len(sizes), dtype=np.uint64)
         self.addresses = np.array([self.values.ctypes.data + 8 * i for i in range(len(sizes))], dtype=np.uint64)
         self.params = self.addresses.ctypes.data
-        self.view = memoryview(self.values).cast("B")
+        self.view = self.values.data.cast("B")
         self.pack = struct.Struct("<" + "".join(self._CODES[n] for n in sizes[: kernel._n_args])).pack_into
         self.function = cu.CUfunction(kernel._function)
         self.threads, self.shared = kernel._threads, kernel._shared

@@ -1,44 +1,19 @@
 """The ``@triton.jit`` kernels of the logprob-and-rank op: the chunk kernel (one read of the
-logits: partial max, sum and count per chunk, and with top-k each program's best keys; launched
-in clusters, it also merges each row in its first program) and the combine kernel (one program
-per row), with their device helpers. The fused bfloat16 path's
-helpers are in :mod:`._logprob_words_jit`, the top-k selection in :mod:`._logprob_topk_jit`.
-
-The contract and the batch-invariance argument are described in :mod:`.logprob_rank`, which
-plans and launches these kernels on plain integers; nothing here runs on the host.
-"""
+logits: partial max, sum and count per chunk, with top-k each program's best keys; launched in
+clusters, it also merges each row in its first program) and the combine kernel (one program per
+row). A chunk's partial: :mod:`._logprob_chunk_jit`; top-k: :mod:`._logprob_topk_jit`. The
+contract and the design are in :mod:`.logprob_rank`, which plans and launches these kernels."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import (
-    INT32_MAX,
-    LOG2E,
-    NEG_FLT_MAX,
-    argmax_chunk,
-    argmax_lines,
-    online_update,
-    scaled,
-    stream_load,
-    track_lines,
-)
+from ._logprob_chunk_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, chunk_safe, resum_safe
+from ._logprob_lines_jit import INT32_MAX, LOG2E, scaled
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
-from ._logprob_words_jit import (
-    TAME,
-    ahead_blocks,
-    chunk_end_fast,
-    chunk_lines_fast,
-    exact_words,
-    line_values,
-    shifted_block,
-)
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel", "merge_row"]
-
-
-# -- device helpers -------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -87,212 +62,32 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _tail_safe(
-    row_ptr,
-    cols,
-    off,
-    end,
-    chosen,
-    t,
-    m,
-    s,
-    count,
-    ag,
-    ab,
-    g1,
-    g2,
-    gab,
-    HAS_TEMP: tl.constexpr,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    GREEDY: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
-    """Fold the block at column ``off`` into :func:`_chunk_safe`'s line states, a logit per load,
-    masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
-    the values of the whole-block path, the same steps."""
-    idx = off + cols
-    inside = idx < end
-    if SHIFT:
-        ELEM: tl.constexpr = row_ptr.dtype.element_ty
-        y = tl.where(
-            inside, line_values(exact_words(row_ptr, off, end, cols.shape[0], 16 // cols.shape[1]), ELEM), float("-inf")
-        )
-    else:
-        y = tl.load(row_ptr + idx, mask=inside, other=float("-inf")).to(tl.float32)
-    y = scaled(y, t, HAS_TEMP)
-    if ARGMAX:
-        up, ag, ab = argmax_lines(y, off, ag, ab)
-    if GREEDY:
-        count = tl.where(up, 0, count) + tl.sum(((y >= ag[:, None]) & inside).to(tl.int32), axis=1)
-    else:
-        count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-    g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-    m, s = online_update(y, m, s)
-    return m, s, count, ag, ab, g1, g2, gab
-
-
-@triton.jit
-def _chunk_safe(
-    row_ptr,
-    cols,
-    start,
-    full_end,
-    end,
-    chosen,
-    t,
-    g1,
-    g2,
-    gab,
-    words,
-    wcols,
-    skew,
-    row_words,
-    LINES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_TEMP: tl.constexpr,
-    TRACK: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    GREEDY: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,
-    SHIFT: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
-    tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
-    for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
-    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
-    ``EVICT_FIRST``: whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
-    16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
-    shifted into place (``shifted_block``; ``words``, ``wcols``, ``skew``, ``row_words`` as in the
-    fused path), so every line holds the same logits in the same registers as in an aligned row
-    and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
-    unroll factor (speed only: every block is folded in by the same steps, in column order)."""
-    ELEM: tl.constexpr = row_ptr.dtype.element_ty
-    PER_WORD: tl.constexpr = BLOCK // LINES // 4  # logits per 32-bit word (lines of 16 bytes)
-    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    count = tl.zeros([LINES], tl.int32)
-    ag = tl.full([LINES], float("-inf"), tl.float32)  # ARGMAX: the line maximum, from -inf
-    ab = tl.zeros([LINES], tl.int32) + start
-    # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
-    for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
-        if SHIFT:
-            y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
-        else:
-            y = stream_load(row_ptr + off + cols, None, EVICT_FIRST).to(tl.float32)
-        y = scaled(y, t, HAS_TEMP)
-        g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-        m, s = online_update(y, m, s)
-        if ARGMAX:
-            up, ag, ab = argmax_lines(y, off, ag, ab)
-        if GREEDY:  # the ties at the line's maximum, restarted when it grows
-            count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
-        else:
-            count += tl.sum((y >= chosen).to(tl.int32), axis=1)
-    # The partial last block, where there is one (only in a row's last chunk), a logit per load;
-    # with SHIFT also a whole block that holds the row's last 16-byte vector (full_end stops
-    # before it), so up to two. A fully masked block of -inf would leave finite m, s and count as
-    # they are, so it is skipped.
-    if SHIFT:
-        for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-                row_ptr,
-                cols,
-                off,
-                end,
-                chosen,
-                t,
-                m,
-                s,
-                count,
-                ag,
-                ab,
-                g1,
-                g2,
-                gab,
-                HAS_TEMP,
-                TRACK,
-                ARGMAX,
-                GREEDY,
-                True,
-            )
-    elif full_end < end:
-        m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-            row_ptr,
-            cols,
-            full_end,
-            end,
-            chosen,
-            t,
-            m,
-            s,
-            count,
-            ag,
-            ab,
-            g1,
-            g2,
-            gab,
-            HAS_TEMP,
-            TRACK,
-            ARGMAX,
-            GREEDY,
-            False,
-        )
-    big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)  # a line whose max is +inf: NaN
-    if ARGMAX:
-        amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, GREEDY, HAS_TEMP)
-    else:
-        amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
-    return big, total, n, g1, g2, gab, amax, acol
-
-
-@triton.jit
-def _resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
-    """The sum of :func:`_chunk_safe` for the chunk ``[start, end)`` of a row (no temperature),
-    in one plain masked loop: the combine kernel's rare path for chunks that the fused path
-    flagged."""
-    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
-        idx = off + cols
-        m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
-    return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)
-
-
-@triton.jit
 def merge_row(
     row,
     row_ptr,
     base,
     chosen,
     code,
-    logprob_ptr,
-    rank_ptr,
-    argmax_ptr,
-    part_m_ptr,
-    part_s_ptr,
-    part_c_ptr,
-    part_am_ptr,
-    part_a_ptr,
-    vocab,
-    n_chunks,
-    chunk_span,
-    BLOCK: tl.constexpr,
-    RESUM: tl.constexpr,
-    RESUM_BLOCK: tl.constexpr,
-    VEC: tl.constexpr,
-    ARGMAX: tl.constexpr,
-    CACHE: tl.constexpr,
+    outs,
+    parts,
+    sizes,
+    BLOCK,
+    RESUM,
+    RESUM_BLOCK,
+    VEC,
+    ARGMAX,
+    CACHE,
 ):
     """Merge row ``row``'s ``n_chunks`` partials (at ``base``) in chunk order and store its
     logprob, rank and (``ARGMAX``) greedy token; return its log-sum-exp. ``chosen`` is the token's
     scaled logit, ``code`` 0 for an invalid id, 1 for a valid one, 2 for a greedy row. Run by the
-    combine kernel (one warp) or by a cluster's first program of the chunk kernel (four warps,
-    reading the partials with ``CACHE = ".cg"``: from L2, where the cluster's other programs
-    wrote them); a row's partials (in the cluster form at most 16, 13 at vocabulary 151,936) are
-    reduced within one warp in both, the same bits either way (checked on the GPU)."""
+    combine kernel (one warp) or by a cluster's first program (four warps, ``CACHE = ".cg"``: the
+    partials read from L2); a row's partials (at most 16 in a cluster) are reduced within one warp
+    in both: the same bits. ``outs``: logprob, rank, argmax outputs; ``parts``: the partials' max,
+    sum, count, greedy maximum, its column; ``sizes``: vocabulary, chunks, logits per chunk."""
+    logprob_ptr, rank_ptr, argmax_ptr = outs
+    part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr = parts
+    vocab, n_chunks, chunk_span = sizes
     # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
     # together: the merge below runs on registers.
     j = tl.arange(0, BLOCK)
@@ -316,7 +111,7 @@ def merge_row(
                     tl.load(part_m_ptr + base + k, cache_modifier=CACHE) >= big - 128.0
                 ):
                     start = k * chunk_span
-                    s_k = _resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
+                    s_k = resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
                     tl.store(part_s_ptr + base + k, s_k)
             tl.debug_barrier()  # the re-summed partials are read by every thread below
             s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
@@ -352,29 +147,12 @@ def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.conste
     return tl.topk(tl.reshape(keys, [KEY_TILES * K_PAD]), K_PAD)
 
 
-# -- kernels ----------------------------------------------------------------------------------------
-
-
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
-    do_not_specialize_on_alignment=[
-        "logits_ptr",
-        "ids_ptr",
-        "temp_ptr",
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_c_ptr",
-        "tok_y_ptr",
-        "tok_ok_ptr",
-        "part_k_ptr",
-        "cand_ptr",
-        "pairs_ptr",
-        "part_am_ptr",
-        "part_a_ptr",
-        "logprob_ptr",
-        "rank_ptr",
-        "argmax_ptr",
-    ],
+    do_not_specialize_on_alignment=(
+        "logits_ptr ids_ptr temp_ptr part_m_ptr part_s_ptr part_c_ptr tok_y_ptr tok_ok_ptr "
+        "part_k_ptr cand_ptr pairs_ptr part_am_ptr part_a_ptr logprob_ptr rank_ptr argmax_ptr"
+    ).split(),
 )
 def logprob_rank_chunk_kernel(
     logits_ptr,  # [batch, row_stride] float32/bfloat16/float16, first `vocab` columns read
@@ -401,23 +179,14 @@ def logprob_rank_chunk_kernel(
     top_k,
     BLOCK: tl.constexpr,  # logits per loop step
     VEC: tl.constexpr,  # logits per 16-byte vector (8 for 2-byte dtypes, 4 for float32)
-    ALIGNED: tl.constexpr,  # logits_ptr and row_stride * itemsize are multiples of 16 bytes
     HAS_TEMP: tl.constexpr,
     WORDS: tl.constexpr,  # bfloat16, no temperature: chunk_lines_fast and chunk_end_fast
-    SHIFT: tl.constexpr,  # rows that are not ALIGNED: each line's words shifted into place
+    SHIFT: tl.constexpr,  # rows not 16-byte aligned: each line's words shifted into place
     PACKED_COUNT: tl.constexpr,  # with WORDS: packed compares (inline PTX; not in Triton's interpreter)
     GDC: tl.constexpr,  # sm_90+: the combine kernel may launch early (inline PTX; not in the interpreter)
-    TOPK: tl.constexpr,  # k_pad (0: no top-k), then the selection's sizes (see _logprob_topk_jit)
-    SEL: tl.constexpr,
-    CAP_P: tl.constexpr,
-    PAIRS: tl.constexpr,
-    CAP: tl.constexpr,
-    RESCAN: tl.constexpr,
-    PIECE: tl.constexpr,
+    TOPK: tl.constexpr,  # k_pad (0: no top-k)
+    SEL: tl.constexpr,  # TOPK: group maxima for the threshold (see _logprob_topk_jit)
     ARGMAX: tl.constexpr,  # each chunk's greedy maximum and column; negative ids are greedy rows
-    AHEAD: tl.constexpr,  # WORDS: whole blocks of each chunk loaded ahead of its block loop (2 or 4)
-    EVICT_FIRST: tl.constexpr,  # whole blocks loaded evict-first in L1 and L2 (stream_load)
-    TOPK_SORTED: tl.constexpr,  # TOPK: each program's keys sorted even where they need no selection
     UNROLL: tl.constexpr,  # not WORDS: the block loop's unroll factor
     CLUSTER: tl.constexpr,  # a row's programs form one cluster (sm_90+), whose first merges the row (no TOPK)
     MERGE_BLOCK: tl.constexpr,
@@ -430,7 +199,7 @@ def logprob_rank_chunk_kernel(
     first = tl.program_id(1) * group
     last = tl.minimum(first + group, n_chunks)
     row_ptr = logits_ptr + row * row_stride
-    if ALIGNED:
+    if not SHIFT:
         row_ptr = tl.multiple_of(row_ptr, 16)
     LINES: tl.constexpr = BLOCK // VEC
     span = chunk_blocks * BLOCK
@@ -448,12 +217,11 @@ def logprob_rank_chunk_kernel(
         words = row_ptr.to(tl.pointer_type(tl.int32))
         row_words = 0
     wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]  # each line's four words
+    lay = (row_ptr, words, wcols, skew, row_words)
     if WORDS:
-        # The first chunk's first AHEAD blocks, in flight while the token's id and then its logit
+        # The first chunk's first two blocks, in flight while the token's id and then its logit
         # load (two dependent round trips that every program starts with).
-        w0, w1, w2, w3 = ahead_blocks(
-            words, wcols, first * span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
-        )
+        w0, w1 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, SHIFT)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
     if first == 0:  # the row's token, for the combine kernel (it need not load it again)
         tl.store(tok_y_ptr + row, chosen)
@@ -465,6 +233,7 @@ def logprob_rank_chunk_kernel(
     if WORDS:
         bits = chosen.to(tl.uint32, bitcast=True) >> 16  # the token's bfloat16 bits
         chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
+        tok = (chosen, chosen_w, greedy)
     # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
     g1 = tl.full([LINES], float("-inf"), tl.float32)
     g2 = tl.full([LINES], float("-inf"), tl.float32)
@@ -478,58 +247,25 @@ def logprob_rank_chunk_kernel(
         if SHIFT:  # whole blocks up to the row's last 16-byte boundary; the columns after it a logit per load
             full_end = start + (tl.maximum(tl.minimum(full_end, safe_cols) - start, 0) // BLOCK) * BLOCK
         end = start + n_here
+        bounds, track = (start, full_end, end), (g1, g2, gab)
         # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
         # own id (greedy or scored), so that no block pays for the other's compares; the fused
-        # bfloat16 path selects per line at run time instead, which measured faster there under
-        # the device's Triton 3.6 (bench/README.md, logprob_tuning.py --argmax-only, 08:29 UTC:
-        # 35.9 against 30.4 us at batch 256, 407.7 against 340.7 at 4096). Either way a row's
-        # bits depend on it alone.
+        # path selects per line at run time (faster there). Either way a row's bits are its own.
         if WORDS:
-            line_m, line_s, line_c, line_b, g1, g2, gab = chunk_lines_fast(
-                words,
-                wcols,
-                w0,
-                w1,
-                w2,
-                w3,
-                row_ptr,
-                cols,
-                start,
-                full_end,
-                end,
-                chosen,
-                chosen_w,
-                greedy,
-                g1,
-                g2,
-                gab,
-                skew,
-                row_words,
-                LINES,
-                BLOCK,
-                PACKED_COUNT,
-                TOPK > 0,
-                ARGMAX,
-                AHEAD,
-                SHIFT,
-                EVICT_FIRST,
+            res = chunk_lines_fast(
+                lay, (w0, w1), cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, SHIFT
             )
-            # The next chunk's first AHEAD blocks, if any, issued before this chunk's reductions (its
-            # cross-warp barriers): the program keeps loads in flight across the chunk boundary.
-            # With ARGMAX after them: its read-back at the chunk's end would otherwise hold them in
-            # registers too (64 instead of 53 per thread in sm_90 SASS, Triton 3.6: 8 programs per
-            # SM, not 9).
+            line_m, line_s, line_c, line_b, g1, g2, gab = res
+            # The next chunk's first two blocks, if any, issued before this chunk's reductions (its
+            # cross-warp barriers): loads stay in flight across the chunk boundary. With ARGMAX
+            # after them: its read-back would otherwise hold them in registers too (occupancy).
             if not ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(
-                    words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
-                )
+                w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
             big, total, count, amax, acol = chunk_end_fast(
                 row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy, ARGMAX
             )
             if ARGMAX:
-                w0, w1, w2, w3 = ahead_blocks(
-                    words, wcols, start + span, span, stop, skew, row_words, BLOCK, AHEAD, SHIFT, EVICT_FIRST
-                )
+                w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
             # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
             # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
             # combine kernel sums it again in the safe form if it can matter to the row (the count
@@ -537,57 +273,15 @@ def logprob_rank_chunk_kernel(
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         else:
             if ARGMAX and greedy:
-                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
-                    row_ptr,
-                    cols,
-                    start,
-                    full_end,
-                    end,
-                    chosen,
-                    t,
-                    g1,
-                    g2,
-                    gab,
-                    words,
-                    wcols,
-                    skew,
-                    row_words,
-                    LINES,
-                    BLOCK,
-                    HAS_TEMP,
-                    TOPK > 0,
-                    True,
-                    True,
-                    EVICT_FIRST,
-                    SHIFT,
-                    UNROLL,
+                res = chunk_safe(
+                    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True, SHIFT, UNROLL
                 )
+                big, total, count, g1, g2, gab, amax, acol = res
             else:
-                big, total, count, g1, g2, gab, amax, acol = _chunk_safe(
-                    row_ptr,
-                    cols,
-                    start,
-                    full_end,
-                    end,
-                    chosen,
-                    t,
-                    g1,
-                    g2,
-                    gab,
-                    words,
-                    wcols,
-                    skew,
-                    row_words,
-                    LINES,
-                    BLOCK,
-                    HAS_TEMP,
-                    TOPK > 0,
-                    ARGMAX,
-                    False,
-                    EVICT_FIRST,
-                    SHIFT,
-                    UNROLL,
+                res = chunk_safe(
+                    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX, False, SHIFT, UNROLL
                 )
+                big, total, count, g1, g2, gab, amax, acol = res
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
@@ -607,23 +301,18 @@ def logprob_rank_chunk_kernel(
                 code = tl.where(greedy, 2, valid_tok.to(tl.int32))
             else:
                 code = valid_tok.to(tl.int32)
+            outs = (logprob_ptr, rank_ptr, argmax_ptr)
+            parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
+            sizes = (vocab, n_chunks, span)
             merge_row(
                 row,
                 row_ptr,
                 row * n_chunks,
                 chosen,
                 code,
-                logprob_ptr,
-                rank_ptr,
-                argmax_ptr,
-                part_m_ptr,
-                part_s_ptr,
-                part_c_ptr,
-                part_am_ptr,
-                part_a_ptr,
-                vocab,
-                n_chunks,
-                span,
+                outs,
+                parts,
+                sizes,
                 MERGE_BLOCK,
                 WORDS,
                 RESUM_BLOCK,
@@ -635,51 +324,19 @@ def logprob_rank_chunk_kernel(
         # The program's best keys (an exact set: which program holds a chunk changes no bit of
         # the row's top-k), at its first chunk's slot (the combine kernel reads no other).
         slot = row * n_chunks + first
-        program_topk(
-            row_ptr,
-            first * span,
-            tl.minimum(last * span, vocab),
-            g1,
-            g2,
-            gab,
-            t,
-            top_k,
-            pairs_ptr + slot * CAP_P,
-            cand_ptr + slot * CAP,
-            part_k_ptr + slot * TOPK,
-            LINES,
-            VEC,
-            BLOCK,
-            SEL,
-            TOPK,
-            CAP_P,
-            PAIRS,
-            CAP,
-            RESCAN,
-            PIECE,
-            HAS_TEMP,
-            TOPK_SORTED,
-        )
+        CAP_P: tl.constexpr = 4 * TOPK  # as program_topk's
+        CAP: tl.constexpr = 2 * TOPK
+        lo, hi = first * span, tl.minimum(last * span, vocab)
+        dst = (pairs_ptr + slot * CAP_P, cand_ptr + slot * CAP, part_k_ptr + slot * TOPK)
+        program_topk(row_ptr, lo, hi, (g1, g2, gab), t, top_k, dst, LINES, VEC, BLOCK, SEL, TOPK, HAS_TEMP)
 
 
 @triton.jit(
     do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span", "group"],
-    do_not_specialize_on_alignment=[
-        "logits_ptr",
-        "logprob_ptr",
-        "rank_ptr",
-        "topk_lp_ptr",
-        "topk_id_ptr",
-        "part_m_ptr",
-        "part_s_ptr",
-        "part_c_ptr",
-        "part_k_ptr",
-        "tok_y_ptr",
-        "tok_ok_ptr",
-        "argmax_ptr",
-        "part_am_ptr",
-        "part_a_ptr",
-    ],
+    do_not_specialize_on_alignment=(
+        "logits_ptr logprob_ptr rank_ptr topk_lp_ptr topk_id_ptr part_m_ptr part_s_ptr "
+        "part_c_ptr part_k_ptr tok_y_ptr tok_ok_ptr argmax_ptr part_am_ptr part_a_ptr"
+    ).split(),
 )
 def logprob_rank_combine_kernel(
     logits_ptr,  # as in the chunk kernel (read only to re-sum flagged chunks, RESUM)
@@ -710,44 +367,20 @@ def logprob_rank_combine_kernel(
     VEC: tl.constexpr,  # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,  # wait for the chunk kernel (launched as its programmatic dependent)
     ARGMAX: tl.constexpr,  # write the greedy token; score greedy rows (validity code 2) as it
-    RELEASE_FIRST: tl.constexpr,  # GDC: let the next kernel launch before waiting for the chunk kernel
 ):
     if GDC:
         # A chained kernel's programs may be scheduled now or once this grid's wait is over; either
         # way they wait for this grid to end before they read anything.
-        if RELEASE_FIRST:
-            _launch_dependents()
-            _wait_prerequisites()
-        else:
-            _wait_prerequisites()
-            _launch_dependents()
+        _launch_dependents()
+        _wait_prerequisites()
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks
-    lse = merge_row(
-        row,
-        row_ptr,
-        base,
-        tl.load(tok_y_ptr + row),
-        tl.load(tok_ok_ptr + row),
-        logprob_ptr,
-        rank_ptr,
-        argmax_ptr,
-        part_m_ptr,
-        part_s_ptr,
-        part_c_ptr,
-        part_am_ptr,
-        part_a_ptr,
-        vocab,
-        n_chunks,
-        chunk_span,
-        BLOCK,
-        RESUM,
-        RESUM_BLOCK,
-        VEC,
-        ARGMAX,
-        "",
-    )
+    outs = (logprob_ptr, rank_ptr, argmax_ptr)
+    parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
+    chosen, code = tl.load(tok_y_ptr + row), tl.load(tok_ok_ptr + row)
+    sizes = (vocab, n_chunks, chunk_span)
+    lse = merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "")
     if K_PAD > 0:
         # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), in no
         # particular order: the row's best K_PAD of KEY_TILES programs at a time, sorted.

@@ -29,9 +29,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_common_jit import NEG_FLT_MAX, scaled
+from ._logprob_lines_jit import NEG_FLT_MAX, scaled
 
 KEY_PAD = tl.constexpr(-(2**63))  # the smallest key: padding, NaN, masked lanes
+PAIRS = tl.constexpr(32)  # candidate vectors read back per step
+RESCAN = tl.constexpr(512)  # logits per step of the rescan (step 3)
+PIECE = tl.constexpr(256)  # logits per merge of the piecewise fallback (step 4)
 
 
 @triton.jit
@@ -167,37 +170,16 @@ def _pieces(row_ptr, lo, hi, t, K_PAD: tl.constexpr, PIECE: tl.constexpr, HAS_TE
 
 
 @triton.jit
-def program_topk(
-    row_ptr,
-    lo,
-    hi,
-    g1,
-    g2,
-    gab,
-    t,
-    top_k,
-    pairs_dst,
-    cand_dst,
-    out,
-    LINES: tl.constexpr,
-    VEC: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SEL: tl.constexpr,
-    K_PAD: tl.constexpr,
-    CAP_P: tl.constexpr,
-    PAIRS: tl.constexpr,
-    CAP: tl.constexpr,
-    RESCAN: tl.constexpr,
-    PIECE: tl.constexpr,
-    HAS_TEMP: tl.constexpr,
-    SORTED: tl.constexpr,
-):
+def program_topk(row_ptr, lo, hi, track, t, top_k, dst, LINES, VEC, BLOCK, SEL, K_PAD, HAS_TEMP):
     """Write the best ``K_PAD`` keys of columns ``[lo, hi)`` of the row (exact for the best
-    ``top_k``) to ``out[0:K_PAD]``, padded with ``KEY_PAD``, in no particular order unless
-    ``SORTED`` (then largest first; the combine kernel sorts them either way); ``g1``, ``g2``,
+    ``top_k``) to ``out[0:K_PAD]``, padded with ``KEY_PAD``, in no particular order where no more than ``K_PAD``
+    pass the filter (the combine kernel sorts them); ``g1``, ``g2``,
     ``gab``: the line tracking of ``track_lines`` over those columns. (Threshold and order by counting all pairs
-    instead of by sorting networks measured 2.4x slower: 90.8 against 37.7 us at batch 256,
-    bench/README.md, 11:50 UTC.)"""
+    instead of by sorting networks measured 2.4x slower.)"""
+    g1, g2, gab = track
+    pairs_dst, cand_dst, out = dst
+    CAP_P: tl.constexpr = 4 * K_PAD  # candidate vectors, then candidate logits, kept per program
+    CAP: tl.constexpr = 2 * K_PAD
     tau = _tau(g1, top_k, LINES, SEL, K_PAD)
     n = _from_vectors(
         row_ptr, lo, hi, g1, g2, gab, tau, t, pairs_dst, cand_dst, LINES, VEC, BLOCK, CAP_P, PAIRS, CAP, HAS_TEMP
@@ -207,7 +189,7 @@ def program_topk(
     kk = tl.arange(0, K_PAD)
     if n >= 0:
         tl.debug_barrier()  # the candidates were written by other threads
-        if (n <= K_PAD) & (not SORTED):
+        if n <= K_PAD:
             # All of them fit (the common case): written as they are, padded; the combine kernel
             # sorts every program's keys anyway.
             tl.store(out + kk, tl.load(cand_dst + kk, mask=kk < n, other=KEY_PAD))
