@@ -2,7 +2,7 @@
 # Run the GPU test tier and the GPU benchmarks on a machine with a CUDA GPU, using the
 # packages already installed there (no install step). Logs and results go to $OUT (default
 # ./gpu-out). Usage: scripts/gpu_tier.sh [tests] [tests-parallel] [sanitizer] [sanitizer-logprob]
-# [profile-logprob] [profile-logprob-source] [tune-groups] [demo] [cli] [bench-core] [bench-all]
+# [profile-logprob] [profile-logprob-source] [tune-logprob] [demo] [cli] [bench-core] [bench-all]
 # [bench-NAME] ...
 # Results files record the commit measured: from git when this tree is a checkout, else from
 # TRACE_REPLAY_COMMIT=<hash>[-dirty] set by the caller (a copy of the tree without .git).
@@ -137,10 +137,10 @@ print("wrote", out + "/traces.jsonl", "and a checkpoint in", out + "/ckpt")' "$O
           --temperature 0.8 --sampling-seed 1 --out "$OUT/cli/run_sampled_torch.json" &&
         python3 -m trace_replay_app compare --traces "$OUT/cli/traces.jsonl" --device cuda --out-dir "$OUT/cli"
       } 2>&1 | tee "$OUT/cli.log" || status=1 ;;
-    tune-groups)
-      # The logprob trials of bench/tuning/logprob_tuning.py --groups (knobs of the shipped plan
+    tune-logprob)
+      # The logprob trials of bench/tuning/logprob_tuning.py --mode cluster (knobs of the shipped plan
       # side by side, each checked for invariance and against the shipped bits).
-      python3 bench/tuning/logprob_tuning.py --groups 2>&1 | tee "$OUT/tune_groups.log" || status=1 ;;
+      python3 bench/tuning/logprob_tuning.py --mode cluster 2>&1 | tee "$OUT/tune_groups.log" || status=1 ;;
     bench-core)
       # The three benches whose figures the README quotes most, in this order, each under its own
       # limit (seconds: LOGPROB_S, LAUNCH_S, JAX_STEP_S; the defaults add up to 570).

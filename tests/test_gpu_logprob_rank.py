@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers.logprob_cases import (  # noqa: E402
     BATCHES,
     POISON_LOGPROB,

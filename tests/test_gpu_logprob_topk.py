@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers.logprob_cases import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference, round_to  # noqa: E402
 from helpers.topk_cases import assert_topk, processed, special_rows, tied_case  # noqa: E402
 
@@ -92,7 +90,7 @@ def test_gpu_batch_invariant_bitwise(dtype):
 @needs_gpu
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
 def test_gpu_jax_kernel_batch_invariant_and_equal_to_torch(dtype):
-    jax = pytest.importorskip("jax")
+    import jax
     from helpers.jax_helpers import jax_gpu
 
     from trace_replay_jax import token_logprob_rank as jax_logprob_rank

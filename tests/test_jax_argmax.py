@@ -12,11 +12,10 @@ finite values.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp  # noqa: E402
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
 from helpers.argmax_cases import assert_greedy, greedy_case  # noqa: E402
 from helpers.jax_helpers import x64  # noqa: E402
 from helpers.topk_cases import assert_topk, processed, tied_case  # noqa: E402

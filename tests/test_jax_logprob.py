@@ -8,11 +8,10 @@ logits never zero, planted ties, ``-inf`` entries; ranks exact; logprob within
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp  # noqa: E402
 import numpy as np
 import pytest
-
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
 from helpers.jax_helpers import jax_gpu, x64  # noqa: E402
 from helpers.logprob_cases import assert_matches_reference, assert_planted, assert_special, make_case, special_case  # noqa: E402
 

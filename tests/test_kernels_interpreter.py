@@ -7,9 +7,8 @@ depends on nor changes the process environment. The interpreter takes torch CPU 
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton")
+import torch
+import triton
 from helpers import POISON, assert_tokens_equal, random_scenario  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 

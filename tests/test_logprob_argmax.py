@@ -96,7 +96,6 @@ def _greedy_and_explicit_cases():
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
     cases = _interpreter_cases() + _greedy_and_explicit_cases()
     return run_cases_by_name(cases, str(tmp_path_factory.mktemp("interp_argmax")))
 

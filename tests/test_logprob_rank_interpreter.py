@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
 from helpers.logprob_cases import (  # noqa: E402
     TORCH_DTYPES,
     assert_matches_reference,
@@ -104,7 +101,6 @@ def _processed(case):
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    pytest.importorskip("triton")
     return run_cases_by_name(_interpreter_cases(), str(tmp_path_factory.mktemp("interp")))
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch
 from helpers import assert_tokens_equal  # noqa: E402
 from helpers.argmax_cases import assert_greedy, greedy_case  # noqa: E402
 from helpers.logprob_cases import POISON_LOGPROB, POISON_RANK, TORCH_DTYPES, assert_matches_reference  # noqa: E402

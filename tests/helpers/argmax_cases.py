@@ -7,7 +7,7 @@ planted ties at the maximum, special rows, partial blocks and several chunks per
 from __future__ import annotations
 
 import numpy as np
-import pytest
+import torch
 
 from helpers.logprob_cases import (  # noqa: E402
     POISON_LOGPROB,
@@ -17,9 +17,6 @@ from helpers.logprob_cases import (  # noqa: E402
     round_to,
 )
 from trace_replay_core import greedy_argmax_reference, token_logprob_rank  # noqa: E402
-
-torch = pytest.importorskip("torch")
-
 
 POISON_ARGMAX = -777
 

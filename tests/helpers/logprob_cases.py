@@ -19,12 +19,9 @@ logit would miss this by orders of magnitude.
 from __future__ import annotations
 
 import numpy as np
-import pytest
+import torch
 
 from trace_replay_core import token_logprob_rank, token_logprob_rank_reference  # noqa: E402
-
-torch = pytest.importorskip("torch")
-
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -16,7 +16,7 @@ GPU at vocab 151,936 for batches 1 to 1024, both adapters and a CUDA graph in
 from __future__ import annotations
 
 import numpy as np
-import pytest
+import torch
 
 from helpers.logprob_cases import (  # noqa: E402
     POISON_LOGPROB,
@@ -26,8 +26,6 @@ from helpers.logprob_cases import (  # noqa: E402
     round_to,
 )
 from trace_replay_core import token_logprob_rank  # noqa: E402
-
-torch = pytest.importorskip("torch")
 
 
 def processed(x: np.ndarray, temp) -> np.ndarray:
