@@ -64,7 +64,8 @@ def test_gpu_bfloat16_close_to_transformers(checkpoints, case, framework, rng):
     same run without its q/k/v biases is refused (the negative control of the bound here)."""
     folder, config, weights = checkpoints[case]
     model = hf_model(folder, device="cuda", dtype=torch.bfloat16)
-    requests = [r for r in make_requests(rng, config.vocab_size, n=16) if r.trace is not None]
+    # 14 traced requests: 90 positions on average, fewer than check_close's 40 about once in 1e5 draws
+    requests = [r for r in make_requests(rng, config.vocab_size, n=28) if r.trace is not None]
     results = _loop(framework)(config, weights, requests, device="cuda", max_batch=3, dtype="bfloat16")
     want = [teacher_forced(model, r.prompt, r.trace)[0] for r in requests]
     for r, res in zip(requests, results):

@@ -91,7 +91,8 @@ def test_temperature_sampling_is_reproducible(checkpoints, framework, rng):
 
 
 def _traced(rng, config):
-    return [r for r in make_requests(rng, config.vocab_size, n=16) if r.trace is not None]
+    # 14 traced requests: 90 positions on average, fewer than the 40 that check_close needs about once in 1e5 draws
+    return [r for r in make_requests(rng, config.vocab_size, n=28) if r.trace is not None]
 
 
 @pytest.mark.parametrize("framework", sorted(LOOPS))

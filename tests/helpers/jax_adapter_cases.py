@@ -19,7 +19,7 @@ from trace_replay_jax import TraceReplayState
 POISON = 2**30 + 7  # never a trace token (traces are below vocab_size)
 VOCAB = 50_000
 CPU = jax.devices("cpu")[0]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _random_state(rng, device, max_slots=16, max_len=32):

@@ -49,8 +49,10 @@ def run_cases(cases: list[dict], tmp_dir: str) -> dict[str, dict]:
             arrays[f"t{i}"] = c["temp"]
     np.savez(in_path + ".npz", **arrays)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here] + env.get("PYTHONPATH", "").split(os.pathsep))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(tests)
+    paths = [root, os.path.join(root, "adapters"), tests]
+    env["PYTHONPATH"] = os.pathsep.join(paths + env.get("PYTHONPATH", "").split(os.pathsep))
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), in_path, out_path],
         env=env,
