@@ -89,10 +89,12 @@ def source_commit(root: str | None = None) -> tuple[str | None, bool | None]:
 
     From ``git rev-parse HEAD`` and ``git status --porcelain`` (results files left out: the
     benches of one run write them) when ``root`` (default: this repository) is a git checkout;
-    else from the environment variable ``TRACE_REPLAY_COMMIT`` (see :func:`parse_commit`),
-    which a runner sets when it ships a copy of the tree without ``.git``; else
-    ``(None, None)``."""
+    the environment variable ``TRACE_REPLAY_COMMIT`` (see :func:`parse_commit`) comes first when
+    set, since a runner that ships a copy of the tree knows its commit better than a ``.git``
+    that travelled with it (a copy may carry a stale one); else ``(None, None)``."""
     root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.environ.get(COMMIT_ENV, "").strip():  # set by whoever shipped the tree: it knows best
+        return parse_commit(os.environ[COMMIT_ENV])
     if os.path.exists(os.path.join(root, ".git")):
         head = _git(root, "rev-parse", "HEAD")
         status = _git(root, "status", "--porcelain", "--", ".", f":(exclude){RESULTS_PATHSPEC}")

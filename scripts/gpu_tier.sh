@@ -12,7 +12,7 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/adapters${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-if git rev-parse --is-inside-work-tree >/dev/null 2>&1 && [ -e .git ]; then
+if [ -z "${TRACE_REPLAY_COMMIT:-}" ] && git rev-parse --is-inside-work-tree >/dev/null 2>&1 && [ -e .git ]; then
   TRACE_REPLAY_COMMIT="$(git rev-parse HEAD)"
   [ -n "$(git status --porcelain -- . ':(exclude)bench/results')" ] && TRACE_REPLAY_COMMIT+="-dirty"
   export TRACE_REPLAY_COMMIT

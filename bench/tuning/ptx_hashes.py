@@ -26,9 +26,11 @@ import datetime
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import source_commit  # noqa: E402
 
 os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # before Triton reads its settings
 
@@ -170,11 +172,6 @@ def _hash_job(job):
     return name, label, ptx_sha256(*spec[1:])
 
 
-def _git(*cmd) -> str:
-    tree = os.path.dirname(os.path.dirname(str(sys.modules["trace_replay_core"].__file__)))
-    return subprocess.run(["git", *cmd], cwd=tree, capture_output=True, text=True).stdout.strip()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--label", required=True, help="the list's name in the results file (before, after)")
@@ -205,6 +202,10 @@ def main() -> None:
             print(f"{name} {label} {sha[:16]}", flush=True)
     for (name, label), (src_name, src_label) in same_as.items():
         hashes.setdefault(name, {})[label] = hashes[src_name][src_label]
+    # the commit of the tree whose code was read (TRACE_REPLAY_COMMIT, when set, names it)
+    import trace_replay_core
+
+    commit, dirty = source_commit(os.path.dirname(os.path.dirname(os.path.abspath(trace_replay_core.__file__))))
     results = {}
     if os.path.exists(a.out):
         with open(a.out) as f:
@@ -215,8 +216,8 @@ def main() -> None:
             "triton": triton.__version__,
             "target": "cuda sm_90, warp size 32, line info off",
             "command": " ".join(["python", "bench/tuning/ptx_hashes.py"] + sys.argv[1:]),
-            "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "trace_replay_core")),
+            "commit": commit,
+            "dirty": dirty,
             "batch": BATCH,
         },
         "kernels": {name: dict(sorted(hashes[name].items())) for name in sorted(hashes)},
