@@ -1,7 +1,8 @@
 """Does a change move the host cost of a decode step's calls? Two source trees, side by side.
 
 Question: for the calls a decode loop makes every step through the torch adapter (a replay with
-bound lengths, and ``token_logprob_rank`` of bf16 logits), is the host time per call of one
+bound lengths, and ``token_logprob_rank`` of bf16 logits, with its outputs allocated per call and given as ``out=``),
+is the host time per call of one
 source tree within a few percent of another's, on the same machine in the same run?
 
 Method: one child process per (tree, round), the trees alternating (A B A B ...), each child
@@ -61,8 +62,10 @@ for batch in (1, 256):
     rows[f"replay_b{batch}"] = per_call(lambda: state.replay(sampled, idx))
     logits = (torch.randn(batch, 151936, device=device) * 4).to(torch.bfloat16)
     ids = torch.randint(0, 151936, (batch,), device=device)
-    n = calls if device == "cuda" else 20
-    rows[f"logprob_b{batch}"] = per_call(lambda: token_logprob_rank(logits, ids)) if n == calls else float("nan")
+    if device == "cuda":
+        rows[f"logprob_b{batch}"] = per_call(lambda: token_logprob_rank(logits, ids))
+        out = (torch.empty(batch, device=device), torch.empty(batch, dtype=torch.int64, device=device))
+        rows[f"logprob_out_b{batch}"] = per_call(lambda: token_logprob_rank(logits, ids, out=out))
 state.close()
 print(json.dumps(rows))
 """
@@ -99,7 +102,16 @@ def main() -> None:
     rows = []
     for name in seen[a]:
         ma, mb = statistics.median(seen[a][name]), statistics.median(seen[b][name])
-        rows.append({"call": name, "us_a": ma, "us_b": mb, "ratio_b_over_a": mb / ma, "rounds": args.rounds})
+        rows.append(
+            {
+                "call": name,
+                "us_a": ma,
+                "us_b": mb,
+                "ratio_b_over_a": mb / ma,
+                "rounds_a": seen[a][name],
+                "rounds_b": seen[b][name],
+            }
+        )
         print(f"{name:14s} A {ma:8.2f} us  B {mb:8.2f} us  B/A {mb / ma:6.3f}   (A {a}, B {b})")
     if args.device == "cuda":
         write_results("tuning_trees", [dict(r, trees=[a, b]) for r in rows])
