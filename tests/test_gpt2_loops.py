@@ -1,23 +1,5 @@
-"""The GPT-2-style reference decode loops (``trace_replay_app.models.gpt2.torch_loop`` / ``.jax_loop``)
-against a float64 numpy forward of the model, against each other, and across batch sizes.
-
-CPU tier; ``test_gpu_gpt2_loops.py`` runs the same checks (the helpers below) on ``"cuda"``.
-
-How results are compared. The loops compute in float32, the reference (``reference_logits``,
-a full-sequence recompute without a cache) in float64, teacher-forced on the tokens the loop
-produced, so a loop is checked at every position it decoded:
-
-- logprobs within ``LOGPROB_ATOL``: float32 rounding (2^-24 relative) over two layers, three
-  LayerNorms and a 512-way log-sum-exp gives at most ~7e-7 with the seeded weights (logits
-  ~0.2) and ~5e-6 with the scaled ones (logits ~2), measured on this CPU for both loops; the
-  tolerance leaves a margin of 10x over the worst, and is still far below what a modelling
-  error does (a missing bias moves logprobs by 4e-3 to 0.1, an off-by-one position by 0.6).
-- the greedy ``argmax`` must be the reference's argmax, or within ``TIE_ATOL`` of its logit
-  (a near-tie that float32 may legitimately break either way); ranks must lie within the
-  reference's rank band ``[#(logit >= own + TIE_ATOL), #(logit >= own - TIE_ATOL)]``.
-- two runs (two batch sizes, two frameworks) must give identical tokens; a free-running
-  request may part only at a genuine near-tie of the reference, and is compared up to there.
-"""
+"""The GPT-2 decode loops (both frameworks) against the float64 forward, each other and batch sizes:
+the checks and the tolerance are in ``helpers/gpt2_cases.py``, whose docstring derives them."""
 
 from __future__ import annotations
 

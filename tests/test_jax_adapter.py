@@ -1,10 +1,5 @@
-"""The JAX adapter on the CPU: semantics, ownership, ordering and its building blocks.
-
-Its refusals are ``test_jax_adapter_refusals.py``, its GPU tier ``test_gpu_jax_adapter.py``;
-cross-framework parity over long randomised scenarios lives in ``test_parity.py``. Here each
-property is checked on its own, with poisoned inputs (rows the code forgot stay visibly
-wrong) and fresh random data every run.
-"""
+"""The JAX adapter on the CPU: replay, staged writes and refusals, with the inputs and references of
+``helpers/jax_adapter_cases.py``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""token_logprob_rank's ``out_argmax``: each row's greedy token from the same read of the logits,
-and rows with a negative token id scored as it. The numpy backend and the Triton kernels (in
-Triton's interpreter, the launches the GPU path makes) against the float64 reference, with
-planted ties at the maximum, special rows, partial blocks and several chunks per program.
-"""
+"""token_logprob_rank's greedy argmax: the numpy backend and the interpreted kernels, with the cases
+and checks of ``helpers/argmax_cases.py``."""
 
 from __future__ import annotations
 

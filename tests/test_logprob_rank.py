@@ -1,20 +1,5 @@
-"""token_logprob_rank: the numpy backend, the checks, the plan; and the data, reference and
-tolerance that ``test_logprob_rank_interpreter.py`` (the Triton kernels in Triton's interpreter),
-``test_gpu_logprob_rank.py`` (the GPU), ``test_logprob_topk.py`` and ``test_jax_logprob.py`` share.
-
-Every result is checked against ``token_logprob_rank_reference`` (float64 numpy) on random
-logits that are never zero, with ties planted on purpose, ``-inf`` entries, NaN/``+inf`` rows and
-out-of-range token ids. Ranks must match exactly.
-
-Logprob tolerance (the same for every logits dtype, on purpose): bfloat16 and float16 logits
-convert exactly to float32, so the only error is float32 arithmetic. ``lse = max + log(sum)``
-with ``sum`` of at most 2**18 terms in ``[0, 1]`` accumulated per lane (at most 64 terms) and
-then by a tree: relative error of ``sum`` <= ~(64 + 18) * 2**-24 ~ 5e-6, which is the absolute
-error of ``log(sum)``; the exp2/log approximations add <= 2**-21 relative per term; the two
-float32 roundings of ``max + log(sum)`` and ``chosen - lse`` add <= 2**-24 * |value| each. Hence
-``|logprob - ref| <= 2e-5 + 3e-7 * (|chosen| + |lse|)``. A wrongly converted bfloat16 or float16
-logit would miss this by orders of magnitude.
-"""
+"""token_logprob_rank: the numpy backend, the checks and the plan. The data, the reference and the
+tolerance (derived in its docstring) are in ``helpers/logprob_cases.py``."""
 
 from __future__ import annotations
 

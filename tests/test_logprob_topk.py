@@ -1,17 +1,5 @@
-"""token_logprob_rank: batch invariance, top-k and temperature, the special rows of issue 16.
-
-References are float64 numpy, separate from the code under test: the processed logits are
-``float32(x) / float32(T)`` (vLLM divides the float32 logits), the normaliser and the logprobs
-are taken in float64 from them, top-k sorts by (value descending, id ascending) with NaN never
-selected. Ids and ranks must match exactly; logprobs within the bound of test_logprob_rank.py.
-Ties are planted on purpose: equal values straddling the k-th place, ties across chunks, -0.0
-against +0.0.
-
-Batch invariance is checked bit for bit: the same rows in batches of 1, 3 and 8 (at other
-positions, among other rows) through Triton's interpreter and the numpy backend here, and on the
-GPU at vocab 151,936 for batches 1 to 1024, both adapters and a CUDA graph in
-``test_gpu_logprob_topk.py`` (which shares this file's references).
-"""
+"""token_logprob_rank with top-k: the numpy backend and the interpreted kernels. The data, the
+reference and the checks (and why they suffice) are in ``helpers/topk_cases.py``."""
 
 from __future__ import annotations
 

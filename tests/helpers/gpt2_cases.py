@@ -1,7 +1,6 @@
-"""The GPT-2-style reference decode loops (``trace_replay_app.models.gpt2.torch_loop`` / ``.jax_loop``)
-against a float64 numpy forward of the model, against each other, and across batch sizes.
-
-CPU tier; ``test_gpu_gpt2_loops.py`` runs the same checks (the helpers below) on ``"cuda"``.
+"""Checks of the GPT-2-style decode loops (``trace_replay_app.models.gpt2``) against a float64
+numpy forward of the model, against each other, and across batch sizes, shared by
+``test_gpt2_loops.py`` (CPU), ``test_gpu_gpt2_loops.py`` (CUDA) and ``test_sampling.py``.
 
 How results are compared. The loops compute in float32, the reference (``reference_logits``,
 a full-sequence recompute without a cache) in float64, teacher-forced on the tokens the loop

@@ -1,4 +1,4 @@
-"""The JAX adapter on the CPU: semantics, ownership, ordering and its building blocks.
+"""Inputs and references of the JAX adapter's CPU tests: semantics, ownership, ordering, building blocks.
 
 Its refusals are ``test_jax_adapter_refusals.py``, its GPU tier ``test_gpu_jax_adapter.py``;
 cross-framework parity over long randomised scenarios lives in ``test_parity.py``. Here each

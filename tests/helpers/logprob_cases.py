@@ -1,5 +1,5 @@
-"""token_logprob_rank: the numpy backend, the checks, the plan; and the data, reference and
-tolerance that ``test_logprob_rank_interpreter.py`` (the Triton kernels in Triton's interpreter),
+"""token_logprob_rank's test data, reference and tolerance, shared by ``test_logprob_rank.py``,
+``test_logprob_rank_interpreter.py`` (the Triton kernels in Triton's interpreter),
 ``test_gpu_logprob_rank.py`` (the GPU), ``test_logprob_topk.py`` and ``test_jax_logprob.py`` share.
 
 Every result is checked against ``token_logprob_rank_reference`` (float64 numpy) on random

@@ -1,4 +1,4 @@
-"""token_logprob_rank: batch invariance, top-k and temperature, the special rows of issue 16.
+"""Cases and checks of token_logprob_rank's batch invariance, top-k and temperature, and its special rows.
 
 References are float64 numpy, separate from the code under test: the processed logits are
 ``float32(x) / float32(T)`` (vLLM divides the float32 logits), the normaliser and the logprobs
