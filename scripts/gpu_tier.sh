@@ -59,12 +59,12 @@ for part in "${parts[@]}"; do
     tests)
       python3 -m pytest tests -m gpu -q -rfEs -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     tests-parallel)
-      # The same tier on several pytest workers (pytest-xdist, one file per worker) sharing the GPU;
+      # The same tier on several pytest workers (pytest-xdist, tests spread one by one) sharing the GPU;
       # the two tests that read the device's free memory run alone afterwards.
       alone=(tests/test_gpu_reliability.py::test_create_close_cycles_do_not_leak
              tests/test_gpu_torch.py::test_close_frees_memory_and_is_idempotent)
       XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest tests -m gpu -q -rfEs -p no:cacheprovider \
-        -n "${GPU_TEST_WORKERS:-4}" --dist loadfile "${alone[@]/#/--deselect=}" \
+        -n "${GPU_TEST_WORKERS:-12}" --dist load "${alone[@]/#/--deselect=}" \
         --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" || status=1
       python3 -m pytest "${alone[@]}" -m gpu -q -rfEs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_alone.log" \
         || status=1 ;;
