@@ -44,7 +44,6 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
 
@@ -53,49 +52,9 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import copy_bandwidth, table, write_results  # noqa: E402
 from models_sampler import replay_logprob_us  # noqa: E402
+from qwen_shape import FULL, QUICK, hf_model, prefill_only, traced_requests  # noqa: E402
 
-FULL: dict[str, Any] = dict(
-    sizes=dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-    ),
-    batches=(64, 256),
-    prompt=(64, 512),
-    trace=(128, 512),
-    device="cuda",
-)
 REPEATS = 2  # timed whole / prefill-only calls of our loops (medians)
-QUICK: dict[str, Any] = dict(
-    sizes=dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    ),
-    batches=(4, 8),
-    prompt=(8, 24),
-    trace=(8, 24),
-    device="cpu",
-)
-
-
-def _requests(rng, batch, prompt, trace, vocab, one_token=False):
-    from trace_replay_app.records import TraceRequest
-
-    out = []
-    for i in range(batch):
-        p = rng.integers(0, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))
-        t = rng.integers(0, vocab, 1 if one_token else int(rng.integers(trace[0], trace[1] + 1)))
-        out.append(TraceRequest(f"r{i}", prompt=tuple(int(x) for x in p), trace=tuple(int(x) for x in t)))
-    return out
 
 
 def _sync(device):
@@ -166,27 +125,13 @@ def main() -> None:
     ap.add_argument("--frameworks", default="torch,jax,transformers")
     args = ap.parse_args()
     setup = QUICK if args.quick else FULL
-    device = setup["device"]
+    device = "cpu" if args.quick else "cuda"
     providers = args.frameworks.split(",")
-
-    import torch
-    import transformers
 
     from trace_replay_app.models.llama.hf import config_from_hf, weights_from_tensors
 
-    hf_config = transformers.AutoConfig.for_model(
-        "qwen2",
-        **setup["sizes"],
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
     t0 = time.perf_counter()
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    model, hf_config = hf_model(setup["sizes"], device)
     config = config_from_hf(hf_config.to_dict())
     weights = weights_from_tensors(
         config,
@@ -203,8 +148,8 @@ def main() -> None:
     rows = []
     for batch in setup["batches"]:
         rng = np.random.default_rng(0)
-        requests = _requests(rng, batch, setup["prompt"], setup["trace"], config.vocab_size)
-        prefill_only = [type(r)(r.id, prompt=r.prompt, trace=r.trace[:1]) for r in requests]
+        requests = traced_requests(rng, batch, setup["prompt"], setup["trace"], config.vocab_size)
+        prefill_requests = prefill_only(requests)
         steps = max(len(r.trace) for r in requests)
         useful = sum(len(r.trace) for r in requests)
         floor_bytes = _floor_bytes(config, requests, weight_bytes)
@@ -221,7 +166,7 @@ def main() -> None:
             else:
                 call = _our_loop(provider, config, weights, device)
                 call(requests)  # warm-up: compile, capture
-                call(prefill_only)  # its own warm-up (JAX: another program)
+                call(prefill_requests)  # its own warm-up (JAX: another program)
                 # Each of our calls carries ~0.3-3.5 s of fixed cost (weights uploaded, JAX's
                 # program set up) that moved by 0.3 s between single calls on 2026-12-02, as much
                 # as the decode itself: the whole and the prefill-only calls alternate REPEATS
@@ -230,7 +175,7 @@ def main() -> None:
                 for _ in range(REPEATS):
                     whole, results = _timed(lambda call=call, requests=requests: call(requests), device)
                     wholes.append(whole)
-                    prefills.append(_timed(lambda call=call, p=prefill_only: call(p), device)[0])
+                    prefills.append(_timed(lambda call=call, p=prefill_requests: call(p), device)[0])
                 whole, prefill = float(np.median(wholes)), float(np.median(prefills))
                 exact = all(res.tokens.tolist() == list(r.trace) for r, res in zip(requests, results))
                 replay = replay_logprob_us(provider, batch, config.vocab_size, device)

@@ -42,7 +42,6 @@ import pickle
 import sys
 import tempfile
 import time
-from typing import Any
 
 # Before torch, JAX or NCCL start, here and in every child process.
 os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -55,58 +54,15 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import provenance, table, write_results  # noqa: E402
-
-FULL: dict[str, Any] = dict(
-    sizes=dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-    ),
-    batches=(64, 256),
-    prompt=(64, 512),
-    trace=(128, 512),
-    backend="nccl",
-    dtype="bfloat16",
-)
-QUICK: dict[str, Any] = dict(
-    sizes=dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    ),
-    batches=(4, 8),
-    prompt=(8, 24),
-    trace=(8, 24),
-    backend="gloo",
-    dtype="float32",
-)
-
-
-def _requests(rng, batch, prompt, trace, vocab, one_token=False):
-    from trace_replay_app.records import TraceRequest
-
-    out = []
-    for i in range(batch):
-        p = rng.integers(0, vocab, int(rng.integers(prompt[0], prompt[1] + 1)))
-        t = rng.integers(0, vocab, 1 if one_token else int(rng.integers(trace[0], trace[1] + 1)))
-        out.append(TraceRequest(f"r{i}", prompt=tuple(int(x) for x in p), trace=tuple(int(x) for x in t)))
-    return out
+from qwen_shape import FULL, QUICK, hf_model, prefill_only, traced_requests  # noqa: E402
 
 
 def _workloads(setup, vocab):
     """Per batch: (batch, requests, the same requests with one-token traces)."""
     out = []
     for batch in setup["batches"]:
-        requests = _requests(np.random.default_rng(0), batch, setup["prompt"], setup["trace"], vocab)
-        out.append((batch, requests, [type(r)(r.id, prompt=r.prompt, trace=r.trace[:1]) for r in requests]))
+        requests = traced_requests(np.random.default_rng(0), batch, setup["prompt"], setup["trace"], vocab)
+        out.append((batch, requests, prefill_only(requests)))
     return out
 
 
@@ -129,20 +85,8 @@ def _time_calls(call, requests, prefill_only, sync):
 def _make_model(setup, folder, on_gpu):
     """Save the Qwen2.5-0.5B-shaped random model (transformers, bf16) into ``folder``."""
     import torch
-    import transformers
 
-    hf_config = transformers.AutoConfig.for_model(
-        "qwen2",
-        **setup["sizes"],
-        tie_word_embeddings=True,
-        rope_theta=1e6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda" if on_gpu else "cpu"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+    model, _ = hf_model(setup["sizes"], "cuda" if on_gpu else "cpu")
     model.save_pretrained(folder)
     del model
     if on_gpu:
@@ -235,6 +179,8 @@ def main() -> int:
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 64,256; quick 4,8)")
     args = ap.parse_args()
     setup = dict(QUICK if args.quick else FULL)
+    # --quick: gloo ranks and float32 on the CPU; else NCCL and bfloat16 on the GPUs
+    setup.update(dict(backend="gloo", dtype="float32") if args.quick else dict(backend="nccl", dtype="bfloat16"))
     if args.batches:
         setup["batches"] = tuple(int(b) for b in args.batches.split(","))
     setup["cuda_graph"] = False if args.no_cuda_graph else None
