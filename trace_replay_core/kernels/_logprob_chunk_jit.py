@@ -1,52 +1,184 @@
-"""A chunk's partial in the logprob chunk kernel, by its two paths.
-
-The element path (every dtype, and bfloat16 with a temperature): a block of ``[LINES, VEC]``
-logits per step, exponentials as ``exp2((y - m) * log2(e))``, exact for any finite logits. The
-fused path (bfloat16 without a temperature, ``WORDS``): whole blocks read as 32-bit words of two
-logits, one fused multiply-add per exponent, the rank by one packed compare per word. Rows that
-are not 16-byte aligned (``SHIFT``) are shifted into place first (:mod:`._logprob_lines_jit`):
-the same instructions follow, the same bits. The contract and the handling of logits beyond
-``+-2**20`` are described in :mod:`.logprob_rank`."""
+"""A chunk's partial in the logprob chunk kernel (:mod:`._logprob_rank_jit`): max, sum of
+``exp(y - max)``, count of ``y >= y[token]`` and, with ``ARGMAX``, greedy maximum and lowest column,
+from ``[LINES, VEC]`` blocks of 16-byte lines, a line per thread with its own running max and sum
+(no shuffles per block). The element path (:func:`chunk_safe`; every dtype, bfloat16 with a
+temperature): ``exp2((y - m) * log2(e))``, exact for any finite logits. The fused path
+(:func:`chunk_lines_fast`; bfloat16 without a temperature): words of two logits, one fused
+multiply-add per exponent (line maxima clamped to ``+-TAME``; a chunk beyond it is flagged for the
+merge to sum again), one packed ``bf16x2`` compare per word for the rank. Rows not 16-byte aligned
+(``SHIFT``) read each line as the two aligned vectors around it, shifted into place, and their last
+columns a logit per load: an aligned row's registers, instructions and bits, no load past the row."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._logprob_lines_jit import (
-    LOG2E,
-    NEG_FLT_MAX,
-    argmax_chunk,
-    argmax_lines,
-    exact_words,
-    line_values,
-    online_update,
-    scaled,
-    shifted_block,
-    stream_load,
-    track_lines,
-)
+NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)  # the element path's start: a chunk of -inf stays finite
+LOG2E = tl.constexpr(1.4426950408889634)
+INT32_MAX = tl.constexpr(2147483647)
+TAME = tl.constexpr(2.0**20)  # the fused path clamps line maxima to +-TAME; a chunk beyond it is flagged
 
-TAME = tl.constexpr(2.0**20)  # line maxima clamped to +-TAME; a chunk beyond it is flagged
+
+@triton.jit
+def scaled(x, t, HAS_TEMP: tl.constexpr):
+    """``x / t`` with a temperature (IEEE division, as ``logits / T`` in torch and numpy)."""
+    return tl.math.div_rn(x, t) if HAS_TEMP else x
+
+
+@triton.jit
+def stream_load(ptr, mask):
+    """Logits (or words) read once: evict-first in L1 and L2 (0 where ``mask`` is false)."""
+    if mask is None:
+        return tl.load(ptr, eviction_policy="evict_first")
+    else:
+        return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def online_update(x, m, s):
+    """Fold the ``[LINES, VEC]`` block ``x`` into each line's running max ``m`` and sum ``s`` of
+    ``exp(x - m)``, within the line's thread. A NaN never becomes a maximum but poisons the sum."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    scale = tl.exp2((m - m_new) * LOG2E)  # m = m_new = +inf: NaN, as it should
+    terms = tl.exp2((x - m_new[:, None]) * LOG2E)  # x = -inf: 0; x = NaN: NaN
+    return m_new, s * scale + tl.sum(terms, axis=1)
+
+
+@triton.jit
+def track_lines(y, off, g1, g2, gab, TRACK: tl.constexpr):
+    """With ``TRACK`` (top-k): each line's maximum ``g1``, its block ``gab``, other blocks' ``g2``."""
+    if TRACK:
+        bm = tl.max(y, axis=1)
+        up = bm > g1
+        g2 = tl.where(up, g1, tl.maximum(g2, bm))
+        gab = tl.where(up, off, gab)
+        g1 = tl.maximum(g1, bm)
+    return g1, g2, gab
+
+
+@triton.jit
+def argmax_lines(y, off, ag, ab):
+    """Each line's running maximum ``ag`` (never NaN), the block ``ab`` where first reached, ``up``."""
+    bm = tl.max(y, axis=1)
+    up = bm > ag
+    return up, tl.maximum(ag, bm), tl.where(up, off, ab)
+
+
+@triton.jit
+def argmax_chunk(row_ptr, cols, end, ag, ab, count, t, greedy, HAS_TEMP: tl.constexpr):
+    """A chunk's greedy maximum, its lowest column (read back from the vector where each line at it
+    first reached it; ``INT32_MAX`` if all NaN) and its count (a greedy row: the ties at it)."""
+    amax = tl.max(ag, axis=0)
+    cand = ag == amax
+    idx = ab[:, None] + cols
+    v = scaled(tl.load(row_ptr + idx, mask=cand[:, None] & (idx < end), other=float("nan")).to(tl.float32), t, HAS_TEMP)
+    acol = tl.min(tl.min(tl.where(v == amax, idx, INT32_MAX), axis=1), axis=0)
+    ties = tl.sum(tl.where(cand, count, 0), axis=0)
+    return amax, acol, tl.where(greedy, ties, tl.sum(count, axis=0))
+
+
+@triton.jit
+def _split4(v):
+    """The four words of each line of ``[LINES, 4]`` words, as four ``[LINES]`` tensors."""
+    even, odd = tl.split(v.reshape([v.shape[0], 2, 2]))  # words 0 and 2, words 1 and 3
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _pick(q, x0, x1, x2, x3):
+    return tl.where(q == 0, x0, tl.where(q == 1, x1, tl.where(q == 2, x2, x3)))
+
+
+@triton.jit
+def shift_words(va, vb, skew):
+    """The ``[LINES, 4]`` words of lines that start ``skew`` bytes (even, < 16) into the aligned
+    vectors ``va`` and continue in ``vb`` (little-endian, as in an aligned row)."""
+    a0, a1, a2, a3 = _split4(va)
+    b0, b1, b2, b3 = _split4(vb)
+    q = skew // 4
+    e0 = _pick(q, a0, a1, a2, a3).to(tl.uint32, bitcast=True)
+    e1 = _pick(q, a1, a2, a3, b0).to(tl.uint32, bitcast=True)
+    e2 = _pick(q, a2, a3, b0, b1).to(tl.uint32, bitcast=True)
+    e3 = _pick(q, a3, b0, b1, b2).to(tl.uint32, bitcast=True)
+    if skew % 4 != 0:  # the line starts in a word's upper half: funnel each pair by 16 bits
+        e4 = _pick(q, b0, b1, b2, b3).to(tl.uint32, bitcast=True)
+        e0 = (e0 >> 16) | (e1 << 16)
+        e1 = (e1 >> 16) | (e2 << 16)
+        e2 = (e2 >> 16) | (e3 << 16)
+        e3 = (e3 >> 16) | (e4 << 16)
+    w = tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape([va.shape[0], 4])
+    return w.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def line_values(w, ELEM: tl.constexpr):
+    """The logits of ``[LINES, 4]`` words of ``ELEM`` elements as float32, in column order."""
+    if ELEM == tl.float32:
+        return w.to(tl.float32, bitcast=True)
+    else:
+        if ELEM == tl.bfloat16:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.join(lo, hi).reshape([w.shape[0], 8])
+
+
+@triton.jit
+def shifted_block(words, wcols, off_w, mask, skew, row_words, MASKED: tl.constexpr):
+    """The shifted words of the block whose first line starts ``off_w`` words (plus ``skew`` bytes)
+    past ``words``; lines where ``mask`` (if ``MASKED``). A second vector is read only where it
+    lies whole before ``row_words``, the row's last 16-byte boundary: no load past the row."""
+    lines = tl.arange(0, wcols.shape[0])[:, None] * 4  # each line's first word
+    inside = off_w + lines + 8 <= row_words
+    if MASKED:
+        va = tl.load(words + off_w + wcols, mask=mask, other=0)
+        vb = tl.load(words + off_w + wcols + 4, mask=mask & inside, other=0)
+    else:
+        va = tl.load(words + off_w + wcols)
+        vb = tl.load(words + off_w + wcols + 4, mask=inside, other=0)
+    return shift_words(va, vb, skew)
+
+
+@triton.jit
+def _exact_word(row_ptr, first, k, end, ITEMSIZE: tl.constexpr):
+    if ITEMSIZE == 4:
+        c = first + k
+        return tl.load(row_ptr + c, mask=c < end, other=0).to(tl.int32, bitcast=True)
+    else:
+        c = first + 2 * k
+        lo = tl.load(row_ptr + c, mask=c < end, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        hi = tl.load(row_ptr + c + 1, mask=c + 1 < end, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (lo | (hi << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
+    """The block at column ``off`` laid out as :func:`shifted_block` lays it out, from one load
+    per logit masked at ``end`` (zero bits past it): a row's last columns."""
+    first = off + tl.arange(0, LINES) * (16 // ITEMSIZE)  # each line's first column
+    w0 = _exact_word(row_ptr, first, 0, end, ITEMSIZE)
+    w1 = _exact_word(row_ptr, first, 1, end, ITEMSIZE)
+    w2 = _exact_word(row_ptr, first, 2, end, ITEMSIZE)
+    w3 = _exact_word(row_ptr, first, 3, end, ITEMSIZE)
+    return tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape([LINES, 4])
 
 
 @triton.jit
 def _mc(m):
-    """The offset of a line's exponents: ``m * log2(e)`` with ``m`` clamped to ``[-2**20, 2**20]``,
-    so that its rounding error (at most ``2**20 * log2(e) * 2**-24`` < 0.1) keeps every exponent
-    ``y * log2(e) - mc`` of the line's logits ``y <= m`` below 0.1: no term overflows. A line
-    below ``-2**20`` only loses terms to underflow that are ``< 2**-150`` next to a chunk maximum
-    above ``-2**20``; a chunk whose maximum is beyond ``+-2**20`` is flagged (see the chunk kernel)."""
+    """A fused line's exponent offset ``m * log2(e)``, ``m`` clamped to ``+-TAME``: its rounding
+    error (< 0.1) keeps every exponent of the line's logits below 0.1, so no term overflows."""
     return tl.minimum(tl.maximum(m, -TAME), TAME) * LOG2E
 
 
 @triton.jit
 def _online_fast(y, m, s):
-    """``online_update`` with one fused multiply-add per exponent: ``s`` sums
-    ``2**(y * log2(e) - mc)`` with ``mc = _mc(m')`` (rescaled by ``2**(mc_old - mc)`` when the line
-    maximum grows). The chunk's end multiplies each line's sum by ``2**(mc - big * log2(e))``
-    (one rounding), which undoes ``mc``'s own rounding error: the result is that of
-    ``online_update`` to within the rounding of the exponents."""
+    """:func:`online_update` with one fused multiply-add per exponent: ``s`` sums
+    ``2**(y * log2(e) - _mc(m))``; :func:`chunk_end_fast` rescales it in one rounding."""
     m_new = tl.maximum(m, tl.max(y, axis=1))
     mc = _mc(m_new)
     terms = tl.sum(tl.exp2(tl.fma(y, LOG2E, -mc[:, None])), axis=1)
@@ -55,9 +187,7 @@ def _online_fast(y, m, s):
 
 @triton.jit
 def _ge_masks(w, chosen_w):
-    """Per 32-bit word of two bfloat16 logits: ``0xFFFF`` in each half whose logit is ``>=`` the
-    chosen one (``chosen_w`` holds it in both halves; NaN compares false), else 0. One packed
-    compare per two logits (PTX ``set.ge.u32.bf16x2``, sm_90)."""
+    """Per word of two bfloat16 logits, ``0xFFFF`` in each half ``>=`` the token's (NaN: 0)."""
     return tl.inline_asm_elementwise(
         "set.ge.u32.bf16x2 $0, $1, $2;", "=r,r,r", [w, chosen_w], dtype=tl.uint32, is_pure=True, pack=1
     )
@@ -65,8 +195,7 @@ def _ge_masks(w, chosen_w):
 
 @triton.jit
 def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
-    """The words of the block ``at`` blocks into a chunk (zeros unless it lies whole among the
-    chunk's first ``words_in`` words)."""
+    """The words of block ``at`` of a chunk (zeros unless whole among its first ``words_in``)."""
     if SHIFT:
         return shifted_block(
             words, wcols, at * (BLOCK // 2), wcols + at * (BLOCK // 2) < words_in, skew, row_words, True
@@ -76,22 +205,9 @@ def _whole_block(words, wcols, at, words_in, skew, row_words, BLOCK: tl.constexp
 
 
 @triton.jit
-def ahead_blocks(
-    words,
-    wcols,
-    start,
-    span,
-    end,
-    skew,
-    row_words,
-    BLOCK: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
-    """The words of the first two whole blocks of the chunk of ``span`` logits at ``start``
-    (zeros for a block that does not lie whole before ``end``), loaded ahead of the chunk's block
-    loop: the chunk kernel issues a program's first before the token's two dependent loads, and
-    the next chunk's at the end of a chunk's blocks, so that loads stay in flight across them.
-    ``skew``, ``row_words`` and ``SHIFT`` as in :func:`chunk_lines_fast`."""
+def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    """The first two whole blocks of the chunk at ``start``, loaded ahead of its block loop (before
+    the token's dependent loads, or before the previous chunk's reductions)."""
     words_in = tl.minimum(span, end - start) // BLOCK * (BLOCK // 2)  # words in the chunk's whole blocks
     chunk_words = words + start // 2
     row_words -= start // 2
@@ -102,10 +218,7 @@ def ahead_blocks(
 
 @triton.jit
 def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX):
-    """Fold the whole block of words ``w`` at column ``off`` into the line states of
-    :func:`chunk_lines_fast` (maximum, sum, count or packed count masks, block of the maximum) and the
-    line tracking of ``track_lines``; ``st`` the states, returned updated; ``tok``: the token's
-    logit, its bits in both halves of a word, whether the row is greedy."""
+    """Fold the whole block of words ``w`` at column ``off`` into the fused path's line states."""
     m, s, count, masks, ab, g1, g2, gab = st
     chosen, chosen_w, greedy = tok
     lo = (w << 16).to(tl.float32, bitcast=True)
@@ -133,10 +246,7 @@ def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX):
 
 @triton.jit
 def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT):
-    """Fold the block at column ``off`` into the line states of :func:`chunk_lines_fast`, a logit
-    per load, masked at ``end`` (a row's partial last block; with ``SHIFT`` any block past
-    ``full_end``, as words laid out as the whole blocks' by :func:`exact_words`); ``st`` the
-    states, returned updated."""
+    """Fold the block at ``off`` into the fused path's line states, a logit per load."""
     m, s, count, ab, g1, g2, gab = st
     idx = off + cols
     inside = idx < end
@@ -158,21 +268,8 @@ def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT
 
 @triton.jit
 def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT):
-    """The chunk kernel's ``chunk_safe`` for bfloat16 rows without a temperature, up to
-    its per-line states (:func:`chunk_end_fast` reduces them): whole blocks read as 32-bit words
-    (two logits each, widened by a shift and a mask), exponentials by :func:`_online_fast`, the
-    count by packed compares where ``PACKED_COUNT`` (else per logit). ``w0`` and ``w1`` are the
-    chunk's first two whole blocks (:func:`ahead_blocks`); every chunk folds them in by the
-    same steps before its block loop, wherever they were loaded. With ``SHIFT`` (rows not 16-byte
-    aligned) ``words`` is the row's start rounded down to 16 bytes, ``skew`` bytes before it, and
-    ``row_words`` the row's last 16-byte boundary in words past ``words`` (``full_end`` stops
-    where a line would need a vector beyond it; the rest, at most two blocks, is read a logit per
-    load by :func:`_tail_fast`). Returns each line's maximum
-    (from -inf), sum and count, the block of its maximum (``ARGMAX``) and the line tracking of
-    ``track_lines``; a ``greedy`` row counts against its line maximum instead of the token.
-    ``lay``: ``row_ptr``, ``words``, ``wcols``, ``skew``, ``row_words``; ``ahead``: ``(w0, w1)``; ``tok``:
-    the token's logit, its bits in both halves of a word, whether the row is greedy; ``track``:
-    the line tracking."""
+    """The fused path up to its line states: each line's maximum, sum, count, the block of its
+    maximum (``ARGMAX``) and the top-k tracking; ``ahead``: the chunk's first two whole blocks."""
     row_ptr, words, wcols, skew, row_words = lay
     start, full_end, end = bounds
     w0, w1 = ahead
@@ -192,9 +289,7 @@ def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_
         m, s, count, masks, ab, g1, g2, gab = _fast_block(
             w1, start + BLOCK, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX
         )
-    # The lower bound is clamped to the end: with a start past the end (a chunk of one whole
-    # block), an unrolled loop once ran one iteration and read the next row (a GPU test at
-    # vocabulary 32,000 caught it).
+    # The lower bound is clamped: a chunk of one whole block must not run an unrolled iteration.
     for off in tl.range(tl.minimum(start + 2 * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
         if SHIFT:
             w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
@@ -202,10 +297,7 @@ def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_
             w = stream_load(words + off // 2 + wcols, None)
         st = (m, s, count, masks, ab, g1, g2, gab)
         m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
-    if PACKED_COUNT:
-        # masks = 0xFFFF * (n_lo + 65536 * n_hi) mod 2**32, and 0xFFFEFFFF is 0xFFFF's inverse
-        # mod 2**32: the product is n_lo + 65536 * n_hi (each half counts at most
-        # 4 * chunk_blocks < 2**16 logits: the host checks the plan).
+    if PACKED_COUNT:  # 0xFFFEFFFF inverts 0xFFFF mod 2**32 (each half counts < 2**16: the plan checks)
         packed = masks * 0xFFFEFFFF
         count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
     if SHIFT:  # the row's last columns may reach into a second block (see the chunk kernel's full_end)
@@ -222,10 +314,7 @@ def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_
 
 @triton.jit
 def chunk_end_fast(row_ptr, cols, end, m, s, count, ab, greedy, ARGMAX: tl.constexpr):
-    """A chunk's ``(max, sum, count)`` from the line states of :func:`chunk_lines_fast` and, with
-    ``ARGMAX``, its greedy maximum and column (``chunk_safe``'s, from the line maxima ``m``). The
-    maximum of a chunk of only -inf is -inf here (``chunk_safe``: -FLT_MAX); the combine kernel
-    treats both alike."""
+    """The fused path's chunk partial from its line states (a chunk of only -inf: maximum -inf)."""
     big = tl.max(m, axis=0)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
@@ -239,9 +328,7 @@ def chunk_end_fast(row_ptr, cols, end, m, s, count, ab, greedy, ARGMAX: tl.const
 
 @triton.jit
 def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT):
-    """Fold the block at column ``off`` into :func:`chunk_safe`'s line states, a logit per load,
-    masked at ``end`` (with ``SHIFT`` as words laid out as the whole blocks', ``exact_words``):
-    the values of the whole-block path, the same steps. ``st``: the states, returned updated."""
+    """Fold the block at ``off`` into :func:`chunk_safe`'s line states, a logit per load."""
     m, s, count, ag, ab, g1, g2, gab = st
     idx = off + cols
     inside = idx < end
@@ -266,17 +353,8 @@ def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, 
 
 @triton.jit
 def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL):
-    """One chunk's partial ``(max, sum of exp(y - max), count of y >= chosen)`` and the line
-    tracking of ``track_lines``, element loads, exponentials as ``exp2((y - m) * log2(e))``: exact
-    for any finite logits. With ``ARGMAX`` also the chunk's greedy maximum and its lowest column
-    (:func:`argmax_chunk`), and for a ``GREEDY`` row the count of the ties at that maximum.
-    Whole blocks load evict-first (``stream_load``). With ``SHIFT`` (rows not
-    16-byte aligned) each line is read as the two aligned 16-byte vectors around it and its words
-    shifted into place (``shifted_block``; ``lay`` holds ``row_ptr``, ``words``, ``wcols``, ``skew``,
-    ``row_words`` as in the fused path; ``track`` the line tracking), so every line holds the
-    same logits in the same registers as in an aligned row
-    and the same instructions follow: the same bits in every layout. ``UNROLL``: the block loop's
-    unroll factor (speed only: every block is folded in by the same steps, in column order)."""
+    """The element path: a chunk's partial ``(max, sum, count)``, the top-k tracking and, with
+    ``ARGMAX``, its greedy maximum and column (a ``GREEDY`` row counts the ties at it)."""
     row_ptr, words, wcols, skew, row_words = lay
     start, full_end, end = bounds
     g1, g2, gab = track
@@ -287,7 +365,6 @@ def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRAC
     count = tl.zeros([LINES], tl.int32)
     ag = tl.full([LINES], float("-inf"), tl.float32)  # ARGMAX: the line maximum, from -inf
     ab = tl.zeros([LINES], tl.int32) + start
-    # Whole blocks: unmasked (16-byte vector loads when the rows are aligned).
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
         if SHIFT:
             y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
@@ -302,10 +379,7 @@ def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRAC
             count = tl.where(up, 0, count) + tl.sum((y >= ag[:, None]).to(tl.int32), axis=1)
         else:
             count += tl.sum((y >= chosen).to(tl.int32), axis=1)
-    # The partial last block, where there is one (only in a row's last chunk), a logit per load;
-    # with SHIFT also a whole block that holds the row's last 16-byte vector (full_end stops
-    # before it), so up to two. A fully masked block of -inf would leave finite m, s and count as
-    # they are, so it is skipped.
+    # The partial last block (with SHIFT up to two blocks); a block of only -inf changes nothing.
     if SHIFT:
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
             st = (m, s, count, ag, ab, g1, g2, gab)
@@ -324,16 +398,3 @@ def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRAC
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
     return big, total, n, g1, g2, gab, amax, acol
-
-
-@triton.jit
-def resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
-    """The sum of :func:`chunk_safe` for the chunk ``[start, end)`` of a row (no temperature),
-    in one plain masked loop: the combine kernel's rare path for chunks that the fused path
-    flagged."""
-    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
-    s = tl.zeros([LINES], tl.float32)
-    for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
-        idx = off + cols
-        m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
-    return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)

@@ -1,56 +1,55 @@
-"""The ``@triton.jit`` kernels of the logprob-and-rank op: the chunk kernel (one read of the
-logits: partial max, sum and count per chunk, with top-k each program's best keys; launched in
-clusters, it also merges each row in its first program) and the combine kernel (one program per
-row). A chunk's partial: :mod:`._logprob_chunk_jit`; top-k: :mod:`._logprob_topk_jit`. The
-contract and the design are in :mod:`.logprob_rank`, which plans and launches these kernels."""
+"""The ``@triton.jit`` kernels of the logprob-and-rank op (contract and design:
+:mod:`.logprob_rank`, which plans and launches them). The chunk kernel computes each chunk's
+partial (:mod:`._logprob_chunk_jit`) and, with top-k, each program's best keys
+(:mod:`._logprob_topk_jit`); the combine kernel (or, launched in clusters, a row's first program)
+merges a row's partials in chunk order within one warp (:func:`merge_row`) and sorts its
+programs' keys."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._logprob_chunk_jit import TAME, ahead_blocks, chunk_end_fast, chunk_lines_fast, chunk_safe, resum_safe
-from ._logprob_lines_jit import INT32_MAX, LOG2E, scaled
+from ._logprob_chunk_jit import (
+    INT32_MAX,
+    LOG2E,
+    NEG_FLT_MAX,
+    TAME,
+    ahead_blocks,
+    chunk_end_fast,
+    chunk_lines_fast,
+    chunk_safe,
+    online_update,
+    scaled,
+)
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel", "merge_row"]
 
 
 @triton.jit
-def _launch_dependents():
-    """Let the next kernel on the stream, if launched as a programmatic dependent launch, start
-    now (it waits for this grid's results with :func:`_wait_prerequisites`; PTX
-    ``griddepcontrol``, sm_90)."""
-    tl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-    )
+def _ptx(ASM: tl.constexpr):
+    """Run the PTX statement ``ASM`` (sm_90: ``griddepcontrol`` of programmatic dependent
+    launches, ``barrier.cluster`` arrive with release, wait with acquire)."""
+    tl.inline_asm_elementwise(ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _wait_prerequisites():
-    """Wait until the grids this one depends on have finished and their writes are visible (a
-    no-op when the kernel was launched the ordinary way)."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _cluster_arrive():
-    """Arrive at the cluster's barrier with release semantics: this thread's earlier writes are
-    visible to every thread of the cluster that then waits on it (PTX ``barrier.cluster``,
-    sm_90). A thread may exit after arriving: an exited thread holds no barrier up."""
-    tl.inline_asm_elementwise("barrier.cluster.arrive.release; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _cluster_wait():
-    """Wait until every thread of the cluster has arrived (or exited), acquiring their writes."""
-    tl.inline_asm_elementwise("barrier.cluster.wait.acquire; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+def resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`chunk_safe`'s sum of the chunk ``[start, end)`` (no temperature), plainly masked:
+    the merge's rare path for chunks the fused path flagged."""
+    m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([LINES], tl.float32)
+    for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
+        idx = off + cols
+        m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
+    return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)
 
 
 @triton.jit
 def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
-    """Whether the row's token id is valid, its scaled logit (NaN when invalid), T, and whether
-    the id is negative (with ``ARGMAX``: a greedy row, scored as its argmax)."""
+    """Whether the row's id is valid, its scaled logit (NaN if not), T, and whether it is negative
+    (with ``ARGMAX``: a greedy row, scored as its argmax)."""
     token = tl.load(ids_ptr + row).to(tl.int64)
     valid = (token >= 0) & (token < vocab)
     if HAS_TEMP:
@@ -62,35 +61,15 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def merge_row(
-    row,
-    row_ptr,
-    base,
-    chosen,
-    code,
-    outs,
-    parts,
-    sizes,
-    BLOCK,
-    RESUM,
-    RESUM_BLOCK,
-    VEC,
-    ARGMAX,
-    CACHE,
-):
-    """Merge row ``row``'s ``n_chunks`` partials (at ``base``) in chunk order and store its
-    logprob, rank and (``ARGMAX``) greedy token; return its log-sum-exp. ``chosen`` is the token's
-    scaled logit, ``code`` 0 for an invalid id, 1 for a valid one, 2 for a greedy row. Run by the
-    combine kernel (one warp) or by a cluster's first program (four warps, ``CACHE = ".cg"``: the
-    partials read from L2); a row's partials (at most 16 in a cluster) are reduced within one warp
-    in both: the same bits. ``outs``: logprob, rank, argmax outputs; ``parts``: the partials' max,
-    sum, count, greedy maximum, its column; ``sizes``: vocabulary, chunks, logits per chunk."""
+def merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, CACHE):
+    """Merge row ``row``'s partials (at ``base``) in chunk order within one warp, store its logprob,
+    rank and greedy token, return its log-sum-exp. ``code``: 0 invalid id, 1 valid, 2 greedy row;
+    ``outs``: logprob, rank, argmax; ``parts``: max, sum, count, greedy maximum, its column;
+    ``sizes``: vocabulary, chunks, logits per chunk; ``CACHE``: ``.cg`` in a cluster (from L2)."""
     logprob_ptr, rank_ptr, argmax_ptr = outs
     part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr = parts
     vocab, n_chunks, chunk_span = sizes
-    # One load of each of the row's partials (the plan keeps n_chunks <= BLOCK), all issued
-    # together: the merge below runs on registers.
-    j = tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK)  # every partial loaded at once (the plan keeps n_chunks <= BLOCK)
     inside = j < n_chunks
     m = tl.load(part_m_ptr + base + j, mask=inside, other=float("-inf"), cache_modifier=CACHE)
     s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
@@ -102,8 +81,8 @@ def merge_row(
     big = tl.max(m, axis=0)
     if RESUM:
         if tl.sum((s < 0).to(tl.int32), axis=0) > 0:
-            # Rare: a flagged chunk (maximum beyond +-2**20) within 128 of the row's maximum is
-            # summed again here; a flagged chunk further below adds s * 2**(< -184) = 0 as it is.
+            # A flagged chunk within 128 of the row's maximum is summed again; further below it
+            # adds s * 2**(< -184) = 0 as it is.
             LINES: tl.constexpr = RESUM_BLOCK // VEC
             cols = tl.arange(0, LINES)[:, None] * VEC + tl.arange(0, VEC)[None, :]
             for k in range(0, n_chunks):
@@ -119,9 +98,7 @@ def merge_row(
     total = tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
     count = tl.sum(c, axis=0)
     lse = big + tl.log(total)  # total == 0 only for a row of -inf: lse = -inf
-    if ARGMAX:
-        # The row's greedy maximum, its lowest column over the chunks that hold it (exact: no
-        # order of evaluation matters), and the ties at it; a row of only NaN gets column 0.
+    if ARGMAX:  # the greedy maximum, its lowest column (exact in any order), its ties; all NaN: 0
         amax = tl.max(am, axis=0)
         sel = inside & (am == amax)
         acol = tl.min(tl.where(sel, a, INT32_MAX), axis=0)
@@ -139,8 +116,7 @@ def merge_row(
 
 @triton.jit
 def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.constexpr, KEY_TILES: tl.constexpr):
-    """The best ``K_PAD`` keys of a row's programs ``p0 .. p0 + KEY_TILES`` (those that exist),
-    sorted, largest first (the sets need not be sorted)."""
+    """The best ``K_PAD`` keys of a row's programs ``p0 .. p0 + KEY_TILES``, sorted."""
     p = p0 + tt
     slots = base + p * group
     keys = tl.load(part_k_ptr + slots[:, None] * K_PAD + kk[None, :], mask=(p < n_progs)[:, None], other=KEY_PAD)
@@ -192,9 +168,12 @@ def logprob_rank_chunk_kernel(
     MERGE_BLOCK: tl.constexpr,
     RESUM_BLOCK: tl.constexpr,  # CLUSTER: as the combine kernel's BLOCK, RESUM_BLOCK
 ):
+    """Grid ``(batch, cdiv(n_chunks, group))``: program ``(row, p)`` stores the partials of the
+    row's chunks ``p * group ..`` at ``row * n_chunks + chunk``, and with ``TOPK`` its best keys at
+    its first chunk's slot; the program of chunk 0 also stores the row's token."""
     if GDC:
-        _launch_dependents()
-        _wait_prerequisites()  # launched as a dependent of the kernel before it: wait for its writes
+        _ptx("griddepcontrol.launch_dependents; // $0")
+        _ptx("griddepcontrol.wait; // $0")  # the writes of the kernel before it are visible
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * group
     last = tl.minimum(first + group, n_chunks)
@@ -208,8 +187,7 @@ def logprob_rank_chunk_kernel(
     if SHIFT:  # the row's start rounded down to 16 bytes, and how far below the row it lies
         skew = (row_ptr.to(tl.int64) % 16).to(tl.int32)
         words = tl.multiple_of((row_ptr - skew // ITEMSIZE).to(tl.pointer_type(tl.int32)), 16)
-        # The row's last 16-byte boundary, in words past ``words``, and the columns before it: the
-        # vectors of lines that end there lie whole inside the row (no load reads past its end).
+        # The row's last 16-byte boundary in words past ``words``, and the columns before it.
         row_words = (skew + ITEMSIZE * vocab) // 16 * 4
         safe_cols = tl.maximum(4 * row_words - skew, 0) // ITEMSIZE
     else:
@@ -218,12 +196,10 @@ def logprob_rank_chunk_kernel(
         row_words = 0
     wcols = tl.arange(0, LINES)[:, None] * 4 + tl.arange(0, 4)[None, :]  # each line's four words
     lay = (row_ptr, words, wcols, skew, row_words)
-    if WORDS:
-        # The first chunk's first two blocks, in flight while the token's id and then its logit
-        # load (two dependent round trips that every program starts with).
+    if WORDS:  # the first two blocks in flight during the token's two dependent loads
         w0, w1 = ahead_blocks(words, wcols, first * span, span, stop, skew, row_words, BLOCK, SHIFT)
     valid_tok, chosen, t, greedy = _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP)
-    if first == 0:  # the row's token, for the combine kernel (it need not load it again)
+    if first == 0:  # the row's token, for the combine kernel
         tl.store(tok_y_ptr + row, chosen)
         if ARGMAX:  # 0: invalid id, 1: valid, 2: greedy row
             tl.store(tok_ok_ptr + row, tl.where(greedy, 2, valid_tok.to(tl.int32)))
@@ -234,31 +210,24 @@ def logprob_rank_chunk_kernel(
         bits = chosen.to(tl.uint32, bitcast=True) >> 16  # the token's bfloat16 bits
         chosen_w = tl.full([LINES, VEC // 2], 0, tl.uint32) + (bits | (bits << 16))
         tok = (chosen, chosen_w, greedy)
-    # Top-k: per line, its maximum over the program, the block of it, the best of the other blocks.
-    g1 = tl.full([LINES], float("-inf"), tl.float32)
+    g1 = tl.full([LINES], float("-inf"), tl.float32)  # top-k line tracking over the program
     g2 = tl.full([LINES], float("-inf"), tl.float32)
     gab = tl.zeros([LINES], tl.int32) + first * span
-    # ``group`` (a runtime value: one compiled kernel for every batch) only says which program
-    # computes which chunk; each chunk's partial is computed by the same instructions either way.
-    for chunk in range(first, last):
+    for chunk in range(first, last):  # each chunk by the same instructions, whatever ``group``
         start = chunk * span
         n_here = tl.minimum(span, vocab - start)
         full_end = start + (n_here // BLOCK) * BLOCK
-        if SHIFT:  # whole blocks up to the row's last 16-byte boundary; the columns after it a logit per load
+        if SHIFT:  # whole blocks up to the row's last 16-byte boundary; after it a logit per load
             full_end = start + (tl.maximum(tl.minimum(full_end, safe_cols) - start, 0) // BLOCK) * BLOCK
         end = start + n_here
         bounds, track = (start, full_end, end), (g1, g2, gab)
-        # With ARGMAX an element-path row takes one of two compiled forms of the block loop by its
-        # own id (greedy or scored), so that no block pays for the other's compares; the fused
-        # path selects per line at run time (faster there). Either way a row's bits are its own.
         if WORDS:
             res = chunk_lines_fast(
                 lay, (w0, w1), cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, SHIFT
             )
             line_m, line_s, line_c, line_b, g1, g2, gab = res
-            # The next chunk's first two blocks, if any, issued before this chunk's reductions (its
-            # cross-warp barriers): loads stay in flight across the chunk boundary. With ARGMAX
-            # after them: its read-back would otherwise hold them in registers too (occupancy).
+            # The next chunk's first blocks are issued before this chunk's reductions (with
+            # ARGMAX after its read-back, which would otherwise hold them in registers).
             if not ARGMAX:
                 w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
             big, total, count, amax, acol = chunk_end_fast(
@@ -266,22 +235,18 @@ def logprob_rank_chunk_kernel(
             )
             if ARGMAX:
                 w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
-            # A finite maximum beyond +-2**20 (a chunk masked with finfo.min instead of -inf, say):
-            # the clamped offsets may have lost the chunk's terms, so its sum is flagged (-1); the
-            # combine kernel sums it again in the safe form if it can matter to the row (the count
-            # is exact either way). Whether a chunk is flagged depends on its own logits alone.
+            # A finite maximum beyond +-TAME: the sum is flagged (-1) for the merge to redo.
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
+        elif ARGMAX and greedy:  # a greedy row takes its own compiled block loop
+            res = chunk_safe(
+                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True, SHIFT, UNROLL
+            )
+            big, total, count, g1, g2, gab, amax, acol = res
         else:
-            if ARGMAX and greedy:
-                res = chunk_safe(
-                    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True, SHIFT, UNROLL
-                )
-                big, total, count, g1, g2, gab, amax, acol = res
-            else:
-                res = chunk_safe(
-                    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX, False, SHIFT, UNROLL
-                )
-                big, total, count, g1, g2, gab, amax, acol = res
+            res = chunk_safe(
+                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX, False, SHIFT, UNROLL
+            )
+            big, total, count, g1, g2, gab, amax, acol = res
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
@@ -289,14 +254,10 @@ def logprob_rank_chunk_kernel(
         if ARGMAX:
             tl.store(part_am_ptr + part, amax)
             tl.store(part_a_ptr + part, acol)
-    if CLUSTER:
-        # The row's programs are one cluster, resident together: each arrives at the cluster's
-        # barrier once its partials are stored (release) and exits; the first waits for the
-        # others (acquire) and merges the row by the combine kernel's instructions, reading the
-        # partials from L2. No second kernel, no atomics: the same bits as the combine kernel.
-        _cluster_arrive()
+    if CLUSTER:  # each program arrives once its partials are stored; the first waits, then merges
+        _ptx("barrier.cluster.arrive.release; // $0")
         if tl.program_id(1) == 0:
-            _cluster_wait()
+            _ptx("barrier.cluster.wait.acquire; // $0")
             if ARGMAX:
                 code = tl.where(greedy, 2, valid_tok.to(tl.int32))
             else:
@@ -304,10 +265,11 @@ def logprob_rank_chunk_kernel(
             outs = (logprob_ptr, rank_ptr, argmax_ptr)
             parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
             sizes = (vocab, n_chunks, span)
+            base = row * n_chunks
             merge_row(
                 row,
                 row_ptr,
-                row * n_chunks,
+                base,
                 chosen,
                 code,
                 outs,
@@ -320,9 +282,7 @@ def logprob_rank_chunk_kernel(
                 ARGMAX,
                 ".cg",
             )
-    if TOPK > 0:
-        # The program's best keys (an exact set: which program holds a chunk changes no bit of
-        # the row's top-k), at its first chunk's slot (the combine kernel reads no other).
+    if TOPK > 0:  # the program's best keys (an exact set), at its first chunk's slot
         slot = row * n_chunks + first
         CAP_P: tl.constexpr = 4 * TOPK  # as program_topk's
         CAP: tl.constexpr = 2 * TOPK
@@ -368,11 +328,12 @@ def logprob_rank_combine_kernel(
     GDC: tl.constexpr,  # wait for the chunk kernel (launched as its programmatic dependent)
     ARGMAX: tl.constexpr,  # write the greedy token; score greedy rows (validity code 2) as it
 ):
-    if GDC:
-        # A chained kernel's programs may be scheduled now or once this grid's wait is over; either
-        # way they wait for this grid to end before they read anything.
-        _launch_dependents()
-        _wait_prerequisites()
+    """Grid ``(batch,)``: merge each row's partials (:func:`merge_row`; ``BLOCK`` >= ``n_chunks``,
+    ``RESUM``: the fused path's flagged chunks re-summed from ``logits``) and, with ``K_PAD``, its
+    programs' keys (``KEY_TILES`` programs per merge step) into ``topk_lp``, ``topk_id``."""
+    if GDC:  # a chained kernel waits for this grid to end before it reads anything
+        _ptx("griddepcontrol.launch_dependents; // $0")
+        _ptx("griddepcontrol.wait; // $0")
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks
@@ -381,9 +342,7 @@ def logprob_rank_combine_kernel(
     chosen, code = tl.load(tok_y_ptr + row), tl.load(tok_ok_ptr + row)
     sizes = (vocab, n_chunks, chunk_span)
     lse = merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "")
-    if K_PAD > 0:
-        # The programs' keys, at the first chunk of each (chunks 0, group, 2 * group, ...), in no
-        # particular order: the row's best K_PAD of KEY_TILES programs at a time, sorted.
+    if K_PAD > 0:  # the programs' keys at chunks 0, group, 2 * group, ..., KEY_TILES at a time
         kk = tl.arange(0, K_PAD)
         tt = tl.arange(0, KEY_TILES)
         n_progs = (n_chunks + group - 1) // group

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_lines_jit import NEG_FLT_MAX, scaled
+from ._logprob_chunk_jit import NEG_FLT_MAX, scaled
 
 KEY_PAD = tl.constexpr(-(2**63))  # the smallest key: padding, NaN, masked lanes
 PAIRS = tl.constexpr(32)  # candidate vectors read back per step
