@@ -66,7 +66,10 @@ class JaxFamily:
     ``write(cache, kv, slot)``: the cache with ``kv`` at positions ``0 ..`` of ``slot``.
     ``decode(params, config, cache, tokens, positions)``: one token per row, row ``b`` feeding
     ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns ``(logits [rows, vocab],
-    cache)`` with the step's keys and values stored."""
+    cache)`` with the step's keys and values stored. For ``score``
+    (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens)``, the
+    final-norm hidden states ``[n, hidden]`` of one sequence ``tokens`` ``[n]`` (causal, no
+    cache), and ``logits(params, hidden)``, the output projection of ``[rows, hidden]``."""
 
     config_type: type
     check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]
@@ -75,6 +78,8 @@ class JaxFamily:
     prefill: Callable[..., Any]
     write: Callable[[Any, Any, Any], Any]
     decode: Callable[..., tuple[jax.Array, Any]]
+    hidden: Callable[..., jax.Array]
+    logits: Callable[[Any, jax.Array], jax.Array]
 
 
 class Carry(NamedTuple):

@@ -54,13 +54,20 @@ class TorchModel(Protocol):
     row, row ``b`` feeding ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns
     the logits ``[rows, vocab]`` (under tensor parallelism this rank's vocabulary block),
     float32 or the compute dtype; fixed shapes and no host sync (it is captured in a CUDA
-    graph). Both are stream-ordered on the current stream."""
+    graph). For ``score`` (:mod:`.torch_score`): ``hidden(tokens)``, the final-norm hidden
+    states ``[requests, n, hidden]`` of right-padded ``tokens`` ``[requests, n]`` (causal, no
+    cache), and ``logits(hidden)``, the output projection of ``[rows, hidden]``. All are
+    stream-ordered on the current stream."""
 
     config: Any
 
     def prefill(self, cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None: ...
 
     def decode(self, cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def _never(config: Any, world: int) -> bool:

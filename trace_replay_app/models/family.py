@@ -68,10 +68,11 @@ class Family:
     checkpoint's tensors (Hugging Face names, float arrays) -> the loops' weights, prefixes
     stripped, names and shapes checked (``ValueError`` naming the tensor and both shapes).
     ``check_weights(config, weights)``: ``ValueError`` naming a missing, unexpected or
-    mis-shaped parameter. ``load_loop(framework)``: imports and returns that framework's
-    ``run_decode`` (plain imports inside the function: nothing loads a framework before it is
-    asked for). ``to_hf(config, weights, **options)``: optional, ``(config.json mapping,
-    tensors)`` for writing a checkpoint (tests, benchmarks). ``describe(config)``: the sizes in
+    mis-shaped parameter. ``load_loop(framework, entry="run_decode")``: imports and returns
+    that framework's ``run_decode`` (or ``entry``, ``"run_score"``; plain imports inside the
+    function: nothing loads a framework before it is asked for). ``to_hf(config, weights,
+    **options)``: optional, ``(config.json mapping, tensors)`` for writing a checkpoint (tests,
+    benchmarks). ``describe(config)``: the sizes in
     a few words. Registered once; tests may replace ``load_loop`` to simulate a missing framework.
     """
 
@@ -93,9 +94,17 @@ class Family:
 
         Raises ``ValueError`` for a framework other than ``"torch"``/``"jax"`` and
         :class:`FrameworkMissing` when its loop cannot be imported. Host-only."""
+        return self._load(framework, ())
+
+    def run_score(self, framework: str) -> RunDecode:
+        """``framework``'s teacher-forced ``run_score`` of this family (contract:
+        :mod:`trace_replay_app.scoring`), imported now; errors as :meth:`run_decode`."""
+        return self._load(framework, ("run_score",))
+
+    def _load(self, framework: str, entry: tuple[str, ...]) -> RunDecode:
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)} (got {framework!r})")
         try:
-            return self.load_loop(framework)
+            return self.load_loop(framework, *entry)
         except ImportError as exc:
             raise FrameworkMissing(self.name, framework, exc) from None

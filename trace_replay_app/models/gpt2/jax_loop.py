@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...drivers.jax_driver import JaxFamily, decoder
+from ...drivers.jax_score import scorer
 from .config import GPT2Config, check_weights
 
-__all__ = ["JAX", "run_decode"]
+__all__ = ["JAX", "run_decode", "run_score"]
 
 # -- the model ----------------------------------------------------------------------------------
 _mm = functools.partial(jnp.matmul, precision="highest")
@@ -80,9 +81,9 @@ def _embed(p, tokens, positions):
     return p["wte.weight"][tokens] + p["wpe.weight"][positions]
 
 
-def _prefill(p, config: GPT2Config, tokens):
-    """The keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``):
-    ``[n_layer, 2, 1, bucket, n_head, head_dim]``."""
+def _causal(p, config: GPT2Config, tokens):
+    """The blocks over ``tokens`` (``[n]``, positions ``0 ..``) with causal attention:
+    ``(x before ln_f [n, n_embd], [per layer k, v stacked])``."""
     n = tokens.shape[0]
     causal = jnp.tril(jnp.ones((n, n), dtype=bool))
     scale = 1.0 / math.sqrt(config.head_dim)
@@ -91,8 +92,24 @@ def _prefill(p, config: GPT2Config, tokens):
         scores = jnp.where(causal, _einsum("qhd,khd->hqk", q, k) * scale, -jnp.inf)
         return _einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v), kv + [jnp.stack([k, v])]
 
-    _, kv = _layers(p, config, _embed(p, tokens, jnp.arange(n)), attend, [])
-    return jnp.stack(kv)[:, :, None]  # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
+    return _layers(p, config, _embed(p, tokens, jnp.arange(n)), attend, [])
+
+
+def _prefill(p, config: GPT2Config, tokens):
+    """The keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``):
+    ``[n_layer, 2, 1, bucket, n_head, head_dim]``."""
+    return jnp.stack(_causal(p, config, tokens)[1])[:, :, None]  # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
+
+
+def _hidden(p, config: GPT2Config, tokens):
+    """Teacher-forced: the final-norm hidden states ``[n, n_embd]`` of ``tokens`` ``[n]``."""
+    return _ln(p, _causal(p, config, tokens)[0], "ln_f", config.layer_norm_epsilon)
+
+
+def _logits(p, h):
+    """The output projection of final-norm ``h`` ``[rows, n_embd]``: float32 logits."""
+    head = p["head"] if "head" in p else p["wte.weight"].T
+    return _mm(h, head).astype(jnp.float32)
 
 
 def _write(cache, kv, slot):
@@ -116,8 +133,7 @@ def _decode(p, config: GPT2Config, cache, tokens, positions):
         return _einsum("bht,bthd->bhd", jax.nn.softmax(scores, axis=-1), cache[layer, 1]), cache
 
     h, cache = _layers(p, config, _embed(p, tokens, positions), attend, cache)
-    head = p["head"] if "head" in p else p["wte.weight"].T
-    return _mm(_ln(p, h, "ln_f", config.layer_norm_epsilon), head).astype(jnp.float32), cache
+    return _logits(p, _ln(p, h, "ln_f", config.layer_norm_epsilon)), cache
 
 
 def _params(config: GPT2Config, weights: Mapping[str, np.ndarray], head: bool) -> dict:
@@ -141,5 +157,8 @@ JAX = JaxFamily(
     prefill=_prefill,
     write=_write,
     decode=_decode,
+    hidden=_hidden,
+    logits=_logits,
 )
 run_decode = decoder(JAX)
+run_score = scorer(JAX)

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
+from ...drivers.torch_score import scorer
 from .config import GPT2Config, check_weights
 
-__all__ = ["GPT2Torch", "TORCH", "run_decode"]
+__all__ = ["GPT2Torch", "TORCH", "run_decode", "run_score"]
 
 
 def cache_shape(config: GPT2Config, slots: int, kv_len: int) -> tuple[int, ...]:
@@ -90,6 +91,20 @@ class GPT2Torch:
     def prefill(self, cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Store the keys and values of ``tokens`` ``[requests, n]`` (positions ``0 .. n-1``,
         right-padded) in the caches of ``slots`` ``[requests]``."""
+        self._causal(tokens, cache, slots)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: the final-norm hidden states ``[requests, n, n_embd]`` of ``tokens``
+        ``[requests, n]`` (positions ``0 .. n-1``, causal; right padding changes no earlier row)."""
+        return self._ln(self._causal(tokens, None, None), "ln_f").reshape(*tokens.shape, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection of final-norm ``hidden`` ``[rows, n_embd]``: float32 logits."""
+        return (hidden @ self.head.T).float()
+
+    def _causal(self, tokens: torch.Tensor, cache: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
+        """The blocks over each row of ``tokens`` ``[requests, n]`` with causal attention, storing
+        keys and values in ``cache`` at ``slots`` when given; ``[requests * n, n_embd]`` before ``ln_f``."""
         r, n = tokens.shape
         c = self.config
         pos = torch.arange(n, device=tokens.device)
@@ -97,13 +112,14 @@ class GPT2Torch:
 
         def attend(layer, q, k, v):
             q, k, v = (t.reshape(r, n, c.n_head, c.head_dim) for t in (q, k, v))
-            cache[layer, 0, slots, :n] = k
-            cache[layer, 1, slots, :n] = v
+            if cache is not None:
+                cache[layer, 0, slots, :n] = k
+                cache[layer, 1, slots, :n] = v
             scores = torch.einsum("rqhd,rkhd->rhqk", q, k) * self.scale
             probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
             return torch.einsum("rhqk,rkhd->rqhd", probs, v).reshape(r * n, c.n_head, c.head_dim)
 
-        self._layers(self._embed(tokens.reshape(-1), pos.repeat(r)), attend)
+        return self._layers(self._embed(tokens.reshape(-1), pos.repeat(r)), attend)
 
     def decode(self, cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache.
@@ -121,8 +137,7 @@ class GPT2Torch:
             probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # hidden: [rows, 1, kv_len]
             return torch.einsum("bht,bthd->bhd", probs, cache[layer, 1])
 
-        h = self._ln(self._layers(self._embed(tokens, positions), attend), "ln_f")
-        return (h @ self.head.T).float()
+        return self.logits(self._ln(self._layers(self._embed(tokens, positions), attend), "ln_f"))
 
 
 # prefill_tokens=1: one prompt per prefill call, unpadded. Padded groups round the cached keys
@@ -131,3 +146,4 @@ TORCH = TorchFamily(
     config_type=GPT2Config, check_weights=check_weights, cache_shape=cache_shape, build=GPT2Torch, prefill_tokens=1
 )
 run_decode = decoder(TORCH)
+run_score = scorer(TORCH)

@@ -42,15 +42,16 @@ __all__ = [
 ]
 
 
-def load_loop(framework: str):
-    """``run_decode`` of ``framework`` (``"torch"`` or ``"jax"``), imported now."""
+def load_loop(framework: str, entry: str = "run_decode"):
+    """``framework``'s (``"torch"`` or ``"jax"``) ``run_decode``, or ``entry`` (``"run_score"``),
+    imported now."""
     if framework == "torch":
-        from .torch_loop import run_decode
+        from . import torch_loop as module
     elif framework == "jax":
-        from .jax_loop import run_decode
+        from . import jax_loop as module  # type: ignore[no-redef]
     else:
         raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
-    return run_decode
+    return getattr(module, entry)
 
 
 def _family(name: str, label: str, model_types) -> Family:

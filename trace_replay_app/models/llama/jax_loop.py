@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...drivers.jax_driver import JaxFamily, decoder
+from ...drivers.jax_score import scorer
 from .config import LlamaConfig, check_weights, inv_freq
 
-__all__ = ["JAX", "run_decode"]
+__all__ = ["JAX", "run_decode", "run_score"]
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -134,9 +135,9 @@ def _softmax_f32(scores, visible, dtype):
     return jax.nn.softmax(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(dtype)
 
 
-def _prefill(params, config: LlamaConfig, tokens):
-    """Keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``): per layer ``(k, v)``,
-    each ``[kv_heads, bucket, head_dim]``."""
+def _causal(params, config: LlamaConfig, tokens):
+    """Causal attention over ``tokens`` (``[n]``, positions ``0 ..``): the final-norm hidden
+    states ``[n, hidden]`` and per layer ``(k, v)``, each ``[kv_heads, n, head_dim]``."""
     c = config
     n = tokens.shape[0]
     pos = jnp.arange(n)
@@ -153,8 +154,18 @@ def _prefill(params, config: LlamaConfig, tokens):
         out = jnp.einsum("kgqt,tkd->qkgd", probs, v, precision="highest" if q.dtype == jnp.float32 else None)
         return out.reshape(n, -1), kv + [(k.transpose(1, 0, 2), v.transpose(1, 0, 2))]
 
-    _, kv = _layers(params, c, tokens, pos, attend, [])
-    return kv
+    return _layers(params, c, tokens, pos, attend, [])
+
+
+def _prefill(params, config: LlamaConfig, tokens):
+    """Keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``): per layer ``(k, v)``,
+    each ``[kv_heads, bucket, head_dim]``."""
+    return _causal(params, config, tokens)[1]
+
+
+def _hidden(params, config: LlamaConfig, tokens):
+    """Teacher-forced: the final-norm hidden states ``[n, hidden]`` of ``tokens`` ``[n]``."""
+    return _causal(params, config, tokens)[0]
 
 
 def _write(cache, kv, slot):
@@ -210,5 +221,8 @@ JAX = JaxFamily(
     prefill=_prefill,
     write=_write,
     decode=_decode,
+    hidden=_hidden,
+    logits=_logits,
 )
 run_decode = decoder(JAX)
+run_score = scorer(JAX)

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
+from ...drivers.torch_score import scorer
 from .config import LlamaConfig, check_weights, inv_freq
 
-__all__ = ["LlamaTorch", "TORCH", "run_decode", "splits_layers"]
+__all__ = ["LlamaTorch", "TORCH", "run_decode", "run_score", "splits_layers"]
 
 
 def cache_shape(config: LlamaConfig, slots: int, kv_len: int) -> tuple[int, ...]:
@@ -190,6 +191,20 @@ class LlamaTorch:
         """Store the keys and values of ``tokens`` ``[requests, n]`` (positions ``0 .. n-1``,
         right-padded) in the caches of ``slots`` ``[requests]``. Padding positions hold
         garbage that a decode step overwrites before any query reads it."""
+        self._causal(tokens, cache, slots)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: the final-norm hidden states ``[requests, n, hidden]`` of ``tokens``
+        ``[requests, n]`` (positions ``0 .. n-1``, causal; right padding changes no earlier row)."""
+        return self._causal(tokens, None, None).reshape(*tokens.shape, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection of ``hidden`` ``[rows, hidden]``: logits in the compute dtype."""
+        return F.linear(hidden, self.head)
+
+    def _causal(self, tokens: torch.Tensor, cache: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention over each row of ``tokens`` ``[requests, n]``, storing keys and values
+        in ``cache`` at ``slots`` when given; the final-norm hidden states ``[requests * n, hidden]``."""
         c = self.config
         r, n = tokens.shape
         pos = torch.arange(n, device=tokens.device)
@@ -197,15 +212,16 @@ class LlamaTorch:
 
         def attend(layer, q, k, v):
             q, k, v = (t.reshape(r, n, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
-            cache[layer, 0, slots, :, :n] = k
-            cache[layer, 1, slots, :, :n] = v
+            if cache is not None:
+                cache[layer, 0, slots, :, :n] = k
+                cache[layer, 1, slots, :, :n] = v
             k, v = k.repeat_interleave(c.kv_groups, dim=1), v.repeat_interleave(c.kv_groups, dim=1)
             window = c.window(layer)
             mask = causal & (pos[None, :] > pos[:, None] - window) if window else None
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
             return out.transpose(1, 2).reshape(r * n, -1)
 
-        self._layers(tokens.reshape(-1), pos.repeat(r), attend)
+        return self._layers(tokens.reshape(-1), pos.repeat(r), attend)
 
     def decode(self, cache: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache.
@@ -235,7 +251,7 @@ class LlamaTorch:
             probs = scores.float().masked_fill(masks[c.window(layer)], float("-inf")).softmax(dim=-1)
             return torch.matmul(probs.to(self.dtype), values).reshape(q.shape[0], -1)
 
-        return F.linear(self._layers(tokens, positions, attend), self.head)
+        return self.logits(self._layers(tokens, positions, attend))
 
 
 TORCH = TorchFamily(
@@ -246,3 +262,4 @@ TORCH = TorchFamily(
     splits_layers=splits_layers,
 )
 run_decode = decoder(TORCH)
+run_score = scorer(TORCH)

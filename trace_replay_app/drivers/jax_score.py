@@ -1,0 +1,82 @@
+"""The JAX side of ``score`` (teacher-forced, :mod:`trace_replay_app.scoring`) for every family.
+
+A family's :class:`~.jax_driver.JaxFamily` supplies ``hidden`` (final-norm hidden states of one
+sequence, causal, no cache) and ``logits`` (the output projection). Per batch, one jitted
+program: ``hidden`` mapped over the batch's sequences, the scored positions gathered, then the
+output projection and :func:`trace_replay_jax.token_logprob_rank` over ``chunk`` of them at a
+time in a ``lax.map`` (the logits of at most ``chunk`` positions exist at once). The scored
+positions are padded to a power of two (and to a multiple of ``chunk``) so that batches of
+similar sizes share a compiled program; the padding is scored and dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_replay_jax import resolve_device, token_logprob_rank
+
+from ..records import RequestResult, TraceRequest
+from ..scoring import plan_score, score_results
+from .jax_driver import JaxFamily
+
+__all__ = ["scorer"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@functools.partial(jax.jit, static_argnames=("family", "config", "chunk"))
+def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int):
+    """``(logprobs, ranks, argmax)`` of ``targets`` ``[m]`` under the logits of the flat
+    positions ``rows`` ``[m]`` (``m`` a multiple of ``chunk``) of the sequences ``tokens``."""
+    hidden = jax.vmap(lambda t: family.hidden(params, config, t))(tokens)
+    picked = hidden.reshape(-1, hidden.shape[-1])[rows]
+
+    def one(args):
+        h, ids = args
+        return tuple(token_logprob_rank(family.logits(params, h), ids, argmax=True))
+
+    out = jax.lax.map(one, (picked.reshape(-1, chunk, picked.shape[-1]), targets.reshape(-1, chunk)))
+    return tuple(o.reshape(-1) for o in out)
+
+
+def scorer(family: JaxFamily) -> Callable[..., list[RequestResult]]:
+    """The ``run_score`` of ``family`` (the contract in :mod:`trace_replay_app.scoring`)."""
+
+    def run_score(
+        config: Any,
+        weights: Mapping[str, np.ndarray],
+        requests: Sequence[TraceRequest],
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_tokens: int = 16384,
+        chunk_rows: int = 2048,
+    ) -> list[RequestResult]:
+        plan = plan_score(config, weights, requests, device=device, dtype=dtype, max_tokens=max_tokens,
+                          chunk_rows=chunk_rows, config_type=family.config_type,
+                          check_weights=family.check_weights)  # fmt: skip
+        dev = resolve_device(device)
+        put = functools.partial(jax.device_put, device=dev)
+        params = jax.tree.map(lambda w: put(w).astype(_DTYPES[dtype]), family.params(config, weights, False))
+        pending = []
+        for batch in plan.batches:
+            m = batch.rows.size
+            padded = 1 << max(0, (m - 1).bit_length())
+            chunk = min(plan.chunk_rows, padded)
+            padded = -(-padded // chunk) * chunk
+            rows = np.zeros(padded, np.int32)
+            targets = np.zeros(padded, np.int32)
+            rows[:m], targets[:m] = batch.rows, batch.targets
+            out = _score(params, put(batch.tokens.astype(np.int32)), put(rows), put(targets), family=family,
+                         config=config, chunk=chunk)  # fmt: skip
+            pending.append((m, out))
+        outputs = [(np.asarray(lp)[:m], np.asarray(rk)[:m], np.asarray(am)[:m]) for m, (lp, rk, am) in pending]
+        return score_results(requests, plan, outputs)
+
+    return run_score

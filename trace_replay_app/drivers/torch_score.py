@@ -1,0 +1,64 @@
+"""The PyTorch side of ``score`` (teacher-forced, :mod:`trace_replay_app.scoring`) for every family.
+
+A family's :class:`~.torch_driver.TorchModel` supplies ``hidden(tokens)`` (final-norm hidden
+states of a right-padded ``[requests, n]`` batch, causal, no cache) and ``logits(hidden)`` (the
+output projection). Per batch: one forward, then the output projection and
+:func:`trace_replay_torch.token_logprob_rank` over ``chunk_rows`` scored positions at a time,
+so the logits of at most ``chunk_rows`` positions exist at once. Outputs stay on the device
+until the end of the call (one copy to the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from trace_replay_torch import token_logprob_rank
+
+from ..records import RequestResult, TraceRequest
+from ..scoring import plan_score, score_results
+from .torch_driver import TorchFamily, torch_device, upload
+
+__all__ = ["scorer"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
+    """The ``run_score`` of ``family`` (the contract in :mod:`trace_replay_app.scoring`)."""
+
+    def run_score(
+        config: Any,
+        weights: Mapping[str, np.ndarray],
+        requests: Sequence[TraceRequest],
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_tokens: int = 16384,
+        chunk_rows: int = 2048,
+    ) -> list[RequestResult]:
+        plan = plan_score(config, weights, requests, device=device, dtype=dtype, max_tokens=max_tokens,
+                          chunk_rows=chunk_rows, config_type=family.config_type,
+                          check_weights=family.check_weights)  # fmt: skip
+        dev = torch_device(device)
+        model = family.build(config, weights, dev, _DTYPES[dtype], None)
+        pending = []
+        with torch.inference_mode():
+            for batch in plan.batches:
+                hidden = model.hidden(upload(batch.tokens, torch.int64, dev))
+                hidden = hidden.reshape(-1, hidden.shape[-1])
+                rows, targets = upload(batch.rows, torch.int64, dev), upload(batch.targets, torch.int64, dev)
+                m = rows.shape[0]
+                out = tuple(torch.empty(m, dtype=t, device=dev) for t in (torch.float32, torch.int64, torch.int64))
+                for s in range(0, m, plan.chunk_rows):
+                    e = min(m, s + plan.chunk_rows)
+                    logits = model.logits(hidden[rows[s:e]])
+                    token_logprob_rank(logits, targets[s:e], argmax=True, out=tuple(o[s:e] for o in out))
+                pending.append(out)
+        outputs = [tuple(o.cpu().numpy() for o in out) for out in pending]
+        return score_results(requests, plan, outputs)
+
+    return run_score
