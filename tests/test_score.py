@@ -1,0 +1,127 @@
+"""``run_score`` (teacher-forced, the trainer's view) of every family in both frameworks, on the CPU.
+
+Per family case, transformers' own tiny model is the reference: every completion token's
+logprob within 1e-5 of transformers' teacher-forced forward (float32; GPT-2 within its loops'
+1.5e-5), ranks and argmax those of its logits wherever a gap above ``RANK_EPS`` decides them;
+the same tokens decoded with replay (``run_decode``) agree within the same bound; batches cut
+by ``max_tokens`` and chunks of ``chunk_rows`` change no bit; bad calls are refused naming the
+argument. A planted fault (the completion scored one position late) is caught.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import numpy as np
+import pytest
+from helpers.gpt2_hf import CASES as GPT2_CASES  # noqa: E402
+from helpers.gpt2_hf import load as gpt2_load  # noqa: E402
+from helpers.gpt2_hf import make_checkpoint as gpt2_checkpoint  # noqa: E402
+from helpers.llama_cases import CASES, check_against_hf, check_same, hf_model, load, make_checkpoint  # noqa: E402
+
+from trace_replay_app import scoring  # noqa: E402
+from trace_replay_app.models.gpt2 import torch_loop as gpt2_torch  # noqa: E402
+from trace_replay_app.models.llama import torch_loop  # noqa: E402
+from trace_replay_app.records import TraceRequest  # noqa: E402
+
+HAS_JAX = importlib.util.find_spec("jax") is not None
+SCORE = {("llama", "torch"): torch_loop.run_score, ("gpt2", "torch"): gpt2_torch.run_score}
+DECODE = {("llama", "torch"): torch_loop.run_decode, ("gpt2", "torch"): gpt2_torch.run_decode}
+if HAS_JAX:  # only a missing jax skips the JAX cases: an import error in our own loop fails here
+    from trace_replay_app.models.gpt2 import jax_loop as gpt2_jax
+    from trace_replay_app.models.llama import jax_loop
+
+    SCORE.update({("llama", "jax"): jax_loop.run_score, ("gpt2", "jax"): gpt2_jax.run_score})
+    DECODE.update({("llama", "jax"): jax_loop.run_decode, ("gpt2", "jax"): gpt2_jax.run_decode})
+FRAMEWORKS = sorted({fw for _, fw in SCORE})
+GPT2_ATOL = 32 * 2.0**-21
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """case -> (family, config, weights, transformers' model); the Llama cases and one GPT-2."""
+    out = {}
+    for i, case in enumerate(sorted(CASES)):
+        folder = make_checkpoint(case, str(tmp_path_factory.mktemp(case)), seed=20 + i)
+        out[case] = ("llama", *load(folder), hf_model(folder))
+    folder = gpt2_checkpoint("gpt2-odd", str(tmp_path_factory.mktemp("gpt2")), seed=30)
+    out["gpt2-odd"] = ("gpt2", *gpt2_load(folder), hf_model(folder))
+    assert "gpt2-odd" in GPT2_CASES
+    return out
+
+
+def completions(rng, vocab: int, n: int = 5, longest: int = 20) -> list[TraceRequest]:
+    """Requests of random prompts (1 to 8 tokens) and completions (1 to ``longest`` tokens)."""
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+        out.append(
+            TraceRequest(
+                f"r{i}", tuple(prompt), tuple(rng.integers(0, vocab, int(rng.integers(1, longest + 1))).tolist())
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("case", sorted(CASES) + ["gpt2-odd"])
+def test_matches_transformers_and_decode(models, case, framework, rng):
+    family, config, weights, model = models[case]
+    atol = GPT2_ATOL if family == "gpt2" else 1e-5
+    requests = completions(rng, config.vocab_size)
+    got = SCORE[family, framework](config, weights, requests, max_tokens=48, chunk_rows=7)
+    check_against_hf(model, requests, got, f"{case} {framework} score", atol=atol)
+    decoded = DECODE[family, framework](config, weights, requests, max_batch=3)
+    check_same(got, decoded, f"{case} {framework} score vs decode", atol=atol, reference=model, requests=requests)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_batches_and_chunks_change_no_bit(models, framework, rng):
+    family, config, weights, _ = models["qwen2"]
+    requests = completions(rng, config.vocab_size, n=6)
+    one = SCORE[family, framework](config, weights, requests, max_tokens=1, chunk_rows=1)
+    many = SCORE[family, framework](config, weights, requests, max_tokens=4096, chunk_rows=4096)
+    for a, b in zip(one, many, strict=True):
+        assert a.id == b.id and a.tokens.tolist() == b.tokens.tolist() and a.forced.all()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=2e-6, err_msg=a.id)
+        assert (a.ranks == b.ranks).all() and (a.argmax == b.argmax).all(), a.id
+
+
+def test_a_late_completion_is_caught(models, rng, monkeypatch):
+    """A planted fault: each completion token scored from the logits of its own position (one
+    late) instead of the position before it fails the reference check."""
+    family, config, weights, model = models["qwen3"]
+    requests = completions(rng, config.vocab_size, n=3)
+    plain = scoring._batch
+
+    def late(reqs, members):
+        b = plain(reqs, members)
+        return dataclasses.replace(b, rows=b.rows + 1)
+
+    monkeypatch.setattr(scoring, "_batch", late)
+    wrong = SCORE[family, "torch"](config, weights, requests)
+    with pytest.raises(AssertionError, match="logprob off by"):
+        check_against_hf(model, requests, wrong, "late")
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(requests=[TraceRequest("u", (1, 2), None, 3)]), ValueError, r"requests\[0\] \('u'\) has no trace"),
+        (dict(requests=[TraceRequest("v", (1,), (9999,))]), ValueError, r"holds token 9999, outside \[0, "),
+        (dict(requests=[TraceRequest("w", (1,) * 100, (2,) * 100)]), ValueError, r"holds 200 tokens, more than"),
+        (dict(requests="abc"), TypeError, r"requests must be a sequence of TraceRequest \(got str\)"),
+        (dict(max_tokens=0), ValueError, r"max_tokens must be at least 1 \(got 0\)"),
+        (dict(chunk_rows=True), TypeError, r"chunk_rows must be an int \(got bool True\)"),
+        (dict(dtype="float16"), ValueError, r"dtype must be one of float32, bfloat16 \(got 'float16'\)"),
+        (dict(device="tpu"), ValueError, r"device"),
+    ],
+)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bad_calls_are_refused(models, framework, change, error, match):
+    family, config, weights, _ = models["qwen2"]
+    call = dict(requests=[TraceRequest("ok", (1, 2), (3, 4))])
+    call.update(change)
+    with pytest.raises(error, match=match):
+        SCORE[family, framework](config, weights, **call)
