@@ -40,6 +40,7 @@ __all__ = [
     "PROMPT_FIELDS",
     "TRACE_FIELDS",
     "read_traces",
+    "read_json_lines",
     "parse_request",
     "check_request",
     "request_to_json",
@@ -159,17 +160,13 @@ def check_request(request: TraceRequest, config: Any, *, fields: dict[str, str] 
         )
 
 
-def read_traces(path: str, config: Any | None = None) -> list[TraceRequest]:
-    """Every request of the JSON Lines file ``path``, in file order; checked against ``config``
-    (token ids below ``vocab_size``, lengths within ``n_positions``) when one is given.
+def read_json_lines(path: str) -> Iterator[tuple[int, Any]]:
+    """Each non-blank line of the JSON Lines file ``path`` as (line number from 1, decoded value).
 
     The file is UTF-8 (a leading byte-order mark is skipped). Raises :class:`TraceFileError`
-    naming the line and field of the first problem (also for bytes that are not UTF-8, JSON
-    nested too deeply or an integer literal too long for Python to read, duplicate ids and a
-    file without requests), ``OSError`` if the file cannot be read.
+    naming the line for bytes that are not UTF-8, text that is not JSON, JSON nested too deeply
+    or an integer literal too long for Python to read; ``OSError`` if the file cannot be read.
     """
-    requests: list[TraceRequest] = []
-    first_line: dict[str, int] = {}
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(codecs.BOM_UTF8):
@@ -190,19 +187,34 @@ def read_traces(path: str, config: Any | None = None) -> list[TraceRequest]:
                 raise TraceFileError(path, number, None, "not valid JSON here (nested too deeply to read)") from None
             except ValueError as exc:  # an integer literal of more digits than Python converts
                 raise TraceFileError(path, number, None, f"not valid JSON here ({str(exc).split(';')[0]})") from None
-            try:
-                request = parse_request(obj)
-                if config is not None:
-                    used = {"prompt": _pick(obj, PROMPT_FIELDS)[0], "trace": _pick(obj, TRACE_FIELDS)[0]}
-                    check_request(request, config, fields={k: v for k, v in used.items() if v})
-            except _FieldError as exc:
-                raise TraceFileError(path, number, exc.field, exc.message) from None
-            if request.id in first_line:
-                raise TraceFileError(
-                    path, number, "id", f"duplicate id {request.id!r} (first on line {first_line[request.id]})"
-                )
-            first_line[request.id] = number
-            requests.append(request)
+            yield number, obj
+
+
+def read_traces(path: str, config: Any | None = None) -> list[TraceRequest]:
+    """Every request of the JSON Lines file ``path``, in file order; checked against ``config``
+    (token ids below ``vocab_size``, lengths within ``n_positions``) when one is given.
+
+    The file is UTF-8 (a leading byte-order mark is skipped). Raises :class:`TraceFileError`
+    naming the line and field of the first problem (also for bytes that are not UTF-8, JSON
+    nested too deeply or an integer literal too long for Python to read, duplicate ids and a
+    file without requests), ``OSError`` if the file cannot be read.
+    """
+    requests: list[TraceRequest] = []
+    first_line: dict[str, int] = {}
+    for number, obj in read_json_lines(path):
+        try:
+            request = parse_request(obj)
+            if config is not None:
+                used = {"prompt": _pick(obj, PROMPT_FIELDS)[0], "trace": _pick(obj, TRACE_FIELDS)[0]}
+                check_request(request, config, fields={k: v for k, v in used.items() if v})
+        except _FieldError as exc:
+            raise TraceFileError(path, number, exc.field, exc.message) from None
+        if request.id in first_line:
+            raise TraceFileError(
+                path, number, "id", f"duplicate id {request.id!r} (first on line {first_line[request.id]})"
+            )
+        first_line[request.id] = number
+        requests.append(request)
     if not requests:
         raise TraceFileError(path, None, None, "holds no requests (one JSON object per line)")
     return requests
