@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -37,6 +38,7 @@ from trace_replay_core import split_device
 from . import __version__, demo
 from .models import FRAMEWORKS, families
 from .records import DeviceMemoryError
+from .rollouts import ROLLOUT_FORMATS
 from .runner import (
     CliError,
     check_outputs,
@@ -63,6 +65,9 @@ def _ids(ids: Sequence[str]) -> str:
 
 def _f(x, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
 
 
 # subcommands ------------------------------------------------------------------------------------
@@ -123,6 +128,44 @@ def cmd_run(args, out: TextIO) -> int:
         )
         status = 1
     return status
+
+
+def cmd_score(args, out: TextIO) -> int:
+    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    family, config, source, requests, weights, loops = prepare_run(args, [args.framework], score=True)
+    untraced = [r.id for r in requests if r.trace is None]
+    if untraced:
+        raise CliError(f"--traces {args.traces}: score needs each request's completion; no trace in {_ids(untraced)}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    stage(f"{args.framework}-score")
+    t0 = time.perf_counter()
+    results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
+                                    max_tokens=args.max_tokens, chunk_rows=args.chunk_rows)  # fmt: skip
+    s = run_summary(requests, results, time.perf_counter() - t0)
+    options = dict(dtype=dtype, temperature=0.0, seed=0)
+    summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
+    summary.update(
+        max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, **model_summary(family, config, source, options)
+    )
+    rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
+    write_json_document(args.out, {"summary": summary}, "requests", rows)
+    say(
+        out,
+        args.quiet,
+        f"{args.framework} on {args.device}: scored {s['tokens']} tokens of {s['requests']} requests in "
+        f"{s['seconds']:.2f} s; mean logprob {_f(s['mean_forced_logprob'], '.3f')}, mean rank "
+        f"{_f(s['mean_forced_rank'], '.1f')}",
+    )
+    say(out, args.quiet, f"wrote {args.out}")
+    if s["non_finite_logprobs"]:
+        bad = s["requests_with_non_finite_logprobs"]
+        print(
+            f"trace-replay score: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
+            f"{len(bad)} requests: {_ids(bad)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def cmd_compare(args, out: TextIO) -> int:
@@ -245,18 +288,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay recorded token traces through reference decode loops in PyTorch and JAX.",
     )
     parser.add_argument("--version", action="version", version=f"trace-replay {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,run,compare}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,run,score,compare}")
     sub.required = True
     names = [f.name for f in families()]
 
-    def common(p, *, max_batch: int, model: bool = True):
-        p.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
+    def inputs(p):
         p.add_argument(
-            "--max-batch",
-            type=_positive,
-            default=max_batch,
-            help=f"decode slots: requests decoded together (default {max_batch})",
+            "--format",
+            choices=("auto", *ROLLOUT_FORMATS),
+            default="auto",
+            help="format of --traces (default auto: told from its first line)",
         )
+        p.add_argument(
+            "--requests",
+            metavar="FILE",
+            default=None,
+            help="request bodies of an openai-completions file without prompt_token_ids (JSON Lines, "
+            "same order, prompt as token ids)",
+        )
+
+    def common(p, *, max_batch: int, model: bool = True, decode: bool = True):
+        p.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
+        if decode:
+            p.add_argument(
+                "--max-batch",
+                type=_positive,
+                default=max_batch,
+                help=f"decode slots: requests decoded together (default {max_batch})",
+            )
         p.add_argument("--seed", type=_seed, default=0, help="seed of the seeded model's weights (default 0)")
         p.add_argument(
             "--model",
@@ -278,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 help="compute dtype (default float32 on the CPU, bfloat16 on a GPU)",
             )
+        if model and decode:
             p.add_argument(
                 "--temperature",
                 type=_non_negative_float,
@@ -311,9 +371,33 @@ def build_parser() -> argparse.ArgumentParser:
         "decode loop of one framework and write per-token results and a summary.",
     )
     run.add_argument("--framework", required=True, choices=FRAMEWORKS)
-    run.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
+    run.add_argument("--traces", required=True, metavar="FILE", help=TRACES_HELP)
     run.add_argument("--out", required=True, metavar="FILE", help="output file (JSON)")
+    inputs(run)
     common(run, max_batch=8)
+
+    sc = sub.add_parser(
+        "score",
+        help="score the completions of a trace or rollout file teacher-forced, as a trainer does",
+        description="One forward over prompt + completion per request (batched, no KV cache): "
+        "per completion token the logprob and rank of the raw logits and the greedy token, in "
+        "the output format of run.",
+    )
+    sc.add_argument("--framework", required=True, choices=FRAMEWORKS)
+    sc.add_argument("--traces", required=True, metavar="FILE", help=TRACES_HELP)
+    sc.add_argument("--out", required=True, metavar="FILE", help="output file (JSON)")
+    sc.add_argument(
+        "--max-tokens", type=_positive, default=16384, help="padded tokens per forward batch (default 16384)"
+    )
+    sc.add_argument(
+        "--chunk-rows",
+        type=_positive,
+        default=2048,
+        help="positions whose logits exist at once: the output projection and the logprob op run "
+        "this many at a time (default 2048)",
+    )
+    inputs(sc)
+    common(sc, max_batch=1, decode=False)
 
     cmp = sub.add_parser(
         "compare",
@@ -323,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
         "k3 KL estimate, the logprob correlation, argmax mismatches and the first "
         "divergence (JSON) and plot the difference against position (PNG).",
     )
-    cmp.add_argument("--traces", required=True, metavar="FILE", help="trace file (JSON Lines)")
+    cmp.add_argument("--traces", required=True, metavar="FILE", help=TRACES_HELP)
+    inputs(cmp)
     cmp.add_argument(
         "--out-dir",
         default=None,
@@ -343,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_COMMANDS = {"demo": demo.cmd_demo, "run": cmd_run, "compare": cmd_compare}
+_COMMANDS = {"demo": demo.cmd_demo, "run": cmd_run, "score": cmd_score, "compare": cmd_compare}
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:

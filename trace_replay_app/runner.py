@@ -22,6 +22,7 @@ from trace_replay_core import parse_device, split_device
 
 from .models import Family, FrameworkMissing, RunDecode, get_family
 from .records import RequestResult, TraceRequest
+from .rollouts import detect_format, read_rollouts
 from .traces import TraceFileError, atomic_write, read_traces, stop_if_interrupted
 
 __all__ = [
@@ -56,12 +57,12 @@ class CliError(Exception):
     """A problem with the command's arguments or inputs, reported as one line (exit status 2)."""
 
 
-def load_loop(family: Family, framework: str) -> RunDecode:
-    """``family``'s decode loop for ``framework``, imported now; :class:`CliError` saying what to
-    install when it cannot be imported."""
+def load_loop(family: Family, framework: str, *, score: bool = False) -> RunDecode:
+    """``family``'s decode loop (``score``: its teacher-forced ``run_score``) for ``framework``,
+    imported now; :class:`CliError` saying what to install when it cannot be imported."""
     stage(f"{framework}-import")
     try:
-        return family.run_decode(framework)
+        return family.run_score(framework) if score else family.run_decode(framework)
     except (FrameworkMissing, ValueError) as exc:
         raise CliError(str(exc)) from None
 
@@ -164,15 +165,22 @@ def load_weights(family: Family, config: Any, source: Mapping[str, Any]) -> dict
         raise CliError(str(exc)) from None
 
 
-def read_requests(path: str, config: Any) -> list[TraceRequest]:
-    """The trace file's requests, checked against ``config``; :class:`CliError` naming the file,
-    line and field."""
+def read_requests(
+    path: str, config: Any, *, format: str = "auto", requests_path: str | None = None
+) -> list[TraceRequest]:
+    """The requests of a trace file (untraced requests allowed; a ``logprobs`` field ignored) or
+    of a rollout file (:func:`~trace_replay_app.rollouts.read_rollouts`: ``format``, and the
+    completions' request bodies ``requests_path``), checked against ``config``;
+    :class:`CliError` naming the file, line and field."""
     try:
-        return read_traces(path, config)
+        if (detect_format(path) if format == "auto" else format) == "trace" and requests_path is None:
+            return read_traces(path, config)
+        return [r.request for r in read_rollouts(path, config, format=format, requests_path=requests_path)]
     except TraceFileError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:
-        raise CliError(f"--traces {path}: cannot read ({exc.strerror or exc})") from None
+        which = "--requests" if requests_path is not None and exc.filename == requests_path else "--traces"
+        raise CliError(f"{which} {exc.filename or path}: cannot read ({exc.strerror or exc})") from None
 
 
 def decode_options(args) -> dict:
@@ -197,15 +205,15 @@ def model_summary(family, config, source, decode) -> dict:
     }
 
 
-def prepare_run(args, frameworks: Sequence[str]):
+def prepare_run(args, frameworks: Sequence[str], *, score: bool = False):
     """What ``run`` and ``compare`` do before decoding, cheapest check first: the model's config,
     the trace file against it, each framework's view of the device, the weights, the loops."""
     family, config, source = load_model(args.model, args.checkpoint, args.seed)
-    requests = read_requests(args.traces, config)
+    requests = read_requests(args.traces, config, format=args.format, requests_path=args.requests)
     for fw in frameworks:
         check_framework_device(fw, args.device)
     weights = load_weights(family, config, source)
-    loops = {fw: load_loop(family, fw) for fw in frameworks}
+    loops = {fw: load_loop(family, fw, score=score) for fw in frameworks}
     return family, config, source, requests, weights, loops
 
 

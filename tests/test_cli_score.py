@@ -1,0 +1,75 @@
+"""``trace-replay score`` and rollout files through ``run``/``score``, end to end on the CPU.
+
+``score`` writes ``run``'s format: the same tokens, logprobs within 1e-5 of ``run`` on the same
+traced requests (float32, seeded GPT-2), ranks equal wherever ``run``'s logprobs are not near a
+tie; a file of untraced requests is refused naming the request; an engine's rollout (vLLM's
+offline ``RequestOutput`` JSON) is read by ``run`` and ``score`` alike.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from helpers.cli_helpers import load
+from helpers.cli_helpers import main as run_cli
+
+from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.traces import random_requests, write_traces
+
+CONFIG = GPT2Config()
+
+
+@pytest.fixture(scope="module")
+def traced_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("traces") / "traced.jsonl")
+    write_traces(path, random_requests(CONFIG, 6, seed=5, traced=1.0, prompt_len=(1, 12), new_tokens=(1, 10)))
+    return path
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_score_matches_run(tmp_path, traced_file, framework):
+    scored, decoded = str(tmp_path / "score.json"), str(tmp_path / "run.json")
+    status, text = run_cli("score", "--framework", framework, "--traces", traced_file, "--out", scored,
+                           "--max-tokens", "32", "--chunk-rows", "5")  # fmt: skip
+    assert status == 0, text
+    assert text.startswith(f"{framework} on cpu: scored ") and text.endswith(f"wrote {scored}\n"), text
+    status, text = run_cli("run", "--framework", framework, "--traces", traced_file, "--out", decoded)
+    assert status == 0, text
+    a, b = load(scored), load(decoded)
+    assert a["summary"]["view"] == "teacher-forced" and a["summary"]["chunk_rows"] == 5
+    assert [r["id"] for r in a["requests"]] == [r["id"] for r in b["requests"]]
+    for x, y in zip(a["requests"], b["requests"]):
+        assert x["tokens"] == y["tokens"], x["id"]
+        np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=0, atol=1e-5, err_msg=x["id"])
+        assert x["ranks"] == y["ranks"], x["id"]
+
+
+def test_score_refuses_an_untraced_request(tmp_path, capsys):
+    path = str(tmp_path / "t.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps({"id": "free", "prompt": [1, 2], "max_new_tokens": 3}) + "\n")
+    status, text = run_cli("score", "--framework", "torch", "--traces", path, "--out", str(tmp_path / "o.json"))
+    assert status == 2 and text == "", text
+    assert (
+        capsys.readouterr().err
+        == f"trace-replay score: error: --traces {path}: score needs each request's completion; no trace in free\n"
+    )
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "score"])
+def test_a_vllm_rollout_is_read(tmp_path, command):
+    """Two outputs of one vLLM request (offline RequestOutput JSON) become two traced requests."""
+    path = str(tmp_path / "rollout.jsonl")
+    outputs = []
+    for index, tokens in enumerate([[5, 6, 7], [8, 9]]):
+        logprobs = [{str(t): {"logprob": -1.5 - k, "rank": 2, "decoded_token": None}} for k, t in enumerate(tokens)]
+        outputs.append({"index": index, "token_ids": tokens, "logprobs": logprobs, "text": ""})
+    with open(path, "w") as f:
+        f.write(json.dumps({"request_id": "q", "prompt_token_ids": [1, 2, 3], "outputs": outputs}) + "\n")
+    out = str(tmp_path / "o.json")
+    args = ["--framework", "torch", "--traces", path, "--out", out, "--format", "vllm-offline"]
+    status, text = run_cli(command, *args)
+    assert status == 0, text
+    doc = load(out)
+    assert [(r["id"], r["tokens"]) for r in doc["requests"]] == [("q/0", [5, 6, 7]), ("q/1", [8, 9])]
