@@ -82,15 +82,15 @@ sampling), slime's ``ois`` (current over old policy, not train over rollout) and
 Numerical deviations (same definitions, float64, more digits kept):
 
 - ``rho - x - 1`` is ``expm1(x) - x``, and its Taylor series for ``|x| < 1e-2``; ``rho**2 - 1``
-  is ``expm1(2x)`` and ``|rho - 1|`` is ``|expm1(x)|``: the stacks' forms lose every digit for
-  the tiny ``x`` of a numerics mismatch.
+  is ``expm1(2x)`` and ``|rho - 1|`` is ``|expm1(x)|``: the stacks' forms lose most or all
+  of the digits for the tiny ``x`` of a numerics mismatch.
 - ``d_i`` is ``mean(r - t)`` rather than ``mean(r) - mean(t)`` (no cancellation).
 - A mean of exponentials (``training_ppl``, ``rollout_ppl``, ``ppl_ratio``, ``tis``,
-  ``k3_kl``) whose largest exponent is 700 or more goes through ``logsumexp``: finite
-  whenever the mean itself is; a per-token value that overflows float64 (``mismatch_kl``
-  max, median, std) comes out None.
+  ``k3_kl``) whose largest exponent is 700 or more goes through ``logsumexp``, so that a
+  term past float64's range does not make a representable mean infinite; a per-token value
+  past it (``mismatch_kl`` max, median, std) comes out None.
 - verl's ``masked_mean`` divides by ``count + 1e-8`` and its ESS by ``mean + 1e-8``; here by
-  the count and the mean (a relative difference of at most 1e-8).
+  the count and the mean (relative differences of order 1e-8).
 - Requests with no tokens are left out of every mean and counted (``empty_requests``); verl
   and slime would count such a row as a sequence with mean 0 (perplexity 1).
 
