@@ -73,3 +73,19 @@ def test_a_vllm_rollout_is_read(tmp_path, command):
     assert status == 0, text
     doc = load(out)
     assert [(r["id"], r["tokens"]) for r in doc["requests"]] == [("q/0", [5, 6, 7]), ("q/1", [8, 9])]
+
+
+def test_compare_report_holds_rl_metrics(tmp_path, traced_file):
+    """The report's RL measures are those of its own logprobs: verl's kl is the token mean of
+    rollout (torch) minus trainer (jax), prime-rl's mismatch_kl the mean of exp(x) - x - 1."""
+    report = str(tmp_path / "r.json")
+    status, text = run_cli("compare", "--traces", traced_file, "--report", report, "--plot", str(tmp_path / "p.png"))
+    assert status == 0, text
+    doc = load(report)
+    a = np.concatenate([np.asarray(r["torch_logprobs"], np.float64) for r in doc["requests"]])
+    b = np.concatenate([np.asarray(r["jax_logprobs"], np.float64) for r in doc["requests"]])
+    rl = doc["summary"]["rl_metrics"]
+    x = b - a
+    assert rl["verl/rollout_corr/kl"] == pytest.approx(np.mean(-x), rel=1e-9, abs=1e-15)
+    assert rl["prime_rl/mismatch_kl/all/mean"] == pytest.approx(np.mean(np.exp(x) - x - 1), rel=1e-6, abs=1e-18)
+    assert all("rl_metrics" in r for r in doc["requests"])

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .metrics import rl_metrics
 from .records import RequestResult, TraceRequest
 from .runner import CliError, check_outputs
 
@@ -127,7 +128,10 @@ def compare_results(
     position over all requests the count, max and mean of ``|logprob_diff|``; and summary
     statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts), and per request and in
     the summary the measures of :func:`mismatch_measures`, ``argmax_mismatches`` and
-    ``first_divergence``. Non-finite values are written as ``None``.
+    ``first_divergence``; ``rl_metrics``: per request and over the batch the measures RL stacks
+    log (:func:`trace_replay_app.metrics.rl_metrics`, ``b`` in the trainer's role and ``a`` in
+    the rollout's, over the compared positions with finite logprobs). Non-finite values are
+    written as ``None``.
     """
     name_a, name_b = names
     rows: list[dict[str, Any]] = []
@@ -194,6 +198,9 @@ def compare_results(
     def stat(f) -> float | None:
         return _num(f(finite)) if finite.size else None
 
+    rl = rl_metrics(train=pairs_b, rollout=pairs_a)
+    for row, values in zip(rows, rl.per_request, strict=True):
+        row["rl_metrics"] = values
     overall = mismatch_measures(
         np.concatenate(pairs_a) if pairs_a else np.zeros(0), np.concatenate(pairs_b) if pairs_b else np.zeros(0)
     )
@@ -220,6 +227,7 @@ def compare_results(
         "requests_with_argmax_divergence": len(argmax_divs),
         "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
         "untraced_requests_with_token_divergence": len(token_divs),
+        "rl_metrics": rl.batch,
     }
     per_position = [
         {
