@@ -18,7 +18,15 @@ import pytest
 from helpers.gpt2_hf import CASES as GPT2_CASES  # noqa: E402
 from helpers.gpt2_hf import load as gpt2_load  # noqa: E402
 from helpers.gpt2_hf import make_checkpoint as gpt2_checkpoint  # noqa: E402
-from helpers.llama_cases import CASES, check_against_hf, check_same, hf_model, load, make_checkpoint  # noqa: E402
+from helpers.llama_cases import (  # noqa: E402
+    CASES,
+    check_against_hf,
+    check_same,
+    hf_model,
+    load,
+    make_checkpoint,
+    make_completions,
+)
 
 from trace_replay_app import scoring  # noqa: E402
 from trace_replay_app.models.gpt2 import torch_loop as gpt2_torch  # noqa: E402
@@ -51,25 +59,12 @@ def models(tmp_path_factory):
     return out
 
 
-def completions(rng, vocab: int, n: int = 5, longest: int = 20) -> list[TraceRequest]:
-    """Requests of random prompts (1 to 8 tokens) and completions (1 to ``longest`` tokens)."""
-    out = []
-    for i in range(n):
-        prompt = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
-        out.append(
-            TraceRequest(
-                f"r{i}", tuple(prompt), tuple(rng.integers(0, vocab, int(rng.integers(1, longest + 1))).tolist())
-            )
-        )
-    return out
-
-
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("case", sorted(CASES) + ["gpt2-odd"])
 def test_matches_transformers_and_decode(models, case, framework, rng):
     family, config, weights, model = models[case]
     atol = GPT2_ATOL if family == "gpt2" else 1e-5
-    requests = completions(rng, config.vocab_size)
+    requests = make_completions(rng, config.vocab_size)
     got = SCORE[family, framework](config, weights, requests, max_tokens=48, chunk_rows=7)
     check_against_hf(model, requests, got, f"{case} {framework} score", atol=atol)
     decoded = DECODE[family, framework](config, weights, requests, max_batch=3)
@@ -79,7 +74,7 @@ def test_matches_transformers_and_decode(models, case, framework, rng):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_batches_and_chunks_change_no_bit(models, framework, rng):
     family, config, weights, _ = models["qwen2"]
-    requests = completions(rng, config.vocab_size, n=6)
+    requests = make_completions(rng, config.vocab_size, n=6)
     one = SCORE[family, framework](config, weights, requests, max_tokens=1, chunk_rows=1)
     many = SCORE[family, framework](config, weights, requests, max_tokens=4096, chunk_rows=4096)
     for a, b in zip(one, many, strict=True):
@@ -92,7 +87,7 @@ def test_a_late_completion_is_caught(models, rng, monkeypatch):
     """A planted fault: each completion token scored from the logits of its own position (one
     late) instead of the position before it fails the reference check."""
     family, config, weights, model = models["qwen3"]
-    requests = completions(rng, config.vocab_size, n=3)
+    requests = make_completions(rng, config.vocab_size, n=3)
     plain = scoring._batch
 
     def late(reqs, members):

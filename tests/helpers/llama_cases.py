@@ -108,6 +108,19 @@ def make_requests(rng: np.random.Generator, vocab: int, n: int = 6, longest: int
     return out
 
 
+def make_completions(rng, vocab: int, n: int = 5, longest: int = 20) -> list[TraceRequest]:
+    """Requests of random prompts (1 to 8 tokens) and completions (1 to ``longest`` tokens)."""
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+        out.append(
+            TraceRequest(
+                f"r{i}", tuple(prompt), tuple(rng.integers(0, vocab, int(rng.integers(1, longest + 1))).tolist())
+            )
+        )
+    return out
+
+
 def reference_logits(model, prompt: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
     """transformers' logits (float64 on the host, ``[len(tokens), vocab]``) at each position of
     ``tokens`` continuing ``prompt``: one forward over ``prompt + tokens[:-1]``."""
