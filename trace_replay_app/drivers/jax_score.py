@@ -22,10 +22,10 @@ import numpy as np
 from trace_replay_jax import resolve_device, token_logprob_rank
 
 from ..records import RequestResult, TraceRequest
-from ..scoring import plan_score, score_results
+from ..scoring import ScorePlan, plan_score, score_results
 from .jax_driver import JaxFamily
 
-__all__ = ["scorer"]
+__all__ = ["scorer", "score_batches", "placed"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -45,6 +45,32 @@ def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: i
     return tuple(o.reshape(-1) for o in out)
 
 
+def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, device: Any) -> list[tuple]:
+    """Each batch of ``plan`` through ``family`` with ``params`` (on ``device``, in the compute
+    dtype): per batch ``(logprobs, ranks, argmax)`` over its scored rows, on the host
+    (host-blocking at the end)."""
+    put = functools.partial(jax.device_put, device=device)
+    pending = []
+    for batch in plan.batches:
+        m = batch.rows.size
+        padded = 1 << max(0, (m - 1).bit_length())
+        chunk = min(plan.chunk_rows, padded)
+        padded = -(-padded // chunk) * chunk
+        rows = np.zeros(padded, np.int32)
+        targets = np.zeros(padded, np.int32)
+        rows[:m], targets[:m] = batch.rows, batch.targets
+        out = _score(params, put(batch.tokens.astype(np.int32)), put(rows), put(targets), family=family,
+                     config=config, chunk=chunk)  # fmt: skip
+        pending.append((m, out))
+    return [(np.asarray(lp)[:m], np.asarray(rk)[:m], np.asarray(am)[:m]) for m, (lp, rk, am) in pending]
+
+
+def placed(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dtype: str, device: Any) -> Any:
+    """The family's parameters on ``device`` in the compute ``dtype`` (copies)."""
+    put = functools.partial(jax.device_put, device=device)
+    return jax.tree.map(lambda w: put(w).astype(_DTYPES[dtype]), family.params(config, weights, False))
+
+
 def scorer(family: JaxFamily) -> Callable[..., list[RequestResult]]:
     """The ``run_score`` of ``family`` (the contract in :mod:`trace_replay_app.scoring`)."""
 
@@ -62,21 +88,7 @@ def scorer(family: JaxFamily) -> Callable[..., list[RequestResult]]:
                           chunk_rows=chunk_rows, config_type=family.config_type,
                           check_weights=family.check_weights)  # fmt: skip
         dev = resolve_device(device)
-        put = functools.partial(jax.device_put, device=dev)
-        params = jax.tree.map(lambda w: put(w).astype(_DTYPES[dtype]), family.params(config, weights, False))
-        pending = []
-        for batch in plan.batches:
-            m = batch.rows.size
-            padded = 1 << max(0, (m - 1).bit_length())
-            chunk = min(plan.chunk_rows, padded)
-            padded = -(-padded // chunk) * chunk
-            rows = np.zeros(padded, np.int32)
-            targets = np.zeros(padded, np.int32)
-            rows[:m], targets[:m] = batch.rows, batch.targets
-            out = _score(params, put(batch.tokens.astype(np.int32)), put(rows), put(targets), family=family,
-                         config=config, chunk=chunk)  # fmt: skip
-            pending.append((m, out))
-        outputs = [(np.asarray(lp)[:m], np.asarray(rk)[:m], np.asarray(am)[:m]) for m, (lp, rk, am) in pending]
+        outputs = score_batches(family, config, placed(family, config, weights, dtype, dev), plan, dev)
         return score_results(requests, plan, outputs)
 
     return run_score

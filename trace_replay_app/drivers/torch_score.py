@@ -19,12 +19,33 @@ import torch
 from trace_replay_torch import token_logprob_rank
 
 from ..records import RequestResult, TraceRequest
-from ..scoring import plan_score, score_results
-from .torch_driver import TorchFamily, torch_device, upload
+from ..scoring import ScorePlan, plan_score, score_results
+from .torch_driver import TorchFamily, TorchModel, torch_device, upload
 
-__all__ = ["scorer"]
+__all__ = ["scorer", "score_batches", "DTYPES"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def score_batches(model: TorchModel, plan: ScorePlan, device: torch.device) -> list[Triple]:
+    """Each batch of ``plan`` through ``model`` (a built :class:`~.torch_driver.TorchModel`):
+    per batch ``(logprobs, ranks, argmax)`` over its scored rows, on the host (one copy at the
+    end; host-blocking)."""
+    pending = []
+    with torch.inference_mode():
+        for batch in plan.batches:
+            hidden = model.hidden(upload(batch.tokens, torch.int64, device))
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            rows, targets = upload(batch.rows, torch.int64, device), upload(batch.targets, torch.int64, device)
+            m = rows.shape[0]
+            out = tuple(torch.empty(m, dtype=t, device=device) for t in (torch.float32, torch.int64, torch.int64))
+            for s in range(0, m, plan.chunk_rows):
+                e = min(m, s + plan.chunk_rows)
+                logits = model.logits(hidden[rows[s:e]])
+                token_logprob_rank(logits, targets[s:e], argmax=True, out=tuple(o[s:e] for o in out))
+            pending.append(out)
+    return [(lp.cpu().numpy(), rk.cpu().numpy(), am.cpu().numpy()) for lp, rk, am in pending]
 
 
 def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
@@ -44,21 +65,8 @@ def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
                           chunk_rows=chunk_rows, config_type=family.config_type,
                           check_weights=family.check_weights)  # fmt: skip
         dev = torch_device(device)
-        model = family.build(config, weights, dev, _DTYPES[dtype], None)
-        pending = []
-        with torch.inference_mode():
-            for batch in plan.batches:
-                hidden = model.hidden(upload(batch.tokens, torch.int64, dev))
-                hidden = hidden.reshape(-1, hidden.shape[-1])
-                rows, targets = upload(batch.rows, torch.int64, dev), upload(batch.targets, torch.int64, dev)
-                m = rows.shape[0]
-                out = tuple(torch.empty(m, dtype=t, device=dev) for t in (torch.float32, torch.int64, torch.int64))
-                for s in range(0, m, plan.chunk_rows):
-                    e = min(m, s + plan.chunk_rows)
-                    logits = model.logits(hidden[rows[s:e]])
-                    token_logprob_rank(logits, targets[s:e], argmax=True, out=tuple(o[s:e] for o in out))
-                pending.append(out)
-        outputs = [tuple(o.cpu().numpy() for o in out) for out in pending]
+        model = family.build(config, weights, dev, DTYPES[dtype], None)
+        outputs = score_batches(model, plan, dev)
         return score_results(requests, plan, outputs)
 
     return run_score
