@@ -6,9 +6,17 @@ Subcommands:
 - ``run --framework torch|jax --traces FILE --out FILE``: replay every request of a trace
   file through that framework's decode loop of the model; write per request and token the
   token id, whether it was forced, its logprob, rank and the model's argmax, plus a summary.
-- ``compare --traces FILE``: run both frameworks on the same requests and weights; write a
-  JSON report of the per-position mismatch measures and a PNG plot (see
-  :mod:`trace_replay_app.compare`).
+- ``score --framework torch|jax --traces FILE --out FILE``: the trainer's view, one
+  teacher-forced forward over prompt + completion per request (:mod:`trace_replay_app.scoring`),
+  written in ``run``'s format.
+- ``compare [FILE ...] [--traces FILE] [--run FW,..] [--score FW,..]``: two or more sources of
+  logprobs for the same requests (rollout files, outputs of run or score, runs made now;
+  ``--traces FILE`` alone runs both frameworks' decode loops); the first against each other: a
+  JSON report of the mismatch measures, those RL stacks log among them, and a PNG plot (see
+  :mod:`trace_replay_app.compare`, :mod:`trace_replay_app.commands`).
+
+``--traces`` (and compare's files) take the project's trace files and rollouts as engines write
+them (``--format``, :mod:`trace_replay_app.rollouts`).
 
 The model: ``--model NAME`` (a registry family, seeded weights of its small default config from
 ``--seed``; default ``gpt2``) or ``--checkpoint DIR`` (a Hugging Face folder; the family from
@@ -18,8 +26,8 @@ A framework is imported only when a subcommand asks it about ``--device`` or run
 Before any work: the arguments, the output paths (none may replace an input or another output),
 the trace file and the model's config, then each framework's view of the device, then the
 weights (finite values only). Exit status: 0 success; 1 a check failed (a traced request not
-reproduced exactly, a non-finite logprob, a demo check, a gate such as ``--max-k3``; the output
-is written); 2 refused: bad arguments, inputs, output paths or device, or a run that does not
+reproduced exactly, a non-finite logprob, a demo check, a gate such as ``--fail-above``; the
+output is written); 2 refused: bad arguments, inputs, output paths or device, or a run that does not
 fit in the device's memory (one line on stderr; nothing is written); 130 interrupted (Ctrl-C,
 however a framework reports it; nothing is written).
 """
@@ -27,220 +35,22 @@ however a framework reports it; nothing is written).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from collections.abc import Sequence
 from typing import TextIO
 
 from trace_replay_core import split_device
 
 from . import __version__, demo
+from .commands import TRACES_HELP, cmd_compare, cmd_run, cmd_score, parse_gate
 from .models import FRAMEWORKS, families
 from .records import DeviceMemoryError
 from .rollouts import ROLLOUT_FORMATS
-from .runner import (
-    CliError,
-    check_outputs,
-    decode_options,
-    model_summary,
-    prepare_run,
-    replay_requests,
-    reproduced,
-    result_to_json,
-    run_summary,
-    say,
-    stage,
-    write_json_document,
-)
+from .runner import CliError, stage
 from .schedule import COMPUTE_DTYPES
 from .traces import interrupted, sigint_tracked
 
-__all__ = ["main", "build_parser", "cmd_run", "cmd_compare"]
-
-
-def _ids(ids: Sequence[str]) -> str:
-    return ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
-
-
-def _f(x, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
-TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
-
-
-# subcommands ------------------------------------------------------------------------------------
-def cmd_run(args, out: TextIO) -> int:
-    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
-    family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
-    decode = decode_options(args)
-    results, seconds = replay_requests(
-        args.framework,
-        config,
-        weights,
-        requests,
-        loop=loops[args.framework],
-        device=args.device,
-        max_batch=args.max_batch,
-        show_progress=False if args.quiet else None,
-        **decode,
-    )
-    s = run_summary(requests, results, seconds)
-    head = {
-        "summary": dict(
-            s,
-            framework=args.framework,
-            device=args.device,
-            max_batch=args.max_batch,
-            traces=args.traces,
-            **model_summary(family, config, source, decode),
-        )
-    }
-    rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
-    write_json_document(args.out, head, "requests", rows)
-    say(
-        out,
-        args.quiet,
-        f"{args.framework} on {args.device}: {s['requests']} requests ({s['traced_requests']} "
-        f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({_f(s['tokens_per_s'], '.0f')} tokens/s)",
-    )
-    if s["forced_tokens"]:
-        say(
-            out,
-            args.quiet,
-            f"exact reproduction: {s['exact_reproductions']}/{s['traced_requests']} traced "
-            f"requests; forced tokens: mean logprob {_f(s['mean_forced_logprob'], '.3f')}, "
-            f"mean rank {_f(s['mean_forced_rank'], '.1f')}",
-        )
-    say(out, args.quiet, f"wrote {args.out}")
-    status = 0
-    if s["exact_reproductions"] != s["traced_requests"]:
-        bad = [q.id for q, r in zip(requests, results, strict=True) if reproduced(q, r) is False]
-        print(f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: {_ids(bad)}", file=sys.stderr)
-        status = 1
-    if s["non_finite_logprobs"]:
-        bad = s["requests_with_non_finite_logprobs"]
-        print(
-            f"trace-replay run: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
-            f"{len(bad)} requests: {_ids(bad)}",
-            file=sys.stderr,
-        )
-        status = 1
-    return status
-
-
-def cmd_score(args, out: TextIO) -> int:
-    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
-    family, config, source, requests, weights, loops = prepare_run(args, [args.framework], score=True)
-    untraced = [r.id for r in requests if r.trace is None]
-    if untraced:
-        raise CliError(f"--traces {args.traces}: score needs each request's completion; no trace in {_ids(untraced)}")
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    stage(f"{args.framework}-score")
-    t0 = time.perf_counter()
-    results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
-                                    max_tokens=args.max_tokens, chunk_rows=args.chunk_rows)  # fmt: skip
-    s = run_summary(requests, results, time.perf_counter() - t0)
-    options = dict(dtype=dtype, temperature=0.0, seed=0)
-    summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
-    summary.update(
-        max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, **model_summary(family, config, source, options)
-    )
-    rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
-    write_json_document(args.out, {"summary": summary}, "requests", rows)
-    say(
-        out,
-        args.quiet,
-        f"{args.framework} on {args.device}: scored {s['tokens']} tokens of {s['requests']} requests in "
-        f"{s['seconds']:.2f} s; mean logprob {_f(s['mean_forced_logprob'], '.3f')}, mean rank "
-        f"{_f(s['mean_forced_rank'], '.1f')}",
-    )
-    say(out, args.quiet, f"wrote {args.out}")
-    if s["non_finite_logprobs"]:
-        bad = s["requests_with_non_finite_logprobs"]
-        print(
-            f"trace-replay score: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
-            f"{len(bad)} requests: {_ids(bad)}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def cmd_compare(args, out: TextIO) -> int:
-    from .compare import compare_results, gate_failures, output_paths, plot_divergence, summary_lines
-
-    report_path, plot_path, create = output_paths(args.out_dir, args.report, args.plot, args.traces, args.checkpoint)
-    family, config, source, requests, weights, loops = prepare_run(args, FRAMEWORKS)
-    decode = decode_options(args)
-    runs, summaries = {}, {}
-    for fw in FRAMEWORKS:
-        runs[fw], seconds = replay_requests(
-            fw,
-            config,
-            weights,
-            requests,
-            loop=loops[fw],
-            device=args.device,
-            max_batch=args.max_batch,
-            show_progress=False if args.quiet else None,
-            **decode,
-        )
-        summaries[fw] = run_summary(requests, runs[fw], seconds)
-    report = compare_results(requests, runs["torch"], runs["jax"], names=FRAMEWORKS)
-    report["summary"].update(
-        device=args.device,
-        max_batch=args.max_batch,
-        traces=args.traces,
-        runs=summaries,
-        **model_summary(family, config, source, decode),
-    )
-    if create is not None:
-        os.makedirs(create, exist_ok=True)
-    write_json_document(
-        report_path,
-        {"summary": report["summary"], "per_position": report["per_position"]},
-        "requests",
-        report["requests"],
-    )
-    try:
-        plot_divergence(report, plot_path)
-        wrote = f"wrote {report_path} and {plot_path}"
-    except ImportError:
-        wrote = f"wrote {report_path}; plot skipped: matplotlib is not installed (pip install matplotlib)"
-    for line in summary_lines(report):
-        say(out, args.quiet, line)
-    for fw in FRAMEWORKS:
-        s = summaries[fw]
-        say(
-            out,
-            args.quiet,
-            f"{fw}: {s['tokens']} tokens in {s['seconds']:.2f} s; exact reproduction "
-            f"{s['exact_reproductions']}/{s['traced_requests']} traced requests",
-        )
-    say(out, args.quiet, wrote)
-    status = 0
-    failed = [fw for fw in FRAMEWORKS if summaries[fw]["exact_reproductions"] != summaries[fw]["traced_requests"]]
-    if failed:
-        print(
-            f"trace-replay compare: traced requests were not reproduced exactly by {', '.join(failed)}", file=sys.stderr
-        )
-        status = 1
-    bad = report["summary"]["requests_with_non_finite_logprobs"]
-    if bad:
-        print(f"trace-replay compare: {len(bad)} requests have non-finite logprobs: {_ids(bad)}", file=sys.stderr)
-        status = 1
-    if args.max_k3 is not None:
-        above = gate_failures(report, "k3", args.max_k3)
-        if above:
-            print(
-                f"trace-replay compare: {len(above)} requests fail --max-k3 {args.max_k3:g} (k3 KL estimate above it "
-                f"or missing): {', '.join(above)}",
-                file=sys.stderr,
-            )
-            status = 1
-    return status
+__all__ = ["main", "build_parser"]
 
 
 # parser -----------------------------------------------------------------------------------------
@@ -272,6 +82,13 @@ def _seed(text: str) -> int:
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63) (got {value})")
     return value
+
+
+def _gate(text: str) -> tuple[str, float]:
+    try:
+        return parse_gate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _device(text: str) -> str:
@@ -401,13 +218,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser(
         "compare",
-        help="run both frameworks on the same traces and compare logprobs",
-        description="Run the torch and the JAX loop on the same requests and weights; report "
-        "per request and overall the |logprob| and |probability| differences, the "
-        "k3 KL estimate, the logprob correlation, argmax mismatches and the first "
-        "divergence (JSON) and plot the difference against position (PNG).",
+        help="compare the logprobs of the same requests from several sources",
+        description="Compare two or more sources of logprobs for the same requests: rollout files "
+        "(an engine's own logprobs), outputs of run or score, and runs made now (--run, --score; "
+        "--traces FILE alone runs both frameworks' decode loops). The first source is the "
+        "reference (the rollout's role), each other is compared with it: per request and overall "
+        "the |logprob| and |probability| differences, the k3 KL estimate, argmax mismatches, the "
+        "first divergence, and the measures RL stacks log (verl, prime-rl, slime) (JSON); the "
+        "difference against position and the importance-ratio histogram (PNG).",
     )
-    cmp.add_argument("--traces", required=True, metavar="FILE", help=TRACES_HELP)
+    cmp.add_argument("sources", nargs="*", metavar="FILE", help="run or score outputs, rollout files")
+    cmp.add_argument("--traces", metavar="FILE", help="requests for --run/--score (" + TRACES_HELP + ")")
+    cmp.add_argument("--run", metavar="FW", help="decode with replay in these frameworks (torch,jax)")
+    cmp.add_argument("--score", metavar="FW", help="score teacher-forced in these frameworks (torch,jax)")
+    cmp.add_argument(
+        "--fail-above",
+        type=_gate,
+        action="append",
+        default=[],
+        metavar="METRIC=X",
+        help="exit 1 when a measure is above X or missing: a per-request one (k3, max_abs_logprob_diff, ...) "
+        "for every request, or an rl_metrics key (e.g. verl/rollout_corr/k3_kl) for every pair; repeatable",
+    )
     inputs(cmp)
     cmp.add_argument(
         "--out-dir",

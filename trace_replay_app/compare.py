@@ -32,7 +32,8 @@ from .runner import CliError, check_outputs
 
 __all__ = [
     "compare_results",
-    "plot_divergence",
+    "compare_sources",
+    "batch_gate_failures",
     "summary_lines",
     "mismatch_measures",
     "requests_above_k3",
@@ -128,10 +129,11 @@ def compare_results(
     position over all requests the count, max and mean of ``|logprob_diff|``; and summary
     statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts), and per request and in
     the summary the measures of :func:`mismatch_measures`, ``argmax_mismatches`` and
-    ``first_divergence``; ``rl_metrics``: per request and over the batch the measures RL stacks
-    log (:func:`trace_replay_app.metrics.rl_metrics`, ``b`` in the trainer's role and ``a`` in
-    the rollout's, over the compared positions with finite logprobs). Non-finite values are
-    written as ``None``.
+    ``first_divergence`` (argmax and ranks only where both runs have them: a rollout's are
+    unknown, -1; ``argmax_compared`` says whether they were); ``rl_metrics``: per request and
+    over the batch the measures RL stacks log (:func:`trace_replay_app.metrics.rl_metrics`, ``b``
+    in the trainer's role and ``a`` in the rollout's, over the compared positions with finite
+    logprobs). Non-finite values are written as ``None``.
     """
     name_a, name_b = names
     rows: list[dict[str, Any]] = []
@@ -140,6 +142,7 @@ def compare_results(
     pairs_a: list[np.ndarray] = []
     pairs_b: list[np.ndarray] = []
     rank_changes = argmax_mismatches = 0
+    argmax_known = True
     for req, ra, rb in zip(requests, a, b, strict=True):
         if not (ra.id == rb.id == req.id):
             raise ValueError(f"results out of order: request {req.id!r} got results {ra.id!r} and {rb.id!r}")
@@ -156,16 +159,20 @@ def compare_results(
         if token_div is not None and token_div < m:
             valid[token_div:] = False  # different tokens: their logprobs are not the same quantity
             diff[token_div:] = np.nan
-        argmax_div = _first(np.asarray(ra.argmax[:m]) != np.asarray(rb.argmax[:m]))
+        am_a, am_b = np.asarray(ra.argmax[:m]), np.asarray(rb.argmax[:m])
+        known = bool((am_a >= 0).all() and (am_b >= 0).all())  # a rollout has no greedy tokens (-1)
+        argmax_div = _first(am_a != am_b) if known else None
         ranks_a, ranks_b = np.asarray(ra.ranks[:m]), np.asarray(rb.ranks[:m])
-        rank_changes += int(np.sum(ranks_a[valid] != ranks_b[valid]))
+        both = valid & (ranks_a >= 0) & (ranks_b >= 0)
+        rank_changes += int(np.sum(ranks_a[both] != ranks_b[both]))
         absd = np.abs(diff[valid])
         all_diffs.append(absd)
         ok = valid & np.isfinite(la) & np.isfinite(lb)
         non_finite = int(np.sum(valid & ~ok))
         pairs_a.append(la[ok])
         pairs_b.append(lb[ok])
-        mismatched = int(np.sum(np.asarray(ra.argmax[:m]) != np.asarray(rb.argmax[:m])))
+        mismatched = int(np.sum(am_a != am_b)) if known else 0
+        argmax_known &= known
         argmax_mismatches += mismatched
         firsts = [p for p in (argmax_div, token_div) if p is not None]
         for pos in np.flatnonzero(valid):
@@ -222,6 +229,7 @@ def compare_results(
         "k3": overall["k3"],
         "pearson": overall["pearson"],
         "argmax_mismatches": argmax_mismatches,
+        "argmax_compared": argmax_known,
         "first_divergence": min(first_divs) if first_divs else None,
         "rank_changes": rank_changes,
         "requests_with_argmax_divergence": len(argmax_divs),
@@ -242,11 +250,16 @@ def compare_results(
 
 
 def output_paths(
-    out_dir_option: str | None, report: str | None, plot: str | None, traces: str, checkpoint: str | None
+    out_dir_option: str | None,
+    report: str | None,
+    plot: str | None,
+    inputs: Sequence[tuple[str, str | None]],
+    checkpoint: str | None,
 ) -> tuple[str, str, str | None]:
     """``compare``'s ``(report path, plot path, folder to create or None)`` from its options;
     :class:`~trace_replay_app.runner.CliError` for options that exclude each other (``--out-dir``
-    with ``--report``/``--plot``) and outputs that would replace an input or each other."""
+    with ``--report``/``--plot``) and outputs that would replace an input (``(option, path)``
+    pairs) or each other."""
     if out_dir_option is not None and (report or plot):
         given = " and ".join(o for o, v in (("--report", report), ("--plot", plot)) if v)
         raise CliError(f"--out-dir {out_dir_option}: give --out-dir or {given}, not both")
@@ -257,7 +270,7 @@ def output_paths(
     plot = plot or os.path.join(out_dir, "compare_divergence.png")
     create = out_dir if not os.path.isdir(out_dir) else None  # made once the work is done: holds no input
     if create is None:
-        check_outputs([("--report", report), ("--plot", plot)], [("--traces", traces)], checkpoint)
+        check_outputs([("--report", report), ("--plot", plot)], inputs, checkpoint)
     return report, plot, create
 
 
@@ -308,52 +321,46 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot_divergence(report: dict[str, Any], path: str, *, title: str | None = None) -> None:
-    """Draw ``|logprob difference|`` against decode position into the PNG file ``path``
-    (atomically): every compared token as a faint dot, the per-position maximum and mean as
-    lines, and a marker at each request's first argmax divergence."""
-    # A Figure with its own Agg canvas: no pyplot, so no global backend or figure state changes.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+def batch_gate_failures(report: dict[str, Any], metric: str, limit: float) -> list[str]:
+    """The pairs of a :func:`compare_sources` report whose batch value of the RL measure
+    ``metric`` (a key of ``rl_metrics``) is above ``limit`` or missing, each as
+    ``"a vs b (why)"``; ``ValueError`` for an unknown key."""
+    failed = []
+    for pair in _pairs(report):
+        values = pair["summary"]["rl_metrics"]
+        if metric not in values:
+            raise ValueError(f"metric must be one of {', '.join(GATED_MEASURES)} or an rl_metrics key (got {metric!r})")
+        value = values[metric]
+        a, b = pair["summary"]["frameworks"]
+        if value is None:
+            failed.append(f"{a} vs {b} ({metric} missing)")
+        elif value > limit:
+            failed.append(f"{a} vs {b} ({metric} {value:.3g})")
+    return failed
 
-    from .traces import atomic_write  # noqa: I001 - after matplotlib: a missing plot library writes nothing
 
-    a, b = report["summary"]["frameworks"]
-    fig = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    xs, ys = [], []
-    for r in report["requests"]:
-        for pos, d in enumerate(r["logprob_diff"]):
-            if d is not None:
-                xs.append(pos)
-                ys.append(abs(d))
-    if xs:
-        ax.scatter(xs, ys, s=10, alpha=0.5, color="tab:gray", label="one token", linewidths=0, zorder=3)
-    per = report["per_position"]
-    if per:
-        at = [p["position"] for p in per]
-        ax.plot(at, [p["max_abs_logprob_diff"] for p in per], color="tab:red", label="max over requests")
-        ax.plot(at, [p["mean_abs_logprob_diff"] for p in per], color="tab:blue", label="mean over requests")
-    divs = [r["first_argmax_divergence"] for r in report["requests"] if r["first_argmax_divergence"] is not None]
-    for i, d in enumerate(sorted(set(divs))):
-        ax.axvline(
-            d, color="tab:orange", linestyle="--", linewidth=1, label="first argmax divergence" if i == 0 else None
-        )
-    # symlog: exact agreement (0) stays on the plot, small differences still spread out
-    ax.set_yscale("symlog", linthresh=1e-9)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("decode position (tokens after the prompt)")
-    ax.set_ylabel(f"|logprob {b} - logprob {a}|")
-    s = report["summary"]
-    ax.set_title(
-        title
-        or f"{a} vs {b}: {s['requests']} requests, max |diff| "
-        f"{'n/a' if s['max_abs_logprob_diff'] is None else format(s['max_abs_logprob_diff'], '.2g')}"
-    )
-    ax.grid(True, which="major", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png")
+def _pairs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every pair's report of a :func:`compare_sources` report, the first one first."""
+    return [report, *report.get("pairs", [])]
+
+
+def compare_sources(requests: Sequence[TraceRequest], sources: Sequence[Any]) -> dict[str, Any]:
+    """The first of ``sources`` (:class:`~trace_replay_app.sources.Source`) against each of the
+    others over ``requests`` (in their order): the first pair's :func:`compare_results` report at
+    the top level, the others' under ``pairs``, and ``sources`` (name, view, file).
+    ``ValueError`` naming the source and the request when a source lacks one of ``requests``."""
+    if len(sources) < 2:
+        raise ValueError(f"compare needs at least two sources (got {len(sources)})")
+
+    def results(source) -> list[RequestResult]:
+        missing = [r.id for r in requests if r.id not in source.results]
+        if missing:
+            raise ValueError(f"source {source.name} has no result for request {missing[0]!r}")
+        return [source.results[r.id] for r in requests]
+
+    ref = results(sources[0])
+    reports = [compare_results(requests, ref, results(s), names=(sources[0].name, s.name)) for s in sources[1:]]
+    first = reports[0]
+    first["sources"] = [{"name": s.name, "view": s.view, "path": s.path} for s in sources]
+    first["pairs"] = reports[1:]
+    return first

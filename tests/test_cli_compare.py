@@ -1,0 +1,112 @@
+"""``trace-replay compare`` over several sources, end to end on the CPU: a rollout file (an
+engine's own logprobs), outputs of ``run`` and ``score``, runs made by compare itself; the RL
+measures of every pair against values computed here from the logprobs; gates; refusals."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers.cli_helpers import load
+from helpers.cli_helpers import main as run_cli
+
+from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.traces import random_requests, write_traces
+
+CONFIG = GPT2Config()
+SHIFT = 0.25  # the rollout's logprobs: torch's decode minus this, at every token
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A traced trace file, torch's and JAX's run outputs and torch's score output of it, and a
+    rollout file (trace format with logprobs) whose logprobs are torch's decode's minus SHIFT."""
+    folder = tmp_path_factory.mktemp("compare")
+    traces = str(folder / "traces.jsonl")
+    requests = random_requests(CONFIG, 5, seed=8, traced=1.0, prompt_len=(1, 10), new_tokens=(2, 9))
+    write_traces(traces, requests)
+    out = {"traces": traces}
+    for name, args in {
+        "torch": ("run", "--framework", "torch"),
+        "jax": ("run", "--framework", "jax"),
+        "torch-score": ("score", "--framework", "torch"),
+    }.items():
+        out[name] = str(folder / f"{name}.json")
+        status, text = run_cli(*args, "--traces", traces, "--out", out[name], "--quiet")
+        assert status == 0, text
+    doc = load(out["torch"])
+    rollout = str(folder / "rollout.jsonl")
+    with open(rollout, "w") as f:
+        for q, r in zip(requests, doc["requests"], strict=True):
+            line = {
+                "id": q.id,
+                "prompt": list(q.prompt),
+                "trace": list(q.trace),
+                "logprobs": [x - SHIFT for x in r["logprobs"]],
+            }
+            f.write(json.dumps(line) + "\n")
+    out["rollout"] = rollout
+    return out
+
+
+def test_rollout_against_decode_and_score(tmp_path, files):
+    report = str(tmp_path / "r.json")
+    status, text = run_cli("compare", files["rollout"], files["torch"], files["torch-score"], "--report", report,
+                           "--plot", str(tmp_path / "p.png"))  # fmt: skip
+    assert status == 0, text
+    doc = load(report)
+    assert [s["name"] for s in doc["sources"]] == ["rollout", "torch", "torch-score"]
+    assert [s["view"] for s in doc["sources"]] == ["rollout", "decode", "teacher-forced"]
+    assert doc["summary"]["frameworks"] == ["rollout", "torch"] and len(doc["pairs"]) == 1
+    assert doc["pairs"][0]["summary"]["frameworks"] == ["rollout", "torch-score"]
+    rl = doc["summary"]["rl_metrics"]
+    x = SHIFT  # trainer (torch decode) minus rollout, at every token
+    assert rl["verl/rollout_corr/kl"] == pytest.approx(-x, abs=1e-6)
+    assert rl["verl/rollout_corr/k3_kl"] == pytest.approx(np.exp(x) - x - 1, abs=1e-6)
+    assert rl["slime/train/train_rollout_logprob_abs_diff"] == pytest.approx(x, abs=1e-6)
+    assert doc["summary"]["argmax_compared"] is False and doc["summary"]["argmax_mismatches"] == 0
+    score_rl = doc["pairs"][0]["summary"]["rl_metrics"]
+    assert score_rl["verl/rollout_corr/kl"] == pytest.approx(-x, abs=2e-5)  # score within 1e-5 of decode
+    assert "k3_kl" in text and "torch-score vs rollout" in text, text
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_two_run_outputs_compare_as_the_frameworks_do(tmp_path, files):
+    by_files, by_runs = str(tmp_path / "f.json"), str(tmp_path / "r.json")
+    status, text = run_cli(
+        "compare", files["torch"], files["jax"], "--report", by_files, "--plot", str(tmp_path / "a.png")
+    )
+    assert status == 0, text
+    status, text = run_cli(
+        "compare", "--traces", files["traces"], "--report", by_runs, "--plot", str(tmp_path / "b.png")
+    )
+    assert status == 0, text
+    a, b = load(by_files), load(by_runs)
+    assert a["summary"]["frameworks"] == b["summary"]["frameworks"] == ["torch", "jax"]
+    for key in ("k3", "max_abs_logprob_diff", "argmax_mismatches", "rank_changes", "rl_metrics"):
+        assert a["summary"][key] == b["summary"][key], key
+
+
+def test_gates_on_rl_measures(tmp_path, files, capsys):
+    args = ["compare", files["rollout"], files["torch"], "--out-dir", str(tmp_path / "o")]
+    status, _ = run_cli(*args, "--fail-above", "verl/rollout_corr/k3_kl=0.01", "--fail-above", "k3=1")
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.startswith("trace-replay compare: 1 pairs fail --fail-above verl/rollout_corr/k3_kl=0.01"), err
+    status, _ = run_cli(*args, "--fail-above", "verl/rollout_corr/k3_kl=0.1")
+    assert status == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "compare needs at least two sources (got 1)"),
+        (["--fail-above", "verl/no_such=1"], "metric must be one of"),
+        (["--fail-above", "nonsense=1"], "--fail-above nonsense: give a per-request measure"),
+        (["--run", "torch,torch"], "--run torch,torch: give frameworks among torch, jax"),
+    ],
+)
+def test_refusals_write_nothing(tmp_path, files, capsys, extra, message):
+    status, _ = run_cli("compare", files["rollout"], *([] if not extra else [files["torch"]]), "--out-dir",
+                        str(tmp_path / "o"), *extra)  # fmt: skip
+    assert status == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,341 @@
+"""The ``run``, ``score`` and ``compare`` subcommands of ``trace-replay`` (the parser and the
+entry point: :mod:`trace_replay_app.cli`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from .models import FRAMEWORKS
+from .runner import (
+    CliError,
+    check_framework_device,
+    check_outputs,
+    decode_options,
+    load_loop,
+    load_model,
+    load_weights,
+    model_summary,
+    prepare_run,
+    read_requests,
+    replay_requests,
+    reproduced,
+    result_to_json,
+    run_summary,
+    say,
+    stage,
+    write_json_document,
+)
+from .traces import TraceFileError
+
+__all__ = ["cmd_run", "cmd_score", "cmd_compare", "parse_gate", "framework_list", "TRACES_HELP"]
+
+
+def _ids(ids: Sequence[str]) -> str:
+    return ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
+
+
+def _f(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
+
+
+# subcommands ------------------------------------------------------------------------------------
+def cmd_run(args, out: TextIO) -> int:
+    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
+    decode = decode_options(args)
+    results, seconds = replay_requests(
+        args.framework,
+        config,
+        weights,
+        requests,
+        loop=loops[args.framework],
+        device=args.device,
+        max_batch=args.max_batch,
+        show_progress=False if args.quiet else None,
+        **decode,
+    )
+    s = run_summary(requests, results, seconds)
+    head = {
+        "summary": dict(
+            s,
+            framework=args.framework,
+            device=args.device,
+            max_batch=args.max_batch,
+            traces=args.traces,
+            **model_summary(family, config, source, decode),
+        )
+    }
+    rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
+    write_json_document(args.out, head, "requests", rows)
+    say(
+        out,
+        args.quiet,
+        f"{args.framework} on {args.device}: {s['requests']} requests ({s['traced_requests']} "
+        f"traced), {s['tokens']} tokens in {s['seconds']:.2f} s ({_f(s['tokens_per_s'], '.0f')} tokens/s)",
+    )
+    if s["forced_tokens"]:
+        say(
+            out,
+            args.quiet,
+            f"exact reproduction: {s['exact_reproductions']}/{s['traced_requests']} traced "
+            f"requests; forced tokens: mean logprob {_f(s['mean_forced_logprob'], '.3f')}, "
+            f"mean rank {_f(s['mean_forced_rank'], '.1f')}",
+        )
+    say(out, args.quiet, f"wrote {args.out}")
+    status = 0
+    if s["exact_reproductions"] != s["traced_requests"]:
+        bad = [q.id for q, r in zip(requests, results, strict=True) if reproduced(q, r) is False]
+        print(f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: {_ids(bad)}", file=sys.stderr)
+        status = 1
+    if s["non_finite_logprobs"]:
+        bad = s["requests_with_non_finite_logprobs"]
+        print(
+            f"trace-replay run: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
+            f"{len(bad)} requests: {_ids(bad)}",
+            file=sys.stderr,
+        )
+        status = 1
+    return status
+
+
+def cmd_score(args, out: TextIO) -> int:
+    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    family, config, source, requests, weights, loops = prepare_run(args, [args.framework], score=True)
+    untraced = [r.id for r in requests if r.trace is None]
+    if untraced:
+        raise CliError(f"--traces {args.traces}: score needs each request's completion; no trace in {_ids(untraced)}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    stage(f"{args.framework}-score")
+    t0 = time.perf_counter()
+    results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
+                                    max_tokens=args.max_tokens, chunk_rows=args.chunk_rows)  # fmt: skip
+    s = run_summary(requests, results, time.perf_counter() - t0)
+    options = dict(dtype=dtype, temperature=0.0, seed=0)
+    summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
+    summary.update(
+        max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, **model_summary(family, config, source, options)
+    )
+    rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
+    write_json_document(args.out, {"summary": summary}, "requests", rows)
+    say(
+        out,
+        args.quiet,
+        f"{args.framework} on {args.device}: scored {s['tokens']} tokens of {s['requests']} requests in "
+        f"{s['seconds']:.2f} s; mean logprob {_f(s['mean_forced_logprob'], '.3f')}, mean rank "
+        f"{_f(s['mean_forced_rank'], '.1f')}",
+    )
+    say(out, args.quiet, f"wrote {args.out}")
+    if s["non_finite_logprobs"]:
+        bad = s["requests_with_non_finite_logprobs"]
+        print(
+            f"trace-replay score: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
+            f"{len(bad)} requests: {_ids(bad)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def framework_list(option: str, text: str | None) -> list[str]:
+    """``"torch,jax"`` -> ``["torch", "jax"]`` (order kept, no repeats); :class:`CliError`
+    naming ``option`` for anything else."""
+    if text is None:
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names or any(n not in FRAMEWORKS for n in names) or len(set(names)) != len(names):
+        raise CliError(f"{option} {text}: give frameworks among {', '.join(FRAMEWORKS)}, comma-separated, once each")
+    return names
+
+
+def parse_gate(text: str) -> tuple[str, float]:
+    """``METRIC=X`` of ``--fail-above`` -> ``(metric, X)``; ``ValueError`` saying what is wrong."""
+    metric, sep, value = text.partition("=")
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = float("nan")
+    if not sep or not metric or not limit == limit or limit in (float("inf"), float("-inf")):
+        raise ValueError(f"must be METRIC=X with a finite number X (got {text!r})")
+    return metric, limit
+
+
+def _compare_inputs(args):
+    """The requests and sources of a ``compare`` call, in order: the files given, then the
+    ``--run`` and ``--score`` runs it makes itself (today's ``--traces FILE`` alone: ``--run
+    torch,jax``); also the report's summary additions."""
+    from .sources import load_source, results_source
+
+    runs, scores = framework_list("--run", args.run), framework_list("--score", args.score)
+    if args.traces is not None and not args.sources and not runs and not scores:
+        runs = list(FRAMEWORKS)
+    if not args.sources and args.traces is None:
+        raise CliError("give the files to compare (run or score outputs, rollout files), or --traces FILE")
+    making = runs + scores
+    need_model = bool(making) or args.checkpoint is not None or args.model is not None
+    family = config = weights = None
+    if need_model:
+        family, config, model_source = load_model(args.model, args.checkpoint, args.seed)
+    sources = []
+    for path in args.sources:
+        try:
+            sources.append(load_source(path, config, format=args.format, requests_path=args.requests))
+        except TraceFileError as exc:
+            raise CliError(str(exc)) from None
+        except OSError as exc:
+            raise CliError(f"{exc.filename or path}: cannot read ({exc.strerror or exc})") from None
+    if args.traces is not None:
+        requests = read_requests(args.traces, config, format=args.format, requests_path=args.requests)
+    else:
+        requests = next((list(s.requests) for s in sources if s.requests is not None), None)
+        if requests is None and making:
+            raise CliError("--run/--score need the requests: give --traces FILE or a rollout file among the files")
+    extra: dict = {}
+    if making:
+        assert family is not None
+        for fw in making:
+            check_framework_device(fw, args.device)
+        weights = load_weights(family, config, model_source)
+        decode = decode_options(args)
+        extra.update(device=args.device, traces=args.traces, **model_summary(family, config, model_source, decode))
+        summaries = {}
+        for fw in runs:
+            results, seconds = replay_requests(fw, config, weights, requests, loop=load_loop(family, fw),
+                                               device=args.device, max_batch=args.max_batch,
+                                               show_progress=False if args.quiet else None, **decode)  # fmt: skip
+            summaries[fw] = run_summary(requests, results, seconds)
+            sources.append(results_source(fw, "decode", results))
+        for fw in scores:
+            untraced = [r.id for r in requests if r.trace is None]
+            if untraced:
+                raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
+            stage(f"{fw}-score")
+            t0 = time.perf_counter()
+            results = load_loop(family, fw, score=True)(config, weights, requests, device=args.device,
+                                                        dtype=decode["dtype"])  # fmt: skip
+            summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
+            sources.append(results_source(f"{fw}-score", "teacher-forced", results))
+        extra.update(max_batch=args.max_batch, runs=summaries)
+    if len(sources) < 2:
+        raise CliError(f"compare needs at least two sources (got {len(sources)}): add files, --run or --score")
+    if requests is None:  # only output files: their reference's requests, by id
+        from .records import TraceRequest
+
+        requests = [TraceRequest(i, (0,), tuple(int(t) for t in r.tokens)) for i, r in sources[0].results.items()]
+    return _unique(sources), requests, extra
+
+
+def _unique(sources):
+    """Sources with unique names (a repeated name gets ``#2``, ``#3``, ...)."""
+    import dataclasses
+
+    seen: dict[str, int] = {}
+    out = []
+    for s in sources:
+        seen[s.name] = seen.get(s.name, 0) + 1
+        out.append(s if seen[s.name] == 1 else dataclasses.replace(s, name=f"{s.name}#{seen[s.name]}"))
+    return out
+
+
+def cmd_compare(args, out: TextIO) -> int:
+    from .compare import (
+        GATED_MEASURES,
+        batch_gate_failures,
+        compare_sources,
+        gate_failures,
+        output_paths,
+        summary_lines,
+    )
+    from .compare_plots import plot_divergence
+
+    inputs = [("--traces", args.traces), ("--requests", args.requests), *(("FILE", p) for p in args.sources)]
+    report_path, plot_path, create = output_paths(args.out_dir, args.report, args.plot, inputs, args.checkpoint)
+    gates = list(args.fail_above) + ([("k3", args.max_k3)] if args.max_k3 is not None else [])
+    for metric, _ in gates:
+        if metric not in GATED_MEASURES and "/" not in metric:
+            raise CliError(f"--fail-above {metric}: give a per-request measure ({', '.join(GATED_MEASURES)}) or an "
+                           "rl_metrics key such as verl/rollout_corr/k3_kl")  # fmt: skip
+    sources, requests, extra = _compare_inputs(args)
+    try:
+        report = compare_sources(requests, sources)
+        for metric, limit in gates:
+            if metric not in GATED_MEASURES:
+                batch_gate_failures(report, metric, limit)  # an unknown key is refused before anything is written
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    report["summary"].update(extra)
+    if create is not None:
+        os.makedirs(create, exist_ok=True)
+    head = {k: report[k] for k in ("summary", "per_position", "sources", "pairs")}
+    write_json_document(report_path, head, "requests", report["requests"])
+    try:
+        plot_divergence(report, plot_path)
+        wrote = f"wrote {report_path} and {plot_path}"
+    except ImportError:
+        wrote = f"wrote {report_path}; plot skipped: matplotlib is not installed (pip install matplotlib)"
+    pairs = [report, *report["pairs"]]
+    for pair in pairs:
+        for line in summary_lines(pair):
+            say(out, args.quiet, line)
+    for line in _rl_table(pairs):
+        say(out, args.quiet, line)
+    for name, s in extra.get("runs", {}).items():
+        say(out, args.quiet, f"{name}: {s['tokens']} tokens in {s['seconds']:.2f} s; exact reproduction "
+                             f"{s['exact_reproductions']}/{s['traced_requests']} traced requests")  # fmt: skip
+    say(out, args.quiet, wrote)
+    status = 0
+    runs = extra.get("runs", {})
+    failed = [
+        fw for fw, s in runs.items() if not fw.endswith("-score") and s["exact_reproductions"] != s["traced_requests"]
+    ]
+    if failed:
+        print(
+            f"trace-replay compare: traced requests were not reproduced exactly by {', '.join(failed)}", file=sys.stderr
+        )
+        status = 1
+    bad = sorted({i for pair in pairs for i in pair["summary"]["requests_with_non_finite_logprobs"]})
+    if bad:
+        print(f"trace-replay compare: {len(bad)} requests have non-finite logprobs: {_ids(bad)}", file=sys.stderr)
+        status = 1
+    for metric, limit in gates:
+        max_k3 = (metric, limit) == ("k3", args.max_k3)
+        option = f"--max-k3 {limit:g}" if max_k3 else f"--fail-above {metric}={limit:g}"
+        measure = "k3 KL estimate" if metric == "k3" else metric
+        if metric in GATED_MEASURES:
+            above = [f for pair in pairs for f in gate_failures(pair, metric, limit)]
+            what = "requests"
+        else:
+            above, what = batch_gate_failures(report, metric, limit), "pairs"
+        if above:
+            print(f"trace-replay compare: {len(above)} {what} fail {option} ({measure} above it or missing): "
+                  f"{', '.join(above)}", file=sys.stderr)  # fmt: skip
+            status = 1
+    return status
+
+
+RL_COLUMNS = (
+    ("verl/rollout_corr/k3_kl", "k3_kl"),
+    ("verl/rollout_corr/kl", "kl"),
+    ("verl/rollout_corr/log_ppl_abs_diff", "log_ppl_abs_diff"),
+    ("verl/rollout_corr/ppl_ratio", "ppl_ratio"),
+    ("verl/rollout_corr/chi2_token", "chi2_token"),
+    ("prime_rl/mismatch_kl/all/max", "mismatch_kl max"),
+    ("slime/train/train_rollout_logprob_abs_diff", "abs_diff"),
+)
+
+
+def _rl_table(pairs) -> list[str]:
+    """The headline RL measures of every pair as a small text table."""
+    rows = [["pair", *(label for _, label in RL_COLUMNS)]]
+    for pair in pairs:
+        a, b = pair["summary"]["frameworks"]
+        values = pair["summary"]["rl_metrics"]
+        rows.append([f"{b} vs {a}", *("n/a" if values.get(k) is None else f"{values[k]:.3g}" for k, _ in RL_COLUMNS)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
