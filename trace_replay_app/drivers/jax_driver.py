@@ -68,8 +68,9 @@ class JaxFamily:
     ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns ``(logits [rows, vocab],
     cache)`` with the step's keys and values stored. For ``score``
     (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens)``, the
-    final-norm hidden states ``[n, hidden]`` of one sequence ``tokens`` ``[n]`` (causal, no
-    cache), and ``logits(params, hidden)``, the output projection of ``[rows, hidden]``."""
+    final-norm hidden states ``[requests, n, hidden]`` of right-padded ``tokens``
+    ``[requests, n]`` (causal, no cache), and ``logits(params, hidden)``, the output projection
+    of ``[rows, hidden]``."""
 
     config_type: type
     check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]

@@ -1,8 +1,8 @@
 """The JAX side of ``score`` (teacher-forced, :mod:`trace_replay_app.scoring`) for every family.
 
-A family's :class:`~.jax_driver.JaxFamily` supplies ``hidden`` (final-norm hidden states of one
-sequence, causal, no cache) and ``logits`` (the output projection). Per batch, one jitted
-program: ``hidden`` mapped over the batch's sequences, the scored positions gathered, then the
+A family's :class:`~.jax_driver.JaxFamily` supplies ``hidden`` (final-norm hidden states of a
+right-padded batch, causal, no cache) and ``logits`` (the output projection). Per batch, one
+jitted program: ``hidden`` of the batch, the scored positions gathered, then the
 output projection and :func:`trace_replay_jax.token_logprob_rank` over ``chunk`` of them at a
 time in a ``lax.map`` (the logits of at most ``chunk`` positions exist at once). The scored
 positions are padded to a power of two (and to a multiple of ``chunk``) so that batches of
@@ -34,7 +34,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int):
     """``(logprobs, ranks, argmax)`` of ``targets`` ``[m]`` under the logits of the flat
     positions ``rows`` ``[m]`` (``m`` a multiple of ``chunk``) of the sequences ``tokens``."""
-    hidden = jax.vmap(lambda t: family.hidden(params, config, t))(tokens)
+    hidden = family.hidden(params, config, tokens)
     picked = hidden.reshape(-1, hidden.shape[-1])[rows]
 
     def one(args):

@@ -81,9 +81,9 @@ def _embed(p, tokens, positions):
     return p["wte.weight"][tokens] + p["wpe.weight"][positions]
 
 
-def _causal(p, config: GPT2Config, tokens):
-    """The blocks over ``tokens`` (``[n]``, positions ``0 ..``) with causal attention:
-    ``(x before ln_f [n, n_embd], [per layer k, v stacked])``."""
+def _prefill(p, config: GPT2Config, tokens):
+    """The keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``):
+    ``[n_layer, 2, 1, bucket, n_head, head_dim]``."""
     n = tokens.shape[0]
     causal = jnp.tril(jnp.ones((n, n), dtype=bool))
     scale = 1.0 / math.sqrt(config.head_dim)
@@ -92,18 +92,27 @@ def _causal(p, config: GPT2Config, tokens):
         scores = jnp.where(causal, _einsum("qhd,khd->hqk", q, k) * scale, -jnp.inf)
         return _einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v), kv + [jnp.stack([k, v])]
 
-    return _layers(p, config, _embed(p, tokens, jnp.arange(n)), attend, [])
-
-
-def _prefill(p, config: GPT2Config, tokens):
-    """The keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``):
-    ``[n_layer, 2, 1, bucket, n_head, head_dim]``."""
-    return jnp.stack(_causal(p, config, tokens)[1])[:, :, None]  # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
+    _, kv = _layers(p, config, _embed(p, tokens, jnp.arange(n)), attend, [])
+    return jnp.stack(kv)[:, :, None]  # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
 
 
 def _hidden(p, config: GPT2Config, tokens):
-    """Teacher-forced: the final-norm hidden states ``[n, n_embd]`` of ``tokens`` ``[n]``."""
-    return _ln(p, _causal(p, config, tokens)[0], "ln_f", config.layer_norm_epsilon)
+    """Teacher-forced: the final-norm hidden states ``[requests, n, n_embd]`` of right-padded
+    ``tokens`` ``[requests, n]``; in bfloat16 through :func:`jax.nn.dot_product_attention`
+    (cuDNN's fused attention on a GPU), in float32 the scores at full precision."""
+    r, n = tokens.shape
+    causal = jnp.tril(jnp.ones((n, n), dtype=bool))
+    scale = 1.0 / math.sqrt(config.head_dim)
+
+    def attend(layer, q, k, v, state):
+        q, k, v = (t.reshape(r, n, config.n_head, config.head_dim) for t in (q, k, v))
+        if q.dtype != jnp.float32:
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True).reshape(r * n, -1), state
+        scores = jnp.where(causal, _einsum("rqhd,rkhd->rhqk", q, k) * scale, -jnp.inf)
+        return _einsum("rhqk,rkhd->rqhd", jax.nn.softmax(scores, axis=-1), v).reshape(r * n, -1), state
+
+    x, _ = _layers(p, config, _embed(p, tokens.reshape(-1), jnp.tile(jnp.arange(n), r)), attend, None)
+    return _ln(p, x, "ln_f", config.layer_norm_epsilon).reshape(r, n, -1)
 
 
 def _logits(p, h):

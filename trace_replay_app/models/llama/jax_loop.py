@@ -135,9 +135,9 @@ def _softmax_f32(scores, visible, dtype):
     return jax.nn.softmax(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(dtype)
 
 
-def _causal(params, config: LlamaConfig, tokens):
-    """Causal attention over ``tokens`` (``[n]``, positions ``0 ..``): the final-norm hidden
-    states ``[n, hidden]`` and per layer ``(k, v)``, each ``[kv_heads, n, head_dim]``."""
+def _prefill(params, config: LlamaConfig, tokens):
+    """Keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``): per layer ``(k, v)``,
+    each ``[kv_heads, bucket, head_dim]``."""
     c = config
     n = tokens.shape[0]
     pos = jnp.arange(n)
@@ -154,18 +154,36 @@ def _causal(params, config: LlamaConfig, tokens):
         out = jnp.einsum("kgqt,tkd->qkgd", probs, v, precision="highest" if q.dtype == jnp.float32 else None)
         return out.reshape(n, -1), kv + [(k.transpose(1, 0, 2), v.transpose(1, 0, 2))]
 
-    return _layers(params, c, tokens, pos, attend, [])
-
-
-def _prefill(params, config: LlamaConfig, tokens):
-    """Keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``): per layer ``(k, v)``,
-    each ``[kv_heads, bucket, head_dim]``."""
-    return _causal(params, config, tokens)[1]
+    return _layers(params, c, tokens, pos, attend, [])[1]
 
 
 def _hidden(params, config: LlamaConfig, tokens):
-    """Teacher-forced: the final-norm hidden states ``[n, hidden]`` of ``tokens`` ``[n]``."""
-    return _causal(params, config, tokens)[0]
+    """Teacher-forced: the final-norm hidden states ``[requests, n, hidden]`` of right-padded
+    ``tokens`` ``[requests, n]``. In bfloat16 the attention is :func:`jax.nn.dot_product_attention`
+    (cuDNN's fused attention on a GPU: the ``[n, n]`` scores are never stored); in float32
+    transformers' eager form at full precision, as the decode path."""
+    c = config
+    r, n = tokens.shape
+    pos = jnp.arange(n)
+    scale = c.head_dim**-0.5
+
+    def attend(layer, q, k, v, state):
+        q, k, v = (t.reshape(r, n, t.shape[1], c.head_dim) for t in (q, k, v))
+        window = c.window(layer)
+        if q.dtype != jnp.float32:
+            local = (window - 1, 0) if window else None
+            out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local)
+            return out.reshape(r * n, -1), state
+        visible = pos[None, :] <= pos[:, None]
+        if window:
+            visible = visible & (pos[None, :] > pos[:, None] - window)
+        qg = q.reshape(r, n, c.num_key_value_heads, c.kv_groups, c.head_dim)
+        scores = jnp.einsum("rqkgd,rtkd->rkgqt", qg, k, precision="highest")
+        probs = _softmax_f32(scores * scale, visible, q.dtype)
+        return jnp.einsum("rkgqt,rtkd->rqkgd", probs, v, precision="highest").reshape(r * n, -1), state
+
+    h, _ = _layers(params, c, tokens.reshape(-1), jnp.tile(pos, r), attend, None)
+    return h.reshape(r, n, -1)
 
 
 def _write(cache, kv, slot):
