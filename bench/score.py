@@ -55,6 +55,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class _Compiled:
+    """A built torch model whose ``hidden`` runs through ``torch.compile`` (a trial: is the
+    eager forward what stands between the driver and the compute floor?)."""
+
+    def __init__(self, model):
+        import torch
+
+        self.config, self.logits = model.config, model.logits
+        self.hidden = torch.compile(model.hidden, dynamic=False)
+
+
 def _peer(model, seqs):
     """What a user writes with transformers: the forward, a float32 log-softmax, a gather."""
     import torch
@@ -98,7 +109,7 @@ def _matmul_tflops(device: str) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a CPU dry run with a tiny model (writes nothing)")
-    ap.add_argument("--frameworks", default="torch,jax,transformers")
+    ap.add_argument("--frameworks", default="torch,torch-compile,jax,transformers")
     ap.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
     args = ap.parse_args()
     setup = QUICK if args.quick else FULL
@@ -127,6 +138,7 @@ def main() -> None:
     tflops = _matmul_tflops(device)
     dev = torch.device(device)
     ours_torch = torch_loop.TORCH.build(config, weights, dev, torch.bfloat16, None)
+    compiled = _Compiled(ours_torch)
     jdev = jparams = None
     if "jax" in args.frameworks:
         from trace_replay_jax import resolve_device
@@ -151,6 +163,7 @@ def main() -> None:
         seqs = torch.tensor(np.stack([(*r.prompt, *(r.trace or ())) for r in requests]), device=device)
         calls = {
             "torch": functools.partial(torch_score.score_batches, ours_torch, plan, dev),
+            "torch-compile": functools.partial(torch_score.score_batches, compiled, plan, dev),
             "jax": functools.partial(jax_score.score_batches, jax_loop.JAX, config, jparams, plan, jdev),
             "transformers": functools.partial(_peer, model, seqs),
         }
@@ -159,15 +172,22 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
             ms, times, out = _median_ms(calls[provider], device, 1 if args.quick else REPEATS)
+            first_s = time.perf_counter() - t0 - sum(times) / 1e3  # the warm-up call: compilation included
             peak = None
-            if device == "cuda" and provider != "jax":
+            if device == "cuda" and provider not in ("jax",):
                 peak = torch.cuda.max_memory_allocated() / 2**30
             elif device == "cuda" and jdev is not None:
                 peak = jdev.memory_stats()["peak_bytes_in_use"] / 2**30
-            firsts[provider] = out[0][0] if provider != "transformers" else out.float().cpu().numpy().ravel()
+            firsts[provider] = (
+                np.concatenate([o[0] for o in out])
+                if provider != "transformers"
+                else (out.float().cpu().numpy().ravel())
+            )
             row = dict(provider=PEER if provider == "transformers" else provider, batch=batch, tokens_per_row=tokens,
-                       scored_tokens=scored, ms=ms, ms_all=times, tokens_per_s=batch * tokens / ms * 1e3,
+                       scored_tokens=scored, ms=ms, ms_all=times, first_call_s=first_s,
+                       tokens_per_s=batch * tokens / ms * 1e3,
                        peak_gib=peak, floor_ms=floor, logprob_op_ms=lp_ms,
                        logprob_share=(lp_ms / ms if lp_ms and provider == "torch" else None))  # fmt: skip
             rows.append(row)

@@ -11,7 +11,7 @@ until the end of the call (one copy to the host).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,15 +20,23 @@ from trace_replay_torch import token_logprob_rank
 
 from ..records import RequestResult, TraceRequest
 from ..scoring import ScorePlan, plan_score, score_results
-from .torch_driver import TorchFamily, TorchModel, torch_device, upload
+from .torch_driver import TorchFamily, torch_device, upload
 
-__all__ = ["scorer", "score_batches", "DTYPES"]
+__all__ = ["scorer", "score_batches", "Scorable", "DTYPES"]
 
 Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def score_batches(model: TorchModel, plan: ScorePlan, device: torch.device) -> list[Triple]:
+class Scorable(Protocol):
+    """What scoring needs of a :class:`~.torch_driver.TorchModel`: ``hidden`` and ``logits``."""
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> list[Triple]:
     """Each batch of ``plan`` through ``model`` (a built :class:`~.torch_driver.TorchModel`):
     per batch ``(logprobs, ranks, argmax)`` over its scored rows, on the host (one copy at the
     end; host-blocking)."""
