@@ -55,17 +55,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class _Compiled:
-    """A built torch model whose ``hidden`` runs through ``torch.compile`` (a trial: is the
-    eager forward what stands between the driver and the compute floor?)."""
-
-    def __init__(self, model):
-        import torch
-
-        self.config, self.logits = model.config, model.logits
-        self.hidden = torch.compile(model.hidden, dynamic=False)
-
-
 def _peer(model, seqs):
     """What a user writes with transformers: the forward, a float32 log-softmax, a gather."""
     import torch
@@ -138,7 +127,7 @@ def main() -> None:
     tflops = _matmul_tflops(device)
     dev = torch.device(device)
     ours_torch = torch_loop.TORCH.build(config, weights, dev, torch.bfloat16, None)
-    compiled = _Compiled(ours_torch)
+    compiled = torch_score.Compiled(ours_torch)
     jdev = jparams = None
     if "jax" in args.frameworks:
         from trace_replay_jax import resolve_device

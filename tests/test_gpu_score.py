@@ -50,3 +50,17 @@ def test_gpu_score_bfloat16_close_to_float32(qwen2, framework, rng):
     half = SCORE[framework](config, weights, requests, device=device, dtype="bfloat16")
     diff = np.concatenate([np.abs(a.logprobs - b.logprobs) for a, b in zip(full, half, strict=True)])
     assert np.isfinite(diff).all() and 0 < diff.mean() < 0.05, diff.mean()
+
+
+def test_gpu_torch_compile_changes_nothing_in_float32(qwen2, rng):
+    """The compiled forward (the default on CUDA) against the eager one, float32; and the
+    argument checked."""
+    config, weights, _ = qwen2
+    requests = make_completions(rng, config.vocab_size, n=3)
+    eager = SCORE["torch"](config, weights, requests, device="cuda", compile=False)
+    compiled = SCORE["torch"](config, weights, requests, device="cuda")
+    for a, b in zip(eager, compiled, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5, err_msg=a.id)
+        assert (a.ranks == b.ranks).all() and (a.argmax == b.argmax).all(), a.id
+    with pytest.raises(TypeError, match=r"compile must be a bool or None \(got str 'yes'\)"):
+        SCORE["torch"](config, weights, requests, device="cuda", compile="yes")

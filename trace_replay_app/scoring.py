@@ -21,6 +21,8 @@ The contract of every family's ``run_score`` (both frameworks)::
     run_score(config, weights, requests, *, device="cpu", dtype="float32", max_tokens=16384,
               chunk_rows=2048) -> list[RequestResult]
 
+(torch adds ``compile=``: the forward through ``torch.compile``, by default on CUDA.)
+
 Every request must carry a trace (the completion to score). Logprobs and ranks are those of the
 raw logits (no temperature), float32; ``argmax`` is the model's greedy token at each position.
 A rejected call raises ``TypeError``/``ValueError`` naming the argument before anything runs.
