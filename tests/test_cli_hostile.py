@@ -277,6 +277,22 @@ def test_ctrl_c_exits_130_and_writes_nothing(tmp_path, inputs, case):
     assert sha256(out) == digest and os.listdir(tmp_path) == ["o.json"]
 
 
+@pytest.mark.parametrize("case", ["exec", "unraisable", "twice", "after"])
+def test_ctrl_c_exits_130_at_rare_moments(tmp_path, inputs, case):
+    """Moments a real Ctrl-C reaches only now and then, made certain by a loop that sends the
+    SIGINT itself (helpers/ctrl_c_child.py): the ``KeyboardInterrupt`` passing through code run
+    by ``exec`` of a string (CPython would end ``python -m`` by SIGINT), or raised where Python
+    cannot raise it (it would print "Exception ignored"), a second SIGINT while the command
+    reports the first, and one after the command returned."""
+    out = tmp_path / "o.json"
+    digest = sentinel(out)
+    args = (case, *RUN, "--traces", str(inputs / "t.jsonl"), "--out", str(out))
+    got = child(*args, cwd=tmp_path, module="helpers.ctrl_c_child")
+    assert got.status == 130, got
+    assert got.error_line() == "trace-replay run: interrupted" and got.out == ""
+    assert sha256(out) == digest and os.listdir(tmp_path) == ["o.json"]
+
+
 # random malformed inputs, in process ----------------------------------------------------------------------
 TOKEN = st.integers(-2, CONFIG.vocab_size + 1)
 JSON = st.recursive(

@@ -76,6 +76,7 @@ def _rss_bytes():
     return 0
 
 
+@pytest.mark.alone
 def test_create_close_cycles_do_not_leak():
     from cuda.bindings import driver as cu
 

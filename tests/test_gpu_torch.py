@@ -257,6 +257,7 @@ def test_staging_without_guard_corrupts(rng):
     assert wrong, "disabling the guard should have corrupted at least one trace"
 
 
+@pytest.mark.alone
 def test_close_frees_memory_and_is_idempotent():
     from cuda.bindings import driver as cu
 

@@ -35,9 +35,12 @@ however a framework reports it; nothing is written).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from trace_replay_core import split_device
 
@@ -50,7 +53,7 @@ from .runner import CliError, stage
 from .schedule import COMPUTE_DTYPES
 from .traces import interrupted, sigint_tracked
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "run", "build_parser"]
 
 
 # parser -----------------------------------------------------------------------------------------
@@ -283,3 +286,26 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int
                 print(f"{name}: error: {exc}", file=sys.stderr)
                 return 2
             raise
+
+
+def run() -> NoReturn:
+    """The process entry point (``trace-replay``, ``python -m trace_replay_app``): :func:`main`,
+    then exit with its status.
+
+    SIGINT is ignored outside :func:`main`'s own Ctrl-C handling (the statements before it and
+    the exit after it), so that once the status is decided no Ctrl-C can turn it into a
+    ``KeyboardInterrupt`` traceback. After a Ctrl-C (status 130) the process ends through
+    ``os._exit`` once stdout and stderr are flushed, skipping the interpreter's shutdown as the
+    default action of SIGINT does: CPython ends a ``python -m`` run by SIGINT, whatever its
+    status, once a ``KeyboardInterrupt`` has passed through code run by ``exec`` or ``eval`` of
+    a string, even one that was caught (dataclasses and named tuples build their methods so,
+    over a thousand times while torch is imported). An interrupted command has nothing left to
+    write."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    status = main()
+    if status == 130:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(130)
+    sys.exit(status)

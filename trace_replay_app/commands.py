@@ -29,7 +29,7 @@ from .runner import (
     stage,
     write_json_document,
 )
-from .traces import TraceFileError
+from .traces import TraceFileError, stop_if_interrupted
 
 __all__ = ["cmd_run", "cmd_score", "cmd_compare", "parse_gate", "framework_list", "TRACES_HELP"]
 
@@ -114,6 +114,7 @@ def cmd_score(args, out: TextIO) -> int:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     stage(f"{args.framework}-score")
     t0 = time.perf_counter()
+    stop_if_interrupted()
     results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
                                     max_tokens=args.max_tokens, chunk_rows=args.chunk_rows)  # fmt: skip
     s = run_summary(requests, results, time.perf_counter() - t0)
@@ -202,6 +203,7 @@ def _compare_inputs(args):
         for fw in making:
             check_framework_device(fw, args.device)
         weights = load_weights(family, config, model_source)
+        stop_if_interrupted()  # a Ctrl-C that Python could not raise where it landed (an import's callbacks)
         decode = decode_options(args)
         extra.update(device=args.device, traces=args.traces, **model_summary(family, config, model_source, decode))
         summaries = {}

@@ -214,6 +214,7 @@ def prepare_run(args, frameworks: Sequence[str], *, score: bool = False):
         check_framework_device(fw, args.device)
     weights = load_weights(family, config, source)
     loops = {fw: load_loop(family, fw, score=score) for fw in frameworks}
+    stop_if_interrupted()  # a Ctrl-C that Python could not raise where it landed (an import's callbacks)
     return family, config, source, requests, weights, loops
 
 
@@ -262,6 +263,7 @@ def replay_requests(
     with progress_bar(total, framework, enabled=show_progress) as bar:
 
         def on_step(k: int) -> None:
+            stop_if_interrupted()  # a framework may have swallowed the KeyboardInterrupt: stop at the next step
             if first[0]:
                 first[0] = False
                 stage(f"{framework}-decode")

@@ -30,6 +30,7 @@ import os
 import random
 import secrets
 import signal
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -304,23 +305,39 @@ def sigint_tracked() -> Iterator[None]:
     """Within: Ctrl-C (SIGINT) is recorded, then raises ``KeyboardInterrupt`` as usual, so that
     an interrupt a framework wraps in another exception (a ``KeyboardInterrupt`` raised in a
     JAX callback arrives as an "INTERNAL" error) is still known as one (:func:`interrupted`).
-    The previous handler is restored on exit; outside the main thread nothing is installed."""
+
+    Only the first Ctrl-C raises: further ones in the block are ignored, since the block is
+    then ending and a second ``KeyboardInterrupt`` could escape the code that handles the first.
+    A recorded ``KeyboardInterrupt`` that Python cannot raise (the Ctrl-C landed in a
+    ``__del__`` or a weakref callback, as during an import) is not printed as "Exception
+    ignored": the next :func:`stop_if_interrupted` acts on it. The previous handler and
+    ``sys.unraisablehook`` are restored on exit; outside the main thread nothing is installed."""
     _SIGINT["received"] = False
 
     def handle(signum, frame):
+        if _SIGINT["received"]:
+            return
         _SIGINT["received"] = True
         raise KeyboardInterrupt
+
+    def unraisable(info):
+        if not (_SIGINT["received"] and isinstance(info.exc_value, KeyboardInterrupt)):
+            previous_hook(info)
 
     try:
         previous = signal.signal(signal.SIGINT, handle)
     except ValueError:  # not the main thread: Python delivers signals to the main thread only
         previous = None
+    previous_hook = sys.unraisablehook
+    if previous is not None:
+        sys.unraisablehook = unraisable
     try:
         yield
     finally:
-        _SIGINT["received"] = False
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+            sys.unraisablehook = previous_hook
+        _SIGINT["received"] = False
 
 
 def interrupted() -> bool:

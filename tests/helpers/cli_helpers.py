@@ -70,20 +70,21 @@ class Child:
 
 def _env(stages: bool, extra: dict | None) -> dict:
     env = dict(os.environ, **(extra or {}))
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "adapters"), env.get("PYTHONPATH", "")])
+    paths = [ROOT, os.path.join(ROOT, "adapters"), os.path.join(ROOT, "tests")]  # tests: helpers run as -m
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
     env.pop("TRACE_REPLAY_TEST_STAGES", None)
     if stages:
         env["TRACE_REPLAY_TEST_STAGES"] = "1"
     return env
 
 
-def _command(args, memory_limit: int | None) -> list[str]:
+def _command(args, memory_limit: int | None, module: str) -> list[str]:
     if memory_limit is None:
-        return [sys.executable, "-m", "trace_replay_app", *args]
+        return [sys.executable, "-m", module, *args]
     start = (  # the address-space cap set inside the child: no fork-time hook in this process
         "import resource, runpy, sys; "
         f"resource.setrlimit(resource.RLIMIT_AS, ({memory_limit}, {memory_limit})); "
-        "sys.argv[0] = 'trace-replay'; runpy.run_module('trace_replay_app', run_name='__main__')"
+        f"sys.argv[0] = 'trace-replay'; runpy.run_module({module!r}, run_name='__main__')"
     )
     return [sys.executable, "-c", start, *args]
 
@@ -95,13 +96,14 @@ def child(
     memory_limit: int | None = None,
     env: dict | None = None,
     timeout_s: float = 120,
+    module: str = "trace_replay_app",
 ) -> Child:
     """Run ``python -m trace_replay_app args...`` in ``cwd``; with ``interrupt_at``, send it
     SIGINT as soon as it says it reached that stage (fails if it ends first). ``memory_limit``
     caps its address space (bytes), so a run that would take the machine's memory fails instead;
-    ``env``: variables set for it."""
+    ``env``: variables set for it; ``module``: another module to run (one of ``helpers``)."""
     proc = subprocess.Popen(
-        _command(args, memory_limit),
+        _command(args, memory_limit, module),
         cwd=cwd,
         env=_env(interrupt_at is not None, env),
         stdout=subprocess.PIPE,

@@ -9,7 +9,8 @@ non-NaN ``y``; a row with a negative id is then scored as it).
 This module is the op's host side: :func:`plan_logprob_rank` returns a call's
 :class:`LogprobVariant` (cached per batch, vocabulary, dtype, top-k and options),
 :func:`kernel_specs` its kernels, :func:`launch_logprob_rank` and :func:`bind_logprob_rank_launch`
-queue them on a stream with integers only. The ``@triton.jit`` kernels: :mod:`._logprob_rank_jit` (a chunk's partial: :mod:`._logprob_chunk_jit`).
+queue them on a stream with integers only. The ``@triton.jit`` kernels: :mod:`._logprob_rank_jit`
+(a chunk's partial: :mod:`._logprob_chunk_jit`).
 
 Design reasons:
 
