@@ -255,6 +255,25 @@ def models_section(rows: Rows) -> list[str]:
     ]
 
 
+def score_section(rows: Rows) -> list[str]:
+    t = [
+        dict(
+            r,
+            provider=r["provider"],
+            ms=f"{r['ms']:.1f}",
+            peak_gib="n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}",
+            x_floor="n/a" if not r.get("floor_ms") else f"{r['ms'] / r['floor_ms']:.2f}",
+            logprob=pct(r.get("logprob_share")),
+        )
+        for r in rows
+    ]
+    return [
+        "teacher-forced scoring of batch x 1,024 tokens, a Qwen2.5-0.5B-shaped model in bf16: ms per batch,"
+        " peak device memory, times the matrix-product floor; logprob: the logprob op's share.",
+        table(t, ["provider", "batch", "ms", "peak_gib", "x_floor", "logprob"]),
+    ]
+
+
 SECTIONS = (
     ("launch", "launch.py", launch_section),
     ("staging", "staging.py", staging_section),
@@ -264,6 +283,7 @@ SECTIONS = (
     ("jax_step", "jax_step.py", jax_step_section),
     ("cli_run", "cli_run.py", cli_run_section),
     ("models", "models.py", models_section),
+    ("score", "score.py", score_section),
 )
 
 
