@@ -82,7 +82,7 @@ def _check_reference(requests, results, what: str) -> None:
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 16])
-def test_own_models_decode_what_the_reference_says(max_batch, rng):
+def test_own_models_decode_what_the_reference_says(max_batch, rng) -> None:
     requests = _requests(rng, VOCAB, n=9, longest=12)
     torch_model = SumTorch()
     steps: list[int] = []
