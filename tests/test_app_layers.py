@@ -10,12 +10,12 @@ import trace_replay_app
 
 ROOT = pathlib.Path(trace_replay_app.__file__).parent
 LIBRARIES = ("trace_replay_core", "trace_replay_torch", "trace_replay_jax")
-# framework -> the modules that may import it: its drivers (decode, with its tensor-parallel option,
-# and score) and each family's math for it
+# framework -> the modules that may import it: its drivers (decode, its steps and its
+# tensor-parallel option, and score) and each family's math for it
 FRAMEWORK_MODULES = {
-    "torch": ("torch_loop", "torch_driver", "torch_parallel", "torch_score"),
-    "jax": ("jax_loop", "jax_driver", "jax_score"),
-    "jaxlib": ("jax_loop", "jax_driver", "jax_score"),
+    "torch": ("torch_loop", "torch_driver", "torch_steps", "torch_score", "torch_parallel"),
+    "jax": ("jax_loop", "jax_driver", "jax_steps", "jax_score"),
+    "jaxlib": ("jax_loop", "jax_driver", "jax_steps", "jax_score"),
 }
 TORCH_ONLY = tuple("." + m for m in FRAMEWORK_MODULES["torch"])
 JAX_ONLY = tuple("." + m for m in FRAMEWORK_MODULES["jax"])

@@ -12,7 +12,9 @@ Layers (each imports only the ones above it; nothing imports this package):
 - :mod:`.metrics` (the mismatch measures RL stacks log), :mod:`.sources` (what ``compare``
   reads), :mod:`.compare`, :mod:`.compare_plots`;
 - :mod:`.runner`, :mod:`.commands`, :mod:`.demo`, :mod:`.cli`: the subcommands
-  (``trace-replay`` / ``python -m trace_replay_app``).
+  (``trace-replay`` / ``python -m trace_replay_app``);
+- :mod:`.parity`, :mod:`.trace_sets`, :mod:`.pytest_plugin`: parity tests of a user's own
+  torch model and its JAX port on the decode drivers, and a pytest plugin for them.
 
 Importing it loads neither torch nor JAX: a framework is imported when a loop of it is asked for.
 The loops use only the public names of ``trace_replay_core``, ``trace_replay_torch`` and

@@ -151,7 +151,7 @@ def compare_results(
         token_div = _first(ta != tb)
         if len(ra.tokens) != len(rb.tokens) and token_div is None:
             token_div = n
-        m = n if token_div is None else token_div + 1  # the diverging position itself still compares
+        m = n if token_div is None else min(n, token_div + 1)  # the diverging position itself still compares
         la = np.asarray(ra.logprobs[:m], dtype=np.float64)
         lb = np.asarray(rb.logprobs[:m], dtype=np.float64)
         diff = lb - la

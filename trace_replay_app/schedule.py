@@ -43,6 +43,8 @@ __all__ = [
     "DecodeCall",
     "plan",
     "check_decode",
+    "check_model_call",
+    "check_limits",
     "check_run",
     "check_device",
     "check_sampling",
@@ -146,9 +148,11 @@ def _ids(value: Any, what: str, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def request_arrays(config: Any, requests: Sequence[TraceRequest]):
+def request_arrays(config: Any, requests: Sequence[TraceRequest], *, limits: str = "config"):
     """Validated ``(prompts, traces)``: per request, the prompt as int64 ids and the trace as
-    int64 ids or ``None``. Raises ``TypeError``/``ValueError`` naming the request and the field."""
+    int64 ids or ``None``, checked against ``config.vocab_size`` and ``config.n_positions``
+    (``limits``: what messages call ``config``). Raises ``TypeError``/``ValueError`` naming the
+    request and the field."""
     if isinstance(requests, (str, bytes, TraceRequest)) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of TraceRequest (got {type(requests).__name__})")
     prompts, traces = [], []
@@ -177,7 +181,7 @@ def request_arrays(config: Any, requests: Sequence[TraceRequest]):
         if total > config.n_positions:
             raise ValueError(
                 f"{who}: prompt ({prompt.size} tokens) + {r.new_tokens} new tokens = {total} "
-                f"exceeds config.n_positions={config.n_positions}"
+                f"exceeds {limits}.n_positions={config.n_positions}"
             )
         prompts.append(prompt)
         traces.append(trace)
@@ -201,6 +205,10 @@ def check_sampling(dtype: Any, temperature: Any, seed: Any) -> float:
     returns the temperature as a float. Host-only."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {dtype!r})")
+    return _temperature_seed(temperature, seed)
+
+
+def _temperature_seed(temperature: Any, seed: Any) -> float:
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, numbers.Real)
@@ -268,16 +276,18 @@ def collect_results(
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCall:
-    """A ``run_decode`` call whose arguments passed :func:`check_decode`.
+    """A ``run_decode`` call whose arguments passed :func:`check_decode` (or a call on a built
+    model that passed :func:`check_model_call`).
 
     ``prompts``/``traces``: per request, int64 ids (a trace or ``None``); ``schedule``: its
-    :func:`plan`; ``temperature`` as a float; ``dtype``: the compute dtype's name; ``seed``;
-    ``on_step``: the caller's callback or ``None``."""
+    :func:`plan`; ``temperature`` as a float; ``dtype``: the compute dtype's name (``None`` on
+    a built model: it computes in its own); ``seed``; ``on_step``: the caller's callback or
+    ``None``."""
 
     prompts: list
     traces: list
     schedule: Schedule
-    dtype: str
+    dtype: str | None
     temperature: float
     seed: int
     on_step: Callable[[int], None] | None
@@ -321,3 +331,41 @@ def check_decode(
         check_device(device)
     schedule = plan([r.new_tokens for r in requests], max_batch)
     return DecodeCall(prompts, traces, schedule, dtype, temp, int(seed), on_step)
+
+
+def check_limits(model: Any) -> None:
+    """Refuse a ``model`` whose ``vocab_size`` or ``n_positions`` is not an int >= 1 (the two
+    limits a decode driver checks requests against), naming the attribute. Host-only."""
+    for name in ("vocab_size", "n_positions"):
+        value = getattr(model, name, None)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise TypeError(f"model.{name} must be an int >= 1 (got {value!r} from a {type(model).__name__})")
+
+
+def check_model_call(
+    model: Any,
+    requests: Sequence[TraceRequest],
+    *,
+    max_batch: Any,
+    on_step: Any,
+    temperature: Any,
+    seed: Any,
+    device: Any,
+) -> DecodeCall:
+    """The checks of a decode call on a built ``model`` (the drivers' ``decode_model``): its
+    ``vocab_size`` and ``n_positions`` (:func:`check_limits`), ``max_batch``, ``on_step``, the
+    requests against those limits (:func:`request_arrays`), ``temperature``, ``seed`` and
+    ``device``; then the schedule. The returned call's ``dtype`` is ``None``: the model computes
+    in its own. Host-only; ``TypeError``/``ValueError`` naming the argument."""
+    check_limits(model)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(
+            f"on_step must be a callable taking the tokens decoded in a step, or None (got {type(on_step).__name__})"
+        )
+    prompts, traces = request_arrays(model, requests, limits="model")
+    temp = _temperature_seed(temperature, seed)
+    check_device(device)
+    schedule = plan([r.new_tokens for r in requests], int(max_batch))
+    return DecodeCall(prompts, traces, schedule, None, temp, int(seed), on_step)

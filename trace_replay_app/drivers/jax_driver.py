@@ -1,25 +1,35 @@
-"""The JAX decode driver every model family runs on: one jitted program per step, replay inside it.
+"""The JAX decode driver every model runs on: one jitted program per step, replay inside it.
 
-A family supplies a :class:`JaxFamily`: its config class and weight check, its parameter
-pytree, its empty KV cache, and its prefill/write/decode math. :func:`decoder` binds the driver
-to it and returns the family's ``run_decode`` (the contract of
-:mod:`trace_replay_app.models.family`). The driver owns the rest, once for every family: the
-argument checks and the schedule (:func:`trace_replay_app.schedule.check_decode`), the memory
-estimate against the device's memory stats before anything is allocated there, admission (the
-prefill of the prompt padded to a bucket, then its keys and values into the slot with its
-lengths and first token), and the jitted step (logits, sampling by Gumbel-max with the noise of
-step ``t`` from ``fold_in(key(seed), t)``, :func:`trace_replay_jax.replay` with the state's tables
-passed in, logprob/rank/argmax in one read of the unmodified logits, outputs appended to
-fixed chunks, :mod:`.jax_chunks`), and one copy of the outputs to the host at the end.
+Two entry points, one path (:func:`.jax_steps.run_model`):
 
-With ``mesh=`` (a ``jax.sharding.Mesh``), the same run spans the mesh's devices: the output
-projection (``[hidden, vocab]``) is sharded along the vocabulary over ``vocab_axis``, every other
-weight, the KV cache, the lengths and the outputs are replicated; the argmax (and the Gumbel-max
-draw) over the sharded logits merges each block's maximum in block order (ties: the lowest
-id), replay runs on a :class:`trace_replay_jax.TraceReplayState` over the mesh, and logprob and
-rank come from :func:`trace_replay_jax.token_logprob_rank_sharded`. Tokens equal the one-device
-run's; logprobs agree to float32 rounding (the order of the sum of exponentials differs), ranks
-exactly. Matrix products of float32 run at full precision (``precision="highest"``).
+- :func:`decode_model` runs requests through a model that keeps the :class:`JaxDecodeModel`
+  protocol (pure functions and a cache pytree of its own layout) with its parameters: a
+  user's own model (no checkpoint, no registration; :class:`JaxModel` bundles the functions)
+  or a registry family's (:meth:`JaxFamily.model`).
+- :func:`decoder` binds the driver to a registry family's :class:`JaxFamily` (its config
+  class and weight check, its parameter pytree, its empty KV cache, its prefill/write/decode
+  math) and returns the family's ``run_decode`` (the contract of
+  :mod:`trace_replay_app.models.family`): the checks and memory estimate, the parameters
+  placed, then the same steps as :func:`decode_model` on :meth:`JaxFamily.bind`'s model.
+
+The driver owns, once for every model: the argument checks and the schedule
+(:mod:`trace_replay_app.schedule`), the memory estimate against the device's memory stats
+before anything is allocated there, admission (the prefill of the prompt padded to a bucket,
+then its keys and values into the slot with its lengths and first token), and the jitted step
+(logits, sampling by Gumbel-max with the noise of step ``t`` from ``fold_in(key(seed), t)``,
+:func:`trace_replay_jax.replay` with the state's tables passed in, logprob/rank/argmax in one
+read of the unmodified logits, outputs appended to fixed chunks, :mod:`.jax_chunks`), and one
+copy of the outputs to the host at the end (:mod:`.jax_steps`).
+
+With ``mesh=`` (a ``jax.sharding.Mesh``; family-only), the same run spans the mesh's devices:
+the output projection (``[hidden, vocab]``) is sharded along the vocabulary over
+``vocab_axis``, every other weight, the KV cache, the lengths and the outputs are replicated;
+the argmax (and the Gumbel-max draw) over the sharded logits merges each block's maximum in
+block order (ties: the lowest id), replay runs on a :class:`trace_replay_jax.TraceReplayState`
+over the mesh, and logprob and rank come from :func:`trace_replay_jax.token_logprob_rank_sharded`.
+Tokens equal the one-device run's; logprobs agree to float32 rounding (the order of the sum of
+exponentials differs), ranks exactly. Matrix products of float32 run at full precision
+(``precision="highest"``) in the registry's families.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,22 +45,89 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trace_replay_jax import (
-    ReplayTables,
-    TraceReplayState,
-    replay,
-    resolve_device,
-    token_logprob_rank,
-    token_logprob_rank_sharded,
-)
+from trace_replay_jax import resolve_device
 
 from ..records import RequestResult, TraceRequest
-from ..schedule import DecodeCall, check_decode, collect_results
+from ..schedule import DecodeCall, check_decode, check_model_call, check_run, check_sampling, collect_results
 from . import jax_chunks
-from .jax_chunks import bucket, fresh_outputs, prompt_prefix, run_chunks
+from .jax_chunks import bucket
+from .jax_steps import Carry, run_model, sharded_argmax
 from .memory import check_fits, estimate_bytes
 
-__all__ = ["JaxFamily", "Carry", "decoder", "free_bytes", "placed_params", "sharded_argmax"]
+__all__ = [
+    "JaxDecodeModel",
+    "JaxModel",
+    "JaxFamily",
+    "Carry",
+    "decode_model",
+    "decoder",
+    "free_bytes",
+    "placed_params",
+    "sharded_argmax",
+]
+
+
+class JaxDecodeModel(Protocol):
+    """What :func:`decode_model` needs of a JAX model: pure functions over a parameter pytree
+    and a KV cache pytree of the model's own layout, batch rows serving slots. The model is a
+    static argument of the driver's jitted programs: it must be hashable, and equal models
+    share compiled programs (a frozen dataclass of module-level functions, as :class:`JaxModel`).
+
+    ``vocab_size``: token ids are below it, and ``decode`` returns that many logits per row.
+    ``n_positions``: the most prompt + decoded tokens one request may hold (the cache the
+    driver asks for is never longer).
+
+    ``new_cache(slots, kv_len)``: the cache pytree for ``slots`` slots of ``kv_len`` positions
+    (zeros, or anything: every position is written before a query reads it); called once per
+    run, on the run's default device. The driver holds it in the step's carry, donates it to
+    each step and passes it back; it never reads it.
+
+    ``prefill(params, tokens)``: the keys and values (any pytree; what ``write`` takes) of one
+    prompt ``tokens`` (int32 ``[bucket]``, positions ``0 .. bucket-1``; the prompt but its last
+    token, right-padded with zeros to a power of two: padding positions may hold garbage that
+    a decode step overwrites before any query reads it). Jitted alone, once per bucket size.
+
+    ``write(cache, kv, slot)``: the cache with ``kv`` at positions ``0 ..`` of ``slot`` (an
+    int32 scalar array). Jitted with the admission (the cache donated).
+
+    ``decode(params, cache, tokens, positions)``: one token per row, row ``b`` feeding
+    ``tokens[b]`` (int32 ``[rows]``) at ``positions[b]`` (int32 ``[rows]``) to slot ``b``'s
+    cache, attending to positions ``<= positions[b]``; returns ``(logits [rows, vocab_size]``
+    (float32, bfloat16 or float16) ``, cache)`` with the step's keys and values stored. A row
+    that decodes nothing gets position 0 and any token. Traced into the jitted step.
+
+    All four are traced by ``jax.jit``: pure, no host callbacks, shapes fixed by their
+    arguments' shapes.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def n_positions(self) -> int: ...
+
+    def new_cache(self, slots: int, kv_len: int) -> Any: ...
+
+    def prefill(self, params: Any, tokens: jax.Array) -> Any: ...
+
+    def write(self, cache: Any, kv: Any, slot: jax.Array) -> Any: ...
+
+    def decode(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxModel:
+    """A :class:`JaxDecodeModel` made of the caller's functions (see there for each one's
+    contract); hashable, and equal when built from the same functions and sizes, so runs of
+    one model share compiled programs (module-level functions are; a new closure per run
+    compiles again)."""
+
+    vocab_size: int
+    n_positions: int
+    new_cache: Callable[[int, int], Any]
+    prefill: Callable[[Any, jax.Array], Any]
+    write: Callable[[Any, Any, jax.Array], Any]
+    decode: Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,125 +159,60 @@ class JaxFamily:
     hidden: Callable[..., jax.Array]
     logits: Callable[[Any, jax.Array], jax.Array]
 
+    def bind(self, config: Any, dtype: Any = "float32") -> FamilyModel:
+        """The family's :class:`JaxDecodeModel` of ``config`` with its cache in ``dtype``
+        (hashable: the same ``config`` and ``dtype`` give an equal model)."""
+        return FamilyModel(self, config, jnp.dtype(dtype))
 
-class Carry(NamedTuple):
-    """Decode state that lives on the device between steps (donated to each step).
-
-    ``cache``: the family's KV cache pytree. ``prompt_len``/``total_len``: per slot, int32
-    (``total_len`` = prompt + tokens decoded so far). ``last``: the token each row feeds next.
-    ``step``: the next step's index within the current chunk; ``t``: its index in the run.
-    ``tokens``, ``argmax``, ``logprobs``, ``ranks``: that chunk's outputs ``[CHUNK, slots]``."""
-
-    cache: Any
-    prompt_len: jax.Array
-    total_len: jax.Array
-    last: jax.Array
-    step: jax.Array
-    t: jax.Array
-    tokens: jax.Array
-    argmax: jax.Array
-    logprobs: jax.Array
-    ranks: jax.Array
-
-
-def sharded_argmax(x, mesh: Mesh, vocab_axis: str):
-    """``argmax(x, axis=-1)`` (int32, ties: the lowest id) of ``[rows, vocab]`` ``x`` sharded
-    over ``vocab_axis``: each block's maximum and where it is, gathered (two values per row and
-    block) and merged in block order, the first block holding the maximum winning."""
-
-    def block(xb):
-        n = xb.shape[1]
-        local = jnp.argmax(xb, axis=-1).astype(jnp.int32)
-        top = jnp.take_along_axis(xb, local[:, None], axis=1)[:, 0]
-        tops = jax.lax.all_gather(top, vocab_axis)  # [blocks, rows]
-        ids = jax.lax.all_gather(local + jax.lax.axis_index(vocab_axis).astype(jnp.int32) * n, vocab_axis)
-        best, best_id = tops[0], ids[0]
-        for k in range(1, tops.shape[0]):
-            better = tops[k] > best
-            best, best_id = jnp.where(better, tops[k], best), jnp.where(better, ids[k], best_id)
-        return best_id
-
-    return jax.shard_map(block, mesh=mesh, in_specs=P(None, vocab_axis), out_specs=P(), check_vma=False)(x)
+    def model(
+        self, config: Any, weights: Mapping[str, np.ndarray], *, device: str = "cpu", dtype: str = "float32"
+    ) -> tuple[FamilyModel, Any]:
+        """``(model, params)``: the family's :class:`JaxDecodeModel` of ``config`` and its
+        parameters from ``weights`` (numpy arrays, copied; the caller's are not changed) on
+        ``device`` in the compute ``dtype`` (``"float32"`` or ``"bfloat16"``), for
+        :func:`decode_model`, e.g. one side of a parity test; ``decode_model(model, params,
+        requests)`` gives the bits of the family's ``run_decode`` with the same arguments.
+        Arguments are checked first (``TypeError``/``ValueError`` naming them)."""
+        check_run(config, weights, [], 1, None, config_type=self.config_type, check_weights=self.check_weights)
+        check_sampling(dtype, 0.0, 0)
+        jdtype = jnp.dtype(dtype)
+        return self.bind(config, jdtype), _device_params(self, config, weights, resolve_device(device), jdtype)
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config"))
-def _prefill(params, prefix, *, family: JaxFamily, config):
-    """The keys and values of one prompt prefix (``[bucket]``): one program per bucket,
-    independent of the slots (jitted apart from :func:`_admit`: fused with the cache update,
-    XLA rounds some float32 keys differently)."""
-    return family.prefill(params, config, prefix)
+@dataclasses.dataclass(frozen=True)
+class FamilyModel:
+    """A registry family's :class:`JaxDecodeModel` (:meth:`JaxFamily.bind`): its functions
+    with ``config`` bound and its cache in ``dtype``; hashable by value."""
+
+    family: JaxFamily
+    config: Any
+    dtype: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def n_positions(self) -> int:
+        return self.config.n_positions
+
+    def new_cache(self, slots: int, kv_len: int) -> Any:
+        return self.family.new_cache(self.config, slots, kv_len, self.dtype)
+
+    def prefill(self, params: Any, tokens: jax.Array) -> Any:
+        return self.family.prefill(params, self.config, tokens)
+
+    def write(self, cache: Any, kv: Any, slot: jax.Array) -> Any:
+        return self.family.write(cache, kv, slot)
+
+    def decode(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
+        return self.family.decode(params, self.config, cache, tokens, positions)
 
 
-@functools.partial(jax.jit, static_argnames=("family",), donate_argnames=("carry",))
-def _admit(carry: Carry, kv, slot, prompt_len, last, *, family: JaxFamily) -> Carry:
-    """A request joins ``slot``: its prefilled keys and values (``kv``) into the slot, its
-    lengths and the token it feeds first. Positions past the real prompt hold padding; a decode
-    step overwrites each before any query reads it (a step writes its own position first and
-    attends to no later one)."""
-    return carry._replace(
-        cache=family.write(carry.cache, kv, slot),
-        prompt_len=carry.prompt_len.at[slot].set(prompt_len),
-        total_len=carry.total_len.at[slot].set(prompt_len),
-        last=carry.last.at[slot].set(last),
-    )
-
-
-@functools.partial(
-    jax.jit, static_argnames=("family", "config", "sample", "mesh", "vocab_axis"), donate_argnames=("carry",)
-)
-def _step(
-    params,
-    tables: ReplayTables,
-    idx_chunk,
-    carry: Carry,
-    key,
-    temperature,
-    *,
-    family: JaxFamily,
-    config,
-    sample: bool,
-    mesh: Mesh | None,
-    vocab_axis: str,
-) -> Carry:
-    """One decode step of every row: logits, (sampling), replay, logprob/rank/argmax, append.
-    One device: rows start at -1 ("not drawn"), replay writes the traced rows, the one read of
-    the logits (:func:`trace_replay_jax.token_logprob_rank` with ``argmax=True``) scores the -1
-    rows as their argmax, and those rows take it. A mesh: the sharded argmax and logprob."""
-    k = carry.step
-    idx_mapping = idx_chunk[k]  # row -> slot, -1: empty row (this chunk's schedule)
-    active = idx_mapping >= 0
-    positions = jnp.where(active, carry.total_len - 1, 0)  # empty rows: anywhere in range
-    logits, cache = family.decode(params, config, carry.cache, carry.last, positions)
-    noise = jax.random.gumbel(jax.random.fold_in(key, carry.t), logits.shape, jnp.float32) if sample else None
-    if mesh is None:
-        drawn = jnp.full(idx_mapping.shape, -1, jnp.int32)  # greedy: the argmax, chosen below
-        if noise is not None:  # Gumbel-max over logits / temperature
-            drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
-        sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)  # -1 rows stay -1
-        logprobs, ranks, argmax = cast(tuple, token_logprob_rank(logits, sampled, argmax=True))
-        sampled = jnp.where(sampled < 0, argmax, sampled)
-    else:
-        by_vocab = NamedSharding(mesh, P(None, vocab_axis))
-        logits = jax.lax.with_sharding_constraint(logits, by_vocab)
-        argmax = sharded_argmax(logits, mesh, vocab_axis)  # ties: the lowest id
-        drawn = argmax
-        if noise is not None:  # the one-device run's noise, sharded
-            noise = jax.lax.with_sharding_constraint(noise, by_vocab)
-            drawn = sharded_argmax(logits.astype(jnp.float32) / temperature + noise, mesh, vocab_axis)
-        sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)
-        logprobs, ranks = token_logprob_rank_sharded(logits, sampled, mesh=mesh, vocab_axis=vocab_axis)
-    return Carry(
-        cache=cache,
-        prompt_len=carry.prompt_len,
-        total_len=carry.total_len + active.astype(jnp.int32),
-        last=jnp.where(active, sampled, carry.last),
-        step=k + 1,
-        t=carry.t + 1,
-        tokens=carry.tokens.at[k].set(sampled),
-        argmax=carry.argmax.at[k].set(argmax),
-        logprobs=carry.logprobs.at[k].set(logprobs),
-        ranks=carry.ranks.at[k].set(ranks.astype(jnp.int32)),
-    )
+def _device_params(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dev: Any, dtype: Any) -> Any:
+    """The family's parameter pytree on ``dev`` in ``dtype`` (copies)."""
+    put = functools.partial(jax.device_put, device=dev)
+    return jax.tree.map(lambda w: put(w).astype(dtype), family.params(config, weights, False))
 
 
 def free_bytes(device: Any) -> int | None:
@@ -221,6 +233,73 @@ def placed_params(family: JaxFamily, config, weights: Mapping[str, np.ndarray], 
     params = jax.tree.map(lambda w: jax.device_put(w, NamedSharding(mesh, P())).astype(dtype), host)
     params["head"] = jax.device_put(head, NamedSharding(mesh, P(None, vocab_axis))).astype(dtype)
     return params
+
+
+def decode_model(
+    model: JaxDecodeModel,
+    params: Any,
+    requests: Sequence[TraceRequest],
+    *,
+    device: str = "cpu",
+    max_batch: int = 8,
+    on_step: Callable[[int], None] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[RequestResult]:
+    """Decode ``requests`` through ``model`` (:class:`JaxDecodeModel`) with ``params`` (its
+    parameter pytree), replaying their traces: the driver of every family's ``run_decode``,
+    on a model of the caller's.
+
+    ``params`` go to ``device`` (``"cpu"``, ``"cuda"`` or ``"cuda:N"``) with
+    ``jax.device_put`` as they are (no cast: the model computes in its parameters' dtype;
+    arrays already there are not copied; the caller's are not changed). ``max_batch``,
+    ``on_step``, ``temperature``, ``seed`` and the results as in a family's ``run_decode``
+    (see :func:`_run`): one :class:`~trace_replay_app.records.RequestResult` per request, in
+    request order; logprobs in float32 of the raw logits whatever their dtype; token ids int32
+    on the device, int64 in the results. Requests are checked against ``model.vocab_size`` and
+    ``model.n_positions`` before anything runs (``TypeError``/``ValueError`` naming the
+    argument); the model's cache (its shape from ``jax.eval_shape``) and the driver's buffers
+    are checked against the device's free memory before they are allocated
+    (:class:`~trace_replay_app.records.DeviceMemoryError`). Nothing waits for the device
+    between steps; the outputs are copied to the host once at the end."""
+    for name in ("new_cache", "prefill", "write", "decode"):
+        if not callable(getattr(model, name, None)):
+            raise TypeError(f"model must have a callable {name}() (a JaxDecodeModel; got a {type(model).__name__})")
+    try:
+        hash(model)
+    except TypeError:
+        raise TypeError(
+            f"model must be hashable: it is a static argument of jitted programs (got an unhashable "
+            f"{type(model).__name__}; use a frozen dataclass such as JaxModel)"
+        ) from None
+    call = check_model_call(
+        model, requests, max_batch=max_batch, on_step=on_step, temperature=temperature, seed=seed, device=device
+    )
+    dev = resolve_device(device)  # ValueError when JAX has no such device
+    outputs = None
+    if call.schedule.n_steps:
+        kv_len = bucket(call.kv_positions, model.n_positions)
+        cache = jax.eval_shape(lambda: model.new_cache(call.schedule.slots, kv_len))
+        cache_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(cache))
+        check_fits(
+            device, _estimate(call, model.n_positions, model.vocab_size, {}, 0, 0) + cache_bytes, free_bytes(dev)
+        )
+        put = functools.partial(jax.device_put, device=dev)
+        outputs = run_model(model, put(params), call, dev, put=put, mesh=None, vocab_axis="vocab")
+    return collect_results(requests, call.schedule, outputs)
+
+
+def _estimate(call: DecodeCall, n_positions: int, vocab_size: int, weights, itemsize: int, cache_elements: int) -> int:
+    return estimate_bytes(
+        weights=weights,
+        itemsize=itemsize,
+        cache_elements=cache_elements,
+        slots=call.schedule.slots,
+        steps=min(call.schedule.n_steps, 2 * jax_chunks.CHUNK),  # the chunk being written and the one set aside
+        vocab_size=vocab_size,
+        longest_trace=bucket(call.longest_trace, n_positions),
+        sampling=call.temperature > 0,
+    )
 
 
 def decoder(family: JaxFamily) -> Callable[..., list[RequestResult]]:
@@ -300,61 +379,22 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
         kv_len = bucket(call.kv_positions, config.n_positions)
         slots = call.schedule.slots
         cache = jax.eval_shape(lambda: family.new_cache(config, slots, kv_len, jdtype))
-        needed = estimate_bytes(
-            weights=weights,
-            itemsize=jdtype.itemsize,
-            cache_elements=sum(int(np.prod(a.shape)) for a in jax.tree.leaves(cache)),
-            slots=slots,
-            steps=min(call.schedule.n_steps, 2 * jax_chunks.CHUNK),  # the chunk being written and the one set aside
-            vocab_size=config.vocab_size,
-            longest_trace=bucket(call.longest_trace, config.n_positions),
-            sampling=call.temperature > 0,
-        )
+        elements = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(cache))
+        needed = _estimate(call, config.n_positions, config.vocab_size, weights, jdtype.itemsize, elements)
         for dev in devices:  # the caller's name of its device, or each device of the mesh
             check_fits(device if mesh is None else str(dev), needed, free_bytes(dev))
-        outputs = _decode_all(family, config, weights, call, devices[0], jdtype, kv_len, mesh, vocab_axis)
+        outputs = _decode_all(family, config, weights, call, devices[0], jdtype, mesh, vocab_axis)
     return collect_results(requests, call.schedule, outputs)
 
 
-def _decode_all(family: JaxFamily, config, weights, call: DecodeCall, dev, dtype, kv_len, mesh, vocab_axis):
-    """Every step of ``call.schedule``; the per-step outputs ``[n_steps, slots]`` on the host."""
-    rows = call.schedule.slots
+def _decode_all(family: JaxFamily, config, weights, call: DecodeCall, dev, dtype, mesh, vocab_axis):
+    """The family's parameters placed (on ``dev``, or over ``mesh``), then every step of
+    ``call.schedule`` on :meth:`JaxFamily.bind`'s model (:func:`.jax_steps.run_model`); the
+    per-step outputs ``[n_steps, slots]`` on the host."""
     if mesh is None:
         put = functools.partial(jax.device_put, device=dev)
-        params = jax.tree.map(lambda w: put(w).astype(dtype), family.params(config, weights, False))
-        with jax.default_device(dev):
-            cache = family.new_cache(config, rows, kv_len, dtype)
+        params = _device_params(family, config, weights, dev, dtype)
     else:
         put = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
         params = placed_params(family, config, weights, mesh, vocab_axis, dtype)
-        cache = put(family.new_cache(config, rows, kv_len, dtype))
-    key = put(jax.random.key(call.seed))
-    temp = put(np.float32(call.temperature if call.temperature > 0 else 1.0))
-    carry = Carry(
-        cache=cache,
-        **put(
-            dict(
-                prompt_len=np.zeros(rows, np.int32),
-                total_len=np.zeros(rows, np.int32),
-                last=np.zeros(rows, np.int32),
-                t=np.zeros((), np.int32),
-                **fresh_outputs(rows),
-            )
-        ),
-    )
-
-    def admit(carry: Carry, slot: int, prompt) -> Carry:
-        kv = _prefill(params, put(prompt_prefix(prompt, kv_len)), family=family, config=config)
-        slot_len_last = put(np.int32(slot)), put(np.int32(len(prompt))), put(np.int32(prompt[-1]))
-        return _admit(carry, kv, *slot_len_last, family=family)
-
-    def step(carry: Carry, tables: ReplayTables, idx_chunk) -> Carry:
-        return _step(params, tables, idx_chunk, carry, key, temp, family=family, config=config,
-                     sample=call.temperature > 0, mesh=mesh, vocab_axis=vocab_axis)  # fmt: skip
-
-    # The table's shape is part of the step program's signature: bucket its row length too.
-    max_trace = bucket(call.longest_trace, config.n_positions)
-    where = {"device": dev} if mesh is None else {"mesh": mesh}
-    with TraceReplayState(rows, max_trace, vocab_size=config.vocab_size, **where) as state:
-        return run_chunks(call.schedule, call.prompts, call.traces, state, carry, put=put, fetch=jax.device_get,
-                          admit=admit, step=step, on_step=call.on_step)  # fmt: skip
+    return run_model(family.bind(config, dtype), params, call, dev, put=put, mesh=mesh, vocab_axis=vocab_axis)

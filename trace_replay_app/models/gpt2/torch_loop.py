@@ -43,9 +43,10 @@ def cache_shape(config: GPT2Config, slots: int, kv_len: int) -> tuple[int, ...]:
 
 class GPT2Torch:
     """The model's forward passes on ``device`` in ``dtype`` (weights, activations and KV cache;
-    logits are returned as float32), over a :func:`cache_shape` KV cache. With a ``shard``
-    (tensor parallelism) it computes its vocabulary block of the logits; its layers are never
-    split (the family's ``splits_layers`` is the default, never).
+    logits are returned as float32), over a :func:`cache_shape` KV cache: a
+    :class:`~trace_replay_app.drivers.torch_driver.TorchDecodeModel`. With a ``shard`` (tensor
+    parallelism) it computes its vocabulary block of the logits; its layers are never split
+    (the family's ``splits_layers`` is the default, never).
     """
 
     def __init__(
@@ -56,13 +57,25 @@ class GPT2Torch:
         dtype: torch.dtype = torch.float32,
         shard: Shard | None = None,
     ):
-        self.config = config
+        self.config, self.device, self.dtype = config, device, dtype
         self.p: dict[str, torch.Tensor] = {
             name: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
             for name, w in weights.items()
         }
         self.head = self.p["wte.weight"] if shard is None else self.p["wte.weight"][shard.start : shard.end]
         self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def n_positions(self) -> int:
+        return self.config.n_positions
+
+    def new_cache(self, slots: int, kv_len: int) -> torch.Tensor:
+        """A zero :func:`cache_shape` KV cache on the model's device in its dtype."""
+        return torch.zeros(cache_shape(self.config, slots, kv_len), dtype=self.dtype, device=self.device)
 
     def _ln(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(

@@ -97,7 +97,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaTorch:
-    """The model's forward passes on ``device`` in ``dtype`` over a :func:`cache_shape` KV cache.
+    """The model's forward passes on ``device`` in ``dtype`` over a :func:`cache_shape` KV cache
+    (a :class:`~trace_replay_app.drivers.torch_driver.TorchDecodeModel`).
 
     The q/k/v and gate/up projections are concatenated once here (one matrix product each per
     layer). With a ``shard``: the rank's share of the layers (when ``shard.layers``; the
@@ -115,7 +116,7 @@ class LlamaTorch:
     ):
         if shard is not None:
             config, weights = _shard(config, weights, shard)
-        self.shard = shard
+        self.shard, self.device = shard, device
         c, self.config, self.dtype = config, config, dtype
 
         def get(name):
@@ -154,6 +155,18 @@ class LlamaTorch:
         self.scale = c.head_dim**-0.5
         d = c.head_dim
         self.split = [c.num_attention_heads * d, c.num_key_value_heads * d, c.num_key_value_heads * d]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def n_positions(self) -> int:
+        return self.config.n_positions
+
+    def new_cache(self, slots: int, kv_len: int) -> torch.Tensor:
+        """A zero :func:`cache_shape` KV cache (of this rank's heads) on the model's device in its dtype."""
+        return torch.zeros(cache_shape(self.config, slots, kv_len), dtype=self.dtype, device=self.device)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable) -> torch.Tensor:
         """Hidden states after the final norm, ``[tokens, hidden]``; ``attend(layer, q, k, v)``
