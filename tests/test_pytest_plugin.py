@@ -141,7 +141,8 @@ def _ids(proc) -> list[str]:
 
 def test_the_plugin_is_inert_where_its_fixtures_are_not_used(tmp_path):
     files = {"test_plain.py": PLAIN_TESTS}
-    without, seen_without, _ = _run(tmp_path / "without", files, "--collect-only")
+    # without: the entry point disabled by its name (the package may be installed with it)
+    without, seen_without, _ = _run(tmp_path / "without", files, "--collect-only", "-p", f"no:{PLUGIN}")
     with_p, seen_with, _ = _run(tmp_path / "with", files, "--collect-only", "-p", PLUGIN)
     dist = _entry_point_dist(tmp_path / "dist")
     entry, seen_entry, _ = _run(tmp_path / "ep", files, "--collect-only", extra_path=dist)
