@@ -77,7 +77,7 @@ PINNED = {
         "as_view": "(obj, *, name, stream=None)",
         "bind_logprob_rank": "(logits, token_ids, *, out_logprobs, out_ranks, stream, "
         "workspace=None, temperature=None, top_k=0, "
-        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)",
+        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None, out_entropy=None)",
         "default_device": "()",
         "logprob_rank_workspace_bytes": "(batch, vocab, top_k=0)",
         "parse_device": "(device)",
@@ -86,9 +86,10 @@ PINNED = {
         "stream_handle": "(stream, *, name='stream')",
         "token_logprob_rank": "(logits, token_ids, *, out_logprobs, out_ranks, stream, "
         "workspace=None, temperature=None, top_k=0, "
-        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)",
+        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None, out_entropy=None)",
         "token_logprob_rank_reference": "(logits, token_ids)",
         "greedy_argmax_reference": "(logits)",
+        "softmax_entropy_reference": "(logits)",
     },
     "trace_replay_jax": {
         "LogprobRank": {},
