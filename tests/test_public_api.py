@@ -96,6 +96,10 @@ PINNED = {
         "LogprobRankArgmax": {},
         "LogprobRankTopK": {},
         "LogprobRankTopKArgmax": {},
+        "LogprobRankEntropy": {},
+        "LogprobRankArgmaxEntropy": {},
+        "LogprobRankTopKEntropy": {},
+        "LogprobRankTopKArgmaxEntropy": {},
         "ReplayTables": {"__init__": "(self, table, trace_len)"},
         "TraceReplayState": {
             "__enter__": "(self)",
@@ -118,7 +122,8 @@ PINNED = {
         "replay": "(tables, sampled, idx_mapping, total_len, prompt_len, *, method='jnp')",
         "resolve_device": "(device)",
         "replay_at_step": "(tables, sampled, idx_mapping, step, *, method='jnp')",
-        "token_logprob_rank": "(logits, token_ids, *, method='kernel', top_k=0, temperature=None, argmax=False)",
+        "token_logprob_rank": "(logits, token_ids, *, method='kernel', top_k=0, temperature=None, argmax=False, "
+        "entropy=False)",
         "token_logprob_rank_in_shard_map": "(logits, token_ids, *, vocab_axis)",
         "token_logprob_rank_sharded": "(logits, token_ids, *, mesh, vocab_axis, batch_axis=None)",
     },
@@ -127,6 +132,10 @@ PINNED = {
         "LogprobRankArgmax": {},
         "LogprobRankTopK": {},
         "LogprobRankTopKArgmax": {},
+        "LogprobRankEntropy": {},
+        "LogprobRankArgmaxEntropy": {},
+        "LogprobRankTopKEntropy": {},
+        "LogprobRankTopKArgmaxEntropy": {},
         "TraceReplayState": {
             "__enter__": "(self)",
             "__exit__": "(self, *exc)",
@@ -147,8 +156,8 @@ PINNED = {
         },
         "replay_at_step_op": "(state, sampled, idx_mapping, step)",
         "replay_op": "(state, sampled, idx_mapping, total_len=None, prompt_len=None)",
-        "token_logprob_rank": "(logits, token_ids, *, top_k=0, temperature=None, out=None, argmax=False)",
-        "token_logprob_rank_op": "(logits, token_ids, *, top_k=0, temperature=None, argmax=False)",
+        "token_logprob_rank": "(logits, token_ids, *, top_k=0, temperature=None, out=None, argmax=False, entropy=False)",
+        "token_logprob_rank_op": "(logits, token_ids, *, top_k=0, temperature=None, argmax=False, entropy=False)",
     },
 }
 
