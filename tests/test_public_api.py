@@ -156,7 +156,8 @@ PINNED = {
         },
         "replay_at_step_op": "(state, sampled, idx_mapping, step)",
         "replay_op": "(state, sampled, idx_mapping, total_len=None, prompt_len=None)",
-        "token_logprob_rank": "(logits, token_ids, *, top_k=0, temperature=None, out=None, argmax=False, entropy=False)",
+        "token_logprob_rank": "(logits, token_ids, *, top_k=0, temperature=None, out=None, argmax=False, "
+        "entropy=False)",
         "token_logprob_rank_op": "(logits, token_ids, *, top_k=0, temperature=None, argmax=False, entropy=False)",
     },
 }
