@@ -26,11 +26,44 @@ TAME = tl.constexpr(2.0**20)  # the fused path clamps line maxima to +-TAME; a c
 
 
 @triton.jit
-def entropy_fold(u, s, shift, c, d, terms):
-    """Each line's ``c * (u + shift * s)`` plus its sum of ``terms * d`` (``[LINES, VEC]``); a
-    zero ``c`` or term adds exactly 0 (its ``shift`` or ``d`` may be -inf), a NaN stays NaN."""
-    kept = tl.where(c == 0, 0.0, c * (u + shift * s))
-    return kept + tl.sum(tl.where(terms == 0, 0.0, terms * d), axis=1)
+def _fma_pairs(acc, t, d):
+    """``acc + t[:, 0] * d[:, 0] + t[:, 1] * d[:, 1]`` for ``[LINES, 2]`` operands: two multiply-adds."""
+    t0, t1 = tl.split(t)
+    d0, d1 = tl.split(d)
+    return tl.fma(t1, d1, tl.fma(t0, d0, acc))
+
+
+@triton.jit
+def _fma_line(acc, t, d):
+    """``acc`` plus the sum of ``t * d`` along each line of ``[LINES, VEC]`` operands (VEC 4 or 8),
+    as one chain of multiply-adds (the even columns, then the odd ones)."""
+    te, to = tl.split(t.reshape([t.shape[0], t.shape[1] // 2, 2]))
+    de, do = tl.split(d.reshape([d.shape[0], d.shape[1] // 2, 2]))
+    if t.shape[1] == 8:
+        tee, teo = tl.split(te.reshape([te.shape[0], 2, 2]))
+        dee, deo = tl.split(de.reshape([de.shape[0], 2, 2]))
+        toe, too = tl.split(to.reshape([to.shape[0], 2, 2]))
+        doe, doo = tl.split(do.reshape([do.shape[0], 2, 2]))
+        acc = _fma_pairs(_fma_pairs(acc, tee, dee), teo, deo)
+        return _fma_pairs(_fma_pairs(acc, toe, doe), too, doo)
+    else:
+        return _fma_pairs(_fma_pairs(acc, te, de), to, do)
+
+
+@triton.jit
+def entropy_fold(u, s, shift, c, d, terms, SAFE: tl.constexpr):
+    """Each line's ``c * (u + shift * s)`` plus its sum of ``terms * d`` (``[LINES, VEC]``), a zero
+    ``c`` or term adding exactly 0 and a NaN staying NaN. Per logit one max and one multiply-add:
+    ``d`` is clamped to ``-FLT_MAX`` (only -inf changes, and its term is 0), so a zero term times a
+    finite ``d`` is 0, and a NaN logit's term is NaN whatever the clamp does with its ``d``. Per
+    line, ``SAFE`` (the element path) tests ``c = 0``: there ``shift`` may be -inf, or ``shift * s``
+    overflow where the maximum jumps by ~1e38; the fused path's ``shift`` is a difference of
+    clamped offsets and its ``s`` and ``u`` are finite, so ``c = 0`` gives 0 as it is."""
+    if SAFE:
+        kept = tl.where(c == 0, 0.0, c * (u + shift * s))
+    else:
+        kept = c * (u + shift * s)
+    return _fma_line(kept, terms, tl.maximum(d, NEG_FLT_MAX))
 
 
 @triton.jit
@@ -50,7 +83,7 @@ def online_update(x, m, s, u, ENTROPY: tl.constexpr):
     d = x - m_new[:, None]
     terms = tl.exp2(d * LOG2E)  # x = -inf: 0; x = NaN: NaN
     if ENTROPY:
-        u = entropy_fold(u, s, m - m_new, scale, d, terms)
+        u = entropy_fold(u, s, m - m_new, scale, d, terms, True)
     return m_new, s * scale + tl.sum(terms, axis=1), u
 
 
@@ -93,7 +126,7 @@ def online_fast(y, m, s, u, ENTROPY: tl.constexpr):
     t = tl.exp2(a)
     terms = tl.sum(t, axis=1)
     if ENTROPY:
-        u = entropy_fold(u, s, _mc(m) - mc, tl.exp2(_mc(m) - mc), a, t)
+        u = entropy_fold(u, s, _mc(m) - mc, tl.exp2(_mc(m) - mc), a, t, False)
     return m_new, s * tl.exp2(_mc(m) - mc) + terms, u
 
 
