@@ -153,38 +153,41 @@ def _interpreter_cases():
         x, ids = data if data is not None else entropy_case(rng, batch, vocab, dtype)
         cases.append(dict(name=name, x=x, ids=ids, dtype=dtype, entropy=True, **options))
 
-    add("f32-elem", 9, 300, "float32", block=128)  # the element path, aligned rows
-    add("f32-elem-temp", 9, 300, "float32", block=128, temp=rng.uniform(0.3, 2.0, 9).astype(np.float32))
-    add("bf16-fused", 9, 304, "bfloat16", block=128)  # the fused path, aligned rows
-    add("bf16-fused-shift", 9, 301, "bfloat16", block=128)  # the fused path, rows not 16-byte aligned
-    add("f16-elem-shift", 9, 299, "float16", block=128, pad=3, shift=1)  # the element path, shifted
-    add("bf16-temp", 9, 304, "bfloat16", block=128, temp=rng.uniform(0.3, 2.0, 9).astype(np.float32))
+    # Chunks of 3 blocks of 128 (a line's maximum grows from block to block: u moved to it; the
+    # fused path's two blocks loaded ahead, then its loop), the last chunk ending in a partial block.
+    c3 = dict(block=128, chunk_blocks=3)
+    add("f32-elem", 9, 1000, "float32", **c3)  # the element path, aligned rows
+    add("f32-elem-temp", 9, 1000, "float32", **c3, temp=rng.uniform(0.3, 2.0, 9).astype(np.float32))
+    add("bf16-fused", 9, 1000, "bfloat16", **c3)  # the fused path, aligned rows
+    add("bf16-fused-shift", 9, 1001, "bfloat16", **c3)  # the fused path, rows not 16-byte aligned
+    add("f16-elem-shift", 9, 999, "float16", **c3, pad=3, shift=1)  # the element path, shifted
+    add("bf16-temp", 9, 1000, "bfloat16", **c3, temp=rng.uniform(0.3, 2.0, 9).astype(np.float32))
     add("bf16-real-block-shift", 2, 4100, "bfloat16")  # blocks of 2,048: 3 chunks, the last partial
     # top-k, argmax and greedy rows (id -1) at once: the fused path, and the element path's greedy loop
-    same = entropy_case(rng, 9, 304, "bfloat16")
+    same = entropy_case(rng, 9, 1000, "bfloat16")
     greedy = (same[0], np.where(np.arange(9) % 2 == 1, -1, same[1]))
-    add("bf16-topk-argmax", 9, 304, "bfloat16", data=greedy, block=128, top_k=5, argmax=True)
-    add("bf16-plain-same-rows", 9, 304, "bfloat16", data=same, block=128)
-    same_t = entropy_case(rng, 9, 300, "float32")
+    add("bf16-topk-argmax", 9, 1000, "bfloat16", data=greedy, **c3, top_k=5, argmax=True)
+    add("bf16-plain-same-rows", 9, 1000, "bfloat16", data=same, **c3)
+    same_t = entropy_case(rng, 9, 1000, "float32")
     temp = rng.uniform(0.3, 2.0, 9).astype(np.float32)
     greedy_t = (same_t[0], np.where(np.arange(9) % 2 == 1, -1, same_t[1]))
-    add("f32-topk-argmax-temp", 9, 300, "float32", data=greedy_t, block=128, top_k=5, argmax=True, temp=temp)
-    add("f32-plain-temp-same-rows", 9, 300, "float32", data=same_t, block=128, temp=temp)
+    add("f32-topk-argmax-temp", 9, 1000, "float32", data=greedy_t, **c3, top_k=5, argmax=True, temp=temp)
+    add("f32-plain-temp-same-rows", 9, 1000, "float32", data=same_t, **c3, temp=temp)
     # Logits beyond 2**20 (bfloat16 without a temperature: flagged chunks re-summed in the merge).
     x, ids = huge_case(1000)
-    add("huge-bf16", 9, 1000, "bfloat16", data=(round_to(x, "bfloat16"), ids), block=128)
-    add("huge-f32", 9, 1000, "float32", data=(x, ids), block=128)
-    # One chunk per program and three (8 chunks: 3, 3, 2), both paths.
+    add("huge-bf16", 9, 1000, "bfloat16", data=(round_to(x, "bfloat16"), ids), **c3)
+    add("huge-f32", 9, 1000, "float32", data=(x, ids), **c3)
+    # One chunk per program and three (4 chunks of 2 blocks: 3 and 1), both paths.
     for dtype, vocab in (("bfloat16", 1000), ("float32", 1000)):
         data = entropy_case(rng, 3, vocab, dtype)
         for group in (1, 3):
-            add(f"{dtype}-g{group}", 3, vocab, dtype, data=data, block=128, group=group)
+            add(f"{dtype}-g{group}", 3, vocab, dtype, data=data, block=128, chunk_blocks=2, group=group)
     # The same rows in batches of 513, 100, 3 and 1.
     x, ids = entropy_case(rng, 513, INVARIANCE_VOCAB, "bfloat16")
     for batch, rows in _invariance_rows().items():
         add(f"invariance-b{batch}", batch, INVARIANCE_VOCAB, "bfloat16", data=(x[rows], ids[rows]))
     # Without entropy: the logprob and rank bits of the bfloat16 case above.
-    cases.append(dict(name="bf16-no-entropy", x=same[0], ids=same[1], dtype="bfloat16", block=128))
+    cases.append(dict(name="bf16-no-entropy", x=same[0], ids=same[1], dtype="bfloat16", **c3))
     return cases
 
 

@@ -254,22 +254,9 @@ def logprob_rank_chunk_kernel(
             big, total, count, g1, g2, gab, amax, acol, ent = res
         else:
             res = chunk_safe(
-                lay,
-                cols,
-                bounds,
-                chosen,
-                t,
-                track,
-                LINES,
-                BLOCK,
-                HAS_TEMP,
-                TRACK,
-                ARGMAX,
-                False,
-                SHIFT,
-                UNROLL,
+                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, False, SHIFT, UNROLL,
                 ENTROPY,
-            )
+            )  # fmt: skip
             big, total, count, g1, g2, gab, amax, acol, ent = res
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
