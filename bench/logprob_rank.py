@@ -3,14 +3,16 @@
 Question: how close does ``token_logprob_rank`` come to the memory limit at vocab 151,936, for
 batch 1 to 4096, bfloat16 and float32 logits, and what does top-k 20 add? Targets (issue 16,
 device time): batch 1 <= 6 us; batch 256 >= 3.6 TB/s of logits read; batch 4096 <= 300 us (bf16);
-float32 at batch 256 near the copy ceiling; top-k 20 at batch 256 <= 1.5x the plain call. The
-floor is ``bytes / copy ceiling``: each logit is read once.
+float32 at batch 256 near the copy ceiling; top-k 20 at batch 256 <= 1.5x the plain call; each
+row's entropy (``entropy=True``) at batch 256 and 4096 <= 1.15x the plain call (bf16). The floor
+is ``bytes / copy ceiling``: each logit is read once.
 
 Providers: ``trace_replay`` (``trace_replay_torch.token_logprob_rank(logits, ids, out=...)``,
 bound once per tensor layout, so a call only launches), ``trace_replay_topk20`` (``top_k=20``),
 ``trace_replay_argmax`` (``argmax=True``, every other row greedy: a greedy sampler and the
 logprob/rank in one pass; ``torch_argmax`` is ``logits.argmax(-1)`` alone, so the difference is
-what scoring adds to a greedy step), ``torch`` (float32 ``log_softmax`` + ``gather`` + a ``>=``
+what scoring adds to a greedy step), ``trace_replay_entropy`` (``entropy=True``: each row's
+entropy from the same read), ``torch`` (float32 ``log_softmax`` + ``gather`` + a ``>=``
 count), ``trace_replay_unaligned`` / ``torch_unaligned`` (rows not 16-byte aligned,
 ``UNALIGNED``: GPT-2's 50,257 logits per row, and 151,936 in rows of 151,937; batch 1, 256,
 4096), and ``trace_replay_jax_kernel`` / ``trace_replay_jax_jnp`` (``jax.jit`` of
@@ -29,10 +31,14 @@ Reported: p20/p50/p80 in us and GB/s of logits read, next to the ceiling
 whether the batch's rows give the same bits in other batches (``harness.rows_same_bits``).
 
 Run: ``python bench/logprob_rank.py`` on a GPU; writes ``bench/results/logprob_rank.json``.
+``python bench/logprob_rank.py --entropy`` times only ``trace_replay`` and ``trace_replay_entropy``
+side by side (both dtypes, every batch; no JAX, no unaligned rows) with the entropy targets, and
+writes ``bench/results/logprob_rank_entropy.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -61,6 +67,9 @@ MAX_COPIES = 32
 QUEUED = "cuda events, queued behind a busy kernel"
 DO_BENCH = "cuda events (do_bench, L2 flushed)"
 TOP_K = 20
+ENTROPY_LIMIT = 1.15  # entropy=True over the plain call, bf16, at ENTROPY_BATCHES
+ENTROPY_BATCHES = (256, 4096)
+ENTROPY_PROVIDERS = ("trace_replay", "trace_replay_entropy")
 # Rows that are not 16-byte aligned (bfloat16: the fused path, shifted; float32: the element
 # path, a logit per load): GPT-2's vocabulary, and 151,936 logits in rows padded to 151,937 (a
 # view of a wider buffer): (vocabulary, row stride) in elements.
@@ -159,8 +168,9 @@ def add_row(rows, base, ours, provider, timing, stats, result=None, inv=None):
     )
 
 
-def bench_batch(rows, dev, dtype_name: str, batch: int, copy_gbps: float, jax_fns) -> None:
-    """Append the rows of every provider at one dtype and batch, vocabulary VOCAB."""
+def bench_batch(rows, dev, dtype_name: str, batch: int, copy_gbps: float, jax_fns, only=None) -> None:
+    """Append the rows of every provider at one dtype and batch, vocabulary VOCAB (of the
+    providers named in ``only``, where given)."""
     import torch
 
     from trace_replay_torch import token_logprob_rank
@@ -193,6 +203,13 @@ def bench_batch(rows, dev, dtype_name: str, batch: int, copy_gbps: float, jax_fn
         ids,
         token_logprob_rank(logits, ids, top_k=TOP_K),
     )
+    out_e = out + (torch.empty(batch, device=dev),)
+    entropy_inv = invariant(
+        lambda x, i: token_logprob_rank(x, i, entropy=True),
+        logits,
+        ids,
+        token_logprob_rank(logits, ids, entropy=True),
+    )
     naive = tuple(t.cpu().numpy() for t in torch_logprob_rank(logits, ids))
     base = dict(
         batch=batch,
@@ -222,12 +239,15 @@ def bench_batch(rows, dev, dtype_name: str, batch: int, copy_gbps: float, jax_fn
             argmax_inv,
         ),
         ("torch_argmax", lambda x: x.argmax(-1), None, None),
+        ("trace_replay_entropy", lambda x: token_logprob_rank(x, ids, entropy=True, out=out_e), None, entropy_inv),
     ]
+    if only is not None:
+        providers = [p for p in providers if p[0] in only]
     for name, fn, result, inv in providers:
         record(name, QUEUED, time_cuda_queued(rotating([lambda x=x, fn=fn: fn(x) for x in copies])), result, inv)
         if name == "trace_replay":
             record(name, DO_BENCH, time_cuda(lambda fn=fn: fn(logits)), result, inv)
-    if jax_fns and batch <= 1024:
+    if jax_fns and batch <= 1024 and only is None:
         import jax
 
         ids32 = ids.to(torch.int32)
@@ -276,9 +296,38 @@ def bench_unaligned(rows, dev, vocab: int, stride: int, dtype_name: str, batch: 
         add_row(rows, base, ours, provider, QUEUED, stats, result, row_inv)
 
 
+def entropy_targets(rows, pick) -> None:
+    """Append and print the entropy targets: ``entropy=True`` over the plain call (bf16, p50,
+    queued) at :data:`ENTROPY_BATCHES`, limit :data:`ENTROPY_LIMIT`; and the ratio at every batch
+    and dtype timed, as ``entropy_over_plain`` rows."""
+    for dtype_name in DTYPES:
+        for batch in BATCHES:
+            plain, ent = pick("trace_replay", batch, dtype_name), pick("trace_replay_entropy", batch, dtype_name)
+            if not (plain and ent):
+                continue
+            ratio = ent["us_p50"] / plain["us_p50"]
+            base = dict(batch=batch, vocab=VOCAB, dtype=dtype_name, timing=QUEUED, value=ratio)
+            rows.append(dict(base, provider="entropy_over_plain", field="entropy_over_plain"))
+            if dtype_name == "bfloat16" and batch in ENTROPY_BATCHES:
+                met = bool(ratio <= ENTROPY_LIMIT)
+                rows.append(dict(base, provider="target", field="entropy_over_plain", limit=ENTROPY_LIMIT, met=met))
+            print(
+                f"{dtype_name:9s} B={batch:5d}: entropy {ent['us_p50']:.2f} us, plain {plain['us_p50']:.2f} us: "
+                f"{ratio:.3f}x",
+                flush=True,
+            )
+
+
 def main() -> None:
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--entropy",
+        action="store_true",
+        help="time only the plain call and entropy=True side by side (writes results/logprob_rank_entropy.json)",
+    )
+    entropy_only = parser.parse_args().entropy
     if not torch.cuda.is_available():
         sys.exit("bench/logprob_rank.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     dev = torch.device("cuda", 0)
@@ -289,23 +338,33 @@ def main() -> None:
     timing = "cuda events; GB/s counts bytes read + written"
     rows.append(dict(copy, provider="d2d_copy", batch=None, vocab=None, dtype=None, gbps=copy_gbps, timing=timing))
     print(f"device-to-device copy: p50 {copy['us_p50']:.1f} us = {copy_gbps:.0f} GB/s (read + write)", flush=True)
-    jax_fns, jax_why = make_jax_fns()
+    jax_fns, jax_why = ({}, "--entropy") if entropy_only else make_jax_fns()
     if not jax_fns:
         print(f"jax providers skipped: {jax_why}", flush=True)
 
     for dtype_name in DTYPES:
         for batch in BATCHES:
-            bench_batch(rows, dev, dtype_name, batch, copy_gbps, jax_fns)
+            bench_batch(rows, dev, dtype_name, batch, copy_gbps, jax_fns, ENTROPY_PROVIDERS if entropy_only else None)
             torch.cuda.empty_cache()  # the batch's arrays are gone with its call
+
+    def pick(provider, batch, dtype_name):
+        want = (provider, QUEUED, batch, dtype_name)
+        return next((r for r in rows if (r["provider"], r.get("timing"), r["batch"], r["dtype"]) == want), None)
+
+    if entropy_only:
+        entropy_targets(rows, pick)
+        path = write_results("logprob_rank_entropy", rows)
+        print(f"\nwrote {path}\n")
+        print(table([r for r in rows if r["provider"] in ENTROPY_PROVIDERS], ["provider", "dtype", "batch", "us_p50"]))
+        print(
+            table([r for r in rows if r["provider"] == "target"], ["dtype", "batch", "field", "value", "limit", "met"])
+        )
+        return
     for vocab, stride in UNALIGNED:  # rows not 16-byte aligned
         for dtype_name in DTYPES:
             for batch in UNALIGNED_BATCHES:
                 bench_unaligned(rows, dev, vocab, stride, dtype_name, batch, copy_gbps)
                 torch.cuda.empty_cache()
-
-    def pick(provider, batch, dtype_name):
-        want = (provider, QUEUED, batch, dtype_name)
-        return next((r for r in rows if (r["provider"], r.get("timing"), r["batch"], r["dtype"]) == want), None)
 
     targets = [
         ("bfloat16", 1, "us_p50", "<=", 6.0),
@@ -338,6 +397,7 @@ def main() -> None:
         target = dict(provider="target", batch=256, vocab=VOCAB, dtype="bfloat16", timing=QUEUED)
         rows.append(dict(target, field=f"topk{TOP_K}_over_plain", value=ratio, limit=1.5, met=bool(ratio <= 1.5)))
 
+    entropy_targets(rows, pick)
     for batch in BATCHES:  # what scoring adds to a greedy pass that reads the logits anyway
         fused, alone = pick("trace_replay_argmax", batch, "bfloat16"), pick("torch_argmax", batch, "bfloat16")
         if fused and alone:
@@ -364,7 +424,7 @@ def main() -> None:
     print(f"\nwrote {path}\n{prov['gpu']}, driver {prov['driver']}, {prov['versions']}, {prov['date']}\n")
     print(
         table(
-            [r for r in rows if r["provider"] not in ("target",)],
+            [r for r in rows if r["provider"] not in ("target", "entropy_over_plain")],
             ["provider", "timing", "dtype", "batch", "us_p50", "us_p20", "us_p80", "gbps", "invariant"],
         )
     )

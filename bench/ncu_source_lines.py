@@ -57,8 +57,9 @@ def compiled_chunk_kernel(top_k: int):
     kernel, ptr_dtypes, constexprs, num_warps = spec.kernel, spec.pointer_dtypes, dict(spec.constexprs), spec.num_warps
     ints = range(spec.n_ints)
     names = kernel.arg_names
-    signature = dict(zip(names, [PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * len(ints)))
-    fixed = {}
+    # a pointer of dtype None is compiled as a constexpr None, as _compiled.compiled does
+    signature = dict(zip(names, ["constexpr" if d is None else PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * len(ints)))
+    fixed: dict = {(i,): None for i, d in enumerate(ptr_dtypes) if d is None}
     for name in names[len(ptr_dtypes) + len(ints) :]:
         signature[name] = "constexpr"
         fixed[(names.index(name),)] = constexprs[name]

@@ -158,7 +158,14 @@ def scaling_section(rows: Rows) -> list[str]:
 
 def logprob_section(rows: Rows) -> list[str]:
     copy = next((r for r in rows if r.get("provider") == "d2d_copy"), None)
-    providers = ("trace_replay", "trace_replay_topk20", "trace_replay_argmax", "torch", "torch_argmax")
+    providers = (
+        "trace_replay",
+        "trace_replay_topk20",
+        "trace_replay_argmax",
+        "trace_replay_entropy",
+        "torch",
+        "torch_argmax",
+    )
     timed = [
         r for r in rows if r.get("timing") == QUEUED and r.get("provider") in providers and r.get("vocab") == 151_936
     ]

@@ -1,7 +1,8 @@
 """The JAX adapter on a GPU: zero-copy tables, commits ordered on XLA's stream behind queued
 programs without a host sync, many steps behind a slow kernel, the torch adapter in the same
 process, parity with command buffers forced on (in a subprocess), and the logprob kernel's
-``argmax=True`` (greedy rows, batch invariance, inside a fori loop). Skipped without a GPU.
+``argmax=True`` (greedy rows, batch invariance, inside a fori loop) and ``entropy=True``.
+Skipped without a GPU.
 
 The CPU tier of the same adapter (semantics, ownership, ordering, refusals) is
 ``test_jax_adapter.py``, whose helpers these tests share.
@@ -317,3 +318,25 @@ def test_gpu_kernel_argmax_inside_a_jitted_fori_loop_equals_eager_calls():
         assert np.array_equal(np.asarray(want.ranks), np.asarray(rk[k])), k
         assert np.array_equal(np.asarray(want.argmax), np.asarray(am[k])), k
         assert np.array_equal(np.asarray(am[k]), np.asarray(jnp.argmax(xs[k], axis=1))), k
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_entropy_vocab_151936_batch_invariant_and_inside_jit():
+    """token_logprob_rank(entropy=True) at vocab 151,936 bf16, batch 257 (the kernel method on
+    XLA's stream): the float64 reference's entropies, the jnp method's to the tolerance, the same
+    bits for a row alone and inside a jitted function."""
+    from helpers.entropy_cases import assert_entropy, entropy_case
+
+    gpu = jax_gpu()
+    x, ids = entropy_case(np.random.default_rng(258), 257, 151936, "bfloat16")
+    logits = jax.device_put(jnp.asarray(x).astype(jnp.bfloat16), gpu)
+    ids_j = jax.device_put(jnp.asarray(ids, jnp.int32), gpu)
+    res = trj.token_logprob_rank(logits, ids_j, entropy=True)
+    ent = np.asarray(res.entropy)
+    assert_entropy(x, ent, "gpu jax kernel 257x151936 bf16", planted=True)
+    assert_entropy(x, np.asarray(trj.token_logprob_rank(logits, ids_j, method="jnp", entropy=True).entropy), "jnp")
+    jitted = jax.jit(lambda a, b: trj.token_logprob_rank(a, b, entropy=True, argmax=True).entropy)
+    assert np.asarray(jitted(logits, ids_j)).tobytes() == ent.tobytes()
+    for r in (0, 1, 2, 3, 128, 256):
+        one = trj.token_logprob_rank(logits[r : r + 1], ids_j[r : r + 1], entropy=True)
+        assert np.asarray(one.entropy).tobytes() == ent[r : r + 1].tobytes(), r

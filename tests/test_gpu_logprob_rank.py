@@ -1,6 +1,9 @@
 """token_logprob_rank on the GPU (marked ``gpu``, skipped without one): the size grid, strided
 rows, special values, workspace errors, a side stream and a CUDA graph, bound calls and the
-adapter's cache; against the float64 reference with the tolerance of ``test_logprob_rank.py``."""
+adapter's cache; against the float64 reference with the tolerance of ``test_logprob_rank.py``.
+``out_entropy``: the reference of ``helpers/entropy_cases.py`` on decode shapes (151,936 bfloat16,
+50,257 float32), with temperature, top-k, argmax and logits beyond 2**20, the same bits at batch
+1, 3, 100 and 513 in both launch forms, a bound call in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -296,3 +299,196 @@ def test_gpu_bound_calls_and_adapter_cache_follow_the_buffers():
     bound(stream=side.cuda_stream)
     side.synchronize()
     assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), "bound side stream")
+
+
+# -- out_entropy ------------------------------------------------------------------------------
+# The entropy of each row's softmax from the same read, against the float64 reference of
+# helpers/entropy_cases.py (NaN-poisoned outputs, planted rows: uniform, one-hot, near-one-hot,
+# one and two finite entries, NaN, +inf, all -inf), on the shapes decode loops use.
+
+ENTROPY_SHAPES = [(b, 151936, "bfloat16") for b in (1, 64, 256)] + [(b, 50257, "float32") for b in (1, 64, 256)]
+
+
+def _entropy_call(logits, ids_t, **kw):
+    """The torch adapter with ``entropy=True`` into poisoned caller buffers; host copies."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
+    b = logits.shape[0]
+    out = [torch.full((b,), POISON_LOGPROB, device="cuda"), torch.full((b,), POISON_RANK, device="cuda")]
+    if kw.get("top_k"):
+        k = kw["top_k"]
+        out += [torch.full((b, k), POISON_LOGPROB, device="cuda"), torch.full((b, k), POISON_RANK, device="cuda")]
+    if kw.get("argmax"):
+        out.append(torch.full((b,), POISON_RANK, device="cuda"))
+    out.append(torch.full((b,), float("nan"), device="cuda"))
+    got = torch_logprob_rank(logits, ids_t, entropy=True, out=tuple(out), **kw)
+    assert all(g is o for g, o in zip(got, out))
+    return tuple(t.cpu().numpy() for t in got)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch,vocab,dtype", ENTROPY_SHAPES, ids=[f"b{b}-v{v}-{d}" for b, v, d in ENTROPY_SHAPES])
+def test_gpu_entropy_matches_reference(batch, vocab, dtype):
+    from helpers.entropy_cases import assert_entropy, entropy_case
+
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
+    x, ids = entropy_case(np.random.default_rng(batch * 31 + vocab), batch, vocab, dtype)
+    logits, ids_t = _gpu_logits(x, dtype), torch.from_numpy(ids).cuda()
+    lp, rk, ent = _entropy_call(logits, ids_t)
+    assert_entropy(x, ent, f"gpu entropy {batch}x{vocab} {dtype}", planted=True)
+    assert_matches_reference(x, ids, lp, rk, f"gpu entropy {batch}x{vocab} {dtype}")
+    plain_lp, plain_rk = (t.cpu().numpy() for t in torch_logprob_rank(logits, ids_t))
+    assert plain_lp.tobytes() == lp.tobytes() and np.array_equal(plain_rk, rk), "entropy changed a logprob or rank"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_entropy_with_temperature_top_k_and_greedy_rows(dtype):
+    """The element path (a temperature) with top-k 20 and argmax, every other row greedy: the
+    entropy of logits / T, with the bits of a call that asks for the entropy alone."""
+    from helpers.entropy_cases import assert_entropy, entropy_case
+
+    from trace_replay_core import greedy_argmax_reference
+
+    rng = np.random.default_rng(64)
+    x, ids = entropy_case(rng, 64, 151936, dtype)
+    ids[1::2] = -1
+    temp = rng.uniform(0.4, 2.0, 64).astype(np.float32)
+    logits, ids_t, temp_t = _gpu_logits(x, dtype), torch.from_numpy(ids).cuda(), torch.from_numpy(temp).cuda()
+    lp, rk, _, _, am, ent = _entropy_call(logits, ids_t, temperature=temp_t, top_k=20, argmax=True)
+    y = x / temp[:, None]
+    assert_entropy(y, ent, f"gpu entropy {dtype} T top-k argmax")
+    want = np.concatenate([greedy_argmax_reference(y[r : r + 16]) for r in range(0, 64, 16)])
+    assert am.tolist() == want.tolist()
+    assert_matches_reference(y, np.where(ids < 0, want, ids), lp, rk, f"gpu entropy {dtype} T top-k argmax")
+    *_, alone = _entropy_call(logits, ids_t, temperature=temp_t)
+    assert alone.tobytes() == ent.tobytes(), "top-k or argmax changed an entropy bit"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("vocab", [3000, 151936])
+def test_gpu_entropy_logits_beyond_2_20(vocab):
+    """huge_case's rows in bfloat16 (no temperature: the fused path flags chunks whose maximum
+    lies beyond 2**20 and the merge re-sums their sum and u): the entropy of each row, the same
+    bits alone."""
+    from helpers.entropy_cases import assert_entropy
+
+    x, ids = huge_case(vocab)
+    x = round_to(x, "bfloat16")
+    logits, ids_t = _gpu_logits(x, "bfloat16"), torch.from_numpy(ids).cuda()
+    lp, rk, ent = _entropy_call(logits, ids_t)
+    assert_entropy(x, ent, f"gpu entropy beyond 2**20 v{vocab}")
+    assert_matches_reference(x, ids, lp, rk, f"gpu entropy beyond 2**20 v{vocab}")
+    for r in (0, 1, 4, 8):
+        *_, one = _entropy_call(logits[r : r + 1], ids_t[r : r + 1])
+        assert one.tobytes() == ent[r : r + 1].tobytes(), r
+
+
+def _core_entropy(logits, ids_t, *, cluster: bool):
+    """One core launch with out_entropy, in the cluster form (where the plan allows it) or as
+    two kernels: ``(logprobs, ranks, entropy, variant)``, host copies."""
+    from trace_replay_core.kernels.logprob_rank import (
+        LogprobRankArgs,
+        LogprobRankDtypes,
+        _compiled_launches,
+        launch_logprob_rank,
+        plan_for_call,
+    )
+
+    b, vocab = logits.shape
+    lp, rk = torch.full((b,), POISON_LOGPROB, device="cuda"), torch.full((b,), POISON_RANK, device="cuda")
+    ent = torch.full((b,), float("nan"), device="cuda")
+    ws = torch.full((logprob_rank_workspace_bytes(b, vocab),), 0xFF, dtype=torch.uint8, device="cuda")
+    args = LogprobRankArgs(
+        logits.data_ptr(), ids_t.data_ptr(), 0, lp.data_ptr(), rk.data_ptr(), 0, 0, ws.data_ptr(), b, vocab,
+        logits.stride(0), 0, 0, ent.data_ptr(),
+    )  # fmt: skip
+    dtypes = LogprobRankDtypes(str(logits.dtype).removeprefix("torch."), "int64", "int64")
+    device = torch.cuda.current_device()
+    variant = plan_for_call(args, dtypes, sm90=torch.cuda.get_device_capability()[0] >= 9, cluster=cluster)
+    assert variant.entropy
+    variant, _ = _compiled_launches(args, dtypes, device, variant)  # the form it runs in (rows that fit)
+    launch_logprob_rank(args, dtypes, device, torch.cuda.current_stream().cuda_stream, variant)
+    torch.cuda.synchronize()
+    return lp.cpu().numpy(), rk.cpu().numpy(), ent.cpu().numpy(), variant
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype,vocab", [("bfloat16", 151936), ("float32", 50257)])
+def test_gpu_entropy_batch_invariant_in_both_launch_forms(dtype, vocab):
+    """The same rows in batches of 513, 100, 3 and 1 at other positions (batch 513 runs 4 chunks
+    per program at 151,936), each batch launched in the cluster form (on sm_90+, where the rows
+    fit: one kernel, a row merged by its cluster's first program) and as two kernels: the same
+    entropy, logprob and rank bits everywhere; the batch of 513 matches the reference."""
+    from helpers.entropy_cases import assert_entropy, entropy_case
+
+    x, ids = entropy_case(np.random.default_rng(513), 513, vocab, dtype)
+    logits, ids_t = _gpu_logits(x, dtype), torch.from_numpy(ids).cuda()
+    sm90 = torch.cuda.get_device_capability()[0] >= 9
+    whole = _core_entropy(logits, ids_t, cluster=False)
+    assert_entropy(x, whole[2], f"gpu batch 513 {dtype}", planted=True)
+    assert_matches_reference(x, ids, whole[0], whole[1], f"gpu batch 513 {dtype}")
+    batches = {513: np.arange(513), 100: np.arange(412, 512)[::-1], 3: np.array([3, 1, 2]), 1: np.array([300])}
+    clustered = 0
+    for batch, rows in batches.items():
+        idx = torch.from_numpy(rows.copy()).cuda()
+        sub, sub_ids = logits[idx].contiguous(), ids_t[idx].contiguous()
+        for cluster in (False, True):
+            lp, rk, ent, variant = _core_entropy(sub, sub_ids, cluster=cluster)
+            clustered += variant.cluster
+            where = f"{dtype} batch {batch} cluster={variant.cluster}"
+            assert ent.tobytes() == whole[2][rows].tobytes(), f"{where}: entropy bits differ"
+            assert lp.tobytes() == whole[0][rows].tobytes() and np.array_equal(rk, whole[1][rows]), where
+    if sm90:
+        assert clustered >= 2, "batches 1 and 3 must have run in the cluster form on sm_90+"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_bound_entropy_call_in_a_cuda_graph():
+    """A core call bound once (``bind_logprob_rank(..., out_entropy=)``), captured in a CUDA graph
+    after a warm-up on a side stream, replayed on new logits: the reference's entropies and the
+    bits of an eager call, every replay."""
+    from helpers.entropy_cases import assert_entropy, entropy_case
+
+    batch, vocab = 7, 151936
+    logits = torch.empty(batch, vocab, dtype=torch.bfloat16, device="cuda")
+    ids_t = torch.empty(batch, dtype=torch.int64, device="cuda")
+    lp, rk = torch.empty(batch, device="cuda"), torch.empty(batch, dtype=torch.int64, device="cuda")
+    ent = torch.empty(batch, device="cuda")
+    ws = torch.empty(logprob_rank_workspace_bytes(batch, vocab), dtype=torch.uint8, device="cuda")
+
+    def load(seed):
+        x, ids = entropy_case(np.random.default_rng(seed), batch, vocab, "bfloat16")
+        logits.copy_(torch.from_numpy(x).to(torch.bfloat16))
+        ids_t.copy_(torch.from_numpy(ids))
+        return x, ids
+
+    load(40)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and binds off the capture
+        bound = bind_logprob_rank(
+            logits, ids_t, out_logprobs=lp, out_ranks=rk, out_entropy=ent, workspace=ws, stream=side.cuda_stream
+        )
+        bound(stream=side.cuda_stream)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bound(stream=torch.cuda.current_stream().cuda_stream)
+    for seed in (41, 42, 43):
+        x, ids = load(seed)
+        ent.fill_(float("nan")), lp.fill_(POISON_LOGPROB), rk.fill_(POISON_RANK)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = ent.cpu().numpy()
+        assert_entropy(x, got, f"graph replay, seed {seed}", planted=True)
+        assert_matches_reference(x, ids, lp.cpu().numpy(), rk.cpu().numpy(), f"graph replay, seed {seed}")
+        *_, eager = _entropy_call(logits, ids_t)
+        assert eager.tobytes() == got.tobytes(), f"graph replay, seed {seed}: bits differ from an eager call"

@@ -1,6 +1,6 @@
 """GPU tier: the registered torch ops on CUDA: opcheck, a sampler compiled with
-``torch.compile(fullgraph=True)`` against the eager one bit for bit, and the compiled sampler
-inside a CUDA graph seeing the commits made between graph replays.
+``torch.compile(fullgraph=True)`` against the eager one bit for bit (also with each row's entropy),
+and the compiled sampler inside a CUDA graph seeing the commits made between graph replays.
 
 Skipped with a reason on machines without a GPU (see conftest.py).
 """
@@ -10,7 +10,7 @@ import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
 from helpers.torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
 
-from trace_replay_torch import TraceReplayState  # noqa: E402
+from trace_replay_torch import TraceReplayState, replay_op, token_logprob_rank_op  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -116,3 +116,44 @@ def test_compiled_sampler_in_cuda_graph_sees_commits(rng):
         assert loop.forced > 50
         torch.cuda.synchronize()
         del graph  # before the state's table is freed
+
+
+def _entropy_sampler(state, logits, idx_mapping, temperature):
+    """Greedy sample, replay, score with each row's entropy: through the registered ops."""
+    sampled = torch.argmax(logits, dim=-1)
+    replay_op(state, sampled, idx_mapping)
+    logprobs, ranks, entropy = token_logprob_rank_op(logits, sampled, temperature=temperature, entropy=True)
+    return sampled, logprobs, ranks, entropy
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_sampler_with_entropy_matches_eager(rng, mode):
+    """The sampler with ``entropy=True`` compiled (``fullgraph=True``; ``reduce-overhead``: CUDA
+    graph replays) over steps with commits between them: its tokens, logprobs, ranks and
+    entropies have the bits of the eager calls, and its entropies match the float64 reference."""
+    from helpers.entropy_cases import assert_entropy
+
+    from trace_replay_torch import token_logprob_rank
+
+    torch.library.opcheck(
+        OPS.token_logprob_rank_entropy.default,
+        (torch.randn(8, 151_936, device=DEV).bfloat16(), torch.randint(0, 151_936, (8,), device=DEV)),
+    )
+    st, loop = _loop(rng, batch=48)
+    with st:
+        compiled = torch.compile(_entropy_sampler, fullgraph=True, dynamic=False, mode=mode)
+        temperature = torch.rand(48, device=DEV) + 0.5
+        for step in range(12):
+            loop.admit_and_commit()
+            logits, idx = loop.step_inputs()
+            expected = loop.expected(torch.argmax(logits, dim=-1), idx)
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            got = [t.clone() for t in compiled(st, logits, idx, temperature)]
+            assert_tokens_equal(got[0].cpu().numpy(), expected, f"compiled, step {step}")
+            want = token_logprob_rank(logits, got[0], temperature=temperature, entropy=True)
+            for name, g, w in zip(("logprobs", "ranks", "entropy"), got[1:], want):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{name} differ at step {step}"
+            y = (logits.float() / temperature[:, None]).cpu().numpy()
+            assert_entropy(y, got[3].cpu().numpy(), f"compiled entropy, step {step}")
+            loop.advance()

@@ -218,13 +218,14 @@ def test_variant_choices_and_cache():
 
 
 def test_workspace_size():
-    # 20 bytes per chunk and row (max, sum, count, and the greedy maximum and column, used with
-    # out_argmax); with top-k, per chunk 8 bytes per kept key and per candidate key and 4 per
-    # candidate vector; 8 bytes per row for the token's logit and validity.
+    # 24 bytes per chunk and row (max, sum, count, the greedy maximum and column, used with
+    # out_argmax, and the entropy's u, used with out_entropy); with top-k, per chunk 8 bytes per
+    # kept key and per candidate key and 4 per candidate vector; 8 bytes per row for the token's
+    # logit and validity.
     assert logprob_rank_workspace_bytes(0, 151936) == 0
-    assert logprob_rank_workspace_bytes(1, 151936) == 5 * 64 + 2 * 16  # 52 and 4 bytes rounded to 16
-    assert logprob_rank_workspace_bytes(256, 151936) == 5 * 256 * 13 * 4 + 2 * 256 * 4
-    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (20 + 32 * 8 + 64 * 8 + 128 * 4) + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(1, 151936) == 6 * 64 + 2 * 16  # 52 and 4 bytes rounded to 16
+    assert logprob_rank_workspace_bytes(256, 151936) == 6 * 256 * 13 * 4 + 2 * 256 * 4
+    assert logprob_rank_workspace_bytes(256, 151936, 20) == 256 * 13 * (24 + 32 * 8 + 64 * 8 + 128 * 4) + 2 * 256 * 4
     for batch in (1, 3, 1000):
         for vocab in (1, 999, 151936):
             for top_k in (0, 1, 20, 64):
@@ -234,7 +235,7 @@ def test_workspace_size():
                 offsets = workspace_layout(batch, plan)
                 assert all(o % 16 == 0 for o in offsets)
                 assert offsets[-1] == logprob_rank_workspace_bytes(batch, vocab, top_k)
-                per_chunk = 12 + (8 * plan.k_pad + 16 * plan.k_pad + 16 * plan.k_pad if top_k else 0)
+                per_chunk = 24 + (8 * plan.k_pad + 16 * plan.k_pad + 16 * plan.k_pad if top_k else 0)
                 assert offsets[-1] >= batch * plan.n_chunks * per_chunk + 8 * batch
 
 

@@ -82,7 +82,7 @@ PINNED = {
         "as_view": "(obj, *, name, stream=None)",
         "bind_logprob_rank": "(logits, token_ids, *, out_logprobs, out_ranks, stream, "
         "workspace=None, temperature=None, top_k=0, "
-        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)",
+        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None, out_entropy=None)",
         "default_device": "()",
         "logprob_rank_workspace_bytes": "(batch, vocab, top_k=0)",
         "parse_device": "(device)",
@@ -91,15 +91,20 @@ PINNED = {
         "stream_handle": "(stream, *, name='stream')",
         "token_logprob_rank": "(logits, token_ids, *, out_logprobs, out_ranks, stream, "
         "workspace=None, temperature=None, top_k=0, "
-        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None)",
+        "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None, out_entropy=None)",
         "token_logprob_rank_reference": "(logits, token_ids)",
         "greedy_argmax_reference": "(logits)",
+        "softmax_entropy_reference": "(logits)",
     },
     "trace_replay_jax": {
         "LogprobRank": {},
         "LogprobRankArgmax": {},
         "LogprobRankTopK": {},
         "LogprobRankTopKArgmax": {},
+        "LogprobRankEntropy": {},
+        "LogprobRankArgmaxEntropy": {},
+        "LogprobRankTopKEntropy": {},
+        "LogprobRankTopKArgmaxEntropy": {},
         "ReplayTables": {"__init__": "(self, table, trace_len)"},
         "TraceReplayState": {
             "__enter__": "(self)",
@@ -122,7 +127,8 @@ PINNED = {
         "replay": "(tables, sampled, idx_mapping, total_len, prompt_len, *, method='jnp')",
         "resolve_device": "(device)",
         "replay_at_step": "(tables, sampled, idx_mapping, step, *, method='jnp')",
-        "token_logprob_rank": "(logits, token_ids, *, method='kernel', top_k=0, temperature=None, argmax=False)",
+        "token_logprob_rank": "(logits, token_ids, *, method='kernel', top_k=0, temperature=None, argmax=False, "
+        "entropy=False)",
         "token_logprob_rank_in_shard_map": "(logits, token_ids, *, vocab_axis)",
         "token_logprob_rank_sharded": "(logits, token_ids, *, mesh, vocab_axis, batch_axis=None)",
     },
@@ -131,6 +137,10 @@ PINNED = {
         "LogprobRankArgmax": {},
         "LogprobRankTopK": {},
         "LogprobRankTopKArgmax": {},
+        "LogprobRankEntropy": {},
+        "LogprobRankArgmaxEntropy": {},
+        "LogprobRankTopKEntropy": {},
+        "LogprobRankTopKArgmaxEntropy": {},
         "TraceReplayState": {
             "__enter__": "(self)",
             "__exit__": "(self, *exc)",
@@ -151,8 +161,9 @@ PINNED = {
         },
         "replay_at_step_op": "(state, sampled, idx_mapping, step)",
         "replay_op": "(state, sampled, idx_mapping, total_len=None, prompt_len=None)",
-        "token_logprob_rank": "(logits, token_ids, *, top_k=0, temperature=None, out=None, argmax=False)",
-        "token_logprob_rank_op": "(logits, token_ids, *, top_k=0, temperature=None, argmax=False)",
+        "token_logprob_rank": "(logits, token_ids, *, top_k=0, temperature=None, out=None, argmax=False, "
+        "entropy=False)",
+        "token_logprob_rank_op": "(logits, token_ids, *, top_k=0, temperature=None, argmax=False, entropy=False)",
     },
 }
 

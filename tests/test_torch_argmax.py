@@ -268,11 +268,11 @@ def test_bound_call_cache_keys_on_the_argmax_tensor():
     lp, rk = torch.full((6,), POISON_LOGPROB), torch.full((6,), POISON_RANK, dtype=torch.int64)
     ws = torch.empty(16, dtype=torch.uint8)
     am1, am2 = (torch.full((6,), POISON_ARGMAX, dtype=dt) for dt in (torch.int64, torch.int32))
-    with_1 = _bound((logits, ids_t, lp, rk, ws, None, None, None, am1), 0, 0)
-    without = _bound((logits, ids_t, lp, rk, ws, None, None, None, None), 0, 0)
-    with_2 = _bound((logits, ids_t, lp, rk, ws, None, None, None, am2), 0, 0)
+    with_1 = _bound((logits, ids_t, lp, rk, ws, None, None, None, am1, None), 0, 0)
+    without = _bound((logits, ids_t, lp, rk, ws, None, None, None, None, None), 0, 0)
+    with_2 = _bound((logits, ids_t, lp, rk, ws, None, None, None, am2, None), 0, 0)
     assert len({id(with_1), id(without), id(with_2)}) == 3
-    assert _bound((logits, ids_t, lp, rk, ws, None, None, None, am1), 0, 0) is with_1
+    assert _bound((logits, ids_t, lp, rk, ws, None, None, None, am1, None), 0, 0) is with_1
     want = greedy_argmax_reference(x)
     without(stream=0)
     assert (am1 == POISON_ARGMAX).all() and (am2 == POISON_ARGMAX).all()

@@ -36,7 +36,12 @@ from ._logprob import (
 )
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
-from .reference import greedy_argmax_reference, replay_reference, token_logprob_rank_reference
+from .reference import (
+    greedy_argmax_reference,
+    replay_reference,
+    softmax_entropy_reference,
+    token_logprob_rank_reference,
+)
 
 __all__ = [
     # the trace table and its replays
@@ -54,6 +59,7 @@ __all__ = [
     "replay_reference",
     "token_logprob_rank_reference",
     "greedy_argmax_reference",
+    "softmax_entropy_reference",
     # arrays, streams, devices, dtypes
     "ArrayView",
     "as_view",

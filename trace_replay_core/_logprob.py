@@ -1,4 +1,4 @@
-"""``token_logprob_rank``: logprob, rank and optional top-k of one token per row, one read of the logits.
+"""``token_logprob_rank``: logprob, rank, optional top-k, greedy token and entropy per row, one read of the logits.
 
 After replay, a decode loop wants the log-probability and the rank of the token that now
 stands in ``sampled``, from the unmodified logits (or from ``logits / T``, vLLM's processed
@@ -62,11 +62,11 @@ TOPK_MAX = LOGPROB_TOPK_MAX
 
 def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     """Bytes of device workspace a ``[batch, vocab]`` call needs (host-only, pure; the same for
-    every logits dtype, with or without ``out_argmax``): 20 bytes per chunk of each row (13
-    chunks at vocab 151,936) and 8 per row, plus ``32 * k_pad`` per chunk with ``top_k``
-    (``k_pad`` = 8, 32 or 64, the power of two used for ``top_k``), each region rounded up to
-    16 bytes. At vocab 151,936: about 268 bytes per row, 13.6 KiB per row with ``top_k = 20``.
-    0 for an empty batch."""
+    every logits dtype, with or without ``out_argmax`` and ``out_entropy``): 24 bytes per chunk
+    of each row (13 chunks at vocab 151,936) and 8 per row, plus ``32 * k_pad`` per chunk with
+    ``top_k`` (``k_pad`` = 8, 32 or 64, the power of two used for ``top_k``), each region rounded
+    up to 16 bytes. At vocab 151,936: about 320 bytes per row, 16.6 KiB per row with
+    ``top_k = 20``. 0 for an empty batch."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
 
     if batch <= 0:
@@ -87,10 +87,11 @@ def token_logprob_rank(
     out_topk_logprobs: Any = None,
     out_topk_ids: Any = None,
     out_argmax: Any = None,
+    out_entropy: Any = None,
 ) -> None:
     """Write the log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``
     (and, with ``top_k``, the row's ``top_k`` most likely tokens; with ``out_argmax``, the row's
-    greedy token).
+    greedy token; with ``out_entropy``, the entropy of the row's distribution).
 
     For each row ``b`` with token ``t = token_ids[b]`` and ``y = logits[b, :] / T`` (``T =
     temperature[b]``, 1 without a temperature; float32, the logits converted exactly):
@@ -107,6 +108,13 @@ def token_logprob_rank(
       So a greedy decode step is one pass over the logits: fill ``token_ids`` with -1, replay
       (traced rows get their trace token), call this, and take ``out_argmax`` where the id is
       negative. Without ``out_argmax`` a negative id is out of range (below).
+    - with ``out_entropy``: ``out_entropy[b] = -sum(p * log(p))`` over the row's ``p =
+      softmax(y)`` (Shannon entropy in nats, float32; 0 for a row with one finite entry, ``log
+      vocab`` for a uniform row), whatever the token, from the same read. It is computed as
+      ``log(S) - U / S`` with ``S = sum(exp(y - max))`` and ``U = sum(exp(y - max) * (y -
+      max))``, both accumulated next to the log-sum-exp: two terms >= 0, so nothing cancels
+      (tested to ``1e-5`` relative plus ``1e-6`` against a float64 reference; the absolute part
+      is ``log(S)``'s rounding, which does not shrink with the entropy).
 
     Batch-invariant: a row's results have the same bits whatever the batch size, the row's
     position, padding rows or the other rows, for each logits dtype and vocabulary: the
@@ -117,16 +125,17 @@ def token_logprob_rank(
     (a padded stride, an array starting off a 16-byte boundary, 50,257 float32 logits per row)
     read each 16-byte line as the two aligned vectors around it and shift it into place, so
     every layout gives the bits of the same rows stored contiguously. A call with
-    ``top_k`` gives the same logprob and rank bits as one without. The CPU backend is
-    batch-invariant too (numpy, row by row), but its bits differ from the GPU's.
+    ``top_k`` gives the same logprob and rank bits as one without. ``out_entropy`` is
+    batch-invariant in the same way (reduced in the same chunks, merged in the same order). The
+    CPU backend is batch-invariant too (numpy, row by row), but its bits differ from the GPU's.
 
     Special values (the same on the GPU and the CPU backend):
 
     - ``-inf`` logits are valid: they add nothing to the sum; a token whose logit is ``-inf``
       has logprob ``-inf`` and a rank counting every non-NaN entry.
     - A row holding a NaN or a ``+inf``, or only ``-inf`` logits, has no finite normaliser: its
-      logprob is NaN (and so are its top-k logprobs). Its rank is still the IEEE count (NaN
-      entries never count; a token whose own logit is NaN has rank 0).
+      logprob is NaN (and so are its top-k logprobs and its entropy). Its rank is still the IEEE
+      count (NaN entries never count; a token whose own logit is NaN has rank 0).
     - Top-k never selects a NaN entry: a row with fewer than ``top_k`` non-NaN entries gets id
       -1 (logprob NaN) in the remaining places.
     - A token id outside ``[0, vocab)`` gives logprob NaN and rank -1. No error is raised:
@@ -169,6 +178,10 @@ def token_logprob_rank(
         row is written. The kernels that fill it are compiled apart from the ones without it,
         so a call without ``out_argmax`` pays nothing for it. With it, the call takes about
         1.15x the time of one without in bfloat16 (H200, vocab 151,936, batch 256 and 4096).
+    out_entropy:
+        Optional caller-owned ``[batch]`` output, contiguous, writable, float32. Every row is
+        written. As with ``out_argmax``, the kernels that fill it are compiled apart, so a call
+        without it pays nothing for it (``bench/logprob_rank.py`` times the two side by side).
 
     Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
     ``stream`` (one on sm_90 and later without top-k when the rows fit on the device at once:
@@ -191,6 +204,7 @@ def token_logprob_rank(
         out_topk_logprobs,
         out_topk_ids,
         out_argmax,
+        out_entropy,
     )
     if checked is None:
         return
@@ -249,6 +263,7 @@ def bind_logprob_rank(
     out_topk_logprobs: Any = None,
     out_topk_ids: Any = None,
     out_argmax: Any = None,
+    out_entropy: Any = None,
 ) -> BoundLogprobRank:
     """Validate the arrays of a :func:`token_logprob_rank` call once and return a
     :class:`BoundLogprobRank` that repeats exactly that call.
@@ -275,6 +290,7 @@ def bind_logprob_rank(
         out_topk_logprobs,
         out_topk_ids,
         out_argmax,
+        out_entropy,
     )
     if checked is None:
         return BoundLogprobRank(None, ())
@@ -303,6 +319,7 @@ def _validated(
     out_topk_logprobs,
     out_topk_ids,
     out_argmax,
+    out_entropy,
 ):
     """Every check of a call: ``None`` when there is nothing to compute (empty batch), else
     ``(numpy backend arguments, kernel args or None, kernel dtypes or None, stream)``; the
@@ -326,6 +343,10 @@ def _validated(
     if out_argmax is not None:
         amv = as_view(out_argmax, name="out_argmax", stream=handle)
         check_view(amv, name="out_argmax", dtypes=RANK_DTYPES, device=device, ndim=1, length=batch, writable=True)
+    env = None
+    if out_entropy is not None:
+        env = as_view(out_entropy, name="out_entropy", stream=handle)
+        check_view(env, name="out_entropy", dtypes=("float32",), device=device, ndim=1, length=batch, writable=True)
     tv = None
     if temperature is not None:
         tv = check_temperature(as_view(temperature, name="temperature", stream=handle), batch, device)
@@ -335,6 +356,7 @@ def _validated(
         ("out_topk_logprobs", tlpv),
         ("out_topk_ids", tidv),
         ("out_argmax", amv),
+        ("out_entropy", env),
         ("logits", lv),
         ("token_ids", iv),
         ("temperature", tv),
@@ -345,7 +367,7 @@ def _validated(
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
         if tv is not None and batch:
             check_temperature_values(numpy_of(tv))
-        return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv), None, None, handle) if batch else None
+        return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv, env), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
     need = logprob_rank_workspace_bytes(batch, vocab, top_k)
@@ -384,6 +406,7 @@ def _validated(
         row_stride,
         top_k,
         amv.ptr if amv is not None else 0,
+        env.ptr if env is not None else 0,
     )
     dtypes = LogprobRankDtypes(
         lv.dtype,
@@ -392,5 +415,5 @@ def _validated(
         tidv.dtype if tidv is not None else "int32",
         amv.dtype if amv is not None else "int32",
     )
-    views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv, amv)
+    views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv, amv, env)
     return views, args, dtypes, handle

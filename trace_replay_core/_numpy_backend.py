@@ -213,6 +213,7 @@ def logprob_rank_numpy(
     topk_ids: ArrayView | None,
     top_k: int,
     out_argmax: ArrayView | None = None,
+    out_entropy: ArrayView | None = None,
 ) -> None:
     """``token_logprob_rank`` on host arrays (already validated), computed before it returns."""
     x_all = _strided_numpy(logits)
@@ -222,6 +223,7 @@ def logprob_rank_numpy(
     tlp_all = numpy_of(topk_lp) if top_k and topk_lp is not None else None
     tid_all = numpy_of(topk_ids) if top_k and topk_ids is not None else None
     am_all = numpy_of(out_argmax) if out_argmax is not None else None
+    ent_all = numpy_of(out_entropy) if out_entropy is not None else None
     batch, vocab = logits.shape
     rows = max(1, _LOGPROB_ROWS_ELEMENTS // vocab)
     for r0 in range(0, batch, rows):
@@ -239,8 +241,13 @@ def logprob_rank_numpy(
             valid = (tok >= 0) & (tok < vocab)
             chosen = np.where(valid, y[np.arange(r1 - r0), np.where(valid, tok, 0)], np.float32(np.nan))
             m_safe = np.where(m == -np.inf, np.float32(0), m).astype(np.float32)
-            total = np.exp(y - m_safe[:, None]).sum(axis=1)  # NaN or +inf in the row: NaN
+            d = y - m_safe[:, None]
+            e = np.exp(d)
+            total = e.sum(axis=1)  # NaN or +inf in the row: NaN
             lse = (m + np.log(total)).astype(np.float32)  # all -inf: -inf (NaN logprob)
+            if ent_all is not None:  # log(S) - U / S; a term whose exp is 0 adds 0; all -inf: 0 / 0
+                u = np.where(e == 0, np.float32(0), e * d).sum(axis=1)
+                ent_all[r0:r1] = np.log(total) - u / total
             lp_all[r0:r1] = np.where(valid, chosen - lse, np.float32(np.nan))
             rank_all[r0:r1] = np.where(valid, (y >= chosen[:, None]).sum(axis=1), -1)
             if top_k and tlp_all is not None and tid_all is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["replay_reference", "token_logprob_rank_reference", "greedy_argmax_reference"]
+__all__ = ["replay_reference", "token_logprob_rank_reference", "greedy_argmax_reference", "softmax_entropy_reference"]
 
 
 def replay_reference(
@@ -82,3 +82,18 @@ def greedy_argmax_reference(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64)
     top = np.max(x, axis=1, initial=-np.inf, where=~np.isnan(x), keepdims=True)
     return np.argmax(x == top, axis=1).astype(np.int64)  # the first entry equal to it; none: 0
+
+
+def softmax_entropy_reference(logits: np.ndarray) -> np.ndarray:
+    """float64 Shannon entropy (natural log) of ``softmax(logits[b])`` per row (``[batch]``), as
+    :func:`trace_replay_core.token_logprob_rank` writes to ``out_entropy`` (pass ``logits / T``
+    for a temperature). ``-inf`` entries have probability 0 and add nothing; a row holding a NaN
+    or a ``+inf``, or only ``-inf`` entries, has entropy NaN."""
+    x = np.asarray(logits, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = x.max(axis=1, keepdims=True)  # NaN, +inf or all -inf: NaN below
+        z = x - m
+        p = np.exp(z)
+        total = p.sum(axis=1)
+        plogp = np.where(p > 0, p * z, 0.0).sum(axis=1)
+        return np.log(total) - plogp / total

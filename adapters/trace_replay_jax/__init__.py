@@ -31,8 +31,9 @@ on one device or over a ``jax.sharding.Mesh``), :func:`replay` and :func:`replay
 ``"kernel"``), :class:`ReplayTables` (the committed table as JAX arrays, a pytree),
 :func:`token_logprob_rank` (logprob and rank of the chosen token from the unmodified logits,
 one read of the logits; with ``argmax=True`` also each row's greedy token, and rows with id -1
-scored as it) and its results :class:`LogprobRank`, :class:`LogprobRankTopK`,
-:class:`LogprobRankArgmax`, :class:`LogprobRankTopKArgmax` (pytrees),
+scored as it; with ``entropy=True`` each row's entropy) and its results :class:`LogprobRank`,
+:class:`LogprobRankTopK`, :class:`LogprobRankArgmax`, :class:`LogprobRankTopKArgmax` and their
+``...Entropy`` forms (pytrees),
 :func:`token_logprob_rank_sharded` and
 :func:`token_logprob_rank_in_shard_map` (the same on logits sharded over a vocabulary axis),
 :func:`resolve_device` (the ``jax.Device`` a ``device=`` argument names).
@@ -43,7 +44,17 @@ variable.
 
 from .devices import resolve_device
 from .jnp_replay import ReplayTables, replay, replay_at_step
-from .logprob import LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRankTopKArgmax, token_logprob_rank
+from .logprob import (
+    LogprobRank,
+    LogprobRankArgmax,
+    LogprobRankArgmaxEntropy,
+    LogprobRankEntropy,
+    LogprobRankTopK,
+    LogprobRankTopKArgmax,
+    LogprobRankTopKArgmaxEntropy,
+    LogprobRankTopKEntropy,
+    token_logprob_rank,
+)
 from .sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 from .state import TraceReplayState
 
@@ -57,6 +68,10 @@ __all__ = [
     "LogprobRankTopK",
     "LogprobRankArgmax",
     "LogprobRankTopKArgmax",
+    "LogprobRankEntropy",
+    "LogprobRankTopKEntropy",
+    "LogprobRankArgmaxEntropy",
+    "LogprobRankTopKArgmaxEntropy",
     "token_logprob_rank_sharded",
     "token_logprob_rank_in_shard_map",
     "resolve_device",

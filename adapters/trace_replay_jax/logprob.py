@@ -17,7 +17,8 @@ Two implementations of one contract (the core's, see
 
 With ``argmax=True`` either method also returns each row's greedy token from the same pass
 and scores rows whose token id is negative as that token: a greedy decode step reads the
-logits once (see :func:`token_logprob_rank`).
+logits once (see :func:`token_logprob_rank`). With ``entropy=True`` either method also returns
+each row's entropy (the kernel method from the same read).
 
 ``bench/logprob_rank.py`` measures both inside ``jax.jit`` next to the torch versions.
 """
@@ -39,8 +40,12 @@ from .logprob_callback import kernel_logprob_rank
 from .logprob_results import (
     LogprobRank,
     LogprobRankArgmax,
+    LogprobRankArgmaxEntropy,
+    LogprobRankEntropy,
     LogprobRankTopK,
     LogprobRankTopKArgmax,
+    LogprobRankTopKArgmaxEntropy,
+    LogprobRankTopKEntropy,
     LogprobResult,
     named_result,
 )
@@ -52,6 +57,10 @@ __all__ = [
     "LogprobRankTopK",
     "LogprobRankArgmax",
     "LogprobRankTopKArgmax",
+    "LogprobRankEntropy",
+    "LogprobRankTopKEntropy",
+    "LogprobRankArgmaxEntropy",
+    "LogprobRankTopKArgmaxEntropy",
 ]
 
 METHODS = ("kernel", "jnp")
@@ -104,10 +113,10 @@ def _check_top_k(top_k: Any, vocab: int) -> int:
     return int(top_k)
 
 
-def _check_argmax(argmax: Any) -> bool:
-    if not isinstance(argmax, (bool, np.bool_)):
-        raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
-    return bool(argmax)
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (got {type(value).__name__} {value!r})")
+    return bool(value)
 
 
 def _temperature(temperature: Any, batch: int) -> Any | None:
@@ -139,14 +148,22 @@ def _temperature(temperature: Any, batch: int) -> Any | None:
 
 
 def _jnp_logprob_rank(
-    logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
+    logits: jax.Array,
+    ids: jax.Array,
+    temperature: jax.Array | None,
+    top_k: int,
+    argmax: bool = False,
+    entropy: bool = False,
 ) -> LogprobResult:
     """The contract in jnp ops: float32 log-sum-exp with the row maximum subtracted, a count of
     ``y >= y[t]`` (IEEE: NaN never counts), NaN/-1 for an id outside ``[0, vocab)``, and
     ``lax.top_k`` (ties: the lower index first) with NaN ranked as ``-inf`` and reported as -1.
     With ``argmax``: the first entry equal to the largest non-NaN ``y`` (as
     ``greedy_argmax_reference``: a row of NaN and ``-inf`` gives its first ``-inf``, which a plain
-    argmax with NaN as ``-inf`` would not; an all-NaN row gives 0), and negative ids scored as it."""
+    argmax with NaN as ``-inf`` would not; an all-NaN row gives 0), and negative ids scored as it.
+    With ``entropy``: ``log(S) - U / S`` over ``d = y - max`` (``S = sum(exp(d))``, ``U =
+    sum(exp(d) * d)``, a zero ``exp(d)`` adding 0 and no gradient), NaN where the logprob has no
+    normaliser."""
     vocab = logits.shape[1]
     y = logits.astype(jnp.float32)
     if temperature is not None:
@@ -166,9 +183,15 @@ def _jnp_logprob_rank(
     logprob = jnp.where(valid, chosen - lse, jnp.nan)
     rank = jnp.sum(y >= jax.lax.stop_gradient(chosen)[:, None], axis=1, dtype=jnp.int32)
     rank = jnp.where(valid, rank, -1).astype(jnp.int32)
-    extra = (greedy,) if argmax else ()
+    extra: tuple = (greedy,) if argmax else ()
+    if entropy:  # all -inf: m = -inf, d NaN; NaN or +inf: NaN too
+        d = y - m[:, None]
+        e = jnp.exp(d)
+        total = jnp.sum(e, axis=1)
+        u = jnp.sum(e * jnp.where(e == 0, 0.0, d), axis=1)
+        extra += (jnp.log(total) - u / total,)
     if not top_k:
-        return named_result((logprob, rank) + extra, 0, argmax)
+        return named_result((logprob, rank) + extra, 0, argmax, entropy)
     keyed = jax.lax.stop_gradient(jnp.where(jnp.isnan(y), -jnp.inf, jnp.where(y == 0, 0.0, y)))
     _, top_ids = jax.lax.top_k(keyed, top_k)
     top_y = jnp.take_along_axis(y, top_ids, axis=1)
@@ -178,11 +201,12 @@ def _jnp_logprob_rank(
         + extra,
         top_k,
         argmax,
+        entropy,
     )
 
 
 _IMPL = {"kernel": kernel_logprob_rank, "jnp": _jnp_logprob_rank}
-_EAGER = {name: jax.jit(impl, static_argnums=(3, 4)) for name, impl in _IMPL.items()}
+_EAGER = {name: jax.jit(impl, static_argnums=(3, 4, 5)) for name, impl in _IMPL.items()}
 
 
 def token_logprob_rank(
@@ -193,9 +217,10 @@ def token_logprob_rank(
     top_k: int = 0,
     temperature: None | float | jax.Array = None,
     argmax: bool = False,
+    entropy: bool = False,
 ) -> LogprobResult:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
-    optionally the row's ``top_k`` most likely tokens.
+    optionally the row's ``top_k`` most likely tokens, its greedy token and its entropy.
 
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, never modified.
     ``token_ids``: ``[batch]`` or ``[batch, 1]`` int32/int64 (e.g. the tokens after replay).
@@ -206,12 +231,14 @@ def token_logprob_rank(
     ``[batch]`` array (numpy data is checked; a JAX array is not read on the host: T <= 0 gives
     NaN logprobs); the results are then those of ``logits / T`` (vLLM's processed logprobs).
 
-    ``argmax``: a bool (static); see below.
+    ``argmax``, ``entropy``: bools (static); see below.
 
     Returns new arrays, :class:`LogprobRank` ``(logprobs, ranks)`` when ``top_k == 0``, else
     :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``; with
     ``argmax=True``, :class:`LogprobRankArgmax` / :class:`LogprobRankTopKArgmax`, the same
-    fields followed by ``argmax``. ``logprobs``
+    fields followed by ``argmax``; with ``entropy=True``, :class:`LogprobRankEntropy`,
+    :class:`LogprobRankTopKEntropy`, :class:`LogprobRankArgmaxEntropy`,
+    :class:`LogprobRankTopKArgmaxEntropy`, the same fields followed by ``entropy``. ``logprobs``
     float32 ``[batch]`` (natural log of the softmax probability, float32); ``ranks`` int32
     ``[batch]`` = the number of vocabulary entries greater than or equal to the token's own
     (vLLM's definition: a unique argmax has rank 1; ties count against the token);
@@ -240,18 +267,25 @@ def token_logprob_rank(
     no rounding), so a row's ``argmax`` and its greedy-row logprob and rank have the same bits
     in any batch. Without ``argmax`` a negative id is out of range (logprob NaN, rank -1).
 
+    ``entropy=True``: ``entropy`` is float32 ``[batch]``, ``-sum(p * log(p))`` of each row's
+    ``p = softmax(y)`` in nats (``jax.scipy.special.entr(p).sum(-1)``, to float32 rounding),
+    whatever the token: NaN for the rows whose logprob is NaN for want of a normaliser (a NaN, a
+    ``+inf``, only ``-inf``). The kernel method computes it in the same pass over the logits,
+    batch-invariant like the logprobs; the jnp method is differentiable in ``logits``.
+
     Works eagerly (one jitted dispatch; never waits for the device) and inside ``jax.jit``,
     ``lax.fori_loop`` and ``lax.while_loop``. ``jax.vmap`` is refused (the function already
     takes a batch); gradients exist only for ``method="jnp"``.
     """
     batch, vocab = _check(logits, token_ids, method)
     top_k = _check_top_k(top_k, vocab)
-    argmax = _check_argmax(argmax)
+    argmax = _check_flag(argmax, "argmax")
+    entropy = _check_flag(entropy, "entropy")
     temperature = _temperature(temperature, batch)
     args = (logits, token_ids) + ((temperature,) if temperature is not None else ())
     traced = [a for a in args if isinstance(a, jax.core.Tracer)]
     if any(is_vmap_tracer(a) for a in traced):
         raise ValueError(_VMAP_MESSAGE)
     if traced:
-        return _IMPL[method](logits, token_ids, temperature, top_k, argmax)
-    return _EAGER[method](logits, token_ids, temperature, top_k, argmax)
+        return _IMPL[method](logits, token_ids, temperature, top_k, argmax, entropy)
+    return _EAGER[method](logits, token_ids, temperature, top_k, argmax, entropy)

@@ -1,7 +1,8 @@
 """``method="kernel"`` of :func:`~trace_replay_jax.token_logprob_rank`: the core's Triton
 kernels run inside XLA's program through ``jax.experimental.buffer_callback``.
 
-One op per signature (batch, vocabulary, dtypes, ``top_k``, temperature or not, ``argmax``),
+One op per signature (batch, vocabulary, dtypes, ``top_k``, temperature or not, ``argmax``,
+``entropy``),
 built once per process and cached. XLA hands the callback its input and output buffers; on a
 GPU it passes them to the core over DLPack and queues the kernels on ``ctx.stream`` (XLA's own
 stream; nothing waits for the device). Each set of buffer addresses is bound once (validated,
@@ -38,7 +39,7 @@ _BOUND_CACHE_SIZE = 64
 
 
 class _KernelCallback:
-    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature, argmax) signature.
+    """The buffer callback of one (batch, vocab, dtypes, top_k, temperature, argmax, entropy) signature.
 
     XLA hands it its buffers; on a GPU it queues the core's kernels on ``ctx.stream``. A call is
     bound (validated over DLPack, parameters packed) once per set of buffer addresses and then
@@ -46,10 +47,11 @@ class _KernelCallback:
     A bound entry holds addresses, never the buffers (they belong to XLA).
     """
 
-    def __init__(self, top_k: int, argmax: bool):
+    def __init__(self, top_k: int, argmax: bool, entropy: bool = False):
         self._bound = BoundCache(_BOUND_CACHE_SIZE)
         self._top_k = top_k
         self._argmax = argmax
+        self._entropy = entropy
 
     def __call__(self, ctx, outs, logits, ids, *temperature) -> None:
         if ctx.stage != ExecutionStage.EXECUTE:
@@ -57,7 +59,9 @@ class _KernelCallback:
         top_k = self._top_k
         logprobs, ranks = outs[0], outs[1]
         top_lp, top_ids = (outs[2], outs[3]) if top_k else (None, None)
-        greedy = outs[-2] if self._argmax else None
+        extra = list(outs[4:-1] if top_k else outs[2:-1])  # [argmax][, entropy]
+        greedy = extra.pop(0) if self._argmax else None
+        ent = extra.pop(0) if self._entropy else None
         workspace = outs[-1]
         temp = temperature[0] if temperature else None
         if logits.__dlpack_device__()[0] == 1:  # host buffers: the core computes them in numpy
@@ -73,10 +77,13 @@ class _KernelCallback:
                 out_topk_logprobs=top_lp,
                 out_topk_ids=top_ids,
                 out_argmax=greedy,
+                out_entropy=ent,
             )
             return
         stream = int(ctx.stream)
-        buffers = [b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy) if b is not None]
+        buffers = [
+            b for b in (logits, ids, logprobs, ranks, workspace, temp, top_lp, top_ids, greedy, ent) if b is not None
+        ]
         key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
         bound = self._bound.bind(
             key,
@@ -92,27 +99,32 @@ class _KernelCallback:
                 out_topk_logprobs=top_lp,
                 out_topk_ids=top_ids,
                 out_argmax=greedy,
+                out_entropy=ent,
             ),
         )
         bound(stream=stream)
 
 
 @functools.cache
-def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool, argmax: bool):
+def _kernel_op(
+    batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool, argmax: bool, entropy: bool
+):
     """The jitted-callable op of one signature; its outputs are ``logprobs, ranks[, topk_logprobs,
-    topk_ids][, argmax], workspace`` (the workspace is scratch and dropped)."""
+    topk_ids][, argmax][, entropy], workspace`` (the workspace is scratch and dropped)."""
     outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
     if top_k:
         outs += [jax.ShapeDtypeStruct((batch, top_k), jnp.float32), jax.ShapeDtypeStruct((batch, top_k), jnp.int32)]
     if argmax:
         outs.append(jax.ShapeDtypeStruct((batch,), jnp.int32))
+    if entropy:
+        outs.append(jax.ShapeDtypeStruct((batch,), jnp.float32))
     outs.append(jax.ShapeDtypeStruct((max(16, logprob_rank_workspace_bytes(batch, vocab, top_k)),), jnp.uint8))
-    op = buffer_callback(_KernelCallback(top_k, argmax), outs, command_buffer_compatible=True)
+    op = buffer_callback(_KernelCallback(top_k, argmax, entropy), outs, command_buffer_compatible=True)
 
     @jax.custom_jvp
     def run(logits, ids, *temperature):
         out = op(logits, ids, *temperature)
-        return named_result(out[:-1], top_k, argmax)
+        return named_result(out[:-1], top_k, argmax, entropy)
 
     @run.defjvp
     def _no_grad(primals, tangents):
@@ -122,7 +134,12 @@ def _kernel_op(batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k:
 
 
 def kernel_logprob_rank(
-    logits: jax.Array, ids: jax.Array, temperature: jax.Array | None, top_k: int, argmax: bool = False
+    logits: jax.Array,
+    ids: jax.Array,
+    temperature: jax.Array | None,
+    top_k: int,
+    argmax: bool = False,
+    entropy: bool = False,
 ) -> LogprobResult:
     """``method="kernel"`` on arguments already checked by the public function (``ids``
     ``[batch]`` or ``[batch, 1]``; ``temperature`` None or ``[batch]``); traceable. New arrays."""
@@ -133,8 +150,17 @@ def kernel_logprob_rank(
             empty += [jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)]
         if argmax:
             empty.append(jnp.zeros((0,), jnp.int32))
-        return named_result(empty, top_k, argmax)
+        if entropy:
+            empty.append(jnp.zeros((0,), jnp.float32))
+        return named_result(empty, top_k, argmax, entropy)
     run = _kernel_op(
-        batch, vocab, np.dtype(logits.dtype).name, np.dtype(ids.dtype).name, top_k, temperature is not None, argmax
+        batch,
+        vocab,
+        np.dtype(logits.dtype).name,
+        np.dtype(ids.dtype).name,
+        top_k,
+        temperature is not None,
+        argmax,
+        entropy,
     )
     return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))

@@ -1,8 +1,9 @@
-"""The results of :func:`~trace_replay_jax.token_logprob_rank`: four named tuples (pytrees),
-one per combination of ``top_k > 0`` and ``argmax=True``, shared by both methods.
+"""The results of :func:`~trace_replay_jax.token_logprob_rank`: eight named tuples (pytrees),
+one per combination of ``top_k > 0``, ``argmax=True`` and ``entropy=True``, shared by both methods.
 
 Fields are new JAX arrays: ``logprobs`` float32 ``[batch]``, ``ranks`` int32 ``[batch]``,
-``topk_logprobs`` float32 and ``topk_ids`` int32 ``[batch, top_k]``, ``argmax`` int32 ``[batch]``.
+``topk_logprobs`` float32 and ``topk_ids`` int32 ``[batch, top_k]``, ``argmax`` int32 ``[batch]``,
+``entropy`` float32 ``[batch]``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ __all__ = [
     "LogprobRankTopK",
     "LogprobRankArgmax",
     "LogprobRankTopKArgmax",
+    "LogprobRankEntropy",
+    "LogprobRankTopKEntropy",
+    "LogprobRankArgmaxEntropy",
+    "LogprobRankTopKArgmaxEntropy",
     "LogprobResult",
     "named_result",
 ]
@@ -59,11 +64,70 @@ class LogprobRankTopKArgmax(NamedTuple):
     argmax: jax.Array
 
 
-LogprobResult = LogprobRank | LogprobRankTopK | LogprobRankArgmax | LogprobRankTopKArgmax
+class LogprobRankEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``entropy=True``, no top-k and no argmax (a pytree):
+    ``logprobs, ranks, entropy`` (``entropy``: float32 ``[batch]``, each row's entropy)."""
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    entropy: jax.Array
 
 
-def named_result(fields: Sequence[jax.Array], top_k: int, argmax: bool) -> LogprobResult:
-    """The named result for ``(logprobs, ranks[, topk_logprobs, topk_ids][, argmax])``."""
-    if top_k:
-        return LogprobRankTopKArgmax(*fields) if argmax else LogprobRankTopK(*fields)
-    return LogprobRankArgmax(*fields) if argmax else LogprobRank(*fields)
+class LogprobRankTopKEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``top_k > 0`` and ``entropy=True`` (a pytree):
+    ``logprobs, ranks, topk_logprobs, topk_ids, entropy``."""
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    topk_logprobs: jax.Array
+    topk_ids: jax.Array
+    entropy: jax.Array
+
+
+class LogprobRankArgmaxEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``argmax=True`` and ``entropy=True``, no top-k (a
+    pytree): ``logprobs, ranks, argmax, entropy``."""
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    argmax: jax.Array
+    entropy: jax.Array
+
+
+class LogprobRankTopKArgmaxEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``top_k > 0``, ``argmax=True`` and ``entropy=True``
+    (a pytree): ``logprobs, ranks, topk_logprobs, topk_ids, argmax, entropy``."""
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    topk_logprobs: jax.Array
+    topk_ids: jax.Array
+    argmax: jax.Array
+    entropy: jax.Array
+
+
+LogprobResult = (
+    LogprobRank
+    | LogprobRankTopK
+    | LogprobRankArgmax
+    | LogprobRankTopKArgmax
+    | LogprobRankEntropy
+    | LogprobRankTopKEntropy
+    | LogprobRankArgmaxEntropy
+    | LogprobRankTopKArgmaxEntropy
+)
+_RESULTS: dict[tuple[bool, bool, bool], type] = {
+    (False, False, False): LogprobRank,
+    (True, False, False): LogprobRankTopK,
+    (False, True, False): LogprobRankArgmax,
+    (True, True, False): LogprobRankTopKArgmax,
+    (False, False, True): LogprobRankEntropy,
+    (True, False, True): LogprobRankTopKEntropy,
+    (False, True, True): LogprobRankArgmaxEntropy,
+    (True, True, True): LogprobRankTopKArgmaxEntropy,
+}
+
+
+def named_result(fields: Sequence[jax.Array], top_k: int, argmax: bool, entropy: bool = False) -> LogprobResult:
+    """The named result for ``(logprobs, ranks[, topk_logprobs, topk_ids][, argmax][, entropy])``."""
+    return _RESULTS[(bool(top_k), bool(argmax), bool(entropy))](*fields)

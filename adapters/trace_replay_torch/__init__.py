@@ -20,10 +20,21 @@ Inside ``torch.compile`` (``fullgraph=True``) and CUDA graphs, call the register
 
 A greedy step reads the logits once: fill ``sampled`` with -1, replay, then
 ``token_logprob_rank(logits, sampled, argmax=True)`` returns each row's greedy token and scores
-the rows still at -1 as it (see :func:`token_logprob_rank`).
+the rows still at -1 as it (see :func:`token_logprob_rank`); ``entropy=True`` adds each row's
+entropy from the same read.
 """
 
-from .logprob import LogprobRank, LogprobRankArgmax, LogprobRankTopK, LogprobRankTopKArgmax, token_logprob_rank
+from .logprob import (
+    LogprobRank,
+    LogprobRankArgmax,
+    LogprobRankArgmaxEntropy,
+    LogprobRankEntropy,
+    LogprobRankTopK,
+    LogprobRankTopKArgmax,
+    LogprobRankTopKArgmaxEntropy,
+    LogprobRankTopKEntropy,
+    token_logprob_rank,
+)
 from .ops import replay_at_step_op, replay_op, token_logprob_rank_op
 from .state import TraceReplayState
 
@@ -34,6 +45,10 @@ __all__ = [
     "LogprobRankTopK",
     "LogprobRankArgmax",
     "LogprobRankTopKArgmax",
+    "LogprobRankEntropy",
+    "LogprobRankTopKEntropy",
+    "LogprobRankArgmaxEntropy",
+    "LogprobRankTopKArgmaxEntropy",
     "replay_op",
     "replay_at_step_op",
     "token_logprob_rank_op",

@@ -1,4 +1,4 @@
-"""``token_logprob_rank`` for torch tensors: logprob, rank, optional top-k and greedy token per row.
+"""``token_logprob_rank`` for torch tensors: logprob, rank, optional top-k, greedy token and entropy per row.
 
 Runs :func:`trace_replay_core.token_logprob_rank` on torch's current stream of the logits'
 device (or in numpy for CPU tensors); no host synchronisation, capturable in a CUDA graph
@@ -23,7 +23,17 @@ from trace_replay_core import token_logprob_rank as core_token_logprob_rank
 
 from .views import layout_key, raw_stream
 
-__all__ = ["token_logprob_rank", "LogprobRank", "LogprobRankTopK", "LogprobRankArgmax", "LogprobRankTopKArgmax"]
+__all__ = [
+    "token_logprob_rank",
+    "LogprobRank",
+    "LogprobRankTopK",
+    "LogprobRankArgmax",
+    "LogprobRankTopKArgmax",
+    "LogprobRankEntropy",
+    "LogprobRankTopKEntropy",
+    "LogprobRankArgmaxEntropy",
+    "LogprobRankTopKArgmaxEntropy",
+]
 
 
 class LogprobRank(NamedTuple):
@@ -63,7 +73,83 @@ class LogprobRankTopKArgmax(NamedTuple):
     argmax: torch.Tensor
 
 
-LogprobRankResult = LogprobRank | LogprobRankTopK | LogprobRankArgmax | LogprobRankTopKArgmax
+class LogprobRankEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``entropy=True``, no top-k and no argmax:
+    ``logprobs, ranks, entropy``."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    entropy: torch.Tensor
+
+
+class LogprobRankTopKEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``entropy=True`` and ``top_k > 0``:
+    ``logprobs, ranks, topk_logprobs, topk_ids, entropy``."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    topk_logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    entropy: torch.Tensor
+
+
+class LogprobRankArgmaxEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``argmax=True``, ``entropy=True`` and no top-k:
+    ``logprobs, ranks, argmax, entropy``."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    argmax: torch.Tensor
+    entropy: torch.Tensor
+
+
+class LogprobRankTopKArgmaxEntropy(NamedTuple):
+    """``token_logprob_rank``'s result with ``top_k > 0``, ``argmax=True`` and ``entropy=True``:
+    ``logprobs, ranks, topk_logprobs, topk_ids, argmax, entropy``."""
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    topk_logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    argmax: torch.Tensor
+    entropy: torch.Tensor
+
+
+LogprobRankResult = (
+    LogprobRank
+    | LogprobRankTopK
+    | LogprobRankArgmax
+    | LogprobRankTopKArgmax
+    | LogprobRankEntropy
+    | LogprobRankTopKEntropy
+    | LogprobRankArgmaxEntropy
+    | LogprobRankTopKArgmaxEntropy
+)
+# (top_k > 0, argmax, entropy) -> the result's type
+_RESULTS: dict[tuple[bool, bool, bool], type] = {
+    (False, False, False): LogprobRank,
+    (True, False, False): LogprobRankTopK,
+    (False, True, False): LogprobRankArgmax,
+    (True, True, False): LogprobRankTopKArgmax,
+    (False, False, True): LogprobRankEntropy,
+    (True, False, True): LogprobRankTopKEntropy,
+    (False, True, True): LogprobRankArgmaxEntropy,
+    (True, True, True): LogprobRankTopKArgmaxEntropy,
+}
+
+
+def result_type(top_k: int, argmax: bool, entropy: bool) -> type:
+    """The named tuple of a call's result (fields: logprobs, ranks[, topk_logprobs,
+    topk_ids][, argmax][, entropy])."""
+    return _RESULTS[(top_k > 0, argmax, entropy)]
+
+
+def _named(outs, top_k: int, argmax: bool, entropy: bool) -> LogprobRankResult:
+    """The named result of the six output slots (logprobs, ranks, topk logprobs, topk ids,
+    argmax, entropy): the slots the call has, in that order."""
+    has = (True, True, top_k > 0, top_k > 0, argmax, entropy)
+    return result_type(top_k, argmax, entropy)(*(t for t, h in zip(outs, has) if h))
+
 
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
 _BOUND = BoundCache(64)  # bound calls by tensor layout
@@ -72,7 +158,7 @@ _BOUND = BoundCache(64)  # bound calls by tensor layout
 def _bound(tensors, top_k, stream):
     """The bound call for this exact layout of tensors, binding (over DLPack) on a miss.
     ``tensors``: logits, ids, logprobs, ranks, workspace, temperature, topk logprobs, topk ids,
-    argmax (the last four may be None); every one of them is part of the key."""
+    argmax, entropy (the last five may be None); every one of them is part of the key."""
 
     def bind():
         t = [None if x is None else x.detach() for x in tensors]  # logits may require grad: read-only use
@@ -88,6 +174,7 @@ def _bound(tensors, top_k, stream):
             out_topk_logprobs=t[6],
             out_topk_ids=t[7],
             out_argmax=t[8],
+            out_entropy=t[9],
         )
 
     key = (top_k,) + tuple(None if x is None else layout_key(x) for x in tensors)
@@ -115,10 +202,11 @@ def token_logprob_rank(
     temperature: None | float | torch.Tensor = None,
     out: Sequence[torch.Tensor] | None = None,
     argmax: bool = False,
+    entropy: bool = False,
 ) -> LogprobRankResult:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of ``logits``, and
-    optionally the row's ``top_k`` most likely tokens and its greedy token, from one read of
-    the logits.
+    optionally the row's ``top_k`` most likely tokens, its greedy token and its entropy, from
+    one read of the logits.
 
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, rows may be strided (element
     stride 1 along the vocabulary), never modified. ``token_ids``: ``[batch]`` or
@@ -127,11 +215,15 @@ def token_logprob_rank(
     float32 ``[batch]`` tensor (a CUDA tensor is not checked: T <= 0 gives NaN logprobs); the
     results are then those of ``logits / T`` (vLLM's processed logprobs). ``top_k``: 0 to
     ``min(64, vocab)``. ``argmax``: a bool; True adds each row's greedy token (below).
+    ``entropy``: a bool; True adds each row's entropy (below).
 
     Returns :class:`LogprobRank` ``(logprobs, ranks)`` when ``top_k == 0``, else
     :class:`LogprobRankTopK` ``(logprobs, ranks, topk_logprobs, topk_ids)``; with
     ``argmax=True``, :class:`LogprobRankArgmax` ``(logprobs, ranks, argmax)`` or
-    :class:`LogprobRankTopKArgmax` ``(logprobs, ranks, topk_logprobs, topk_ids, argmax)``:
+    :class:`LogprobRankTopKArgmax` ``(logprobs, ranks, topk_logprobs, topk_ids, argmax)``;
+    with ``entropy=True`` the same fields followed by ``entropy``: :class:`LogprobRankEntropy`,
+    :class:`LogprobRankTopKEntropy`, :class:`LogprobRankArgmaxEntropy`,
+    :class:`LogprobRankTopKArgmaxEntropy`:
 
     - ``logprobs`` float32 ``[batch]``: natural log of the softmax probability (float32);
     - ``ranks`` ``[batch]``: the number of vocabulary entries greater than or equal to the
@@ -141,7 +233,11 @@ def token_logprob_rank(
       has fewer than ``top_k`` others);
     - ``argmax`` ``[batch]``: the row's greedy token, the lowest id among its largest non-NaN
       entries of ``logits / T`` (``torch.argmax``'s choice for a row without NaN; 0 for a row
-      of only NaN).
+      of only NaN);
+    - ``entropy`` float32 ``[batch]``: ``-sum(p * log(p))`` of the row's ``p = softmax(logits /
+      T)`` in nats (what ``torch.distributions.Categorical(logits=...).entropy()`` gives, to
+      float32 rounding, from the same read), NaN for the rows whose logprob is NaN for want of
+      a normaliser (below).
 
     Greedy rows: with ``argmax=True`` a row whose token id is negative (-1: "not sampled
     yet") is scored as its greedy token: its logprob and rank are those of ``argmax[b]``, with
@@ -155,11 +251,11 @@ def token_logprob_rank(
 
     New tensors (ranks, ids and argmax int64) unless ``out`` gives caller-owned ones in the
     order of the result (float32; ranks, ids and argmax int32 or int64; contiguous; ``argmax``
-    last), which are written and returned; ``out`` must not overlap the inputs.
+    then ``entropy`` last), which are written and returned; ``out`` must not overlap the inputs.
 
     Batch-invariant: the same row gives the same bits in any batch, at any position, for each
     dtype and vocabulary. Special values: a row holding a NaN or ``+inf``, or only ``-inf``
-    logits, has NaN logprobs (ranks are IEEE counts: NaN entries never count); ``-inf`` logits
+    logits, has NaN logprobs and entropy (ranks are IEEE counts: NaN entries never count); ``-inf`` logits
     are otherwise fine; a token id outside ``[0, vocab)`` gives logprob NaN and rank -1 (no
     error: that check would need a host sync).
 
@@ -167,10 +263,10 @@ def token_logprob_rank(
     rejected call writes nothing.
 
     Blocking: ordered on torch's current stream of the logits' device, never synchronises. It
-    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 268 bytes per row at
-    vocab 151,936, about 16.5 KiB per row with top-k 20; capture-safe through torch's graph
+    allocates a workspace with torch (``logprob_rank_workspace_bytes``: 320 bytes per row at
+    vocab 151,936, about 16.6 KiB per row with top-k 20; capture-safe through torch's graph
     memory pool) and, for a float temperature, a ``[batch]`` tensor. The first call per device
-    and signature (``argmax`` is part of it) compiles the kernels: run one eager call before
+    and signature (``argmax`` and ``entropy`` are part of it) compiles the kernels: run one eager call before
     capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
     """
     if not isinstance(logits, torch.Tensor):
@@ -186,6 +282,8 @@ def token_logprob_rank(
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     if not isinstance(argmax, bool):
         raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool (got {type(entropy).__name__} {entropy!r})")
     top_k = int(top_k)
     batch, vocab = logits.shape
     if out is None:
@@ -201,13 +299,11 @@ def token_logprob_rank(
         else:
             outs += [None, None]
         outs.append(torch.empty(batch, dtype=torch.int64, device=device) if argmax else None)
+        outs.append(torch.empty(batch, dtype=torch.float32, device=device) if entropy else None)
     else:
-        outs = _caller_outs(out, top_k, argmax)
+        outs = _caller_outs(out, top_k, argmax, entropy)
     temp = _temperature(temperature, batch, device)
-    if top_k > 0:
-        result = LogprobRankTopKArgmax(*outs) if argmax else LogprobRankTopK(*outs[:4])
-    else:
-        result = LogprobRankArgmax(outs[0], outs[1], outs[4]) if argmax else LogprobRank(*outs[:2])
+    result = _named(outs, top_k, argmax, entropy)
     if device.type == "cpu":
         # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
         core_token_logprob_rank(
@@ -221,33 +317,30 @@ def token_logprob_rank(
             out_topk_logprobs=outs[2],
             out_topk_ids=outs[3],
             out_argmax=outs[4],
+            out_entropy=outs[5],
         )
         return result
     stream = raw_stream(device.index)
     nbytes = _workspace_bytes(batch, vocab, top_k) if 0 <= top_k <= min(64, vocab) else 0
     # Freed when this call returns: torch reuses it only for work queued after ours.
     workspace = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, outs[2], outs[3], outs[4]), top_k, stream)(
-        stream=stream
-    )
+    _bound((logits, token_ids, outs[0], outs[1], workspace, temp, *outs[2:]), top_k, stream)(stream=stream)
     return result
 
 
-def _caller_outs(out, top_k: int, argmax: bool) -> list:
-    """``out`` as the five slots the core takes (logprobs, ranks, topk logprobs, topk ids,
-    argmax; None where the call has no such output), or ``TypeError`` naming what it expected
-    and what it got. Shapes and dtypes are the core's to check."""
-    names = (
-        ("logprobs", "ranks") + (("topk_logprobs", "topk_ids") if top_k > 0 else ()) + (("argmax",) if argmax else ())
-    )
+def _caller_outs(out, top_k: int, argmax: bool, entropy: bool) -> list:
+    """``out`` as the six slots the core takes (logprobs, ranks, topk logprobs, topk ids,
+    argmax, entropy; None where the call has no such output), or ``TypeError`` naming what it
+    expected and what it got. Shapes and dtypes are the core's to check."""
+    names = ("logprobs", "ranks") + (("topk_logprobs", "topk_ids") if top_k > 0 else ())
+    names += (("argmax",) if argmax else ()) + (("entropy",) if entropy else ())
     if (
         not isinstance(out, (tuple, list))
         or len(out) != len(names)
         or not all(isinstance(t, torch.Tensor) for t in out)
     ):
         got = [type(t).__name__ for t in out] if isinstance(out, (tuple, list)) else type(out).__name__
-        raise TypeError(
-            f"out must be a ({', '.join(names)}) tuple of torch.Tensor with top_k={top_k}, argmax={argmax} (got {got})"
-        )
-    outs = list(out[:2]) + (list(out[2:4]) if top_k > 0 else [None, None])
-    return outs + [out[-1] if argmax else None]
+        flags = f"top_k={top_k}, argmax={argmax}" + (", entropy=True" if entropy else "")
+        raise TypeError(f"out must be a ({', '.join(names)}) tuple of torch.Tensor with {flags} (got {got})")
+    given = dict(zip(names, out))
+    return [given.get(name) for name in ("logprobs", "ranks", "topk_logprobs", "topk_ids", "argmax", "entropy")]

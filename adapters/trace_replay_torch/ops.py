@@ -29,9 +29,22 @@ The ops (schemas as registered)::
     trace_replay::token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k,
                                                  Tensor? temperature=None)
                                                  -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank_entropy(Tensor logits, Tensor token_ids, Tensor? temperature=None)
+                                             -> (Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank_topk_entropy(Tensor logits, Tensor token_ids, int top_k,
+                                                  Tensor? temperature=None)
+                                                  -> (Tensor, Tensor, Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank_argmax_entropy(Tensor logits, Tensor token_ids,
+                                                    Tensor? temperature=None)
+                                                    -> (Tensor, Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank_topk_argmax_entropy(Tensor logits, Tensor token_ids, int top_k,
+                                                         Tensor? temperature=None)
+                                                         -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
 
-The ``_argmax`` ops add each row's greedy token (last) and score rows whose id is negative as
-it (``token_logprob_rank(..., argmax=True)``), so a compiled greedy sampler reads the logits once::
+The ``_entropy`` ops add each row's entropy (last; ``token_logprob_rank(..., entropy=True)``).
+The ``_argmax`` ops add each row's greedy token (before the entropy) and score rows whose id is
+negative as it (``token_logprob_rank(..., argmax=True)``), so a compiled greedy sampler reads the
+logits once::
 
     @torch.compile(fullgraph=True)
     def greedy(state, logits, idx_mapping):
@@ -71,15 +84,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .logprob import (
-    LogprobRank,
-    LogprobRankArgmax,
-    LogprobRankResult,
-    LogprobRankTopK,
-    LogprobRankTopKArgmax,
-    _temperature,
-    token_logprob_rank,
-)
+from .logprob import LogprobRankResult, _temperature, result_type, token_logprob_rank
 from .state import TraceReplayState
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
@@ -99,11 +104,30 @@ _LIB.define(
     "token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
+_LIB.define(
+    "token_logprob_rank_entropy(Tensor logits, Tensor token_ids, Tensor? temperature=None) -> (Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "token_logprob_rank_topk_entropy(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "token_logprob_rank_argmax_entropy(Tensor logits, Tensor token_ids, Tensor? temperature=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+_LIB.define(
+    "token_logprob_rank_topk_argmax_entropy(Tensor logits, Tensor token_ids, int top_k, Tensor? temperature=None) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
 _LOGPROB_OPS = (
     "token_logprob_rank",
     "token_logprob_rank_topk",
     "token_logprob_rank_argmax",
     "token_logprob_rank_topk_argmax",
+    "token_logprob_rank_entropy",
+    "token_logprob_rank_topk_entropy",
+    "token_logprob_rank_argmax_entropy",
+    "token_logprob_rank_topk_argmax_entropy",
 )
 
 
@@ -132,7 +156,32 @@ def _logprob_topk_argmax_kernel(logits, token_ids, top_k, temperature=None):
     return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True))
 
 
-_LOGPROB_KERNELS = (_logprob_kernel, _logprob_topk_kernel, _logprob_argmax_kernel, _logprob_topk_argmax_kernel)
+def _logprob_entropy_kernel(logits, token_ids, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, entropy=True))
+
+
+def _logprob_topk_entropy_kernel(logits, token_ids, top_k, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, entropy=True))
+
+
+def _logprob_argmax_entropy_kernel(logits, token_ids, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, argmax=True, entropy=True))
+
+
+def _logprob_topk_argmax_entropy_kernel(logits, token_ids, top_k, temperature=None):
+    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True, entropy=True))
+
+
+_LOGPROB_KERNELS = (
+    _logprob_kernel,
+    _logprob_topk_kernel,
+    _logprob_argmax_kernel,
+    _logprob_topk_argmax_kernel,
+    _logprob_entropy_kernel,
+    _logprob_topk_entropy_kernel,
+    _logprob_argmax_entropy_kernel,
+    _logprob_topk_argmax_entropy_kernel,
+)
 for _key in ("CPU", "CUDA"):
     _LIB.impl("replay", _replay_kernel, _key)
     _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
@@ -187,6 +236,32 @@ def _logprob_argmax_fake(logits, token_ids, temperature=None):
 def _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature=None):
     return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
         logits.new_empty(logits.shape[0], dtype=torch.int64),
+    )
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_entropy", lib=_LIB)
+def _logprob_entropy_fake(logits, token_ids, temperature=None):
+    return _logprob_fake(logits, token_ids, temperature) + (logits.new_empty(logits.shape[0], dtype=torch.float32),)
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_topk_entropy", lib=_LIB)
+def _logprob_topk_entropy_fake(logits, token_ids, top_k, temperature=None):
+    return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
+        logits.new_empty(logits.shape[0], dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_argmax_entropy", lib=_LIB)
+def _logprob_argmax_entropy_fake(logits, token_ids, temperature=None):
+    return _logprob_argmax_fake(logits, token_ids, temperature) + (
+        logits.new_empty(logits.shape[0], dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax_entropy", lib=_LIB)
+def _logprob_topk_argmax_entropy_fake(logits, token_ids, top_k, temperature=None):
+    return _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature) + (
+        logits.new_empty(logits.shape[0], dtype=torch.float32),
     )
 
 
@@ -249,16 +324,19 @@ def token_logprob_rank_op(
     top_k: int = 0,
     temperature: None | float | torch.Tensor = None,
     argmax: bool = False,
+    entropy: bool = False,
 ) -> LogprobRankResult:
     """:func:`trace_replay_torch.token_logprob_rank` through the registered ops
     ``trace_replay::token_logprob_rank`` (``top_k == 0``), ``trace_replay::token_logprob_rank_topk``
-    and their ``_argmax`` forms (``argmax=True``): the form to call inside ``torch.compile``.
+    and their ``_argmax`` (``argmax=True``) and ``_entropy`` (``entropy=True``) forms: the form to
+    call inside ``torch.compile``.
 
     Same arguments (``out=`` aside) and results: :class:`LogprobRank` ``(logprobs, ranks)``,
-    :class:`LogprobRankTopK` with ``top_k > 0``, and :class:`LogprobRankArgmax` /
-    :class:`LogprobRankTopKArgmax` with ``argmax=True`` (each row's greedy token last; a row
-    whose id is negative is scored as it); new tensors (float32 logprobs, int64 ranks, ids and
-    argmax). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in the eager
+    :class:`LogprobRankTopK` with ``top_k > 0``, :class:`LogprobRankArgmax` /
+    :class:`LogprobRankTopKArgmax` with ``argmax=True`` (each row's greedy token; a row whose id
+    is negative is scored as it), and with ``entropy=True`` the same followed by each row's
+    entropy (:class:`LogprobRankEntropy` ...); new tensors (float32 logprobs and entropies, int64
+    ranks, ids and argmax). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in the eager
     function. ``logits`` is read, never modified, and carries no gradient through these ops (it
     is detached, as the eager function does). Stream-ordered on the current stream, no host sync.
     """
@@ -267,14 +345,13 @@ def token_logprob_rank_op(
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     if not isinstance(argmax, bool):
         raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool (got {type(entropy).__name__} {entropy!r})")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
     temp = _temperature(temperature, logits.shape[0], logits.device)
     ops, x = torch.ops.trace_replay, logits.detach()
-    if top_k and argmax:
-        return LogprobRankTopKArgmax(*ops.token_logprob_rank_topk_argmax(x, token_ids, top_k, temp))
-    if top_k:
-        return LogprobRankTopK(*ops.token_logprob_rank_topk(x, token_ids, top_k, temp))
-    if argmax:
-        return LogprobRankArgmax(*ops.token_logprob_rank_argmax(x, token_ids, temp))
-    return LogprobRank(*ops.token_logprob_rank(x, token_ids, temp))
+    name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")
+    op = getattr(ops, name + ("_entropy" if entropy else ""))
+    outs = op(x, token_ids, top_k, temp) if top_k else op(x, token_ids, temp)
+    return result_type(top_k, argmax, entropy)(*outs)

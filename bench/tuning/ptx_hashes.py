@@ -154,8 +154,9 @@ def ptx_sha256(kernel, ptr_dtypes, n_ints, constexprs, num_warps, maxnreg) -> st
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    signature = dict(zip(names, [PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * n_ints))
-    fixed = {}
+    # a pointer of dtype None is compiled as a constexpr None, as _compiled.compiled does
+    signature = dict(zip(names, ["constexpr" if d is None else PTR_TYPES[d] for d in ptr_dtypes] + ["i32"] * n_ints))
+    fixed = {(i,): None for i, d in enumerate(ptr_dtypes) if d is None}
     for name in names[len(ptr_dtypes) + n_ints :]:
         signature[name] = "constexpr"
         fixed[(names.index(name),)] = constexprs[name]

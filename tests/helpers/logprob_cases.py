@@ -224,6 +224,8 @@ def _bad_inputs():
     good = dict(logits=np.ones((3, 10), np.float32) * 0.5, token_ids=np.zeros(3, np.int64))
     ro = np.empty(3, np.int64)
     ro.flags.writeable = False
+    ro_f32 = np.empty(3, np.float32)
+    ro_f32.flags.writeable = False
     shared = np.zeros(16, np.float32)
     return {
         "stream-none": (dict(stream=None), TypeError, r"^stream must be given explicitly"),
@@ -303,6 +305,46 @@ def _bad_inputs():
             dict(token_ids=shared.view(np.int32)[:3], out_argmax=shared.view(np.int32)[2:5]),
             ValueError,
             r"^out_argmax and token_ids overlap in memory",
+        ),
+        "out-entropy-dtype": (
+            dict(out_entropy=np.empty(3, np.float64)),
+            TypeError,
+            r"^out_entropy must have dtype float32 \(got float64\)",
+        ),
+        "out-entropy-int": (
+            dict(out_entropy=np.empty(3, np.int32)),
+            TypeError,
+            r"^out_entropy must have dtype float32 \(got int32\)",
+        ),
+        "out-entropy-length": (
+            dict(out_entropy=np.empty(4, np.float32)),
+            ValueError,
+            r"^out_entropy must have 3 rows \(got shape \[4\]\)",
+        ),
+        "out-entropy-2d": (
+            dict(out_entropy=np.empty((3, 1), np.float32)),
+            ValueError,
+            r"^out_entropy must be 1-D \(got shape \[3, 1\]\)",
+        ),
+        "out-entropy-strided": (
+            dict(out_entropy=np.empty(6, np.float32)[::2]),
+            ValueError,
+            r"^out_entropy must be contiguous",
+        ),
+        "out-entropy-read-only": (
+            dict(out_entropy=ro_f32),
+            ValueError,
+            r"^out_entropy is written in place and must be writable",
+        ),
+        "out-entropy-aliases-logprobs": (
+            dict(out_logprobs=shared[:3], out_entropy=shared[2:5]),
+            ValueError,
+            r"^out_logprobs and out_entropy overlap in memory",
+        ),
+        "out-entropy-aliases-logits": (
+            dict(logits=shared[:12].reshape(3, 4), out_entropy=shared[10:13]),
+            ValueError,
+            r"^out_entropy and logits overlap in memory",
         ),
     }, good
 

@@ -31,13 +31,15 @@ CASE_KEYS = (
     "chunk_blocks",
     "group",
     "argmax",
+    "entropy",
 )
 
 
 def run_cases(cases: list[dict], tmp_dir: str) -> dict[str, dict]:
     """Parent side: ``cases`` have ``name``, ``x`` (float32, exact in ``dtype``), ``ids``, optional
-    ``temp`` and any of :data:`CASE_KEYS`; returns ``{name: {"lp", "rk", ["tlp", "tid"], ["am"], "plan"}}``
-    (``am``: the greedy tokens, for a case with ``argmax`` true)."""
+    ``temp`` and any of :data:`CASE_KEYS`; returns ``{name: {"lp", "rk", ["tlp", "tid"], ["am"], ["ent"],
+    "plan"}}`` (``am``: the greedy tokens, for a case with ``argmax`` true; ``ent``: the entropies,
+    for a case with ``entropy`` true)."""
     in_path, out_path = os.path.join(tmp_dir, "cases"), os.path.join(tmp_dir, "out.npz")
     meta = [{k: c[k] for k in ("name",) + CASE_KEYS if k in c} | {"has_temp": c.get("temp") is not None} for c in cases]
     with open(in_path + ".json", "w") as f:
@@ -65,7 +67,7 @@ def run_cases(cases: list[dict], tmp_dir: str) -> dict[str, dict]:
     out = np.load(out_path)
     results = {}
     for i, c in enumerate(cases):
-        r = {k: out[f"{k}{i}"] for k in ("lp", "rk", "tlp", "tid", "am", "plan") if f"{k}{i}" in out}
+        r = {k: out[f"{k}{i}"] for k in ("lp", "rk", "tlp", "tid", "am", "ent", "plan") if f"{k}{i}" in out}
         results[c["name"]] = r
     return results
 
@@ -147,6 +149,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
     lp, rk = out(batch, "float32"), out(batch, rank_dtype)
     tlp, tid = out(batch * top_k, "float32"), out(batch * top_k, rank_dtype)
     am = out(batch, rank_dtype) if case.get("argmax") else None
+    ent = out(batch, "float32") if case.get("entropy") else None
     t_buf = None
     if temp is not None:
         t_buf = out(batch, "float32")
@@ -166,6 +169,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
         stride,
         top_k,
         am.data_ptr() if am is not None else 0,
+        ent.data_ptr() if ent is not None else 0,
     )
     # The plan as the GPU path makes it, without inline PTX (the interpreter cannot run it: the
     # chunk kernel counts per logit instead of with packed compares, an exact integer either way);
@@ -175,7 +179,7 @@ def run_case(x, ids, temp, case: dict) -> dict:
     ws = bufs.new(workspace_layout(batch, variant)[-1] + 16)
     args = args._replace(workspace=ws.data_ptr())
     for spec, (grid, ptrs, ints) in zip(kernel_specs(variant, dtypes), call_arguments(args, variant)):
-        views = [bufs.at(p, d) for p, d in zip(ptrs, spec.pointer_dtypes)]
+        views = [None if d is None else bufs.at(p, d) for p, d in zip(ptrs, spec.pointer_dtypes)]
         spec.kernel[grid](*views, *ints, **dict(spec.constexprs))
     result = {
         "lp": lp[:batch].numpy().copy(),
@@ -184,6 +188,8 @@ def run_case(x, ids, temp, case: dict) -> dict:
     }
     if am is not None:
         result["am"] = am[:batch].numpy().astype(np.int64)
+    if ent is not None:
+        result["ent"] = ent[:batch].numpy().copy()
     if top_k:
         result["tlp"] = tlp[: batch * top_k].numpy().reshape(batch, top_k).copy()
         result["tid"] = tid[: batch * top_k].numpy().reshape(batch, top_k).astype(np.int64)

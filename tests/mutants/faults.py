@@ -224,6 +224,38 @@ FAULTS = (
         ("tests/test_jax_adapter.py::test_replay_matches_reference_and_returns_a_new_array",),
         "tests/test_jax_adapter.py::test_replay_matches_reference_and_returns_a_new_array",
     ),
+    # -- the entropy of token_logprob_rank ----------------------------------------------------------
+    Fault(
+        "numpy entropy: a -inf logit's term makes u NaN",
+        T + "_numpy_backend.py",
+        (
+            (
+                "                u = np.where(e == 0, np.float32(0), e * d).sum(axis=1)\n",
+                "                u = (e * d).sum(axis=1)\n",
+            ),
+        ),
+        ("tests/test_logprob_entropy.py::test_cpu_backend_entropy_matches_reference",),
+        "tests/test_logprob_entropy.py::test_cpu_backend_entropy_matches_reference",
+    ),
+    Fault(
+        "kernel entropy: u not moved to a line's new maximum",
+        T + "kernels/_logprob_online_jit.py",
+        (
+            (
+                "        kept = tl.where(c == 0, 0.0, c * (u + shift * s))\n",
+                "        kept = tl.where(c == 0, 0.0, c * u)\n",
+            ),
+        ),
+        ("tests/test_logprob_entropy.py::test_kernel_entropy_in_interpreter",),
+        "tests/test_logprob_entropy.py::test_kernel_entropy_in_interpreter",
+    ),
+    Fault(
+        "kernel entropy: a re-summed chunk keeps the fused path's u",
+        T + "kernels/_logprob_rank_jit.py",
+        (("                        tl.store(part_u_ptr + base + k, u_k)\n", "                        pass\n"),),
+        ("tests/test_logprob_entropy.py::test_kernel_entropy_in_interpreter",),
+        "tests/test_logprob_entropy.py::test_kernel_entropy_in_interpreter",
+    ),
     # -- the command line -----------------------------------------------------------------------------
     Fault(
         "run exits 0 when a trace was not reproduced",

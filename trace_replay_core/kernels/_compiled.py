@@ -19,7 +19,9 @@ launches, Triton's own ``launch_pdl`` option) keep Triton's launcher.
 
 Kernels here mark every pointer ``do_not_specialize_on_alignment`` and every size
 ``do_not_specialize``, so one binary serves any pointer alignment and any size: the cache key
-is only (kernel, device, dtypes, constexprs).
+is only (kernel, device, dtypes, constexprs). A pointer a variant of a kernel does without is
+compiled as a constexpr ``None`` (dtype ``None``; the kernel must not touch it then): it is no
+parameter of the binary, and its launches pass ``None`` in its place.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class CompiledKernel:
         "_constexprs",
         "_params",
         "_n_args",
+        "_complete",
         "_threads",
         "_shared",
         "driver_launch",
@@ -86,18 +89,20 @@ class CompiledKernel:
         self._threads = int(md.num_warps) * int(getattr(md, "warp_size", 32))
         self._shared = int(md.shared)
         self._params = _ptx_params(kernel.asm.get("ptx", ""), kernel.name)
-        self._n_args = len(args)
+        self._n_args = sum(a is not None for a in args)  # the binary's own parameters
         self._clusters: dict[tuple, int] = {}
+        self._complete = self._n_args == len(args)  # no pointer compiled as None
         simple = (
             int(getattr(md, "num_ctas", 1)) == 1
             and not getattr(md, "launch_cooperative_grid", False)
             and not getattr(md, "launch_pdl", False)
         )
         #: whether :meth:`bind` launches through cuLaunchKernel (else through Triton's launcher)
-        self.driver_launch = simple and self._params is not None and len(self._params) >= len(args)
+        self.driver_launch = simple and self._params is not None and len(self._params) >= self._n_args
 
-    def launch(self, grid: tuple[int, int, int], stream: int, *args: int) -> None:
-        """Queue one launch on ``stream``; ``args`` are the runtime arguments in order."""
+    def launch(self, grid: tuple[int, int, int], stream: int, *args: int | None) -> None:
+        """Queue one launch on ``stream``; ``args`` are the runtime arguments in order (``None``
+        for a pointer compiled as a constexpr ``None``)."""
         self._run(
             grid[0],
             grid[1],
@@ -115,7 +120,7 @@ class CompiledKernel:
     def bind(
         self,
         grid: tuple[int, int, int],
-        *args: int,
+        *args: int | None,
         driver: bool | None = None,
         pdl: bool = False,
         cluster: tuple[int, int, int] | None = None,
@@ -152,9 +157,9 @@ class CompiledKernel:
         a one-entry commit took 15.1 and 16.5 us of host time against 16.2 and 17.3 us through
         :meth:`launch`, two H200 machines).
         Not thread-safe: one launcher per caller that serialises its launches. Falls back to
-        :meth:`launch` where :attr:`driver_launch` is false.
+        :meth:`launch` where :attr:`driver_launch` is false or a pointer was compiled as ``None``.
         """
-        if not self.driver_launch:
+        if not self.driver_launch or not self._complete:
             return self.launch
         block = _ParamBlock(self)
         view, pack, params, function = block.view, block.pack, block.params, block.function
@@ -186,12 +191,12 @@ class CompiledKernel:
     def _bind_driver(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[int],
+        args: Sequence[int | None],
         pdl: bool = False,
         cluster: tuple[int, int, int] | None = None,
     ):
         block = _ParamBlock(self)
-        block.pack(block.view, 0, *args)
+        block.pack(block.view, 0, *(a for a in args if a is not None))
         params, function = block.params, block.function
         threads, shared, launch_kernel, ok = block.threads, block.shared, block.launch_kernel, block.ok
         g0, g1, g2 = (int(g) for g in grid)
@@ -307,7 +312,7 @@ _lock = threading.Lock()
 def compiled(
     jit_fn,
     device_id: int,
-    pointer_dtypes: Sequence[str],
+    pointer_dtypes: Sequence[str | None],
     n_ints: int,
     constexprs: dict[str, Any],
     num_warps: int,
@@ -315,9 +320,9 @@ def compiled(
 ) -> CompiledKernel:
     """Return the compiled kernel for this device and signature, compiling it on first use.
 
-    Kernels take their pointer arguments first, then ``n_ints`` integer arguments, then the
-    constexprs (in the order given). ``maxnreg`` caps the registers per thread (ptxas
-    ``.maxnreg``; None: the compiler's choice). Compilation happens on the calling thread,
+    Kernels take their pointer arguments first (dtype ``None``: a constexpr ``None``), then
+    ``n_ints`` integer arguments, then the constexprs (in the order given). ``maxnreg`` caps the
+    registers per thread (ptxas ``.maxnreg``; None: the compiler's choice). Compilation happens on the calling thread,
     host-blocking; it must not happen during CUDA graph capture (warm up first).
     """
     key = (jit_fn, device_id, tuple(pointer_dtypes), n_ints, tuple(constexprs.items()), num_warps, maxnreg)
@@ -332,7 +337,7 @@ def compiled(
                 if previous != device_id:
                     driver.active.set_current_device(device_id)
                 try:
-                    args = [Pointer(d) for d in pointer_dtypes] + [1] * n_ints
+                    args = [None if d is None else Pointer(d) for d in pointer_dtypes] + [1] * n_ints
                     kernel = CompiledKernel(jit_fn, args, constexprs, num_warps, maxnreg)
                 finally:
                     if previous != device_id:  # leave the caller's current device as it was

@@ -1,7 +1,8 @@
 """A chunk's partial in the logprob chunk kernel (:mod:`._logprob_rank_jit`): max, sum of
-``exp(y - max)``, count of ``y >= y[token]`` and, with ``ARGMAX``, greedy maximum and lowest column,
-from ``[LINES, VEC]`` blocks of 16-byte lines, a line per thread with its own running max and sum
-(no shuffles per block). The element path (:func:`chunk_safe`; every dtype, bfloat16 with a
+``exp(y - max)``, count of ``y >= y[token]``, with ``ARGMAX`` greedy maximum and lowest column, with
+``ENTROPY`` the sum of ``exp(y - max) * (y - max)``, from ``[LINES, VEC]`` blocks of 16-byte lines,
+a line per thread with its own running values (no shuffles per block; the reductions:
+:mod:`._logprob_online_jit`). The element path (:func:`chunk_safe`; every dtype, bfloat16 with a
 temperature): ``exp2((y - m) * log2(e))``, exact for any finite logits. The fused path
 (:func:`chunk_lines_fast`; bfloat16 without a temperature): words of two logits, one fused
 multiply-add per exponent (line maxima clamped to ``+-TAME``; a chunk beyond it is flagged for the
@@ -14,10 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)  # the element path's start: a chunk of -inf stays finite
-LOG2E = tl.constexpr(1.4426950408889634)
+from ._logprob_online_jit import NEG_FLT_MAX, fold_fast, fold_lines, online_fast, online_update
+
 INT32_MAX = tl.constexpr(2147483647)
-TAME = tl.constexpr(2.0**20)  # the fused path clamps line maxima to +-TAME; a chunk beyond it is flagged
 
 
 @triton.jit
@@ -33,16 +33,6 @@ def stream_load(ptr, mask):
         return tl.load(ptr, eviction_policy="evict_first")
     else:
         return tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
-
-
-@triton.jit
-def online_update(x, m, s):
-    """Fold the ``[LINES, VEC]`` block ``x`` into each line's running max ``m`` and sum ``s`` of
-    ``exp(x - m)``, within the line's thread. A NaN never becomes a maximum but poisons the sum."""
-    m_new = tl.maximum(m, tl.max(x, axis=1))
-    scale = tl.exp2((m - m_new) * LOG2E)  # m = m_new = +inf: NaN, as it should
-    terms = tl.exp2((x - m_new[:, None]) * LOG2E)  # x = -inf: 0; x = NaN: NaN
-    return m_new, s * scale + tl.sum(terms, axis=1)
 
 
 @triton.jit
@@ -169,23 +159,6 @@ def exact_words(row_ptr, off, end, LINES: tl.constexpr, ITEMSIZE: tl.constexpr):
 
 
 @triton.jit
-def _mc(m):
-    """A fused line's exponent offset ``m * log2(e)``, ``m`` clamped to ``+-TAME``: its rounding
-    error (< 0.1) keeps every exponent of the line's logits below 0.1, so no term overflows."""
-    return tl.minimum(tl.maximum(m, -TAME), TAME) * LOG2E
-
-
-@triton.jit
-def _online_fast(y, m, s):
-    """:func:`online_update` with one fused multiply-add per exponent: ``s`` sums
-    ``2**(y * log2(e) - _mc(m))``; :func:`chunk_end_fast` rescales it in one rounding."""
-    m_new = tl.maximum(m, tl.max(y, axis=1))
-    mc = _mc(m_new)
-    terms = tl.sum(tl.exp2(tl.fma(y, LOG2E, -mc[:, None])), axis=1)
-    return m_new, s * tl.exp2(_mc(m) - mc) + terms
-
-
-@triton.jit
 def _ge_masks(w, chosen_w):
     """Per word of two bfloat16 logits, ``0xFFFF`` in each half ``>=`` the token's (NaN: 0)."""
     return tl.inline_asm_elementwise(
@@ -217,9 +190,9 @@ def ahead_blocks(words, wcols, start, span, end, skew, row_words, BLOCK: tl.cons
 
 
 @triton.jit
-def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX):
+def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, ENTROPY):
     """Fold the whole block of words ``w`` at column ``off`` into the fused path's line states."""
-    m, s, count, masks, ab, g1, g2, gab = st
+    m, s, count, masks, ab, g1, g2, gab, u = st
     chosen, chosen_w, greedy = tok
     lo = (w << 16).to(tl.float32, bitcast=True)
     hi = (w & -65536).to(tl.float32, bitcast=True)
@@ -227,7 +200,7 @@ def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX):
     g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
     if ARGMAX:  # the line maximum is m itself (from -inf, as argmax_lines wants)
         up, _, ab = argmax_lines(y, off, m, ab)
-    m, s = _online_fast(y, m, s)
+    m, s, u = online_fast(y, m, s, u, ENTROPY)
     if ARGMAX:  # a greedy row counts the ties at its line's maximum, restarted when it grows
         restart = greedy & up
         if PACKED_COUNT:
@@ -241,13 +214,13 @@ def _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX):
         masks += tl.sum(_ge_masks(w, chosen_w), axis=1)  # wraps: decoded in chunk_lines_fast
     else:
         count += tl.sum((lo >= chosen).to(tl.int32) + (hi >= chosen).to(tl.int32), axis=1)
-    return m, s, count, masks, ab, g1, g2, gab
+    return m, s, count, masks, ab, g1, g2, gab, u
 
 
 @triton.jit
-def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT):
+def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT, ENTROPY):
     """Fold the block at ``off`` into the fused path's line states, a logit per load."""
-    m, s, count, ab, g1, g2, gab = st
+    m, s, count, ab, g1, g2, gab, u = st
     idx = off + cols
     inside = idx < end
     if SHIFT:
@@ -257,19 +230,20 @@ def _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, SHIFT
     g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
     if ARGMAX:
         up, _, ab = argmax_lines(y, off, m, ab)
-        m, s = _online_fast(y, m, s)
+        m, s, u = online_fast(y, m, s, u, ENTROPY)
         ref = tl.where(greedy, m, chosen)[:, None]
         count = tl.where(greedy & up, 0, count) + tl.sum(((y >= ref) & inside).to(tl.int32), axis=1)
     else:
         count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
-        m, s = _online_fast(y, m, s)
-    return m, s, count, ab, g1, g2, gab
+        m, s, u = online_fast(y, m, s, u, ENTROPY)
+    return m, s, count, ab, g1, g2, gab, u
 
 
 @triton.jit
-def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT):
+def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT, ENTROPY):
     """The fused path up to its line states: each line's maximum, sum, count, the block of its
-    maximum (``ARGMAX``) and the top-k tracking; ``ahead``: the chunk's first two whole blocks."""
+    maximum (``ARGMAX``), the top-k tracking and ``u`` (``ENTROPY``); ``ahead``: the chunk's first
+    two whole blocks."""
     row_ptr, words, wcols, skew, row_words = lay
     start, full_end, end = bounds
     w0, w1 = ahead
@@ -280,14 +254,17 @@ def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_
     count = tl.zeros([LINES], tl.int32)
     masks = tl.zeros([LINES], tl.uint32)
     ab = tl.zeros([LINES], tl.int32) + start  # ARGMAX: the block of each line's maximum
+    u = tl.zeros([LINES], tl.float32)  # ENTROPY
     n_full = (full_end - start) // BLOCK
     if n_full >= 1:
-        st = (m, s, count, masks, ab, g1, g2, gab)
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(w0, start, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
+        st = (m, s, count, masks, ab, g1, g2, gab, u)
+        m, s, count, masks, ab, g1, g2, gab, u = _fast_block(
+            w0, start, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, ENTROPY
+        )
     if n_full >= 2:
-        st = (m, s, count, masks, ab, g1, g2, gab)
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(
-            w1, start + BLOCK, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX
+        st = (m, s, count, masks, ab, g1, g2, gab, u)
+        m, s, count, masks, ab, g1, g2, gab, u = _fast_block(
+            w1, start + BLOCK, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, ENTROPY
         )
     # The lower bound is clamped: a chunk of one whole block must not run an unrolled iteration.
     for off in tl.range(tl.minimum(start + 2 * BLOCK, full_end), full_end, BLOCK, loop_unroll_factor=2):
@@ -295,41 +272,42 @@ def chunk_lines_fast(lay, ahead, cols, bounds, tok, track, LINES, BLOCK, PACKED_
             w = shifted_block(words, wcols, off // 2, None, skew, row_words, False)
         else:
             w = stream_load(words + off // 2 + wcols, None)
-        st = (m, s, count, masks, ab, g1, g2, gab)
-        m, s, count, masks, ab, g1, g2, gab = _fast_block(w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX)
+        st = (m, s, count, masks, ab, g1, g2, gab, u)
+        m, s, count, masks, ab, g1, g2, gab, u = _fast_block(
+            w, off, st, tok, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, ENTROPY
+        )
     if PACKED_COUNT:  # 0xFFFEFFFF inverts 0xFFFF mod 2**32 (each half counts < 2**16: the plan checks)
         packed = masks * 0xFFFEFFFF
         count += ((packed & 0xFFFF) + (packed >> 16)).to(tl.int32)
     if SHIFT:  # the row's last columns may reach into a second block (see the chunk kernel's full_end)
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            st = (m, s, count, ab, g1, g2, gab)
-            m, s, count, ab, g1, g2, gab = _tail_fast(row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, True)
+            st = (m, s, count, ab, g1, g2, gab, u)
+            m, s, count, ab, g1, g2, gab, u = _tail_fast(
+                row_ptr, cols, off, end, chosen, greedy, st, TRACK, ARGMAX, True, ENTROPY
+            )
     elif full_end < end:
-        st = (m, s, count, ab, g1, g2, gab)
-        m, s, count, ab, g1, g2, gab = _tail_fast(
-            row_ptr, cols, full_end, end, chosen, greedy, st, TRACK, ARGMAX, False
+        st = (m, s, count, ab, g1, g2, gab, u)
+        m, s, count, ab, g1, g2, gab, u = _tail_fast(
+            row_ptr, cols, full_end, end, chosen, greedy, st, TRACK, ARGMAX, False, ENTROPY
         )
-    return m, s, count, ab, g1, g2, gab
+    return m, s, count, ab, g1, g2, gab, u
 
 
 @triton.jit
-def chunk_end_fast(row_ptr, cols, end, m, s, count, ab, greedy, ARGMAX: tl.constexpr):
-    """The fused path's chunk partial from its line states (a chunk of only -inf: maximum -inf)."""
-    big = tl.max(m, axis=0)
-    big_safe = tl.where(big == float("-inf"), 0.0, big)
-    # 2**(mc - big * log2(e)) in one rounding; a line whose max is +inf (or NaN sums) gives NaN.
-    total = tl.sum(s * tl.exp2(tl.fma(-big_safe, LOG2E, _mc(m))), axis=0)
+def chunk_end_fast(row_ptr, cols, end, m, s, count, ab, greedy, u, ARGMAX: tl.constexpr, ENTROPY: tl.constexpr):
+    """The fused path's chunk partial from its line states (:func:`fold_fast`)."""
+    big, total, ent = fold_fast(m, s, u, ENTROPY)
     if ARGMAX:
         amax, acol, n = argmax_chunk(row_ptr, cols, end, m, ab, count, 1.0, greedy, False)
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
-    return big, total, n, amax, acol
+    return big, total, n, amax, acol, ent
 
 
 @triton.jit
-def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT):
+def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, ENTROPY):
     """Fold the block at ``off`` into :func:`chunk_safe`'s line states, a logit per load."""
-    m, s, count, ag, ab, g1, g2, gab = st
+    m, s, count, ag, ab, g1, g2, gab, u = st
     idx = off + cols
     inside = idx < end
     if SHIFT:
@@ -347,14 +325,17 @@ def _tail_safe(row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, 
     else:
         count += tl.sum(((y >= chosen) & inside).to(tl.int32), axis=1)
     g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-    m, s = online_update(y, m, s)
-    return m, s, count, ag, ab, g1, g2, gab
+    m, s, u = online_update(y, m, s, u, ENTROPY)
+    return m, s, count, ag, ab, g1, g2, gab, u
 
 
 @triton.jit
-def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL):
-    """The element path: a chunk's partial ``(max, sum, count)``, the top-k tracking and, with
-    ``ARGMAX``, its greedy maximum and column (a ``GREEDY`` row counts the ties at it)."""
+def chunk_safe(
+    lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, GREEDY, SHIFT, UNROLL, ENTROPY
+):
+    """The element path: a chunk's partial ``(max, sum, count)``, the top-k tracking, with
+    ``ARGMAX`` its greedy maximum and column (a ``GREEDY`` row counts the ties at it), with
+    ``ENTROPY`` its ``u`` (:func:`fold_lines`; else 0)."""
     row_ptr, words, wcols, skew, row_words = lay
     start, full_end, end = bounds
     g1, g2, gab = track
@@ -365,6 +346,7 @@ def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRAC
     count = tl.zeros([LINES], tl.int32)
     ag = tl.full([LINES], float("-inf"), tl.float32)  # ARGMAX: the line maximum, from -inf
     ab = tl.zeros([LINES], tl.int32) + start
+    u = tl.zeros([LINES], tl.float32)  # ENTROPY
     for off in tl.range(start, full_end, BLOCK, loop_unroll_factor=UNROLL):
         if SHIFT:
             y = line_values(shifted_block(words, wcols, off // PER_WORD, None, skew, row_words, False), ELEM)
@@ -372,7 +354,7 @@ def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRAC
             y = stream_load(row_ptr + off + cols, None).to(tl.float32)
         y = scaled(y, t, HAS_TEMP)
         g1, g2, gab = track_lines(y, off, g1, g2, gab, TRACK)
-        m, s = online_update(y, m, s)
+        m, s, u = online_update(y, m, s, u, ENTROPY)
         if ARGMAX:
             up, ag, ab = argmax_lines(y, off, ag, ab)
         if GREEDY:  # the ties at the line's maximum, restarted when it grows
@@ -382,19 +364,18 @@ def chunk_safe(lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRAC
     # The partial last block (with SHIFT up to two blocks); a block of only -inf changes nothing.
     if SHIFT:
         for off in tl.range(full_end, end, BLOCK, loop_unroll_factor=1):
-            st = (m, s, count, ag, ab, g1, g2, gab)
-            m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-                row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, True
+            st = (m, s, count, ag, ab, g1, g2, gab, u)
+            m, s, count, ag, ab, g1, g2, gab, u = _tail_safe(
+                row_ptr, cols, off, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, True, ENTROPY
             )
     elif full_end < end:
-        st = (m, s, count, ag, ab, g1, g2, gab)
-        m, s, count, ag, ab, g1, g2, gab = _tail_safe(
-            row_ptr, cols, full_end, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, False
+        st = (m, s, count, ag, ab, g1, g2, gab, u)
+        m, s, count, ag, ab, g1, g2, gab, u = _tail_safe(
+            row_ptr, cols, full_end, end, chosen, t, st, HAS_TEMP, TRACK, ARGMAX, GREEDY, False, ENTROPY
         )
-    big = tl.max(m, axis=0)
-    total = tl.sum(s * tl.exp2((m - big) * LOG2E), axis=0)  # a line whose max is +inf: NaN
+    big, total, ent = fold_lines(m, s, u, ENTROPY)
     if ARGMAX:
         amax, acol, n = argmax_chunk(row_ptr, cols, end, ag, ab, count, t, GREEDY, HAS_TEMP)
     else:
         amax, acol, n = 0.0, 0, tl.sum(count, axis=0)
-    return big, total, n, g1, g2, gab, amax, acol
+    return big, total, n, g1, g2, gab, amax, acol, ent

@@ -2,26 +2,16 @@
 :mod:`.logprob_rank`, which plans and launches them). The chunk kernel computes each chunk's
 partial (:mod:`._logprob_chunk_jit`) and, with top-k, each program's best keys
 (:mod:`._logprob_topk_jit`); the combine kernel (or, launched in clusters, a row's first program)
-merges a row's partials in chunk order within one warp (:func:`merge_row`) and sorts its
-programs' keys."""
+merges a row's partials in chunk order within one warp (:func:`merge_row`; with ``ENTROPY`` the
+row's entropy too, :mod:`._logprob_online_jit`) and sorts its programs' keys."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ._logprob_chunk_jit import (
-    INT32_MAX,
-    LOG2E,
-    NEG_FLT_MAX,
-    TAME,
-    ahead_blocks,
-    chunk_end_fast,
-    chunk_lines_fast,
-    chunk_safe,
-    online_update,
-    scaled,
-)
+from ._logprob_chunk_jit import INT32_MAX, ahead_blocks, chunk_end_fast, chunk_lines_fast, chunk_safe, scaled
+from ._logprob_online_jit import LOG2E, NEG_FLT_MAX, TAME, entropy_of, entropy_sum, fold_lines, online_update
 from ._logprob_topk_jit import KEY_PAD, merge_top, program_topk
 
 __all__ = ["logprob_rank_chunk_kernel", "logprob_rank_combine_kernel", "merge_row"]
@@ -35,15 +25,18 @@ def _ptx(ASM: tl.constexpr):
 
 
 @triton.jit
-def resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr):
-    """:func:`chunk_safe`'s sum of the chunk ``[start, end)`` (no temperature), plainly masked:
-    the merge's rare path for chunks the fused path flagged."""
+def resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
+    """:func:`chunk_safe`'s sum and (``ENTROPY``, else 0) ``u`` of the chunk ``[start, end)`` (no
+    temperature), plainly masked: the merge's rare path for chunks the fused path flagged."""
     m = tl.full([LINES], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([LINES], tl.float32)
+    u = tl.zeros([LINES], tl.float32)
     for off in tl.range(start, end, BLOCK, loop_unroll_factor=1):
         idx = off + cols
-        m, s = online_update(tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32), m, s)
-    return tl.sum(s * tl.exp2((m - tl.max(m, axis=0)) * LOG2E), axis=0)
+        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        m, s, u = online_update(x, m, s, u, ENTROPY)
+    _, total, ent = fold_lines(m, s, u, ENTROPY)
+    return total, ent
 
 
 @triton.jit
@@ -61,13 +54,16 @@ def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, CACHE):
+def merge_row(
+    row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, CACHE, ENTROPY
+):
     """Merge row ``row``'s partials (at ``base``) in chunk order within one warp, store its logprob,
-    rank and greedy token, return its log-sum-exp. ``code``: 0 invalid id, 1 valid, 2 greedy row;
-    ``outs``: logprob, rank, argmax; ``parts``: max, sum, count, greedy maximum, its column;
-    ``sizes``: vocabulary, chunks, logits per chunk; ``CACHE``: ``.cg`` in a cluster (from L2)."""
-    logprob_ptr, rank_ptr, argmax_ptr = outs
-    part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr = parts
+    rank, greedy token and entropy, return its log-sum-exp. ``code``: 0 invalid id, 1 valid, 2
+    greedy row; ``outs``: logprob, rank, argmax, entropy; ``parts``: max, sum, count, greedy
+    maximum, its column, ``u``; ``sizes``: vocabulary, chunks, logits per chunk; ``CACHE``:
+    ``.cg`` in a cluster (from L2)."""
+    logprob_ptr, rank_ptr, argmax_ptr, entropy_ptr = outs
+    part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, part_u_ptr = parts
     vocab, n_chunks, chunk_span = sizes
     j = tl.arange(0, BLOCK)  # every partial loaded at once (the plan keeps n_chunks <= BLOCK)
     inside = j < n_chunks
@@ -77,6 +73,8 @@ def merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM
     if ARGMAX:
         am = tl.load(part_am_ptr + base + j, mask=inside, other=float("-inf"), cache_modifier=CACHE)
         a = tl.load(part_a_ptr + base + j, mask=inside, other=INT32_MAX, cache_modifier=CACHE)
+    if ENTROPY:
+        u = tl.load(part_u_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
     valid = code == 1
     big = tl.max(m, axis=0)
     if RESUM:
@@ -90,14 +88,22 @@ def merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM
                     tl.load(part_m_ptr + base + k, cache_modifier=CACHE) >= big - 128.0
                 ):
                     start = k * chunk_span
-                    s_k = resum_safe(row_ptr, cols, start, tl.minimum(start + chunk_span, vocab), LINES, RESUM_BLOCK)
+                    end = tl.minimum(start + chunk_span, vocab)
+                    s_k, u_k = resum_safe(row_ptr, cols, start, end, LINES, RESUM_BLOCK, ENTROPY)
                     tl.store(part_s_ptr + base + k, s_k)
+                    if ENTROPY:
+                        tl.store(part_u_ptr + base + k, u_k)
             tl.debug_barrier()  # the re-summed partials are read by every thread below
             s = tl.load(part_s_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
+            if ENTROPY:
+                u = tl.load(part_u_ptr + base + j, mask=inside, other=0.0, cache_modifier=CACHE)
     big_safe = tl.where(big == float("-inf"), 0.0, big)
     total = tl.sum(s * tl.exp2((m - big_safe) * LOG2E), axis=0)
     count = tl.sum(c, axis=0)
     lse = big + tl.log(total)  # total == 0 only for a row of -inf: lse = -inf
+    if ENTROPY:  # a row of -inf: 0 / 0, NaN
+        ent = entropy_sum(u, s, m - big_safe, tl.exp2((m - big_safe) * LOG2E))
+        tl.store(entropy_ptr + row, entropy_of(total, ent))
     if ARGMAX:  # the greedy maximum, its lowest column (exact in any order), its ties; all NaN: 0
         amax = tl.max(am, axis=0)
         sel = inside & (am == amax)
@@ -127,7 +133,7 @@ def _program_keys(part_k_ptr, base, p0, tt, kk, n_progs, group, K_PAD: tl.conste
     do_not_specialize=["vocab", "row_stride", "chunk_blocks", "n_chunks", "group", "top_k"],
     do_not_specialize_on_alignment=(
         "logits_ptr ids_ptr temp_ptr part_m_ptr part_s_ptr part_c_ptr tok_y_ptr tok_ok_ptr "
-        "part_k_ptr cand_ptr pairs_ptr part_am_ptr part_a_ptr logprob_ptr rank_ptr argmax_ptr"
+        "part_k_ptr cand_ptr pairs_ptr part_am_ptr part_a_ptr logprob_ptr rank_ptr argmax_ptr part_u_ptr entropy_ptr"
     ).split(),
 )
 def logprob_rank_chunk_kernel(
@@ -147,6 +153,8 @@ def logprob_rank_chunk_kernel(
     logprob_ptr,  # [batch] float32 out (CLUSTER)
     rank_ptr,  # [batch] int32/int64 out (CLUSTER)
     argmax_ptr,  # [batch] int32/int64 out (CLUSTER and ARGMAX)
+    part_u_ptr,  # [batch * n_chunks] float32 out: sum of exp(y - max) * (y - max) (ENTROPY; else None)
+    entropy_ptr,  # [batch] float32 out (CLUSTER and ENTROPY; else None)
     vocab,
     row_stride,  # elements between rows
     chunk_blocks,  # blocks of BLOCK logits per chunk
@@ -167,6 +175,7 @@ def logprob_rank_chunk_kernel(
     CLUSTER: tl.constexpr,  # a row's programs form one cluster (sm_90+), whose first merges the row (no TOPK)
     MERGE_BLOCK: tl.constexpr,
     RESUM_BLOCK: tl.constexpr,  # CLUSTER: as the combine kernel's BLOCK, RESUM_BLOCK
+    ENTROPY: tl.constexpr,  # each chunk's u (see _logprob_online_jit); CLUSTER: the row's entropy
 ):
     """Grid ``(batch, cdiv(n_chunks, group))``: program ``(row, p)`` stores the partials of the
     row's chunks ``p * group ..`` at ``row * n_chunks + chunk``, and with ``TOPK`` its best keys at
@@ -181,6 +190,7 @@ def logprob_rank_chunk_kernel(
     if not SHIFT:
         row_ptr = tl.multiple_of(row_ptr, 16)
     LINES: tl.constexpr = BLOCK // VEC
+    TRACK: tl.constexpr = TOPK > 0  # each line's top-k tracking
     span = chunk_blocks * BLOCK
     stop = tl.minimum(last * span, vocab)  # the end of the program's columns
     ITEMSIZE: tl.constexpr = 16 // VEC
@@ -223,15 +233,15 @@ def logprob_rank_chunk_kernel(
         bounds, track = (start, full_end, end), (g1, g2, gab)
         if WORDS:
             res = chunk_lines_fast(
-                lay, (w0, w1), cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TOPK > 0, ARGMAX, SHIFT
+                lay, (w0, w1), cols, bounds, tok, track, LINES, BLOCK, PACKED_COUNT, TRACK, ARGMAX, SHIFT, ENTROPY
             )
-            line_m, line_s, line_c, line_b, g1, g2, gab = res
+            line_m, line_s, line_c, line_b, g1, g2, gab, line_u = res
             # The next chunk's first blocks are issued before this chunk's reductions (with
             # ARGMAX after its read-back, which would otherwise hold them in registers).
             if not ARGMAX:
                 w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
-            big, total, count, amax, acol = chunk_end_fast(
-                row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy, ARGMAX
+            big, total, count, amax, acol, ent = chunk_end_fast(
+                row_ptr, cols, end, line_m, line_s, line_c, line_b, greedy, line_u, ARGMAX, ENTROPY
             )
             if ARGMAX:
                 w0, w1 = ahead_blocks(words, wcols, start + span, span, stop, skew, row_words, BLOCK, SHIFT)
@@ -239,14 +249,15 @@ def logprob_rank_chunk_kernel(
             total = tl.where((tl.abs(big) > TAME) & (tl.abs(big) < float("inf")), -1.0, total)
         elif ARGMAX and greedy:  # a greedy row takes its own compiled block loop
             res = chunk_safe(
-                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, True, True, SHIFT, UNROLL
+                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, True, True, SHIFT, UNROLL, ENTROPY
             )
-            big, total, count, g1, g2, gab, amax, acol = res
+            big, total, count, g1, g2, gab, amax, acol, ent = res
         else:
             res = chunk_safe(
-                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TOPK > 0, ARGMAX, False, SHIFT, UNROLL
-            )
-            big, total, count, g1, g2, gab, amax, acol = res
+                lay, cols, bounds, chosen, t, track, LINES, BLOCK, HAS_TEMP, TRACK, ARGMAX, False, SHIFT, UNROLL,
+                ENTROPY,
+            )  # fmt: skip
+            big, total, count, g1, g2, gab, amax, acol, ent = res
         part = row * n_chunks + chunk
         tl.store(part_m_ptr + part, big)
         tl.store(part_s_ptr + part, total)
@@ -254,6 +265,8 @@ def logprob_rank_chunk_kernel(
         if ARGMAX:
             tl.store(part_am_ptr + part, amax)
             tl.store(part_a_ptr + part, acol)
+        if ENTROPY:
+            tl.store(part_u_ptr + part, ent)
     if CLUSTER:  # each program arrives once its partials are stored; the first waits, then merges
         _ptx("barrier.cluster.arrive.release; // $0")
         if tl.program_id(1) == 0:
@@ -262,8 +275,8 @@ def logprob_rank_chunk_kernel(
                 code = tl.where(greedy, 2, valid_tok.to(tl.int32))
             else:
                 code = valid_tok.to(tl.int32)
-            outs = (logprob_ptr, rank_ptr, argmax_ptr)
-            parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
+            outs = (logprob_ptr, rank_ptr, argmax_ptr, entropy_ptr)
+            parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, part_u_ptr)
             sizes = (vocab, n_chunks, span)
             base = row * n_chunks
             merge_row(
@@ -281,6 +294,7 @@ def logprob_rank_chunk_kernel(
                 VEC,
                 ARGMAX,
                 ".cg",
+                ENTROPY,
             )
     if TOPK > 0:  # the program's best keys (an exact set), at its first chunk's slot
         slot = row * n_chunks + first
@@ -295,7 +309,7 @@ def logprob_rank_chunk_kernel(
     do_not_specialize=["vocab", "row_stride", "n_chunks", "top_k", "chunk_span", "group"],
     do_not_specialize_on_alignment=(
         "logits_ptr logprob_ptr rank_ptr topk_lp_ptr topk_id_ptr part_m_ptr part_s_ptr "
-        "part_c_ptr part_k_ptr tok_y_ptr tok_ok_ptr argmax_ptr part_am_ptr part_a_ptr"
+        "part_c_ptr part_k_ptr tok_y_ptr tok_ok_ptr argmax_ptr part_am_ptr part_a_ptr part_u_ptr entropy_ptr"
     ).split(),
 )
 def logprob_rank_combine_kernel(
@@ -313,6 +327,8 @@ def logprob_rank_combine_kernel(
     argmax_ptr,  # [batch] int32/int64 out: the row's greedy token (ARGMAX)
     part_am_ptr,
     part_a_ptr,  # each chunk's greedy maximum and its column (ARGMAX)
+    part_u_ptr,  # each chunk's u (ENTROPY; else None)
+    entropy_ptr,  # [batch] float32 out: the row's entropy (ENTROPY; else None)
     vocab,
     row_stride,
     n_chunks,
@@ -327,6 +343,7 @@ def logprob_rank_combine_kernel(
     VEC: tl.constexpr,  # the re-sum's block and 16-byte vector
     GDC: tl.constexpr,  # wait for the chunk kernel (launched as its programmatic dependent)
     ARGMAX: tl.constexpr,  # write the greedy token; score greedy rows (validity code 2) as it
+    ENTROPY: tl.constexpr,  # write the row's entropy
 ):
     """Grid ``(batch,)``: merge each row's partials (:func:`merge_row`; ``BLOCK`` >= ``n_chunks``,
     ``RESUM``: the fused path's flagged chunks re-summed from ``logits``) and, with ``K_PAD``, its
@@ -337,11 +354,13 @@ def logprob_rank_combine_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     base = row * n_chunks
-    outs = (logprob_ptr, rank_ptr, argmax_ptr)
-    parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr)
+    outs = (logprob_ptr, rank_ptr, argmax_ptr, entropy_ptr)
+    parts = (part_m_ptr, part_s_ptr, part_c_ptr, part_am_ptr, part_a_ptr, part_u_ptr)
     chosen, code = tl.load(tok_y_ptr + row), tl.load(tok_ok_ptr + row)
     sizes = (vocab, n_chunks, chunk_span)
-    lse = merge_row(row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "")
+    lse = merge_row(
+        row, row_ptr, base, chosen, code, outs, parts, sizes, BLOCK, RESUM, RESUM_BLOCK, VEC, ARGMAX, "", ENTROPY
+    )
     if K_PAD > 0:  # the programs' keys at chunks 0, group, 2 * group, ..., KEY_TILES at a time
         kk = tl.arange(0, K_PAD)
         tt = tl.arange(0, KEY_TILES)

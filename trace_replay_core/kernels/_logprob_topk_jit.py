@@ -29,7 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_chunk_jit import NEG_FLT_MAX, scaled
+from ._logprob_chunk_jit import scaled
+from ._logprob_online_jit import NEG_FLT_MAX
 
 KEY_PAD = tl.constexpr(-(2**63))  # the smallest key: padding, NaN, masked lanes
 PAIRS = tl.constexpr(32)  # candidate vectors read back per step

@@ -3,24 +3,25 @@
 For row ``b`` with token ``t = token_ids[b]``, ``T = temperature[b]`` (1 without one) and ``y =
 logits[b, :vocab] / T`` in float32: ``logprob[b] = y[t] - log(sum(exp(y)))``; ``rank[b] =
 count(y >= y[t])`` (vLLM's; NaN never counts); optionally the ``top_k`` largest ``y`` (sorted,
-ties to the lower id, NaN never selected) and the greedy token (the lowest id of the largest
-non-NaN ``y``; a row with a negative id is then scored as it).
+ties to the lower id, NaN never selected), the greedy token (the lowest id of the largest
+non-NaN ``y``; a row with a negative id is then scored as it) and the entropy
+``-sum(p * log(p))`` of ``p = softmax(y)`` (float32, natural log).
 
 This module is the op's host side: :func:`plan_logprob_rank` returns a call's
 :class:`LogprobVariant` (cached per batch, vocabulary, dtype, top-k and options),
 :func:`kernel_specs` its kernels, :func:`launch_logprob_rank` and :func:`bind_logprob_rank_launch`
 queue them on a stream with integers only. The ``@triton.jit`` kernels: :mod:`._logprob_rank_jit`
-(a chunk's partial: :mod:`._logprob_chunk_jit`).
+(a chunk's partial: :mod:`._logprob_chunk_jit`; the online reductions, the entropy's among them:
+:mod:`._logprob_online_jit`).
 
 Design reasons:
 
 - Batch invariance: a row is cut into ``n_chunks`` chunks of ``chunk_blocks`` blocks of
-  ``block`` logits, from the vocabulary alone (151,936: 13 chunks of 6 blocks of 2,048); each
-  chunk's partial (max, sum, count) comes from the same instructions whichever program runs it,
-  and a row's partials are merged in chunk order. Only where chunks run follows the batch:
-  ``group`` chunks per program (few large programs pay at large batches, where a program's start
-  and the token's two dependent loads are paid once; many small ones at small batches), and the
-  cluster form.
+  ``block`` logits from the vocabulary alone (151,936: 13 chunks of 6 blocks of 2,048); a
+  chunk's partial comes from the same instructions whichever program runs it, and a row's
+  partials merge in chunk order. Only where chunks run follows the batch: ``group`` chunks per
+  program (large programs at large batches pay a program's start and the token's dependent
+  loads once) and the cluster form.
 - Blocks read as 16-byte lines, a line per thread with its own running max and sum (no shuffles
   or barriers per block); about 13 chunks per row measured best from batch 1 to 4,096 (H200).
   Rows not 16-byte aligned (GPT-2's 50,257, a padded stride) read each line as the two aligned
@@ -30,9 +31,8 @@ Design reasons:
   multiply-add per exponent, a packed ``bf16x2`` compare per word for the rank (229 instead of
   342 instructions per 32 logits); a chunk whose maximum lies beyond ``+-2**20`` is flagged and
   re-summed exactly by the combine kernel.
-- Top-k from the same read: per-line maxima, then a read-back of only the vectors that can pass
-  a threshold (:mod:`._logprob_topk_jit`); its chunk kernel is capped at 64 registers and takes at
-  most 2 chunks per program (spills and occupancy measured).
+- Top-k from the same read: per-line maxima, then a read-back of the vectors that can pass a
+  threshold (:mod:`._logprob_topk_jit`); its chunk kernel: at most 64 registers, 2 chunks each.
 - sm_90+: without top-k, when a call's rows fit on the device at once, a row's programs form one
   cluster whose first program merges the row (one kernel instead of two: faster up to about 64
   rows of 151,936; beyond, two kernels); either way the same bits. Bound calls are programmatic
@@ -95,6 +95,7 @@ class LogprobRankArgs(NamedTuple):
     row_stride: int  # elements between rows (for one row: its layout's, or 0; see _layout_stride)
     top_k: int
     argmax: int = 0  # [batch] int32/int64 greedy tokens out, or 0
+    entropy: int = 0  # [batch] float32 entropies out, or 0
 
 
 class LogprobRankDtypes(NamedTuple):
@@ -115,7 +116,8 @@ class LogprobVariant:
     8/32/64 >= top_k) with ``sel`` group maxima, ``maxnreg`` (the chunk kernel's register cap, 0:
     none), ``itemsize`` (bytes per logit), ``words`` (the fused bfloat16 path), ``shift`` (rows
     not 16-byte aligned), ``temperature``, ``argmax``, ``unroll`` (the element path's block loop),
-    ``gdc`` (sm_90+: programmatic dependent launches), ``packed_count`` (inline PTX compares)."""
+    ``gdc`` (sm_90+: programmatic dependent launches), ``packed_count`` (inline PTX compares),
+    ``entropy`` (each chunk's ``u`` and the row's entropy)."""
 
     block: int
     num_warps: int
@@ -134,13 +136,14 @@ class LogprobVariant:
     gdc: bool = False
     cluster: bool = False
     packed_count: bool = False
+    entropy: bool = False
 
 
 class KernelSpec(NamedTuple):
     """One kernel of a variant, as :func:`._compiled.compiled` takes it."""
 
     kernel: Any
-    pointer_dtypes: tuple[str, ...]
+    pointer_dtypes: tuple[str | None, ...]  # None: a pointer the variant lacks (a constexpr None)
     n_ints: int
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
@@ -165,6 +168,7 @@ def plan_logprob_rank(
     aligned: bool = True,
     temperature: bool = False,
     argmax: bool = False,
+    entropy: bool = False,
     sm90: bool = False,
     cluster: bool = True,
     inline_ptx: bool = True,
@@ -221,6 +225,7 @@ def plan_logprob_rank(
         gdc=sm90,
         cluster=cluster and sm90 and not k_pad and n_chunks <= CLUSTER_MAX,
         packed_count=inline_ptx and words and 4 * chunk_blocks < 1 << 16,
+        entropy=entropy,
     )
 
 
@@ -233,7 +238,8 @@ def _layout_stride(args: LogprobRankArgs) -> int:
 
 
 def plan_for_call(args: LogprobRankArgs, dtypes: LogprobRankDtypes, **options: Any) -> LogprobVariant:
-    """:func:`plan_logprob_rank` for the call ``args`` (its layout, temperature, argmax output)."""
+    """:func:`plan_logprob_rank` for the call ``args`` (its layout, temperature, argmax and entropy
+    outputs)."""
     itemsize = _ITEMSIZE[dtypes.logits]
     aligned = args.logits % 16 == 0 and (_layout_stride(args) * itemsize) % 16 == 0
     return plan_logprob_rank(
@@ -244,19 +250,21 @@ def plan_for_call(args: LogprobRankArgs, dtypes: LogprobRankDtypes, **options: A
         aligned=aligned,
         temperature=args.temperature != 0,
         argmax=args.argmax != 0,
+        entropy=args.entropy != 0,
         **options,
     )
 
 
 def workspace_layout(batch: int, variant: LogprobVariant) -> tuple[int, ...]:
     """Byte offsets of the workspace regions (max, sum, count, top-k keys, candidate keys,
-    candidate vectors, the token's logit, its validity, the greedy maximum and its column) and
-    the total size: ``batch * n_chunks`` partials and one token per row, each region starting on
-    16 bytes (the top-k regions are empty without top-k)."""
+    candidate vectors, the token's logit, its validity, the greedy maximum and its column, the
+    entropy's ``u``) and the total size: ``batch * n_chunks`` partials and one token per row, each
+    region starting on 16 bytes (the top-k regions are empty without top-k; the others are there
+    whatever the variant, so one size serves every call of a shape)."""
     parts, k = batch * variant.n_chunks, variant.k_pad
     offsets, at = [], 0
     sizes = (4 * parts, 4 * parts, 4 * parts, 8 * parts * k, 16 * parts * k, 16 * parts * k)
-    for nbytes in sizes + (4 * batch, 4 * batch, 4 * parts, 4 * parts):
+    for nbytes in sizes + (4 * batch, 4 * batch, 4 * parts, 4 * parts, 4 * parts):
         offsets.append(at)
         at += _cdiv(nbytes, 16) * 16
     return (*offsets, at)
@@ -270,33 +278,36 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     vec = 16 // v.itemsize
     argmax_dtype = dtypes.argmax if v.argmax else dtypes.ranks  # never written without argmax
     merge_block = _next_pow2(max(v.n_chunks, 2))
-    chunk_dtypes: tuple[str, ...] = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
+    chunk_dtypes: tuple[str | None, ...] = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
     chunk_dtypes += ("float32", "int32", "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks)
-    chunk_dtypes += (argmax_dtype,)
+    chunk_dtypes += (argmax_dtype,) + (("float32", "float32") if v.entropy else (None, None))
     chunk_const = dict(BLOCK=v.block, VEC=vec, HAS_TEMP=v.temperature, WORDS=v.words, SHIFT=v.shift)
     chunk_const.update(PACKED_COUNT=v.packed_count, GDC=v.gdc, TOPK=k, SEL=v.sel)
     chunk_const.update(ARGMAX=v.argmax, UNROLL=v.unroll, CLUSTER=v.cluster, MERGE_BLOCK=merge_block)
-    chunk_const.update(RESUM_BLOCK=32 * COMBINE_WARPS * vec)
+    chunk_const.update(RESUM_BLOCK=32 * COMBINE_WARPS * vec, ENTROPY=v.entropy)
     chunk = KernelSpec(
         logprob_rank_chunk_kernel, chunk_dtypes, 6, tuple(chunk_const.items()), v.num_warps, v.maxnreg or None
     )
     if v.cluster:
         return (chunk,)
     out_dtypes = ("float32", dtypes.topk_ids) if k else ("float32", dtypes.ranks)
-    comb_dtypes: tuple[str, ...] = (dtypes.logits, "float32", dtypes.ranks) + out_dtypes
+    comb_dtypes: tuple[str | None, ...] = (dtypes.logits, "float32", dtypes.ranks) + out_dtypes
     comb_dtypes += ("float32", "float32", "int32", "int64", "float32", "int32", argmax_dtype, "float32", "int32")
+    comb_dtypes += ("float32", "float32") if v.entropy else (None, None)
     comb_warps = COMBINE_TOPK_WARPS if k else COMBINE_WARPS
     # the key sets of a row's programs at the largest top-k group, in one merge step
     key_tiles = min(_next_pow2(max(_cdiv(v.n_chunks, max(TOPK_GROUPS)), 2)), max(2, COMBINE_KEYS // max(k, 1)))
     comb_const = dict(BLOCK=merge_block, K_PAD=k, KEY_TILES=key_tiles, RESUM=v.words)
-    comb_const.update(RESUM_BLOCK=32 * comb_warps * vec, VEC=vec, GDC=v.gdc, ARGMAX=v.argmax)
+    comb_const.update(RESUM_BLOCK=32 * comb_warps * vec, VEC=vec, GDC=v.gdc, ARGMAX=v.argmax, ENTROPY=v.entropy)
     return chunk, KernelSpec(logprob_rank_combine_kernel, comb_dtypes, 6, tuple(comb_const.items()), comb_warps, None)
 
 
 def call_arguments(args: LogprobRankArgs, variant: LogprobVariant) -> tuple[tuple, ...]:
     """``(grid, pointers, ints)`` per kernel of :func:`kernel_specs` for the call ``args``."""
     v = variant
-    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, off_am, off_a, _ = workspace_layout(args.batch, v)
+    off_m, off_s, off_c, off_k, off_cand, off_pairs, off_ty, off_tok, off_am, off_a, off_u, _ = workspace_layout(
+        args.batch, v
+    )
     ws = args.workspace
     m, s, c = ws + off_m, ws + off_s, ws + off_c
     temp = args.temperature or m  # never read without a temperature
@@ -305,14 +316,15 @@ def call_arguments(args: LogprobRankArgs, variant: LogprobVariant) -> tuple[tupl
     topk_ws = (ws + off_cand, ws + off_pairs) if v.k_pad else (m, m)
     greedy = (ws + off_am, ws + off_a)  # written and read only with argmax
     argmax_out = args.argmax or args.ranks  # never written without argmax
-    chunk_ptrs: tuple[int, ...] = (args.logits, args.token_ids, temp, m, s, c, *tok, part_k, *topk_ws, *greedy)
-    chunk_ptrs += (args.logprobs, args.ranks, argmax_out)
+    ent = (ws + off_u, args.entropy) if v.entropy else (None, None)  # constexpr None without entropy
+    chunk_ptrs: tuple[int | None, ...] = (args.logits, args.token_ids, temp, m, s, c, *tok, part_k, *topk_ws, *greedy)
+    chunk_ptrs += (args.logprobs, args.ranks, argmax_out, *ent)
     chunk_ints = (args.vocab, args.row_stride, v.chunk_blocks, v.n_chunks, v.group, args.top_k)
     chunk = ((args.batch, _cdiv(v.n_chunks, v.group), 1), chunk_ptrs, chunk_ints)
     if v.cluster:
         return (chunk,)
     out = (args.topk_logprobs, args.topk_ids) if v.k_pad else (args.logprobs, args.ranks)  # never written without
-    comb_ptrs = (args.logits, args.logprobs, args.ranks, *out, m, s, c, part_k, *tok, argmax_out, *greedy)
+    comb_ptrs = (args.logits, args.logprobs, args.ranks, *out, m, s, c, part_k, *tok, argmax_out, *greedy, *ent)
     comb_ints = (args.vocab, args.row_stride, v.n_chunks, args.top_k, v.chunk_blocks * v.block, v.group)
     return chunk, ((args.batch, 1, 1), comb_ptrs, comb_ints)
 
