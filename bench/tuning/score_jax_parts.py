@@ -53,18 +53,21 @@ def main() -> None:
     tokens = jax.device_put(np.random.default_rng(0).integers(0, config.vocab_size, (b, n)).astype(np.int32), dev)
     rows = []
 
-    hidden = jax.jit(lambda p, t: jax_loop._hidden(p, config, t))
-    rows.append(("hidden (forward)", _ms(hidden, params, tokens)))
+    for impl in ("xla", "cudnn"):
+        hidden = jax.jit(lambda p, t, impl=impl: jax_loop._hidden(p, config, t, impl))
+        rows.append((f"hidden (forward), attention {impl}", _ms(hidden, params, tokens)))
 
     def projected(p, t):
-        h = jax_loop._hidden(p, config, t).reshape(-1, config.hidden_size)
+        h = jax_loop._hidden(p, config, t, "cudnn").reshape(-1, config.hidden_size)
         return jax.lax.map(lambda x: jnp.max(jax_loop._logits(p, x), axis=-1), h.reshape(-1, 4096, h.shape[-1]))
 
     rows.append(("hidden + output projection (max per row)", _ms(jax.jit(projected), params, tokens)))
     m = b * (n - 1)
     padded = -(-m // 4096) * 4096
     flat = jax.device_put(np.arange(padded, dtype=np.int32) % (b * n), dev)
-    score = lambda p, t, r: jax_score._score(p, t, r, r, family=jax_loop.JAX, config=config, chunk=4096)  # noqa: E731
+    score = lambda p, t, r: jax_score._score(  # noqa: E731
+        p, t, r, r, family=jax_loop.JAX, config=config, chunk=4096, attention="cudnn"
+    )
     rows.append(("whole score program", _ms(score, params, tokens, flat)))
     q = jnp.ones((b, n, 14, 64), jnp.bfloat16)
     kv = jnp.ones((b, n, 2, 64), jnp.bfloat16)

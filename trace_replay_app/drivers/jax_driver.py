@@ -144,10 +144,10 @@ class JaxFamily:
     ``decode(params, config, cache, tokens, positions)``: one token per row, row ``b`` feeding
     ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns ``(logits [rows, vocab],
     cache)`` with the step's keys and values stored. For ``score``
-    (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens)``, the
-    final-norm hidden states ``[requests, n, hidden]`` of right-padded ``tokens``
-    ``[requests, n]`` (causal, no cache), and ``logits(params, hidden)``, the output projection
-    of ``[rows, hidden]``."""
+    (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens, attention)``,
+    the final-norm hidden states ``[requests, n, hidden]`` of right-padded ``tokens``
+    ``[requests, n]`` (causal, no cache; ``attention``: ``"cudnn"`` or ``"xla"``, the fused
+    attention's implementation), and ``logits(params, hidden)``, the output projection."""
 
     config_type: type
     check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]

@@ -30,11 +30,11 @@ __all__ = ["scorer", "score_batches", "placed"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config", "chunk"))
-def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int):
+@functools.partial(jax.jit, static_argnames=("family", "config", "chunk", "attention"))
+def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int, attention: str = "xla"):
     """``(logprobs, ranks, argmax)`` of ``targets`` ``[m]`` under the logits of the flat
     positions ``rows`` ``[m]`` (``m`` a multiple of ``chunk``) of the sequences ``tokens``."""
-    hidden = family.hidden(params, config, tokens)
+    hidden = family.hidden(params, config, tokens, attention)
     picked = hidden.reshape(-1, hidden.shape[-1])[rows]
 
     def one(args):
@@ -50,6 +50,9 @@ def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, 
     dtype): per batch ``(logprobs, ranks, argmax)`` over its scored rows, on the host
     (host-blocking at the end)."""
     put = functools.partial(jax.device_put, device=device)
+    # cuDNN's fused attention for bfloat16 on a GPU: jax.nn.dot_product_attention's default is
+    # XLA's, which stores the [n, n] scores (133.7 against 13.7 ms for 24 layers at 64 x 1,024)
+    attention = "cudnn" if device.platform == "gpu" and plan.dtype == "bfloat16" else "xla"
     pending = []
     for batch in plan.batches:
         m = batch.rows.size
@@ -60,7 +63,7 @@ def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, 
         targets = np.zeros(padded, np.int32)
         rows[:m], targets[:m] = batch.rows, batch.targets
         out = _score(params, put(batch.tokens.astype(np.int32)), put(rows), put(targets), family=family,
-                     config=config, chunk=chunk)  # fmt: skip
+                     config=config, chunk=chunk, attention=attention)  # fmt: skip
         pending.append((m, out))
     return [(np.asarray(lp)[:m], np.asarray(rk)[:m], np.asarray(am)[:m]) for m, (lp, rk, am) in pending]
 

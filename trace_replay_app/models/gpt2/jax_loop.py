@@ -96,10 +96,10 @@ def _prefill(p, config: GPT2Config, tokens):
     return jnp.stack(kv)[:, :, None]  # [n_layer, 2, 1 (slot), bucket, n_head, head_dim]
 
 
-def _hidden(p, config: GPT2Config, tokens):
+def _hidden(p, config: GPT2Config, tokens, attention: str = "xla"):
     """Teacher-forced: the final-norm hidden states ``[requests, n, n_embd]`` of right-padded
-    ``tokens`` ``[requests, n]``; in bfloat16 through :func:`jax.nn.dot_product_attention`
-    (cuDNN's fused attention on a GPU), in float32 the scores at full precision."""
+    ``tokens`` ``[requests, n]``; in bfloat16 through :func:`jax.nn.dot_product_attention` of
+    ``attention`` (``"cudnn"`` on a GPU, ``"xla"``), in float32 the scores at full precision."""
     r, n = tokens.shape
     causal = jnp.tril(jnp.ones((n, n), dtype=bool))
     scale = 1.0 / math.sqrt(config.head_dim)
@@ -107,7 +107,8 @@ def _hidden(p, config: GPT2Config, tokens):
     def attend(layer, q, k, v, state):
         q, k, v = (t.reshape(r, n, config.n_head, config.head_dim) for t in (q, k, v))
         if q.dtype != jnp.float32:
-            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True).reshape(r * n, -1), state
+            out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=attention)
+            return out.reshape(r * n, -1), state
         scores = jnp.where(causal, _einsum("rqhd,rkhd->rhqk", q, k) * scale, -jnp.inf)
         return _einsum("rhqk,rkhd->rqhd", jax.nn.softmax(scores, axis=-1), v).reshape(r * n, -1), state
 

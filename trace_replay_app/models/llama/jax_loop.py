@@ -157,11 +157,11 @@ def _prefill(params, config: LlamaConfig, tokens):
     return _layers(params, c, tokens, pos, attend, [])[1]
 
 
-def _hidden(params, config: LlamaConfig, tokens):
+def _hidden(params, config: LlamaConfig, tokens, attention: str = "xla"):
     """Teacher-forced: the final-norm hidden states ``[requests, n, hidden]`` of right-padded
     ``tokens`` ``[requests, n]``. In bfloat16 the attention is :func:`jax.nn.dot_product_attention`
-    (cuDNN's fused attention on a GPU: the ``[n, n]`` scores are never stored); in float32
-    transformers' eager form at full precision, as the decode path."""
+    of ``attention`` (``"cudnn"``: cuDNN's fused attention on a GPU, the ``[n, n]`` scores never
+    stored; ``"xla"``); in float32 transformers' eager form at full precision, as decode."""
     c = config
     r, n = tokens.shape
     pos = jnp.arange(n)
@@ -172,7 +172,9 @@ def _hidden(params, config: LlamaConfig, tokens):
         window = c.window(layer)
         if q.dtype != jnp.float32:
             local = (window - 1, 0) if window else None
-            out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, local_window_size=local)
+            out = jax.nn.dot_product_attention(
+                q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=attention
+            )
             return out.reshape(r * n, -1), state
         visible = pos[None, :] <= pos[:, None]
         if window:
