@@ -26,6 +26,7 @@ from helpers.llama_cases import (  # noqa: E402
     load,
     make_checkpoint,
     make_completions,
+    reference_logits,
 )
 
 from trace_replay_app import scoring  # noqa: E402
@@ -67,6 +68,7 @@ def test_matches_transformers_and_decode(models, case, framework, rng):
     requests = make_completions(rng, config.vocab_size)
     got = SCORE[family, framework](config, weights, requests, max_tokens=48, chunk_rows=7)
     check_against_hf(model, requests, got, f"{case} {framework} score", atol=atol)
+    check_entropy(model, requests, got, f"{case} {framework} score")
     decoded = DECODE[family, framework](config, weights, requests, max_batch=3)
     check_same(got, decoded, f"{case} {framework} score vs decode", atol=atol, reference=model, requests=requests)
 
@@ -81,6 +83,17 @@ def test_batches_and_chunks_change_no_bit(models, framework, rng):
         assert a.id == b.id and a.tokens.tolist() == b.tokens.tolist() and a.forced.all()
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=2e-6, err_msg=a.id)
         assert (a.ranks == b.ranks).all() and (a.argmax == b.argmax).all(), a.id
+
+
+def check_entropy(model, requests, results, what: str) -> None:
+    """Each scored position's entropy against transformers' float32 logits (float64 here)."""
+    for r, res in zip(requests, results, strict=True):
+        logits = reference_logits(model, r.prompt, list(r.trace)).astype(np.float64)
+        z = logits - logits.max(axis=1, keepdims=True)
+        p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+        want = -(p * np.log(np.where(p > 0, p, 1.0))).sum(axis=1)
+        assert res.entropy is not None and res.entropy.dtype == np.float32, what
+        np.testing.assert_allclose(res.entropy, want, rtol=1e-4, atol=1e-5, err_msg=f"{what}, request {r.id}")
 
 
 def test_a_late_completion_is_caught(models, rng, monkeypatch):

@@ -46,7 +46,9 @@ class RequestResult:
     ``tokens``: the token that ended up in the sequence (int64); ``forced``: True where the
     token came from the trace; ``logprobs`` (float32) and ``ranks`` (int64) of that token under
     the loop's own, unmodified logits (rank 1 = unique argmax, ties count against the token);
-    ``argmax``: the token the model itself would have chosen greedily at that step (int64).
+    ``argmax``: the token the model itself would have chosen greedily at that step (int64);
+    ``entropy``: the entropy of that step's distribution (float32, natural log), where the run
+    computed it (``score``), else None.
     """
 
     id: str
@@ -55,3 +57,4 @@ class RequestResult:
     logprobs: np.ndarray
     ranks: np.ndarray
     argmax: np.ndarray
+    entropy: np.ndarray | None = None

@@ -296,7 +296,8 @@ def reproduced(request: TraceRequest, result: RequestResult) -> bool | None:
 def result_to_json(request: TraceRequest, result: RequestResult) -> dict[str, Any]:
     """One request of a ``run`` output file: ``id``, ``traced``, ``reproduced`` (traced
     requests: tokens equal the trace; null otherwise), ``prompt_len``, and per decoded token
-    ``tokens``, ``forced``, ``logprobs`` (null where not finite), ``ranks``, ``argmax``."""
+    ``tokens``, ``forced``, ``logprobs`` (null where not finite), ``ranks``, ``argmax``, and
+    ``entropy`` where the run computed it (``score``)."""
     return {
         "id": request.id,
         "traced": request.trace is not None,
@@ -307,6 +308,7 @@ def result_to_json(request: TraceRequest, result: RequestResult) -> dict[str, An
         "logprobs": [finite_or_none(x) for x in result.logprobs],
         "ranks": [int(r) for r in result.ranks],
         "argmax": [int(a) for a in result.argmax],
+        **({} if result.entropy is None else {"entropy": [finite_or_none(x) for x in result.entropy]}),
     }
 
 

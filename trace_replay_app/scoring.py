@@ -23,8 +23,9 @@ The contract of every family's ``run_score`` (both frameworks)::
 
 (torch adds ``compile=``: the forward through ``torch.compile``, by default on CUDA.)
 
-Every request must carry a trace (the completion to score). Logprobs and ranks are those of the
-raw logits (no temperature), float32; ``argmax`` is the model's greedy token at each position.
+Every request must carry a trace (the completion to score). Logprobs, ranks and the entropy of
+each position's distribution are those of the raw logits (no temperature), float32, from one
+read of them (the logprob op); ``argmax`` is the model's greedy token at each position.
 A rejected call raises ``TypeError``/``ValueError`` naming the argument before anything runs.
 """
 
@@ -142,12 +143,12 @@ def _batch(requests: Sequence[TraceRequest], members: list[int]) -> ScoreBatch:
 
 
 def score_results(
-    requests: Sequence[TraceRequest], plan: ScorePlan, outputs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    requests: Sequence[TraceRequest], plan: ScorePlan, outputs: Sequence[tuple[np.ndarray, ...]]
 ) -> list[RequestResult]:
-    """One result per request in request order from each batch's ``(logprobs, ranks, argmax)``
-    over its ``rows``."""
+    """One result per request in request order from each batch's ``(logprobs, ranks, argmax,
+    entropy)`` over its ``rows``."""
     results: list[RequestResult | None] = [None] * len(requests)
-    for batch, (lp, rk, am) in zip(plan.batches, outputs, strict=True):
+    for batch, (lp, rk, am, ent) in zip(plan.batches, outputs, strict=True):
         at = 0
         for i, m in zip(batch.members, batch.counts):
             r = requests[i]
@@ -158,6 +159,7 @@ def score_results(
                 logprobs=np.asarray(lp[at : at + m], np.float32),
                 ranks=np.asarray(rk[at : at + m], np.int64),
                 argmax=np.asarray(am[at : at + m], np.int64),
+                entropy=np.asarray(ent[at : at + m], np.float32),
             )
             at += m
     return [r for r in results if r is not None]

@@ -32,14 +32,14 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @functools.partial(jax.jit, static_argnames=("family", "config", "chunk", "attention"))
 def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int, attention: str = "xla"):
-    """``(logprobs, ranks, argmax)`` of ``targets`` ``[m]`` under the logits of the flat
+    """``(logprobs, ranks, argmax, entropy)`` of ``targets`` ``[m]`` under the logits of the flat
     positions ``rows`` ``[m]`` (``m`` a multiple of ``chunk``) of the sequences ``tokens``."""
     hidden = family.hidden(params, config, tokens, attention)
     picked = hidden.reshape(-1, hidden.shape[-1])[rows]
 
     def one(args):
         h, ids = args
-        return tuple(token_logprob_rank(family.logits(params, h), ids, argmax=True))
+        return tuple(token_logprob_rank(family.logits(params, h), ids, argmax=True, entropy=True))
 
     out = jax.lax.map(one, (picked.reshape(-1, chunk, picked.shape[-1]), targets.reshape(-1, chunk)))
     return tuple(o.reshape(-1) for o in out)
@@ -47,7 +47,7 @@ def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: i
 
 def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, device: Any) -> list[tuple]:
     """Each batch of ``plan`` through ``family`` with ``params`` (on ``device``, in the compute
-    dtype): per batch ``(logprobs, ranks, argmax)`` over its scored rows, on the host
+    dtype): per batch ``(logprobs, ranks, argmax, entropy)`` over its scored rows, on the host
     (host-blocking at the end)."""
     put = functools.partial(jax.device_put, device=device)
     # cuDNN's fused attention for bfloat16 on a GPU: jax.nn.dot_product_attention's default is
@@ -65,7 +65,7 @@ def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, 
         out = _score(params, put(batch.tokens.astype(np.int32)), put(rows), put(targets), family=family,
                      config=config, chunk=chunk, attention=attention)  # fmt: skip
         pending.append((m, out))
-    return [(np.asarray(lp)[:m], np.asarray(rk)[:m], np.asarray(am)[:m]) for m, (lp, rk, am) in pending]
+    return [tuple(np.asarray(o)[:m] for o in out) for m, out in pending]
 
 
 def placed(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dtype: str, device: Any) -> Any:

@@ -25,7 +25,7 @@ from .torch_driver import TorchFamily, torch_device, upload
 
 __all__ = ["scorer", "score_batches", "Scorable", "Compiled", "DTYPES"]
 
-Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+Outputs = tuple[np.ndarray, ...]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -48,9 +48,9 @@ class Compiled:
         self.logits = model.logits
 
 
-def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> list[Triple]:
+def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> list[Outputs]:
     """Each batch of ``plan`` through ``model`` (a built :class:`~.torch_driver.TorchModel`):
-    per batch ``(logprobs, ranks, argmax)`` over its scored rows, on the host (one copy at the
+    per batch ``(logprobs, ranks, argmax, entropy)`` over its scored rows, on the host (one copy at the
     end; host-blocking)."""
     pending = []
     with torch.inference_mode():
@@ -59,13 +59,14 @@ def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> lis
             hidden = hidden.reshape(-1, hidden.shape[-1])
             rows, targets = upload(batch.rows, torch.int64, device), upload(batch.targets, torch.int64, device)
             m = rows.shape[0]
-            out = tuple(torch.empty(m, dtype=t, device=device) for t in (torch.float32, torch.int64, torch.int64))
+            kinds = (torch.float32, torch.int64, torch.int64, torch.float32)
+            out = tuple(torch.empty(m, dtype=t, device=device) for t in kinds)
             for s in range(0, m, plan.chunk_rows):
                 e = min(m, s + plan.chunk_rows)
                 logits = model.logits(hidden[rows[s:e]])
-                token_logprob_rank(logits, targets[s:e], argmax=True, out=tuple(o[s:e] for o in out))
+                token_logprob_rank(logits, targets[s:e], argmax=True, entropy=True, out=tuple(o[s:e] for o in out))
             pending.append(out)
-    return [(lp.cpu().numpy(), rk.cpu().numpy(), am.cpu().numpy()) for lp, rk, am in pending]
+    return [tuple(o.cpu().numpy() for o in out) for out in pending]
 
 
 def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
