@@ -110,3 +110,18 @@ def test_refusals_write_nothing(tmp_path, files, capsys, extra, message):
                         str(tmp_path / "o"), *extra)  # fmt: skip
     assert status == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_logprobs_of_different_kinds_are_refused(tmp_path, files, capsys):
+    """A rollout that says its logprobs are processed against a raw run: exit 2, nothing written."""
+    processed = str(tmp_path / "processed.jsonl")
+    with open(files["rollout"]) as src, open(processed, "w") as dst:
+        for line in src:
+            dst.write(json.dumps(dict(json.loads(line), logprobs_mode="processed_logprobs")) + "\n")
+    status, _ = run_cli("compare", processed, files["torch"], "--out-dir", str(tmp_path / "o"))
+    err = capsys.readouterr().err
+    assert (
+        status == 2
+        and "the sources' logprobs are of different kinds: rollout processed_logprobs, torch raw_logprobs" in err
+    )
+    assert not (tmp_path / "o").exists()

@@ -133,3 +133,33 @@ def test_bad_calls_are_refused(models, framework, change, error, match):
     call.update(change)
     with pytest.raises(error, match=match):
         SCORE[family, framework](config, weights, **call)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_processed_logprobs_are_those_of_logits_over_t(models, framework, rng):
+    """``logprobs_mode="processed_logprobs"``: score's logprobs are log_softmax(logits / T) of
+    transformers' logits, and decode with replay at the same sampling temperature agrees."""
+    family, config, weights, model = models["qwen2"]
+    requests = make_completions(rng, config.vocab_size, n=4)
+    t = 1.7
+    got = SCORE[family, framework](config, weights, requests, logprobs_mode="processed_logprobs", temperature=t)
+    for r, res in zip(requests, got, strict=True):
+        y = reference_logits(model, r.prompt, list(r.trace)) / t
+        y = y - y.max(axis=1, keepdims=True)
+        want = y[np.arange(len(r.trace)), list(r.trace)] - np.log(np.exp(y).sum(axis=1))
+        np.testing.assert_allclose(res.logprobs, want, rtol=0, atol=1e-5, err_msg=r.id)
+    raw = SCORE[family, framework](config, weights, requests)
+    assert max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(got, raw)) > 1e-2
+    decoded = DECODE[family, framework](
+        config, weights, requests, max_batch=2, temperature=t, seed=3, logprobs_mode="processed_logprobs"
+    )
+    for a, b in zip(got, decoded, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5, err_msg=a.id)
+    with pytest.raises(
+        ValueError, match=r"temperature must be above 0 for logprobs_mode='processed_logprobs' \(got 0.0\)"
+    ):
+        SCORE[family, framework](config, weights, requests, logprobs_mode="processed_logprobs", temperature=0.0)
+    with pytest.raises(
+        ValueError, match=r"logprobs_mode must be one of raw_logprobs, processed_logprobs \(got 'raw'\)"
+    ):
+        DECODE[family, framework](config, weights, requests, logprobs_mode="raw")

@@ -50,7 +50,7 @@ from .models import FRAMEWORKS, families
 from .records import DeviceMemoryError
 from .rollouts import ROLLOUT_FORMATS
 from .runner import CliError, stage
-from .schedule import COMPUTE_DTYPES
+from .schedule import COMPUTE_DTYPES, LOGPROBS_MODES
 from .traces import interrupted, sigint_tracked
 
 __all__ = ["main", "run", "build_parser"]
@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="request bodies of an openai-completions file without prompt_token_ids (JSON Lines, "
             "same order, prompt as token ids)",
+        )
+        p.add_argument(
+            "--logprobs-mode",
+            choices=LOGPROBS_MODES,
+            default="raw_logprobs",
+            help="vLLM's names: raw_logprobs (default: of the logits as they are) or processed_logprobs "
+            "(of logits / temperature; match the rollout's)",
         )
 
     def common(p, *, max_batch: int, model: bool = True, decode: bool = True):
@@ -215,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="positions whose logits exist at once: the output projection and the logprob op run "
         "this many at a time (default 2048)",
+    )
+    sc.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=1.0,
+        help="with --logprobs-mode processed_logprobs: the logprobs of logits / T (default 1)",
     )
     inputs(sc)
     common(sc, max_batch=1, decode=False)

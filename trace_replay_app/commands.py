@@ -116,9 +116,10 @@ def cmd_score(args, out: TextIO) -> int:
     t0 = time.perf_counter()
     stop_if_interrupted()
     results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
+                                    logprobs_mode=args.logprobs_mode, temperature=args.temperature,
                                     max_tokens=args.max_tokens, chunk_rows=args.chunk_rows)  # fmt: skip
     s = run_summary(requests, results, time.perf_counter() - t0)
-    options = dict(dtype=dtype, temperature=0.0, seed=0)
+    options = dict(dtype=dtype, temperature=args.temperature, seed=0, logprobs_mode=args.logprobs_mode)
     summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
     summary.update(
         max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, **model_summary(family, config, source, options)
@@ -212,20 +213,26 @@ def _compare_inputs(args):
                                                device=args.device, max_batch=args.max_batch,
                                                show_progress=False if args.quiet else None, **decode)  # fmt: skip
             summaries[fw] = run_summary(requests, results, seconds)
-            sources.append(results_source(fw, "decode", results))
+            sources.append(results_source(fw, "decode", results, args.logprobs_mode))
         for fw in scores:
             untraced = [r.id for r in requests if r.trace is None]
             if untraced:
                 raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
             stage(f"{fw}-score")
             t0 = time.perf_counter()
-            results = load_loop(family, fw, score=True)(config, weights, requests, device=args.device,
-                                                        dtype=decode["dtype"])  # fmt: skip
+            results = load_loop(family, fw, score=True)(
+                config, weights, requests, device=args.device, dtype=decode["dtype"],
+                logprobs_mode=args.logprobs_mode, temperature=args.temperature or 1.0,
+            )  # fmt: skip
             summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
-            sources.append(results_source(f"{fw}-score", "teacher-forced", results))
+            sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode))
         extra.update(max_batch=args.max_batch, runs=summaries)
     if len(sources) < 2:
         raise CliError(f"compare needs at least two sources (got {len(sources)}): add files, --run or --score")
+    modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
+    if len(set(modes.values())) > 1:
+        kinds = ", ".join(f"{n} {m}" for n, m in modes.items())
+        raise CliError(f"the sources' logprobs are of different kinds: {kinds} (--logprobs-mode sets the runs')")
     if requests is None:  # only output files: their reference's requests, by id
         from .records import TraceRequest
 

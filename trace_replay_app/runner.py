@@ -165,9 +165,7 @@ def load_weights(family: Family, config: Any, source: Mapping[str, Any]) -> dict
         raise CliError(str(exc)) from None
 
 
-def read_requests(
-    path: str, config: Any, *, format: str = "auto", requests_path: str | None = None
-) -> list[TraceRequest]:
+def read_requests(path: str, config: Any, *, format: str = "auto", requests_path: str | None = None) -> list:
     """The requests of a trace file (untraced requests allowed; a ``logprobs`` field ignored) or
     of a rollout file (:func:`~trace_replay_app.rollouts.read_rollouts`: ``format``, and the
     completions' request bodies ``requests_path``), checked against ``config``;
@@ -184,16 +182,18 @@ def read_requests(
 
 
 def decode_options(args) -> dict:
-    """The loop's ``dtype``/``temperature``/``seed`` from the arguments (dtype default: float32
-    on the CPU, bfloat16 on a GPU)."""
+    """The loop's ``dtype``/``temperature``/``seed``/``logprobs_mode`` from the arguments (dtype
+    default: float32 on the CPU, bfloat16 on a GPU)."""
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    return {"dtype": dtype, "temperature": args.temperature, "seed": args.sampling_seed}
+    mode = getattr(args, "logprobs_mode", "raw_logprobs")
+    return {"dtype": dtype, "temperature": args.temperature, "seed": args.sampling_seed, "logprobs_mode": mode}
 
 
 def model_summary(family, config, source, decode) -> dict:
     """The model and decoding part of an output's summary."""
     dataclass = dataclasses.is_dataclass(config) and not isinstance(config, type)
     sizes = dataclasses.asdict(config) if dataclass else dict(vars(config))
+    mode = decode.get("logprobs_mode", "raw_logprobs")
     return {
         "family": family.name,
         "weights": source,
@@ -201,7 +201,8 @@ def model_summary(family, config, source, decode) -> dict:
         "dtype": decode["dtype"],
         "temperature": decode["temperature"],
         "sampling_seed": decode["seed"],
-        "logprobs": LOGPROBS_NOTE,
+        "logprobs": LOGPROBS_NOTE if mode == "raw_logprobs" else "processed: logits / temperature",
+        "logprobs_mode": mode,
     }
 
 
@@ -358,8 +359,7 @@ def write_json_document(path: str, head: dict[str, Any], key: str, rows: Sequenc
 
 
 def check_out_path(option: str, path: str, *, inputs: Sequence[tuple[str, str | None]] = ()) -> None:
-    """:class:`CliError` unless ``path`` can be written: its folder exists, it is not a folder,
-    and it is none of ``inputs`` (``(option, path)`` pairs: an output must not replace an input)."""
+    """:class:`CliError` unless ``path`` can be written: its folder exists, it is no folder nor any ``inputs``."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise CliError(f"{option} {path}: folder {folder} does not exist")
@@ -379,9 +379,8 @@ def say(out: TextIO, quiet: bool, text: str) -> None:
 def check_outputs(
     outputs: Sequence[tuple[str, str]], inputs: Sequence[tuple[str, str | None]], checkpoint: str | None
 ) -> None:
-    """:class:`CliError` before any work when an output cannot be written (see
-    :func:`check_out_path`), would replace an input (``inputs``, or a file the ``checkpoint``
-    folder's weights are read from) or another output (``(option, path)`` pairs)."""
+    """:class:`CliError` before any work when an output (``(option, path)`` pairs) cannot be written,
+    would replace an input (``inputs``, or a file of the ``checkpoint`` folder) or another output."""
     from .checkpoint import checkpoint_inputs
 
     every_input = [*inputs, *(("--checkpoint", f) for f in checkpoint_inputs(checkpoint))]

@@ -51,6 +51,8 @@ __all__ = [
     "request_arrays",
     "collect_results",
     "COMPUTE_DTYPES",
+    "LOGPROBS_MODES",
+    "check_logprobs_mode",
 ]
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -282,7 +284,7 @@ class DecodeCall:
     ``prompts``/``traces``: per request, int64 ids (a trace or ``None``); ``schedule``: its
     :func:`plan`; ``temperature`` as a float; ``dtype``: the compute dtype's name (``None`` on
     a built model: it computes in its own); ``seed``; ``on_step``: the caller's callback or
-    ``None``."""
+    ``None``; ``logprobs_mode``: one of :data:`LOGPROBS_MODES`."""
 
     prompts: list
     traces: list
@@ -291,6 +293,14 @@ class DecodeCall:
     temperature: float
     seed: int
     on_step: Callable[[int], None] | None
+    logprobs_mode: str = "raw_logprobs"
+
+    @property
+    def logprob_temperature(self) -> float | None:
+        """The temperature the logprobs are taken at: ``temperature`` for
+        ``"processed_logprobs"`` when sampling (vLLM's processed logprobs: after temperature;
+        no top-k or top-p is applied here), else None (the raw logits)."""
+        return self.temperature if self.logprobs_mode == "processed_logprobs" and self.temperature > 0 else None
 
     @property
     def kv_positions(self) -> int:
@@ -318,6 +328,7 @@ def check_decode(
     config_type: type,
     check_weights: Callable[[Any, Mapping[str, np.ndarray]], None],
     device: Any = None,
+    logprobs_mode: Any = "raw_logprobs",
 ) -> DecodeCall:
     """Every framework-neutral check of a ``run_decode`` call (:func:`check_run`,
     :func:`check_sampling`, and :func:`check_device` unless ``device`` is None), then the
@@ -329,8 +340,20 @@ def check_decode(
     temp = check_sampling(dtype, temperature, seed)
     if device is not None:
         check_device(device)
+    mode = check_logprobs_mode(logprobs_mode)
     schedule = plan([r.new_tokens for r in requests], max_batch)
-    return DecodeCall(prompts, traces, schedule, dtype, temp, int(seed), on_step)
+    return DecodeCall(prompts, traces, schedule, dtype, temp, int(seed), on_step, mode)
+
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def check_logprobs_mode(mode: Any) -> str:
+    """``mode`` if it is one of :data:`LOGPROBS_MODES` (vLLM's names: the logprobs of the raw
+    logits, or of the logits after temperature), else ``ValueError`` naming it."""
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)} (got {mode!r})")
+    return mode
 
 
 def check_limits(model: Any) -> None:

@@ -19,13 +19,15 @@ records ``run`` writes, so every consumer of ``run``'s output reads ``score``'s 
 The contract of every family's ``run_score`` (both frameworks)::
 
     run_score(config, weights, requests, *, device="cpu", dtype="float32", max_tokens=16384,
-              chunk_rows=2048) -> list[RequestResult]
+              chunk_rows=2048, logprobs_mode="raw_logprobs", temperature=1.0) -> list[RequestResult]
 
 (torch adds ``compile=``: the forward through ``torch.compile``, by default on CUDA.)
 
 Every request must carry a trace (the completion to score). Logprobs, ranks and the entropy of
 each position's distribution are those of the raw logits (no temperature), float32, from one
-read of them (the logprob op); ``argmax`` is the model's greedy token at each position.
+read of them (the logprob op); with ``logprobs_mode="processed_logprobs"``, those of
+``logits / temperature`` (vLLM's processed logprobs, no top-k or top-p); ``argmax`` is the
+model's greedy token at each position.
 A rejected call raises ``TypeError``/``ValueError`` naming the argument before anything runs.
 """
 
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from .records import RequestResult, TraceRequest
-from .schedule import check_device, check_sampling
+from .schedule import check_device, check_logprobs_mode, check_sampling
 
 __all__ = ["ScoreBatch", "ScorePlan", "plan_score", "score_results", "PAD_MULTIPLE"]
 
@@ -61,11 +63,13 @@ class ScoreBatch:
 
 @dataclasses.dataclass(frozen=True)
 class ScorePlan:
-    """The batches of a checked call, its compute ``dtype`` and ``chunk_rows``."""
+    """The batches of a checked call, its compute ``dtype``, ``chunk_rows`` and the temperature
+    the logprobs are taken at (``None``: the raw logits)."""
 
     batches: tuple[ScoreBatch, ...]
     dtype: str
     chunk_rows: int
+    logprob_temperature: float | None = None
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -87,6 +91,8 @@ def plan_score(
     chunk_rows: Any,
     config_type: type,
     check_weights: Any,
+    logprobs_mode: Any = "raw_logprobs",
+    temperature: Any = 1.0,
 ) -> ScorePlan:
     """Check a ``run_score`` call (host-only) and cut its requests, in order, into batches of at
     most ``max_tokens`` padded tokens (a request longer than that is a batch of its own)."""
@@ -95,7 +101,10 @@ def plan_score(
     check_weights(config, weights)
     n_positions, vocab = int(getattr(config, "n_positions")), int(getattr(config, "vocab_size"))  # noqa: B009
     check_device(device)
-    check_sampling(dtype, 0.0, 0)
+    temperature = check_sampling(dtype, temperature, 0)
+    processed = check_logprobs_mode(logprobs_mode) == "processed_logprobs"
+    if processed and temperature <= 0:
+        raise ValueError(f"temperature must be above 0 for logprobs_mode='processed_logprobs' (got {temperature})")
     max_tokens = _positive_int("max_tokens", max_tokens)
     chunk_rows = _positive_int("chunk_rows", chunk_rows)
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
@@ -125,7 +134,7 @@ def plan_score(
         longest = max(longest, n)
     if group:
         batches.append(_batch(requests, group))
-    return ScorePlan(tuple(batches), dtype, chunk_rows)
+    return ScorePlan(tuple(batches), dtype, chunk_rows, temperature if processed else None)
 
 
 def _batch(requests: Sequence[TraceRequest], members: list[int]) -> ScoreBatch:

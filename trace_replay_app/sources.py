@@ -37,18 +37,20 @@ UNKNOWN = -1  # a rank or greedy token the source does not have
 @dataclasses.dataclass(frozen=True, eq=False)
 class Source:
     """``name``; ``results`` by request id; ``requests`` (those it read, for a rollout file,
-    else None); ``view``: ``"rollout"``, ``"decode"`` or ``"teacher-forced"``; ``path``."""
+    else None); ``view``: ``"rollout"``, ``"decode"`` or ``"teacher-forced"``; ``path``;
+    ``logprobs_mode``: vLLM's name of what its logprobs are (None where the file does not say)."""
 
     name: str
     results: Mapping[str, RequestResult]
     view: str
     path: str | None = None
     requests: Sequence[TraceRequest] | None = None
+    logprobs_mode: str | None = None
 
 
-def results_source(name: str, view: str, results: Sequence[RequestResult]) -> Source:
+def results_source(name: str, view: str, results: Sequence[RequestResult], logprobs_mode: str) -> Source:
     """A source of results made in this process (``--run``/``--score``)."""
-    return Source(name, {r.id: r for r in results}, view)
+    return Source(name, {r.id: r for r in results}, view, logprobs_mode=logprobs_mode)
 
 
 def _looks_like_output(path: str) -> Any:
@@ -106,7 +108,12 @@ def _from_output(path: str, doc: dict) -> Source:
         ranks = _ints(path, where, "requests.ranks", r.get("ranks"), tokens.size, -1)
         argmax = _ints(path, where, "requests.argmax", r.get("argmax"), tokens.size, 0)
         results[r["id"]] = RequestResult(r["id"], tokens, np.asarray(forced, bool), values, ranks, argmax)
-    return Source(name, results, view, path)
+    mode = summary.get("logprobs_mode", "raw_logprobs")
+    if mode not in ("raw_logprobs", "processed_logprobs"):
+        raise TraceFileError(
+            path, None, "summary.logprobs_mode", f"must be raw_logprobs or processed_logprobs (got {mode!r})"
+        )
+    return Source(name, results, view, path, logprobs_mode=mode)
 
 
 def load_source(
@@ -131,4 +138,8 @@ def load_source(
             np.full(n, UNKNOWN, np.int64),
             np.full(n, UNKNOWN, np.int64),
         )
-    return Source("rollout", results, "rollout", path, [r.request for r in rollouts])
+    modes = {r.logprobs_mode for r in rollouts if r.logprobs_mode is not None}
+    if len(modes) > 1:
+        raise TraceFileError(path, None, "logprobs_mode", f"differs between lines ({', '.join(sorted(modes))})")
+    mode = modes.pop() if modes else None
+    return Source("rollout", results, "rollout", path, [r.request for r in rollouts], mode)

@@ -12,14 +12,11 @@ Two entry points, one path (:func:`.jax_steps.run_model`):
   :mod:`trace_replay_app.models.family`): the checks and memory estimate, the parameters
   placed, then the same steps as :func:`decode_model` on :meth:`JaxFamily.bind`'s model.
 
-The driver owns, once for every model: the argument checks and the schedule
-(:mod:`trace_replay_app.schedule`), the memory estimate against the device's memory stats
-before anything is allocated there, admission (the prefill of the prompt padded to a bucket,
-then its keys and values into the slot with its lengths and first token), and the jitted step
-(logits, sampling by Gumbel-max with the noise of step ``t`` from ``fold_in(key(seed), t)``,
-:func:`trace_replay_jax.replay` with the state's tables passed in, logprob/rank/argmax in one
-read of the unmodified logits, outputs appended to fixed chunks, :mod:`.jax_chunks`), and one
-copy of the outputs to the host at the end (:mod:`.jax_steps`).
+The driver owns, once for every model: the checks and the schedule, the memory estimate before
+anything is allocated, admission (the prompt prefilled in a bucket, its keys and values into
+the slot), the jitted step (logits, Gumbel-max sampling with the noise of step ``t`` from
+``fold_in(key(seed), t)``, :func:`trace_replay_jax.replay`, logprob/rank/argmax in one read of
+the logits, outputs appended to fixed chunks), and one copy of the outputs to the host.
 
 With ``mesh=`` (a ``jax.sharding.Mesh``; family-only), the same run spans the mesh's devices:
 the output projection (``[hidden, vocab]``) is sharded along the vocabulary over
@@ -27,9 +24,8 @@ the output projection (``[hidden, vocab]``) is sharded along the vocabulary over
 the argmax (and the Gumbel-max draw) over the sharded logits merges each block's maximum in
 block order (ties: the lowest id), replay runs on a :class:`trace_replay_jax.TraceReplayState`
 over the mesh, and logprob and rank come from :func:`trace_replay_jax.token_logprob_rank_sharded`.
-Tokens equal the one-device run's; logprobs agree to float32 rounding (the order of the sum of
-exponentials differs), ranks exactly. Matrix products of float32 run at full precision
-(``precision="highest"``) in the registry's families.
+Tokens equal the one-device run's; logprobs agree to float32 rounding, ranks exactly. The
+registry's families run float32 matrix products at ``precision="highest"``.
 """
 
 from __future__ import annotations
@@ -318,15 +314,17 @@ def decoder(family: JaxFamily) -> Callable[..., list[RequestResult]]:
         seed: int = 0,
         mesh: Mesh | None = None,
         vocab_axis: str = "vocab",
+        logprobs_mode: str = "raw_logprobs",
     ) -> list[RequestResult]:
         return _run(family, config, weights, requests, device, max_batch, on_step, dtype, temperature, seed,
-                    mesh, vocab_axis)  # fmt: skip
+                    mesh, vocab_axis, logprobs_mode)  # fmt: skip
 
     run_decode.__doc__ = _run.__doc__
     return run_decode
 
 
-def _run(family, config, weights, requests, device, max_batch, on_step, dtype, temperature, seed, mesh, vocab_axis):
+def _run(family, config, weights, requests, device, max_batch, on_step, dtype, temperature, seed, mesh, vocab_axis,
+         logprobs_mode):  # fmt: skip
     """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
 
     Arguments and results as in the torch driver's ``run_decode`` (the family contract of
@@ -337,12 +335,11 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
     requests that decode)`` and buffers sized by the requests' real lengths (padded to
     power-of-two buckets). ``mesh``: run on the devices of a ``jax.sharding.Mesh`` instead of
     ``device`` (which must then be left at ``"cpu"``, its default), the logits sharded over
-    ``vocab_axis`` (``vocab_size`` a multiple of its size; other axes hold replicas). Token ids
-    are int32 on the device and int64 in the results. Nothing waits for the device between
-    steps; outputs are copied to the host once at the end. Arguments are checked before
-    anything runs (``TypeError`` / ``ValueError`` naming the argument); a run that would not fit
-    in a device's free memory (where JAX reports it) raises
-    :class:`~trace_replay_app.records.DeviceMemoryError` before anything is allocated there.
+    ``vocab_axis`` (``vocab_size`` a multiple of its size; other axes hold replicas; with
+    ``logprobs_mode="raw_logprobs"`` only when sampling). Token ids are int32 on the device and
+    int64 in the results. Outputs are copied to the host once at the end. Arguments are checked
+    before anything runs (``TypeError`` / ``ValueError`` naming the argument); a run that would
+    not fit in a device's free memory raises :class:`~trace_replay_app.records.DeviceMemoryError`.
     """
     call = check_decode(
         config,
@@ -356,7 +353,10 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
         config_type=family.config_type,
         check_weights=family.check_weights,
         device=device,
+        logprobs_mode=logprobs_mode,
     )
+    if mesh is not None and call.logprob_temperature is not None:
+        raise ValueError("logprobs_mode='processed_logprobs' with sampling is not supported with a mesh")
     if mesh is None:
         devices = [resolve_device(device)]  # ValueError when JAX has no such device
     else:

@@ -30,8 +30,9 @@ __all__ = ["scorer", "score_batches", "placed"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config", "chunk", "attention"))
-def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int, attention: str = "xla"):
+@functools.partial(jax.jit, static_argnames=("family", "config", "chunk", "attention", "temperature"))
+def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: int, attention: str = "xla",
+           temperature: float | None = None):  # fmt: skip
     """``(logprobs, ranks, argmax, entropy)`` of ``targets`` ``[m]`` under the logits of the flat
     positions ``rows`` ``[m]`` (``m`` a multiple of ``chunk``) of the sequences ``tokens``."""
     hidden = family.hidden(params, config, tokens, attention)
@@ -39,7 +40,8 @@ def _score(params, tokens, rows, targets, *, family: JaxFamily, config, chunk: i
 
     def one(args):
         h, ids = args
-        return tuple(token_logprob_rank(family.logits(params, h), ids, argmax=True, entropy=True))
+        temps = None if temperature is None else jnp.full(ids.shape, temperature, jnp.float32)
+        return tuple(token_logprob_rank(family.logits(params, h), ids, argmax=True, entropy=True, temperature=temps))
 
     out = jax.lax.map(one, (picked.reshape(-1, chunk, picked.shape[-1]), targets.reshape(-1, chunk)))
     return tuple(o.reshape(-1) for o in out)
@@ -63,7 +65,8 @@ def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, 
         targets = np.zeros(padded, np.int32)
         rows[:m], targets[:m] = batch.rows, batch.targets
         out = _score(params, put(batch.tokens.astype(np.int32)), put(rows), put(targets), family=family,
-                     config=config, chunk=chunk, attention=attention)  # fmt: skip
+                     config=config, chunk=chunk, attention=attention,
+                     temperature=plan.logprob_temperature)  # fmt: skip
         pending.append((m, out))
     return [tuple(np.asarray(o)[:m] for o in out) for m, out in pending]
 
@@ -86,10 +89,13 @@ def scorer(family: JaxFamily) -> Callable[..., list[RequestResult]]:
         dtype: str = "float32",
         max_tokens: int = 16384,
         chunk_rows: int = 2048,
+        logprobs_mode: str = "raw_logprobs",
+        temperature: float = 1.0,
     ) -> list[RequestResult]:
         plan = plan_score(config, weights, requests, device=device, dtype=dtype, max_tokens=max_tokens,
                           chunk_rows=chunk_rows, config_type=family.config_type,
-                          check_weights=family.check_weights)  # fmt: skip
+                          check_weights=family.check_weights, logprobs_mode=logprobs_mode,
+                          temperature=temperature)  # fmt: skip
         dev = resolve_device(device)
         outputs = score_batches(family, config, placed(family, config, weights, dtype, dev), plan, dev)
         return score_results(requests, plan, outputs)

@@ -96,7 +96,9 @@ def _admit(carry: Carry, kv, slot, prompt_len, last, *, model) -> Carry:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sample", "mesh", "vocab_axis"), donate_argnames=("carry",))
+@functools.partial(
+    jax.jit, static_argnames=("model", "sample", "processed", "mesh", "vocab_axis"), donate_argnames=("carry",)
+)
 def _step(
     params,
     tables: ReplayTables,
@@ -107,6 +109,7 @@ def _step(
     *,
     model,
     sample: bool,
+    processed: bool,
     mesh: Mesh | None,
     vocab_axis: str,
 ) -> Carry:
@@ -125,7 +128,8 @@ def _step(
         if noise is not None:  # Gumbel-max over logits / temperature
             drawn = jnp.argmax(logits.astype(jnp.float32) / temperature + noise, axis=-1).astype(jnp.int32)
         sampled = replay(tables, drawn, idx_mapping, carry.total_len, carry.prompt_len)  # -1 rows stay -1
-        logprobs, ranks, argmax = cast(tuple, token_logprob_rank(logits, sampled, argmax=True))
+        temps = jnp.full(sampled.shape, temperature, jnp.float32) if processed else None  # logprobs of logits / T
+        logprobs, ranks, argmax = cast(tuple, token_logprob_rank(logits, sampled, argmax=True, temperature=temps))
         sampled = jnp.where(sampled < 0, argmax, sampled)
     else:
         by_vocab = NamedSharding(mesh, P(None, vocab_axis))
@@ -191,7 +195,8 @@ def run_model(
 
     def step(carry: Carry, tables: ReplayTables, idx_chunk) -> Carry:
         return _step(params, tables, idx_chunk, carry, key, temp, model=model,
-                     sample=call.temperature > 0, mesh=mesh, vocab_axis=vocab_axis)  # fmt: skip
+                     sample=call.temperature > 0, processed=call.logprob_temperature is not None, mesh=mesh,
+                     vocab_axis=vocab_axis)  # fmt: skip
 
     # The table's shape is part of the step program's signature: bucket its row length too.
     max_trace = bucket(call.longest_trace, model.n_positions)

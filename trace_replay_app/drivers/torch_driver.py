@@ -239,9 +239,10 @@ def decoder(family: TorchFamily) -> Callable[..., list[RequestResult]]:
         seed: int = 0,
         cuda_graph: bool | None = None,
         tensor_parallel: TensorParallel | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> list[RequestResult]:
         return _run(family, config, weights, requests, device, max_batch, on_step, dtype, temperature, seed,
-                    cuda_graph, tensor_parallel)  # fmt: skip
+                    cuda_graph, tensor_parallel, logprobs_mode)  # fmt: skip
 
     run_decode.__doc__ = _run.__doc__
     return run_decode
@@ -275,7 +276,8 @@ def _estimate(call: DecodeCall, vocab_size: int, *, itemsize: int, weights: Mapp
     )
 
 
-def _run(family, config, weights, requests, device, max_batch, on_step, dtype, temperature, seed, cuda_graph, tp):
+def _run(family, config, weights, requests, device, max_batch, on_step, dtype, temperature, seed, cuda_graph, tp,
+         logprobs_mode):  # fmt: skip
     """Decode ``requests`` with the model ``config``/``weights``, replaying their traces.
 
     ``weights``: float numpy arrays under the family's names (copied to ``device`` in
@@ -292,7 +294,9 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
     graph (default: on CUDA devices; the eager step gives the same results).
     ``tensor_parallel``: a :class:`~.torch_parallel.TensorParallel` to run this rank's share
     of a ``torch.distributed`` job (call on every rank with the same arguments but ``device``;
-    every rank returns the same results).
+    every rank returns the same results). ``logprobs_mode``: ``"raw_logprobs"`` (default: the
+    logits as they are) or ``"processed_logprobs"`` (vLLM's: after temperature, when sampling;
+    not with ``tensor_parallel``).
 
     Returns one :class:`~trace_replay_app.records.RequestResult` per request, in request
     order: tokens, ``forced``, the logprob and rank of each token under the unmodified logits
@@ -315,7 +319,10 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
         config_type=family.config_type,
         check_weights=family.check_weights,
         device=device,
+        logprobs_mode=logprobs_mode,
     )
+    if tp is not None and call.logprob_temperature is not None:
+        raise ValueError("logprobs_mode='processed_logprobs' with sampling is not supported with tensor_parallel")
     if cuda_graph not in (None, True, False):
         raise TypeError(f"cuda_graph must be None, True or False (got {cuda_graph!r})")
     shard = None if tp is None else shard_for(tp, config, family.splits_layers)

@@ -59,12 +59,15 @@ def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> lis
             hidden = hidden.reshape(-1, hidden.shape[-1])
             rows, targets = upload(batch.rows, torch.int64, device), upload(batch.targets, torch.int64, device)
             m = rows.shape[0]
+            t = plan.logprob_temperature
+            temps = None if t is None else torch.full((plan.chunk_rows,), t, dtype=torch.float32, device=device)
             kinds = (torch.float32, torch.int64, torch.int64, torch.float32)
             out = tuple(torch.empty(m, dtype=t, device=device) for t in kinds)
             for s in range(0, m, plan.chunk_rows):
                 e = min(m, s + plan.chunk_rows)
                 logits = model.logits(hidden[rows[s:e]])
-                token_logprob_rank(logits, targets[s:e], argmax=True, entropy=True, out=tuple(o[s:e] for o in out))
+                token_logprob_rank(logits, targets[s:e], argmax=True, entropy=True, out=tuple(o[s:e] for o in out),
+                                   temperature=None if temps is None else temps[: e - s])  # fmt: skip
             pending.append(out)
     return [tuple(o.cpu().numpy() for o in out) for out in pending]
 
@@ -81,11 +84,14 @@ def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
         dtype: str = "float32",
         max_tokens: int = 16384,
         chunk_rows: int = 2048,
+        logprobs_mode: str = "raw_logprobs",
+        temperature: float = 1.0,
         compile: bool | None = None,
     ) -> list[RequestResult]:
         plan = plan_score(config, weights, requests, device=device, dtype=dtype, max_tokens=max_tokens,
                           chunk_rows=chunk_rows, config_type=family.config_type,
-                          check_weights=family.check_weights)  # fmt: skip
+                          check_weights=family.check_weights, logprobs_mode=logprobs_mode,
+                          temperature=temperature)  # fmt: skip
         if compile is not None and not isinstance(compile, bool):
             raise TypeError(f"compile must be a bool or None (got {type(compile).__name__} {compile!r})")
         dev = torch_device(device)

@@ -82,8 +82,12 @@ class Buffers:
 class Score:
     """Sampling, replay and logprob/rank/argmax of one device's whole-vocabulary logits."""
 
-    def __init__(self, rows: int, dev: torch.device, temperature: float):
+    def __init__(self, rows: int, dev: torch.device, temperature: float, logprob_temperature: float | None):
         self.temperature = temperature
+        # processed logprobs: of logits / T (one value per row, made once: the step is a graph)
+        self.logprob_t = None
+        if logprob_temperature is not None:
+            self.logprob_t = torch.full((rows,), logprob_temperature, dtype=torch.float32, device=dev)
         self.logprobs = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.ranks = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.argmax = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -98,7 +102,8 @@ class Score:
             buf.sampled.copy_((logits.float() / self.temperature + buf.gumbel()).argmax(dim=-1))
         state.replay(buf.sampled, buf.idx_mapping)  # traced rows take their trace token
         # From the unmodified logits; argmax ties: the lowest id, as torch.argmax.
-        token_logprob_rank(logits, buf.sampled, argmax=True, out=(self.logprobs, self.ranks, self.argmax))
+        token_logprob_rank(logits, buf.sampled, argmax=True, temperature=self.logprob_t,
+                           out=(self.logprobs, self.ranks, self.argmax))  # fmt: skip
         if buf.uniform is None:
             torch.lt(buf.sampled, 0, out=self.greedy)
             torch.where(self.greedy, self.argmax, buf.sampled, out=buf.sampled)
@@ -136,7 +141,10 @@ def run_model(model: Any, cache: Any, call: DecodeCall, dev: torch.device, *, us
     Call under ``torch.no_grad()`` on ``dev``'s device."""
     rows = call.schedule.slots
     buf = Buffers(call, model.vocab_size, dev)
-    score: Callable = Score(rows, dev, call.temperature) if merge is None else ShardScore(merge, call.temperature)
+    if merge is None:
+        score: Callable = Score(rows, dev, call.temperature, call.logprob_temperature)
+    else:
+        score = ShardScore(merge, call.temperature)
 
     def step(state: TraceReplayState) -> None:
         """One decode step of every row on fixed buffers (no host sync, no allocation the
