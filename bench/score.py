@@ -133,7 +133,7 @@ def main() -> None:
         from trace_replay_jax import resolve_device
 
         jdev = resolve_device(device)
-        jparams = jax_score.placed(jax_loop.JAX, config, weights, "bfloat16", jdev)
+        jparams = jax_loop.JAX.model(config, weights, device=device, dtype="bfloat16")[1]
     rows: list[dict[str, Any]] = []
     for batch in batches:
         requests = _requests(batch, tokens, config.vocab_size)

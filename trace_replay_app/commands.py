@@ -259,6 +259,7 @@ def cmd_compare(args, out: TextIO) -> int:
         compare_sources,
         gate_failures,
         output_paths,
+        pair_reports,
         summary_lines,
     )
     from .compare_plots import plot_divergence
@@ -288,7 +289,7 @@ def cmd_compare(args, out: TextIO) -> int:
         wrote = f"wrote {report_path} and {plot_path}"
     except ImportError:
         wrote = f"wrote {report_path}; plot skipped: matplotlib is not installed (pip install matplotlib)"
-    pairs = [report, *report["pairs"]]
+    pairs = pair_reports(report)
     for pair in pairs:
         for line in summary_lines(pair):
             say(out, args.quiet, line)

@@ -34,6 +34,7 @@ __all__ = [
     "compare_results",
     "compare_sources",
     "batch_gate_failures",
+    "pair_reports",
     "summary_lines",
     "mismatch_measures",
     "requests_above_k3",
@@ -326,7 +327,7 @@ def batch_gate_failures(report: dict[str, Any], metric: str, limit: float) -> li
     ``metric`` (a key of ``rl_metrics``) is above ``limit`` or missing, each as
     ``"a vs b (why)"``; ``ValueError`` for an unknown key."""
     failed = []
-    for pair in _pairs(report):
+    for pair in pair_reports(report):
         values = pair["summary"]["rl_metrics"]
         if metric not in values:
             raise ValueError(f"metric must be one of {', '.join(GATED_MEASURES)} or an rl_metrics key (got {metric!r})")
@@ -339,7 +340,7 @@ def batch_gate_failures(report: dict[str, Any], metric: str, limit: float) -> li
     return failed
 
 
-def _pairs(report: dict[str, Any]) -> list[dict[str, Any]]:
+def pair_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Every pair's report of a :func:`compare_sources` report, the first one first."""
     return [report, *report.get("pairs", [])]
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from .compare import pair_reports
+
 __all__ = ["plot_divergence"]
 
 
@@ -71,7 +73,7 @@ def plot_divergence(report: dict[str, Any], path: str, *, title: str | None = No
 def _ratio_histogram(ax: Any, report: dict[str, Any]) -> None:
     """Per pair, the histogram of ``exp(b - a)`` over its compared tokens with finite logprobs."""
     ratios = []
-    for pair in [report, *report.get("pairs", [])]:
+    for pair in pair_reports(report):
         a, b = pair["summary"]["frameworks"]
         d = [x for r in pair["requests"] for x in r["logprob_diff"] if x is not None]
         ratios.append((f"{b} / {a}", np.exp(np.clip(np.asarray(d, np.float64), -50, 50))))

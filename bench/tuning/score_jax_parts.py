@@ -48,7 +48,7 @@ def main() -> None:
     config = config_from_hf(dict(model_type="qwen2", tie_word_embeddings=True, rope_theta=1e6, **FULL["sizes"]))
     weights = seeded_weights(config, 0)
     dev = jax.devices()[0]
-    params = jax_score.placed(jax_loop.JAX, config, weights, "bfloat16", dev)
+    params = jax_loop.JAX.model(config, weights, device="cuda", dtype="bfloat16")[1]
     b, n = a.batch, 1024
     tokens = jax.device_put(np.random.default_rng(0).integers(0, config.vocab_size, (b, n)).astype(np.int32), dev)
     rows = []

@@ -59,6 +59,7 @@ __all__ = [
     "decoder",
     "free_bytes",
     "placed_params",
+    "device_params",
     "sharded_argmax",
 ]
 
@@ -166,13 +167,12 @@ class JaxFamily:
         """``(model, params)``: the family's :class:`JaxDecodeModel` of ``config`` and its
         parameters from ``weights`` (numpy arrays, copied; the caller's are not changed) on
         ``device`` in the compute ``dtype`` (``"float32"`` or ``"bfloat16"``), for
-        :func:`decode_model`, e.g. one side of a parity test; ``decode_model(model, params,
-        requests)`` gives the bits of the family's ``run_decode`` with the same arguments.
-        Arguments are checked first (``TypeError``/``ValueError`` naming them)."""
+        :func:`decode_model`, e.g. one side of a parity test (the bits of the family's
+        ``run_decode``). Arguments are checked first (``TypeError``/``ValueError`` naming them)."""
         check_run(config, weights, [], 1, None, config_type=self.config_type, check_weights=self.check_weights)
         check_sampling(dtype, 0.0, 0)
         jdtype = jnp.dtype(dtype)
-        return self.bind(config, jdtype), _device_params(self, config, weights, resolve_device(device), jdtype)
+        return self.bind(config, jdtype), device_params(self, config, weights, resolve_device(device), jdtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +205,7 @@ class FamilyModel:
         return self.family.decode(params, self.config, cache, tokens, positions)
 
 
-def _device_params(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dev: Any, dtype: Any) -> Any:
+def device_params(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dev: Any, dtype: Any) -> Any:
     """The family's parameter pytree on ``dev`` in ``dtype`` (copies)."""
     put = functools.partial(jax.device_put, device=dev)
     return jax.tree.map(lambda w: put(w).astype(dtype), family.params(config, weights, False))
@@ -393,7 +393,7 @@ def _decode_all(family: JaxFamily, config, weights, call: DecodeCall, dev, dtype
     per-step outputs ``[n_steps, slots]`` on the host."""
     if mesh is None:
         put = functools.partial(jax.device_put, device=dev)
-        params = _device_params(family, config, weights, dev, dtype)
+        params = device_params(family, config, weights, dev, dtype)
     else:
         put = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
         params = placed_params(family, config, weights, mesh, vocab_axis, dtype)

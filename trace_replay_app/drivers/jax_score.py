@@ -23,11 +23,9 @@ from trace_replay_jax import resolve_device, token_logprob_rank
 
 from ..records import RequestResult, TraceRequest
 from ..scoring import ScorePlan, plan_score, score_results
-from .jax_driver import JaxFamily
+from .jax_driver import JaxFamily, device_params
 
-__all__ = ["scorer", "score_batches", "placed"]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+__all__ = ["scorer", "score_batches"]
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config", "chunk", "attention", "temperature"))
@@ -71,12 +69,6 @@ def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, 
     return [tuple(np.asarray(o)[:m] for o in out) for m, out in pending]
 
 
-def placed(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dtype: str, device: Any) -> Any:
-    """The family's parameters on ``device`` in the compute ``dtype`` (copies)."""
-    put = functools.partial(jax.device_put, device=device)
-    return jax.tree.map(lambda w: put(w).astype(_DTYPES[dtype]), family.params(config, weights, False))
-
-
 def scorer(family: JaxFamily) -> Callable[..., list[RequestResult]]:
     """The ``run_score`` of ``family`` (the contract in :mod:`trace_replay_app.scoring`)."""
 
@@ -97,7 +89,9 @@ def scorer(family: JaxFamily) -> Callable[..., list[RequestResult]]:
                           check_weights=family.check_weights, logprobs_mode=logprobs_mode,
                           temperature=temperature)  # fmt: skip
         dev = resolve_device(device)
-        outputs = score_batches(family, config, placed(family, config, weights, dtype, dev), plan, dev)
+        outputs = score_batches(
+            family, config, device_params(family, config, weights, dev, jnp.dtype(dtype)), plan, dev
+        )
         return score_results(requests, plan, outputs)
 
     return run_score

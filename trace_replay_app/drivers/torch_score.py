@@ -23,10 +23,9 @@ from ..records import RequestResult, TraceRequest
 from ..scoring import ScorePlan, plan_score, score_results
 from .torch_driver import TorchFamily, torch_device, upload
 
-__all__ = ["scorer", "score_batches", "Scorable", "Compiled", "DTYPES"]
+__all__ = ["scorer", "score_batches", "Scorable", "Compiled"]
 
 Outputs = tuple[np.ndarray, ...]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Scorable(Protocol):
@@ -95,7 +94,7 @@ def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
         if compile is not None and not isinstance(compile, bool):
             raise TypeError(f"compile must be a bool or None (got {type(compile).__name__} {compile!r})")
         dev = torch_device(device)
-        model: Scorable = family.build(config, weights, dev, DTYPES[dtype], None)
+        model: Scorable = family.build(config, weights, dev, getattr(torch, plan.dtype), None)
         if compile if compile is not None else dev.type == "cuda":
             model = Compiled(model)
         outputs = score_batches(model, plan, dev)
