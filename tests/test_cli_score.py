@@ -7,6 +7,7 @@ offline ``RequestOutput`` JSON) is read by ``run`` and ``score`` alike.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -42,6 +43,35 @@ def test_score_matches_run(tmp_path, traced_file, framework):
         assert x["tokens"] == y["tokens"], x["id"]
         np.testing.assert_allclose(x["logprobs"], y["logprobs"], rtol=0, atol=1e-5, err_msg=x["id"])
         assert x["ranks"] == y["ranks"], x["id"]
+
+
+def test_score_writes_top_k(tmp_path, traced_file):
+    """``--top-k 3``: every scored token carries three ids and logprobs, most likely first, the
+    first id the greedy token, its logprob at least the token's own; the summary records k."""
+    out = str(tmp_path / "score.json")
+    status, text = run_cli("score", "--framework", "torch", "--traces", traced_file, "--out", out, "--top-k", "3")
+    assert status == 0, text
+    doc = load(out)
+    assert doc["summary"]["top_k"] == 3
+    for r in doc["requests"]:
+        ids, lps = r["topk_ids"], r["topk_logprobs"]
+        assert len(ids) == len(lps) == len(r["tokens"]) and all(len(x) == 3 for x in ids + lps), r["id"]
+        assert [x[0] for x in ids] == r["argmax"], r["id"]
+        assert all(a >= b >= c for a, b, c in lps) and all(len(set(x)) == 3 for x in ids), r["id"]
+        assert all(x[0] >= lp - 1e-6 for x, lp in zip(lps, r["logprobs"])), r["id"]
+    plain = str(tmp_path / "plain.json")
+    assert run_cli("score", "--framework", "torch", "--traces", traced_file, "--out", plain)[0] == 0
+    assert all("topk_ids" not in r for r in load(plain)["requests"])
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "100000"])
+def test_score_refuses_a_bad_top_k(tmp_path, traced_file, capsys, value):
+    out = tmp_path / "o.json"
+    with pytest.raises(SystemExit) as exc:
+        run_cli("score", "--framework", "torch", "--traces", traced_file, "--out", str(out), "--top-k", value)
+    assert exc.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert re.search(rf"argument --top-k: must be an integer from 0 to \d+ \(got '?{value}'?\)", err), err
 
 
 def test_score_refuses_an_untraced_request(tmp_path, capsys):

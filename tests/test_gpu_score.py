@@ -10,7 +10,15 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from helpers.jax_helpers import jax_gpu  # noqa: E402
-from helpers.llama_cases import check_against_hf, check_same, hf_model, load, make_checkpoint, make_completions  # noqa: E402
+from helpers.llama_cases import (  # noqa: E402
+    check_against_hf,
+    check_same,
+    check_top_k_against_hf,
+    hf_model,
+    load,
+    make_checkpoint,
+    make_completions,
+)
 
 from trace_replay_app.models.llama import jax_loop, torch_loop  # noqa: E402
 
@@ -39,6 +47,22 @@ def test_gpu_score_matches_transformers_and_decode(qwen2, framework, rng):
     check_against_hf(model, requests, got, f"qwen2 {framework} score on cuda")
     decoded = DECODE[framework](config, weights, requests, device=device, max_batch=3)
     check_same(got, decoded, f"qwen2 {framework} score vs decode on cuda", reference=model, requests=requests)
+
+
+@pytest.mark.parametrize("framework", sorted(SCORE))
+def test_gpu_score_top_k(qwen2, framework, rng):
+    """``top_k=5`` on the GPU: ids and logprobs those of transformers' CPU forward (float32),
+    the token's own outputs the same bits as without top-k; bfloat16 runs with top-k too."""
+    config, weights, model = qwen2
+    device = _device(framework)
+    requests = make_completions(rng, config.vocab_size, n=4)
+    got = SCORE[framework](config, weights, requests, device=device, top_k=5, chunk_rows=5)
+    check_top_k_against_hf(model, requests, got, 5, f"qwen2 {framework} score top-k on cuda")
+    plain = SCORE[framework](config, weights, requests, device=device, chunk_rows=5)
+    for a, b in zip(got, plain, strict=True):
+        assert all(np.array_equal(getattr(a, n), getattr(b, n)) for n in ("logprobs", "ranks", "entropy")), a.id
+    half = SCORE[framework](config, weights, requests, device=device, dtype="bfloat16", top_k=5)
+    assert all(h.topk_logprobs is not None and np.isfinite(h.topk_logprobs).all() for h in half)
 
 
 @pytest.mark.parametrize("framework", sorted(SCORE))

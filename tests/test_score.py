@@ -22,6 +22,7 @@ from helpers.llama_cases import (  # noqa: E402
     CASES,
     check_against_hf,
     check_same,
+    check_top_k_against_hf,
     hf_model,
     load,
     make_checkpoint,
@@ -85,6 +86,24 @@ def test_batches_and_chunks_change_no_bit(models, framework, rng):
         assert (a.ranks == b.ranks).all() and (a.argmax == b.argmax).all(), a.id
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_top_k_is_that_of_transformers(models, framework, rng):
+    """``top_k=5``: each position's five most likely ids are those of transformers' logits where
+    a gap above ``RANK_EPS`` decides them, their logprobs within 1e-5, in order; the token's own
+    logprob, rank and entropy are the same bits as without top-k."""
+    family, config, weights, model = models["qwen2"]
+    requests = make_completions(rng, config.vocab_size, n=4)
+    k = 5
+    got = SCORE[family, framework](config, weights, requests, top_k=k, chunk_rows=3)
+    plain = SCORE[family, framework](config, weights, requests, chunk_rows=3)
+    for r, res, base in zip(requests, got, plain, strict=True):
+        assert base.topk_ids is None and base.topk_logprobs is None
+        for name in ("logprobs", "ranks", "argmax", "entropy"):
+            assert np.array_equal(getattr(res, name), getattr(base, name)), (r.id, name)
+    check_top_k_against_hf(model, requests, got, k, f"{framework} score")
+    assert all(res.topk_ids is not None and res.topk_ids[:, 0].tolist() == res.argmax.tolist() for res in got)
+
+
 def check_entropy(model, requests, results, what: str) -> None:
     """Each scored position's entropy against transformers' float32 logits (float64 here)."""
     for r, res in zip(requests, results, strict=True):
@@ -124,6 +143,13 @@ def test_a_late_completion_is_caught(models, rng, monkeypatch):
         (dict(chunk_rows=True), TypeError, r"chunk_rows must be an int \(got bool True\)"),
         (dict(dtype="float16"), ValueError, r"dtype must be one of float32, bfloat16 \(got 'float16'\)"),
         (dict(device="tpu"), ValueError, r"device"),
+        (
+            dict(top_k=-1),
+            ValueError,
+            r"top_k must be between 0 and \d+ \(the op's limit and the vocabulary\) \(got -1\)",
+        ),
+        (dict(top_k=10**6), ValueError, r"top_k must be between 0 and \d+ .*\(got 1000000\)"),
+        (dict(top_k=2.0), TypeError, r"top_k must be an int \(got float 2.0\)"),
     ],
 )
 @pytest.mark.parametrize("framework", FRAMEWORKS)

@@ -42,7 +42,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
-from trace_replay_core import split_device
+from trace_replay_core import TOPK_MAX, split_device
 
 from . import __version__, demo
 from .commands import TRACES_HELP, cmd_compare, cmd_run, cmd_score, parse_gate
@@ -74,6 +74,16 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text!r})") from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
+    return value
+
+
+def _top_k(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {TOPK_MAX} (got {text!r})") from None
+    if not 0 <= value <= TOPK_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {TOPK_MAX} (got {value})")
     return value
 
 
@@ -222,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="positions whose logits exist at once: the output projection and the logprob op run "
         "this many at a time (default 2048)",
+    )
+    sc.add_argument(
+        "--top-k",
+        type=_top_k,
+        default=0,
+        metavar="K",
+        help=f"also write each position's K most likely tokens and their logprobs (topk_ids, "
+        f"topk_logprobs; at most {TOPK_MAX}; default 0: none)",
     )
     sc.add_argument(
         "--temperature",

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from .models import FRAMEWORKS
+from .outputs import reproduced, result_to_json, run_summary, write_json_document
 from .runner import (
     CliError,
     check_framework_device,
@@ -22,12 +23,8 @@ from .runner import (
     prepare_run,
     read_requests,
     replay_requests,
-    reproduced,
-    result_to_json,
-    run_summary,
     say,
     stage,
-    write_json_document,
 )
 from .traces import TraceFileError, stop_if_interrupted
 
@@ -117,13 +114,13 @@ def cmd_score(args, out: TextIO) -> int:
     stop_if_interrupted()
     results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
                                     logprobs_mode=args.logprobs_mode, temperature=args.temperature,
-                                    max_tokens=args.max_tokens, chunk_rows=args.chunk_rows)  # fmt: skip
+                                    max_tokens=args.max_tokens, chunk_rows=args.chunk_rows,
+                                    top_k=args.top_k)  # fmt: skip
     s = run_summary(requests, results, time.perf_counter() - t0)
     options = dict(dtype=dtype, temperature=args.temperature, seed=0, logprobs_mode=args.logprobs_mode)
     summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
-    summary.update(
-        max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, **model_summary(family, config, source, options)
-    )
+    summary.update(max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, top_k=args.top_k)
+    summary.update(model_summary(family, config, source, options))
     rows = [result_to_json(q, r) for q, r in zip(requests, results, strict=True)]
     write_json_document(args.out, {"summary": summary}, "requests", rows)
     say(

@@ -48,7 +48,9 @@ class RequestResult:
     the loop's own, unmodified logits (rank 1 = unique argmax, ties count against the token);
     ``argmax``: the token the model itself would have chosen greedily at that step (int64);
     ``entropy``: the entropy of that step's distribution (float32, natural log), where the run
-    computed it (``score``), else None.
+    computed it (``score``), else None; ``topk_logprobs`` (float32) and ``topk_ids`` (int64),
+    ``[tokens, k]``: the ``k`` most likely tokens of each step, most likely first, where the run
+    computed them (``score --top-k``), else None.
     """
 
     id: str
@@ -58,3 +60,5 @@ class RequestResult:
     ranks: np.ndarray
     argmax: np.ndarray
     entropy: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None

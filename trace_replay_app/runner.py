@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
-import math
 import os
 import sys
 import time
@@ -23,7 +21,7 @@ from trace_replay_core import parse_device, split_device
 from .models import Family, FrameworkMissing, RunDecode, get_family
 from .records import RequestResult, TraceRequest
 from .rollouts import detect_format, read_rollouts
-from .traces import TraceFileError, atomic_write, read_traces, stop_if_interrupted
+from .traces import TraceFileError, read_traces, stop_if_interrupted
 
 __all__ = [
     "CliError",
@@ -37,15 +35,9 @@ __all__ = [
     "read_requests",
     "progress_bar",
     "replay_requests",
-    "reproduced",
-    "result_to_json",
-    "run_summary",
-    "write_json_document",
     "check_out_path",
     "check_outputs",
     "say",
-    "finite_or_none",
-    "non_finite_requests",
     "stage",
     "LOGPROBS_NOTE",
 ]
@@ -279,83 +271,6 @@ def replay_requests(
     if len(results) != len(requests) or any(res.id != req.id for res, req in zip(results, requests, strict=True)):
         raise RuntimeError(f"the {framework} loop returned results that do not match the requests in order")
     return list(results), seconds
-
-
-def finite_or_none(x) -> float | None:
-    """``float(x)``, or None when it is not finite (JSON has no NaN)."""
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def reproduced(request: TraceRequest, result: RequestResult) -> bool | None:
-    """Whether a traced request's tokens equal its trace (None for an untraced request)."""
-    if request.trace is None:
-        return None
-    return [int(t) for t in result.tokens] == list(request.trace)
-
-
-def result_to_json(request: TraceRequest, result: RequestResult) -> dict[str, Any]:
-    """One request of a ``run`` output file: ``id``, ``traced``, ``reproduced`` (traced
-    requests: tokens equal the trace; null otherwise), ``prompt_len``, and per decoded token
-    ``tokens``, ``forced``, ``logprobs`` (null where not finite), ``ranks``, ``argmax``, and
-    ``entropy`` where the run computed it (``score``)."""
-    return {
-        "id": request.id,
-        "traced": request.trace is not None,
-        "reproduced": reproduced(request, result),
-        "prompt_len": len(request.prompt),
-        "tokens": [int(t) for t in result.tokens],
-        "forced": [bool(f) for f in result.forced],
-        "logprobs": [finite_or_none(x) for x in result.logprobs],
-        "ranks": [int(r) for r in result.ranks],
-        "argmax": [int(a) for a in result.argmax],
-        **({} if result.entropy is None else {"entropy": [finite_or_none(x) for x in result.entropy]}),
-    }
-
-
-def run_summary(requests: Sequence[TraceRequest], results: Sequence[RequestResult], seconds: float) -> dict[str, Any]:
-    """Counts and rates of one run: requests, traced requests, tokens, forced tokens, seconds,
-    tokens/s, exact reproductions (traced requests whose tokens equal their trace), and the
-    mean logprob and rank of the forced tokens."""
-    tokens = sum(len(r.tokens) for r in results)
-    forced_lp = [float(lp) for r in results for lp, f in zip(r.logprobs, r.forced, strict=True) if f]
-    forced_rank = [int(rk) for r in results for rk, f in zip(r.ranks, r.forced, strict=True) if f]
-    traced = [(q, r) for q, r in zip(requests, results, strict=True) if q.trace is not None]
-    bad = non_finite_requests(requests, results)
-    return {
-        "requests": len(requests),
-        "traced_requests": len(traced),
-        "tokens": tokens,
-        "forced_tokens": len(forced_lp),
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds > 0 else None,
-        "exact_reproductions": sum(bool(reproduced(q, r)) for q, r in traced),
-        "mean_forced_logprob": finite_or_none(sum(forced_lp) / len(forced_lp)) if forced_lp else None,
-        "mean_forced_rank": sum(forced_rank) / len(forced_rank) if forced_rank else None,
-        "non_finite_logprobs": sum(bad.values()),
-        "requests_with_non_finite_logprobs": list(bad),
-    }
-
-
-def non_finite_requests(requests: Sequence[TraceRequest], results: Sequence[RequestResult]) -> dict[str, int]:
-    """``{request id: how many of its logprobs are not finite}`` for the requests that have any
-    (written as null in the outputs: JSON has no NaN), in request order."""
-    counts = {
-        q.id: int(len(r.logprobs) - sum(math.isfinite(float(x)) for x in r.logprobs))
-        for q, r in zip(requests, results, strict=True)
-    }
-    return {rid: n for rid, n in counts.items() if n}
-
-
-def write_json_document(path: str, head: dict[str, Any], key: str, rows: Sequence[dict[str, Any]]) -> None:
-    """``{**head, key: rows}`` as JSON with one row per line (atomically; not after Ctrl-C)."""
-    with atomic_write(path) as f:
-        f.write("{")
-        for name, value in head.items():
-            f.write(f"{json.dumps(name)}: {json.dumps(value, indent=1, allow_nan=False)},\n")
-        f.write(f"{json.dumps(key)}: [\n")
-        f.write(",\n".join(json.dumps(r, allow_nan=False, separators=(",", ":")) for r in rows))
-        f.write("\n]}\n")
 
 
 def check_out_path(option: str, path: str, *, inputs: Sequence[tuple[str, str | None]] = ()) -> None:

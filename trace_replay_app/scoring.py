@@ -19,7 +19,8 @@ records ``run`` writes, so every consumer of ``run``'s output reads ``score``'s 
 The contract of every family's ``run_score`` (both frameworks)::
 
     run_score(config, weights, requests, *, device="cpu", dtype="float32", max_tokens=16384,
-              chunk_rows=2048, logprobs_mode="raw_logprobs", temperature=1.0) -> list[RequestResult]
+              chunk_rows=2048, logprobs_mode="raw_logprobs", temperature=1.0, top_k=0)
+        -> list[RequestResult]
 
 (torch adds ``compile=``: the forward through ``torch.compile``, by default on CUDA.)
 
@@ -27,7 +28,9 @@ Every request must carry a trace (the completion to score). Logprobs, ranks and 
 each position's distribution are those of the raw logits (no temperature), float32, from one
 read of them (the logprob op); with ``logprobs_mode="processed_logprobs"``, those of
 ``logits / temperature`` (vLLM's processed logprobs, no top-k or top-p); ``argmax`` is the
-model's greedy token at each position.
+model's greedy token at each position. With ``top_k > 0`` each position also carries the ``top_k``
+most likely tokens and their logprobs, from the same read of the logits (ties: the lower id
+first).
 A rejected call raises ``TypeError``/``ValueError`` naming the argument before anything runs.
 """
 
@@ -38,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from trace_replay_core import TOPK_MAX
 
 from .records import RequestResult, TraceRequest
 from .schedule import check_device, check_logprobs_mode, check_sampling
@@ -63,13 +68,14 @@ class ScoreBatch:
 
 @dataclasses.dataclass(frozen=True)
 class ScorePlan:
-    """The batches of a checked call, its compute ``dtype``, ``chunk_rows`` and the temperature
-    the logprobs are taken at (``None``: the raw logits)."""
+    """The batches of a checked call, its compute ``dtype``, ``chunk_rows``, the temperature
+    the logprobs are taken at (``None``: the raw logits) and ``top_k`` (0: none)."""
 
     batches: tuple[ScoreBatch, ...]
     dtype: str
     chunk_rows: int
     logprob_temperature: float | None = None
+    top_k: int = 0
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -93,6 +99,7 @@ def plan_score(
     check_weights: Any,
     logprobs_mode: Any = "raw_logprobs",
     temperature: Any = 1.0,
+    top_k: Any = 0,
 ) -> ScorePlan:
     """Check a ``run_score`` call (host-only) and cut its requests, in order, into batches of at
     most ``max_tokens`` padded tokens (a request longer than that is a batch of its own)."""
@@ -107,6 +114,11 @@ def plan_score(
         raise ValueError(f"temperature must be above 0 for logprobs_mode='processed_logprobs' (got {temperature})")
     max_tokens = _positive_int("max_tokens", max_tokens)
     chunk_rows = _positive_int("chunk_rows", chunk_rows)
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    if not 0 <= top_k <= min(TOPK_MAX, vocab):
+        limit = min(TOPK_MAX, vocab)
+        raise ValueError(f"top_k must be between 0 and {limit} (the op's limit and the vocabulary) (got {top_k})")
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of TraceRequest (got {type(requests).__name__})")
     lengths = []
@@ -134,7 +146,7 @@ def plan_score(
         longest = max(longest, n)
     if group:
         batches.append(_batch(requests, group))
-    return ScorePlan(tuple(batches), dtype, chunk_rows, temperature if processed else None)
+    return ScorePlan(tuple(batches), dtype, chunk_rows, temperature if processed else None, int(top_k))
 
 
 def _batch(requests: Sequence[TraceRequest], members: list[int]) -> ScoreBatch:
@@ -155,9 +167,10 @@ def score_results(
     requests: Sequence[TraceRequest], plan: ScorePlan, outputs: Sequence[tuple[np.ndarray, ...]]
 ) -> list[RequestResult]:
     """One result per request in request order from each batch's ``(logprobs, ranks, argmax,
-    entropy)`` over its ``rows``."""
+    entropy)`` over its ``rows``, followed by ``(topk_logprobs, topk_ids)`` ``[rows, top_k]``
+    when ``plan.top_k``."""
     results: list[RequestResult | None] = [None] * len(requests)
-    for batch, (lp, rk, am, ent) in zip(plan.batches, outputs, strict=True):
+    for batch, (lp, rk, am, ent, *topk) in zip(plan.batches, outputs, strict=True):
         at = 0
         for i, m in zip(batch.members, batch.counts):
             r = requests[i]
@@ -169,6 +182,8 @@ def score_results(
                 ranks=np.asarray(rk[at : at + m], np.int64),
                 argmax=np.asarray(am[at : at + m], np.int64),
                 entropy=np.asarray(ent[at : at + m], np.float32),
+                topk_logprobs=np.asarray(topk[0][at : at + m], np.float32) if topk else None,
+                topk_ids=np.asarray(topk[1][at : at + m], np.int64) if topk else None,
             )
             at += m
     return [r for r in results if r is not None]

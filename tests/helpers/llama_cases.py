@@ -283,3 +283,24 @@ def check_same(a, b, what: str, atol: float = 1e-5, *, reference=None, requests=
             logits = reference_logits(reference, requests[i].prompt, x.tokens.tolist())
             check_ranks(x, logits, f"{who} (first)", eps)
             check_ranks(y, logits, f"{who} (second)", eps)
+
+
+def check_top_k_against_hf(model, requests, results, k: int, what: str) -> None:
+    """Each scored position's ``k`` most likely ids are those of transformers' logits wherever
+    gaps above ``RANK_EPS`` on both sides decide them, in order, and their logprobs are within
+    1e-5 of transformers' (float64 ``log_softmax`` of its float32 logits)."""
+    for r, res in zip(requests, results, strict=True):
+        assert res.topk_ids is not None and res.topk_logprobs is not None, what
+        assert res.topk_ids.shape == res.topk_logprobs.shape == (len(r.trace), k), what
+        assert res.topk_ids.dtype == np.int64 and res.topk_logprobs.dtype == np.float32, what
+        y = reference_logits(model, r.prompt, list(r.trace)).astype(np.float64)
+        lsm = y - y.max(axis=1, keepdims=True)
+        lsm -= np.log(np.exp(lsm).sum(axis=1, keepdims=True))
+        order = np.argsort(-lsm, axis=1, kind="stable")[:, : k + 1]
+        want = np.take_along_axis(lsm, order, axis=1)
+        np.testing.assert_allclose(res.topk_logprobs, want[:, :k], rtol=0, atol=1e-5, err_msg=f"{what} {r.id}")
+        decided = want[:, :k] - want[:, 1:] > RANK_EPS  # the gap between places i and i + 1
+        for pos in range(len(r.trace)):
+            for i in range(k):
+                if (i == 0 or decided[pos, i - 1]) and decided[pos, i]:
+                    assert res.topk_ids[pos, i] == order[pos, i], (what, r.id, pos, i)

@@ -49,8 +49,8 @@ class Compiled:
 
 def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> list[Outputs]:
     """Each batch of ``plan`` through ``model`` (a built :class:`~.torch_driver.TorchModel`):
-    per batch ``(logprobs, ranks, argmax, entropy)`` over its scored rows, on the host (one copy at the
-    end; host-blocking)."""
+    per batch ``(logprobs, ranks, argmax, entropy[, topk_logprobs, topk_ids])`` over its scored
+    rows, on the host (one copy at the end; host-blocking)."""
     pending = []
     with torch.inference_mode():
         for batch in plan.batches:
@@ -60,12 +60,17 @@ def score_batches(model: Scorable, plan: ScorePlan, device: torch.device) -> lis
             m = rows.shape[0]
             t = plan.logprob_temperature
             temps = None if t is None else torch.full((plan.chunk_rows,), t, dtype=torch.float32, device=device)
+            k = plan.top_k
+            # logprobs, ranks, argmax, entropy (score_results' order), then the top-k pair
             kinds = (torch.float32, torch.int64, torch.int64, torch.float32)
-            out = tuple(torch.empty(m, dtype=t, device=device) for t in kinds)
+            out = tuple(torch.empty(m, dtype=dt, device=device) for dt in kinds)
+            out += tuple(torch.empty((m, k), dtype=dt, device=device) for dt in (torch.float32, torch.int64) if k)
             for s in range(0, m, plan.chunk_rows):
                 e = min(m, s + plan.chunk_rows)
                 logits = model.logits(hidden[rows[s:e]])
-                token_logprob_rank(logits, targets[s:e], argmax=True, entropy=True, out=tuple(o[s:e] for o in out),
+                op_order = (*out[:2], *out[4:], *out[2:4])  # the op's: logprobs, ranks, top-k pair, argmax, entropy
+                token_logprob_rank(logits, targets[s:e], top_k=k, argmax=True, entropy=True,
+                                   out=tuple(o[s:e] for o in op_order),
                                    temperature=None if temps is None else temps[: e - s])  # fmt: skip
             pending.append(out)
     return [tuple(o.cpu().numpy() for o in out) for out in pending]
@@ -85,12 +90,13 @@ def scorer(family: TorchFamily) -> Callable[..., list[RequestResult]]:
         chunk_rows: int = 2048,
         logprobs_mode: str = "raw_logprobs",
         temperature: float = 1.0,
+        top_k: int = 0,
         compile: bool | None = None,
     ) -> list[RequestResult]:
         plan = plan_score(config, weights, requests, device=device, dtype=dtype, max_tokens=max_tokens,
                           chunk_rows=chunk_rows, config_type=family.config_type,
                           check_weights=family.check_weights, logprobs_mode=logprobs_mode,
-                          temperature=temperature)  # fmt: skip
+                          temperature=temperature, top_k=top_k)  # fmt: skip
         if compile is not None and not isinstance(compile, bool):
             raise TypeError(f"compile must be a bool or None (got {type(compile).__name__} {compile!r})")
         dev = torch_device(device)
