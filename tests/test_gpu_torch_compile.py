@@ -8,7 +8,7 @@ Skipped with a reason on machines without a GPU (see conftest.py).
 import pytest
 import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
-from helpers.torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+from helpers.torch_samplers import DecodeLoop, eager_sampler, natural_sampler, op_sampler  # noqa: E402
 
 from trace_replay_torch import TraceReplayState, replay_op, token_logprob_rank_op  # noqa: E402
 
@@ -157,3 +157,42 @@ def test_compiled_sampler_with_entropy_matches_eager(rng, mode):
             y = (logits.float() / temperature[:, None]).cpu().numpy()
             assert_entropy(y, got[3].cpu().numpy(), f"compiled entropy, step {step}")
             loop.advance()
+
+
+@pytest.mark.parametrize(
+    "mode, dynamic", [("default", False), ("default", True), ("reduce-overhead", False), ("reduce-overhead", True)]
+)
+def test_natural_sampler_compiled_on_cuda(rng, mode, dynamic):
+    """A sampler written with the state's own methods (temperature, top-k, an exponential race,
+    ``state.replay``, ``token_logprob_rank`` with top-k, argmax and entropy) under
+    ``torch.compile(fullgraph=True)``: each step's replay is the reference replay of what the
+    compiled code drew, its logprob outputs have the eager bits for the tokens it returned, no
+    step after the first compiles anything, and ``reduce-overhead`` runs it as CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    from trace_replay_torch import token_logprob_rank
+
+    st, loop = _loop(rng, batch=48)
+    with st:
+        compiled = torch.compile(natural_sampler, fullgraph=True, dynamic=dynamic, mode=mode)
+        temperature = torch.rand(48, device=DEV) + 0.5
+        counters.clear()
+        for step in range(16):
+            loop.admit_and_commit()
+            logits, idx = loop.step_inputs(dtype=torch.bfloat16)
+            noise = torch.empty(logits.shape, device=DEV).exponential_()
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            drawn, sampled, result = compiled(st, logits, idx, temperature, noise)
+            drawn, sampled, result = drawn.clone(), sampled.clone(), [t.clone() for t in result]
+            assert_tokens_equal(sampled.cpu().numpy(), loop.expected(drawn, idx), f"replay, step {step}")
+            want = token_logprob_rank(logits, sampled, top_k=4, argmax=True, entropy=True)
+            for name, g, w in zip(want._fields, result, want):
+                assert g.dtype == w.dtype and torch.equal(g.nan_to_num(), w.nan_to_num()), f"{name}, step {step}"
+            if step == 1:
+                stats = dict(counters["stats"])
+            loop.advance()
+        assert dict(counters["stats"]) == stats, "compiled again after the first steps"
+        assert loop.forced > 10
+    if mode == "reduce-overhead":
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_tokens_equal, random_scenario  # noqa: E402
-from helpers.torch_samplers import DecodeLoop, eager_sampler, op_sampler  # noqa: E402
+from helpers.torch_samplers import DecodeLoop, eager_sampler, natural_sampler, op_sampler  # noqa: E402
 
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_torch import TraceReplayState, replay_at_step_op, replay_op, token_logprob_rank, token_logprob_rank_op  # noqa: E402
@@ -193,19 +193,28 @@ def test_one_compiled_sampler_serves_two_states(rng):
             assert compiled(state, logits, idx)[0].tolist() == [token, plain]
 
 
-def test_compiled_sampler_refuses_a_closed_state(rng):
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("sampler", [op_sampler, eager_sampler])
+def test_compiled_sampler_refuses_a_closed_state(rng, sampler, fullgraph):
+    """Closing a state that a compiled function holds: the next call raises the closed-state
+    error as a plain ``RuntimeError`` (from the op when the graph runs), and so does a function
+    compiled after the close."""
     z = torch.zeros(4, dtype=torch.int32)
     st = TraceReplayState(4, 4, device="cpu", total_len=z, prompt_len=z)
     logits = torch.from_numpy(rng.standard_normal((2, 30)).astype(np.float32))
     idx = torch.tensor([0, 1], dtype=torch.int32)
-    compiled = torch.compile(op_sampler, backend="eager")
+    compiled = torch.compile(sampler, fullgraph=fullgraph, backend="aot_eager")
     compiled(st, logits, idx)
     st.close()
-    with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
+    closed = r"^this TraceReplayState is closed \(op id \d+: closed, garbage collected or never opened\)"
+    with pytest.raises(RuntimeError, match=closed) as info:
         compiled(st, logits, idx)
-    # With fullgraph=True, Dynamo may report the same error inside its own exception type.
-    with pytest.raises(Exception, match=r"this TraceReplayState is closed"):
-        torch.compile(op_sampler, fullgraph=True, backend="eager")(st, logits, idx)
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException)
+    with pytest.raises(RuntimeError, match=closed) as info:
+        torch.compile(sampler, fullgraph=fullgraph, backend="aot_eager")(st, logits, idx)
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException)
+    with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed$"):
+        sampler(st, logits, idx)
 
 
 def test_logprob_op_carries_no_gradient(rng):
@@ -214,3 +223,63 @@ def test_logprob_op_carries_no_gradient(rng):
     tokens = torch.from_numpy(rng.integers(0, 19, 4))
     for result in (token_logprob_rank(logits, tokens), token_logprob_rank_op(logits, tokens)):
         assert not any(t.requires_grad for t in result)
+
+
+def _dynamo_stats():
+    return dict(torch._dynamo.utils.counters["stats"])
+
+
+@pytest.mark.parametrize("dynamic, backend", [(False, "inductor"), (True, "aot_eager")])
+def test_natural_sampler_compiles_whole(rng, dynamic, backend):
+    """The state's own methods inside ``torch.compile(fullgraph=True)``: a sampler written with
+    ``state.replay`` and ``token_logprob_rank`` (top-k, argmax, entropy) compiles into one graph;
+    each step the replay is the reference replay of the tokens the compiled code drew and the
+    logprob outputs are the eager function's bits for the tokens it returned; steps with
+    commits between them compile nothing new after the first."""
+    slots, batch, vocab = 16, 12, 97
+    total = torch.zeros(slots, dtype=torch.int32)
+    prompt = torch.zeros(slots, dtype=torch.int32)
+    with TraceReplayState(slots, 24, device="cpu", total_len=total, prompt_len=prompt) as st:
+        loop = DecodeLoop(rng, st, total, prompt, batch=batch, vocab=vocab)
+        compiled = torch.compile(natural_sampler, fullgraph=True, dynamic=dynamic, backend=backend)
+        torch._dynamo.utils.counters.clear()
+        temperature = torch.from_numpy(rng.uniform(0.5, 1.5, batch).astype(np.float32))
+        for step in range(6):
+            loop.admit_and_commit()
+            logits, idx = loop.step_inputs()
+            noise = torch.from_numpy(rng.exponential(size=(batch, vocab)).astype(np.float32))
+            drawn, sampled, result = compiled(st, logits, idx, temperature, noise)
+            assert_tokens_equal(sampled.numpy(), loop.expected(drawn, idx), f"replay, step {step}")
+            want = token_logprob_rank(logits, sampled, top_k=4, argmax=True, entropy=True)
+            assert type(result) is type(want)
+            for name, g, w in zip(want._fields, result, want):
+                assert g.dtype == w.dtype and torch.equal(g.nan_to_num(), w.nan_to_num()), f"{name}, step {step}"
+            if step == 0:
+                stats = _dynamo_stats()
+                assert stats.get("unique_graphs") == 1, stats
+            loop.advance()
+        assert _dynamo_stats() == stats, "recompiled after the first step"
+        assert loop.forced > 3
+
+
+def test_natural_sampler_with_steps_and_out(rng):
+    """``replay_at_step`` and ``token_logprob_rank(..., out=...)`` inside a fullgraph compile:
+    the caller's tensors are written, with the eager bits."""
+    sc, st, t = _scenario_state(rng, batch=29)
+    with st:
+        logits = torch.from_numpy(rng.standard_normal((29, 50)).astype(np.float32))
+
+        def step_and_out(state, sampled, idx, step, logits, lp, rk):
+            state.replay_at_step(sampled, idx, step)
+            return token_logprob_rank(logits, sampled, out=(lp, rk))
+
+        lp, rk = torch.full((29,), float("nan")), torch.full((29,), -7, dtype=torch.int64)
+        sampled = t["sampled"].clone()
+        got = torch.compile(step_and_out, fullgraph=True, backend="aot_eager")(
+            st, sampled, t["idx"], t["step"], logits, lp, rk
+        )
+        want_tokens = replay_reference(sc["sampled"], sc["idx"], sc["table"], sc["trace_len"], step=sc["step"])
+        assert_tokens_equal(sampled.numpy(), want_tokens, "replay_at_step compiled")
+        want = token_logprob_rank(logits, sampled)
+        assert got[0] is lp and got[1] is rk
+        assert torch.equal(lp.nan_to_num(), want[0].nan_to_num()) and torch.equal(rk, want[1])

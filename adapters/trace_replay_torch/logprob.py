@@ -262,6 +262,10 @@ def token_logprob_rank(
     Errors: ``TypeError``/``ValueError`` naming the argument and the value received; a
     rejected call writes nothing.
 
+    Inside ``torch.compile`` the call becomes the registered op of its outputs
+    (:func:`~trace_replay_torch.token_logprob_rank_op`; with ``out=``, its results are copied
+    into ``out``), so a sampler written with this function compiles into one graph.
+
     Blocking: ordered on torch's current stream of the logits' device, never synchronises. It
     allocates a workspace with torch (``logprob_rank_workspace_bytes``: 320 bytes per row at
     vocab 151,936, about 16.6 KiB per row with top-k 20; capture-safe through torch's graph
@@ -269,6 +273,8 @@ def token_logprob_rank(
     and signature (``argmax`` and ``entropy`` are part of it) compiles the kernels: run one eager call before
     capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
     """
+    if torch.compiler.is_compiling():
+        return _compiled_call(logits, token_ids, top_k, temperature, out, argmax, entropy)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (got {type(logits).__name__})")
     if not isinstance(token_ids, torch.Tensor):
@@ -344,3 +350,19 @@ def _caller_outs(out, top_k: int, argmax: bool, entropy: bool) -> list:
         raise TypeError(f"out must be a ({', '.join(names)}) tuple of torch.Tensor with {flags} (got {got})")
     given = dict(zip(names, out))
     return [given.get(name) for name in ("logprobs", "ranks", "topk_logprobs", "topk_ids", "argmax", "entropy")]
+
+
+def _compiled_call(logits, token_ids, top_k, temperature, out, argmax: bool, entropy: bool) -> LogprobRankResult:
+    """:func:`token_logprob_rank` while ``torch.compile`` traces: the registered op, its
+    results copied into ``out`` when given (the graph then writes the caller's tensors)."""
+    from .ops import token_logprob_rank_op  # a graph holds the registered op, never the direct path
+
+    result = token_logprob_rank_op(logits, token_ids, top_k=top_k, temperature=temperature, argmax=argmax,
+                                   entropy=entropy)  # fmt: skip
+    if out is None:
+        return result
+    outs = _caller_outs(out, top_k, argmax, entropy)
+    given = [t for t in outs if t is not None]
+    for dst, src in zip(given, result, strict=True):
+        dst.copy_(src)
+    return type(result)(*given)

@@ -43,7 +43,7 @@ def lookup(state_id: int):
     state = _LIVE.get(state_id)
     if state is None:
         raise RuntimeError(
-            f"no open TraceReplayState has id {state_id!r}: it was closed or garbage collected "
-            f"(or never opened); a compiled function cannot outlive the state it replays"
+            f"this TraceReplayState is closed (op id {state_id!r}: closed, garbage collected or never "
+            f"opened); a compiled function cannot outlive the state it replays"
         )
     return state

@@ -143,7 +143,8 @@ class TraceReplayState:
             return
         self._closed = True
         registry.unregister(self._op_id)
-        self._lengths = None
+        # The bound lengths stay: a compiled function guards on them, so it keeps its graph and
+        # the op refuses the closed state when the graph runs (a clear error, not a retrace).
         self.table.close()
 
     def __enter__(self) -> TraceReplayState:
@@ -213,8 +214,11 @@ class TraceReplayState:
         self._lengths = (total_len, prompt_len)
 
     def _bound_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bound ``(total_len, prompt_len)``, for the registered ops' wrappers."""
-        self._check_open()
+        """The bound ``(total_len, prompt_len)``, for the registered ops' wrappers. While
+        ``torch.compile`` traces, a closed state is not refused here but by the op when the graph
+        runs (the same message, from the compiled function rather than from inside the tracer)."""
+        if not torch.compiler.is_compiling():
+            self._check_open()
         if self._lengths is None:
             raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
         return self._lengths
@@ -231,8 +235,13 @@ class TraceReplayState:
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
-        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up.
+        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. Inside
+        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`).
         """
+        if torch.compiler.is_compiling():
+            from .ops import replay_op  # a graph holds the registered op, never this method's Python
+
+            return replay_op(self, sampled, idx_mapping, total_len, prompt_len)
         if total_len is not None or prompt_len is not None:
             self._check_open()
             if total_len is None or prompt_len is None:
@@ -271,7 +280,12 @@ class TraceReplayState:
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row:
-        ``step`` is a ``[batch]`` int32/int64 tensor on the state's device."""
+        ``step`` is a ``[batch]`` int32/int64 tensor on the state's device. Inside ``torch.compile``
+        it becomes the registered op (:func:`~trace_replay_torch.replay_at_step_op`)."""
+        if torch.compiler.is_compiling():
+            from .ops import replay_at_step_op
+
+            return replay_at_step_op(self, sampled, idx_mapping, step)
         self._check_open()
         error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, step=step)
         if error is not None:

@@ -18,6 +18,23 @@ def eager_sampler(state, logits, idx_mapping):
     return sampled, logprobs, ranks
 
 
+def natural_sampler(state, logits, idx_mapping, temperature, noise, step=None):
+    """A sampler written the natural way, with the state's own methods: temperature, top-k 8,
+    an exponential race (Gumbel-max: ``noise`` is ``Exp(1)`` draws made outside), replay (or
+    ``replay_at_step`` with ``step``), then logprobs with top-4, greedy tokens and entropy.
+    Returns the drawn tokens before replay, after it, and the logprob result."""
+    scaled = logits.float() / temperature[:, None]
+    kth = torch.topk(scaled, 8, dim=-1).values[:, -1:]
+    probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+    drawn = (probs / noise).argmax(dim=-1)
+    sampled = drawn.clone()
+    if step is None:
+        state.replay(sampled, idx_mapping)
+    else:
+        state.replay_at_step(sampled, idx_mapping, step)
+    return drawn, sampled, token_logprob_rank(logits, sampled, top_k=4, argmax=True, entropy=True)
+
+
 def op_sampler(state, logits, idx_mapping):
     """The same sampler through the registered ops: what ``torch.compile`` traces."""
     sampled = torch.argmax(logits, dim=-1)
