@@ -14,6 +14,10 @@ from helpers.jax_adapter_cases import POISON, VOCAB
 import trace_replay_jax as trj
 from trace_replay_jax import TraceReplayState
 
+# Each case keeps a write staged, not applied, on purpose (to show that a refusal leaves it so)
+# and reads state.tables meanwhile: the StagedWritesWarning that read gives is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore::trace_replay_core.StagedWritesWarning")
+
 I32 = jnp.int32
 
 

@@ -42,6 +42,8 @@ Importing this package loads neither torch nor jax-triton, and changes no enviro
 variable.
 """
 
+from trace_replay_core import StagedWritesWarning
+
 from .devices import resolve_device
 from .jnp_replay import ReplayTables, replay, replay_at_step
 from .logprob import (
@@ -60,6 +62,7 @@ from .state import TraceReplayState
 
 __all__ = [
     "TraceReplayState",
+    "StagedWritesWarning",
     "ReplayTables",
     "replay",
     "replay_at_step",
