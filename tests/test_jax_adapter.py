@@ -192,6 +192,22 @@ def test_cpu_apply_leaves_tables_already_handed_out_unchanged(rng):
         assert state.tables.table is before.table and state.tables.trace_len is before.trace_len
 
 
+@pytest.mark.parametrize("method", ["jnp", "kernel"])
+def test_tables_passed_in_with_every_other_argument_constant_see_each_apply(rng, method):
+    """The form of the closed-over refusal's fix: only the tables are arguments; the program
+    reads whatever was applied before each call (#39: the closed-over form replayed stale)."""
+    a, b = rng.integers(0, VOCAB, 5), rng.integers(0, VOCAB, 5)
+    with TraceReplayState(4, 8, device="cpu") as state:
+        args = _one_row_step(state, 1, 3)
+        step = jax.jit(lambda t: trj.replay(t, *args, method=method))
+        state.add_request(1, a)
+        state.apply_staged_writes()
+        assert int(step(state.tables)[0]) == a[3]
+        state.add_request(1, b)
+        state.apply_staged_writes()
+        assert int(step(state.tables)[0]) == b[3]
+
+
 def test_trace_may_be_a_cpu_jax_array(rng):
     tr = rng.integers(0, VOCAB, 4)
     with TraceReplayState(2, 4, device="cpu") as state:
