@@ -67,7 +67,8 @@ class TraceReplayState:
         ``False`` (default) warns once per state (:class:`~trace_replay_core.StagedWritesWarning`)
         and goes on with the traces of the last apply; ``True`` raises ``RuntimeError``. A
         host-side flag: a compiled program cannot check it, so a jitted step is checked where
-        it gets its tables, at the read of :attr:`tables`.
+        it gets its tables, at the read of :attr:`tables` (read them for every call: tables
+        kept from an earlier read are not checked again).
 
     Typical step, eager::
 
