@@ -30,6 +30,10 @@ import trace_replay_jax as trj
 from trace_replay_core import token_logprob_rank_reference
 from trace_replay_jax.sharded import token_logprob_rank_in_shard_map, token_logprob_rank_sharded
 
+# The scenarios stage writes and replay before applying them on purpose (the reference
+# replays the traces of the last apply): the StagedWritesWarning that gives is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore::trace_replay_core.StagedWritesWarning")
+
 DEVICES = 8
 if len(jax.devices("cpu")) < DEVICES:
     pytest.skip(

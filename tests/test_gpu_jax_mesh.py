@@ -24,7 +24,8 @@ import trace_replay_jax as trj  # noqa: E402
 from trace_replay_core import ArrayView  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+# Scenarios replay before applying staged writes on purpose: their StagedWritesWarning is expected.
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::trace_replay_core.StagedWritesWarning")]
 
 
 def _mesh(gpu) -> Mesh:

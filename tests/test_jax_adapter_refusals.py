@@ -14,11 +14,20 @@ from helpers.jax_adapter_cases import POISON, VOCAB
 import trace_replay_jax as trj
 from trace_replay_jax import TraceReplayState
 
+# Each case keeps a write staged, not applied, on purpose (to show that a refusal leaves it so)
+# and reads state.tables meanwhile: the StagedWritesWarning that read gives is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore::trace_replay_core.StagedWritesWarning")
+
 I32 = jnp.int32
 
 
 def _args(n=4):
     return (jnp.full(n, POISON, I32), jnp.array([1, 2, -1, 1][:n], I32), jnp.arange(8, dtype=I32), jnp.zeros(8, I32))
+
+
+# ``_args()`` as numpy arrays, made here: constants inside a traced function (jnp arrays made
+# inside one may be traced).
+CONSTS = tuple(np.asarray(a) for a in _args())
 
 
 # Errors raised while JAX traces the caller's function (jit, vmap) carry JAX's traceback note
@@ -101,6 +110,44 @@ REFUSALS = {
         ValueError,
         r"^tables must be passed into the jitted function as an argument "
         r"\(got a concrete array while sampled/idx_mapping are traced\)",
+    ),
+    # Every replay argument a constant (#39): nothing is traced, yet the call is traced into the
+    # caller's program with the table as a constant, replaying this moment's traces forever.
+    "tables-closed-over-constant-args": (
+        lambda st: jax.jit(lambda: trj.replay(st.tables, *CONSTS))(),
+        ValueError,
+        r"^tables must be passed into the jitted function as an argument \(got a concrete array "
+        r"while JAX traces the function that calls replay\): a closed-over table is compiled in as a "
+        r"constant and would miss later apply_staged_writes\(\)",
+    ),
+    "tables-closed-over-constant-args-kernel": (
+        lambda st: jax.jit(lambda: trj.replay(st.tables, *CONSTS, method="kernel"))(),
+        ValueError,
+        r"^tables must be passed into the jitted function as an argument \(got a concrete array while JAX traces",
+    ),
+    "tables-closed-over-constant-args-at-step": (
+        lambda st: jax.jit(lambda: trj.replay_at_step(st.tables, CONSTS[0], CONSTS[1], np.zeros(4, np.int32)))(),
+        ValueError,
+        r"^tables must be passed into the jitted function as an argument \(got a concrete array while JAX traces",
+    ),
+    "tables-closed-over-in-a-loop": (
+        lambda st: jax.lax.fori_loop(0, 2, lambda k, c: trj.replay(st.tables, *CONSTS), CONSTS[0]),
+        ValueError,
+        r"^tables must be passed into the jitted function as an argument \(got a concrete array while JAX traces",
+    ),
+    "state-replay-in-jit-constant-args": (
+        lambda st: jax.jit(lambda: st.replay(*CONSTS))(),
+        ValueError,
+        r"^state\.replay\(\) cannot be used inside jax\.jit, lax loops or other transformations \(it "
+        r"was called while JAX traced a function, with constant arguments: the table would be compiled "
+        r"in as a constant and miss later apply_staged_writes\(\)\): pass state\.tables into the jitted "
+        r"function as an argument and call trace_replay_jax\.replay\(tables, \.\.\.\) there",
+    ),
+    "state-replay-at-step-in-jit-constant-args": (
+        lambda st: jax.jit(lambda: st.replay_at_step(CONSTS[0], CONSTS[1], np.zeros(4, np.int32)))(),
+        ValueError,
+        r"^state\.replay_at_step\(\) cannot be used inside jax\.jit, lax loops or other transformations \(it "
+        r"was called while JAX traced a function, with constant arguments",
     ),
     "trace-too-long": (
         lambda st: st.add_request(0, list(range(9))),

@@ -259,6 +259,66 @@ def test_gpu_kernel_method_refuses_a_table_no_open_state_owns(rng):
             np.asarray(trj.replay(copy, *args, method="kernel"))
 
 
+# -- what method="kernel" refuses: the same on the CPU as on a GPU (#39) ---------------------------
+_NOT_OWNED = (
+    r"^INTERNAL: Error when calling buffer callback: (?s:.*)RuntimeError: "
+    r"replay\(method='kernel'\) got a table at 0x[0-9a-f]+ on {where} "
+    r"that no open TraceReplayState owns: pass state\.tables of an open state"
+)
+
+
+def test_kernel_method_refuses_a_table_no_open_state_owns_on_the_cpu(rng):
+    cpu = jax.devices("cpu")[0]
+    state, traces = _state_with_traces(rng, cpu)
+    with state:
+        args = _inputs(rng, 8, state.max_slots, state.max_trace_len)[:4]
+        want = _want(traces, *args)
+        for built in (
+            trj.ReplayTables(state.tables.table + 0, state.tables.trace_len + 0),  # other memory
+            trj.ReplayTables(*(jnp.asarray(x) for x in state.snapshot())),  # by hand, from a snapshot
+        ):
+            np.testing.assert_array_equal(np.asarray(trj.replay(built, *args)), want)  # jnp reads any
+            with pytest.raises(jax.errors.JaxRuntimeError, match=_NOT_OWNED.format(where="the CPU")):
+                np.asarray(trj.replay(built, *args, method="kernel"))
+            step = jax.jit(lambda t, *a: trj.replay(t, *a, method="kernel"))
+            with pytest.raises(jax.errors.JaxRuntimeError, match=_NOT_OWNED.format(where="the CPU")):
+                np.asarray(step(built, *args))
+        np.testing.assert_array_equal(np.asarray(trj.replay(state.tables, *args, method="kernel")), want)
+
+
+def test_kernel_method_reads_a_copy_of_an_earlier_apply_while_the_state_is_open(rng):
+    """On the CPU each apply hands out a new copy; a program queued with an older one may run
+    after the apply, so the kernel method accepts every copy until the state closes (as jnp)."""
+    with TraceReplayState(4, 8, device="cpu") as state:
+        a, b = rng.integers(0, 1000, 8), rng.integers(0, 1000, 8)
+        state.add_request(1, a)
+        state.apply_staged_writes()
+        old = state.tables
+        state.add_request(1, b)
+        state.apply_staged_writes()
+        args = (jnp.array([0], jnp.int32), jnp.array([1], jnp.int32), jnp.array([0, 3, 0, 0], jnp.int32))
+        args += (jnp.zeros(4, jnp.int32),)
+        assert int(trj.replay(old, *args, method="kernel")[0]) == a[3]
+        assert int(trj.replay(state.tables, *args, method="kernel")[0]) == b[3]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("method", ["jnp", "kernel"])
+def test_tables_of_a_closed_state_are_refused_by_both_methods(rng, device, method):
+    dev = jax.devices("cpu")[0] if device == "cpu" else jax_gpu()
+    state, _ = _state_with_traces(rng, dev)
+    args = [jax.device_put(a, dev) for a in _inputs(rng, 8, state.max_slots, state.max_trace_len)[:4]]
+    tables = state.tables
+    trj.replay(tables, *args, method=method).block_until_ready()
+    state.close()
+    assert tables.table.is_deleted() and tables.trace_len.is_deleted()
+    with pytest.raises(RuntimeError, match=r"^Array has been deleted with shape=int32\[16,12\]\."):
+        trj.replay(tables, *args, method=method)
+    step = jax.jit(lambda t, *a: trj.replay(t, *a, method=method))
+    with pytest.raises(RuntimeError, match=r"^Array has been deleted with shape=int32\[16,12\]\."):
+        step(tables, *args)
+
+
 if __name__ == "__main__":
     seed = int(os.environ.get("TRACE_REPLAY_TEST_SEED", 0))
     gpu_kernel_checks(jax.devices("gpu")[0], np.random.default_rng(seed))

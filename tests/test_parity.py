@@ -23,6 +23,10 @@ from helpers.scenarios import Scenario, Step, make_scenario, reference_tokens
 
 import trace_replay_jax as trj
 
+# The scenarios stage writes and replay before applying them on purpose (the reference
+# replays the traces of the last apply): the StagedWritesWarning that gives is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore::trace_replay_core.StagedWritesWarning")
+
 LOOP_STEPS = 6  # steps per lax.fori_loop call (shorter runs end early: a dynamic trip count)
 METHODS = ("jnp", "kernel")
 MODES = ("eager", "jit", "fori")

@@ -55,6 +55,7 @@ PINNED = {
         "RANK_DTYPES": "('int32', 'int64')",
         "TOKEN_DTYPES": "('int32', 'int64')",
         "TOPK_MAX": "64",
+        "StagedWritesWarning": {},
         "TraceTable": {
             "__enter__": "(self)",
             "__exit__": "(self, *exc)",
@@ -106,12 +107,13 @@ PINNED = {
         "LogprobRankTopKEntropy": {},
         "LogprobRankTopKArgmaxEntropy": {},
         "ReplayTables": {"__init__": "(self, table, trace_len)"},
+        "StagedWritesWarning": {},
         "TraceReplayState": {
             "__enter__": "(self)",
             "__exit__": "(self, *exc)",
             "__init__": "(self, max_slots, max_trace_len, *, device=None, "
             "mesh=None, placement='device', vocab_size=None, "
-            "staging_depth=4)",
+            "staging_depth=4, strict=False)",
             "add_request": "(self, slot, trace=None)",
             "add_requests": "(self, slots, traces)",
             "apply_staged_writes": "(self)",
@@ -122,6 +124,7 @@ PINNED = {
             "replay": "(self, sampled, idx_mapping, total_len, prompt_len, *, method='jnp')",
             "replay_at_step": "(self, sampled, idx_mapping, step, *, method='jnp')",
             "snapshot": "(self)",
+            "strict": "property",
             "tables": "property",
         },
         "replay": "(tables, sampled, idx_mapping, total_len, prompt_len, *, method='jnp')",
@@ -141,13 +144,14 @@ PINNED = {
         "LogprobRankArgmaxEntropy": {},
         "LogprobRankTopKEntropy": {},
         "LogprobRankTopKArgmaxEntropy": {},
+        "StagedWritesWarning": {},
         "TraceReplayState": {
             "__enter__": "(self)",
             "__exit__": "(self, *exc)",
             "__init__": "(self, max_slots, max_trace_len, *, device, "
             "total_len=None, prompt_len=None, "
             "placement='device', vocab_size=None, "
-            "staging_depth=4)",
+            "staging_depth=4, strict=False)",
             "add_request": "(self, slot, trace=None)",
             "add_requests": "(self, slots, traces)",
             "apply_staged_writes": "(self)",
@@ -158,6 +162,7 @@ PINNED = {
             "remove_request": "(self, slot)",
             "replay": "(self, sampled, idx_mapping, total_len=None, prompt_len=None)",
             "replay_at_step": "(self, sampled, idx_mapping, step)",
+            "strict": "property",
         },
         "replay_at_step_op": "(state, sampled, idx_mapping, step)",
         "replay_op": "(state, sampled, idx_mapping, total_len=None, prompt_len=None)",

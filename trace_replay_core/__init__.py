@@ -36,6 +36,7 @@ from ._logprob import (
 )
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
+from ._warnings import StagedWritesWarning
 from .reference import (
     greedy_argmax_reference,
     replay_reference,
@@ -48,6 +49,7 @@ __all__ = [
     "TraceTable",
     "BoundReplay",
     "PLACEMENTS",
+    "StagedWritesWarning",
     # logprob and rank of the chosen token
     "token_logprob_rank",
     "bind_logprob_rank",

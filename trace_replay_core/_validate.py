@@ -86,7 +86,14 @@ def _host_array(tokens: Any, name: str) -> np.ndarray:
                 f"{name} must be host data (a list, a numpy array or a CPU tensor); got an "
                 f"array on a device (DLPack device type {dev_type}): copy it to the host first"
             )
-        return np.from_dlpack(tokens)
+        try:
+            return np.from_dlpack(tokens)
+        except (BufferError, TypeError, RuntimeError) as exc:  # e.g. torch: a tensor that requires grad
+            dtype = getattr(tokens, "dtype", None)
+            raise TypeError(
+                f"{name} must be 1-D integer token ids on the host; could not read the "
+                f"{type(tokens).__name__}{'' if dtype is None else f' of dtype {dtype}'} over DLPack: {exc}"
+            ) from None
     if isinstance(tokens, (list, tuple, range)):
         return np.asarray(tokens)
     raise TypeError(

@@ -36,11 +36,15 @@ scored as it; with ``entropy=True`` each row's entropy) and its results :class:`
 ``...Entropy`` forms (pytrees),
 :func:`token_logprob_rank_sharded` and
 :func:`token_logprob_rank_in_shard_map` (the same on logits sharded over a vocabulary axis),
-:func:`resolve_device` (the ``jax.Device`` a ``device=`` argument names).
+:func:`resolve_device` (the ``jax.Device`` a ``device=`` argument names),
+:class:`StagedWritesWarning` (a replay, or a read of ``state.tables``, while writes are staged
+but not applied; ``TraceReplayState(strict=True)`` raises instead).
 
 Importing this package loads neither torch nor jax-triton, and changes no environment
 variable.
 """
+
+from trace_replay_core import StagedWritesWarning
 
 from .devices import resolve_device
 from .jnp_replay import ReplayTables, replay, replay_at_step
@@ -60,6 +64,7 @@ from .state import TraceReplayState
 
 __all__ = [
     "TraceReplayState",
+    "StagedWritesWarning",
     "ReplayTables",
     "replay",
     "replay_at_step",

@@ -1,7 +1,8 @@
 """Where a :class:`~trace_replay_jax.TraceReplayState` lives: one JAX device, or a mesh of them.
 
-``device=`` names one device (``None``: JAX's default; a ``jax.Device``; ``"cpu"``, ``"cuda"``,
-``"cuda:N"``). ``mesh=`` takes a ``jax.sharding.Mesh``: the state then keeps one core table
+``device=`` names one device (``None``: JAX's default device at that moment, as
+``jax.default_device(...)`` and the ``jax_default_device`` setting make it; a ``jax.Device``;
+``"cpu"``, ``"cuda"``, ``"cuda:N"``). ``mesh=`` takes a ``jax.sharding.Mesh``: the state then keeps one core table
 per device of the mesh that this process drives (``mesh.local_devices``), all holding the same
 traces, and hands out its tables as global arrays replicated over the whole mesh.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.extend.backend import get_default_device
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from trace_replay_core import split_device
@@ -19,15 +21,18 @@ __all__ = ["resolve_device", "resolve_placement", "core_device"]
 
 
 def resolve_device(device: Any) -> jax.Device:
-    """``None`` (JAX's default device), a ``jax.Device``, ``"cpu"``, ``"cuda"``/``"gpu"`` or
-    ``"cuda:N"``/``"gpu:N"`` (N = CUDA device ordinal) -> a ``jax.Device`` (host-only).
+    """``None`` (JAX's default device: the one ``jax.default_device(...)`` or the
+    ``jax_default_device`` setting names where one does, else the first local device of the
+    default backend, where JAX itself puts new arrays), a ``jax.Device``, ``"cpu"``,
+    ``"cuda"``/``"gpu"`` or ``"cuda:N"``/``"gpu:N"`` (N = CUDA device ordinal) -> a
+    ``jax.Device`` (host-only).
 
     ``ValueError`` naming ``device`` when JAX has no such device (no gpu backend, or no CUDA
     device of that ordinal: the message lists those it sees) or it is not a CPU or CUDA device;
     ``TypeError`` for another type. What ``TraceReplayState(device=...)`` uses.
     """
     if device is None:
-        device = jax.devices()[0]
+        device = get_default_device()  # jax.extend's reading of jax_default_device (a device or a platform)
     elif isinstance(device, str):
         try:  # the core's one device parser ("gpu" is JAX's name for cuda)
             kind, ordinal = split_device("cuda" + device[3:] if device.startswith("gpu") else device)

@@ -26,9 +26,10 @@ from jax.custom_batching import custom_vmap
 
 from trace_replay_core import INDEX_DTYPES, TOKEN_DTYPES
 
+from .guards import VMAP_MESSAGE, check_fits_int32, is_vmap_tracer
 from .kernel_replay import kernel_replay
 
-__all__ = ["ReplayTables", "replay", "replay_at_step", "METHODS"]
+__all__ = ["ReplayTables", "replay", "replay_at_step", "METHODS", "VMAP_MESSAGE", "is_vmap_tracer"]
 
 METHODS = ("jnp", "kernel")
 
@@ -69,6 +70,7 @@ def _dtype(x: Any, name: str) -> np.dtype:
 
 def _check_int(x: Any, name: str, allowed=_INDEX_DTYPES) -> None:
     dt = _dtype(x, name)
+    check_fits_int32(x, name)  # a numpy constant inside the caller's jit
     if dt not in allowed:
         hint = ""
         if name == "sampled" and dt.kind in "fc":
@@ -150,13 +152,6 @@ def _rows(table, trace_len, sampled, idx_mapping, first, second):
     return jnp.where(ok, token.astype(flat.dtype), flat).reshape(sampled.shape)
 
 
-VMAP_MESSAGE = (
-    "trace_replay_jax.replay does not support jax.vmap: it already replays a whole batch. "
-    "Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
-    "sampled and idx_mapping as [n * batch]), without vmap"
-)
-
-
 def _refuse_vmap(axis_size, in_batched, *args):
     raise ValueError(VMAP_MESSAGE)
 
@@ -203,15 +198,41 @@ def _traced_rows(tables, sampled, idx_mapping, step, method="jnp"):
     return _ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)
 
 
-def _eager(jitted, check):
+def _devices(x) -> str:
+    devices = sorted(str(d) for d in x.devices())
+    return devices[0] if len(devices) == 1 else str(devices)
+
+
+def _check_devices(table, args, names) -> None:
+    """After JAX refused to run the replay: name an argument committed to a device the tables
+    are not on (JAX's own message names an internal lambda)."""
+    if not isinstance(table, jax.Array) or isinstance(table, jax.core.Tracer):
+        return
+    home = table.devices()
+    for x, name in zip(args, names):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed and x.devices() - home:
+            raise ValueError(
+                f"{name} is on {_devices(x)} but the state's tables are on {_devices(table)}: put "
+                f"{name} on the state's device (jax.device_put({name}, state.device)) or create the "
+                f"state on {name}'s (TraceReplayState(device=...); device=None takes JAX's default "
+                f"device, jax.default_device(...) included)"
+            )
+
+
+def _eager(jitted, check, names):
     """``jitted`` for concrete arrays. Argument errors raised while JAX traces it carry JAX's
-    traceback note; on failure the checks run again outside JAX to raise them plainly."""
+    traceback note; on failure the checks run again outside JAX to raise them plainly, and an
+    argument on another device than the tables is named."""
 
     def call(table, trace_len, *args):
+        for x, name in zip(args, names):
+            if type(x) is np.ndarray:
+                check_fits_int32(x, name)
         try:
             return jitted(table, trace_len, *args)
         except (TypeError, ValueError):
             check(ReplayTables(table, trace_len), *args)
+            _check_devices(table, args, names)
             raise
 
     return call
@@ -234,13 +255,18 @@ def _jit_rows(method):
 
 
 # Eager entry points take the two table arrays as leaves: ~2 us less per call than a pytree.
-EAGER_SLOTS = {m: _eager(_jit_slots(m), _check_slots) for m in METHODS}
-EAGER_ROWS = {m: _eager(_jit_rows(m), _check_rows) for m in METHODS}
+_SLOT_NAMES = ("sampled", "idx_mapping", "total_len", "prompt_len")
+_ROW_NAMES = ("sampled", "idx_mapping", "step")
+EAGER_SLOTS = {m: _eager(_jit_slots(m), _check_slots, _SLOT_NAMES) for m in METHODS}
+EAGER_ROWS = {m: _eager(_jit_rows(m), _check_rows, _ROW_NAMES) for m in METHODS}
 eager_slots, eager_rows = EAGER_SLOTS["jnp"], EAGER_ROWS["jnp"]
 
 
-def is_vmap_tracer(x) -> bool:
-    return type(x).__name__ == "BatchTracer"
+_CLOSED_OVER = (
+    "tables must be passed into the jitted function as an argument (got a concrete array while "
+    "{why}): a closed-over table is compiled in as a constant and would miss later "
+    "apply_staged_writes(); write jax.jit(step)(..., state.tables) and call replay(tables, ...) inside"
+)
 
 
 def _mode(tables, args) -> bool:
@@ -251,13 +277,17 @@ def _mode(tables, args) -> bool:
     if not traced:
         return False
     if not isinstance(tables.table, jax.core.Tracer) and not any(is_vmap_tracer(a) for a in traced):
-        raise ValueError(
-            "tables must be passed into the jitted function as an argument (got a concrete "
-            "array while sampled/idx_mapping are traced): a closed-over table is compiled in "
-            "as a constant and would miss later apply_staged_writes(); write "
-            "jax.jit(step)(..., state.tables) and call replay(tables, ...) inside"
-        )
+        raise ValueError(_CLOSED_OVER.format(why="sampled/idx_mapping are traced"))
     return True
+
+
+def _refuse_closed_over(out, tables) -> None:
+    """Every argument was concrete, so the replay ran as an eager call: if that call was made
+    while JAX traced an enclosing function (jit, a lax loop, shard_map), its result is a tracer
+    and concrete tables were closed over: compiled in as a constant, they would replay the
+    traces of this moment forever. One isinstance on the hot path."""
+    if isinstance(out, jax.core.Tracer) and not isinstance(tables.table, jax.core.Tracer):
+        raise ValueError(_CLOSED_OVER.format(why="JAX traces the function that calls replay"))
 
 
 def replay(tables: ReplayTables, sampled, idx_mapping, total_len, prompt_len, *, method: str = "jnp") -> jax.Array:
@@ -271,8 +301,12 @@ def replay(tables: ReplayTables, sampled, idx_mapping, total_len, prompt_len, *,
 
     Returns a new array of ``sampled``'s shape and dtype; no input is written. Eagerly: one
     jitted dispatch, stream-ordered, no host synchronisation. Under ``jax.jit`` / loops: a
-    gather and a select inside the compiled program. Not differentiable (integer ids) and
-    refused under ``jax.vmap``.
+    gather and a select inside the compiled program; ``tables`` must then be an argument of the
+    jitted function: concrete tables under a trace (closed over, or ``state.tables`` read
+    inside it) are refused, whatever the other arguments, since they would be compiled in as
+    a constant. Not differentiable (integer ids) and refused under ``jax.vmap``. With
+    ``jax_enable_x64`` off, an int64 numpy argument holding a value int32 cannot hold is
+    refused (JAX would keep its low 32 bits).
 
     ``method``: ``"jnp"`` (default: the gather and select, fused by XLA into the step) or
     ``"kernel"`` (the core's Triton replay kernel, launched by XLA on its stream through a
@@ -283,7 +317,9 @@ def replay(tables: ReplayTables, sampled, idx_mapping, total_len, prompt_len, *,
     _check_method(method)
     if _mode(tables, (sampled, idx_mapping, total_len, prompt_len)):
         return _traced_slots(tables, sampled, idx_mapping, total_len, prompt_len, method)
-    return EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+    out = EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+    _refuse_closed_over(out, tables)
+    return out
 
 
 def replay_at_step(tables: ReplayTables, sampled, idx_mapping, step, *, method: str = "jnp") -> jax.Array:
@@ -292,4 +328,6 @@ def replay_at_step(tables: ReplayTables, sampled, idx_mapping, step, *, method: 
     _check_method(method)
     if _mode(tables, (sampled, idx_mapping, step)):
         return _traced_rows(tables, sampled, idx_mapping, step, method)
-    return EAGER_ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)
+    out = EAGER_ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)
+    _refuse_closed_over(out, tables)
+    return out

@@ -28,7 +28,12 @@ kernel then reads that table's memory, which is that same buffer. A table buffer
 state owns is refused (the error surfaces when the program's result is read).
 
 On the CPU the callback runs the core's numpy replay (:func:`trace_replay_core.replay_reference`)
-on XLA's host buffers, the CPU tables being copies taken at each apply.
+on XLA's host buffers, the CPU tables being copies taken at each apply. It refuses what the GPU
+refuses: each copy a state hands out is registered here by its address (XLA passes a jitted
+function's argument to the callback as it is), so a table buffer no open state handed out (one
+built by hand, or one of a closed state, whose tables are deleted at close) is refused the same way.
+A copy stays registered until its state closes, since a program queued before an apply may
+run after it (the latest ``_CPU_COPIES`` addresses per state: an allocator reuses freed ones).
 """
 
 from __future__ import annotations
@@ -44,12 +49,15 @@ from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from trace_replay_core import BoundCache, replay_reference
 
-__all__ = ["register_table", "unregister_table", "kernel_replay"]
+__all__ = ["register_table", "register_copies", "unregister_table", "kernel_replay"]
 
 _BOUND_CACHE_SIZE = 64
 _KDL_CPU = 1
+_CPU = -1  # the device of a CPU copy's key
+_CPU_COPIES = 1024
 
-# (CUDA ordinal, table address) -> the core TraceTable that owns that memory.
+# (CUDA ordinal or _CPU, table address) -> the core TraceTable that owns that memory (on the
+# CPU: whose copy a state handed out).
 _TABLES: dict[tuple[int, int], weakref.ReferenceType[Any]] = {}
 _TABLES_LOCK = threading.Lock()
 
@@ -60,6 +68,18 @@ def register_table(table: Any) -> None:
     view, _ = table.device_views()
     with _TABLES_LOCK:
         _TABLES[(view.device_id, view.ptr)] = weakref.ref(table)
+
+
+def register_copies(table: Any, array: jax.Array) -> None:
+    """Let CPU kernel replays accept ``array``, a copy of the CPU ``table``'s trace table that a
+    state hands out, by its address, until :func:`unregister_table`. Host-only."""
+    key = (_CPU, array.unsafe_buffer_pointer())
+    with _TABLES_LOCK:
+        _TABLES.pop(key, None)  # a reused address moves to the end: the newest
+        _TABLES[key] = weakref.ref(table)
+        mine = [k for k, ref in _TABLES.items() if k[0] == _CPU and ref() is table]
+        for k in mine[: max(0, len(mine) - _CPU_COPIES)]:
+            del _TABLES[k]
 
 
 def unregister_table(table: Any) -> None:
@@ -73,8 +93,9 @@ def _owner(device_id: int, ptr: int) -> Any:
     ref = _TABLES.get((device_id, ptr))
     table = ref() if ref is not None else None
     if table is None or table.closed:
+        where = "the CPU" if device_id == _CPU else f"cuda:{device_id}"
         raise RuntimeError(
-            f"replay(method='kernel') got a table at 0x{ptr:x} on cuda:{device_id} that no open "
+            f"replay(method='kernel') got a table at 0x{ptr:x} on {where} that no open "
             f"TraceReplayState owns: pass state.tables of an open state into the jitted function "
             f"(or use method='jnp', which reads any ReplayTables)"
         )
@@ -82,7 +103,10 @@ def _owner(device_id: int, ptr: int) -> Any:
 
 
 def _cpu_replay(out, table, trace_len, sampled, idx, first, second) -> None:
-    """Host buffers: the core's numpy replay, written into XLA's output buffer."""
+    """Host buffers: the core's numpy replay, written into XLA's output buffer, for a table
+    that an open state handed out (as on a GPU)."""
+    table = np.asarray(table)
+    _owner(_CPU, table.ctypes.data)
     res = np.asarray(out)
     if second is None:
         got = replay_reference(res, np.asarray(idx), np.asarray(table), np.asarray(trace_len), step=np.asarray(first))

@@ -35,6 +35,7 @@ import numpy as np
 
 from trace_replay_core import LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX
 
+from .guards import check_fits_int32
 from .jnp_replay import is_vmap_tracer
 from .logprob_callback import kernel_logprob_rank
 from .logprob_results import (
@@ -98,6 +99,7 @@ def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
         )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
         raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
+    check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
     return batch, vocab
 
 

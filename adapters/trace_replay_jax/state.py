@@ -33,40 +33,12 @@ import numpy as np
 from trace_replay_core import TraceTable
 
 from .devices import core_device, resolve_placement
-from .jnp_replay import EAGER_ROWS, EAGER_SLOTS, VMAP_MESSAGE, ReplayTables, _check_method, is_vmap_tracer
+from .guards import CONSTANT_ARGS, IN_JIT, StagedWrites, check_host, refuse_traced
+from .jnp_replay import EAGER_ROWS, EAGER_SLOTS, ReplayTables, _check_method
+from .kernel_replay import register_copies
 from .tracing import refuse_under_trace
 
 __all__ = ["TraceReplayState"]
-
-
-def _refuse_traced(args, name: str) -> None:
-    traced = [a for a in args if isinstance(a, jax.core.Tracer)]
-    if traced:
-        if any(is_vmap_tracer(a) for a in traced):
-            raise ValueError(VMAP_MESSAGE)
-        raise ValueError(_IN_JIT.format(name=name))
-
-
-def _check_host(trace, name: str, method: str) -> None:
-    """Refuse trace data that is traced or lives on a device: staging reads host memory only."""
-    if isinstance(trace, jax.core.Tracer):
-        raise TypeError(
-            f"{name} must be concrete host data; {method}() is host-only and cannot run "
-            f"inside jax.jit or other transformations"
-        )
-    if isinstance(trace, jax.Array) and any(d.platform != "cpu" for d in trace.devices()):
-        raise ValueError(
-            f"{name} must be host data (a list, a numpy array or a CPU array); got a JAX "
-            f"array on {sorted(str(d) for d in trace.devices())}: pass np.asarray({name}) "
-            f"(a device-to-host copy you choose to make)"
-        )
-
-
-_IN_JIT = (
-    "state.{name}() cannot be used inside jax.jit, lax loops or other transformations (got traced "
-    "arrays): pass state.tables into the jitted function as an argument and call "
-    "trace_replay_jax.{name}(tables, ...) there"
-)
 
 
 class TraceReplayState:
@@ -77,8 +49,10 @@ class TraceReplayState:
     max_slots, max_trace_len:
         Request slots of the loop (rows of ``idx_mapping`` point at them) and the longest trace.
     device:
-        ``None`` (JAX's default device), a ``jax.Device``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        The arrays given to replay must live on it.
+        ``None`` (JAX's default device when the state is made: ``jax.default_device(...)`` or
+        the ``jax_default_device`` setting, else the first local device), a ``jax.Device``,
+        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. The arrays given to replay must live on it (or
+        be uncommitted); one on another device is refused, naming both.
     mesh:
         A ``jax.sharding.Mesh`` instead of ``device``: one core table per local device of the
         mesh, ``tables`` replicated over it. Replay then runs under ``jax.jit`` on arrays
@@ -86,6 +60,15 @@ class TraceReplayState:
         ``shard_map`` on each device's block (``P()`` for the tables).
     placement, vocab_size, staging_depth:
         As in :class:`trace_replay_core.TraceTable` (``placement`` applies on a GPU).
+    strict:
+        What happens when writes are staged but not applied (``add_request``/``remove_request``
+        without :meth:`apply_staged_writes`) and the state is asked to replay (:meth:`replay`,
+        :meth:`replay_at_step`) or for :attr:`tables` (what a jitted replay will read):
+        ``False`` (default) warns once per state (:class:`~trace_replay_core.StagedWritesWarning`)
+        and goes on with the traces of the last apply; ``True`` raises ``RuntimeError``. A
+        host-side flag: a compiled program cannot check it, so a jitted step is checked where
+        it gets its tables, at the read of :attr:`tables` (read them for every call: tables
+        kept from an earlier read are not checked again).
 
     Typical step, eager::
 
@@ -121,8 +104,10 @@ class TraceReplayState:
         placement: str = "device",
         vocab_size: int | None = None,
         staging_depth: int = 4,
+        strict: bool = False,
     ):
         refuse_under_trace("TraceReplayState")
+        self._staged = StagedWrites(strict)
         self.devices, self._sharding = resolve_placement(device, mesh)
         self.mesh = mesh
         self.device = self.devices[0] if mesh is None else None
@@ -157,24 +142,9 @@ class TraceReplayState:
     def _gpu_views(self, core: TraceTable) -> ReplayTables:
         from .commit import XlaCommit
         from .kernel_replay import register_table
-        from .views import jax_view
+        from .views import table_views
 
-        # Compile the scatter kernel now (a no-op commit that clears slot 0, already clear), so
-        # that the first commit inside XLA does not compile; then let every write land.
-        core.clear(0)
-        core.commit(stream=0)
-        core.synchronize()
-        table_view, lengths_view = core.device_views()
-        try:
-            table = jax_view(table_view)
-        except Exception as exc:
-            if core.placement != "host_mapped":
-                raise
-            raise ValueError(
-                f"placement='host_mapped' is not usable with this JAX: it could not view the "
-                f"host-mapped table ({exc}); use placement='device'"
-            ) from exc
-        views = ReplayTables(table, jax_view(lengths_view))
+        views = table_views(core)
         self._commits.append(XlaCommit(core))  # the core makes its context current itself
         register_table(core)
         return views
@@ -194,10 +164,17 @@ class TraceReplayState:
         per_device = []
         for core, d in zip(self._cores, self.devices):
             table, trace_len = core.snapshot()  # fresh host copies, owned by nobody else
-            per_device.append(ReplayTables(jax.device_put(table, d), jax.device_put(trace_len, d)))
+            copy = ReplayTables(jax.device_put(table, d), jax.device_put(trace_len, d))
+            register_copies(core, copy.table)  # what method="kernel" accepts, as on a GPU
+            per_device.append(copy)
         return self._assemble(per_device)
 
     # lifetime --------------------------------------------------------------------------------
+    @property
+    def strict(self) -> bool:
+        """Whether a replay with writes staged but not applied raises (else: warns once)."""
+        return self._staged.strict
+
     @property
     def closed(self) -> bool:
         cores = getattr(self, "_cores", None)  # None: construction was refused before any table
@@ -213,7 +190,8 @@ class TraceReplayState:
 
     def close(self) -> None:
         """Free the tables and staging memory. Host-blocking (waits for queued device work);
-        idempotent. The arrays of :attr:`tables` are deleted on a GPU (they view freed memory)."""
+        idempotent. The arrays of :attr:`tables` are deleted (on a GPU they view freed memory;
+        on the CPU too, so that both refuse a closed state's tables alike)."""
         refuse_under_trace("close")
         self._release()
 
@@ -223,17 +201,16 @@ class TraceReplayState:
         try:
             self._wait()
         finally:
-            if self._gpu:
-                from .kernel_replay import unregister_table
+            from .kernel_replay import unregister_table
 
-                tables = getattr(self, "_tables", None)
-                for arr in ([tables.table, tables.trace_len] if tables is not None else []) + [
-                    a for v in self._views for a in (v.table, v.trace_len)
-                ]:
-                    if not arr.is_deleted():
-                        arr.delete()
-                for core in self._cores:
-                    unregister_table(core)
+            tables = getattr(self, "_tables", None)
+            for arr in ([tables.table, tables.trace_len] if tables is not None else []) + [
+                a for v in self._views for a in (v.table, v.trace_len)
+            ]:
+                if not arr.is_deleted():
+                    arr.delete()
+            for core in self._cores:
+                unregister_table(core)
             self._commits = []
             for core in self._cores:
                 core.close()
@@ -272,16 +249,16 @@ class TraceReplayState:
         """
         self._live()
         if trace is not None:
-            _check_host(trace, "trace", "add_request")
+            check_host(trace, "trace", "add_request")
         refuse_under_trace("add_request")
         self._wait()
-        if trace is None:
-            for core in self._cores:
-                core.clear(slot)
-            return
         # Every table holds the same traces: the first refuses bad input before any is changed.
         for core in self._cores:
-            core.stage(slot, trace)
+            if trace is None:
+                core.clear(slot)
+            else:
+                core.stage(slot, trace)
+        self._staged.pending = True
 
     def add_requests(self, slots, traces) -> None:
         """Several requests take ``slots`` at once, each with a trace: one call instead of one
@@ -297,13 +274,14 @@ class TraceReplayState:
         self._live()
         if isinstance(traces, (list, tuple)):
             for i, trace in enumerate(traces):
-                _check_host(trace, f"traces[{i}]", "add_requests")
+                check_host(trace, f"traces[{i}]", "add_requests")
         else:
-            _check_host(traces, "traces", "add_requests")
+            check_host(traces, "traces", "add_requests")
         refuse_under_trace("add_requests")
         self._wait()
         for core in self._cores:
             core.stage_many(slots, traces, distinct=True)
+        self._staged.pending = True
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply.
@@ -331,6 +309,7 @@ class TraceReplayState:
             for core in self._cores:
                 core.commit(stream=0)
             self._tables = self._cpu_copy()
+        self._staged.pending = False
 
     # replay ----------------------------------------------------------------------------------
     @property
@@ -339,9 +318,13 @@ class TraceReplayState:
 
         Read it after :meth:`apply_staged_writes` and pass it at every call (on the CPU each
         apply makes a new copy; on a GPU it is always the same pair of zero-copy views). Over a
-        mesh: global arrays replicated over it. Never donate it.
+        mesh: global arrays replicated over it. Never donate it. Read with writes staged but
+        not applied, it warns once (``strict=True``: raises ``RuntimeError``): a jitted replay
+        would not see them.
         """
         self._live()
+        if self._staged.pending:
+            self._staged.report("tables", stacklevel=2)
         return self._tables
 
     def snapshot(self):
@@ -368,20 +351,31 @@ class TraceReplayState:
         ``[batch]`` slots (-1 = padding); ``total_len``/``prompt_len``: per-slot lengths (at
         least ``max_slots`` entries); ``method``: ``"jnp"`` or ``"kernel"``. One jitted
         dispatch, ordered with JAX's work, no host sync. Inside ``jax.jit`` use
-        ``trace_replay_jax.replay(tables, ...)`` instead.
+        ``trace_replay_jax.replay(tables, ...)`` instead (refused here under any trace). With
+        writes staged but not applied it warns once (``strict=True``: raises ``RuntimeError``).
         """
-        _refuse_traced((sampled, idx_mapping, total_len, prompt_len), "replay")
+        refuse_traced((sampled, idx_mapping, total_len, prompt_len), "replay")
         _check_method(method)
         self._live()
+        if self._staged.pending:
+            self._staged.report("replay", stacklevel=2)
         tables = self._tables
-        return EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+        out = EAGER_SLOTS[method](tables.table, tables.trace_len, sampled, idx_mapping, total_len, prompt_len)
+        if isinstance(out, jax.core.Tracer):  # called under a trace with constant arguments
+            raise ValueError(IN_JIT.format(name="replay", got=CONSTANT_ARGS))
+        return out
 
     def replay_at_step(
         self, sampled: jax.Array, idx_mapping: jax.Array, step: jax.Array, *, method: str = "jnp"
     ) -> jax.Array:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) per row."""
-        _refuse_traced((sampled, idx_mapping, step), "replay_at_step")
+        refuse_traced((sampled, idx_mapping, step), "replay_at_step")
         _check_method(method)
         self._live()
+        if self._staged.pending:
+            self._staged.report("replay_at_step", stacklevel=2)
         tables = self._tables
-        return EAGER_ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)
+        out = EAGER_ROWS[method](tables.table, tables.trace_len, sampled, idx_mapping, step)
+        if isinstance(out, jax.core.Tracer):  # called under a trace with constant arguments
+            raise ValueError(IN_JIT.format(name="replay_at_step", got=CONSTANT_ARGS))
+        return out

@@ -17,9 +17,32 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from trace_replay_core import ArrayView
+from trace_replay_core import ArrayView, TraceTable
 
-__all__ = ["external_view", "jax_view"]
+from .jnp_replay import ReplayTables
+
+__all__ = ["external_view", "jax_view", "table_views"]
+
+
+def table_views(core: TraceTable) -> ReplayTables:
+    """Zero-copy JAX views of a GPU ``core``'s table and trace lengths, made after every write
+    to them has landed (host-blocking: construction only)."""
+    # Compile the scatter kernel now (a no-op commit that clears slot 0, already clear), so
+    # that the first commit inside XLA does not compile; then let every write land.
+    core.clear(0)
+    core.commit(stream=0)
+    core.synchronize()
+    table_view, lengths_view = core.device_views()
+    try:
+        table = jax_view(table_view)
+    except Exception as exc:
+        if core.placement != "host_mapped":
+            raise
+        raise ValueError(
+            f"placement='host_mapped' is not usable with this JAX: it could not view the "
+            f"host-mapped table ({exc}); use placement='device'"
+        ) from exc
+    return ReplayTables(table, jax_view(lengths_view))
 
 
 def jax_view(view: ArrayView) -> jax.Array:

@@ -24,6 +24,8 @@ the rows still at -1 as it (see :func:`token_logprob_rank`); ``entropy=True`` ad
 entropy from the same read.
 """
 
+from trace_replay_core import StagedWritesWarning
+
 from .logprob import (
     LogprobRank,
     LogprobRankArgmax,
@@ -40,6 +42,7 @@ from .state import TraceReplayState
 
 __all__ = [
     "TraceReplayState",
+    "StagedWritesWarning",
     "token_logprob_rank",
     "LogprobRank",
     "LogprobRankTopK",

@@ -6,11 +6,12 @@ synchronises with the device, and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from trace_replay_core import TraceTable, parse_device
+from trace_replay_core import StagedWritesWarning, TraceTable, parse_device
 
 from . import registry
 from .views import layout_key, raw_stream
@@ -18,6 +19,11 @@ from .views import layout_key, raw_stream
 __all__ = ["TraceReplayState"]
 
 _CLOSED = "this TraceReplayState is closed"
+_STAGED = (
+    "state.{call}() ran while add_request/remove_request writes are staged but not applied: it "
+    "replays the traces of the last apply (a new trace is not replayed, a removed one still is). "
+    "Call state.apply_staged_writes() before {call}; TraceReplayState(..., strict=True) makes this an error"
+)
 
 
 def _not_a_tensor(**arrays) -> TypeError | None:
@@ -29,12 +35,20 @@ def _not_a_tensor(**arrays) -> TypeError | None:
 
 
 def _check_host(trace, name: str) -> None:
-    """Refuse trace data that lives on a device: staging reads host memory only."""
-    if isinstance(trace, torch.Tensor) and trace.device.type != "cpu":
-        raise ValueError(
-            f"{name} must be host data (list, numpy array or CPU tensor); got a tensor on "
-            f"{trace.device}: pass {name}.cpu() (a host sync you choose to make)"
-        )
+    """Refuse trace data that lives on a device (staging reads host memory only), and tensors
+    that are not integer token ids (a float tensor that requires grad cannot even be exported)."""
+    if isinstance(trace, torch.Tensor):
+        if trace.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be host data (list, numpy array or CPU tensor); got a tensor on "
+                f"{trace.device}: pass {name}.cpu() (a host sync you choose to make)"
+            )
+        if trace.dtype.is_floating_point or trace.dtype.is_complex or trace.dtype == torch.bool:
+            grad = ", which requires grad" if trace.requires_grad else ""
+            raise TypeError(
+                f"{name} must hold integer token ids (got a {trace.dtype} tensor{grad}): pass the "
+                f"sampled or recorded ids as an integer tensor"
+            )
 
 
 class TraceReplayState:
@@ -53,6 +67,17 @@ class TraceReplayState:
         time and keeps references to them. Rebind with :meth:`bind_lengths`.
     placement, vocab_size, staging_depth:
         As in :class:`trace_replay_core.TraceTable`.
+    strict:
+        What :meth:`replay` and :meth:`replay_at_step` do when writes are staged but not yet
+        applied (``add_request``/``remove_request`` without :meth:`apply_staged_writes`):
+        ``False`` (default) warns once per state (:class:`~trace_replay_core.StagedWritesWarning`)
+        and replays the traces of the last apply; ``True`` raises ``RuntimeError`` instead. A
+        host-side flag, read when replay is called from Python: a CUDA graph replays without
+        it (apply before ``graph.replay()``).
+
+    The length tensors are read by reference: update them in place (``total_len[idx] += 1``,
+    ``total_len.copy_(...)``); a name rebound to a new tensor (``total_len = total_len + 1``)
+    leaves the state reading the old one (rebind with :meth:`bind_lengths`).
 
     Typical step::
 
@@ -86,7 +111,10 @@ class TraceReplayState:
         placement: str = "device",
         vocab_size: int | None = None,
         staging_depth: int = 4,
+        strict: bool = False,
     ):
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False (got {strict!r})")
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be a cpu or cuda device (got {device})")
@@ -100,6 +128,9 @@ class TraceReplayState:
         self._index = device.index if device.type == "cuda" else None
         self._closed = False
         self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # the bound tensors
+        self._strict = strict
+        self._unapplied = False  # set after staging, cleared before a commit: replay's one check
+        self._warned = False
         self.table = TraceTable(
             max_slots,
             max_trace_len,
@@ -132,9 +163,26 @@ class TraceReplayState:
         unique in the process, never reused; looked up in :mod:`.registry` while open."""
         return self._op_id
 
+    @property
+    def strict(self) -> bool:
+        """Whether a replay with writes staged but not applied raises (else: warns once)."""
+        return self._strict
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(_CLOSED)
+
+    def _staged_not_applied(self, call: str) -> None:
+        """A replay found writes staged and not applied: warn once per state, or raise when strict.
+        Host-only; called only when the flag is set, so replay's hot path reads one bool."""
+        self._check_open()
+        if not self.table.pending:  # another thread applied them after staging set the flag
+            return
+        if self._strict:
+            raise RuntimeError(_STAGED.format(call=call))
+        if not self._warned:
+            self._warned = True
+            warnings.warn(_STAGED.format(call=call), StagedWritesWarning, stacklevel=3)
 
     def close(self) -> None:
         """Free the table and staging memory (host-blocking: waits for queued device work;
@@ -142,6 +190,7 @@ class TraceReplayState:
         if self._closed:
             return
         self._closed = True
+        self._unapplied = False
         registry.unregister(self._op_id)
         # The bound lengths stay: a compiled function guards on them, so it keeps its graph and
         # the op refuses the closed state when the graph runs (a clear error, not a retrace).
@@ -168,6 +217,7 @@ class TraceReplayState:
         else:
             _check_host(trace, "trace")
             self.table.stage(slot, trace)
+        self._unapplied = True
 
     def add_requests(self, slots, traces) -> None:
         """Several requests take ``slots`` at once, each with a trace: one call instead of one
@@ -188,11 +238,13 @@ class TraceReplayState:
         if isinstance(slots, torch.Tensor):
             _check_host(slots, "slots")
         self.table.stage_many(slots, traces, distinct=True)
+        self._unapplied = True
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply."""
         self._check_open()
         self.table.clear(slot)
+        self._unapplied = True
 
     def apply_staged_writes(self) -> None:
         """Commit staged traces to the table, ordered on the current stream (no host sync).
@@ -200,7 +252,13 @@ class TraceReplayState:
         Call it once per step before :meth:`replay`, outside any CUDA graph capture.
         """
         self._check_open()
-        self.table.commit(stream=self._stream())
+        # Cleared before the commit: a trace another thread stages meanwhile sets it again.
+        self._unapplied = False
+        try:
+            self.table.commit(stream=self._stream())
+        except BaseException:
+            self._unapplied = True
+            raise
 
     # lengths ---------------------------------------------------------------------------------
     def bind_lengths(self, total_len: torch.Tensor, prompt_len: torch.Tensor) -> None:
@@ -235,13 +293,18 @@ class TraceReplayState:
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
-        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. Inside
-        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`).
+        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. With writes
+        staged but not applied it warns once (``strict=True``: raises ``RuntimeError``). Inside
+        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`),
+        whose kernel makes the same check each time the compiled code runs (a CUDA graph replays
+        without it).
         """
         if torch.compiler.is_compiling():
             from .ops import replay_op  # a graph holds the registered op, never this method's Python
 
             return replay_op(self, sampled, idx_mapping, total_len, prompt_len)
+        if self._unapplied:
+            self._staged_not_applied("replay")
         if total_len is not None or prompt_len is not None:
             self._check_open()
             if total_len is None or prompt_len is None:
@@ -287,6 +350,8 @@ class TraceReplayState:
 
             return replay_at_step_op(self, sampled, idx_mapping, step)
         self._check_open()
+        if self._unapplied:
+            self._staged_not_applied("replay_at_step")
         error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, step=step)
         if error is not None:
             raise error

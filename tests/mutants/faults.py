@@ -285,4 +285,59 @@ FAULTS = (
         ),
         "tests/test_traces.py::test_atomic_write_leaves_nothing_on_failure",
     ),
+    # -- the adapters' footguns (#39): each guard removed, its test must notice -----------------------
+    Fault(
+        "#39 torch replay ignores writes staged but not applied",
+        "adapters/trace_replay_torch/state.py",
+        (('        if self._unapplied:\n            self._staged_not_applied("replay")\n', ""),),
+        ("tests/test_staged_writes.py::test_torch_strict_raises_and_replays_nothing",),
+        "tests/test_staged_writes.py::test_torch_strict_raises_and_replays_nothing",
+    ),
+    Fault(
+        "#39 JAX strict state only warns",
+        "adapters/trace_replay_jax/guards.py",
+        (("        if self.strict:\n            raise RuntimeError(message)\n", ""),),
+        ("tests/test_staged_writes.py::test_jax_strict_raises_and_changes_nothing",),
+        "tests/test_staged_writes.py::test_jax_strict_raises_and_changes_nothing",
+    ),
+    Fault(
+        "#39 closed-over tables with constant arguments accepted",
+        "adapters/trace_replay_jax/jnp_replay.py",
+        (
+            (
+                '        raise ValueError(_CLOSED_OVER.format(why="JAX traces the function that calls replay"))\n',
+                "        pass\n",
+            ),
+        ),
+        ("tests/test_jax_adapter_refusals.py::test_refusals_change_nothing",),
+        "tests/test_jax_adapter_refusals.py::test_refusals_change_nothing[tables-closed-over",
+    ),
+    Fault(
+        "#39 CPU kernel replay reads any table",
+        "adapters/trace_replay_jax/kernel_replay.py",
+        (("    _owner(_CPU, table.ctypes.data)\n", ""),),
+        ("tests/test_jax_kernel_replay.py::test_kernel_method_refuses_a_table_no_open_state_owns_on_the_cpu",),
+        "tests/test_jax_kernel_replay.py::test_kernel_method_refuses_a_table_no_open_state_owns_on_the_cpu",
+    ),
+    Fault(
+        "#39 JAX device=None takes the first device, not the default",
+        "adapters/trace_replay_jax/devices.py",
+        (("        device = get_default_device()", "        device = jax.devices()[0]"),),
+        ("tests/test_jax_devices.py",),
+        "tests/test_jax_devices.py::test_device_cases_on_2_cpu_host_devices",
+    ),
+    Fault(
+        "#39 int64 numpy ids wrapped by JAX without x64",
+        "adapters/trace_replay_jax/guards.py",
+        (("    if jax.config.jax_enable_x64:\n        return\n", "    return\n"),),
+        ("tests/test_token_id_intake.py::test_logprob_token_ids_int32_cannot_hold_are_refused_without_x64",),
+        "tests/test_token_id_intake.py::test_logprob_token_ids_int32_cannot_hold_are_refused_without_x64",
+    ),
+    Fault(
+        "#39 torch float trace reaches DLPack",
+        "adapters/trace_replay_torch/state.py",
+        (("trace.dtype.is_floating_point or trace.dtype.is_complex or", "False and"),),
+        ("tests/test_token_id_intake.py::test_torch_trace_that_is_not_integer_ids_is_refused_by_name",),
+        "tests/test_token_id_intake.py::test_torch_trace_that_is_not_integer_ids_is_refused_by_name",
+    ),
 )
