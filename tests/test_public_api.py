@@ -18,7 +18,10 @@ PINNED = {
         },
         "FrameworkMissing": {"__init__": "(self, family, framework, cause)"},
         "ROLLOUT_FORMATS": "('trace', 'openai-completions', 'openai-chat', 'sglang', 'vllm-offline')",
-        "RequestResult": {"__init__": "(self, id, tokens, forced, logprobs, ranks, argmax, entropy=None, topk_logprobs=None, topk_ids=None)"},
+        "RequestResult": {
+            "__init__": "(self, id, tokens, forced, logprobs, ranks, argmax, entropy=None, topk_logprobs=None, "
+            "topk_ids=None)"
+        },
         "Rollout": {"__init__": "(self, request, logprobs, logprobs_mode=None, line=0)"},
         "TraceFileError": {"__init__": "(self, path, line, field, message)"},
         "TraceRequest": {"__init__": "(self, id, prompt, trace=None, max_new_tokens=0)", "new_tokens": "property"},

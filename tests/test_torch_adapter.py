@@ -312,13 +312,13 @@ def test_an_op_with_a_closed_states_id_names_it():
     assert registry.lookup(state_id) is st
     st.close()
     s = torch.tensor([5, 6])
-    message = rf"^no open TraceReplayState has id {state_id}: it was closed or garbage collected"
+    message = rf"^this TraceReplayState is closed \(op id {state_id}: closed, garbage collected or never opened\)"
     with pytest.raises(RuntimeError, match=message):
         torch.ops.trace_replay.replay(s, torch.zeros(2, dtype=torch.int32), z, z, state_id)
     with pytest.raises(RuntimeError, match=message):
         torch.ops.trace_replay.replay_at_step(s, torch.zeros(2, dtype=torch.int32), z[:2], state_id)
     assert s.tolist() == [5, 6]
-    with pytest.raises(RuntimeError, match=r"^no open TraceReplayState has id 0: "):
+    with pytest.raises(RuntimeError, match=r"^this TraceReplayState is closed \(op id 0: "):
         registry.lookup(0)
 
 
@@ -331,7 +331,7 @@ def test_op_ids_are_unique_and_collected_states_leave_the_registry():
     last = ids[-1]
     del states
     gc.collect()
-    with pytest.raises(RuntimeError, match=rf"^no open TraceReplayState has id {last}: "):
+    with pytest.raises(RuntimeError, match=rf"^this TraceReplayState is closed \(op id {last}: "):
         registry.lookup(last)
     assert TraceReplayState(2, 2, device="cpu").op_id > last  # never reused
 
