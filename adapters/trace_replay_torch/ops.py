@@ -133,7 +133,12 @@ _LOGPROB_OPS = (
 
 # kernels: real tensors on the CPU or a CUDA device ----------------------------------------------
 def _replay_kernel(sampled, idx_mapping, total_len, prompt_len, state):
-    registry.lookup(state).replay(sampled, idx_mapping, total_len, prompt_len)
+    st = registry.lookup(state)
+    lengths = st._lengths
+    if lengths is not None and total_len is lengths[0] and prompt_len is lengths[1]:
+        st.replay(sampled, idx_mapping)  # the bound lengths: the state's one-key hot path
+    else:
+        st.replay(sampled, idx_mapping, total_len, prompt_len)
 
 
 def _replay_at_step_kernel(sampled, idx_mapping, step, state):
