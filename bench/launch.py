@@ -31,6 +31,10 @@ A second question: what does a whole sampler step cost (greedy ``argmax`` over `
 - ``sampler_compiled``: the same through the registered ops, ``torch.compile(fullgraph=True)``.
 - ``sampler_compiled_cudagraph``: the same with ``mode="reduce-overhead"`` (CUDA graph replays,
   ``cudagraph_mark_step_begin`` each step as a loop would call it).
+- ``sampler_natural_compiled``: the eager sampler's code (the state's own methods) under
+  ``torch.compile(fullgraph=True)``.
+- ``argmax_alone_eager`` / ``argmax_alone_compiled`` / ``argmax_alone_compiled_cudagraph``: the
+  same samplers without replay, logprob and rank (``argmax`` only): what the targets compare with.
 
 At large batches the sampler reads the logits twice and shows device time.
 
@@ -73,7 +77,10 @@ def _samplers():
         logprobs, ranks = token_logprob_rank_op(logits, sampled)
         return sampled, logprobs, ranks
 
-    return eager, through_ops
+    def alone(state, logits, idx_mapping):
+        return torch.argmax(logits, dim=-1)
+
+    return eager, through_ops, alone
 
 
 def main() -> None:
@@ -232,23 +239,28 @@ def main() -> None:
         print(f"B={batch}: all providers produced identical tokens: {same}", flush=True)
 
         logits = torch.randn(batch, VOCAB, device=dev).to(torch.bfloat16)
-        eager, through_ops = _samplers()
+        eager, through_ops, alone = _samplers()
         results = {"sampler_eager": eager(st, logits, idx)}
         record("sampler_eager", batch, "device", time_host(functools.partial(eager, st, logits, idx), sync=sync))
-        compiled = torch.compile(through_ops, fullgraph=True, dynamic=False)
-        results["sampler_compiled"] = compiled(st, logits, idx)
-        sampler_compiled = functools.partial(compiled, st, logits, idx)
-        record("sampler_compiled", batch, "device", time_host(sampler_compiled, sync=sync))
-        graphed = torch.compile(through_ops, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        record("argmax_alone_eager", batch, "device", time_host(functools.partial(alone, st, logits, idx), sync=sync))
+        for name, fn in (("sampler_compiled", through_ops), ("sampler_natural_compiled", eager),
+                         ("argmax_alone_compiled", alone)):  # fmt: skip
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+            if fn is not alone:
+                results[name] = compiled(st, logits, idx)
+            record(name, batch, "device", time_host(functools.partial(compiled, st, logits, idx), sync=sync))
+        for name, fn in (("sampler_compiled_cudagraph", through_ops), ("argmax_alone_compiled_cudagraph", alone)):
+            graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
 
-        def graphed_step(graphed=graphed, st=st, logits=logits, idx=idx):
-            torch.compiler.cudagraph_mark_step_begin()
-            return graphed(st, logits, idx)
+            def graphed_step(graphed=graphed, st=st, logits=logits, idx=idx):
+                torch.compiler.cudagraph_mark_step_begin()
+                return graphed(st, logits, idx)
 
-        for _ in range(3):  # warm-up, record, first replay
-            graphed_step()
-        results["sampler_compiled_cudagraph"] = [t.clone() for t in graphed_step()]
-        record("sampler_compiled_cudagraph", batch, "device", time_host(graphed_step, sync=sync))
+            for _ in range(3):  # warm-up, record, first replay
+                graphed_step()
+            if fn is not alone:
+                results[name] = [t.clone() for t in graphed_step()]
+            record(name, batch, "device", time_host(graphed_step, sync=sync))
         sync()
 
         # NaN == NaN here: traced rows whose trace ids lie above this sampler's vocabulary get
