@@ -19,7 +19,7 @@ import numpy as np
 from ._dlpack import ArrayView
 from ._staging import copy_trace
 
-__all__ = ["NumpyTable", "numpy_of", "replay_numpy"]
+__all__ = ["NumpyTable", "numpy_of", "replay_numpy", "temperature_or_nan"]
 
 
 def numpy_of(view: ArrayView) -> np.ndarray:
@@ -187,6 +187,14 @@ def _logits_float32(block: np.ndarray, dtype: str) -> np.ndarray:
     return block.astype(np.float32)
 
 
+def temperature_or_nan(t: np.ndarray) -> np.ndarray:
+    """float32 ``t`` with every value that is not finite and > 0 replaced by NaN: such a row reads
+    as a row of NaN logits (the kernels do the same)."""
+    t = np.asarray(t, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(t) & (t > 0), t, np.float32(np.nan)).astype(np.float32)
+
+
 def topk_keys(y: np.ndarray) -> np.ndarray:
     """The kernel's 64-bit top-k keys of float32 ``y [rows, vocab]``: value descending, then
     column ascending; NaN gets the smallest key; -0.0 is keyed as +0.0."""
@@ -218,7 +226,7 @@ def logprob_rank_numpy(
     """``token_logprob_rank`` on host arrays (already validated), computed before it returns."""
     x_all = _strided_numpy(logits)
     ids_all = numpy_of(ids).reshape(-1)
-    t_all = numpy_of(temperature) if temperature is not None else None
+    t_all = temperature_or_nan(numpy_of(temperature)) if temperature is not None else None
     lp_all, rank_all = numpy_of(out_lp), numpy_of(out_rank)
     tlp_all = numpy_of(topk_lp) if top_k and topk_lp is not None else None
     tid_all = numpy_of(topk_ids) if top_k and topk_ids is not None else None

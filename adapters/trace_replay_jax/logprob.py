@@ -25,7 +25,6 @@ each row's entropy (the kernel method from the same read).
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -120,27 +119,18 @@ def _check_flag(value: Any, name: str) -> bool:
 
 
 def _temperature(temperature: Any, batch: int) -> Any | None:
-    """None, or a float32 [batch] array (a float is checked and broadcast; host numpy data is
-    checked; a JAX array is not read on the host)."""
+    """None, or a float32 [batch] array (a float is broadcast). Values are never checked: a T
+    that is not finite and > 0 scores its row as NaN logits, in both methods."""
     if temperature is None:
         return None
     if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        t = float(temperature)
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature must be finite and > 0 (got {temperature!r})")
-        return jnp.full((batch,), t, jnp.float32)
+        return jnp.full((batch,), float(temperature), jnp.float32)
     if not hasattr(temperature, "shape") or not hasattr(temperature, "dtype"):
         raise TypeError(f"temperature must be None, a float or a [batch] array (got {type(temperature).__name__})")
     if tuple(temperature.shape) != (batch,):
         raise ValueError(f"temperature must be [batch] with batch = {batch} (got shape {list(temperature.shape)})")
     if np.dtype(temperature.dtype) != np.float32:
         raise ValueError(f"temperature must be float32 (got {np.dtype(temperature.dtype).name})")
-    if isinstance(temperature, np.ndarray):
-        bad = np.flatnonzero(~(np.isfinite(temperature) & (temperature > 0)))
-        if bad.size:
-            raise ValueError(
-                f"temperature must be finite and > 0 in every row (got {float(temperature[bad[0]])!r} in row {bad[0]})"
-            )
     return temperature
 
 
@@ -166,8 +156,9 @@ def _jnp_logprob_rank(
     normaliser."""
     vocab = logits.shape[1]
     y = logits.astype(jnp.float32)
-    if temperature is not None:
-        y = y / temperature.astype(jnp.float32)[:, None]
+    if temperature is not None:  # T not finite and > 0: NaN, the row reads as NaN logits (as the kernels)
+        t = temperature.astype(jnp.float32)
+        y = y / jnp.where(jnp.isfinite(t) & (t > 0), t, jnp.nan)[:, None]
     ids = ids.reshape(-1)
     greedy = None
     if argmax:
@@ -227,9 +218,11 @@ def token_logprob_rank(
     ``method``: ``"kernel"`` (the core's one-pass Triton kernels on XLA's stream, batch-invariant;
     numpy on the CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, differentiable in
     ``logits``, not promised batch-invariant). ``top_k``: 0 to ``min(64, vocab)`` (static).
-    ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a float32
-    ``[batch]`` array (numpy data is checked; a JAX array is not read on the host: T <= 0 gives
-    NaN logprobs); the results are then those of ``logits / T`` (vLLM's processed logprobs).
+    ``temperature``: None (T = 1), a float for every row, or a float32 ``[batch]`` array; the
+    results are then those of ``logits / T`` (vLLM's processed logprobs). A row whose ``T`` is
+    not finite and ``> 0`` (``T <= 0``, NaN, infinite; never an error: a JAX array is not read
+    on the host) is scored as a row of NaN logits, by both methods: NaN logprob, top-k
+    logprobs and entropy, rank 0 (-1 for an id out of range), top-k ids -1, argmax 0.
 
     ``argmax``, ``entropy``: bools (static); see below.
 

@@ -11,7 +11,6 @@ few addresses step after step), so a repeated call only launches the kernels.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -185,10 +184,8 @@ def _temperature(temperature, batch: int, device) -> torch.Tensor | None:
     if temperature is None:
         return None
     if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        t = float(temperature)
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature must be finite and > 0 (got {temperature!r})")
-        return torch.full((batch,), t, dtype=torch.float32, device=device)
+        # Not checked: a T that is not finite and > 0 scores its rows as NaN logits, as a tensor does.
+        return torch.full((batch,), float(temperature), dtype=torch.float32, device=device)
     if not isinstance(temperature, torch.Tensor):
         raise TypeError(f"temperature must be None, a float or a torch.Tensor (got {type(temperature).__name__})")
     return temperature
@@ -211,9 +208,11 @@ def token_logprob_rank(
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, rows may be strided (element
     stride 1 along the vocabulary), never modified. ``token_ids``: ``[batch]`` or
     ``[batch, 1]`` int32/int64 on the same device (e.g. ``sampled`` after replay); never
-    modified. ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a
-    float32 ``[batch]`` tensor (a CUDA tensor is not checked: T <= 0 gives NaN logprobs); the
-    results are then those of ``logits / T`` (vLLM's processed logprobs). ``top_k``: 0 to
+    modified. ``temperature``: None (T = 1), a float for every row, or a float32 ``[batch]`` tensor;
+    the results are then those of ``logits / T`` (vLLM's processed logprobs). A row whose ``T``
+    is not finite and ``> 0`` (``T <= 0``, NaN, infinite; never an error, on any device) is
+    scored as a row of NaN logits: NaN logprob, top-k logprobs and entropy, rank 0 (-1 for an
+    id out of range), top-k ids -1, argmax 0. ``top_k``: 0 to
     ``min(64, vocab)``. ``argmax``: a bool; True adds each row's greedy token (below).
     ``entropy``: a bool; True adds each row's entropy (below).
 
