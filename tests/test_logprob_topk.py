@@ -252,5 +252,6 @@ def test_jax_adapter_cpu_topk_and_temperature(method):
     assert_matches_reference(processed(x, np.full(7, 2.0, np.float32)), ids, np.asarray(lp), np.asarray(rk), "T=2")
     with pytest.raises(ValueError, match=r"^top_k must be between 0 and 64"):
         jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, top_k=65)
-    zero = jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, temperature=np.zeros(7, np.float32))
+    zeros = np.zeros(7, np.float32)
+    zero = jax_logprob_rank(jnp.asarray(x), jnp.asarray(ids, jnp.int32), method=method, temperature=zeros)
     assert np.isnan(np.asarray(zero.logprobs)).all() and (np.asarray(zero.ranks) == 0).all()
