@@ -57,7 +57,7 @@ def _row_lse(row_ptr, vocab, t, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit(
-    do_not_specialize=["vocab", "row_stride", "grad_row_stride", "chunk_span", "top_k"],
+    do_not_specialize=["vocab", "row_stride", "grad_row_stride", "chunk_blocks", "top_k"],
     do_not_specialize_on_alignment=(
         "logits_ptr ids_ptr argmax_ptr temp_ptr lp_ptr glp_ptr tk_ids_ptr tk_lp_ptr gtk_ptr ent_ptr gent_ptr "
         "grad_ptr part_ptr"
@@ -80,7 +80,7 @@ def logprob_backward_kernel(
     vocab,
     row_stride,
     grad_row_stride,
-    chunk_span,  # logits per chunk (a multiple of BLOCK)
+    chunk_blocks,  # blocks of BLOCK logits per chunk
     top_k,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,  # every row of the logits and the gradient starts on 16 bytes
@@ -95,7 +95,7 @@ def logprob_backward_kernel(
     TEMP_GRAD: tl.constexpr,
 ):
     """Grid ``(batch, n_chunks)``: program ``(row, chunk)`` writes the gradient of the row's
-    columns ``[chunk * chunk_span, ...)``: the dense part in one pass over full blocks and a masked
+    columns ``[chunk * chunk_blocks * BLOCK, ...)``: the dense part in one pass over full blocks and a masked
     tail, then (after a barrier) the one-hot places that fall in the chunk, again."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -159,8 +159,8 @@ def logprob_backward_kernel(
     if redo:
         lse = _row_lse(row_ptr, vocab, t, BLOCK, HAS_TEMP)
     inv_t = 1.0 / t  # 1 / NaN: NaN; the dense columns scale by it (the token's logit above as the forward)
-    lo = chunk * chunk_span
-    hi = tl.minimum(lo + chunk_span, vocab)
+    lo = chunk * chunk_blocks * BLOCK  # a multiple of BLOCK: with ALIGNED, 16-byte vectors
+    hi = tl.minimum(lo + chunk_blocks * BLOCK, vocab)
     full_end = lo + (hi - lo) // BLOCK * BLOCK
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)

@@ -264,8 +264,7 @@ def call_arguments(args: LogprobBackwardArgs, variant: BackwardVariant) -> tuple
         args.grad_logits,
         opt(v.grad_temperature, args.workspace),
     )
-    span = v.chunk_blocks * v.block
-    ints = (args.vocab, args.row_stride, args.grad_row_stride, span, args.top_k)
+    ints = (args.vocab, args.row_stride, args.grad_row_stride, v.chunk_blocks, args.top_k)
     main = ((args.batch, v.n_chunks, 1), ptrs, ints)
     if not v.grad_temperature:
         return (main,)
