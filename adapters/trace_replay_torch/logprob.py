@@ -265,9 +265,54 @@ def token_logprob_rank(
     allocates a workspace with torch (``logprob_rank_workspace_bytes``: 320 bytes per row at
     vocab 151,936, about 16.6 KiB per row with top-k 20; capture-safe through torch's graph
     memory pool) and, for a float temperature, a ``[batch]`` tensor. The first call per device
-    and signature (``argmax`` and ``entropy`` are part of it) compiles the kernels: run one eager call before
-    capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
+    and signature (``argmax`` and ``entropy`` are part of it) compiles the kernels: run one eager
+    call before capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
+
+    Gradients: when grad mode is on and ``logits`` (or a tensor ``temperature``) requires grad,
+    the call goes through the registered op (:func:`token_logprob_rank_op`, a dispatcher call more)
+    and the logprobs, top-k logprobs and entropy come back with a ``grad_fn``: their gradient is
+    the core's backward kernel (one read of the logits, one write of the gradient,
+    batch-invariant). ``out=`` is refused then (such results are new tensors). Without grad the
+    call is the direct one above. ``torch.vmap`` and ``torch.func.grad`` work (mapped axes are
+    folded into the batch axis).
     """
+    if _transforms_active() or (
+        torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (logits, temperature))
+    ):
+        if out is not None:
+            raise TypeError(
+                "out= cannot be used when logits or temperature require grad, or under torch.func "
+                "transforms (the results are new tensors): leave out= out, or pass logits.detach()"
+            )
+        from .ops import token_logprob_rank_op
+
+        return token_logprob_rank_op(
+            logits, token_ids, top_k=top_k, temperature=temperature, argmax=argmax, entropy=entropy
+        )
+    return compute_logprob_rank(
+        logits, token_ids, top_k=top_k, temperature=temperature, out=out, argmax=argmax, entropy=entropy
+    )
+
+
+def _transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, ...) is active: its wrapped tensors have
+    no storage to hand over, so the call goes through the op, which has rules for them."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active and active())
+
+
+def compute_logprob_rank(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    top_k: int = 0,
+    temperature: None | float | torch.Tensor = None,
+    out: Sequence[torch.Tensor] | None = None,
+    argmax: bool = False,
+    entropy: bool = False,
+) -> LogprobRankResult:
+    """:func:`token_logprob_rank` without gradients (the ops' kernels call it: never routed back
+    to an op). Same arguments, checks and results."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (got {type(logits).__name__})")
     if not isinstance(token_ids, torch.Tensor):
@@ -311,7 +356,7 @@ def token_logprob_rank(
             out_logprobs=outs[0],
             out_ranks=outs[1],
             stream=0,
-            temperature=temp,
+            temperature=None if temp is None else temp.detach(),
             top_k=top_k,
             out_topk_logprobs=outs[2],
             out_topk_ids=outs[3],
