@@ -145,7 +145,7 @@ def _vmap_rule(op_name: str):
     return rule
 
 
-_FUNCTIONS: dict[str, type] = {}
+_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 
 
 def _forward_of(name: str):
@@ -157,7 +157,7 @@ def _forward_of(name: str):
     return forward
 
 
-def differentiable(name: str) -> type:
+def differentiable(name: str) -> type[torch.autograd.Function]:
     """The ``torch.autograd.Function`` of forward op ``name``: the op, with the same formula as its
     ``register_autograd`` one. The wrappers call it when a gradient is wanted, because torch's
     transforms (``torch.func.grad``, ``jacrev``, and ``vmap`` over them) differentiate a Function
