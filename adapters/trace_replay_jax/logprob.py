@@ -8,10 +8,11 @@ Two implementations of one contract (the core's, see
   reduce in an order fixed by the vocabulary (batch-invariant: a row gives the same bits in any
   batch), run on XLA's own stream through ``jax.experimental.buffer_callback``
   (:mod:`.logprob_callback`); on the CPU the same callback runs the core's numpy backend (row by
-  row, also batch-invariant) on XLA's host buffers.
+  row, also batch-invariant) on XLA's host buffers. Differentiable: a ``jax.custom_vjp`` runs the
+  core's backward kernel the same way (:mod:`.logprob_grad`).
 - ``method="jnp"``: the same arithmetic in ``jax.numpy`` (a max, a sum of exponentials, a
   gather, a count, ``lax.top_k``), fused by XLA into the surrounding program; it reads the
-  logits more than once, but needs no callback and is differentiable in ``logits``. It is *not*
+  logits more than once, but needs no callback; JAX differentiates it. It is *not*
   promised to be batch-invariant: XLA picks how to split a row's reduction from the whole
   shape, so the last bits of a row's logprob may change with the batch size.
 
@@ -34,8 +35,7 @@ import numpy as np
 
 from trace_replay_core import LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX
 
-from .jnp_replay import is_vmap_tracer
-from .logprob_callback import kernel_logprob_rank
+from .logprob_grad import kernel_logprob_rank
 from .logprob_results import (
     LogprobRank,
     LogprobRankArgmax,
@@ -64,12 +64,6 @@ __all__ = [
 
 METHODS = ("kernel", "jnp")
 _TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
-
-_VMAP_MESSAGE = (
-    "trace_replay_jax.token_logprob_rank does not support jax.vmap: it already takes a whole "
-    "batch. Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
-    "logits as [n * batch, vocab], token_ids as [n * batch]), without vmap"
-)
 
 
 def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
@@ -216,8 +210,8 @@ def token_logprob_rank(
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, never modified.
     ``token_ids``: ``[batch]`` or ``[batch, 1]`` int32/int64 (e.g. the tokens after replay).
     ``method``: ``"kernel"`` (the core's one-pass Triton kernels on XLA's stream, batch-invariant;
-    numpy on the CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, differentiable in
-    ``logits``, not promised batch-invariant). ``top_k``: 0 to ``min(64, vocab)`` (static).
+    numpy on the CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, not promised
+    batch-invariant). ``top_k``: 0 to ``min(64, vocab)`` (static).
     ``temperature``: None (T = 1), a float for every row, or a float32 ``[batch]`` array; the
     results are then those of ``logits / T`` (vLLM's processed logprobs). A row whose ``T`` is
     not finite and ``> 0`` (``T <= 0``, NaN, infinite; never an error: a JAX array is not read
@@ -264,11 +258,18 @@ def token_logprob_rank(
     ``p = softmax(y)`` in nats (``jax.scipy.special.entr(p).sum(-1)``, to float32 rounding),
     whatever the token: NaN for the rows whose logprob is NaN for want of a normaliser (a NaN, a
     ``+inf``, only ``-inf``). The kernel method computes it in the same pass over the logits,
-    batch-invariant like the logprobs; the jnp method is differentiable in ``logits``.
+    batch-invariant like the logprobs.
 
     Works eagerly (one jitted dispatch; never waits for the device) and inside ``jax.jit``,
-    ``lax.fori_loop`` and ``lax.while_loop``. ``jax.vmap`` is refused (the function already
-    takes a batch); gradients exist only for ``method="jnp"``.
+    ``lax.fori_loop`` and ``lax.while_loop``. Gradients (``jax.grad``, ``jax.vjp``; first order):
+    both methods give the gradient of the logprobs, top-k logprobs and entropy with respect to
+    ``logits`` and ``temperature`` (ranks, ids and argmax are integers); with the kernel method it
+    is the core's backward kernel (one read of the logits, one write of the gradient,
+    batch-invariant) through a ``jax.custom_vjp``. A row whose id is out of range adds no gradient
+    through its (NaN) logprob; a row without a normaliser (a NaN or ``+inf`` logit, only ``-inf``,
+    a temperature not finite and ``> 0``) gets NaN gradients. ``jax.vmap`` works, also over
+    ``jax.jit`` and ``jax.grad`` of it: the kernel method folds a mapped axis into the batch axis
+    and runs once.
     """
     batch, vocab = _check(logits, token_ids, method)
     top_k = _check_top_k(top_k, vocab)
@@ -276,9 +277,6 @@ def token_logprob_rank(
     entropy = _check_flag(entropy, "entropy")
     temperature = _temperature(temperature, batch)
     args = (logits, token_ids) + ((temperature,) if temperature is not None else ())
-    traced = [a for a in args if isinstance(a, jax.core.Tracer)]
-    if any(is_vmap_tracer(a) for a in traced):
-        raise ValueError(_VMAP_MESSAGE)
-    if traced:
+    if any(isinstance(a, jax.core.Tracer) for a in args):
         return _IMPL[method](logits, token_ids, temperature, top_k, argmax, entropy)
     return _EAGER[method](logits, token_ids, temperature, top_k, argmax, entropy)
