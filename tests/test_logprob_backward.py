@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.backward_cases import assert_grads, make_backward_case, reference_grads
+from helpers.backward_cases import assert_grads, check_special, make_backward_case, reference_grads, special_case
 from helpers.backward_interpreter import run_backward_cases
 
 from trace_replay_core import logprob_backward_workspace_bytes, token_logprob_rank_backward
@@ -115,43 +115,16 @@ def test_batch_invariance_bitwise(tmp_path):
     assert_grads(big, out["b100"]["grad"], out["b100"]["grad_t"], "b100")
 
 
-def _special_case():
-    """Rows: 0 plain, 1 NaN logit, 2 +inf logit, 3 all -inf, 4 the token's logit -inf (lp -inf:
-    lse reduced again), 5 some -inf entries, 6 T = 0, 7 T = NaN, 8 id out of range (zeros)."""
-    rng = np.random.default_rng(9)
-    case = make_backward_case(rng, 9, 200, "float32", temp=True, grad_t=True, entropy=True, invalid_rows=(8,))
-    x, ids = case["x"], case["ids"]
-    x[1, 7], x[2, 9], x[3, :] = np.nan, np.inf, -np.inf
-    x[4, ids[4]] = -np.inf
-    x[5, [3, 50, 120]] = -np.inf
-    ids[5] = 11
-    case["temp"][6], case["temp"][7] = 0.0, np.nan
-    case["ge"][8] = 0.0
-    from helpers.backward_cases import forward
-
-    forward(case, entropy=True)
-    case["ent"] = np.where(np.isfinite(case["ent"]), case["ent"], 0.0).astype(np.float32)  # row 4: finite H
-    return case
-
-
-def _check_special(case, grad, grad_t, what):
-    assert np.isnan(grad[[1, 2, 3, 6, 7]]).all() and np.isnan(grad_t[[1, 2, 3, 6, 7]]).all(), what
-    assert (grad[8] == 0).all() and grad_t[8] == 0, what
-    assert (grad[5, [3, 50, 120]] == 0).all(), what
-    assert_grads(case, grad, grad_t, what, rows=[0, 5])
-    assert np.isfinite(grad[4]).all() and grad[4, case["ids"][4]] != 0, what
-
-
 def test_special_rows_numpy():
-    case = _special_case()
+    case = special_case()
     grad, grad_t = _numpy_call(case)
-    _check_special(case, grad, grad_t, "numpy")
+    check_special(case, grad, grad_t, "numpy")
 
 
 def test_special_rows_interpreter(tmp_path):
-    case = _special_case() | dict(block=128, chunk_blocks=1)
+    case = special_case() | dict(block=128, chunk_blocks=1)
     out = run_backward_cases([case], str(tmp_path))["case"]
-    _check_special(case, out["grad"], out["grad_t"], "interpreter")
+    check_special(case, out["grad"], out["grad_t"], "interpreter")
 
 
 def test_reference_is_not_the_library():

@@ -111,3 +111,28 @@ def assert_grads(case: dict, grad, grad_t, what: str, rows=None) -> None:
         got_t = np.asarray(grad_t, np.float64)[rows]
         want_t = ref_t[rows]
         np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(want_t).max()), err_msg=what)
+
+
+def special_case():
+    """Rows: 0 plain, 1 NaN logit, 2 +inf logit, 3 all -inf, 4 the token's logit -inf (lp -inf:
+    lse reduced again), 5 some -inf entries, 6 T = 0, 7 T = NaN, 8 id out of range (zeros)."""
+    rng = np.random.default_rng(9)
+    case = make_backward_case(rng, 9, 200, "float32", temp=True, grad_t=True, entropy=True, invalid_rows=(8,))
+    x, ids = case["x"], case["ids"]
+    x[1, 7], x[2, 9], x[3, :] = np.nan, np.inf, -np.inf
+    x[4, ids[4]] = -np.inf
+    x[5, [3, 50, 120]] = -np.inf
+    ids[5] = 11
+    case["temp"][6], case["temp"][7] = 0.0, np.nan
+    case["ge"][8] = 0.0
+    forward(case, entropy=True)
+    case["ent"] = np.where(np.isfinite(case["ent"]), case["ent"], 0.0).astype(np.float32)  # row 4: finite H
+    return case
+
+
+def check_special(case, grad, grad_t, what):
+    assert np.isnan(grad[[1, 2, 3, 6, 7]]).all() and np.isnan(grad_t[[1, 2, 3, 6, 7]]).all(), what
+    assert (grad[8] == 0).all() and grad_t[8] == 0, what
+    assert (grad[5, [3, 50, 120]] == 0).all(), what
+    assert_grads(case, grad, grad_t, what, rows=[0, 5])
+    assert np.isfinite(grad[4]).all() and grad[4, case["ids"][4]] != 0, what
