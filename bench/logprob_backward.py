@@ -73,7 +73,7 @@ def _kernel_launch(logits, ids, lp, g, temp=None, grad_t=None, ent=None, g_ent=N
     def run():
         launch(stream)
 
-    run.keep = keep  # type: ignore[attr-defined]
+    run.keep = keep
     return run
 
 

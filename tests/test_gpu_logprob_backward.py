@@ -192,3 +192,23 @@ def test_bad_temperature_every_method_on_gpu(case):
     for name, method in methods.items():
         res = method(x, ids, TEMPERATURES[case])
         assert_temperature_results(x, ids, TEMPERATURES[case], *res, what=f"gpu {name} {case}")
+
+
+def test_torch_backward_bound_per_layout_reads_new_values(rng):
+    """The torch backward binds once per tensor layout: later calls at the same addresses (torch's
+    allocator) must read the new values, not the first call's."""
+    from trace_replay_torch import token_logprob_rank as torch_logprob_rank
+
+    x = torch.from_numpy(make_backward_case(rng, 16, 151936, "bfloat16")["x"]).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 151936, (16,), device="cuda")
+    logits = x.clone().requires_grad_(True)
+    for step in range(3):
+        g = torch.randn(16, device="cuda")
+        with torch.no_grad():
+            logits.copy_(x * (1 + 0.1 * step))
+        (grad,) = torch.autograd.grad((torch_logprob_rank(logits, ids).logprobs * g).sum(), logits)
+        ref_logits = logits.detach().float().requires_grad_(True)
+        (ref,) = torch.autograd.grad(
+            (torch.log_softmax(ref_logits, -1).gather(1, ids[:, None])[:, 0] * g).sum(), ref_logits
+        )
+        torch.testing.assert_close(grad.float(), ref, atol=1e-5, rtol=2.0**-7, msg=f"step {step}")

@@ -97,6 +97,9 @@ PINNED = {
         "grad_logprobs=None, temperature=None, out_grad_temperature=None, argmax=None, topk_ids=None, "
         "topk_logprobs=None, grad_topk_logprobs=None, entropy=None, grad_entropy=None, workspace=None)",
         "logprob_backward_workspace_bytes": "(batch, vocab, grad_temperature=False)",
+        "bind_logprob_rank_backward": "(logits, token_ids, logprobs, *, out_grad_logits, stream, "
+        "grad_logprobs=None, temperature=None, out_grad_temperature=None, argmax=None, topk_ids=None, "
+        "topk_logprobs=None, grad_topk_logprobs=None, entropy=None, grad_entropy=None, workspace=None)",
         "greedy_argmax_reference": "(logits)",
         "softmax_entropy_reference": "(logits)",
     },

@@ -34,7 +34,11 @@ from ._logprob import (
     logprob_rank_workspace_bytes,
     token_logprob_rank,
 )
-from ._logprob_backward import logprob_backward_workspace_bytes, token_logprob_rank_backward
+from ._logprob_backward import (
+    bind_logprob_rank_backward,
+    logprob_backward_workspace_bytes,
+    token_logprob_rank_backward,
+)
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
 from .reference import (
@@ -58,6 +62,7 @@ __all__ = [
     "TOPK_MAX",
     # its gradient
     "token_logprob_rank_backward",
+    "bind_logprob_rank_backward",
     "logprob_backward_workspace_bytes",
     # the numpy reference of both ops
     "replay_reference",

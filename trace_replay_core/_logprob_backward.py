@@ -24,11 +24,12 @@ from typing import Any
 
 from ._dlpack import CPU, ArrayView, as_view, check_view
 from ._dtypes import RANK_DTYPES
+from ._logprob import BoundLogprobRank
 from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
 from ._validate import INT32_MAX, check_disjoint, check_logits, check_temperature, check_token_ids, check_workspace
 
-__all__ = ["token_logprob_rank_backward", "logprob_backward_workspace_bytes"]
+__all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
 
 
 def logprob_backward_workspace_bytes(batch: int, vocab: int, grad_temperature: bool = False) -> int:
@@ -114,6 +115,107 @@ def token_logprob_rank_backward(
     not overlap the inputs or each other. On the CPU backend the call computes before it returns.
     Errors name the argument and what was received; a rejected call writes nothing.
     """
+    numpy_call, args, dtypes, views = _checked_backward(
+        logits,
+        token_ids,
+        logprobs,
+        out_grad_logits,
+        stream,
+        grad_logprobs,
+        temperature,
+        out_grad_temperature,
+        argmax,
+        topk_ids,
+        topk_logprobs,
+        grad_topk_logprobs,
+        entropy,
+        grad_entropy,
+        workspace,
+    )
+    if numpy_call is not None:
+        numpy_call(0)
+    elif args is not None:
+        from . import _cuda
+        from .kernels.logprob_backward import launch_logprob_backward
+
+        device_id = views[0].device_id
+        with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
+            launch_logprob_backward(args, dtypes, device_id, stream_handle(stream))
+
+
+def bind_logprob_rank_backward(
+    logits: Any,
+    token_ids: Any,
+    logprobs: Any,
+    *,
+    out_grad_logits: Any,
+    stream: Any,
+    grad_logprobs: Any = None,
+    temperature: Any = None,
+    out_grad_temperature: Any = None,
+    argmax: Any = None,
+    topk_ids: Any = None,
+    topk_logprobs: Any = None,
+    grad_topk_logprobs: Any = None,
+    entropy: Any = None,
+    grad_entropy: Any = None,
+    workspace: Any = None,
+) -> BoundLogprobRank:
+    """Validate the arrays of a :func:`token_logprob_rank_backward` call once and return a
+    :class:`BoundLogprobRank` that repeats exactly that call: ``bound(stream=s)`` queues the
+    kernels on ``s`` (one or two launches, no validation, no DLPack; stream-ordered, capturable in
+    a CUDA graph), or computes in numpy on the CPU backend. Arguments and errors as
+    :func:`token_logprob_rank_backward`; ``stream`` is used for the DLPack handshake here.
+    Host-blocking only when it compiles the kernels (the first time for a device and signature).
+    """
+    numpy_call, args, dtypes, views = _checked_backward(
+        logits,
+        token_ids,
+        logprobs,
+        out_grad_logits,
+        stream,
+        grad_logprobs,
+        temperature,
+        out_grad_temperature,
+        argmax,
+        topk_ids,
+        topk_logprobs,
+        grad_topk_logprobs,
+        entropy,
+        grad_entropy,
+        workspace,
+    )
+    kept = tuple(v for v in views if isinstance(v, ArrayView))
+    if args is None:
+        return BoundLogprobRank(numpy_call, kept)
+    from . import _cuda
+    from .kernels.logprob_backward import bind_logprob_backward_launch
+
+    device_id = views[0].device_id
+    with _cuda.on_device(device_id):
+        launch = bind_logprob_backward_launch(args, dtypes, device_id)
+    return BoundLogprobRank(launch, kept)
+
+
+def _checked_backward(
+    logits,
+    token_ids,
+    logprobs,
+    out_grad_logits,
+    stream,
+    grad_logprobs,
+    temperature,
+    out_grad_temperature,
+    argmax,
+    topk_ids,
+    topk_logprobs,
+    grad_topk_logprobs,
+    entropy,
+    grad_entropy,
+    workspace,
+):
+    """Every check of a backward call: ``(numpy call or None, kernel args or None, kernel dtypes,
+    views)``; both None when there is nothing to compute."""
     handle = stream_handle(stream)
 
     def view(value, name):
@@ -162,9 +264,8 @@ def token_logprob_rank_backward(
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
-        if batch:
-            logprob_backward_numpy(lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv)
-        return
+        views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv)
+        return (lambda _stream: logprob_backward_numpy(*views)) if batch else None, None, None, views
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
     need = logprob_backward_workspace_bytes(batch, vocab, gtv is not None)
@@ -178,9 +279,8 @@ def token_logprob_rank_backward(
         wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
         check_disjoint([("workspace", wsv)] + outputs + inputs)
     if batch == 0:
-        return
-    from . import _cuda
-    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes, launch_logprob_backward
+        return None, None, None, ()
+    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes
 
     def ptr(v: ArrayView | None) -> int:
         return 0 if v is None else v.ptr
@@ -193,8 +293,8 @@ def token_logprob_rank_backward(
     dtypes = LogprobBackwardDtypes(
         lv.dtype, iv.dtype, amv.dtype if amv is not None else "int32", tidv.dtype if tidv is not None else "int32"
     )
-    with _cuda.on_device(lv.device_id):  # the caller's current context is restored afterwards
-        launch_logprob_backward(args, dtypes, lv.device_id, handle)
+    views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv, wsv)
+    return None, args, dtypes, views
 
 
 def _check_topk(ids, lps, grads, batch: int, vocab: int, device: str) -> int:

@@ -23,7 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
-from trace_replay_core import logprob_backward_workspace_bytes, token_logprob_rank_backward
+from trace_replay_core import (
+    BoundCache,
+    bind_logprob_rank_backward,
+    logprob_backward_workspace_bytes,
+    token_logprob_rank_backward,
+)
 
 from .logprob_callback import empty_result, forward_op
 from .logprob_results import LogprobResult, named_result
@@ -49,6 +54,7 @@ class _BackwardCallback:
 
     def __init__(self, has_temp: bool, argmax: bool, top_k: int, entropy: bool):
         self._flags = (has_temp, argmax, top_k, entropy)
+        self._bound = BoundCache(64)  # GPU: bound once per set of buffer addresses (XLA's, never kept)
 
     def __call__(self, ctx, outs, logits, ids, *rest) -> None:
         if ctx.stage != ExecutionStage.EXECUTE:
@@ -61,11 +67,21 @@ class _BackwardCallback:
         tk_ids, tk_lp, g_tk = (next(it), next(it), next(it)) if top_k else (None, None, None)
         ent, g_ent = (next(it), next(it)) if entropy else (None, None)
         host = logits.__dlpack_device__()[0] == 1
-        token_logprob_rank_backward(
-            logits, ids, lp, out_grad_logits=outs[0], stream=0 if host else int(ctx.stream), grad_logprobs=g_lp,
-            temperature=temp, out_grad_temperature=outs[1] if has_temp else None, argmax=am, topk_ids=tk_ids,
-            topk_logprobs=tk_lp, grad_topk_logprobs=g_tk, entropy=ent, grad_entropy=g_ent, workspace=outs[-1],
-        )  # fmt: skip
+        stream = 0 if host else int(ctx.stream)
+
+        def call(fn):
+            return fn(
+                logits, ids, lp, out_grad_logits=outs[0], stream=stream, grad_logprobs=g_lp, temperature=temp,
+                out_grad_temperature=outs[1] if has_temp else None, argmax=am, topk_ids=tk_ids, topk_logprobs=tk_lp,
+                grad_topk_logprobs=g_tk, entropy=ent, grad_entropy=g_ent, workspace=outs[-1],
+            )  # fmt: skip
+
+        if host:
+            call(token_logprob_rank_backward)
+            return
+        buffers = [b for b in (logits, ids, *rest, *outs) if b is not None]
+        key = tuple(b.__cuda_array_interface__["data"][0] for b in buffers)
+        self._bound.bind(key, lambda: call(bind_logprob_rank_backward))(stream=stream)
 
 
 @functools.cache

@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from trace_replay_core import logprob_backward_workspace_bytes, token_logprob_rank_backward
+from trace_replay_core import (
+    BoundCache,
+    bind_logprob_rank_backward,
+    logprob_backward_workspace_bytes,
+    token_logprob_rank_backward,
+)
 
-from .views import raw_stream
+from .views import layout_key, raw_stream
 
 __all__ = ["register_logprob_grads", "differentiable"]
 
@@ -39,6 +44,9 @@ _LIB.define(
 )
 
 
+_BOUND = BoundCache(64)  # bound backward calls by tensor layout (CUDA)
+
+
 def _backward_kernel(logits, token_ids, temperature, argmax, logprobs, glp, tk_ids, tk_lp, gtk, ent, gent, grad_t):
     batch, vocab = logits.shape
     device = logits.device
@@ -46,23 +54,25 @@ def _backward_kernel(logits, token_ids, temperature, argmax, logprobs, glp, tk_i
     grad_temp = torch.empty((batch if grad_t else 0,), dtype=torch.float32, device=device)
     nbytes = logprob_backward_workspace_bytes(batch, vocab, grad_t)
     workspace = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device) if nbytes else None
-    token_logprob_rank_backward(
-        logits.detach(),
-        token_ids,
-        logprobs.detach(),
-        out_grad_logits=grad,
-        stream=0 if device.type == "cpu" else raw_stream(device.index),
-        grad_logprobs=glp,
-        temperature=None if temperature is None else temperature.detach(),
-        out_grad_temperature=grad_temp if grad_t else None,
-        argmax=argmax,
-        topk_ids=tk_ids,
-        topk_logprobs=None if tk_lp is None else tk_lp.detach(),
-        grad_topk_logprobs=gtk,
-        entropy=None if ent is None else ent.detach(),
-        grad_entropy=gent,
-        workspace=workspace,
-    )
+    tensors = [logits, token_ids, logprobs, grad, glp, temperature, grad_temp if grad_t else None, argmax]
+    tensors += [tk_ids, tk_lp, gtk, ent, gent, workspace]
+    t = [None if x is None else x.detach() for x in tensors]
+
+    def call(bind: bool):
+        fn = bind_logprob_rank_backward if bind else token_logprob_rank_backward
+        return fn(
+            t[0], t[1], t[2], out_grad_logits=t[3], stream=stream, grad_logprobs=t[4], temperature=t[5],
+            out_grad_temperature=t[6], argmax=t[7], topk_ids=t[8], topk_logprobs=t[9], grad_topk_logprobs=t[10],
+            entropy=t[11], grad_entropy=t[12], workspace=t[13],
+        )  # fmt: skip
+
+    if device.type == "cpu":
+        stream = 0
+        call(False)
+    else:  # bound once per layout of the tensors (torch's allocator hands out the same few)
+        stream = raw_stream(device.index)
+        key = tuple(None if x is None else layout_key(x) for x in tensors)
+        _BOUND.bind(key, lambda: call(True))(stream=stream)
     return grad, grad_temp
 
 
