@@ -116,14 +116,25 @@ def test_func_transforms():
     torch.testing.assert_close(res.logprobs, torch.log_softmax(xb, -1).gather(2, idsb[..., None])[..., 0])
 
 
-def test_opcheck_ops_and_backward():
+@pytest.mark.parametrize("top_k", [0, 3])
+@pytest.mark.parametrize("argmax", [False, True])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_opcheck_every_logprob_op(top_k, argmax, entropy):
+    torch.manual_seed(2)
+    x = torch.randn(3, 33, requires_grad=True)
+    # a greedy row with argmax (its id -1); opcheck compares outputs without equating NaN
+    ids, t = torch.tensor([0, -1 if argmax else 7, 32]), (torch.rand(3) + 0.5).requires_grad_(True)
+    name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")
+    op = getattr(torch.ops.trace_replay, name + ("_entropy" if entropy else "")).default
+    for temp in (t, None):
+        torch.library.opcheck(op, (x, ids, top_k, temp) if top_k else (x, ids, temp))
+
+
+def test_opcheck_backward():
     torch.manual_seed(2)
     x = torch.randn(3, 33, requires_grad=True)
     ids, t = torch.tensor([0, 7, 32]), (torch.rand(3) + 0.5).requires_grad_(True)
     ops = torch.ops.trace_replay
-    torch.library.opcheck(ops.token_logprob_rank.default, (x, ids, t))
-    torch.library.opcheck(ops.token_logprob_rank_topk_argmax_entropy.default, (x, ids, 3, t))
-    torch.library.opcheck(ops.token_logprob_rank_entropy.default, (x, ids, None))
     lp, _, tlp, tid, am, ent = ops.token_logprob_rank_topk_argmax_entropy(x.detach(), ids, 3, t.detach())
     g = torch.randn(3)
     args = (x.detach(), ids, t.detach(), am, lp, g, tid, tlp, torch.randn(3, 3), ent, torch.randn(3), True)

@@ -276,9 +276,8 @@ def token_logprob_rank(
     call is the direct one above. ``torch.vmap`` and ``torch.func.grad`` work (mapped axes are
     folded into the batch axis).
     """
-    if _transforms_active() or (
-        torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (logits, temperature))
-    ):
+    wants_grad = getattr(logits, "requires_grad", False) or getattr(temperature, "requires_grad", False)
+    if (wants_grad and torch.is_grad_enabled()) or _transforms_active():
         if out is not None:
             raise TypeError(
                 "out= cannot be used when logits or temperature require grad, or under torch.func "
@@ -294,11 +293,13 @@ def token_logprob_rank(
     )
 
 
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
 def _transforms_active() -> bool:
     """Whether a ``torch.func`` transform (vmap, grad, ...) is active: its wrapped tensors have
     no storage to hand over, so the call goes through the op, which has rules for them."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active and active())
+    return bool(_FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE())
 
 
 def compute_logprob_rank(
