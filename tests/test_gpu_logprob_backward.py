@@ -212,3 +212,33 @@ def test_torch_backward_bound_per_layout_reads_new_values(rng):
             (torch.log_softmax(ref_logits, -1).gather(1, ids[:, None])[:, 0] * g).sum(), ref_logits
         )
         torch.testing.assert_close(grad.float(), ref, atol=1e-5, rtol=2.0**-7, msg=f"step {step}")
+
+
+def test_bound_backward_in_a_cuda_graph(rng):
+    """A bound backward (compiled first) captured in a CUDA graph gives the eager call's bits."""
+    from trace_replay_core import bind_logprob_rank_backward
+
+    case = make_backward_case(rng, 8, 151936, "bfloat16", temp=True, grad_t=True)
+    eager, eager_t = gpu_forward_backward(case)
+    dev = "cuda"
+    logits = torch.from_numpy(case["x"]).to(dev, torch.bfloat16)
+    tensors = {k: torch.from_numpy(case[k]).to(dev) for k in ("ids", "lp", "g", "temp")}
+    grad = torch.full_like(logits, float("nan"))
+    grad_t = torch.full((8,), float("nan"), device=dev)
+    ws = torch.empty(max(16, logprob_backward_workspace_bytes(8, 151936, True)), dtype=torch.uint8, device=dev)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        bound = bind_logprob_rank_backward(
+            logits, tensors["ids"], tensors["lp"], grad_logprobs=tensors["g"], temperature=tensors["temp"],
+            out_grad_temperature=grad_t, out_grad_logits=grad, workspace=ws, stream=side.cuda_stream,
+        )  # fmt: skip
+        bound(stream=side.cuda_stream)  # compiled before capture
+    torch.cuda.synchronize()
+    grad.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bound(stream=torch.cuda.current_stream().cuda_stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert grad.float().cpu().numpy().tobytes() == eager.tobytes()
+    assert grad_t.cpu().numpy().tobytes() == eager_t.tobytes()

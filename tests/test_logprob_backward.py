@@ -199,3 +199,22 @@ def test_workspace_bytes():
     assert logprob_backward_workspace_bytes(256, 151936) == 0
     assert logprob_backward_workspace_bytes(256, 151936, True) == 4 * 256 * 19
     assert logprob_backward_workspace_bytes(0, 151936, True) == 0
+
+
+def test_bound_call_repeats_the_call(rng):
+    """bind_logprob_rank_backward: the bound call reads the arrays' current values each time."""
+    from trace_replay_core import bind_logprob_rank_backward
+
+    case = make_backward_case(rng, 4, 60, "float32", temp=True, grad_t=True)
+    grad, grad_t = np.full_like(case["x"], np.nan), np.full(4, np.nan, np.float32)
+    g = case["g"].copy()
+    bound = bind_logprob_rank_backward(
+        case["x"], case["ids"], case["lp"], grad_logprobs=g, temperature=case["temp"], out_grad_temperature=grad_t,
+        out_grad_logits=grad, stream=0,
+    )  # fmt: skip
+    bound(stream=0)
+    assert_grads(case, grad, grad_t, "bound")
+    g *= -2.0
+    case["g"] = g
+    bound(stream=0)
+    assert_grads(case, grad, grad_t, "bound, new upstream gradient")
