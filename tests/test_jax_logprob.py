@@ -87,22 +87,25 @@ def test_int64_ids_with_x64_and_column_ids():
             assert_matches_reference(x, ids, np.asarray(lp), np.asarray(rk), f"x64 {method}")
 
 
-def test_jnp_method_is_differentiable_and_kernel_method_says_what_to_do():
+@pytest.mark.parametrize("method", METHODS)
+def test_both_methods_are_differentiable(method):
+    """One-hot minus softmax (test_jax_logprob_grad.py checks every output and the temperature)."""
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((3, 50), dtype=np.float32))
     ids = jnp.asarray([4, 0, 49], jnp.int32)
-    grad = jax.grad(lambda z: token_logprob_rank(z, ids, method="jnp")[0].sum())(x)
+    grad = jax.grad(lambda z: token_logprob_rank(z, ids, method=method)[0].sum())(x)
     want = np.eye(50, dtype=np.float32)[np.asarray(ids)] - np.asarray(jax.nn.softmax(x, axis=1))
     np.testing.assert_allclose(np.asarray(grad), want, atol=1e-6)
-    with pytest.raises(TypeError, match=r"^token_logprob_rank\(method='kernel'\) has no gradient: use method='jnp'"):
-        jax.grad(lambda z: token_logprob_rank(z, ids)[0].sum())(x)
 
 
-def test_vmap_is_refused_with_the_alternative():
-    x = jnp.ones((2, 3, 10), jnp.float32)
-    ids = jnp.zeros((3,), jnp.int32)
-    with pytest.raises(ValueError, match=r"^trace_replay_jax.token_logprob_rank does not support jax.vmap: .*fold"):
-        jax.vmap(lambda z: token_logprob_rank(z, ids))(x)
+@pytest.mark.parametrize("method", METHODS)
+def test_vmap_folds_the_mapped_axis(method):
+    x = jax.random.normal(jax.random.key(3), (2, 3, 10), jnp.float32)
+    ids = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    lp, rk = jax.vmap(lambda z, i: token_logprob_rank(z, i, method=method))(x, ids)
+    want = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), ids[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want), atol=2e-6)
+    assert rk.shape == (2, 3)
 
 
 _X = jnp.ones((3, 10), jnp.float32) * 0.5

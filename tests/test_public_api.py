@@ -97,6 +97,13 @@ PINNED = {
         "workspace=None, temperature=None, top_k=0, "
         "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None, out_entropy=None)",
         "token_logprob_rank_reference": "(logits, token_ids)",
+        "token_logprob_rank_backward": "(logits, token_ids, logprobs, *, out_grad_logits, stream, "
+        "grad_logprobs=None, temperature=None, out_grad_temperature=None, argmax=None, topk_ids=None, "
+        "topk_logprobs=None, grad_topk_logprobs=None, entropy=None, grad_entropy=None, workspace=None)",
+        "logprob_backward_workspace_bytes": "(batch, vocab, grad_temperature=False)",
+        "bind_logprob_rank_backward": "(logits, token_ids, logprobs, *, out_grad_logits, stream, "
+        "grad_logprobs=None, temperature=None, out_grad_temperature=None, argmax=None, topk_ids=None, "
+        "topk_logprobs=None, grad_topk_logprobs=None, entropy=None, grad_entropy=None, workspace=None)",
         "greedy_argmax_reference": "(logits)",
         "softmax_entropy_reference": "(logits)",
     },

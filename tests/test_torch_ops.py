@@ -217,12 +217,15 @@ def test_compiled_sampler_refuses_a_closed_state(rng, sampler, fullgraph):
         sampler(st, logits, idx)
 
 
-def test_logprob_op_carries_no_gradient(rng):
-    """As the eager function: logits that require grad give results that do not."""
+def test_logprob_op_carries_gradient_of_float_outputs_only(rng):
+    """As the eager function: logits that require grad give logprobs with a gradient (the same
+    values as without), integer ranks without one (test_torch_logprob_grad.py checks the values)."""
     logits = torch.from_numpy(rng.standard_normal((4, 19)).astype(np.float32)).requires_grad_(True)
     tokens = torch.from_numpy(rng.integers(0, 19, 4))
+    plain = token_logprob_rank(logits.detach(), tokens)
     for result in (token_logprob_rank(logits, tokens), token_logprob_rank_op(logits, tokens)):
-        assert not any(t.requires_grad for t in result)
+        assert result.logprobs.requires_grad and not result.ranks.requires_grad
+        assert torch.equal(result.logprobs.detach(), plain.logprobs) and torch.equal(result.ranks, plain.ranks)
 
 
 def _dynamo_stats():

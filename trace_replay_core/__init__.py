@@ -34,6 +34,11 @@ from ._logprob import (
     logprob_rank_workspace_bytes,
     token_logprob_rank,
 )
+from ._logprob_backward import (
+    bind_logprob_rank_backward,
+    logprob_backward_workspace_bytes,
+    token_logprob_rank_backward,
+)
 from ._streams import stream_handle
 from ._table import PLACEMENTS, BoundReplay, TraceTable
 from ._warnings import StagedWritesWarning
@@ -57,6 +62,10 @@ __all__ = [
     "logprob_rank_workspace_bytes",
     "MAX_VOCAB",
     "TOPK_MAX",
+    # its gradient
+    "token_logprob_rank_backward",
+    "bind_logprob_rank_backward",
+    "logprob_backward_workspace_bytes",
     # the numpy reference of both ops
     "replay_reference",
     "token_logprob_rank_reference",

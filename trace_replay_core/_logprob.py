@@ -138,10 +138,12 @@ def token_logprob_rank(
         Its contents are scratch; it must not be used by a call that may run at the same time
         (another stream). Ignored on the CPU backend (may be omitted there).
     temperature:
-        Optional ``[batch]`` float32, contiguous, same device: per-row ``T``. Host arrays are
-        checked (finite, ``> 0``); device arrays are not read on the host: a ``T`` that is not
-        finite and positive gives what IEEE arithmetic of ``logits / T`` gives (NaN logprobs
-        for ``T = 0``). The token's own logit is scaled the same way.
+        Optional ``[batch]`` float32, contiguous, same device: per-row ``T``; the token's own
+        logit is scaled the same way. Never read on the host and never an error (checking a
+        device array would need a host synchronisation): a row whose ``T`` is not finite and
+        ``> 0`` (``T <= 0``, NaN, infinite) is scored as a row of NaN logits, on the GPU and
+        the CPU backend alike: logprob, top-k logprobs and entropy NaN, rank 0 (0 for a valid
+        id, -1 for an id out of range, as always), top-k ids -1, argmax 0.
     top_k:
         ``0 <= top_k <= min(64, vocab)``.
     out_topk_logprobs, out_topk_ids:
@@ -244,13 +246,12 @@ def bind_logprob_rank(
 
     For loops that reuse the same buffers every step (or a cache keyed by buffer layout, as the
     torch adapter keeps): each call of the result only queues the kernels, about a tenth of the
-    host time of an unbound call. Arguments and errors as :func:`token_logprob_rank` (a host
-    temperature is checked here, once); ``stream`` is used for the DLPack handshake here, each
-    call of the result names its own. Host-blocking only when it compiles the kernels (the
-    first time for a device and signature). On sm_90 and later the kernels of a bound call are
-    queued as programmatic dependent launches: the first may be scheduled while the kernel before
-    it on the stream ends, and waits on the device for that kernel's writes before it reads
-    anything; stream order is kept as for any launch.
+    host time of an unbound call. Arguments and errors as :func:`token_logprob_rank`; ``stream``
+    is used for the DLPack handshake here, each call of the result names its own. Host-blocking
+    only when it compiles the kernels (the first time for a device and signature). On sm_90 and
+    later the kernels of a bound call are queued as programmatic dependent launches: the first may
+    be scheduled while the kernel before it on the stream ends, and waits on the device for that
+    kernel's writes before it reads anything; stream order is kept as for any launch.
     """
     checked = validated_logprob_call(
         logits,

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from ._dlpack import CPU, as_view
 from ._dtypes import RANK_DTYPES
-from ._numpy_backend import numpy_of
 from ._streams import stream_handle
 from ._validate import (
     INT32_MAX,
     check_disjoint,
     check_logits,
     check_temperature,
-    check_temperature_values,
     check_token_ids,
     check_top_k,
     check_topk_outputs,
@@ -94,8 +92,6 @@ def validated_logprob_call(
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
-        if tv is not None and batch:
-            check_temperature_values(numpy_of(tv))
         return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv, env), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")

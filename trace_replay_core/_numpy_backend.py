@@ -19,7 +19,7 @@ import numpy as np
 from ._dlpack import ArrayView
 from ._staging import copy_trace
 
-__all__ = ["NumpyTable", "numpy_of", "replay_numpy"]
+__all__ = ["NumpyTable", "numpy_of", "replay_numpy", "temperature_or_nan"]
 
 
 def numpy_of(view: ArrayView) -> np.ndarray:
@@ -169,15 +169,16 @@ _LOGPROB_ROWS_ELEMENTS = 1 << 22  # logits converted to float32 per chunk of row
 _KEY_PAD = np.int64(-(2**63))
 
 
-def _strided_numpy(v: ArrayView) -> np.ndarray:
-    """A read-only numpy view over a CPU view's memory, strides kept (bfloat16 as uint16 bits)."""
+def _strided_numpy(v: ArrayView, writable: bool = False) -> np.ndarray:
+    """A numpy view over a CPU view's memory, strides kept (bfloat16 as uint16 bits), read-only
+    unless ``writable``."""
     np_dtype = np.uint16 if v.dtype == "bfloat16" else np.dtype(v.dtype)
     if v.size == 0:
         return np.empty(v.shape, dtype=np_dtype)
     nbytes = (sum((n - 1) * s for n, s in zip(v.shape, v.strides)) + 1) * v.itemsize
     base = np.frombuffer(memoryview((ctypes.c_char * nbytes).from_address(v.ptr)).cast("B"), dtype=np_dtype)
     return np.lib.stride_tricks.as_strided(
-        base, shape=v.shape, strides=[s * v.itemsize for s in v.strides], writeable=False
+        base, shape=v.shape, strides=[s * v.itemsize for s in v.strides], writeable=writable
     )
 
 
@@ -185,6 +186,14 @@ def _logits_float32(block: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (block.astype(np.uint32) << 16).view(np.float32)
     return block.astype(np.float32)
+
+
+def temperature_or_nan(t: np.ndarray) -> np.ndarray:
+    """float32 ``t`` with every value that is not finite and > 0 replaced by NaN: such a row reads
+    as a row of NaN logits (the kernels do the same)."""
+    t = np.asarray(t, dtype=np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(t) & (t > 0), t, np.float32(np.nan)).astype(np.float32)
 
 
 def topk_keys(y: np.ndarray) -> np.ndarray:
@@ -218,7 +227,7 @@ def logprob_rank_numpy(
     """``token_logprob_rank`` on host arrays (already validated), computed before it returns."""
     x_all = _strided_numpy(logits)
     ids_all = numpy_of(ids).reshape(-1)
-    t_all = numpy_of(temperature) if temperature is not None else None
+    t_all = temperature_or_nan(numpy_of(temperature)) if temperature is not None else None
     lp_all, rank_all = numpy_of(out_lp), numpy_of(out_rank)
     tlp_all = numpy_of(topk_lp) if top_k and topk_lp is not None else None
     tid_all = numpy_of(topk_ids) if top_k and topk_ids is not None else None
@@ -256,3 +265,79 @@ def logprob_rank_numpy(
                 values, cols = topk_decode(best)
                 tlp_all[r0:r1] = np.where(cols < 0, np.float32(np.nan), values - lse[:, None])
                 tid_all[r0:r1] = cols
+
+
+# -- the logprob op's backward -------------------------------------------------------------------
+# The numpy twin of kernels/logprob_backward.py: the same contract (lse recovered from the
+# forward's outputs, the same rows reduced again, zeros and NaN), float32 arithmetic, row by row.
+
+
+def _store_as(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``values`` rounded to ``dtype`` (to nearest even), as the bits the array holds
+    (bfloat16 as uint16)."""
+    if dtype != "bfloat16":
+        return values.astype(dtype)
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+def logprob_backward_numpy(
+    logits: ArrayView, ids: ArrayView, argmax, temperature, logprobs: ArrayView, grad_lp, topk_ids, topk_lp, grad_topk,
+    entropy, grad_entropy, out_grad: ArrayView, out_grad_t,
+) -> None:  # fmt: skip
+    """``token_logprob_rank_backward`` on host arrays (already validated; absent ones None),
+    computed before it returns."""
+    x_all = _strided_numpy(logits)
+    g_out = _strided_numpy(out_grad, writable=True)
+    batch, vocab = logits.shape
+    rows = max(1, _LOGPROB_ROWS_ELEMENTS // vocab)
+
+    def part(v, r0, r1):
+        return None if v is None else numpy_of(v)[r0:r1]
+
+    for r0 in range(0, batch, rows):
+        r1 = min(batch, r0 + rows)
+        n, at = r1 - r0, np.arange(r1 - r0)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            t = temperature_or_nan(part(temperature, r0, r1)) if temperature is not None else np.ones(n, np.float32)
+            y = _logits_float32(x_all[r0:r1], logits.dtype) / t[:, None]
+            tok = part(ids, r0, r1).reshape(-1).astype(np.int64)
+            if argmax is not None:
+                tok = np.where(tok < 0, part(argmax, r0, r1).astype(np.int64), tok)
+            valid = (tok >= 0) & (tok < vocab)
+            lse = np.where(valid, y[at, np.where(valid, tok, 0)] - part(logprobs, r0, r1), np.float32(np.nan))
+            ids_q = np.where(valid, tok, -1)[:, None]
+            g_q = np.zeros((n, 1), np.float32)
+            if grad_lp is not None:
+                g_q[:, 0] = np.where(valid, part(grad_lp, r0, r1), np.float32(0))
+            if topk_ids is not None:
+                tk = part(topk_ids, r0, r1).astype(np.int64)
+                lse0 = y[at, np.maximum(tk[:, 0], 0)] - part(topk_lp, r0, r1)[:, 0]
+                lse = np.where((tk[:, 0] >= 0) & np.isfinite(lse0), lse0, lse)
+                gk = part(grad_topk, r0, r1) if grad_topk is not None else np.zeros(tk.shape, np.float32)
+                ids_q = np.concatenate([ids_q, tk], axis=1)
+                g_q = np.concatenate([g_q, np.where(tk >= 0, gk, np.float32(0))], axis=1)
+            need = valid & (grad_lp is not None) | (grad_topk is not None) | (grad_entropy is not None) | np.isnan(t)
+            redo = np.flatnonzero(need & ~np.isnan(t) & ~np.isfinite(lse))
+            if redo.size:  # no finite source: reduce the row again (NaN for NaN or +inf, -inf for all -inf)
+                yr = y[redo]
+                m = np.max(yr, axis=1)
+                m_safe = np.where(m == -np.inf, np.float32(0), m)
+                lse[redo] = m + np.log(np.exp(yr - m_safe[:, None]).sum(axis=1))
+            lp_all = y - lse[:, None].astype(np.float32)
+            p = np.exp(lp_all)
+            g_all = g_q.sum(axis=1, dtype=np.float32)
+            dy = -p * g_all[:, None]
+            if grad_entropy is not None:
+                h, g_h = part(entropy, r0, r1), part(grad_entropy, r0, r1)
+                dy -= np.where(p == 0, np.float32(0), g_h[:, None] * p * (lp_all + h[:, None]))  # -inf: adds 0
+            dy = np.where(need[:, None], dy, np.float32(0)).astype(np.float32)
+            acc = np.where(dy != 0, dy * lp_all, np.float32(0)).sum(axis=1, dtype=np.float32)
+            here = (ids_q >= 0) & need[:, None] & (g_q != 0)
+            rr, cc = np.nonzero(here)
+            np.add.at(dy, (rr, ids_q[rr, cc]), g_q[rr, cc])
+            acc += np.where(here, g_q * lp_all[at[:, None], np.maximum(ids_q, 0)], np.float32(0)).sum(axis=1)
+            g_out[r0:r1, :vocab] = _store_as(dy / t[:, None], logits.dtype)
+            if out_grad_t is not None:
+                numpy_of(out_grad_t)[r0:r1] = -acc / t

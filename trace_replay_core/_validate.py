@@ -262,16 +262,6 @@ def check_temperature(v: ArrayView, batch: int, device: str) -> ArrayView:
     return check_view(v, name="temperature", dtypes=("float32",), device=device, ndim=1, length=batch)
 
 
-def check_temperature_values(t: np.ndarray) -> None:
-    """Host data only: every temperature finite and > 0 (device arrays are not read)."""
-    bad = np.flatnonzero(~(np.isfinite(t) & (t > 0)))
-    if bad.size:
-        raise ValueError(
-            f"temperature must be finite and > 0 in every row (got {float(t[bad[0]])!r} in row {bad[0]}, "
-            f"{bad.size} bad rows)"
-        )
-
-
 def check_workspace(v: ArrayView, device: str, need: int) -> ArrayView:
     # Any element type: only the bytes count.
     check_view(v, name="workspace", dtypes=(v.dtype,), device=device, ndim=1, writable=True)

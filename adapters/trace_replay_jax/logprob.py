@@ -8,10 +8,11 @@ Two implementations of one contract (the core's, see
   reduce in an order fixed by the vocabulary (batch-invariant: a row gives the same bits in any
   batch), run on XLA's own stream through ``jax.experimental.buffer_callback``
   (:mod:`.logprob_callback`); on the CPU the same callback runs the core's numpy backend (row by
-  row, also batch-invariant) on XLA's host buffers.
+  row, also batch-invariant) on XLA's host buffers. Differentiable: a ``jax.custom_vjp`` runs the
+  core's backward kernel the same way (:mod:`.logprob_grad`).
 - ``method="jnp"``: the same arithmetic in ``jax.numpy`` (a max, a sum of exponentials, a
   gather, a count, ``lax.top_k``), fused by XLA into the surrounding program; it reads the
-  logits more than once, but needs no callback and is differentiable in ``logits``. It is *not*
+  logits more than once, but needs no callback; JAX differentiates it. It is *not*
   promised to be batch-invariant: XLA picks how to split a row's reduction from the whole
   shape, so the last bits of a row's logprob may change with the batch size.
 
@@ -25,7 +26,6 @@ each row's entropy (the kernel method from the same read).
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -36,8 +36,7 @@ import numpy as np
 from trace_replay_core import LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX
 
 from .guards import check_fits_int32
-from .jnp_replay import is_vmap_tracer
-from .logprob_callback import kernel_logprob_rank
+from .logprob_grad import kernel_logprob_rank
 from .logprob_results import (
     LogprobRank,
     LogprobRankArgmax,
@@ -66,12 +65,6 @@ __all__ = [
 
 METHODS = ("kernel", "jnp")
 _TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
-
-_VMAP_MESSAGE = (
-    "trace_replay_jax.token_logprob_rank does not support jax.vmap: it already takes a whole "
-    "batch. Call it on the batched arrays instead (fold the mapped axis into the batch axis: "
-    "logits as [n * batch, vocab], token_ids as [n * batch]), without vmap"
-)
 
 
 def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
@@ -122,27 +115,18 @@ def _check_flag(value: Any, name: str) -> bool:
 
 
 def _temperature(temperature: Any, batch: int) -> Any | None:
-    """None, or a float32 [batch] array (a float is checked and broadcast; host numpy data is
-    checked; a JAX array is not read on the host)."""
+    """None, or a float32 [batch] array (a float is broadcast). Values are never checked: a T
+    that is not finite and > 0 scores its row as NaN logits, in both methods."""
     if temperature is None:
         return None
     if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        t = float(temperature)
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature must be finite and > 0 (got {temperature!r})")
-        return jnp.full((batch,), t, jnp.float32)
+        return jnp.full((batch,), float(temperature), jnp.float32)
     if not hasattr(temperature, "shape") or not hasattr(temperature, "dtype"):
         raise TypeError(f"temperature must be None, a float or a [batch] array (got {type(temperature).__name__})")
     if tuple(temperature.shape) != (batch,):
         raise ValueError(f"temperature must be [batch] with batch = {batch} (got shape {list(temperature.shape)})")
     if np.dtype(temperature.dtype) != np.float32:
         raise ValueError(f"temperature must be float32 (got {np.dtype(temperature.dtype).name})")
-    if isinstance(temperature, np.ndarray):
-        bad = np.flatnonzero(~(np.isfinite(temperature) & (temperature > 0)))
-        if bad.size:
-            raise ValueError(
-                f"temperature must be finite and > 0 in every row (got {float(temperature[bad[0]])!r} in row {bad[0]})"
-            )
     return temperature
 
 
@@ -168,8 +152,9 @@ def _jnp_logprob_rank(
     normaliser."""
     vocab = logits.shape[1]
     y = logits.astype(jnp.float32)
-    if temperature is not None:
-        y = y / temperature.astype(jnp.float32)[:, None]
+    if temperature is not None:  # T not finite and > 0: NaN, the row reads as NaN logits (as the kernels)
+        t = temperature.astype(jnp.float32)
+        y = y / jnp.where(jnp.isfinite(t) & (t > 0), t, jnp.nan)[:, None]
     ids = ids.reshape(-1)
     greedy = None
     if argmax:
@@ -227,11 +212,13 @@ def token_logprob_rank(
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, never modified.
     ``token_ids``: ``[batch]`` or ``[batch, 1]`` int32/int64 (e.g. the tokens after replay).
     ``method``: ``"kernel"`` (the core's one-pass Triton kernels on XLA's stream, batch-invariant;
-    numpy on the CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, differentiable in
-    ``logits``, not promised batch-invariant). ``top_k``: 0 to ``min(64, vocab)`` (static).
-    ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a float32
-    ``[batch]`` array (numpy data is checked; a JAX array is not read on the host: T <= 0 gives
-    NaN logprobs); the results are then those of ``logits / T`` (vLLM's processed logprobs).
+    numpy on the CPU) or ``"jnp"`` (the same arithmetic in ``jax.numpy``, not promised
+    batch-invariant). ``top_k``: 0 to ``min(64, vocab)`` (static).
+    ``temperature``: None (T = 1), a float for every row, or a float32 ``[batch]`` array; the
+    results are then those of ``logits / T`` (vLLM's processed logprobs). A row whose ``T`` is
+    not finite and ``> 0`` (``T <= 0``, NaN, infinite; never an error: a JAX array is not read
+    on the host) is scored as a row of NaN logits, by both methods: NaN logprob, top-k
+    logprobs and entropy, rank 0 (-1 for an id out of range), top-k ids -1, argmax 0.
 
     ``argmax``, ``entropy``: bools (static); see below.
 
@@ -273,11 +260,18 @@ def token_logprob_rank(
     ``p = softmax(y)`` in nats (``jax.scipy.special.entr(p).sum(-1)``, to float32 rounding),
     whatever the token: NaN for the rows whose logprob is NaN for want of a normaliser (a NaN, a
     ``+inf``, only ``-inf``). The kernel method computes it in the same pass over the logits,
-    batch-invariant like the logprobs; the jnp method is differentiable in ``logits``.
+    batch-invariant like the logprobs.
 
     Works eagerly (one jitted dispatch; never waits for the device) and inside ``jax.jit``,
-    ``lax.fori_loop`` and ``lax.while_loop``. ``jax.vmap`` is refused (the function already
-    takes a batch); gradients exist only for ``method="jnp"``.
+    ``lax.fori_loop`` and ``lax.while_loop``. Gradients (``jax.grad``, ``jax.vjp``; first order):
+    both methods give the gradient of the logprobs, top-k logprobs and entropy with respect to
+    ``logits`` and ``temperature`` (ranks, ids and argmax are integers); with the kernel method it
+    is the core's backward kernel (one read of the logits, one write of the gradient,
+    batch-invariant) through a ``jax.custom_vjp``. A row whose id is out of range adds no gradient
+    through its (NaN) logprob; a row without a normaliser (a NaN or ``+inf`` logit, only ``-inf``,
+    a temperature not finite and ``> 0``) gets NaN gradients. ``jax.vmap`` works, also over
+    ``jax.jit`` and ``jax.grad`` of it: the kernel method folds a mapped axis into the batch axis
+    and runs once.
     """
     batch, vocab = _check(logits, token_ids, method)
     top_k = _check_top_k(top_k, vocab)
@@ -285,9 +279,6 @@ def token_logprob_rank(
     entropy = _check_flag(entropy, "entropy")
     temperature = _temperature(temperature, batch)
     args = (logits, token_ids) + ((temperature,) if temperature is not None else ())
-    traced = [a for a in args if isinstance(a, jax.core.Tracer)]
-    if any(is_vmap_tracer(a) for a in traced):
-        raise ValueError(_VMAP_MESSAGE)
-    if traced:
+    if any(isinstance(a, jax.core.Tracer) for a in args):
         return _IMPL[method](logits, token_ids, temperature, top_k, argmax, entropy)
     return _EAGER[method](logits, token_ids, temperature, top_k, argmax, entropy)

@@ -10,8 +10,7 @@ parameters packed) and only launched afterwards; an entry holds addresses, never
 which belong to XLA. The op is a pure function of its buffers, so it is marked command-buffer
 compatible: where XLA records it into a CUDA graph, the callback runs when XLA records (again
 whenever the buffers move) instead of on every call. On the CPU the same callback runs the
-core's numpy backend on XLA's host buffers. The op has no gradient (a ``jax.custom_jvp`` that
-refuses, naming ``method="jnp"``).
+core's numpy backend on XLA's host buffers. Its gradient and its vmap rule: :mod:`.logprob_grad`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.buffer_callback import ExecutionStage, buffer_callback
 
 from trace_replay_core import BoundCache, bind_logprob_rank, logprob_rank_workspace_bytes
@@ -28,12 +26,7 @@ from trace_replay_core import token_logprob_rank as _core_token_logprob_rank
 
 from .logprob_results import LogprobResult, named_result
 
-__all__ = ["kernel_logprob_rank", "GRAD_MESSAGE"]
-
-GRAD_MESSAGE = (
-    "token_logprob_rank(method='kernel') has no gradient: use method='jnp', which is "
-    "differentiable in logits (ranks are integers and have none), or jax.nn.log_softmax"
-)
+__all__ = ["forward_op", "empty_result"]
 
 _BOUND_CACHE_SIZE = 64
 
@@ -106,11 +99,12 @@ class _KernelCallback:
 
 
 @functools.cache
-def _kernel_op(
+def forward_op(
     batch: int, vocab: int, logits_dtype: str, ids_dtype: str, top_k: int, has_temp: bool, argmax: bool, entropy: bool
 ):
-    """The jitted-callable op of one signature; its outputs are ``logprobs, ranks[, topk_logprobs,
-    topk_ids][, argmax][, entropy], workspace`` (the workspace is scratch and dropped)."""
+    """The op of one signature: ``op(logits, ids[, temperature])`` returns ``logprobs, ranks[,
+    topk_logprobs, topk_ids][, argmax][, entropy]`` (a tuple; the workspace, scratch, is dropped).
+    :mod:`.logprob_grad` makes it differentiable and vmappable."""
     outs = [jax.ShapeDtypeStruct((batch,), jnp.float32), jax.ShapeDtypeStruct((batch,), jnp.int32)]
     if top_k:
         outs += [jax.ShapeDtypeStruct((batch, top_k), jnp.float32), jax.ShapeDtypeStruct((batch, top_k), jnp.int32)]
@@ -121,46 +115,19 @@ def _kernel_op(
     outs.append(jax.ShapeDtypeStruct((max(16, logprob_rank_workspace_bytes(batch, vocab, top_k)),), jnp.uint8))
     op = buffer_callback(_KernelCallback(top_k, argmax, entropy), outs, command_buffer_compatible=True)
 
-    @jax.custom_jvp
     def run(logits, ids, *temperature):
-        out = op(logits, ids, *temperature)
-        return named_result(out[:-1], top_k, argmax, entropy)
-
-    @run.defjvp
-    def _no_grad(primals, tangents):
-        raise TypeError(GRAD_MESSAGE)
+        return tuple(op(logits, ids, *temperature)[:-1])
 
     return run
 
 
-def kernel_logprob_rank(
-    logits: jax.Array,
-    ids: jax.Array,
-    temperature: jax.Array | None,
-    top_k: int,
-    argmax: bool = False,
-    entropy: bool = False,
-) -> LogprobResult:
-    """``method="kernel"`` on arguments already checked by the public function (``ids``
-    ``[batch]`` or ``[batch, 1]``; ``temperature`` None or ``[batch]``); traceable. New arrays."""
-    batch, vocab = logits.shape
-    if batch == 0:
-        empty = [jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)]
-        if top_k:
-            empty += [jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)]
-        if argmax:
-            empty.append(jnp.zeros((0,), jnp.int32))
-        if entropy:
-            empty.append(jnp.zeros((0,), jnp.float32))
-        return named_result(empty, top_k, argmax, entropy)
-    run = _kernel_op(
-        batch,
-        vocab,
-        np.dtype(logits.dtype).name,
-        np.dtype(ids.dtype).name,
-        top_k,
-        temperature is not None,
-        argmax,
-        entropy,
-    )
-    return run(logits, ids) if temperature is None else run(logits, ids, temperature.astype(jnp.float32))
+def empty_result(top_k: int, argmax: bool, entropy: bool) -> LogprobResult:
+    """The result of an empty batch."""
+    empty = [jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)]
+    if top_k:
+        empty += [jnp.zeros((0, top_k), jnp.float32), jnp.zeros((0, top_k), jnp.int32)]
+    if argmax:
+        empty.append(jnp.zeros((0,), jnp.int32))
+    if entropy:
+        empty.append(jnp.zeros((0,), jnp.float32))
+    return named_result(empty, top_k, argmax, entropy)

@@ -11,16 +11,26 @@ few addresses step after step), so a repeated call only launches the kernels.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from trace_replay_core import BoundCache, bind_logprob_rank, logprob_rank_workspace_bytes
 from trace_replay_core import token_logprob_rank as core_token_logprob_rank
 
+from .logprob_results import (
+    LogprobRank,
+    LogprobRankArgmax,
+    LogprobRankArgmaxEntropy,
+    LogprobRankEntropy,
+    LogprobRankResult,
+    LogprobRankTopK,
+    LogprobRankTopKArgmax,
+    LogprobRankTopKArgmaxEntropy,
+    LogprobRankTopKEntropy,
+    named_result,
+)
 from .views import layout_key, raw_stream
 
 __all__ = [
@@ -34,121 +44,6 @@ __all__ = [
     "LogprobRankArgmaxEntropy",
     "LogprobRankTopKArgmaxEntropy",
 ]
-
-
-class LogprobRank(NamedTuple):
-    """``token_logprob_rank``'s result without top-k: unpacks as ``logprobs, ranks``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-
-
-class LogprobRankTopK(NamedTuple):
-    """``token_logprob_rank``'s result with ``top_k > 0``:
-    ``logprobs, ranks, topk_logprobs, topk_ids``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    topk_logprobs: torch.Tensor
-    topk_ids: torch.Tensor
-
-
-class LogprobRankArgmax(NamedTuple):
-    """``token_logprob_rank``'s result with ``argmax=True`` and no top-k:
-    ``logprobs, ranks, argmax``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    argmax: torch.Tensor
-
-
-class LogprobRankTopKArgmax(NamedTuple):
-    """``token_logprob_rank``'s result with ``argmax=True`` and ``top_k > 0``:
-    ``logprobs, ranks, topk_logprobs, topk_ids, argmax``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    topk_logprobs: torch.Tensor
-    topk_ids: torch.Tensor
-    argmax: torch.Tensor
-
-
-class LogprobRankEntropy(NamedTuple):
-    """``token_logprob_rank``'s result with ``entropy=True``, no top-k and no argmax:
-    ``logprobs, ranks, entropy``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    entropy: torch.Tensor
-
-
-class LogprobRankTopKEntropy(NamedTuple):
-    """``token_logprob_rank``'s result with ``entropy=True`` and ``top_k > 0``:
-    ``logprobs, ranks, topk_logprobs, topk_ids, entropy``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    topk_logprobs: torch.Tensor
-    topk_ids: torch.Tensor
-    entropy: torch.Tensor
-
-
-class LogprobRankArgmaxEntropy(NamedTuple):
-    """``token_logprob_rank``'s result with ``argmax=True``, ``entropy=True`` and no top-k:
-    ``logprobs, ranks, argmax, entropy``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    argmax: torch.Tensor
-    entropy: torch.Tensor
-
-
-class LogprobRankTopKArgmaxEntropy(NamedTuple):
-    """``token_logprob_rank``'s result with ``top_k > 0``, ``argmax=True`` and ``entropy=True``:
-    ``logprobs, ranks, topk_logprobs, topk_ids, argmax, entropy``."""
-
-    logprobs: torch.Tensor
-    ranks: torch.Tensor
-    topk_logprobs: torch.Tensor
-    topk_ids: torch.Tensor
-    argmax: torch.Tensor
-    entropy: torch.Tensor
-
-
-LogprobRankResult = (
-    LogprobRank
-    | LogprobRankTopK
-    | LogprobRankArgmax
-    | LogprobRankTopKArgmax
-    | LogprobRankEntropy
-    | LogprobRankTopKEntropy
-    | LogprobRankArgmaxEntropy
-    | LogprobRankTopKArgmaxEntropy
-)
-# (top_k > 0, argmax, entropy) -> the result's type
-_RESULTS: dict[tuple[bool, bool, bool], type] = {
-    (False, False, False): LogprobRank,
-    (True, False, False): LogprobRankTopK,
-    (False, True, False): LogprobRankArgmax,
-    (True, True, False): LogprobRankTopKArgmax,
-    (False, False, True): LogprobRankEntropy,
-    (True, False, True): LogprobRankTopKEntropy,
-    (False, True, True): LogprobRankArgmaxEntropy,
-    (True, True, True): LogprobRankTopKArgmaxEntropy,
-}
-
-
-def result_type(top_k: int, argmax: bool, entropy: bool) -> type:
-    """The named tuple of a call's result (fields: logprobs, ranks[, topk_logprobs,
-    topk_ids][, argmax][, entropy])."""
-    return _RESULTS[(top_k > 0, argmax, entropy)]
-
-
-def _named(outs, top_k: int, argmax: bool, entropy: bool) -> LogprobRankResult:
-    """The named result of the six output slots (logprobs, ranks, topk logprobs, topk ids,
-    argmax, entropy): the slots the call has, in that order."""
-    has = (True, True, top_k > 0, top_k > 0, argmax, entropy)
-    return result_type(top_k, argmax, entropy)(*(t for t, h in zip(outs, has) if h))
 
 
 _workspace_bytes = functools.lru_cache(maxsize=256)(logprob_rank_workspace_bytes)
@@ -185,10 +80,8 @@ def _temperature(temperature, batch: int, device) -> torch.Tensor | None:
     if temperature is None:
         return None
     if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        t = float(temperature)
-        if not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature must be finite and > 0 (got {temperature!r})")
-        return torch.full((batch,), t, dtype=torch.float32, device=device)
+        # Not checked: a T that is not finite and > 0 scores its rows as NaN logits, as a tensor does.
+        return torch.full((batch,), float(temperature), dtype=torch.float32, device=device)
     if not isinstance(temperature, torch.Tensor):
         raise TypeError(f"temperature must be None, a float or a torch.Tensor (got {type(temperature).__name__})")
     return temperature
@@ -211,9 +104,11 @@ def token_logprob_rank(
     ``logits``: ``[batch, vocab]`` float32, bfloat16 or float16, rows may be strided (element
     stride 1 along the vocabulary), never modified. ``token_ids``: ``[batch]`` or
     ``[batch, 1]`` int32/int64 on the same device (e.g. ``sampled`` after replay); never
-    modified. ``temperature``: None (T = 1), a float for every row (checked: finite, > 0), or a
-    float32 ``[batch]`` tensor (a CUDA tensor is not checked: T <= 0 gives NaN logprobs); the
-    results are then those of ``logits / T`` (vLLM's processed logprobs). ``top_k``: 0 to
+    modified. ``temperature``: None (T = 1), a float for every row, or a float32 ``[batch]`` tensor;
+    the results are then those of ``logits / T`` (vLLM's processed logprobs). A row whose ``T``
+    is not finite and ``> 0`` (``T <= 0``, NaN, infinite; never an error, on any device) is
+    scored as a row of NaN logits: NaN logprob, top-k logprobs and entropy, rank 0 (-1 for an
+    id out of range), top-k ids -1, argmax 0. ``top_k``: 0 to
     ``min(64, vocab)``. ``argmax``: a bool; True adds each row's greedy token (below).
     ``entropy``: a bool; True adds each row's entropy (below).
 
@@ -270,11 +165,57 @@ def token_logprob_rank(
     allocates a workspace with torch (``logprob_rank_workspace_bytes``: 320 bytes per row at
     vocab 151,936, about 16.6 KiB per row with top-k 20; capture-safe through torch's graph
     memory pool) and, for a float temperature, a ``[batch]`` tensor. The first call per device
-    and signature (``argmax`` and ``entropy`` are part of it) compiles the kernels: run one eager call before
-    capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
+    and signature (``argmax`` and ``entropy`` are part of it) compiles the kernels: run one eager
+    call before capturing a CUDA graph. On CPU tensors it computes in numpy before returning.
+
+    Gradients: when grad mode is on and ``logits`` (or a tensor ``temperature``) requires grad,
+    the call goes through the registered op (:func:`token_logprob_rank_op`, a dispatcher call more)
+    and the logprobs, top-k logprobs and entropy come back with a ``grad_fn``: their gradient is
+    the core's backward kernel (one read of the logits, one write of the gradient,
+    batch-invariant). ``out=`` is refused then (such results are new tensors). Without grad the
+    call is the direct one above. ``torch.vmap`` and ``torch.func.grad`` work (mapped axes are
+    folded into the batch axis).
     """
     if torch.compiler.is_compiling():
         return _compiled_call(logits, token_ids, top_k, temperature, out, argmax, entropy)
+    wants_grad = getattr(logits, "requires_grad", False) or getattr(temperature, "requires_grad", False)
+    if (wants_grad and torch.is_grad_enabled()) or _transforms_active():
+        if out is not None:
+            raise TypeError(
+                "out= cannot be used when logits or temperature require grad, or under torch.func "
+                "transforms (the results are new tensors): leave out= out, or pass logits.detach()"
+            )
+        from .ops import token_logprob_rank_op
+
+        return token_logprob_rank_op(
+            logits, token_ids, top_k=top_k, temperature=temperature, argmax=argmax, entropy=entropy
+        )
+    return compute_logprob_rank(
+        logits, token_ids, top_k=top_k, temperature=temperature, out=out, argmax=argmax, entropy=entropy
+    )
+
+
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, ...) is active: its wrapped tensors have
+    no storage to hand over, so the call goes through the op, which has rules for them."""
+    return bool(_FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE())
+
+
+def compute_logprob_rank(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    top_k: int = 0,
+    temperature: None | float | torch.Tensor = None,
+    out: Sequence[torch.Tensor] | None = None,
+    argmax: bool = False,
+    entropy: bool = False,
+) -> LogprobRankResult:
+    """:func:`token_logprob_rank` without gradients (the ops' kernels call it: never routed back
+    to an op). Same arguments, checks and results."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (got {type(logits).__name__})")
     if not isinstance(token_ids, torch.Tensor):
@@ -309,7 +250,7 @@ def token_logprob_rank(
     else:
         outs = _caller_outs(out, top_k, argmax, entropy)
     temp = _temperature(temperature, batch, device)
-    result = _named(outs, top_k, argmax, entropy)
+    result = named_result(outs, top_k, argmax, entropy)
     if device.type == "cpu":
         # The numpy backend computes at once (and a CPU tensor's memory is reused freely: no cache).
         core_token_logprob_rank(
@@ -318,7 +259,7 @@ def token_logprob_rank(
             out_logprobs=outs[0],
             out_ranks=outs[1],
             stream=0,
-            temperature=temp,
+            temperature=None if temp is None else temp.detach(),
             top_k=top_k,
             out_topk_logprobs=outs[2],
             out_topk_ids=outs[3],

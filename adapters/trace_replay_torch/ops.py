@@ -84,7 +84,10 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .logprob import LogprobRankResult, _temperature, result_type, token_logprob_rank
+from .logprob import _temperature
+from .logprob import compute_logprob_rank as token_logprob_rank  # the ops' kernels: never routed back to an op
+from .logprob_grad import differentiable, register_logprob_grads
+from .logprob_results import LogprobRankResult, result_type
 from .state import TraceReplayState
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
@@ -192,9 +195,8 @@ for _key in ("CPU", "CUDA"):
     _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
     for _name, _kernel in zip(_LOGPROB_OPS, _LOGPROB_KERNELS):
         _LIB.impl(_name, _kernel, _key)
-for _name in ("replay", "replay_at_step") + _LOGPROB_OPS:
-    # Not differentiable: integer tokens in and out, and logprobs without a gradient (as the eager
-    # function, which reads detached logits). A fallthrough says so: outputs never require grad.
+for _name in ("replay", "replay_at_step"):
+    # Not differentiable: integer tokens in and out. A fallthrough says so: outputs never require grad.
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 
@@ -349,9 +351,11 @@ def token_logprob_rank_op(
     :class:`LogprobRankTopKArgmax` with ``argmax=True`` (each row's greedy token; a row whose id
     is negative is scored as it), and with ``entropy=True`` the same followed by each row's
     entropy (:class:`LogprobRankEntropy` ...); new tensors (float32 logprobs and entropies, int64
-    ranks, ids and argmax). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in the eager
-    function. ``logits`` is read, never modified, and carries no gradient through these ops (it
-    is detached, as the eager function does). Stream-ordered on the current stream, no host sync.
+    ranks, ids and argmax). A float ``temperature`` becomes a ``[batch]`` float32 tensor here, as in
+    the eager function. ``logits`` is read, never modified. Differentiable: the logprobs, top-k
+    logprobs and entropy carry gradients to ``logits`` and a tensor ``temperature`` (the core's
+    backward kernel, :mod:`.logprob_grad`); ``torch.vmap`` folds mapped axes into the batch.
+    Stream-ordered on the current stream, no host sync.
     """
     _check_tensors(logits=logits, token_ids=token_ids)
     if isinstance(top_k, bool) or not isinstance(top_k, int):
@@ -363,8 +367,14 @@ def token_logprob_rank_op(
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
     temp = _temperature(temperature, logits.shape[0], logits.device)
-    ops, x = torch.ops.trace_replay, logits.detach()
+    ops, x = torch.ops.trace_replay, logits
     name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")
-    op = getattr(ops, name + ("_entropy" if entropy else ""))
+    name += "_entropy" if entropy else ""
+    op = getattr(ops, name)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, temp)):
+        op = differentiable(name).apply
     outs = op(x, token_ids, top_k, temp) if top_k else op(x, token_ids, temp)
     return result_type(top_k, argmax, entropy)(*outs)
+
+
+register_logprob_grads(_LOGPROB_OPS)

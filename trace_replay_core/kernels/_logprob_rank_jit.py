@@ -41,12 +41,13 @@ def resum_safe(row_ptr, cols, start, end, LINES: tl.constexpr, BLOCK: tl.constex
 
 @triton.jit
 def _token(row_ptr, ids_ptr, temp_ptr, row, vocab, HAS_TEMP: tl.constexpr):
-    """Whether the row's id is valid, its scaled logit (NaN if not), T, and whether it is negative
-    (with ``ARGMAX``: a greedy row, scored as its argmax)."""
+    """Whether the row's id is valid, its scaled logit (NaN if not), T (NaN unless finite and > 0),
+    and whether it is negative (with ``ARGMAX``: a greedy row, scored as its argmax)."""
     token = tl.load(ids_ptr + row).to(tl.int64)
     valid = (token >= 0) & (token < vocab)
-    if HAS_TEMP:
+    if HAS_TEMP:  # T not finite and > 0: NaN, so the row reads as a row of NaN logits
         t = tl.load(temp_ptr + row)
+        t = tl.where((t > 0.0) & (t < float("inf")), t, float("nan"))
     else:
         t = 1.0
     chosen = scaled(tl.load(row_ptr + tl.where(valid, token, 0)).to(tl.float32), t, HAS_TEMP)

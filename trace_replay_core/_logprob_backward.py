@@ -1,0 +1,320 @@
+"""``token_logprob_rank_backward``: the gradient of ``token_logprob_rank``'s logprobs, top-k
+logprobs and entropy with respect to the logits (and the temperature), one read of the logits
+and one write of the gradient, batch-invariant.
+
+Example (CPU backend; on a GPU pass device arrays and a stream handle)::
+
+    import numpy as np
+    from trace_replay_core import token_logprob_rank, token_logprob_rank_backward
+
+    logits = np.array([[2.0, 1.0, 0.5]], dtype=np.float32)
+    ids = np.array([1], dtype=np.int64)
+    lp, rk = np.empty(1, np.float32), np.empty(1, np.int64)
+    token_logprob_rank(logits, ids, out_logprobs=lp, out_ranks=rk, stream=0)
+    grad = np.empty_like(logits)
+    token_logprob_rank_backward(logits, ids, lp, grad_logprobs=np.ones(1, np.float32),
+                                out_grad_logits=grad, stream=0)
+    p = np.exp(logits[0] - np.log(np.exp(logits[0]).sum()))
+    assert np.allclose(grad[0], np.eye(3)[1] - p, atol=1e-6)      # one-hot minus softmax
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dlpack import CPU, ArrayView, as_view, check_view
+from ._dtypes import RANK_DTYPES
+from ._logprob import BoundLogprobRank
+from ._numpy_backend import logprob_backward_numpy
+from ._streams import stream_handle
+from ._validate import INT32_MAX, check_disjoint, check_logits, check_temperature, check_token_ids, check_workspace
+
+__all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
+
+
+def logprob_backward_workspace_bytes(batch: int, vocab: int, grad_temperature: bool = False) -> int:
+    """Bytes of device workspace a ``[batch, vocab]`` backward needs (host-only, pure): 0 without
+    ``out_grad_temperature``; with it, 4 bytes per chunk of each row (96 bytes per row at vocab
+    151,936)."""
+    from .kernels.logprob_backward import backward_workspace_bytes
+
+    return backward_workspace_bytes(batch, vocab, grad_temperature)
+
+
+def token_logprob_rank_backward(
+    logits: Any,
+    token_ids: Any,
+    logprobs: Any,
+    *,
+    out_grad_logits: Any,
+    stream: Any,
+    grad_logprobs: Any = None,
+    temperature: Any = None,
+    out_grad_temperature: Any = None,
+    argmax: Any = None,
+    topk_ids: Any = None,
+    topk_logprobs: Any = None,
+    grad_topk_logprobs: Any = None,
+    entropy: Any = None,
+    grad_entropy: Any = None,
+    workspace: Any = None,
+) -> None:
+    """Write ``out_grad_logits[b, j] = dL/dlogits[b, j]`` (and ``out_grad_temperature[b] = dL/dT_b``)
+    for ``L = sum_b grad_logprobs[b] * logprobs[b] + sum grad_topk_logprobs * topk_logprobs +
+    sum_b grad_entropy[b] * entropy[b]``, the outputs of a :func:`token_logprob_rank` call with the
+    same ``logits``, ``token_ids``, ``temperature`` (and ``out_argmax`` as ``argmax``).
+
+    With ``y = logits[b] / T``, ``p = softmax(y)``: ``d logprob / dy_j = [j == t] - p_j``, the same
+    for each top-k logprob at its id, ``d entropy / dy_j = -p_j (log p_j + entropy)``; ``dL/dlogits
+    = dL/dy / T`` and ``dL/dT = -(1 / T) sum_j dL/dy_j (y_j - lse)`` (for the logprob: ``(E_p[y] -
+    y_t) / T``). Computed in float32; ``out_grad_logits`` holds them in the logits' dtype. The
+    row's log-normaliser comes from the forward's outputs (the top-1 logprob when ``topk_ids`` and
+    ``topk_logprobs`` are given, else the token's logprob), not from a second read of the row
+    (:mod:`.kernels.logprob_backward` says why and how exact); a row with neither finite reduces
+    its row again.
+
+    Special rows: a row whose id is out of range (with ``argmax``, a negative id is the greedy
+    token ``argmax[b]``) has a constant logprob (NaN): it adds no gradient, and a row with no
+    other gradient gets zeros. A row without a finite normaliser (a NaN or ``+inf`` logit, only
+    ``-inf`` logits, a temperature not finite and ``> 0``) gets NaN in every column and in
+    ``out_grad_temperature``. A ``-inf`` logit gets gradient 0 (``-p = 0``) unless it is the token.
+
+    Batch-invariant: a row's gradients have the same bits whatever the batch, the row's position
+    and the other rows (the order of every reduction is fixed by the vocabulary alone); the CPU
+    backend (numpy, row by row) is too, with other bits than the GPU's.
+
+    Parameters
+    ----------
+    logits, token_ids, temperature, argmax:
+        As given to (``argmax``: as written by) the forward call: ``[batch, vocab]`` float32,
+        bfloat16 or float16 (rows may be strided); ``[batch]`` or ``[batch, 1]`` int32/int64;
+        optional ``[batch]`` float32; optional ``[batch]`` int32/int64. Read only.
+    logprobs, topk_ids, topk_logprobs, entropy:
+        The forward's outputs (``[batch]`` float32; ``[batch, top_k]`` int32/int64 and float32,
+        both or neither; ``[batch]`` float32, required with ``grad_entropy``).
+    grad_logprobs, grad_topk_logprobs, grad_entropy:
+        Upstream gradients, float32, shaped as their outputs; ``None``: zero (``grad_topk_logprobs``
+        needs the top-k outputs, ``grad_entropy`` needs ``entropy``).
+    out_grad_logits:
+        Caller-owned ``[batch, vocab]`` output in the logits' dtype, element stride 1 along the
+        vocabulary (rows may be strided), writable; every element is written.
+    out_grad_temperature:
+        Optional caller-owned ``[batch]`` float32 output (needs ``temperature``); every row written.
+    stream:
+        Keyword-only, required: an int CUDA stream handle or an object with ``__cuda_stream__``;
+        host arrays compute at once in numpy and the stream is only validated.
+    workspace:
+        Device scratch the caller owns, 16-byte aligned, at least
+        :func:`logprob_backward_workspace_bytes` bytes (0 without ``out_grad_temperature``: may be
+        omitted then); ignored on the CPU backend.
+
+    Blocking and ownership: on a GPU the call is stream-ordered: it queues one kernel (two with
+    ``out_grad_temperature``) on ``stream`` and returns; it allocates nothing, so it may be
+    captured in a CUDA graph once compiled (the first call per device and signature compiles,
+    host-blocking). The arrays must stay alive until the queued work has run; the outputs must
+    not overlap the inputs or each other. On the CPU backend the call computes before it returns.
+    Errors name the argument and what was received; a rejected call writes nothing.
+    """
+    numpy_call, args, dtypes, views = _checked_backward(
+        logits,
+        token_ids,
+        logprobs,
+        out_grad_logits,
+        stream,
+        grad_logprobs,
+        temperature,
+        out_grad_temperature,
+        argmax,
+        topk_ids,
+        topk_logprobs,
+        grad_topk_logprobs,
+        entropy,
+        grad_entropy,
+        workspace,
+    )
+    if numpy_call is not None:
+        numpy_call(0)
+    elif args is not None:
+        from . import _cuda
+        from .kernels.logprob_backward import launch_logprob_backward
+
+        device_id = views[0].device_id
+        with _cuda.on_device(device_id):  # the caller's current context is restored afterwards
+            launch_logprob_backward(args, dtypes, device_id, stream_handle(stream))
+
+
+def bind_logprob_rank_backward(
+    logits: Any,
+    token_ids: Any,
+    logprobs: Any,
+    *,
+    out_grad_logits: Any,
+    stream: Any,
+    grad_logprobs: Any = None,
+    temperature: Any = None,
+    out_grad_temperature: Any = None,
+    argmax: Any = None,
+    topk_ids: Any = None,
+    topk_logprobs: Any = None,
+    grad_topk_logprobs: Any = None,
+    entropy: Any = None,
+    grad_entropy: Any = None,
+    workspace: Any = None,
+) -> BoundLogprobRank:
+    """Validate the arrays of a :func:`token_logprob_rank_backward` call once and return a
+    :class:`BoundLogprobRank` that repeats exactly that call: ``bound(stream=s)`` queues the
+    kernels on ``s`` (one or two launches, no validation, no DLPack; stream-ordered, capturable in
+    a CUDA graph), or computes in numpy on the CPU backend. Arguments and errors as
+    :func:`token_logprob_rank_backward`; ``stream`` is used for the DLPack handshake here.
+    Host-blocking only when it compiles the kernels (the first time for a device and signature).
+    """
+    numpy_call, args, dtypes, views = _checked_backward(
+        logits,
+        token_ids,
+        logprobs,
+        out_grad_logits,
+        stream,
+        grad_logprobs,
+        temperature,
+        out_grad_temperature,
+        argmax,
+        topk_ids,
+        topk_logprobs,
+        grad_topk_logprobs,
+        entropy,
+        grad_entropy,
+        workspace,
+    )
+    kept = tuple(v for v in views if isinstance(v, ArrayView))
+    if args is None:
+        return BoundLogprobRank(numpy_call, kept)
+    from . import _cuda
+    from .kernels.logprob_backward import bind_logprob_backward_launch
+
+    device_id = views[0].device_id
+    with _cuda.on_device(device_id):
+        launch = bind_logprob_backward_launch(args, dtypes, device_id)
+    return BoundLogprobRank(launch, kept)
+
+
+def _checked_backward(
+    logits,
+    token_ids,
+    logprobs,
+    out_grad_logits,
+    stream,
+    grad_logprobs,
+    temperature,
+    out_grad_temperature,
+    argmax,
+    topk_ids,
+    topk_logprobs,
+    grad_topk_logprobs,
+    entropy,
+    grad_entropy,
+    workspace,
+):
+    """Every check of a backward call: ``(numpy call or None, kernel args or None, kernel dtypes,
+    views)``; both None when there is nothing to compute."""
+    handle = stream_handle(stream)
+
+    def view(value, name):
+        return None if value is None else as_view(value, name=name, stream=handle)
+
+    lv = check_logits(as_view(logits, name="logits", stream=handle))
+    device, (batch, vocab) = lv.device, lv.shape
+    iv = check_token_ids(as_view(token_ids, name="token_ids", stream=handle), batch, device)
+
+    def vector(value, name, dtypes=("float32",), writable=False):
+        v = view(value, name)
+        if v is not None:
+            check_view(v, name=name, dtypes=dtypes, device=device, ndim=1, length=batch, writable=writable)
+        return v
+
+    lpv = vector(logprobs, "logprobs")
+    glv = vector(grad_logprobs, "grad_logprobs")
+    tv = None if temperature is None else check_temperature(view(temperature, "temperature"), batch, device)
+    amv = vector(argmax, "argmax", RANK_DTYPES)
+    env, gev = vector(entropy, "entropy"), vector(grad_entropy, "grad_entropy")
+    if gev is not None and env is None:
+        raise ValueError("entropy must be given with grad_entropy (the forward's entropy output, float32 [batch])")
+    gtv = vector(out_grad_temperature, "out_grad_temperature", writable=True)
+    if gtv is not None and tv is None:
+        raise ValueError("out_grad_temperature needs temperature (a call without one has no temperature gradient)")
+    tidv, tlpv, gtkv = (
+        view(topk_ids, "topk_ids"),
+        view(topk_logprobs, "topk_logprobs"),
+        view(grad_topk_logprobs, "grad_topk_logprobs"),
+    )
+    top_k = _check_topk(tidv, tlpv, gtkv, batch, vocab, device)
+    gv = as_view(out_grad_logits, name="out_grad_logits", stream=handle)
+    check_view(gv, name="out_grad_logits", dtypes=(lv.dtype,), device=device, ndim=2, writable=True, contiguous=False)
+    if tuple(gv.shape) != (batch, vocab):
+        raise ValueError(f"out_grad_logits must have the logits' shape {[batch, vocab]} (got shape {list(gv.shape)})")
+    if batch > 1 and vocab > 1 and (gv.strides[1] != 1 or not 0 <= gv.strides[0] <= INT32_MAX):
+        raise ValueError(
+            f"out_grad_logits must be contiguous along the vocabulary with a row stride between 0 and {INT32_MAX} "
+            f"elements (got element strides {list(gv.strides)})"
+        )
+    inputs = [("logits", lv), ("token_ids", iv), ("logprobs", lpv), ("grad_logprobs", glv), ("temperature", tv)]
+    inputs += [("argmax", amv), ("topk_ids", tidv), ("topk_logprobs", tlpv), ("grad_topk_logprobs", gtkv)]
+    inputs += [("entropy", env), ("grad_entropy", gev)]
+    outputs = [("out_grad_logits", gv), ("out_grad_temperature", gtv)]
+    check_disjoint(outputs + inputs)
+    if device == CPU:
+        if workspace is not None:
+            check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
+        views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv)
+        return (lambda _stream: logprob_backward_numpy(*views)) if batch else None, None, None, views
+    if lv.device_type != "cuda":
+        raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
+    need = logprob_backward_workspace_bytes(batch, vocab, gtv is not None)
+    wsv = None
+    if need:
+        if workspace is None:
+            raise ValueError(
+                f"workspace must be given on a GPU with out_grad_temperature: this call needs {need} bytes "
+                f"(logprob_backward_workspace_bytes({batch}, {vocab}, True))"
+            )
+        wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
+        check_disjoint([("workspace", wsv)] + outputs + inputs)
+    if batch == 0:
+        return None, None, None, ()
+    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes
+
+    def ptr(v: ArrayView | None) -> int:
+        return 0 if v is None else v.ptr
+
+    args = LogprobBackwardArgs(
+        lv.ptr, iv.ptr, ptr(amv), ptr(tv), ptr(lpv), ptr(glv), ptr(tidv), ptr(tlpv), ptr(gtkv), ptr(env), ptr(gev),
+        gv.ptr, ptr(gtv), ptr(wsv), batch, vocab,
+        lv.strides[0] if batch > 1 else vocab, gv.strides[0] if batch > 1 else vocab, top_k,
+    )  # fmt: skip
+    dtypes = LogprobBackwardDtypes(
+        lv.dtype, iv.dtype, amv.dtype if amv is not None else "int32", tidv.dtype if tidv is not None else "int32"
+    )
+    views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv, wsv)
+    return None, args, dtypes, views
+
+
+def _check_topk(ids, lps, grads, batch: int, vocab: int, device: str) -> int:
+    """``top_k`` of the forward's top-k outputs (0 without), checked: both or neither, shapes."""
+    if (ids is None) != (lps is None):
+        raise ValueError(
+            "topk_ids and topk_logprobs must be given together (the forward's top-k outputs) or not at all"
+        )
+    if ids is None:
+        if grads is not None:
+            raise ValueError("grad_topk_logprobs needs topk_ids and topk_logprobs (the forward's top-k outputs)")
+        return 0
+    for name, v, dtypes in (("topk_ids", ids, RANK_DTYPES), ("topk_logprobs", lps, ("float32",))):
+        check_view(v, name=name, dtypes=dtypes, device=device, ndim=2, length=batch)
+    top_k = ids.shape[1]
+    if not 1 <= top_k <= min(64, vocab):
+        raise ValueError(f"topk_ids must have between 1 and {min(64, vocab)} columns (got shape {list(ids.shape)})")
+    for name, v in (("topk_logprobs", lps), ("grad_topk_logprobs", grads)):
+        if v is not None:
+            check_view(v, name=name, dtypes=("float32",), device=device, ndim=2, length=batch)
+            if tuple(v.shape) != (batch, top_k):
+                raise ValueError(f"{name} must have shape {[batch, top_k]} (as topk_ids) (got shape {list(v.shape)})")
+    return top_k
