@@ -131,12 +131,12 @@ def placement_section(rows: Rows) -> list[str]:
     return [
         "replay kernel device us by trace length and table placement.",
         pivot_table(
-            [r for r in timing if r["batch"] in (1, 256, 4096)],
-            lambda r: {"trace_tokens": r["trace_tokens"], "placement": r["placement"]},
-            lambda r: r["batch"],
+            [r for r in timing if r["batch"] in (1, 4096)],
+            lambda r: {"trace_tokens": r["trace_tokens"]},
+            lambda r: (r["placement"], r["batch"]),
             us,
-            ["trace_tokens", "placement"],
-            lambda b: f"B={b}",
+            ["trace_tokens"],
+            lambda key: f"{key[0]} B={key[1]}",
         ),
     ]
 
@@ -281,6 +281,21 @@ def score_section(rows: Rows) -> list[str]:
     ]
 
 
+def backward_section(rows: Rows) -> list[str]:
+    cells: dict[str, dict[str, str]] = {}
+    for r in rows:
+        column = f"{'bf16' if r['dtype'] == 'bfloat16' else 'fp32'} B={r['batch']}"
+        row = cells.setdefault(r["provider"], {"provider": r["provider"]})
+        row[column] = f"{r['us_p50']:.1f} ({r['x_floor']:.2f}x)"
+    columns = ["provider", "bf16 B=256", "bf16 B=4096", "fp32 B=256", "fp32 B=4096"]
+    return [
+        "the gradient of the logprobs with respect to [B, 151,936] logits, backward only: device us (p50, "
+        "do_bench) and, in brackets, times the floor of reading the logits and writing the gradient once at "
+        "the measured copy rate (target 1.25).",
+        table(list(cells.values()), columns),
+    ]
+
+
 SECTIONS = (
     ("launch", "launch.py", launch_section),
     ("staging", "staging.py", staging_section),
@@ -291,6 +306,7 @@ SECTIONS = (
     ("cli_run", "cli_run.py", cli_run_section),
     ("models", "models.py", models_section),
     ("score", "score.py", score_section),
+    ("logprob_backward", "logprob_backward.py", backward_section),
 )
 
 
