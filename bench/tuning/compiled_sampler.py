@@ -5,7 +5,10 @@ each round) of a greedy sampler (argmax over ``[batch, 32000]`` bf16 logits) alo
 logprob + rank through the registered ops, and written the natural way (``state.replay``,
 ``token_logprob_rank``), eager and under ``torch.compile(fullgraph=True)``; how many binds
 (validations over DLPack) happen after warm-up; the number of compilations; and a cProfile of
-the compiled sampler with the ops, by own time.
+the compiled sampler with the ops, by own time. Then the parts: a compiled identity function
+(Dynamo's guards and the compiled-code wrappers alone), each op called through the dispatcher
+(``torch.ops.trace_replay.*.default``, what compiled code calls), and the direct calls behind
+them (``state.replay``, the logprob function's no-gradient path).
 
 Run: ``python bench/tuning/compiled_sampler.py`` on the GPU; prints what it finds.
 """
@@ -112,7 +115,33 @@ def main():
                     torch.cuda.synchronize()
                     pr.disable()
                     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        parts(st, logits, idx)
         st.close()
+
+
+def parts(st, logits, idx):
+    """Host us of the pieces a compiled sampler's step is made of."""
+    from trace_replay_torch.logprob import compute_logprob_rank
+
+    sampled = torch.argmax(logits, dim=-1)
+    total, prompt = st._bound_lengths()
+    ops = torch.ops.trace_replay
+    torch._dynamo.reset()
+    ident = torch.compile(lambda state, x, i: x, fullgraph=True, dynamic=False)
+    rows = {
+        "compiled identity (guards + wrappers)": lambda: ident(st, logits, idx),
+        "replay op via dispatcher": lambda: ops.replay.default(sampled, idx, total, prompt, st.op_id),
+        "state.replay direct": lambda: st.replay(sampled, idx),
+        "logprob op via dispatcher": lambda: ops.token_logprob_rank.default(logits, sampled, None),
+        "logprob direct (no-gradient path)": lambda: compute_logprob_rank(logits, sampled),
+    }
+    for name, fn in rows.items():
+        med, lo, hi = host_us(fn)
+        print(f"B={logits.shape[0]} part {name:40s} host {med:7.1f} us [{lo:.1f}, {hi:.1f}]", flush=True)
+    with torch.inference_mode():  # the autograd keys excluded: what the dispatcher costs without them
+        med, lo, hi = host_us(rows["logprob op via dispatcher"])
+    print(f"B={logits.shape[0]} part {'logprob op via dispatcher, inference_mode':40s} host {med:7.1f} us "
+          f"[{lo:.1f}, {hi:.1f}]", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
