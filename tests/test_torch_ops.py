@@ -286,3 +286,43 @@ def test_natural_sampler_with_steps_and_out(rng):
         want = token_logprob_rank(logits, sampled)
         assert got[0] is lp and got[1] is rk
         assert torch.equal(lp.nan_to_num(), want[0].nan_to_num()) and torch.equal(rk, want[1])
+
+
+LOGPROB_OP_NAMES = [
+    "token_logprob_rank" + t + a + e for t in ("", "_topk") for a in ("", "_argmax") for e in ("", "_entropy")
+]
+
+
+@pytest.mark.parametrize("name", LOGPROB_OP_NAMES)
+def test_nograd_twins_are_the_ops_without_autograd(rng, name):
+    """Each logprob op's ``_nograd`` twin: the same schema, the same bits, opcheck clean, vmap
+    folds into the batch; the wrapper calls it when no gradient is wanted (outputs without a
+    ``grad_fn``, and the twin's autograd is torch's fallthrough) and the differentiable op when
+    one is (outputs with one)."""
+    op, twin = getattr(OPS, name).default, getattr(OPS, name + "_nograd").default
+    assert str(twin._schema) == str(op._schema).replace(f"{name}(", f"{name}_nograd(", 1)
+    logits = torch.from_numpy(rng.standard_normal((5, 37)).astype(np.float32))
+    tokens = torch.from_numpy(rng.integers(0, 37, 5))
+    args = (logits, tokens, 4) if "_topk" in name else (logits, tokens)
+    for a, b in zip(op(*args), twin(*args), strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    torch.library.opcheck(twin, args)
+    stacked = torch.stack([logits, logits.flip(0)])
+    mapped = torch.vmap(lambda x: tuple(twin(x, tokens, *args[2:])))(stacked)
+    for a, b in zip(mapped, twin(logits.flip(0), tokens, *args[2:]), strict=True):
+        assert torch.equal(a[1].nan_to_num(), b.nan_to_num())
+    flags = dict(top_k=4 if "_topk" in name else 0, argmax="_argmax" in name, entropy="_entropy" in name)
+    plain = token_logprob_rank_op(logits, tokens, **flags)
+    assert all(t.grad_fn is None for t in plain)
+    graded = token_logprob_rank_op(logits.clone().requires_grad_(True), tokens, **flags)
+    assert graded.logprobs.grad_fn is not None and torch.equal(graded.logprobs.detach(), plain.logprobs)
+    with pytest.raises(RuntimeError):  # the twin carries no gradient: backward through it has nothing to follow
+        twin(logits.clone().requires_grad_(True), *args[1:])[0].sum().backward()
+    seen: list[str] = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(lambda x, t: token_logprob_rank_op(x, t, **flags), backend=record, fullgraph=True)(logits, tokens)
+    assert any(s.endswith(f"{name}_nograd") or f"{name}_nograd." in s for s in seen), seen

@@ -178,12 +178,14 @@ def differentiable(name: str) -> type[torch.autograd.Function]:
 
 def register_logprob_grads(ops: tuple[str, ...]) -> None:
     """Register the autograd formula and the vmap rule of each forward op in ``ops`` (named
-    ``token_logprob_rank[_topk][_argmax][_entropy]``), and the backward op's vmap rule."""
+    ``token_logprob_rank[_topk][_argmax][_entropy]``), the vmap rule of its ``_nograd`` twin
+    (which must be defined), and the backward op's vmap rule."""
     for name in ops:
         top_k, argmax, entropy = "_topk" in name, "_argmax" in name, "_entropy" in name
         setup_context, backward = _autograd_for(top_k, top_k, argmax, entropy)
         torch.library.register_autograd(f"trace_replay::{name}", backward, setup_context=setup_context, lib=_LIB)
         torch.library.register_vmap(f"trace_replay::{name}", _vmap_rule(name), lib=_LIB)
+        torch.library.register_vmap(f"trace_replay::{name}_nograd", _vmap_rule(f"{name}_nograd"), lib=_LIB)
         _FUNCTIONS[name] = type(
             f"{name}_function",
             (torch.autograd.Function,),

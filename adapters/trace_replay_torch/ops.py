@@ -41,6 +41,10 @@ The ops (schemas as registered)::
                                                          Tensor? temperature=None)
                                                          -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
 
+Each logprob op has a ``_nograd`` twin (``trace_replay::token_logprob_rank_nograd`` ...): the same
+schema, kernels and bits without an autograd formula (torch's C++ fallthrough), which the wrappers
+call when no gradient is wanted, so that a step pays no Python autograd layer.
+
 The ``_entropy`` ops add each row's entropy (last; ``token_logprob_rank(..., entropy=True)``).
 The ``_argmax`` ops add each row's greedy token (before the entropy) and score rows whose id is
 negative as it (``token_logprob_rank(..., argmax=True)``), so a compiled greedy sampler reads the
@@ -272,6 +276,35 @@ def _logprob_topk_argmax_entropy_fake(logits, token_ids, top_k, temperature=None
     )
 
 
+_LOGPROB_FAKES = (
+    _logprob_fake,
+    _logprob_topk_fake,
+    _logprob_argmax_fake,
+    _logprob_topk_argmax_fake,
+    _logprob_entropy_fake,
+    _logprob_topk_entropy_fake,
+    _logprob_argmax_entropy_fake,
+    _logprob_topk_argmax_entropy_fake,
+)
+
+
+# no-gradient twins: each logprob op again as ``<name>_nograd``, same schema, kernels, fake and vmap
+# rule, with torch's C++ fallthrough for autograd: what the wrappers call when no gradient is
+# wanted. The differentiable op's autograd kernel is Python and runs on every call through the
+# dispatcher, gradient or not (about 10 us of the op's 42 at batch 256 on an H200 host).
+def _define_nograd_twins() -> None:
+    for name, kernel, fake in zip(_LOGPROB_OPS, _LOGPROB_KERNELS, _LOGPROB_FAKES):
+        schema = str(getattr(torch.ops.trace_replay, name).default._schema).split("::", 1)[1]
+        _LIB.define(schema.replace(f"{name}(", f"{name}_nograd(", 1))
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(f"{name}_nograd", kernel, key)
+        _LIB.impl(f"{name}_nograd", torch.library.fallthrough_kernel, "Autograd")
+        torch.library.register_fake(f"trace_replay::{name}_nograd", fake, lib=_LIB)
+
+
+_define_nograd_twins()
+
+
 # wrappers: the public functions ----------------------------------------------------------------
 def _check_tensors(**arrays) -> None:
     for name, value in arrays.items():
@@ -370,9 +403,10 @@ def token_logprob_rank_op(
     ops, x = torch.ops.trace_replay, logits
     name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")
     name += "_entropy" if entropy else ""
-    op = getattr(ops, name)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, temp)):
         op = differentiable(name).apply
+    else:
+        op = getattr(ops, name + "_nograd")
     outs = op(x, token_ids, top_k, temp) if top_k else op(x, token_ids, temp)
     return result_type(top_k, argmax, entropy)(*outs)
 
