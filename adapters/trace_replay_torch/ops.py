@@ -14,32 +14,15 @@ capturable in a CUDA graph (``torch.cuda.graph`` around the compiled function, o
         logprobs, ranks = token_logprob_rank_op(logits, sampled)
         return sampled, logprobs, ranks
 
-The ops (schemas as registered)::
+The ops (schemas as registered; ``[...]``: present in the ops of that name part)::
 
     trace_replay::replay(Tensor(a!) sampled, Tensor idx_mapping, Tensor total_len,
                          Tensor prompt_len, int state) -> ()
     trace_replay::replay_at_step(Tensor(a!) sampled, Tensor idx_mapping, Tensor step,
                                  int state) -> ()
-    trace_replay::token_logprob_rank(Tensor logits, Tensor token_ids, Tensor? temperature=None)
-                                     -> (Tensor, Tensor)
-    trace_replay::token_logprob_rank_topk(Tensor logits, Tensor token_ids, int top_k,
-                                          Tensor? temperature=None) -> (Tensor, Tensor, Tensor, Tensor)
-    trace_replay::token_logprob_rank_argmax(Tensor logits, Tensor token_ids, Tensor? temperature=None)
-                                            -> (Tensor, Tensor, Tensor)
-    trace_replay::token_logprob_rank_topk_argmax(Tensor logits, Tensor token_ids, int top_k,
-                                                 Tensor? temperature=None)
-                                                 -> (Tensor, Tensor, Tensor, Tensor, Tensor)
-    trace_replay::token_logprob_rank_entropy(Tensor logits, Tensor token_ids, Tensor? temperature=None)
-                                             -> (Tensor, Tensor, Tensor)
-    trace_replay::token_logprob_rank_topk_entropy(Tensor logits, Tensor token_ids, int top_k,
-                                                  Tensor? temperature=None)
-                                                  -> (Tensor, Tensor, Tensor, Tensor, Tensor)
-    trace_replay::token_logprob_rank_argmax_entropy(Tensor logits, Tensor token_ids,
-                                                    Tensor? temperature=None)
-                                                    -> (Tensor, Tensor, Tensor, Tensor)
-    trace_replay::token_logprob_rank_topk_argmax_entropy(Tensor logits, Tensor token_ids, int top_k,
-                                                         Tensor? temperature=None)
-                                                         -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)
+    trace_replay::token_logprob_rank[_topk][_argmax][_entropy](Tensor logits, Tensor token_ids,
+        [int top_k,] Tensor? temperature=None)
+        -> (logprobs, ranks, [topk_logprobs, topk_ids,] [argmax,] [entropy])   (each a Tensor)
 
 Each logprob op has a ``_nograd`` twin (``trace_replay::token_logprob_rank_nograd`` ...): the same
 schema, kernels and bits without an autograd formula (torch's C++ fallthrough), which the wrappers
