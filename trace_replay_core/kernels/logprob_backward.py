@@ -39,6 +39,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from ._intmath import cdiv, next_pow2
 from ._logprob_backward_jit import logprob_backward_combine_kernel, logprob_backward_kernel
 
 __all__ = [
@@ -116,14 +117,6 @@ class BackwardVariant:
     grad_temperature: bool = False
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @lru_cache(maxsize=4096)
 def plan_logprob_backward(
     vocab: int,
@@ -143,16 +136,16 @@ def plan_logprob_backward(
     """The variant of a backward over rows of ``vocab`` logits (host-only, pure, cached; never a
     function of the batch). ``block``, ``chunk_blocks``, ``num_warps`` override the plan (tuning,
     tests; any fixed choice is batch-invariant)."""
-    block = block or min(BLOCK, max(128, _next_pow2(vocab)))
+    block = block or min(BLOCK, max(128, next_pow2(vocab)))
     num_warps = num_warps or max(1, min(WARPS, block // 512))
-    n_blocks = _cdiv(vocab, block)
-    chunk_blocks = chunk_blocks or _cdiv(n_blocks, CHUNKS)
-    k_pad = 0 if top_k <= 0 else _next_pow2(top_k)
+    n_blocks = cdiv(vocab, block)
+    chunk_blocks = chunk_blocks or cdiv(n_blocks, CHUNKS)
+    k_pad = 0 if top_k <= 0 else next_pow2(top_k)
     return BackwardVariant(
         block=block,
         num_warps=num_warps,
         chunk_blocks=chunk_blocks,
-        n_chunks=_cdiv(n_blocks, chunk_blocks),
+        n_chunks=cdiv(n_blocks, chunk_blocks),
         aligned=aligned,
         k_pad=k_pad,
         temperature=temperature,
@@ -227,7 +220,7 @@ def kernel_specs(variant: BackwardVariant, dtypes: LogprobBackwardDtypes) -> tup
         opt(v.grad_temperature, f32),
     )
     const = dict(BLOCK=v.block, ALIGNED=v.aligned, K_PAD=max(v.k_pad, 1), TOPK=v.k_pad > 0)
-    const.update(NP=_next_pow2(v.k_pad + 1) if v.k_pad else 2, HAS_TEMP=v.temperature, ARGMAX=v.argmax)
+    const.update(NP=next_pow2(v.k_pad + 1) if v.k_pad else 2, HAS_TEMP=v.temperature, ARGMAX=v.argmax)
     const.update(HAS_GLP=v.grad_logprobs, GTOPK=v.grad_topk, ENTROPY=v.entropy, TEMP_GRAD=v.grad_temperature)
     main = KernelSpec(logprob_backward_kernel, ptrs, 5, tuple(const.items()), v.num_warps)
     if not v.grad_temperature:
@@ -236,7 +229,7 @@ def kernel_specs(variant: BackwardVariant, dtypes: LogprobBackwardDtypes) -> tup
         logprob_backward_combine_kernel,
         (f32, f32, f32),
         1,
-        (("BLOCK", _next_pow2(max(v.n_chunks, 2))),),
+        (("BLOCK", next_pow2(max(v.n_chunks, 2))),),
         COMBINE_WARPS,
     )
     return main, comb

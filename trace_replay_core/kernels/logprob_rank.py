@@ -46,6 +46,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from ._intmath import cdiv, next_pow2
 from ._logprob_rank_jit import logprob_rank_chunk_kernel, logprob_rank_combine_kernel
 
 __all__ = [
@@ -150,14 +151,6 @@ class KernelSpec(NamedTuple):
     maxnreg: int | None
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @lru_cache(maxsize=4096)
 def plan_logprob_rank(
     batch: int,
@@ -188,23 +181,23 @@ def plan_logprob_rank(
     if dtype not in _ITEMSIZE:
         raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)} (got {dtype!r})")
     itemsize = _ITEMSIZE[dtype]
-    block = block or min(BLOCK, max(128, _next_pow2(vocab)))
+    block = block or min(BLOCK, max(128, next_pow2(vocab)))
     num_warps = num_warps or max(1, min(CHUNK_WARPS, block // 512))
-    n_blocks = _cdiv(vocab, block)
+    n_blocks = cdiv(vocab, block)
     if chunk_blocks is None:
-        chunk_blocks = _cdiv(n_blocks, CHUNKS)
+        chunk_blocks = cdiv(n_blocks, CHUNKS)
         if vocab % ALIGN_LOGITS:
             chunk_blocks = max(chunk_blocks, UNALIGNED_CHUNK_BLOCKS)
-    elif _cdiv(n_blocks, chunk_blocks) > MAX_CHUNKS:
+    elif cdiv(n_blocks, chunk_blocks) > MAX_CHUNKS:
         raise ValueError(
             f"chunk_blocks={chunk_blocks} cuts rows of {vocab} logits into more than {MAX_CHUNKS} "
-            f"chunks of {block}-logit blocks; use chunk_blocks >= {_cdiv(n_blocks, MAX_CHUNKS)}"
+            f"chunks of {block}-logit blocks; use chunk_blocks >= {cdiv(n_blocks, MAX_CHUNKS)}"
         )
-    n_chunks = _cdiv(n_blocks, chunk_blocks)
+    n_chunks = cdiv(n_blocks, chunk_blocks)
     k_pad = 0 if top_k <= 0 else (8 if top_k <= 8 else (32 if top_k <= 32 else 64))
     if group is None:
         groups, least = (TOPK_GROUPS, TOPK_MIN_PROGRAMS) if k_pad else (GROUPS, MIN_PROGRAMS)
-        group = next((g for g in groups if batch * _cdiv(n_chunks, g) >= least), groups[-1])
+        group = next((g for g in groups if batch * cdiv(n_chunks, g) >= least), groups[-1])
     words = dtype == "bfloat16" and not temperature
     return LogprobVariant(
         block=block,
@@ -266,7 +259,7 @@ def workspace_layout(batch: int, variant: LogprobVariant) -> tuple[int, ...]:
     sizes = (4 * parts, 4 * parts, 4 * parts, 8 * parts * k, 16 * parts * k, 16 * parts * k)
     for nbytes in sizes + (4 * batch, 4 * batch, 4 * parts, 4 * parts, 4 * parts):
         offsets.append(at)
-        at += _cdiv(nbytes, 16) * 16
+        at += cdiv(nbytes, 16) * 16
     return (*offsets, at)
 
 
@@ -277,7 +270,7 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     v, k = variant, variant.k_pad
     vec = 16 // v.itemsize
     argmax_dtype = dtypes.argmax if v.argmax else dtypes.ranks  # never written without argmax
-    merge_block = _next_pow2(max(v.n_chunks, 2))
+    merge_block = next_pow2(max(v.n_chunks, 2))
     chunk_dtypes: tuple[str | None, ...] = (dtypes.logits, dtypes.token_ids, "float32", "float32", "float32", "int32")
     chunk_dtypes += ("float32", "int32", "int64", "int64", "int32", "float32", "int32", "float32", dtypes.ranks)
     chunk_dtypes += (argmax_dtype,) + (("float32", "float32") if v.entropy else (None, None))
@@ -296,7 +289,7 @@ def kernel_specs(variant: LogprobVariant, dtypes: LogprobRankDtypes) -> tuple[Ke
     comb_dtypes += ("float32", "float32") if v.entropy else (None, None)
     comb_warps = COMBINE_TOPK_WARPS if k else COMBINE_WARPS
     # the key sets of a row's programs at the largest top-k group, in one merge step
-    key_tiles = min(_next_pow2(max(_cdiv(v.n_chunks, max(TOPK_GROUPS)), 2)), max(2, COMBINE_KEYS // max(k, 1)))
+    key_tiles = min(next_pow2(max(cdiv(v.n_chunks, max(TOPK_GROUPS)), 2)), max(2, COMBINE_KEYS // max(k, 1)))
     comb_const = dict(BLOCK=merge_block, K_PAD=k, KEY_TILES=key_tiles, RESUM=v.words)
     comb_const.update(RESUM_BLOCK=32 * comb_warps * vec, VEC=vec, GDC=v.gdc, ARGMAX=v.argmax, ENTROPY=v.entropy)
     return chunk, KernelSpec(logprob_rank_combine_kernel, comb_dtypes, 6, tuple(comb_const.items()), comb_warps, None)
@@ -320,7 +313,7 @@ def call_arguments(args: LogprobRankArgs, variant: LogprobVariant) -> tuple[tupl
     chunk_ptrs: tuple[int | None, ...] = (args.logits, args.token_ids, temp, m, s, c, *tok, part_k, *topk_ws, *greedy)
     chunk_ptrs += (args.logprobs, args.ranks, argmax_out, *ent)
     chunk_ints = (args.vocab, args.row_stride, v.chunk_blocks, v.n_chunks, v.group, args.top_k)
-    chunk = ((args.batch, _cdiv(v.n_chunks, v.group), 1), chunk_ptrs, chunk_ints)
+    chunk = ((args.batch, cdiv(v.n_chunks, v.group), 1), chunk_ptrs, chunk_ints)
     if v.cluster:
         return (chunk,)
     out = (args.topk_logprobs, args.topk_ids) if v.k_pad else (args.logprobs, args.ranks)  # never written without
