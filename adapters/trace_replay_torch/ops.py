@@ -300,14 +300,6 @@ def _check_state(state) -> None:
         raise TypeError(f"state must be a trace_replay_torch.TraceReplayState (got {type(state).__name__})")
 
 
-def _check_open_eagerly(state) -> None:
-    """A closed state is refused here eagerly; while ``torch.compile`` traces, by the op when the
-    graph runs (same message), so that Dynamo never traces the raise (it would report it wrapped
-    in its own error, and a guard on ``closed`` would retrace the function at every close)."""
-    if not torch.compiler.is_compiling():
-        state._check_open()
-
-
 def replay_op(
     state: TraceReplayState,
     sampled: torch.Tensor,
@@ -327,7 +319,7 @@ def replay_op(
     if total_len is None and prompt_len is None:
         total_len, prompt_len = state._bound_lengths()
     else:
-        _check_open_eagerly(state)
+        state._check_open_unless_tracing()
         if total_len is None or prompt_len is None:
             raise ValueError("give both total_len and prompt_len, or neither (to use the bound ones)")
     _check_tensors(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len, prompt_len=prompt_len)
@@ -342,7 +334,7 @@ def replay_at_step_op(
     ``trace_replay::replay_at_step`` (``step``: ``[batch]`` int32/int64 outputs already produced
     per row). In place on ``sampled``, which it returns; stream-ordered, no host sync."""
     _check_state(state)
-    _check_open_eagerly(state)
+    state._check_open_unless_tracing()
     _check_tensors(sampled=sampled, idx_mapping=idx_mapping, step=step)
     torch.ops.trace_replay.replay_at_step(sampled, idx_mapping, step, state.op_id)
     return sampled

@@ -172,6 +172,14 @@ class TraceReplayState:
         if self._closed:
             raise RuntimeError(_CLOSED)
 
+    def _check_open_unless_tracing(self) -> None:
+        """:meth:`_check_open`, except while ``torch.compile`` traces: then a closed state is
+        refused by the op when the graph runs (same message), so that Dynamo never traces the
+        raise (it would report it wrapped in its own error, and a guard on ``closed`` would
+        retrace the function at every close)."""
+        if not torch.compiler.is_compiling():
+            self._check_open()
+
     def _staged_not_applied(self, call: str) -> None:
         """A replay found writes staged and not applied: warn once per state, or raise when strict.
         Host-only; called only when the flag is set, so replay's hot path reads one bool."""
@@ -275,8 +283,7 @@ class TraceReplayState:
         """The bound ``(total_len, prompt_len)``, for the registered ops' wrappers. While
         ``torch.compile`` traces, a closed state is not refused here but by the op when the graph
         runs (the same message, from the compiled function rather than from inside the tracer)."""
-        if not torch.compiler.is_compiling():
-            self._check_open()
+        self._check_open_unless_tracing()
         if self._lengths is None:
             raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
         return self._lengths
