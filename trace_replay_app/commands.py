@@ -39,6 +39,20 @@ def _f(x, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _report_non_finite(command: str, s: dict) -> bool:
+    """Whether run summary ``s`` counts logprobs that are not finite; if so, say how many and in
+    which requests on stderr, as ``trace-replay <command>`` (the command then exits 1)."""
+    if not s["non_finite_logprobs"]:
+        return False
+    bad = s["requests_with_non_finite_logprobs"]
+    print(
+        f"trace-replay {command}: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
+        f"{len(bad)} requests: {_ids(bad)}",
+        file=sys.stderr,
+    )
+    return True
+
+
 TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
 
 
@@ -91,13 +105,7 @@ def cmd_run(args, out: TextIO) -> int:
         bad = [q.id for q, r in zip(requests, results, strict=True) if reproduced(q, r) is False]
         print(f"trace-replay run: {len(bad)} traced requests were not reproduced exactly: {_ids(bad)}", file=sys.stderr)
         status = 1
-    if s["non_finite_logprobs"]:
-        bad = s["requests_with_non_finite_logprobs"]
-        print(
-            f"trace-replay run: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
-            f"{len(bad)} requests: {_ids(bad)}",
-            file=sys.stderr,
-        )
+    if _report_non_finite("run", s):
         status = 1
     return status
 
@@ -131,15 +139,7 @@ def cmd_score(args, out: TextIO) -> int:
         f"{_f(s['mean_forced_rank'], '.1f')}",
     )
     say(out, args.quiet, f"wrote {args.out}")
-    if s["non_finite_logprobs"]:
-        bad = s["requests_with_non_finite_logprobs"]
-        print(
-            f"trace-replay score: {s['non_finite_logprobs']} logprobs are not finite (written as null) in "
-            f"{len(bad)} requests: {_ids(bad)}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return 1 if _report_non_finite("score", s) else 0
 
 
 def framework_list(option: str, text: str | None) -> list[str]:
