@@ -31,6 +31,7 @@ from helpers.llama_cases import (  # noqa: E402
 )
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
+from trace_replay_app.models.llama.config import default_config, seeded_weights  # noqa: E402
 
 LOOPS = {"torch": torch_loop.run_decode}
 HAS_JAX = importlib.util.find_spec("jax") is not None
@@ -146,3 +147,17 @@ def test_bfloat16_close_to_transformers_bfloat16(checkpoints, framework, rng):
     check_close(refs_gaps(got, want), LLAMA_BF16, f"qwen2 {framework} bf16 vs transformers bf16")
     bad = LOOPS[framework](*_planted("no-qkv-bias", config, weights), requests, max_batch=3, dtype="bfloat16")
     check_caught(refs_gaps(bad, want), LLAMA_BF16, f"no-qkv-bias {framework} bf16 vs transformers bf16")
+
+
+@pytest.mark.parametrize(
+    "device, dtype, fused, error, match",
+    [
+        ("cpu", torch.bfloat16, True, ValueError, r"fused=True needs a CUDA device.*got device=cpu, dtype=torch.bf"),
+        ("cpu", torch.float32, "yes", TypeError, r"fused must be None, True or False \(got 'yes'\)"),
+    ],
+)
+def test_fused_decode_form_refused_where_it_cannot_run(device, dtype, fused, error, match):
+    config = default_config("qwen2")
+    with pytest.raises(error, match=match):
+        torch_loop.LlamaTorch(config, seeded_weights(config), torch.device(device), dtype, fused=fused)
+    assert not torch_loop.LlamaTorch(config, seeded_weights(config), torch.device(device), dtype).fused

@@ -58,7 +58,7 @@ def _torch_rows(weights, batches):
     import torch
     import torch.nn.functional as F
 
-    from trace_replay_app.models.llama.torch_loop import LlamaTorch
+    from trace_replay_app.models.llama.torch_loop import LlamaTorch, _rms, _rotate
 
     c = CONFIG
     dev = torch.device("cuda")
@@ -76,36 +76,82 @@ def _torch_rows(weights, batches):
             keys[rows, positions] = k
             values[rows, positions] = v
             out = torch.ops.aten._flash_attention_forward(
-                q, keys.view(b * L, c.num_key_value_heads, c.head_dim),
+                q,
+                keys.view(b * L, c.num_key_value_heads, c.head_dim),
                 values.view(b * L, c.num_key_value_heads, c.head_dim),
-                cu_q, cu_k, 1, L, 0.0, False, False, scale=model.scale, seqused_k=used,
+                cu_q,
+                cu_k,
+                1,
+                L,
+                0.0,
+                False,
+                False,
+                scale=model.scale,
+                seqused_k=used,
             )[0]
             return out.reshape(q.shape[0], -1)
 
         return model.logits(model._layers(tokens, positions, attend))
 
-    def flex_decode(cache, tokens, positions):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    def pre(x, ln1, qkv_w, qkv_b, cos, sin):
+        h = F.linear(_rms(x, ln1, c.rms_norm_eps), qkv_w, qkv_b)
+        q, k, v = h.split(model.split, dim=-1)
+        n = x.shape[0]
+        q = _rotate(q.reshape(n, c.num_attention_heads, c.head_dim), cos, sin)
+        k = _rotate(k.reshape(n, c.num_key_value_heads, c.head_dim), cos, sin)
+        return q, k, v.reshape(n, c.num_key_value_heads, c.head_dim)
 
-        rows = torch.arange(tokens.shape[0], device=dev)
-        b, L = cache.shape[2], cache.shape[3]
+    def post(x, a, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b):
+        x = x + F.linear(a, o_w, o_b)
+        gate, up = F.linear(_rms(x, ln2, c.rms_norm_eps), gu_w, gu_b).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, down_w, down_b)
 
-        def visible(bi, h, qi, ki):
-            return ki <= positions[bi]
+    cpre, cpost = torch.compile(pre, dynamic=False), torch.compile(post, dynamic=False)
 
-        mask = create_block_mask(visible, b, None, 1, L, device=dev, _compile=True)
+    def segmented(flat):
+        def decode(cache, tokens, positions):
+            rows = torch.arange(tokens.shape[0], device=dev)
+            freqs = positions.float()[:, None] * model.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(model.dtype), emb.sin().to(model.dtype)
+            x = model.embed[tokens]
+            b, L = cache.shape[2], cache.shape[3] if flat else cache.shape[4]
+            cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32)
+            cu_k, used = cu_q * L, (positions + 1).to(torch.int32)
+            kpos = torch.arange(L, device=dev)
+            hidden = (kpos[None, :] > positions[:, None])[:, None, None, :]
+            for i, w in enumerate(model.layers):
+                q, k, v = cpre(x, w["ln1"], w["qkv_w"], w["qkv_b"], cos, sin)
+                keys, values = cache[i, 0], cache[i, 1]
+                if flat:
+                    keys[rows, positions] = k
+                    values[rows, positions] = v
+                    kv = (b * L, c.num_key_value_heads, c.head_dim)
+                    a = torch.ops.aten._flash_attention_forward(
+                        q,
+                        keys.view(kv),
+                        values.view(kv),
+                        cu_q,
+                        cu_k,
+                        1,
+                        L,
+                        0.0,
+                        False,
+                        False,
+                        scale=model.scale,
+                        seqused_k=used,
+                    )[0].reshape(b, -1)
+                else:
+                    keys[rows, :, positions] = k
+                    values[rows, :, positions] = v
+                    qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
+                    scores = torch.matmul(qg, keys.transpose(-1, -2)) * model.scale
+                    probs = scores.float().masked_fill(hidden, float("-inf")).softmax(dim=-1)
+                    a = torch.matmul(probs.to(model.dtype), values).reshape(b, -1)
+                x = cpost(x, a, w["o_w"], w["o_b"], w["ln2"], w["gu_w"], w["gu_b"], w["down_w"], w["down_b"])
+            return model.logits(_rms(x, model.norm, c.rms_norm_eps))
 
-        def attend(layer, q, k, v):
-            keys, values = cache[layer, 0], cache[layer, 1]
-            keys[rows, positions] = k
-            values[rows, positions] = v
-            out = flex_attention(
-                q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                block_mask=mask, scale=model.scale, enable_gqa=True,
-            )
-            return out.reshape(q.shape[0], -1)
-
-        return model.logits(model._layers(tokens, positions, attend))
+        return decode
 
     def shipped_cache(b):
         return model.new_cache(b, KV_LEN)
@@ -116,12 +162,12 @@ def _torch_rows(weights, batches):
 
     candidates = {
         "torch mask eager": (model.decode, shipped_cache, False),
-        "torch mask compiled": (torch.compile(model.decode, dynamic=False), shipped_cache, False),
         "torch flash eager": (flash_decode, flat_cache, True),
-        "torch flash compiled": (torch.compile(flash_decode, dynamic=False), flat_cache, True),
-        "torch flex compiled": (torch.compile(flex_decode, dynamic=False), flat_cache, True),
+        "torch mask segments compiled": (segmented(False), shipped_cache, False),
+        "torch flash segments compiled": (segmented(True), flat_cache, True),
     }
     out = []
+    _profile_eager(model, shipped_cache(64), torch.arange(64, device=dev), torch.full((64,), 600, device=dev))
     for batch in batches:
         lengths = _lengths(batch)
         gen = torch.Generator(device="cpu").manual_seed(batch)
@@ -174,6 +220,26 @@ def _torch_rows(weights, batches):
     return out
 
 
+def _profile_eager(model, cache, tokens, positions):
+    """The eager shipped step's kernels by total device time (one step after a warm-up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        model.decode(cache, tokens, positions)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.decode(cache, tokens, positions)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    kernels = sum(e.count for e in events)
+    print(json.dumps({"profile": "torch mask eager, B=64", "kernels": kernels, "device_us": total}))
+    for e in events[:14]:
+        print(json.dumps({"kernel": e.key[:90], "count": e.count, "us": round(e.device_time_total, 1)}))
+
+
 # -- JAX ------------------------------------------------------------------------------------------
 def _jax_rows(weights, batches):
     import jax
@@ -210,13 +276,12 @@ def _jax_rows(weights, batches):
     def shipped(p, cache, tokens, positions):
         return jax_loop._decode(p, c, cache, tokens, positions)
 
-    candidates = {"jax mask": (shipped, False), "jax dpa cudnn": (dpa_decode("cudnn"), True),
-                  "jax dpa xla": (dpa_decode("xla"), True)}  # fmt: skip
+    candidates = {"jax mask": (shipped, False), "jax dpa cudnn": (dpa_decode("cudnn"), True)}
     out = []
     for batch in batches:
         lengths = _lengths(batch)
         rng = np.random.default_rng(batch)
-        fill = (0.5 * rng.standard_normal((c.num_hidden_layers, batch, c.num_key_value_heads, KV_LEN, c.head_dim)))
+        fill = 0.5 * rng.standard_normal((c.num_hidden_layers, batch, c.num_key_value_heads, KV_LEN, c.head_dim))
         fill = jax.device_put(fill.astype(np.float32), dev).astype(jnp.bfloat16)
         tokens = jax.device_put(rng.integers(0, c.vocab_size, batch).astype(np.int32), dev)
         positions = jax.device_put((lengths - 1).astype(np.int32), dev)
@@ -232,7 +297,7 @@ def _jax_rows(weights, batches):
                     return fn(p, cache, tokens, positions)[0]
 
                 @functools.partial(jax.jit, donate_argnums=1)
-                def loop(p, cache, tokens, positions, fn=fn):
+                def loop(p, cache, tokens, positions, fn=fn, batch=batch):
                     def body(i, carry):
                         cache, acc = carry
                         logits, cache = fn(p, cache, tokens, positions)
@@ -254,6 +319,14 @@ def _jax_rows(weights, batches):
                     times.append((time.perf_counter() - t0) * 1e3 / STEPS)
                 row["ms_per_step"] = float(np.median(times))
                 row["ms_spread"] = [float(min(times)), float(max(times))]
+                step = jax.jit(lambda p, cache, t, q, fn=fn: fn(p, cache, t, q), donate_argnums=1)
+                _, cache = step(params, cache, tokens, positions)
+                jax.block_until_ready(cache)
+                t0 = time.perf_counter()
+                for _ in range(STEPS):
+                    _, cache = step(params, cache, tokens, positions)
+                jax.block_until_ready(cache)
+                row["ms_per_step_dispatched"] = (time.perf_counter() - t0) * 1e3 / STEPS
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(row), flush=True)

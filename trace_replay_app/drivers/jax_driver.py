@@ -47,6 +47,7 @@ from ..records import RequestResult, TraceRequest
 from ..schedule import DecodeCall, check_decode, check_model_call, check_run, check_sampling, collect_results
 from . import jax_chunks
 from .jax_chunks import bucket
+from .jax_placement import attention_for, device_params, free_bytes, placed_params
 from .jax_steps import Carry, run_model, sharded_argmax
 from .memory import check_fits, estimate_bytes
 
@@ -138,9 +139,10 @@ class JaxFamily:
     zero KV cache pytree. ``prefill(params, config, tokens)``: the keys and values of one prompt
     ``tokens`` ``[bucket]`` (positions ``0 ..``) in the layout ``write`` takes.
     ``write(cache, kv, slot)``: the cache with ``kv`` at positions ``0 ..`` of ``slot``.
-    ``decode(params, config, cache, tokens, positions)``: one token per row, row ``b`` feeding
-    ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns ``(logits [rows, vocab],
-    cache)`` with the step's keys and values stored. For ``score``
+    ``decode(params, config, cache, tokens, positions, attention)``: one token per row, row ``b``
+    feeding ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns ``(logits [rows,
+    vocab], cache)`` with the step's keys and values stored (``attention`` as for ``hidden``,
+    from :func:`.jax_placement.attention_for`). For ``score``
     (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens, attention)``,
     the final-norm hidden states ``[requests, n, hidden]`` of right-padded ``tokens``
     ``[requests, n]`` (causal, no cache; ``attention``: ``"cudnn"`` or ``"xla"``, the fused
@@ -156,10 +158,11 @@ class JaxFamily:
     hidden: Callable[..., jax.Array]
     logits: Callable[[Any, jax.Array], jax.Array]
 
-    def bind(self, config: Any, dtype: Any = "float32") -> FamilyModel:
-        """The family's :class:`JaxDecodeModel` of ``config`` with its cache in ``dtype``
-        (hashable: the same ``config`` and ``dtype`` give an equal model)."""
-        return FamilyModel(self, config, jnp.dtype(dtype))
+    def bind(self, config: Any, dtype: Any = "float32", attention: str = "xla") -> FamilyModel:
+        """The family's :class:`JaxDecodeModel` of ``config`` with its cache in ``dtype`` and
+        its decode attention by ``attention`` (:func:`.jax_placement.attention_for`); hashable:
+        equal arguments give an equal model."""
+        return FamilyModel(self, config, jnp.dtype(dtype), attention)
 
     def model(
         self, config: Any, weights: Mapping[str, np.ndarray], *, device: str = "cpu", dtype: str = "float32"
@@ -171,8 +174,8 @@ class JaxFamily:
         ``run_decode``). Arguments are checked first (``TypeError``/``ValueError`` naming them)."""
         check_run(config, weights, [], 1, None, config_type=self.config_type, check_weights=self.check_weights)
         check_sampling(dtype, 0.0, 0)
-        jdtype = jnp.dtype(dtype)
-        return self.bind(config, jdtype), device_params(self, config, weights, resolve_device(device), jdtype)
+        jdtype, dev = jnp.dtype(dtype), resolve_device(device)
+        return self.bind(config, jdtype, attention_for(dev, jdtype)), device_params(self, config, weights, dev, jdtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +186,7 @@ class FamilyModel:
     family: JaxFamily
     config: Any
     dtype: Any
+    attention: str = "xla"
 
     @property
     def vocab_size(self) -> int:
@@ -202,33 +206,7 @@ class FamilyModel:
         return self.family.write(cache, kv, slot)
 
     def decode(self, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Any]:
-        return self.family.decode(params, self.config, cache, tokens, positions)
-
-
-def device_params(family: JaxFamily, config: Any, weights: Mapping[str, np.ndarray], dev: Any, dtype: Any) -> Any:
-    """The family's parameter pytree on ``dev`` in ``dtype`` (copies)."""
-    put = functools.partial(jax.device_put, device=dev)
-    return jax.tree.map(lambda w: put(w).astype(dtype), family.params(config, weights, False))
-
-
-def free_bytes(device: Any) -> int | None:
-    """Free bytes on a JAX ``device`` (``bytes_limit - bytes_in_use`` of its memory stats);
-    ``None`` where the device reports none (the CPU): nothing is checked."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
-def placed_params(family: JaxFamily, config, weights: Mapping[str, np.ndarray], mesh: Mesh, vocab_axis: str, dtype):
-    """The parameter pytree on ``mesh`` in ``dtype``: ``head`` (``[hidden, vocab]``) sharded
-    along the vocabulary over ``vocab_axis``, everything else replicated. Copies; the caller's
-    arrays are not changed."""
-    host = family.params(config, weights, True)
-    head = host.pop("head")
-    params = jax.tree.map(lambda w: jax.device_put(w, NamedSharding(mesh, P())).astype(dtype), host)
-    params["head"] = jax.device_put(head, NamedSharding(mesh, P(None, vocab_axis))).astype(dtype)
-    return params
+        return self.family.decode(params, self.config, cache, tokens, positions, self.attention)
 
 
 def decode_model(
@@ -397,4 +375,5 @@ def _decode_all(family: JaxFamily, config, weights, call: DecodeCall, dev, dtype
     else:
         put = functools.partial(jax.device_put, device=NamedSharding(mesh, P()))
         params = placed_params(family, config, weights, mesh, vocab_axis, dtype)
-    return run_model(family.bind(config, dtype), params, call, dev, put=put, mesh=mesh, vocab_axis=vocab_axis)
+    model = family.bind(config, dtype, attention_for(dev, dtype) if mesh is None else "xla")
+    return run_model(model, params, call, dev, put=put, mesh=mesh, vocab_axis=vocab_axis)

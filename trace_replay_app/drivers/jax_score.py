@@ -23,7 +23,8 @@ from trace_replay_jax import resolve_device, token_logprob_rank
 
 from ..records import RequestResult, TraceRequest
 from ..scoring import ScorePlan, plan_score, score_results
-from .jax_driver import JaxFamily, device_params
+from .jax_driver import JaxFamily
+from .jax_placement import attention_for, device_params
 
 __all__ = ["scorer", "score_batches"]
 
@@ -55,7 +56,7 @@ def score_batches(family: JaxFamily, config: Any, params: Any, plan: ScorePlan, 
     put = functools.partial(jax.device_put, device=device)
     # cuDNN's fused attention for bfloat16 on a GPU: jax.nn.dot_product_attention's default is
     # XLA's, which stores the [n, n] scores (133.7 against 13.7 ms for 24 layers at 64 x 1,024)
-    attention = "cudnn" if device.platform == "gpu" and plan.dtype == "bfloat16" else "xla"
+    attention = attention_for(device, plan.dtype)
     pending = []
     for batch in plan.batches:
         m = batch.rows.size

@@ -127,18 +127,27 @@ def _write(cache, kv, slot):
     return jax.lax.dynamic_update_slice(cache, kv, (0, 0, slot, 0, 0, 0))
 
 
-def _decode(p, config: GPT2Config, cache, tokens, positions):
+def _decode(p, config: GPT2Config, cache, tokens, positions, attention: str = "xla"):
     """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache.
 
     Returns ``(logits [rows, vocab] float32, cache)``. Rows attend to cache positions
-    ``<= positions[b]``; an empty row computes garbage that no one reads.
+    ``<= positions[b]``; an empty row computes garbage that no one reads. ``attention``
+    ``"cudnn"`` (bfloat16 on a GPU): cuDNN's fused attention over each row's own keys; else the
+    scores over the whole capacity.
     """
     rows = jnp.arange(tokens.shape[0])
     visible = (jnp.arange(cache.shape[3]) <= positions[:, None])[:, None, :]  # [rows, 1, kv_len]
     scale = 1.0 / math.sqrt(config.head_dim)
+    lengths = (positions + 1).astype(jnp.int32)
 
     def attend(layer, q, k, v, cache):
         cache = cache.at[layer, 0, rows, positions].set(k).at[layer, 1, rows, positions].set(v)
+        if attention == "cudnn":
+            out = jax.nn.dot_product_attention(
+                q[:, None], cache[layer, 0], cache[layer, 1], scale=scale, key_value_seq_lengths=lengths,
+                implementation="cudnn",
+            )  # fmt: skip
+            return out.reshape(q.shape), cache
         scores = jnp.where(visible, _einsum("bhd,bthd->bht", q, cache[layer, 0]) * scale, -jnp.inf)
         return _einsum("bht,bthd->bhd", jax.nn.softmax(scores, axis=-1), cache[layer, 1]), cache
 

@@ -18,7 +18,7 @@ Example (CPU; ``device="cuda"`` on a GPU)::
     a, b = run_decode(config, seeded_weights(config), requests)
     assert a.tokens.tolist() == [7, 8, 9] and a.forced.all()
 
-Keys and values live in one buffer per layer (``([slots, kv_heads, kv_len, head_dim], ...)``
+Keys and values live in one buffer per layer (``([slots, kv_len, kv_heads, head_dim], ...)``
 for keys, then values; donated to each step and updated in place). Float32 matrix products run
 at full precision (``precision="highest"``).
 """
@@ -137,7 +137,7 @@ def _softmax_f32(scores, visible, dtype):
 
 def _prefill(params, config: LlamaConfig, tokens):
     """Keys and values of ``tokens`` (``[bucket]``, positions ``0 ..``): per layer ``(k, v)``,
-    each ``[kv_heads, bucket, head_dim]``."""
+    each ``[bucket, kv_heads, head_dim]``."""
     c = config
     n = tokens.shape[0]
     pos = jnp.arange(n)
@@ -152,7 +152,7 @@ def _prefill(params, config: LlamaConfig, tokens):
         scores = jnp.einsum("qkgd,tkd->kgqt", qg, k, precision="highest" if q.dtype == jnp.float32 else None)
         probs = _softmax_f32(scores * scale, visible, q.dtype)
         out = jnp.einsum("kgqt,tkd->qkgd", probs, v, precision="highest" if q.dtype == jnp.float32 else None)
-        return out.reshape(n, -1), kv + [(k.transpose(1, 0, 2), v.transpose(1, 0, 2))]
+        return out.reshape(n, -1), kv + [(k, v)]
 
     return _layers(params, c, tokens, pos, attend, [])[1]
 
@@ -197,18 +197,27 @@ def _write(cache, kv, slot):
 
 def _new_cache(config: LlamaConfig, slots: int, kv_len: int, dtype):
     c = config
-    shape = (slots, c.num_key_value_heads, kv_len, c.head_dim)
+    shape = (slots, kv_len, c.num_key_value_heads, c.head_dim)
     keys = tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
     return keys, tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
 
 
-def _decode(p, config: LlamaConfig, cache, tokens, positions):
+def _decode(p, config: LlamaConfig, cache, tokens, positions, attention: str = "xla"):
     """One token per row: row ``b`` feeds ``tokens[b]`` at ``positions[b]`` to slot ``b``'s
-    cache. Returns ``(logits [rows, vocab] in the compute dtype, (keys, values))``."""
+    cache. Returns ``(logits [rows, vocab] in the compute dtype, (keys, values))``.
+
+    ``attention`` ``"cudnn"`` (bfloat16 on a GPU): layers without a sliding window attend by
+    cuDNN's fused attention over each row's keys ``0 .. positions[b]`` only
+    (:func:`jax.nn.dot_product_attention` with ``key_value_seq_lengths``); else, and in windowed
+    layers (cuDNN aligns a window to the first query, not to the row's position), the scores
+    over the whole capacity with a float32 softmax of the visible keys (transformers' eager
+    attention). On an H200 (Qwen2.5-0.5B shape, rows of 204-1,024 of 1,024 keys) cuDNN's step
+    took 2.03 ms at batch 256 against 2.53 ms."""
     c = config
     rows = jnp.arange(positions.shape[0])
-    kpos = jnp.arange(cache[0][0].shape[2])
+    kpos = jnp.arange(cache[0][0].shape[1])
     scale = c.head_dim**-0.5
+    lengths = (positions + 1).astype(jnp.int32)
     masks = {}
     for layer in range(c.num_hidden_layers):
         w = c.window(layer)
@@ -220,13 +229,18 @@ def _decode(p, config: LlamaConfig, cache, tokens, positions):
 
     def attend(layer, q, k, v, kv):
         keys, values = kv
-        kb = keys[layer].at[rows, :, positions].set(k)
-        vb = values[layer].at[rows, :, positions].set(v)
-        qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
-        prec = "highest" if q.dtype == jnp.float32 else None
-        scores = jnp.einsum("bkgd,bktd->bkgt", qg, kb, precision=prec) * scale
-        probs = _softmax_f32(scores, masks[c.window(layer)], q.dtype)
-        out = jnp.einsum("bkgt,bktd->bkgd", probs, vb, precision=prec).reshape(q.shape[0], -1)
+        kb = keys[layer].at[rows, positions].set(k)  # [rows, kv_len, kv_heads, head_dim]
+        vb = values[layer].at[rows, positions].set(v)
+        if attention == "cudnn" and not c.window(layer):
+            out = jax.nn.dot_product_attention(
+                q[:, None], kb, vb, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
+            ).reshape(q.shape[0], -1)
+        else:
+            qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
+            prec = "highest" if q.dtype == jnp.float32 else None
+            scores = jnp.einsum("bkgd,btkd->bkgt", qg, kb, precision=prec) * scale
+            probs = _softmax_f32(scores, masks[c.window(layer)], q.dtype)
+            out = jnp.einsum("bkgt,btkd->bkgd", probs, vb, precision=prec).reshape(q.shape[0], -1)
         return out, (keys[:layer] + (kb,) + keys[layer + 1 :], values[:layer] + (vb,) + values[layer + 1 :])
 
     h, cache = _layers(p, c, tokens, positions, attend, cache)
