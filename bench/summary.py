@@ -243,21 +243,31 @@ def cli_run_section(rows: Rows) -> list[str]:
 
 
 def models_section(rows: Rows) -> list[str]:
-    t = [
-        dict(
-            r,
-            tokens_per_s=f"{r['tokens_per_s']:.0f}",
-            ms_per_step=f"{r['decode_ms_per_step']:.2f}",
-            x_floor=f"{r['x_floor']:.1f}",
-            replay_logprob=pct(r.get("replay_logprob_share")),
-        )
-        for r in rows
-    ]
+    """One row per provider, one column per batch of the Qwen shape, then the other shapes' columns
+    (rows from before ``shape`` existed count as the Qwen shape)."""
+
+    def column(r):
+        shape = r.get("shape", "qwen2.5-0.5b")
+        return (shape != "qwen2.5-0.5b", shape, r["batch"])
+
+    def cell(r):
+        x = r.get("x_floor")
+        return f"{r['decode_ms_per_step']:.2f}" + (f" ({x:.1f}x)" if isinstance(x, float) else "")
+
+    shares = [r["replay_logprob_share"] for r in rows if isinstance(r.get("replay_logprob_share"), float)]
+    share = f"{min(shares):.1%}-{max(shares):.1%}" if shares else "not measured"
+    dates = sorted({str(r.get("date", ""))[:10] for r in rows})
+    runs = f" Rows measured {dates[0]} to {dates[-1]}; the machine is the first row's." if len(dates) > 1 else ""
     return [
-        "a Qwen2.5-0.5B-shaped model in bf16, decode tokens per second; replay_logprob: the share of"
-        " a step that replay and logprob/rank add.",
-        table(
-            t, ["provider", "batch", "tokens_per_s", "ms_per_step", "x_floor", "replay_logprob", "traces_reproduced"]
+        "decode ms per step by batch, bf16, Qwen2.5-0.5B shape (other shapes named), in brackets times the"
+        f" memory floor; replay + logprob/rank add {share} of our loops' steps.{runs}",
+        pivot_table(
+            rows,
+            lambda r: {"provider": r.get("provider_id", r["provider"])},
+            column,
+            cell,
+            ["provider"],
+            lambda c: f"{c[1] + ' ' if c[0] else ''}B={c[2]}",
         ),
     ]
 
@@ -333,6 +343,8 @@ def full_tables(results: str) -> str:
         "scaling": ["kind", "provider", "placement", "batch", "us_p50", "us_p20", "us_p80", "kernel_over_floor"],
         "logprob_rank": ["provider", "timing", "dtype", "batch", "vocab", "us_p50", "us_p20", "us_p80", "gbps"],
         "jax_step": ["config", "process", "mechanism", "mode", "us_p50", "us_p20", "us_p80", "added_us_p50"],
+        "models": ["shape", "provider_id", "batch", "decode_ms_per_step", "floor_ms", "x_floor", "prefill_tokens_per_s"]
+        + ["x_generate_static", "x_generate_dynamic", "replay_logprob_share", "traces_reproduced", "date"],
     }
     for name, cols in columns.items():
         rows = load(results, name)
