@@ -126,12 +126,14 @@ class Loop:
             import jax.numpy as jnp
 
             from trace_replay_app.drivers.jax_driver import decode_model as jax_decode
+            from trace_replay_app.drivers.jax_placement import attention_for
             from trace_replay_app.models.llama.jax_loop import JAX
             from trace_replay_jax import resolve_device
 
             dev = resolve_device(device)
             qs.check_jax_pattern(config, dev)
-            model, params = JAX.bind(config, jnp.bfloat16), qs.jax_pattern_params(config, dev, jnp.bfloat16)
+            attention = attention_for(dev, jnp.bfloat16)  # as run_decode picks it: cuDNN on a GPU
+            model, params = JAX.bind(config, jnp.bfloat16, attention), qs.jax_pattern_params(config, dev, jnp.bfloat16)
             self.run = lambda reqs: jax_decode(model, params, reqs, device=device, max_batch=len(reqs))
 
     def prepare(self, requests):
