@@ -260,7 +260,8 @@ def models_section(rows: Rows) -> list[str]:
     runs = f" Rows measured {dates[0]} to {dates[-1]}; the machine is the first row's." if len(dates) > 1 else ""
     return [
         "decode ms per step by batch, bf16, Qwen2.5-0.5B shape (other shapes named), in brackets times the"
-        f" memory floor; replay + logprob/rank add {share} of our loops' steps.{runs}",
+        f" memory floor; replay + logprob/rank add {share} of our loops' steps.{runs} Plot: `results/models.svg`"
+        " (`models_plot.py`).",
         pivot_table(
             rows,
             lambda r: {"provider": r.get("provider_id", r["provider"])},
