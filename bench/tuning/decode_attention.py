@@ -24,27 +24,19 @@ import argparse
 import functools
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from qwen_shape import FULL, QWEN2_OPTIONS  # noqa: E402
+
 from trace_replay_app.models.llama.config import LlamaConfig, seeded_weights  # noqa: E402
 
-CONFIG = LlamaConfig(
-    model_type="qwen2",
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    qkv_bias=True,
-    tie_word_embeddings=True,
-    rope_theta=1e6,
-)
+CONFIG = LlamaConfig(model_type="qwen2", qkv_bias=True, **FULL["sizes"], **QWEN2_OPTIONS)  # Qwen2.5-0.5B's shape
 KV_LEN = 1024
 STEPS = 32
 
