@@ -142,10 +142,10 @@ class LlamaTorch:
     each row's own length (``aten._flash_attention_forward`` with ``seqused_k``), so its cost
     follows the rows' lengths, not the cache's capacity. Else: the eager layers and masked
     attention over the whole capacity in float32 softmax, as transformers' eager attention (the
-    numerics reference, and the only form on the CPU and in float32). Why this form, measured on
-    an H200 (Qwen2.5-0.5B shape, bf16, rows of 204-1,024 keys): one eager step ran 1,125 kernels
-    for 3.6 ms at batch 64; the fused step takes 1.9 ms; compiling the whole step instead copied
-    the cache at every KV write (24 ms).
+    numerics reference, and the only form on the CPU and in float32). Why this form: the eager
+    step is hundreds of small kernels (3.6 ms at batch 64 on an H200, Qwen2.5-0.5B shape; fused
+    1.9 ms), and compiling the whole step instead copies the cache at every KV write
+    (ARCHITECTURE.md, "Decode attention in the Llama family").
     """
 
     def __init__(
