@@ -125,8 +125,8 @@ class Loop:
         else:
             import jax.numpy as jnp
 
+            from trace_replay_app.drivers.jax_attention import attention_for
             from trace_replay_app.drivers.jax_driver import decode_model as jax_decode
-            from trace_replay_app.drivers.jax_placement import attention_for
             from trace_replay_app.models.llama.jax_loop import JAX
             from trace_replay_jax import resolve_device
 

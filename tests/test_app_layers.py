@@ -14,8 +14,8 @@ LIBRARIES = ("trace_replay_core", "trace_replay_torch", "trace_replay_jax")
 # tensor-parallel option, and score) and each family's math for it
 FRAMEWORK_MODULES = {
     "torch": ("torch_loop", "torch_driver", "torch_steps", "torch_score", "torch_parallel"),
-    "jax": ("jax_loop", "jax_driver", "jax_steps", "jax_score", "jax_placement"),
-    "jaxlib": ("jax_loop", "jax_driver", "jax_steps", "jax_score", "jax_placement"),
+    "jax": ("jax_loop", "jax_driver", "jax_steps", "jax_score", "jax_placement", "jax_attention"),
+    "jaxlib": ("jax_loop", "jax_driver", "jax_steps", "jax_score", "jax_placement", "jax_attention"),
 }
 TORCH_ONLY = tuple("." + m for m in FRAMEWORK_MODULES["torch"])
 JAX_ONLY = tuple("." + m for m in FRAMEWORK_MODULES["jax"])

@@ -12,7 +12,10 @@ candidate. Candidates:
   rows' lengths in a compiled step (both copy the cache at every KV write). Before these, a
   profile of the eager masked step (kernels by device time).
 - JAX, 32 steps in one ``lax.fori_loop`` and 32 dispatched jitted steps: the family's decode
-  with ``attention="xla"`` (masked over the capacity) and ``"cudnn"`` (the shipped GPU form).
+  with ``attention="xla"`` (masked over the capacity: the float32 and mesh form) and
+  ``"cudnn"`` (the shipped GPU form); and the masked form as it was before
+  ``drivers/jax_attention.py`` (``einsum`` contractions, which XLA lowers by transposing each
+  layer's cache first), written here as ``xla-einsum``.
 
 Run: ``python bench/tuning/decode_attention.py [--frameworks torch,jax] [--batches 64,256]``
 on the GPU; prints one JSON line per candidate.
@@ -153,6 +156,31 @@ def _profile_eager(model, cache, tokens, positions):
 
 
 # -- JAX ------------------------------------------------------------------------------------------
+def _einsum_decode(p, cache, tokens, positions):
+    """The family's masked decode step as it was written before ``drivers/jax_attention.py``:
+    ``einsum`` contractions over the ``[rows, kv_len, kv_heads, head_dim]`` cache (bf16)."""
+    import jax
+    import jax.numpy as jnp
+
+    from trace_replay_app.models.llama import jax_loop
+
+    c = CONFIG
+    rows, kpos = jnp.arange(positions.shape[0]), jnp.arange(cache[0][0].shape[1])
+    visible = (kpos[None, :] <= positions[:, None])[:, None, None, :]
+
+    def attend(layer, q, k, v, kv):
+        keys, values = kv
+        kb, vb = keys[layer].at[rows, positions].set(k), values[layer].at[rows, positions].set(v)
+        qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
+        scores = jnp.einsum("bkgd,btkd->bkgt", qg, kb) * c.head_dim**-0.5
+        probs = jax.nn.softmax(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(q.dtype)
+        out = jnp.einsum("bkgt,btkd->bkgd", probs, vb).reshape(q.shape[0], -1)
+        return out, (keys[:layer] + (kb,) + keys[layer + 1 :], values[:layer] + (vb,) + values[layer + 1 :])
+
+    h, cache = jax_loop._layers(p, c, tokens, positions, attend, cache)
+    return jax_loop._logits(p, h), cache
+
+
 def _jax_rows(weights, batches):
     import jax
     import jax.numpy as jnp
@@ -172,13 +200,15 @@ def _jax_rows(weights, batches):
         tokens = jax.device_put(rng.integers(0, c.vocab_size, batch).astype(np.int32), dev)
         positions = jax.device_put((lengths - 1).astype(np.int32), dev)
         ref = None
-        for attention in ("xla", "cudnn"):
+        for attention in ("xla", "cudnn", "xla-einsum"):
             row = {"candidate": f"jax attention={attention}", "batch": batch, "mean_len": float(lengths.mean())}
             try:
                 layers = [fill[i] for i in range(c.num_hidden_layers)]
                 cache = (tuple(layers), tuple(x + 0 for x in layers))
 
                 def fn(p, cache, t, q, attention=attention):
+                    if attention == "xla-einsum":
+                        return _einsum_decode(p, cache, t, q)
                     return JAX.decode(p, c, cache, t, q, attention)
 
                 @functools.partial(jax.jit, donate_argnums=1)

@@ -46,8 +46,9 @@ from trace_replay_jax import resolve_device
 from ..records import RequestResult, TraceRequest
 from ..schedule import DecodeCall, check_decode, check_model_call, check_run, check_sampling, collect_results
 from . import jax_chunks
+from .jax_attention import attention_for
 from .jax_chunks import bucket
-from .jax_placement import attention_for, device_params, free_bytes, placed_params
+from .jax_placement import device_params, free_bytes, placed_params
 from .jax_steps import Carry, run_model, sharded_argmax
 from .memory import check_fits, estimate_bytes
 
@@ -142,7 +143,7 @@ class JaxFamily:
     ``decode(params, config, cache, tokens, positions, attention)``: one token per row, row ``b``
     feeding ``tokens[b]`` at ``positions[b]`` to slot ``b``'s cache; returns ``(logits [rows,
     vocab], cache)`` with the step's keys and values stored (``attention`` as for ``hidden``,
-    from :func:`.jax_placement.attention_for`). For ``score``
+    from :func:`.jax_attention.attention_for`). For ``score``
     (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens, attention)``,
     the final-norm hidden states ``[requests, n, hidden]`` of right-padded ``tokens``
     ``[requests, n]`` (causal, no cache; ``attention``: ``"cudnn"`` or ``"xla"``, the fused
@@ -160,7 +161,7 @@ class JaxFamily:
 
     def bind(self, config: Any, dtype: Any = "float32", attention: str = "xla") -> FamilyModel:
         """The family's :class:`JaxDecodeModel` of ``config`` with its cache in ``dtype`` and
-        its decode attention by ``attention`` (:func:`.jax_placement.attention_for`); hashable:
+        its decode attention by ``attention`` (:func:`.jax_attention.attention_for`); hashable:
         equal arguments give an equal model."""
         return FamilyModel(self, config, jnp.dtype(dtype), attention)
 

@@ -1,6 +1,5 @@
-"""Where a JAX run's parameters go and which attention its decode step uses: the family's
-parameter pytree on one device or over a mesh, a device's free memory, and the attention
-implementation for a device and dtype."""
+"""Where a JAX run's parameters go: the family's parameter pytree on one device or over a mesh,
+and a device's free memory."""
 
 from __future__ import annotations
 
@@ -9,21 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["attention_for", "device_params", "free_bytes", "placed_params"]
-
-
-def attention_for(device: Any, dtype: Any) -> str:
-    """The implementation of :func:`jax.nn.dot_product_attention` a family's decode and score
-    use on ``device`` in compute ``dtype``: ``"cudnn"`` (cuDNN's fused attention, over each
-    row's own keys) for bfloat16 or float16 on a GPU, else ``"xla"`` (where the families keep
-    transformers' eager attention: float32 softmax over the visible keys)."""
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if device.platform == "gpu" and half else "xla"
+__all__ = ["device_params", "free_bytes", "placed_params"]
 
 
 def device_params(family: Any, config: Any, weights: Mapping[str, np.ndarray], dev: Any, dtype: Any) -> Any:

@@ -23,8 +23,9 @@ from trace_replay_jax import resolve_device, token_logprob_rank
 
 from ..records import RequestResult, TraceRequest
 from ..scoring import ScorePlan, plan_score, score_results
+from .jax_attention import attention_for
 from .jax_driver import JaxFamily
-from .jax_placement import attention_for, device_params
+from .jax_placement import device_params
 
 __all__ = ["scorer", "score_batches"]
 

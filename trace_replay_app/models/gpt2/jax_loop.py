@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...drivers.jax_attention import cache_mix, cache_scores
 from ...drivers.jax_driver import JaxFamily, decoder
 from ...drivers.jax_score import scorer
 from .config import GPT2Config, check_weights
@@ -133,10 +134,11 @@ def _decode(p, config: GPT2Config, cache, tokens, positions, attention: str = "x
     Returns ``(logits [rows, vocab] float32, cache)``. Rows attend to cache positions
     ``<= positions[b]``; an empty row computes garbage that no one reads. ``attention``
     ``"cudnn"`` (bfloat16 on a GPU): cuDNN's fused attention over each row's own keys; else the
-    scores over the whole capacity.
+    scores over the whole capacity (:mod:`~trace_replay_app.drivers.jax_attention`'s
+    contractions, which read the cache in place).
     """
     rows = jnp.arange(tokens.shape[0])
-    visible = (jnp.arange(cache.shape[3]) <= positions[:, None])[:, None, :]  # [rows, 1, kv_len]
+    visible = (jnp.arange(cache.shape[3]) <= positions[:, None])[:, :, None, None]  # [rows, kv_len, 1, 1]
     scale = 1.0 / math.sqrt(config.head_dim)
     lengths = (positions + 1).astype(jnp.int32)
 
@@ -148,8 +150,8 @@ def _decode(p, config: GPT2Config, cache, tokens, positions, attention: str = "x
                 implementation="cudnn",
             )  # fmt: skip
             return out.reshape(q.shape), cache
-        scores = jnp.where(visible, _einsum("bhd,bthd->bht", q, cache[layer, 0]) * scale, -jnp.inf)
-        return _einsum("bht,bthd->bhd", jax.nn.softmax(scores, axis=-1), cache[layer, 1]), cache
+        scores = jnp.where(visible, cache_scores(q[:, :, None], cache[layer, 0]) * scale, -jnp.inf)
+        return cache_mix(jax.nn.softmax(scores, axis=1), cache[layer, 1]).reshape(q.shape), cache
 
     h, cache = _layers(p, config, _embed(p, tokens, positions), attend, cache)
     return _logits(p, _ln(p, h, "ln_f", config.layer_norm_epsilon)), cache

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...drivers.jax_attention import cache_mix, cache_scores
 from ...drivers.jax_driver import JaxFamily, decoder
 from ...drivers.jax_score import scorer
 from .config import LlamaConfig, check_weights, inv_freq
@@ -130,9 +131,10 @@ def _logits(p, h):
     return _mm(h, p["head"]) if "head" in p else _mm(h, p["embed"].T)
 
 
-def _softmax_f32(scores, visible, dtype):
-    """transformers' eager attention softmax: in float32 over visible keys, rounded to ``dtype``."""
-    return jax.nn.softmax(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), axis=-1).astype(dtype)
+def _softmax_f32(scores, visible, dtype, axis: int = -1):
+    """transformers' eager attention softmax: in float32 over visible keys (along ``axis``),
+    rounded to ``dtype``."""
+    return jax.nn.softmax(jnp.where(visible, scores.astype(jnp.float32), -jnp.inf), axis=axis).astype(dtype)
 
 
 def _prefill(params, config: LlamaConfig, tokens):
@@ -211,7 +213,8 @@ def _decode(p, config: LlamaConfig, cache, tokens, positions, attention: str = "
     (:func:`jax.nn.dot_product_attention` with ``key_value_seq_lengths``); else, and in windowed
     layers (cuDNN aligns a window to the first query, not to the row's position), the scores
     over the whole capacity with a float32 softmax of the visible keys (transformers' eager
-    attention). On an H200 (Qwen2.5-0.5B shape, rows of 204-1,024 of 1,024 keys) cuDNN's step
+    attention; its two contractions from :mod:`~trace_replay_app.drivers.jax_attention`, which
+    read the cache in place). On an H200 (Qwen2.5-0.5B shape, rows of 204-1,024 of 1,024 keys) cuDNN's step
     took 2.03 ms at batch 256 against 2.53 ms."""
     c = config
     rows = jnp.arange(positions.shape[0])
@@ -225,7 +228,7 @@ def _decode(p, config: LlamaConfig, cache, tokens, positions, attention: str = "
             visible = kpos[None, :] <= positions[:, None]
             if w:
                 visible = visible & (kpos[None, :] > positions[:, None] - w)
-            masks[w] = visible[:, None, None, :]  # [rows, 1, 1, kv_len]
+            masks[w] = visible[:, :, None, None]  # [rows, kv_len, 1, 1]
 
     def attend(layer, q, k, v, kv):
         keys, values = kv
@@ -236,11 +239,9 @@ def _decode(p, config: LlamaConfig, cache, tokens, positions, attention: str = "
                 q[:, None], kb, vb, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
             ).reshape(q.shape[0], -1)
         else:
-            qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
-            prec = "highest" if q.dtype == jnp.float32 else None
-            scores = jnp.einsum("bkgd,btkd->bkgt", qg, kb, precision=prec) * scale
-            probs = _softmax_f32(scores, masks[c.window(layer)], q.dtype)
-            out = jnp.einsum("bkgt,btkd->bkgd", probs, vb, precision=prec).reshape(q.shape[0], -1)
+            scores = cache_scores(q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim), kb) * scale
+            probs = _softmax_f32(scores, masks[c.window(layer)], q.dtype, axis=1)  # [rows, kv_len, kv_heads, groups]
+            out = cache_mix(probs, vb).reshape(q.shape[0], -1)
         return out, (keys[:layer] + (kb,) + keys[layer + 1 :], values[:layer] + (vb,) + values[layer + 1 :])
 
     h, cache = _layers(p, c, tokens, positions, attend, cache)
