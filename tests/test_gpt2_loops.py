@@ -109,3 +109,19 @@ def test_reference_logits_is_causal(rng):
     np.testing.assert_allclose(reference_logits(CONFIG, weights, tokens[:7]), full[:7], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match=r"^tokens\[1\]=512 is outside \[0, vocab_size=512\)$"):
         reference_logits(CONFIG, weights, [3, 512])
+
+
+@pytest.mark.parametrize(
+    "dtype, flash, error, match",
+    [
+        ("bfloat16", True, ValueError, r"flash=True needs a CUDA device.*got device=cpu, dtype=torch.bfloat16"),
+        ("float32", 1, TypeError, r"flash must be None, True or False \(got 1\)"),
+    ],
+)
+def test_flash_decode_refused_where_it_cannot_run(dtype, flash, error, match, rng):
+    import torch
+
+    dt, weights = getattr(torch, dtype), weights_for(rng)
+    with pytest.raises(error, match=match):
+        torch_gpt2.GPT2Torch(CONFIG, weights, torch.device("cpu"), dt, flash=flash)
+    assert not torch_gpt2.GPT2Torch(CONFIG, weights, torch.device("cpu"), dt).flash  # masked on the CPU

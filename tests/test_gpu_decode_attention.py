@@ -1,5 +1,6 @@
 """GPU tier of the decode attention over each row's own length: the torch loop's fused step
-(compiled layer pieces, flash attention with ``seqused_k``) and the JAX step's cuDNN
+(compiled layer pieces, flash attention with ``seqused_k``), GPT-2's torch step with the same
+flash attention, and the JAX step's cuDNN
 attention (``key_value_seq_lengths``), each in bfloat16 against the same model's float32
 masked step over a cache whose every position holds random keys and values (a kernel that
 read past a row's length would see them), next to the masked step in bfloat16."""
@@ -83,6 +84,48 @@ def test_gpu_torch_fused_cuda_graph(case, rng):
         eager_cache = cache.cuda().to(torch.bfloat16)
         want = model.decode(eager_cache, t, p)
         graph_cache = cache.cuda().to(torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = model.decode(graph_cache, t, p)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(graph_cache, eager_cache)
+
+
+def test_gpu_gpt2_torch_flash_decode(rng):
+    """GPT-2's torch step with flash attention over each row's length, against its float32
+    masked step next to the bf16 masked one; its cache writes; and its CUDA-graph replay."""
+    from trace_replay_app.models.gpt2 import config as gpt2_config
+    from trace_replay_app.models.gpt2.torch_loop import GPT2Torch
+
+    config = gpt2_config.GPT2Config()
+    weights = gpt2_config.seeded_weights(config, seed=6)
+    positions = np.concatenate([[0, KV_LEN - 1], rng.integers(1, KV_LEN - 1, ROWS - 2)])
+    shape = (config.n_layer, 2, ROWS, KV_LEN, config.n_head, config.head_dim)
+    cache = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.bfloat16).float()
+    dev = torch.device("cuda")
+    t = torch.from_numpy(rng.integers(0, config.vocab_size, ROWS)).to(dev)
+    p = torch.from_numpy(positions).to(dev)
+    out = {}
+    for name, dtype, flash in (("flash", torch.bfloat16, True), ("masked", torch.bfloat16, False),
+                               ("float32", torch.float32, False)):  # fmt: skip
+        model = GPT2Torch(config, weights, dev, dtype, flash=flash)
+        c = cache.to(dev, dtype)
+        with torch.no_grad():
+            out[name] = model.decode(c, t, p).float().cpu().numpy()
+        out[name + " cache"] = c.float().cpu().numpy()
+    assert GPT2Torch(config, weights, dev, torch.bfloat16).flash  # the default on CUDA in bf16
+    _worse_by(out["flash"], out["masked"], out["float32"], "gpt2 torch flash")
+    # the step's keys and values land where the masked step puts them (later layers' differ by
+    # the attention before them), nowhere else
+    np.testing.assert_allclose(out["flash cache"], out["masked cache"], atol=3e-2, rtol=3e-2)
+    untouched = np.ones(out["flash cache"].shape, dtype=bool)
+    untouched[:, :, np.arange(ROWS), positions] = False
+    assert np.array_equal(out["flash cache"][untouched], cache.numpy()[untouched])
+    model = GPT2Torch(config, weights, dev, torch.bfloat16)
+    with torch.no_grad():
+        eager_cache, graph_cache = cache.to(dev, torch.bfloat16), cache.to(dev, torch.bfloat16)
+        want = model.decode(eager_cache, t, p)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = model.decode(graph_cache, t, p)

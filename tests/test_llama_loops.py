@@ -154,6 +154,7 @@ def test_bfloat16_close_to_transformers_bfloat16(checkpoints, framework, rng):
     [
         ("cpu", torch.bfloat16, True, ValueError, r"fused=True needs a CUDA device.*got device=cpu, dtype=torch.bf"),
         ("cpu", torch.float32, "yes", TypeError, r"fused must be None, True or False \(got 'yes'\)"),
+        ("cpu", torch.float32, 1, TypeError, r"fused must be None, True or False \(got 1\)"),
     ],
 )
 def test_fused_decode_form_refused_where_it_cannot_run(device, dtype, fused, error, match):

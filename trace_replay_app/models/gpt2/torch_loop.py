@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...drivers.torch_attention import flash_decode, flash_decode_supported
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
@@ -47,6 +48,13 @@ class GPT2Torch:
     :class:`~trace_replay_app.drivers.torch_driver.TorchDecodeModel`. With a ``shard`` (tensor
     parallelism) it computes its vocabulary block of the logits; its layers are never split
     (the family's ``splits_layers`` is the default, never).
+
+    ``flash`` (default: on CUDA in bfloat16 or float16) picks the decode step's attention:
+    flash attention over each row's own keys
+    (:func:`~trace_replay_app.drivers.torch_attention.flash_decode`), whose cost follows the
+    rows' lengths; else the scores over the whole capacity with the later positions masked, as
+    transformers' eager attention (the numerics reference, and the only form on the CPU and in
+    float32).
     """
 
     def __init__(
@@ -56,7 +64,17 @@ class GPT2Torch:
         device: torch.device,
         dtype: torch.dtype = torch.float32,
         shard: Shard | None = None,
+        flash: bool | None = None,
     ):
+        if flash is not None and not isinstance(flash, bool):
+            raise TypeError(f"flash must be None, True or False (got {flash!r})")
+        can = flash_decode_supported(device, dtype, config.head_dim)
+        if flash and not can:
+            raise ValueError(
+                "flash=True needs a CUDA device, bfloat16 or float16 and head_dim <= 256 "
+                f"(got device={device}, dtype={dtype}, head_dim={config.head_dim})"
+            )
+        self.flash = can if flash is None else flash
         self.config, self.device, self.dtype = config, device, dtype
         self.p: dict[str, torch.Tensor] = {
             name: torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
@@ -142,10 +160,13 @@ class GPT2Torch:
         """
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         hidden = (torch.arange(cache.shape[3], device=tokens.device) > positions[:, None])[:, None, :]
+        flash = flash_decode(positions, cache.shape[3], self.scale) if self.flash else None
 
         def attend(layer, q, k, v):
             cache[layer, 0, rows, positions] = k
             cache[layer, 1, rows, positions] = v
+            if flash is not None:
+                return flash(cache[layer, 0], cache[layer, 1], q)
             scores = torch.einsum("bhd,bthd->bht", q, cache[layer, 0]) * self.scale
             probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # hidden: [rows, 1, kv_len]
             return torch.einsum("bht,bthd->bhd", probs, cache[layer, 1])

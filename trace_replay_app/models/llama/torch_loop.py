@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...drivers.torch_attention import flash_decode, flash_decode_supported
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
@@ -140,12 +141,13 @@ class LlamaTorch:
     step's form. Fused: each layer's norms, projections and rotary embedding run as two
     ``torch.compile`` pieces around the attention, and the attention is flash attention over
     each row's own length (``aten._flash_attention_forward`` with ``seqused_k``), so its cost
-    follows the rows' lengths, not the cache's capacity. Else: the eager layers and masked
+    follows the rows' lengths, not the cache's capacity
+    (:mod:`~trace_replay_app.drivers.torch_attention`). Else: the eager layers and masked
     attention over the whole capacity in float32 softmax, as transformers' eager attention (the
     numerics reference, and the only form on the CPU and in float32). Why this form: the eager
     step is hundreds of small kernels (3.6 ms at batch 64 on an H200, Qwen2.5-0.5B shape; fused
     1.9 ms), and compiling the whole step instead copies the cache at every KV write
-    (ARCHITECTURE.md, "Decode attention in the Llama family").
+    (ARCHITECTURE.md, "Decode attention").
     """
 
     def __init__(
@@ -157,14 +159,13 @@ class LlamaTorch:
         shard: Shard | None = None,
         fused: bool | None = None,
     ):
-        if fused not in (None, True, False):
+        if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused must be None, True or False (got {fused!r})")
         if shard is not None:
             config, weights = _shard(config, weights, shard)
         self.shard, self.device = shard, device
         c, self.config, self.dtype = config, config, dtype
-        can_fuse = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and c.head_dim <= 256
-        can_fuse = can_fuse and (shard is None or not shard.layers)
+        can_fuse = flash_decode_supported(device, dtype, c.head_dim) and (shard is None or not shard.layers)
         if fused and not can_fuse:
             raise ValueError(
                 "fused=True needs a CUDA device, bfloat16 or float16, head_dim <= 256 and unsplit layers "
@@ -331,23 +332,13 @@ class LlamaTorch:
 
     def _flash_attention(self, cache: torch.Tensor, positions: torch.Tensor) -> Callable:
         """``attend(layer, q)`` for :meth:`decode` by flash attention over each row's keys
-        ``0 .. positions[b]`` only: the slots' caches as one variable-length key sequence
-        (``cu_seqlens_k`` steps of ``kv_len``, ``seqused_k`` the rows' lengths), a sliding
-        window as flash attention's left window."""
+        ``0 .. positions[b]`` only (:func:`~trace_replay_app.drivers.torch_attention.flash_decode`),
+        a sliding window as flash attention's left window."""
         c = self.config
-        n, kv_len = positions.shape[0], cache.shape[3]
-        cu_q = torch.arange(n + 1, device=positions.device, dtype=torch.int32)
-        cu_k, used = cu_q * kv_len, (positions + 1).to(torch.int32)
-        flat = (cache.shape[2] * kv_len, c.num_key_value_heads, c.head_dim)
+        attend = flash_decode(positions, cache.shape[3], self.scale)
 
         def attention(layer, q):
-            w = c.window(layer)
-            out = torch.ops.aten._flash_attention_forward(
-                q, cache[layer, 0].view(flat), cache[layer, 1].view(flat), cu_q, cu_k, 1, kv_len, 0.0, False, False,
-                scale=self.scale, window_size_left=w - 1 if w else None, window_size_right=0 if w else None,
-                seqused_k=used,
-            )[0]  # fmt: skip
-            return out.reshape(n, -1)
+            return attend(cache[layer, 0], cache[layer, 1], q, c.window(layer)).reshape(q.shape[0], -1)
 
         return attention
 
