@@ -31,10 +31,10 @@ def flash_decode(positions: torch.Tensor, kv_len: int, scale: float) -> Callable
     """``attend(keys, values, q, window=0)`` for one decode step whose row ``b`` is at
     ``positions[b]`` (int, ``[rows]``, on the device): ``keys``/``values`` a layer's cache
     ``[rows, kv_len, kv_heads, head_dim]`` (contiguous; row ``b`` = slot ``b``), ``q`` ``[rows,
-    heads, head_dim]``; returns ``[rows, heads, head_dim]``, each row attending to its keys
-    ``0 .. positions[b]`` (the last ``window`` of them when ``window``). The step's sequence
-    offsets and lengths are made once here, on the device (stream-ordered; capturable in a CUDA
-    graph)."""
+    heads, head_dim]`` (a strided view is copied first: GPT-2's q is a slice of its fused
+    projection); returns ``[rows, heads, head_dim]``, each row attending to its keys ``0 ..
+    positions[b]`` (the last ``window`` of them when ``window``). The step's sequence offsets
+    and lengths are made once here, on the device (stream-ordered; capturable in a CUDA graph)."""
     rows = positions.shape[0]
     cu_q = torch.arange(rows + 1, device=positions.device, dtype=torch.int32)
     cu_k, used = cu_q * kv_len, (positions + 1).to(torch.int32)
@@ -42,7 +42,7 @@ def flash_decode(positions: torch.Tensor, kv_len: int, scale: float) -> Callable
     def attend(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, window: int = 0) -> torch.Tensor:
         flat = (keys.shape[0] * kv_len, keys.shape[2], keys.shape[3])
         return torch.ops.aten._flash_attention_forward(
-            q, keys.view(flat), values.view(flat), cu_q, cu_k, 1, kv_len, 0.0, False, False, scale=scale,
+            q.contiguous(), keys.view(flat), values.view(flat), cu_q, cu_k, 1, kv_len, 0.0, False, False, scale=scale,
             window_size_left=window - 1 if window else None, window_size_right=0 if window else None, seqused_k=used,
         )[0]  # fmt: skip
 
