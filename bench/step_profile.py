@@ -57,7 +57,7 @@ def table(events: list[tuple[str, float]], steps: int, framework: str, batch: in
         dict(framework=framework, batch=batch, kernel=k, per_step=len(v) / steps, us_per_step=sum(v) / steps)
         for k, v in groups.items()
     ]
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows.sort(key=lambda r: -float(r["us_per_step"]))
     total = dict(
         framework=framework,
         batch=batch,
