@@ -53,11 +53,17 @@ def table(events: list[tuple[str, float]], steps: int, framework: str, batch: in
     groups: dict[str, list[float]] = collections.defaultdict(list)
     for name, us in events:
         groups[short(name)].append(us)
+    order = sorted(groups, key=lambda k: -sum(groups[k]))
     rows = [
-        dict(framework=framework, batch=batch, kernel=k, per_step=len(v) / steps, us_per_step=sum(v) / steps)
-        for k, v in groups.items()
+        dict(
+            framework=framework,
+            batch=batch,
+            kernel=k,
+            per_step=len(groups[k]) / steps,
+            us_per_step=sum(groups[k]) / steps,
+        )
+        for k in order
     ]
-    rows.sort(key=lambda r: -float(r["us_per_step"]))
     total = dict(
         framework=framework,
         batch=batch,
