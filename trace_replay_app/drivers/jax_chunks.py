@@ -66,8 +66,9 @@ def run_chunks(
     """Every step of ``schedule``; the per-step outputs ``[n_steps, slots]`` on the host.
 
     Per step: a full chunk of outputs is set aside (still on the device) and the carry gets
-    fresh ones; each admitted request ``i`` goes through ``admit(carry, slot, prompt) -> carry``
-    and ``state.add_request(slot, traces[i])`` (None: untraced, which forgets the slot's old
+    fresh ones; the requests admitted at the step go through ``admit(carry, slots, prompts) ->
+    carry`` together (their slots and prompts, in admission order), and each ``i`` through
+    ``state.add_request(slot, traces[i])`` (None: untraced, which forgets the slot's old
     trace); ``state.apply_staged_writes()``; then ``step(carry, state.tables, idx_chunk) ->
     carry`` with the chunk of ``idx_mapping`` the step indexes by ``carry.step``. ``put`` places
     host arrays where the carry lives; ``fetch`` copies a pytree to the host, once, at the end
@@ -84,10 +85,12 @@ def run_chunks(
         if k and k % CHUNK == 0:
             chunks.append(outputs(carry))
             carry = carry._replace(**put(fresh_outputs(rows)))
-        for i in schedule.admitted(k).tolist():
-            slot = int(schedule.slot[i])
-            carry = admit(carry, slot, prompts[i])
-            state.add_request(slot, traces[i])
+        admitted = schedule.admitted(k).tolist()
+        if admitted:
+            slots = [int(schedule.slot[i]) for i in admitted]
+            carry = admit(carry, slots, [prompts[i] for i in admitted])
+            for slot, i in zip(slots, admitted):
+                state.add_request(slot, traces[i])
         state.apply_staged_writes()
         carry = step(carry, state.tables, idx_chunks[k // CHUNK])
         if on_step is not None:

@@ -97,6 +97,11 @@ class JaxDecodeModel(Protocol):
 
     All four are traced by ``jax.jit``: pure, no host callbacks, shapes fixed by their
     arguments' shapes.
+
+    ``batched_prefill`` (optional attribute, default False): True lets the driver prefill the
+    prompts admitted together that share a bucket size in one program, ``jax.vmap(prefill)``
+    over them (each prompt computed as alone, up to the rounding of the batched products), and
+    write each into its slot; False: one ``prefill`` program per prompt.
     """
 
     @property
@@ -127,6 +132,7 @@ class JaxModel:
     prefill: Callable[[Any, jax.Array], Any]
     write: Callable[[Any, Any, jax.Array], Any]
     decode: Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+    batched_prefill: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +153,8 @@ class JaxFamily:
     (:mod:`~trace_replay_app.drivers.jax_score`): ``hidden(params, config, tokens, attention)``,
     the final-norm hidden states ``[requests, n, hidden]`` of right-padded ``tokens``
     ``[requests, n]`` (causal, no cache; ``attention``: ``"cudnn"`` or ``"xla"``, the fused
-    attention's implementation), and ``logits(params, hidden)``, the output projection."""
+    attention's implementation), and ``logits(params, hidden)``, the output projection.
+    ``batched_prefill``: as :class:`JaxDecodeModel`'s (``prefill`` vmappable over prompts)."""
 
     config_type: type
     check_weights: Callable[[Any, Mapping[str, np.ndarray]], None]
@@ -158,6 +165,7 @@ class JaxFamily:
     decode: Callable[..., tuple[jax.Array, Any]]
     hidden: Callable[..., jax.Array]
     logits: Callable[[Any, jax.Array], jax.Array]
+    batched_prefill: bool = False
 
     def bind(self, config: Any, dtype: Any = "float32", attention: str = "xla") -> FamilyModel:
         """The family's :class:`JaxDecodeModel` of ``config`` with its cache in ``dtype`` and
@@ -196,6 +204,10 @@ class FamilyModel:
     @property
     def n_positions(self) -> int:
         return self.config.n_positions
+
+    @property
+    def batched_prefill(self) -> bool:
+        return self.family.batched_prefill
 
     def new_cache(self, slots: int, kv_len: int) -> Any:
         return self.family.new_cache(self.config, slots, kv_len, self.dtype)

@@ -4,14 +4,16 @@ admission and one jitted step, replay inside it.
 :func:`run_model` runs a checked call (:class:`~trace_replay_app.schedule.DecodeCall`) on a
 model (:class:`~.jax_driver.JaxDecodeModel`, a static argument of the jitted programs: equal
 models share compiled programs) and its placed parameters: the prefill of each prompt padded
-to a bucket (jitted alone), its keys and values written into the slot with its lengths and
-first token (:func:`_admit`), and the step (:func:`_step`: logits, sampling by Gumbel-max
-with the noise of step ``t`` from ``fold_in(key(seed), t)``, :func:`trace_replay_jax.replay`
-with the state's tables passed in, logprob/rank/argmax in one read of the unmodified logits,
-outputs appended to fixed chunks, :mod:`.jax_chunks`), and one copy of the outputs to the
-host at the end. With a ``mesh``, the logits are sharded over ``vocab_axis`` (see
-:mod:`.jax_driver`). Both entry points of :mod:`.jax_driver` end here: a registry family's
-``run_decode`` and ``decode_model`` on a user's model.
+to a bucket (jitted alone; with the model's ``batched_prefill``, the prompts admitted together
+that share a bucket in one vmapped program, :func:`prefill_groups`), its keys and values
+written into the slot with its lengths and first token (:func:`_admit`), and the step
+(:func:`_step`: logits, sampling by Gumbel-max with the noise of step ``t`` from
+``fold_in(key(seed), t)``, :func:`trace_replay_jax.replay` with the state's tables passed in,
+logprob/rank/argmax in one read of the unmodified logits, outputs appended to fixed chunks,
+:mod:`.jax_chunks`), and one copy of the outputs to the host at the end. With a ``mesh``, the
+logits are sharded over ``vocab_axis`` (see :mod:`.jax_driver`). Both entry points of
+:mod:`.jax_driver` end here: a registry family's ``run_decode`` and ``decode_model`` on a
+user's model.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from trace_replay_jax import ReplayTables, TraceReplayState, replay, token_logpr
 from ..schedule import DecodeCall
 from .jax_chunks import bucket, fresh_outputs, prompt_prefix, run_chunks
 
-__all__ = ["Carry", "run_model", "sharded_argmax"]
+__all__ = ["Carry", "run_model", "sharded_argmax", "prefill_groups", "PREFILL_GROUP", "PREFILL_SCORES"]
+
+#: a batched prefill's most prompts per program (its group is padded to a power of two, at
+#: most this), and its most attention scores per head, ``group * bucket ** 2`` (the JAX families
+#: store their prefill scores: 4M float32 per head at 16 x 512 or 4 x 1,024 tokens)
+PREFILL_GROUP = 64
+PREFILL_SCORES = 1 << 22
 
 
 class Carry(NamedTuple):
@@ -80,6 +88,46 @@ def _prefill(params, prefix, *, model):
     independent of the slots (jitted apart from :func:`_admit`: fused with the cache update,
     XLA rounds some float32 keys differently)."""
     return model.prefill(params, prefix)
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def _prefill_group(params, prefixes, *, model):
+    """The keys and values of ``prefixes`` ``[group, bucket]`` (prompts of one bucket size),
+    ``jax.vmap(model.prefill)``: each entry's leading axis is the group's."""
+    return jax.vmap(model.prefill, in_axes=(None, 0))(params, prefixes)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("carry",))
+def _admit_group(carry: Carry, kv, slots, prompt_lens, lasts, *, model) -> Carry:
+    """:func:`_admit` for a group: entry ``j`` of ``kv`` (from :func:`_prefill_group`) into
+    ``slots[j]``, one write after another in a ``fori_loop``; a slot given twice gets the same
+    entry twice (how a group is padded to its size)."""
+
+    def write(j, cache):
+        entry = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), kv)
+        return model.write(cache, entry, slots[j])
+
+    return carry._replace(
+        cache=jax.lax.fori_loop(0, slots.shape[0], write, carry.cache),
+        prompt_len=carry.prompt_len.at[slots].set(prompt_lens),
+        total_len=carry.total_len.at[slots].set(prompt_lens),
+        last=carry.last.at[slots].set(lasts),
+    )
+
+
+def prefill_groups(buckets: list[int], limit: int = PREFILL_GROUP) -> list[list[int]]:
+    """Indices into ``buckets`` (each request's prefill bucket, in admission order) that prefill
+    together: the same bucket, at most ``limit`` of them and at most :data:`PREFILL_SCORES`
+    attention scores per head (``group * bucket ** 2``; the most a power of two, so padding a
+    group to one stays within both), in order of first appearance."""
+    by_bucket: dict[int, list[int]] = {}
+    for i, n in enumerate(buckets):
+        by_bucket.setdefault(n, []).append(i)
+    groups = []
+    for n, members in by_bucket.items():
+        per = 1 << (max(1, min(limit, PREFILL_SCORES // (n * n))).bit_length() - 1)  # a power of two
+        groups += [members[k : k + per] for k in range(0, len(members), per)]
+    return groups
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("carry",))
@@ -188,10 +236,24 @@ def run_model(
         ),
     )
 
-    def admit(carry: Carry, slot: int, prompt) -> Carry:
-        kv = _prefill(params, put(prompt_prefix(prompt, kv_len)), model=model)
-        slot_len_last = put(np.int32(slot)), put(np.int32(len(prompt))), put(np.int32(prompt[-1]))
-        return _admit(carry, kv, *slot_len_last, model=model)
+    batched = bool(getattr(model, "batched_prefill", False))
+
+    def admit(carry: Carry, slots: list[int], prompts: list) -> Carry:
+        prefixes = [prompt_prefix(p, kv_len) for p in prompts]
+        groups = prefill_groups([len(x) for x in prefixes]) if batched else [[i] for i in range(len(prompts))]
+        for group in groups:
+            if len(group) == 1:  # one prompt: the program of one prompt (its bits, whatever the batch)
+                (i,) = group
+                kv = _prefill(params, put(prefixes[i]), model=model)
+                slot_len_last = put(np.int32(slots[i])), put(np.int32(len(prompts[i]))), put(np.int32(prompts[i][-1]))
+                carry = _admit(carry, kv, *slot_len_last, model=model)
+                continue
+            size = 1 << (len(group) - 1).bit_length()  # a few compiled sizes: padded with the first entry
+            group = group + [group[0]] * (size - len(group))
+            kv = _prefill_group(params, put(np.stack([prefixes[i] for i in group])), model=model)
+            arrays = ([slots[i] for i in group], [len(prompts[i]) for i in group], [prompts[i][-1] for i in group])
+            carry = _admit_group(carry, kv, *(put(np.asarray(a, np.int32)) for a in arrays), model=model)
+        return carry
 
     def step(carry: Carry, tables: ReplayTables, idx_chunk) -> Carry:
         return _step(params, tables, idx_chunk, carry, key, temp, model=model,

@@ -258,6 +258,7 @@ JAX = JaxFamily(
     decode=_decode,
     hidden=_hidden,
     logits=_logits,
+    batched_prefill=True,
 )
 run_decode = decoder(JAX)
 run_score = scorer(JAX)
