@@ -7,10 +7,12 @@ candidate. Candidates:
 
 - torch, each captured in a CUDA graph: ``LlamaTorch(fused=False)`` (eager layers, masked
   attention over the capacity: the CPU/float32 form); ``fused=True`` (the shipped default on
-  CUDA: compiled layer pieces, flash attention with ``seqused_k``); and the forms that lost: the
-  masked step under ``torch.compile`` whole, and ``flex_attention`` with a block mask of the
-  rows' lengths in a compiled step (both copy the cache at every KV write). Before these, a
-  profile of the eager masked step (kernels by device time).
+  CUDA: compiled layer pieces, flash attention with ``seqused_k``); the masked and the fused
+  step under ``torch.compile`` whole (their KV writes now ``index_put_`` on the cache, which
+  compiles to an in-place write: the earlier whole-step rows, 23.7 / 90.7 ms, came from a write
+  through a view that compiled to a copy of the cache at every write); and ``flex_attention``
+  with a block mask of the rows' lengths in a compiled step. Before these, a profile of the
+  eager masked step (kernels by device time).
 - JAX, 32 steps in one ``lax.fori_loop`` and 32 dispatched jitted steps: the family's decode
   with ``attention="xla"`` (masked over the capacity: the float32 and mesh form) and
   ``"cudnn"`` (the shipped GPU form); and the masked form as it was before
@@ -62,13 +64,14 @@ def _torch_rows(weights, batches):
     def flex_decode(cache, tokens, positions):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        from trace_replay_app.drivers.torch_attention import store_step_kv
+
         rows = torch.arange(tokens.shape[0], device=dev)
         b, kv_len = cache.shape[2], cache.shape[3]
         mask = create_block_mask(lambda bi, h, qi, ki: ki <= positions[bi], b, None, 1, kv_len, device=dev)
 
         def attend(layer, q, k, v):
-            cache[layer, 0, rows, positions] = k
-            cache[layer, 1, rows, positions] = v
+            store_step_kv(cache, masked._index, layer, rows, positions, k, v)  # in place when compiled
             keys, values = cache[layer, 0].transpose(1, 2), cache[layer, 1].transpose(1, 2)
             out = flex_attention(q[:, :, None], keys, values, block_mask=mask, scale=masked.scale, enable_gqa=True)
             return out.reshape(q.shape[0], -1)
@@ -79,6 +82,7 @@ def _torch_rows(weights, batches):
         "torch masked (fused=False)": masked.decode,
         "torch fused (shipped)": fused.decode,
         "torch masked, whole step compiled": torch.compile(masked.decode, dynamic=False),
+        "torch fused, whole step compiled": torch.compile(fused.decode, dynamic=False),
         "torch flex, whole step compiled": torch.compile(flex_decode, dynamic=False),
     }
     out = []

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["flash_decode_supported", "flash_decode"]
+__all__ = ["flash_decode_supported", "flash_decode", "store_step_kv"]
 
 
 def flash_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -47,3 +47,27 @@ def flash_decode(positions: torch.Tensor, kv_len: int, scale: float) -> Callable
         )[0]  # fmt: skip
 
     return attend
+
+
+def store_step_kv(
+    cache: torch.Tensor,
+    index: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store one decode step's keys ``k`` and values ``v`` (``[rows, heads, head_dim]``) of
+    ``layer`` in ``cache`` (``[layers, 2, slots, kv_len, heads, head_dim]``) at ``(rows[b],
+    positions[b])``, in place (stream-ordered). ``index``: ``torch.arange(n)`` on the cache's
+    device, ``n >= max(layers, 2)`` (made once: a 0-d index costs no copy from the host, so the
+    call can be captured in a CUDA graph).
+
+    ``index_put_`` on the cache itself rather than an assignment through ``cache[layer, 0]``:
+    the same kernel eagerly, but inside a ``torch.compile``'d step a write through a view the
+    graph takes of its input is lowered as a copy of the whole cache, while ``index_put_`` on
+    the input writes in place (a 4-layer step on the CPU: 0.23 s against 45 us at 1,024
+    positions per row, and the copy grows with the cache)."""
+    cache.index_put_((index[layer], index[0], rows, positions), k.to(cache.dtype))
+    cache.index_put_((index[layer], index[1], rows, positions), v.to(cache.dtype))

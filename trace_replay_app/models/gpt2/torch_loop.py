@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...drivers.torch_attention import flash_decode, flash_decode_supported
+from ...drivers.torch_attention import flash_decode, flash_decode_supported, store_step_kv
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
@@ -82,6 +82,7 @@ class GPT2Torch:
         }
         self.head = self.p["wte.weight"] if shard is None else self.p["wte.weight"][shard.start : shard.end]
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._index = torch.arange(max(2, config.n_layer), device=device)  # store_step_kv's
 
     @property
     def vocab_size(self) -> int:
@@ -163,8 +164,7 @@ class GPT2Torch:
         flash = flash_decode(positions, cache.shape[3], self.scale) if self.flash else None
 
         def attend(layer, q, k, v):
-            cache[layer, 0, rows, positions] = k
-            cache[layer, 1, rows, positions] = v
+            store_step_kv(cache, self._index, layer, rows, positions, k, v)
             if flash is not None:
                 return flash(cache[layer, 0], cache[layer, 1], q)
             scores = torch.einsum("bhd,bthd->bht", q, cache[layer, 0]) * self.scale

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...drivers.torch_attention import flash_decode, flash_decode_supported
+from ...drivers.torch_attention import flash_decode, flash_decode_supported, store_step_kv
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
@@ -208,6 +208,7 @@ class LlamaTorch:
             self.head = self.embed[shard.start : shard.end]  # a view of the replicated embedding
         self.inv_freq = torch.from_numpy(inv_freq(c)).to(device)
         self.scale = c.head_dim**-0.5
+        self._index = torch.arange(max(2, c.num_hidden_layers), device=device)  # store_step_kv's
 
     @property
     def vocab_size(self) -> int:
@@ -301,8 +302,7 @@ class LlamaTorch:
         attention = self._flash_attention(cache, positions) if self.fused else self._masked_attention(cache, positions)
 
         def attend(layer, q, k, v):
-            cache[layer, 0, rows, positions] = k
-            cache[layer, 1, rows, positions] = v
+            store_step_kv(cache, self._index, layer, rows, positions, k, v)
             return attention(layer, q)
 
         return self.logits(self._layers(tokens, positions, attend, compiled=self.fused))
