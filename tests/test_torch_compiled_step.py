@@ -20,8 +20,8 @@ ROWS, KV_LEN = 3, 40
 
 def _model(family: str):
     if family == "gpt2":
-        config = gpt2_config.GPT2Config(n_layer=2)
-        return GPT2Torch(config, gpt2_config.seeded_weights(config, seed=2), torch.device("cpu"))
+        small = gpt2_config.GPT2Config(n_layer=2)
+        return GPT2Torch(small, gpt2_config.seeded_weights(small, seed=2), torch.device("cpu"))
     config = default_config(family)
     return LlamaTorch(config, seeded_weights(config, seed=2), torch.device("cpu"), torch.float32)
 
