@@ -43,6 +43,7 @@ run bench/jax_step.py "$LONG"
 run bench/models.py "$LONG" --batches 64,256
 run bench/models.py "$LONG" --batches 1,8,512 --providers torch,jax,generate-static --append
 run bench/models.py "$LONG" --shape llama3-8b --append
+run bench/step_profile.py "$LIMIT" --write
 run bench/models_plot.py "$LIMIT"
 run bench/plots.py "$LIMIT"
 run bench/summary.py "$LIMIT"

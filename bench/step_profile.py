@@ -10,7 +10,8 @@ choice (cuDNN), jitted with the cache donated. After warm-up, ``--steps`` steps 
 (``torch.profiler`` with CUDA activity; ``jax.profiler.trace``, read back with
 ``jax.profiler.ProfileData``) and the device's kernels are grouped by a short name: per group
 the launches per step and the device time per step (us), largest first, then the kernels per
-step and their total. Prints JSON lines; writes nothing (``--out FILE`` keeps them).
+step and their total. Prints JSON lines; ``--write`` also writes ``results/step_profile.json``
+(every row, with its provenance).
 
 ``--quick``: a CPU dry run on a tiny Llama config (JAX on the CPU has no device kernels: the
 rows show the host's XLA ops instead, which checks the reading of the trace).
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--quick", action="store_true", help="a CPU dry run on a tiny config")
-    ap.add_argument("--out", help="also write the rows here (JSON list)")
+    ap.add_argument("--write", action="store_true", help="write results/step_profile.json (with provenance)")
     args = ap.parse_args()
     if args.quick:
         config = default_config("qwen2")
@@ -187,9 +188,10 @@ def main() -> None:
             for row in rows[: args.top + 1]:
                 print(json.dumps(row), flush=True)
             out += rows
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    if args.write and not args.quick:
+        from harness import write_results
+
+        print(f"wrote {write_results('step_profile', out)}")
 
 
 if __name__ == "__main__":
