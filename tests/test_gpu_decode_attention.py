@@ -48,6 +48,29 @@ def _worse_by(fast: np.ndarray, masked: np.ndarray, reference: np.ndarray, what:
     )
 
 
+def _steps(build, fast: str, cache, t, p) -> dict:
+    """One decode step of ``build(dtype, fast_form)`` in three forms: ``fast`` (bf16, the fast
+    form), ``masked`` (bf16) and ``float32`` (masked): each one's logits and its cache after."""
+    out = {}
+    for name, dtype, flag in ((fast, torch.bfloat16, True), ("masked", torch.bfloat16, False),
+                              ("float32", torch.float32, False)):  # fmt: skip
+        model = build(dtype, flag)
+        c = cache.to(t.device, dtype)
+        with torch.no_grad():
+            out[name] = model.decode(c, t, p).float().cpu().numpy()
+        out[name + " cache"] = c.float().cpu().numpy()
+    return out
+
+
+def _writes_where_masked_does(out: dict, fast: str, cache, positions) -> None:
+    """The fast step's keys and values land where the masked step puts them (later layers'
+    differ by the attention before them), nowhere else."""
+    np.testing.assert_allclose(out[fast + " cache"], out["masked cache"], atol=3e-2, rtol=3e-2)
+    untouched = np.ones(out[fast + " cache"].shape, dtype=bool)
+    untouched[:, :, np.arange(ROWS), positions] = False
+    assert np.array_equal(out[fast + " cache"][untouched], cache.numpy()[untouched])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_torch_fused_decode(case, rng):
     config = CASES[case]
@@ -55,21 +78,10 @@ def test_gpu_torch_fused_decode(case, rng):
     positions, tokens, cache = _inputs(config, rng)
     dev = torch.device("cuda")
     t, p = torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev)
-    out = {}
-    for name, dtype, fused in (("fused", torch.bfloat16, True), ("masked", torch.bfloat16, False),
-                               ("float32", torch.float32, False)):  # fmt: skip
-        model = LlamaTorch(config, weights, dev, dtype, fused=fused)
-        c = cache.to(dev, dtype)
-        with torch.no_grad():
-            out[name] = model.decode(c, t, p).float().cpu().numpy()
-        out[name + " cache"] = c.float().cpu().numpy()
+    out = _steps(lambda dtype, fused: LlamaTorch(config, weights, dev, dtype, fused=fused), "fused", cache, t, p)
     assert LlamaTorch(config, weights, dev, torch.bfloat16).fused  # the default on CUDA in bf16
     _worse_by(out["fused"], out["masked"], out["float32"], f"{case} torch fused")
-    # the step's keys and values land where the masked step puts them, nowhere else
-    np.testing.assert_allclose(out["fused cache"], out["masked cache"], atol=3e-2, rtol=3e-2)
-    untouched = np.ones(out["fused cache"].shape, dtype=bool)
-    untouched[:, :, np.arange(ROWS), positions] = False
-    assert np.array_equal(out["fused cache"][untouched], cache.numpy()[untouched])
+    _writes_where_masked_does(out, "fused", cache, positions)
 
 
 @pytest.mark.parametrize("case", ["qwen2", "mistral-window"])
@@ -79,11 +91,15 @@ def test_gpu_torch_fused_cuda_graph(case, rng):
     config = CASES[case]
     model = LlamaTorch(config, seeded_weights(config, seed=4), torch.device("cuda"), torch.bfloat16)
     positions, tokens, cache = _inputs(config, rng)
-    t, p = torch.from_numpy(tokens).cuda(), torch.from_numpy(positions).cuda()
+    _graph_replays_eager(model, cache, torch.from_numpy(tokens).cuda(), torch.from_numpy(positions).cuda())
+
+
+def _graph_replays_eager(model, cache, t, p) -> None:
+    """``model``'s bf16 step captured in a CUDA graph (after one eager call, which compiles
+    what it compiles) gives the eager step's logits and cache bits."""
     with torch.no_grad():
-        eager_cache = cache.cuda().to(torch.bfloat16)
+        eager_cache, graph_cache = cache.to(t.device, torch.bfloat16), cache.to(t.device, torch.bfloat16)
         want = model.decode(eager_cache, t, p)
-        graph_cache = cache.cuda().to(torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = model.decode(graph_cache, t, p)
@@ -106,32 +122,11 @@ def test_gpu_gpt2_torch_flash_decode(rng):
     dev = torch.device("cuda")
     t = torch.from_numpy(rng.integers(0, config.vocab_size, ROWS)).to(dev)
     p = torch.from_numpy(positions).to(dev)
-    out = {}
-    for name, dtype, flash in (("flash", torch.bfloat16, True), ("masked", torch.bfloat16, False),
-                               ("float32", torch.float32, False)):  # fmt: skip
-        model = GPT2Torch(config, weights, dev, dtype, flash=flash)
-        c = cache.to(dev, dtype)
-        with torch.no_grad():
-            out[name] = model.decode(c, t, p).float().cpu().numpy()
-        out[name + " cache"] = c.float().cpu().numpy()
+    out = _steps(lambda dtype, flash: GPT2Torch(config, weights, dev, dtype, flash=flash), "flash", cache, t, p)
     assert GPT2Torch(config, weights, dev, torch.bfloat16).flash  # the default on CUDA in bf16
     _worse_by(out["flash"], out["masked"], out["float32"], "gpt2 torch flash")
-    # the step's keys and values land where the masked step puts them (later layers' differ by
-    # the attention before them), nowhere else
-    np.testing.assert_allclose(out["flash cache"], out["masked cache"], atol=3e-2, rtol=3e-2)
-    untouched = np.ones(out["flash cache"].shape, dtype=bool)
-    untouched[:, :, np.arange(ROWS), positions] = False
-    assert np.array_equal(out["flash cache"][untouched], cache.numpy()[untouched])
-    model = GPT2Torch(config, weights, dev, torch.bfloat16)
-    with torch.no_grad():
-        eager_cache, graph_cache = cache.to(dev, torch.bfloat16), cache.to(dev, torch.bfloat16)
-        want = model.decode(eager_cache, t, p)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = model.decode(graph_cache, t, p)
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(graph_cache, eager_cache)
+    _writes_where_masked_does(out, "flash", cache, positions)
+    _graph_replays_eager(GPT2Torch(config, weights, dev, torch.bfloat16), cache, t, p)
 
 
 @pytest.mark.parametrize("family", ["llama-qwen2", "llama-mistral-window", "gpt2"])
