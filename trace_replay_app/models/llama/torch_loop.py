@@ -146,8 +146,9 @@ class LlamaTorch:
     attention over the whole capacity in float32 softmax, as transformers' eager attention (the
     numerics reference, and the only form on the CPU and in float32). Why this form: the eager
     step is hundreds of small kernels (3.6 ms at batch 64 on an H200, Qwen2.5-0.5B shape; fused
-    1.9 ms), and compiling the whole step instead copies the cache at every KV write
-    (ARCHITECTURE.md, "Decode attention").
+    1.9 ms), and the whole step compiled copied the cache at every KV write while the writes
+    went through a view of it (they are ``index_put_`` now; the whole-step form is to be
+    measured again: ARCHITECTURE.md, "Decode attention").
     """
 
     def __init__(
