@@ -332,8 +332,8 @@ RL_COLUMNS = (
     ("verl/rollout_corr/log_ppl_abs_diff", "log_ppl_abs_diff"),
     ("verl/rollout_corr/ppl_ratio", "ppl_ratio"),
     ("verl/rollout_corr/chi2_token", "chi2_token"),
-    ("prime_rl/mismatch_kl/all/max", "mismatch_kl max"),
-    ("slime/train/train_rollout_logprob_abs_diff", "abs_diff"),
+    ("prime_rl/mismatch_kl/all/max", "mismatch_kl_max"),
+    ("slime/train/train_rollout_logprob_abs_diff", "logprob_abs_diff"),
 )
 
 
