@@ -160,12 +160,14 @@ class GPT2Torch:
         attend to cache positions ``<= positions[b]``; an empty row computes garbage that no one reads.
         """
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-        hidden = (torch.arange(cache.shape[3], device=tokens.device) > positions[:, None])[:, None, :]
-        flash = flash_decode(positions, cache.shape[3], self.scale) if self.flash else None
+        if self.flash:
+            flash = flash_decode(positions, cache.shape[3], self.scale)
+        else:  # the later positions of each row, masked in every layer
+            hidden = (torch.arange(cache.shape[3], device=tokens.device) > positions[:, None])[:, None, :]
 
         def attend(layer, q, k, v):
             store_step_kv(cache, self._index, layer, rows, positions, k, v)
-            if flash is not None:
+            if self.flash:
                 return flash(cache[layer, 0], cache[layer, 1], q)
             scores = torch.einsum("bhd,bthd->bht", q, cache[layer, 0]) * self.scale
             probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)  # hidden: [rows, 1, kv_len]
