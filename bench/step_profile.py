@@ -76,10 +76,11 @@ def table(events: list[tuple[str, float]], steps: int, framework: str, batch: in
 
 
 def _inputs(config, batch: int):
-    lengths = np.random.default_rng(batch).integers(KV_LEN // 5, KV_LEN + 1, batch)
+    """Tokens, positions (lengths drawn as decode_attention.py draws them, minus 1) and the
+    generator the cache's values come from next."""
     rng = np.random.default_rng(batch)
-    tokens = rng.integers(0, config.vocab_size, batch)
-    return tokens, lengths - 1, rng
+    lengths = rng.integers(KV_LEN // 5, KV_LEN + 1, batch)
+    return rng.integers(0, config.vocab_size, batch), lengths - 1, rng
 
 
 def torch_events(config, weights, batch: int, steps: int, device: str) -> list[tuple[str, float]]:
