@@ -50,6 +50,35 @@ def test_rotary_frequencies_are_transformers(case):
     model = transformers.AutoModelForCausalLM.from_config(hf)
     want = model.model.rotary_emb.inv_freq.numpy()
     np.testing.assert_allclose(inv_freq(config), want, rtol=3e-7)
+    assert config.rope_attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-12)
+
+
+_YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48, "rope_theta": 500.0}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        _YARN,
+        dict(_YARN, truncate=False, beta_fast=16.0, beta_slow=2.0),
+        dict(_YARN, attention_factor=0.75),
+        dict(_YARN, mscale=0.5, mscale_all_dim=2.0),
+        dict(_YARN, factor=1.0),  # no stretch: attention factor 1, frequencies unchanged
+        {k: v for k, v in _YARN.items() if k != "original_max_position_embeddings"},  # max_position_embeddings
+        {"rope_type": "linear", "factor": 3.0, "rope_theta": 500.0},
+    ],
+    ids=["yarn", "untruncated-betas", "attention-factor", "mscale", "factor-1", "no-original", "linear"],
+)
+def test_rope_scaling_is_transformers(options):
+    """Every YaRN option (and linear scaling): frequencies and cos/sin scale equal transformers'
+    own rotary embedding of the same config.json."""
+    hf = transformers.AutoConfig.for_model("qwen3", **_SIZES, head_dim=32, rope_parameters=dict(options))
+    config = config_from_hf(hf.to_dict())
+    rotary = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(hf)
+    np.testing.assert_allclose(inv_freq(config), rotary.inv_freq.numpy(), rtol=3e-7)
+    assert config.rope_attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    again = config_from_hf(to_hf(config, seeded_weights(config))[0])  # and back through config.json
+    assert again == config
 
 
 def test_options_per_model_type():
@@ -91,8 +120,22 @@ def test_old_style_rope_keys():
         ({"model_type": "bert"}, r"model_type 'bert' is not supported .*llama, mistral, qwen2, qwen3"),
         ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-            r"rope_scaling type 'yarn' is not supported",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+            r"rope_scaling type 'dynamic' is not supported \(supported: none, default, linear, llama3, yarn\)",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, r"^rope_scaling type 'yarn' lacks 'factor'$"),
+        ({"rope_parameters": {"rope_type": "linear"}}, r"^rope_scaling type 'linear' lacks 'factor'$"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": "no"}},
+            r"^rope_scaling\.truncate must be true or false \(got 'no'\)$",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "attention_factor": -1}},
+            r"^rope_scaling\.attention_factor must be a positive finite number \(got -1\.0\)$",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1, "mscale_all_dim": -1}},
+            r"^rope_scaling\.mscale_all_dim must be a positive finite number \(got -1\.0\)$",
         ),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
         ({"num_key_value_heads": 3}, r"num_attention_heads must be a multiple of num_key_value_heads"),
@@ -129,6 +172,30 @@ def test_refused_configs(change, message):
     hf = dict(_hf("mistral-window-bf16").to_dict(), **change)
     with pytest.raises(ValueError, match=message):
         config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(rope_attention_factor=1.5),
+            r"^LlamaConfig\.rope_attention_factor applies to rope_type 'yarn' only \(got ",
+        ),
+        (dict(rope_type="yarn", rope_attention_factor=-1.0), r"^LlamaConfig\.rope_attention_factor must be a finite"),
+        (dict(rope_type="yarn", rope_truncate=1), r"^LlamaConfig\.rope_truncate must be True or False \(got 1\)$"),
+        (dict(rope_type="yarn", rope_beta_fast=0.0), r"^LlamaConfig\.rope_beta_fast must be a positive finite"),
+        (dict(rope_type="linear", rope_factor=float("inf")), r"^LlamaConfig\.rope_factor must be a positive finite"),
+    ],
+)
+def test_refused_rope_fields(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig(**fields)
+
+
+def test_yarn_attention_factor_defaults_to_yarns_own():
+    assert LlamaConfig(rope_type="yarn", rope_factor=4.0).rope_attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    assert LlamaConfig(rope_type="yarn", rope_factor=4.0, rope_attention_factor=0.5).rope_attention_factor == 0.5
+    assert LlamaConfig(rope_type="linear", rope_factor=4.0).rope_attention_factor == 1.0
 
 
 def _weights(config):

@@ -40,8 +40,10 @@ _LLAMA3 = {
     "rope_theta": 10000.0,
 }
 
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
 # id -> (model_type, config options, save options). Between them: tied and untied embeddings,
-# rope_scaling llama3 and default, biases (attention, MLP, q/k/v), a sliding window shorter
+# rope_scaling llama3, yarn, linear and default, biases (attention, MLP, q/k/v), a sliding window shorter
 # than the sequences, per-head q/k norms with an explicit head_dim, a sharded save, a bf16 save.
 CASES: dict[str, tuple] = {
     "llama-tied-llama3-sharded": (
@@ -57,6 +59,12 @@ CASES: dict[str, tuple] = {
     "mistral-window-bf16": ("mistral", dict(tie_word_embeddings=False, sliding_window=6), dict(dtype="bfloat16")),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), {}),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32), {}),
+    "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
+    "llama-linear": (
+        "llama",
+        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+        {},
+    ),
 }
 
 

@@ -3,8 +3,8 @@
 One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.1), ``mistral``
 (the same layout, with a sliding attention window), ``qwen2`` (biases on q/k/v) and ``qwen3``
 (per-head RMSNorm on q and k, an explicit ``head_dim``). The block: RMSNorm, grouped-query
-attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default`` or
-``llama3``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
+attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default``,
+``linear``, ``llama3`` or ``yarn``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
 or the token embedding when tied).
 
 Parameters keep the names and shapes transformers saves (``model.embed_tokens.weight``,
@@ -33,10 +33,11 @@ __all__ = [
     "check_weights",
     "describe",
     "inv_freq",
+    "yarn_attention_factor",
 ]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
@@ -49,9 +50,13 @@ class LlamaConfig:
     """Sizes and options of a Llama-family decoder (defaults: a tiny model for seeded runs).
 
     ``head_dim`` 0 means ``hidden_size // num_attention_heads``. ``num_attention_heads`` must
-    be a multiple of ``num_key_value_heads`` (grouped-query attention). ``rope_type``
-    ``"llama3"`` uses ``rope_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
-    ``rope_original_max_positions``. ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
+    be a multiple of ``num_key_value_heads`` (grouped-query attention). Rotary scaling as
+    transformers computes it (:func:`inv_freq`): ``rope_type`` ``"linear"`` divides the
+    frequencies by ``rope_factor``; ``"llama3"`` uses ``rope_factor``, ``rope_low_freq_factor``,
+    ``rope_high_freq_factor`` and ``rope_original_max_positions``; ``"yarn"`` uses
+    ``rope_factor``, ``rope_original_max_positions``, ``rope_beta_fast``, ``rope_beta_slow`` and
+    ``rope_truncate``, and scales cos and sin by ``rope_attention_factor`` (0, the default:
+    YaRN's :func:`yarn_attention_factor`; the other types keep 1). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
     q/k/v, output and MLP projections; ``qk_norm``: RMSNorm over each head of q and k (Qwen3).
     ``layer_windows``: per layer, the sliding attention window in tokens (a query at position
     ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty means
@@ -75,6 +80,10 @@ class LlamaConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 0.0
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -112,7 +121,8 @@ class LlamaConfig:
                 f"{owner}.num_attention_heads must be a multiple of num_key_value_heads "
                 f"(got {self.num_attention_heads} and {self.num_key_value_heads})"
             )
-        for name in ("rms_norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        positive = ("rms_norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
+        for name in positive + ("rope_beta_fast", "rope_beta_slow"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{owner}.{name} must be a positive finite number (got {value!r})")
@@ -124,6 +134,18 @@ class LlamaConfig:
                 f"{owner}.rope_high_freq_factor must exceed rope_low_freq_factor (got "
                 f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor})"
             )
+        if not isinstance(self.rope_truncate, bool):
+            raise ValueError(f"{owner}.rope_truncate must be True or False (got {self.rope_truncate!r})")
+        a = self.rope_attention_factor
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < math.inf:
+            raise ValueError(f"{owner}.rope_attention_factor must be a finite number >= 0 (got {a!r})")
+        if a == 0:
+            a = yarn_attention_factor(self.rope_factor) if self.rope_type == "yarn" else 1.0
+        elif self.rope_type != "yarn" and a != 1:
+            raise ValueError(
+                f"{owner}.rope_attention_factor applies to rope_type 'yarn' only (got {a!r} with {self.rope_type!r})"
+            )
+        object.__setattr__(self, "rope_attention_factor", float(a))
         windows = tuple(self.layer_windows)
         if windows and len(windows) != self.num_hidden_layers:
             raise ValueError(
@@ -242,14 +264,37 @@ def describe(config: LlamaConfig) -> str:
     )
 
 
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's scale of cos and sin for a context stretched ``factor`` times: ``0.1 * mscale *
+    ln(factor) + 1``, or 1 when ``factor <= 1`` (transformers' ``yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def inv_freq(config: LlamaConfig) -> np.ndarray:
     """The rotary inverse frequencies ``[head_dim // 2]`` float32, as transformers computes them
-    (``theta ** -(2i / head_dim)``, then the ``llama3`` rescaling of long wavelengths), here in
-    float64 and rounded once. A position ``p`` rotates pair ``i`` by ``p * inv_freq[i]`` radians
-    (that product in float32, as transformers does)."""
+    (``theta ** -(2i / head_dim)``, then the rope type's rescaling: ``linear`` divides all by
+    ``rope_factor``; ``llama3`` and ``yarn`` divide the long wavelengths by it, keep the short
+    ones and blend those between), here in float64 and rounded once. A position ``p`` rotates
+    pair ``i`` by ``p * inv_freq[i]`` radians (that product in float32, as transformers does)."""
     d = config.head_dim
     freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    if config.rope_type == "llama3":
+    if config.rope_type == "linear":
+        freq = freq / config.rope_factor
+    elif config.rope_type == "yarn":  # a linear ramp over the pairs between beta_fast and beta_slow rotations
+        old = float(config.rope_original_max_positions)
+
+        def pair_at(rotations: float) -> float:  # the (fractional) dimension that turns `rotations` times
+            return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = pair_at(config.rope_beta_fast), pair_at(config.rope_beta_slow)
+        if config.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # as transformers: no division by zero
+        kept = 1 - np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        freq = freq / config.rope_factor * (1 - kept) + freq * kept
+    elif config.rope_type == "llama3":
         old = float(config.rope_original_max_positions)
         low, high, factor = config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_factor
         wavelen = 2 * math.pi / freq

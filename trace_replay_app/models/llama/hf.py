@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..hf_fields import get_bool, get_float, get_int, get_mapping
-from .config import MODEL_TYPES, ROPE_TYPES, LlamaConfig, check_weights, param_shapes
+from .config import MODEL_TYPES, ROPE_TYPES, LlamaConfig, check_weights, param_shapes, yarn_attention_factor
 
 __all__ = ["config_from_hf", "weights_from_tensors", "to_hf"]
 
@@ -39,8 +39,12 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     theta = (
         get_float(merged, "rope_theta", name=f"{where}.rope_theta") if where else get_float(hf, "rope_theta", 10000.0)
     )
-    out = {"rope_theta": theta, "rope_type": rope_type}
-    if rope_type == "llama3":
+    out: dict[str, Any] = {"rope_theta": theta, "rope_type": rope_type}
+    if rope_type == "linear":
+        out["rope_factor"] = _factor(merged, "linear")
+    elif rope_type == "yarn":
+        out.update(_yarn(hf, merged))
+    elif rope_type == "llama3":
         for key, field in (
             ("factor", "rope_factor"),
             ("low_freq_factor", "rope_low_freq_factor"),
@@ -49,13 +53,51 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
             if merged.get(key) is None:
                 raise ValueError(f"rope_scaling type 'llama3' lacks {key!r}")
             out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
-        key = "original_max_position_embeddings"
-        out["rope_original_max_positions"] = (
-            get_int(merged, key, name=f"rope_scaling.{key}")
-            if merged.get(key)
-            else get_int(hf, "max_position_embeddings", required=True)
-        )
+        out["rope_original_max_positions"] = _original_positions(hf, merged)
     return out
+
+
+def _factor(merged: Mapping[str, Any], rope_type: str) -> float:
+    if merged.get("factor") is None:
+        raise ValueError(f"rope_scaling type {rope_type!r} lacks 'factor'")
+    return get_float(merged, "factor", name="rope_scaling.factor")
+
+
+def _yarn(hf: Mapping[str, Any], merged: Mapping[str, Any]) -> dict[str, Any]:
+    """YaRN's options as transformers reads them: ``factor``, ``original_max_position_embeddings``
+    (else ``max_position_embeddings``), ``beta_fast``/``beta_slow``
+    (missing, null or 0: 32 and 1), ``truncate`` (default true), and ``attention_factor`` (else
+    from ``mscale``/``mscale_all_dim`` when both are set, else from ``factor``)."""
+    factor = _factor(merged, "yarn")
+    out = {"rope_original_max_positions": _original_positions(hf, merged), "rope_factor": factor}
+    for key, field in (("beta_fast", "rope_beta_fast"), ("beta_slow", "rope_beta_slow")):
+        if merged.get(key):
+            out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
+    truncate = merged.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise ValueError(f"rope_scaling.truncate must be true or false (got {truncate!r})")
+    out["rope_truncate"] = truncate is not False
+    if merged.get("attention_factor") is not None:
+        out["rope_attention_factor"] = _positive(merged, "attention_factor")
+    elif merged.get("mscale") and merged.get("mscale_all_dim"):
+        scale = [_positive(merged, key) for key in ("mscale", "mscale_all_dim")]
+        out["rope_attention_factor"] = yarn_attention_factor(factor, scale[0]) / yarn_attention_factor(factor, scale[1])
+    return out
+
+
+def _positive(merged: Mapping[str, Any], key: str) -> float:
+    value = get_float(merged, key, name=f"rope_scaling.{key}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"rope_scaling.{key} must be a positive finite number (got {value!r})")
+    return value
+
+
+def _original_positions(hf: Mapping[str, Any], merged: Mapping[str, Any]) -> int:
+    """``original_max_position_embeddings`` of the rope options, else ``max_position_embeddings``."""
+    key = "original_max_position_embeddings"
+    if merged.get(key):
+        return get_int(merged, key, name=f"rope_scaling.{key}")
+    return get_int(hf, "max_position_embeddings", required=True)
 
 
 def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
@@ -153,7 +195,18 @@ def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[
     """``(config.json mapping, tensors)`` of a Hugging Face checkpoint of ``weights``."""
     check_weights(config, weights)
     rope = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
-    if config.rope_type == "llama3":
+    if config.rope_type == "linear":
+        rope.update(factor=config.rope_factor)
+    elif config.rope_type == "yarn":
+        rope.update(
+            factor=config.rope_factor,
+            original_max_position_embeddings=config.rope_original_max_positions,
+            beta_fast=config.rope_beta_fast,
+            beta_slow=config.rope_beta_slow,
+            truncate=config.rope_truncate,
+            attention_factor=config.rope_attention_factor,
+        )
+    elif config.rope_type == "llama3":
         rope.update(
             factor=config.rope_factor,
             low_freq_factor=config.rope_low_freq_factor,

@@ -109,7 +109,10 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     dtype = p["embed"].dtype
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq(c))[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if c.rope_attention_factor != 1:  # YaRN: float32 cos and sin scaled, then cast (as transformers)
+        cos, sin = cos * c.rope_attention_factor, sin * c.rope_attention_factor
+    cos, sin = cos.astype(dtype), sin.astype(dtype)
     x = p["embed"][tokens]
     n, d = x.shape[0], c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d, c.num_key_value_heads * d

@@ -231,7 +231,10 @@ class LlamaTorch:
         c, eps = self.config, self.config.rms_norm_eps
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # float32, as transformers
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if c.rope_attention_factor != 1:  # YaRN: float32 cos and sin scaled, then cast (as transformers)
+            cos, sin = cos * c.rope_attention_factor, sin * c.rope_attention_factor
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         if compiled:
             inputs, after = _compiled_pieces()
             row_parallel = {}
