@@ -43,8 +43,9 @@ _LLAMA3 = {
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
 # id -> (model_type, config options, save options). Between them: tied and untied embeddings,
-# rope_scaling llama3, yarn, linear and default, biases (attention, MLP, q/k/v), a sliding window shorter
-# than the sequences, per-head q/k norms with an explicit head_dim, a sharded save, a bf16 save.
+# rope_scaling llama3, yarn, linear and default, biases (attention, MLP, q/k/v), sliding windows
+# shorter than the sequences, Phi-3's fused projections, per-head q/k norms with an explicit
+# head_dim, a sharded save, a bf16 save.
 CASES: dict[str, tuple] = {
     "llama-tied-llama3-sharded": (
         "llama",
@@ -60,6 +61,7 @@ CASES: dict[str, tuple] = {
     "qwen2": ("qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), {}),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32), {}),
     "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
+    "phi3-window": ("phi3", dict(tie_word_embeddings=False, sliding_window=6), {}),
     "llama-linear": (
         "llama",
         dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -68,10 +70,11 @@ CASES: dict[str, tuple] = {
 }
 
 
-def make_checkpoint(case: str, folder: str, seed: int = 0) -> str:
-    """Save the tiny model of ``case`` (random weights from ``seed``) under ``folder``; return it."""
+def make_checkpoint(case: str, folder: str, seed: int = 0, **overrides: Any) -> str:
+    """Save the tiny model of ``case`` (random weights from ``seed``; ``overrides``: config
+    options over the case's sizes and options) under ``folder``; return it."""
     model_type, options, save = CASES[case]
-    config = transformers.AutoConfig.for_model(model_type, **_SIZES, **options)
+    config = transformers.AutoConfig.for_model(model_type, **{**_SIZES, **options, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # transformers starts biases at 0: a loop that drops one would match by accident

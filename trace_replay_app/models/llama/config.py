@@ -1,8 +1,9 @@
 """Llama-family model description shared by the torch and JAX decode loops (numpy only).
 
 One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.1), ``mistral``
-(the same layout, with a sliding attention window), ``qwen2`` (biases on q/k/v) and ``qwen3``
-(per-head RMSNorm on q and k, an explicit ``head_dim``). The block: RMSNorm, grouped-query
+(the same layout, with a sliding attention window), ``qwen2`` (biases on q/k/v), ``qwen3``
+(per-head RMSNorm on q and k, an explicit ``head_dim``) and ``phi3`` (Phi-3 and Phi-4: the
+Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits). The block: RMSNorm, grouped-query
 attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default``,
 ``linear``, ``llama3`` or ``yarn``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
 or the token embedding when tied).
@@ -36,7 +37,7 @@ __all__ = [
     "yarn_attention_factor",
 ]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -183,6 +184,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": dict(layer_windows=(32, 32)),
     "qwen2": dict(qkv_bias=True, tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
+    "phi3": dict(rope_theta=250000.0),
 }
 
 

@@ -19,6 +19,7 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
@@ -101,15 +102,15 @@ def _original_positions(hf: Mapping[str, Any], merged: Mapping[str, Any]) -> int
 
 
 def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
-    """Per-layer sliding windows as transformers applies them: Mistral slides in every layer when
-    ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
+    """Per-layer sliding windows as transformers applies them: Mistral and Phi-3 slide in every
+    layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
     ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``)."""
     window = hf.get("sliding_window")
     if model_type == "llama" or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (window,) * layers
     if not get_bool(hf, "use_sliding_window"):
         return ()
@@ -131,7 +132,7 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
 
 def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """The config of a Hugging Face ``config.json`` mapping of model_type ``llama``,
-    ``mistral``, ``qwen2`` or ``qwen3``; ``ValueError`` naming the key for a missing size or an
+    ``mistral``, ``qwen2``, ``qwen3`` or ``phi3``; ``ValueError`` naming the key for a missing size or an
     option the loops do not implement (another activation, another rotary scaling, partial
     rotary). Keys the loops do not need are ignored."""
     model_type = hf.get("model_type")
@@ -157,7 +158,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
         rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
         tie_word_embeddings=get_bool(hf, "tie_word_embeddings"),
-        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type != "mistral",
+        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in ("llama", "qwen3"),
         o_bias=attention_bias and model_type in ("llama", "qwen3"),
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
         qk_norm=model_type == "qwen3",
@@ -171,6 +172,8 @@ def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray])
     not copied). Rotary ``inv_freq`` buffers are ignored; with tied embeddings a stored
     ``lm_head.weight`` must equal ``model.embed_tokens.weight``. Raises ``ValueError`` naming
     the tensor: missing, unexpected, mis-shaped (both shapes) or an untied copy."""
+    if config.model_type == "phi3":
+        tensors = _unfused(config, tensors)
     weights: dict[str, np.ndarray] = {}
     lm_head = None
     for name, value in tensors.items():
@@ -189,6 +192,38 @@ def weights_from_tensors(config: LlamaConfig, tensors: Mapping[str, np.ndarray])
             "ties the word embeddings (tie_word_embeddings=true)"
         )
     return weights
+
+
+def _fused_parts(config: LlamaConfig, layer: int) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Phi-3's fused tensors of ``layer`` -> ``(Llama name, rows)`` of each part, in order."""
+    d, p = config.head_dim, f"model.layers.{layer}."
+    q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    a, m = p + "self_attn.", p + "mlp."
+    return {
+        a + "qkv_proj.weight": ((a + "q_proj.weight", q), (a + "k_proj.weight", kv), (a + "v_proj.weight", kv)),
+        m + "gate_up_proj.weight": ((m + "gate_proj.weight", inter), (m + "up_proj.weight", inter)),
+    }
+
+
+def _unfused(config: LlamaConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Phi-3's tensors with each fused projection split into the Llama names (row views, no copy)."""
+    out = dict(tensors)
+    for layer in range(config.num_hidden_layers):
+        for fused, parts in _fused_parts(config, layer).items():
+            if fused not in out:
+                raise ValueError(f"weights lack tensor {fused!r}")
+            value = out.pop(fused)
+            rows = sum(n for _, n in parts)
+            if tuple(np.shape(value)) != (rows, config.hidden_size):
+                raise ValueError(
+                    f"tensor {fused!r} must have shape {(rows, config.hidden_size)} for this config "
+                    f"(got {tuple(np.shape(value))})"
+                )
+            start = 0
+            for name, n in parts:
+                out[name] = value[start : start + n]
+                start += n
+    return out
 
 
 def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -240,4 +275,12 @@ def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[
         hf["layer_types"] = [
             "sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)
         ]
-    return hf, {name: np.asarray(weights[name]) for name in param_shapes(config)}
+    tensors = {name: np.asarray(weights[name]) for name in param_shapes(config)}
+    if config.model_type == "phi3":
+        hf.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # its defaults name Phi-3's vocabulary
+        if config.qkv_bias or config.o_bias or config.mlp_bias or config.qk_norm:
+            raise ValueError("a phi3 checkpoint holds no projection biases and no q/k norms: this config has some")
+        for layer in range(config.num_hidden_layers):
+            for fused, parts in _fused_parts(config, layer).items():
+                tensors[fused] = np.concatenate([tensors.pop(name) for name, _ in parts])
+    return hf, tensors
