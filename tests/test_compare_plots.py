@@ -4,6 +4,7 @@ named in the label; one colour per pair, the same in both panels."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -30,22 +31,42 @@ def _report(diffs, others=()):
     return top
 
 
+def _bins(ax):
+    """Per histogram drawn on ``ax`` (its step outline, in drawing order): ``(left, right,
+    count)`` of each bin."""
+    return [
+        [(x0, x1, y0) for (x0, y0), (x1, y1) in zip(xy[:-1], xy[1:]) if y0 == y1 and x0 < x1]
+        for xy in (patch.get_xy() for patch in ax.patches)
+    ]
+
+
+OTHER = [1e-7, 0.0, -1e-7]  # the second pair's logprob differences
+
+
 @pytest.mark.parametrize(
-    "diffs, log_axis, label",
+    "diffs, scale, label",
     [
-        ([3e-7, -2e-7, 0.0], False, "per-token importance ratio - 1 (x 1e-07)"),
-        ([0.9, -0.2, 0.0], True, "per-token importance ratio exp(logprob b - logprob a)"),
+        ([3e-7, -2e-7, 0.0], 1e-7, "per-token importance ratio - 1 (x 1e-07)"),
+        ([2e-5, -4e-5, 1e-5], 1e-5, "per-token importance ratio - 1 (x 1e-05)"),  # more below 1 than above
+        ([0.9, -0.2, 0.0], None, "per-token importance ratio exp(logprob b - logprob a)"),  # None: log axis
     ],
 )
-def test_ratio_axis_follows_the_spread(diffs, log_axis, label):
+def test_ratio_axis_follows_the_spread(diffs, scale, label):
     ax = Figure().subplots()
-    _ratio_histogram(ax, _report(diffs, [("torch-score", [1e-7, 0.0, 0.0])]))
-    assert (ax.get_xscale() == "log") is log_axis
+    _ratio_histogram(ax, _report(diffs, [("torch-score", OTHER)]))
+    assert (ax.get_xscale() == "log") is (scale is None)
     assert ax.get_xlabel() == label
     colors = [h.get_edgecolor() for h in ax.get_legend().legend_handles]
     assert len(colors) == 2 and colors[0] != colors[1]
-    if log_axis:  # plain numbers, not powers of ten
+    if scale is None:  # plain numbers, not powers of ten
         assert ax.xaxis.get_major_formatter()(2.0, 0) == "2"
+    # every token counted in the bin of its ratio (minus 1, in units of the scale named), the
+    # vertical line at no difference
+    for d, bins in zip((diffs, OTHER), _bins(ax), strict=True):
+        at = np.exp(d) if scale is None else (np.exp(d) - 1) / scale
+        assert [y for _, _, y in bins] == [sum(x0 <= x < x1 for x in at) for x0, x1, _ in bins], at
+        assert sum(y for _, _, y in bins) == len(d)
+    assert [line.get_xdata()[0] for line in ax.get_lines()] == [1.0 if scale is None else 0.0]
 
 
 def test_pair_colours_match_across_panels(tmp_path):

@@ -18,7 +18,9 @@ def _round(x: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+# bfloat16: within one bfloat16 step (2**-7 of the value at most) of the float64 result rounded to
+# bfloat16, as float32 sums give; sums in bfloat16 are several steps off (up to 17 here).
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, (2e-6, 2e-6)), (jnp.bfloat16, (2**-7, 1e-4))])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_contractions_match_float64(shape, dtype, tol):
     rows, kv_len, kv_heads, groups, d = shape
@@ -31,13 +33,13 @@ def test_contractions_match_float64(shape, dtype, tol):
     scores = cache_scores(q, keys)
     assert scores.shape == (rows, kv_len, kv_heads, groups) and scores.dtype == dtype
     want = np.einsum("bkgd,btkd->btkg", qf, kf)
-    np.testing.assert_allclose(np.asarray(scores.astype(jnp.float32)), _round(want, dtype), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(scores.astype(jnp.float32)), _round(want, dtype), rtol=tol[0], atol=tol[1])
 
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=1).astype(dtype)
     out = cache_mix(probs, values)
     assert out.shape == (rows, kv_heads, groups, d) and out.dtype == dtype
     want = np.einsum("btkg,btkd->bkgd", np.asarray(probs.astype(jnp.float32), np.float64), vf)
-    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), _round(want, dtype), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), _round(want, dtype), rtol=tol[0], atol=tol[1])
 
 
 def test_each_row_reads_only_its_own_slot():

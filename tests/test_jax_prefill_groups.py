@@ -34,11 +34,19 @@ def test_prefill_groups(buckets, limit, want):
         assert len(group) * buckets[group[0]] ** 2 <= max(PREFILL_SCORES, buckets[group[0]] ** 2)
 
 
+# The first eight prompts' lengths (the first admission at max_batch=8): prefill buckets 8, 16,
+# 32, 8, 16, 32, 16, 32, so one group of two (a power of two: no padding entry) and two of three
+# (padded to four with their first entry).
+FIRST = (5, 12, 20, 9, 14, 25, 16, 29)
+
+
 def _requests(config, n, rng):
     return [
         TraceRequest(
             str(i),
-            prompt=tuple(rng.integers(0, config.vocab_size, rng.integers(2, 30)).tolist()),
+            prompt=tuple(
+                rng.integers(0, config.vocab_size, FIRST[i] if i < len(FIRST) else rng.integers(2, 30)).tolist()
+            ),
             trace=tuple(rng.integers(0, config.vocab_size, 5).tolist()) if i % 2 else None,
             max_new_tokens=6,
         )
@@ -65,7 +73,8 @@ def test_batched_prefill_gives_the_results_of_one_program_per_prompt(group_calls
     weights = seeded_weights(config)
     requests = _requests(config, 12, rng)
     grouped = decoder(JAX)(config, weights, requests, max_batch=8)
-    assert group_calls and all(size & (size - 1) == 0 and size > 1 for size in group_calls)
+    assert group_calls[:3] == [2, 4, 4], group_calls  # in order of the buckets' first appearance
+    assert all(size & (size - 1) == 0 and size > 1 for size in group_calls)
     group_calls.clear()
     alone = decoder(dataclasses.replace(JAX, batched_prefill=False))(config, weights, requests, max_batch=8)
     assert group_calls == []

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.bf16_bounds import LLAMA_BF16, check_caught, check_close, gaps, refs_gaps  # noqa: E402
+from helpers.flash_double import flash_varlen_forward  # noqa: E402
 from helpers.llama_cases import (  # noqa: E402
     CASES,
     check_against_hf,
@@ -30,6 +31,7 @@ from helpers.llama_cases import (  # noqa: E402
     teacher_forced,
 )
 
+from trace_replay_app.drivers.torch_attention import flash_decode  # noqa: E402
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 from trace_replay_app.models.llama.config import default_config, seeded_weights  # noqa: E402
 
@@ -60,6 +62,20 @@ def test_matches_transformers(checkpoints, case, framework, rng):
     requests = make_requests(rng, config.vocab_size)
     results = LOOPS[framework](config, weights, requests, max_batch=3)
     check_against_hf(model, requests, results, f"{case} {framework}")
+
+
+@pytest.mark.parametrize("framework", sorted(LOOPS))
+def test_query_head_groups_larger_than_the_kv_heads(tmp_path, framework, rng):
+    """8 query heads over 2 KV heads (groups of 4). In the cases above a group is as large as
+    the number of KV heads (2 and 2), where the query heads read as [group, KV head] instead of
+    [KV head, group] make the same array: only other group sizes show which KV head each
+    query head attends with."""
+    folder = make_checkpoint("qwen2", str(tmp_path / "gqa"), seed=7, num_attention_heads=8, num_key_value_heads=2)
+    config, weights = load(folder)
+    assert (config.num_key_value_heads, config.kv_groups) == (2, 4)
+    requests = make_requests(rng, config.vocab_size, n=3)
+    results = LOOPS[framework](config, weights, requests, max_batch=3)
+    check_against_hf(hf_model(folder), requests, results, f"groups of 4 {framework}")
 
 
 @pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
@@ -162,3 +178,24 @@ def test_fused_decode_form_refused_where_it_cannot_run(device, dtype, fused, err
     with pytest.raises(error, match=match):
         torch_loop.LlamaTorch(config, seeded_weights(config), torch.device(device), dtype, fused=fused)
     assert not torch_loop.LlamaTorch(config, seeded_weights(config), torch.device(device), dtype).fused
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_flash_decode_arguments_through_a_cpu_double(monkeypatch, window, rng):
+    """The fused form's flash_decode (CUDA only) on the CPU through ``helpers/flash_double``'s
+    stand-in for the flash op: its sequence offsets, used key counts and left window give each
+    row's attention over its keys ``0 .. positions[b]`` (the last ``window`` of them), grouped
+    query heads, against numpy in float64."""
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", flash_varlen_forward)
+    rows, kv_len, kv_heads, groups, d, scale = 4, 9, 2, 3, 8, 0.3
+    keys, values = (torch.from_numpy(rng.standard_normal((rows, kv_len, kv_heads, d)).astype(np.float32)) for _ in "kv")
+    q = torch.from_numpy(rng.standard_normal((rows, kv_heads * groups, d)).astype(np.float32))
+    positions = [0, 4, kv_len - 1, 2]
+    got = flash_decode(torch.tensor(positions), kv_len, scale)(keys, values, q, window).numpy()
+    for b, p in enumerate(positions):
+        lo = max(0, p + 1 - window) if window else 0
+        for h in range(kv_heads * groups):
+            k, v = (np.asarray(t[b, lo : p + 1, h // groups], np.float64) for t in (keys, values))
+            s = k @ np.asarray(q[b, h], np.float64) * scale
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(got[b, h], w @ v / w.sum(), rtol=1e-5, atol=1e-6, err_msg=f"row {b} head {h}")

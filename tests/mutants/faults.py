@@ -340,4 +340,166 @@ FAULTS = (
         ("tests/test_token_id_intake.py::test_torch_trace_that_is_not_integer_ids_is_refused_by_name",),
         "tests/test_token_id_intake.py::test_torch_trace_that_is_not_integer_ids_is_refused_by_name",
     ),
+    # -- the drivers' decode attention, KV writes and batched prefill; compare's plot and RL table --
+    Fault(
+        "recent: jax cache_mix sums in the compute dtype",
+        "trace_replay_app/drivers/jax_attention.py",
+        (
+            (
+                "probs[..., None].astype(f32) * values[:, :, :, None, :].astype(f32), axis=1)",
+                "probs[..., None] * values[:, :, :, None, :], axis=1)",
+            ),
+        ),
+        ("tests/test_jax_attention.py::test_contractions_match_float64",),
+        "tests/test_jax_attention.py::test_contractions_match_float64",
+    ),
+    Fault(
+        "recent: jax cache_scores sums in the compute dtype",
+        "trace_replay_app/drivers/jax_attention.py",
+        (
+            (
+                "jnp.sum(q[:, None].astype(f32) * keys[:, :, :, None, :].astype(f32), axis=-1)",
+                "jnp.sum(q[:, None] * keys[:, :, :, None, :], axis=-1)",
+            ),
+        ),
+        ("tests/test_jax_attention.py::test_contractions_match_float64",),
+        "tests/test_jax_attention.py::test_contractions_match_float64",
+    ),
+    Fault(
+        "recent: llama jax query heads grouped kv-head-minor",
+        "trace_replay_app/models/llama/jax_loop.py",
+        (
+            (
+                "cache_scores(q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim), kb)",
+                "cache_scores(q.reshape(-1, c.kv_groups, c.num_key_value_heads, c.head_dim), kb)",
+            ),
+        ),
+        ("tests/test_llama_loops.py::test_query_head_groups_larger_than_the_kv_heads",),
+        "tests/test_llama_loops.py::test_query_head_groups_larger_than_the_kv_heads[jax]",
+    ),
+    Fault(
+        "recent: llama jax sliding window one key wider",
+        "trace_replay_app/models/llama/jax_loop.py",
+        (("(kpos[None, :] > positions[:, None] - w)", "(kpos[None, :] >= positions[:, None] - w)"),),
+        ("tests/test_llama_loops.py::test_matches_transformers[mistral-window-bf16-jax]",),
+        "tests/test_llama_loops.py::test_matches_transformers[mistral-window-bf16-jax]",
+    ),
+    Fault(
+        "recent: gpt2 jax masked softmax over the last axis (the einsum layout's)",
+        "trace_replay_app/models/gpt2/jax_loop.py",
+        (("jax.nn.softmax(scores, axis=1)", "jax.nn.softmax(scores, axis=-1)"),),
+        ("tests/test_gpt2_loops.py::test_matches_reference",),
+        "tests/test_gpt2_loops.py::test_matches_reference[jax",
+    ),
+    Fault(
+        "recent: store_step_kv swaps keys and values",
+        "trace_replay_app/drivers/torch_attention.py",
+        (
+            ("index[0], rows, positions), k.to(", "index[0], rows, positions), v.to("),
+            ("index[1], rows, positions), v.to(", "index[1], rows, positions), k.to("),
+        ),
+        ("tests/test_gpt2_loops.py::test_matches_reference",),
+        "tests/test_gpt2_loops.py::test_matches_reference[torch",
+    ),
+    Fault(
+        "recent: store_step_kv keys at (0, layer), not (layer, 0)",
+        "trace_replay_app/drivers/torch_attention.py",
+        (("(index[layer], index[0], rows, positions)", "(index[0], index[layer], rows, positions)"),),
+        ("tests/test_llama_loops.py::test_matches_transformers[qwen2-torch]",),
+        "tests/test_llama_loops.py::test_matches_transformers[qwen2-torch]",
+    ),
+    Fault(
+        "recent: flash_decode window one key wider",
+        "trace_replay_app/drivers/torch_attention.py",
+        (("window_size_left=window - 1 if window", "window_size_left=window if window"),),
+        ("tests/test_llama_loops.py::test_flash_decode_arguments_through_a_cpu_double",),
+        "tests/test_llama_loops.py::test_flash_decode_arguments_through_a_cpu_double",
+    ),
+    Fault(
+        "recent: flash_decode reads one key fewer",
+        "trace_replay_app/drivers/torch_attention.py",
+        (("used = cu_q * kv_len, (positions + 1).to(", "used = cu_q * kv_len, positions.to("),),
+        ("tests/test_llama_loops.py::test_flash_decode_arguments_through_a_cpu_double",),
+        "tests/test_llama_loops.py::test_flash_decode_arguments_through_a_cpu_double",
+    ),
+    Fault(
+        "recent: prefill_groups ignores the group limit",
+        "trace_replay_app/drivers/jax_steps.py",
+        (("max(1, min(limit, PREFILL_SCORES // (n * n)))", "max(1, PREFILL_SCORES // (n * n))"),),
+        ("tests/test_jax_prefill_groups.py::test_prefill_groups",),
+        "tests/test_jax_prefill_groups.py::test_prefill_groups",
+    ),
+    Fault(
+        "recent: _admit_group writes from the second entry on",
+        "trace_replay_app/drivers/jax_steps.py",
+        (("jax.lax.fori_loop(0, slots.shape[0], write", "jax.lax.fori_loop(1, slots.shape[0], write"),),
+        ("tests/test_jax_prefill_groups.py",),
+        "tests/test_jax_prefill_groups.py::test_batched_prefill_gives_the_results_of_one_program_per_prompt",
+    ),
+    Fault(
+        "recent: a prefill group's prompt lengths are its bucket-padded prefixes'",
+        "trace_replay_app/drivers/jax_steps.py",
+        (("[len(prompts[i]) for i in group]", "[len(prefixes[i]) for i in group]"),),
+        ("tests/test_jax_prefill_groups.py",),
+        "tests/test_jax_prefill_groups.py::test_batched_prefill_gives_the_results_of_one_program_per_prompt",
+    ),
+    Fault(
+        "recent: plot's mean lines one colour on from the histogram's",
+        "trace_replay_app/compare_plots.py",
+        (
+            (
+                "    for color, pair in zip(PAIR_COLORS, pair_reports(report)):\n        per_pair",
+                "    for color, pair in zip(PAIR_COLORS[1:], pair_reports(report)):\n        per_pair",
+            ),
+        ),
+        ("tests/test_compare_plots.py",),
+        "tests/test_compare_plots.py::test_pair_colours_match_across_panels",
+    ),
+    Fault(
+        "recent: ratio axis log when the ratios are close, linear when wide",
+        "trace_replay_app/compare_plots.py",
+        (("wide = hi / lo >= 2", "wide = hi / lo < 2"),),
+        ("tests/test_compare_plots.py",),
+        "tests/test_compare_plots.py::test_ratio_axis_follows_the_spread",
+    ),
+    Fault(
+        "recent: linear ratio axis plots the ratio, not the ratio minus 1",
+        "trace_replay_app/compare_plots.py",
+        (("ax.hist(r if wide else (r - 1) / scale", "ax.hist(r if wide else r / scale"),),
+        ("tests/test_compare_plots.py",),
+        "tests/test_compare_plots.py::test_ratio_axis_follows_the_spread",
+    ),
+    Fault(
+        "recent: linear ratio bins span the ratios above 1 only",
+        "trace_replay_app/compare_plots.py",
+        (("half = max(hi - 1, 1 - lo, 1e-12)", "half = max(hi - 1, 1e-12)"),),
+        ("tests/test_compare_plots.py",),
+        "tests/test_compare_plots.py::test_ratio_axis_follows_the_spread",
+    ),
+    Fault(
+        "recent: linear ratio axis marks 1, not 0",
+        "trace_replay_app/compare_plots.py",
+        (("ax.axvline(1.0 if wide else 0.0,", "ax.axvline(1.0,"),),
+        ("tests/test_compare_plots.py",),
+        "tests/test_compare_plots.py::test_ratio_axis_follows_the_spread",
+    ),
+    Fault(
+        "recent: RL table label with a space again",
+        "trace_replay_app/commands.py",
+        (('"mismatch_kl_max"),', '"mismatch_kl max"),'),),
+        ("tests/test_cli_compare.py::test_rollout_against_decode_and_score",),
+        "tests/test_cli_compare.py::test_rollout_against_decode_and_score",
+    ),
+    Fault(
+        "recent: RL table kl and k3_kl labels swapped",
+        "trace_replay_app/commands.py",
+        (
+            (
+                '("verl/rollout_corr/k3_kl", "k3_kl"),\n    ("verl/rollout_corr/kl", "kl"),',
+                '("verl/rollout_corr/k3_kl", "kl"),\n    ("verl/rollout_corr/kl", "k3_kl"),',
+            ),
+        ),
+        ("tests/test_cli_compare.py::test_rollout_against_decode_and_score",),
+        "tests/test_cli_compare.py::test_rollout_against_decode_and_score",
+    ),
 )
