@@ -23,7 +23,15 @@ from helpers.llama_cases import (  # noqa: E402
 
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 
-_GPU_CASES = ["llama-tied-llama3-sharded", "mistral-window-bf16", "qwen2", "qwen3", "qwen3-yarn", "phi3-window"]
+_GPU_CASES = [
+    "llama-tied-llama3-sharded",
+    "mistral-window-bf16",
+    "qwen2",
+    "qwen3",
+    "qwen3-yarn",
+    "phi3-window",
+    "olmo2-biases",
+]
 
 
 def _loop(framework):

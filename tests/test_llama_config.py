@@ -303,7 +303,7 @@ def test_registry_entries():
     for t in MODEL_TYPES:
         assert t in supported_model_types()
     assert family_for_model_type("mistral") is get_family("llama")
-    for name in ("llama", "qwen2", "qwen3", "phi3"):
+    for name in ("llama", "qwen2", "qwen3", "phi3", "olmo2"):
         family = get_family(name)
         config = family.default_config()
         assert isinstance(config, LlamaConfig) and config.model_type == name

@@ -44,7 +44,7 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
 
 # id -> (model_type, config options, save options). Between them: tied and untied embeddings,
 # rope_scaling llama3, yarn, linear and default, biases (attention, MLP, q/k/v), sliding windows
-# shorter than the sequences, Phi-3's fused projections, per-head q/k norms with an explicit
+# shorter than the sequences, Phi-3's fused projections, OLMo 2's output norms, per-head q/k norms with an explicit
 # head_dim, a sharded save, a bf16 save.
 CASES: dict[str, tuple] = {
     "llama-tied-llama3-sharded": (
@@ -62,6 +62,7 @@ CASES: dict[str, tuple] = {
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32), {}),
     "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
     "phi3-window": ("phi3", dict(tie_word_embeddings=False, sliding_window=6), {}),
+    "olmo2-biases": ("olmo2", dict(tie_word_embeddings=False, attention_bias=True), {}),
     "llama-linear": (
         "llama",
         dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),

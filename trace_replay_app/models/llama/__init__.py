@@ -1,12 +1,12 @@
 """The Llama-family models: ``llama`` (Llama 2/3/3.1, also serving ``mistral`` checkpoints),
-``qwen2``, ``qwen3`` and ``phi3`` (Phi-3, Phi-4), one framework-neutral config (``config.py``, numpy only; the Hugging
-Face ``config.json`` and tensor conversions in ``hf.py``) and the
-prefill/decode math in each framework with its ``run_decode`` on that framework's shared driver
-(``torch_loop.py``, ``jax_loop.py``; :mod:`trace_replay_app.drivers`), imported only by
-:func:`load_loop`. Tensor parallelism (``tensor_parallel=``) and a JAX mesh (``mesh=``) are
+``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4) and ``olmo2``, one framework-neutral config
+(``config.py``, numpy only; the Hugging Face ``config.json`` and tensor conversions in
+``hf.py``) and the prefill/decode math in each framework with its ``run_decode`` on that
+framework's shared driver (``torch_loop.py``, ``jax_loop.py``; :mod:`trace_replay_app.drivers`),
+imported only by :func:`load_loop`. Tensor parallelism (``tensor_parallel=``) and a JAX mesh (``mesh=``) are
 options of those ``run_decode``.
 
-The four registry entries share the config class and the loops; they differ in the Hugging
+The registry entries share the config class and the loops; they differ in the Hugging
 Face ``model_type`` values they serve and in the small default config of a seeded run.
 """
 
@@ -76,4 +76,5 @@ FAMILIES = (
     _family("qwen2", "Qwen2-family model", ("qwen2",)),
     _family("qwen3", "Qwen3-family model", ("qwen3",)),
     _family("phi3", "Phi-3-family model", ("phi3",)),
+    _family("olmo2", "OLMo-2-family model", ("olmo2",)),
 )

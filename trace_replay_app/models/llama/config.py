@@ -2,8 +2,10 @@
 
 One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.1), ``mistral``
 (the same layout, with a sliding attention window), ``qwen2`` (biases on q/k/v), ``qwen3``
-(per-head RMSNorm on q and k, an explicit ``head_dim``) and ``phi3`` (Phi-3 and Phi-4: the
-Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits). The block: RMSNorm, grouped-query
+(per-head RMSNorm on q and k, an explicit ``head_dim``), ``phi3`` (Phi-3 and Phi-4: the
+Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits) and
+``olmo2`` (OLMo 2: RMSNorm on each sublayer's output instead of its input, and on the whole
+q and k projections). The block: RMSNorm, grouped-query
 attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default``,
 ``linear``, ``llama3`` or ``yarn``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
 or the token embedding when tied).
@@ -37,7 +39,7 @@ __all__ = [
     "yarn_attention_factor",
 ]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -59,6 +61,10 @@ class LlamaConfig:
     ``rope_truncate``, and scales cos and sin by ``rope_attention_factor`` (0, the default:
     YaRN's :func:`yarn_attention_factor`; the other types keep 1). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
     q/k/v, output and MLP projections; ``qk_norm``: RMSNorm over each head of q and k (Qwen3).
+    ``post_norms`` (OLMo 2): each layer normalises the attention's and the MLP's outputs before
+    adding them to the residual stream (``post_attention_layernorm``,
+    ``post_feedforward_layernorm``; no ``input_layernorm``), ``qk_norm`` is then over the whole
+    q and k projections (all heads at once), and these norms scale in float32 before rounding.
     ``layer_windows``: per layer, the sliding attention window in tokens (a query at position
     ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty means
     full attention in every layer. ``n_positions`` (the most prompt + decoded tokens of one
@@ -90,6 +96,7 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    post_norms: bool = False
     layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -185,6 +192,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(qkv_bias=True, tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
     "phi3": dict(rope_theta=250000.0),
+    "olmo2": dict(post_norms=True, qk_norm=True, rope_theta=500000.0),
 }
 
 
@@ -203,7 +211,8 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
+        if not config.post_norms:
+            shapes[p + "input_layernorm.weight"] = (h,)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shapes[f"{p}self_attn.{name}.weight"] = (rows, h)
             if config.qkv_bias:
@@ -212,9 +221,11 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes[p + "self_attn.q_norm.weight"] = (q,) if config.post_norms else (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv,) if config.post_norms else (d,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.post_norms:
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             shapes[f"{p}mlp.{name}.weight"] = shape
             if config.mlp_bias:

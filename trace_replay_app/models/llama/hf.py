@@ -20,6 +20,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
@@ -106,7 +107,7 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
     layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
     ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``)."""
     window = hf.get("sliding_window")
-    if model_type == "llama" or window is None:
+    if model_type in ("llama", "olmo2") or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
@@ -132,7 +133,7 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
 
 def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     """The config of a Hugging Face ``config.json`` mapping of model_type ``llama``,
-    ``mistral``, ``qwen2``, ``qwen3`` or ``phi3``; ``ValueError`` naming the key for a missing size or an
+    ``mistral``, ``qwen2``, ``qwen3``, ``phi3`` or ``olmo2``; ``ValueError`` naming the key for a missing size or an
     option the loops do not implement (another activation, another rotary scaling, partial
     rotary). Keys the loops do not need are ignored."""
     model_type = hf.get("model_type")
@@ -158,10 +159,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
         rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
         tie_word_embeddings=get_bool(hf, "tie_word_embeddings"),
-        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in ("llama", "qwen3"),
-        o_bias=attention_bias and model_type in ("llama", "qwen3"),
+        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in ("llama", "qwen3", "olmo2"),
+        o_bias=attention_bias and model_type in ("llama", "qwen3", "olmo2"),
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "olmo2"),
+        post_norms=model_type == "olmo2",
         layer_windows=_windows(hf, model_type, layers),
         **_rope(hf),
     )

@@ -53,7 +53,6 @@ def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray], head: bool =
     for i in range(config.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         layer = {
-            "ln1": get(f"model.layers.{i}.input_layernorm.weight"),
             "ln2": get(f"model.layers.{i}.post_attention_layernorm.weight"),
             "qkv_w": np.concatenate([get(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]).T,
             "o_w": get(a + "o_proj.weight").T,
@@ -61,6 +60,8 @@ def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray], head: bool =
             "down_w": get(m + "down_proj.weight").T,
         }
         optional = {
+            "ln1": [f"model.layers.{i}.input_layernorm.weight"],
+            "ln3": [f"model.layers.{i}.post_feedforward_layernorm.weight"],
             "qkv_b": [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")],
             "o_b": [a + "o_proj.bias"],
             "q_norm": [a + "q_norm.weight"],
@@ -96,6 +97,13 @@ def _rms(x, weight, eps: float):
     return weight * h.astype(x.dtype)
 
 
+def _rms_scaled_f32(x, weight, eps: float):
+    """RMSNorm as OLMo 2 computes it: scaled in float32, then rounded to ``x``'s dtype."""
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * h).astype(x.dtype)
+
+
 def _rotate(x, cos, sin):
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos[:, None] + jnp.concatenate([-x2, x1], axis=-1) * sin[:, None]
@@ -117,13 +125,20 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     n, d = x.shape[0], c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d, c.num_key_value_heads * d
     for i, w in enumerate(p["layers"]):
-        qkv = _linear(_rms(x, w["ln1"], eps), w["qkv_w"], w.get("qkv_b"))
-        q = qkv[:, :q_dim].reshape(n, c.num_attention_heads, d)
-        k = qkv[:, q_dim : q_dim + kv_dim].reshape(n, c.num_key_value_heads, d)
-        v = qkv[:, q_dim + kv_dim :].reshape(n, c.num_key_value_heads, d)
-        if c.qk_norm:
+        qkv = _linear(x if c.post_norms else _rms(x, w["ln1"], eps), w["qkv_w"], w.get("qkv_b"))
+        q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
+        if c.qk_norm and c.post_norms:  # over the whole projections
+            q, k = _rms_scaled_f32(q, w["q_norm"], eps), _rms_scaled_f32(k, w["k_norm"], eps)
+        q = q.reshape(n, c.num_attention_heads, d)
+        k, v = k.reshape(n, c.num_key_value_heads, d), v.reshape(n, c.num_key_value_heads, d)
+        if c.qk_norm and not c.post_norms:  # per head
             q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
         a, state = attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v, state)
+        if c.post_norms:
+            x = x + _rms_scaled_f32(_linear(a, w["o_w"], w.get("o_b")), w["ln2"], eps)
+            gate, up = jnp.split(_linear(x, w["gu_w"], w.get("gu_b")), 2, axis=-1)
+            x = x + _rms_scaled_f32(_linear(jax.nn.silu(gate) * up, w["down_w"], w.get("down_b")), w["ln3"], eps)
+            continue
         x = x + _linear(a, w["o_w"], w.get("o_b"))
         gate, up = jnp.split(_linear(_rms(x, w["ln2"], eps), w["gu_w"], w.get("gu_b")), 2, axis=-1)
         x = x + _linear(jax.nn.silu(gate) * up, w["down_w"], w.get("down_b"))

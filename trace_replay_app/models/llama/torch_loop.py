@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +49,10 @@ def cache_shape(config: LlamaConfig, slots: int, kv_len: int) -> tuple[int, ...]
 
 def splits_layers(config: LlamaConfig, world_size: int) -> bool:
     """Whether attention and MLP split evenly over ``world_size`` ranks (key/value heads and MLP
-    hidden units multiples of it)."""
+    hidden units multiples of it; never with q/k norms over whole projections, which would need
+    every rank's heads)."""
+    if config.qk_norm and config.post_norms:
+        return False
     return config.num_key_value_heads % world_size == 0 and config.intermediate_size % world_size == 0
 
 
@@ -93,28 +97,45 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def _rms_scaled_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as OLMo 2 computes it: scaled in float32, then rounded to ``x``'s dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of ``x`` ``[tokens, heads, head_dim]`` (halves rotated, as transformers)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
-def _attention_inputs(x, w, cos, sin, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool):
-    """A layer's input norm and q/k/v projection: rotated ``q`` ``[tokens, heads, head_dim]``,
-    rotated ``k`` and ``v`` ``[tokens, kv_heads, head_dim]``."""
+def _attention_inputs(
+    x, w, cos, sin, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool, post_norms: bool = False
+):
+    """A layer's input norm (none with ``post_norms``) and q/k/v projection: rotated ``q``
+    ``[tokens, heads, head_dim]``, rotated ``k`` and ``v`` ``[tokens, kv_heads, head_dim]``; q/k
+    norms per head, or with ``post_norms`` over the whole projections."""
     n = x.shape[0]
-    q, k, v = F.linear(_rms(x, w["ln1"], eps), w["qkv_w"], w["qkv_b"]).split(
+    q, k, v = F.linear(x if post_norms else _rms(x, w["ln1"], eps), w["qkv_w"], w["qkv_b"]).split(
         [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
     )
+    if qk_norm and post_norms:
+        q, k = _rms_scaled_f32(q, w["q_norm"], eps), _rms_scaled_f32(k, w["k_norm"], eps)
     q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
-    if qk_norm:
+    if qk_norm and not post_norms:
         q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(n, kv_heads, head_dim)
 
 
-def _after_attention(x, a, w, eps: float, row_parallel: Callable = F.linear):
+def _after_attention(x, a, w, eps: float, row_parallel: Callable = F.linear, post_norms: bool = False):
     """A layer's output projection of the attention ``a`` and its MLP, each added to the
-    residual stream ``x``; ``row_parallel(input, weight, bias)`` runs the two row-parallel products."""
+    residual stream ``x`` (with ``post_norms``, each normalised first; else the MLP's input is);
+    ``row_parallel(input, weight, bias)`` runs the two row-parallel products."""
+    if post_norms:
+        x = x + _rms_scaled_f32(row_parallel(a, w["o_w"], w["o_b"]), w["ln2"], eps)
+        gate, up = F.linear(x, w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
+        return x + _rms_scaled_f32(row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"]), w["ln3"], eps)
     x = x + row_parallel(a, w["o_w"], w["o_b"])
     gate, up = F.linear(_rms(x, w["ln2"], eps), w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
     return x + row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"])
@@ -190,6 +211,7 @@ class LlamaTorch:
                 {
                     "ln1": get(p + "input_layernorm.weight"),
                     "ln2": get(p + "post_attention_layernorm.weight"),
+                    "ln3": get(p + "post_feedforward_layernorm.weight"),
                     "qkv_w": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                     "qkv_b": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
                     "o_w": get(a + "o_proj.weight"),
@@ -235,17 +257,18 @@ class LlamaTorch:
         if c.rope_attention_factor != 1:  # YaRN: float32 cos and sin scaled, then cast (as transformers)
             cos, sin = cos * c.rope_attention_factor, sin * c.rope_attention_factor
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        options: dict[str, Any]
         if compiled:
             inputs, after = _compiled_pieces()
-            row_parallel = {}
+            options = {"post_norms": c.post_norms}
         else:
             inputs, after = _attention_inputs, _after_attention
-            row_parallel = {"row_parallel": self._row_parallel}
-        shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, eps, c.qk_norm)
+            options = {"row_parallel": self._row_parallel, "post_norms": c.post_norms}
+        shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, eps, c.qk_norm, c.post_norms)
         x = self.embed[tokens]
         for i, w in enumerate(self.layers):
             q, k, v = inputs(x, w, cos, sin, *shape)
-            x = after(x, attend(i, q, k, v), w, eps, **row_parallel)
+            x = after(x, attend(i, q, k, v), w, eps, **options)
         return _rms(x, self.norm, eps)
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
