@@ -31,6 +31,7 @@ _GPU_CASES = [
     "qwen3-yarn",
     "phi3-window",
     "olmo2-biases",
+    "olmo3-yarn-window",
 ]
 
 

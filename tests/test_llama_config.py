@@ -50,10 +50,17 @@ def test_names_and_shapes_are_transformers(case):
 def test_rotary_frequencies_are_transformers(case):
     hf = _hf(case)
     config = config_from_hf(hf.to_dict())
-    model = transformers.AutoModelForCausalLM.from_config(hf)
-    want = model.model.rotary_emb.inv_freq.numpy()
-    np.testing.assert_allclose(inv_freq(config), want, rtol=3e-7)
-    assert config.rope_attention_factor == pytest.approx(model.model.rotary_emb.attention_scaling, rel=1e-12)
+    rotary = transformers.AutoModelForCausalLM.from_config(hf).model.rotary_emb
+    if hasattr(rotary, "full_attention_inv_freq"):  # one rotary embedding per layer type (OLMo 3)
+        for sliding, kind in ((False, "full_attention"), (True, "sliding_attention")):
+            np.testing.assert_allclose(inv_freq(config, sliding), getattr(rotary, f"{kind}_inv_freq"), rtol=3e-7)
+        assert config.sliding_rope_theta and not np.allclose(inv_freq(config, True), inv_freq(config))
+        scale = rotary.full_attention_attention_scaling
+        assert rotary.sliding_attention_attention_scaling == 1.0
+    else:
+        np.testing.assert_allclose(inv_freq(config), rotary.inv_freq.numpy(), rtol=3e-7)
+        scale = rotary.attention_scaling
+    assert config.rope_attention_factor == pytest.approx(scale, rel=1e-12)
 
 
 _YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48, "rope_theta": 500.0}
@@ -232,6 +239,28 @@ def test_bad_weights_name_the_tensor_and_both_shapes():
         weights_from_tensors(tied, dict(tw, **{"lm_head.weight": tw["model.embed_tokens.weight"] + 1}))
 
 
+def test_olmo3_layer_types_and_rotary_per_type():
+    """OLMo 3 as transformers reads it: without layer_types three sliding layers then a full one,
+    a window of 4,096 unless given; old-style rope_scaling for the full layers only; a sliding
+    layers' scaling refused by name; two rotary embeddings refused for a model type with one."""
+    hf = dict(_hf("olmo3-yarn-window").to_dict(), num_hidden_layers=8)
+    for key in ("layer_types", "sliding_window"):
+        hf.pop(key)
+    c = config_from_hf(hf)
+    assert c.layer_windows == (4096, 4096, 4096, 0) * 2 and c.sliding_rope_theta == 500.0
+    old = dict(hf, rope_parameters=None, rope_theta=1e4, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    c = config_from_hf(old)
+    assert (c.rope_type, c.rope_factor, c.rope_theta, c.sliding_rope_theta) == ("linear", 2.0, 1e4, 1e4)
+    plain = config_from_hf(dict(old, rope_scaling=None))
+    assert plain.rope_type == "default" and plain.sliding_rope_theta == 0.0  # one rotary embedding
+    bad = dict(hf, rope_parameters={"full_attention": {"rope_theta": 1e4}, "sliding_attention": _YARN})
+    with pytest.raises(ValueError, match=r"^rope_parameters\.sliding_attention type 'yarn' is not supported"):
+        config_from_hf(bad)
+    two = dataclasses.replace(default_config("qwen3"), sliding_rope_theta=1e4)
+    with pytest.raises(ValueError, match="one rotary embedding for all layers"):
+        to_hf(two, seeded_weights(two))
+
+
 def test_phi3_fused_tensors_split_and_refused_by_name():
     config = default_config("phi3")
     w = _weights(config)
@@ -303,7 +332,7 @@ def test_registry_entries():
     for t in MODEL_TYPES:
         assert t in supported_model_types()
     assert family_for_model_type("mistral") is get_family("llama")
-    for name in ("llama", "qwen2", "qwen3", "phi3", "olmo2"):
+    for name in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3"):
         family = get_family(name)
         config = family.default_config()
         assert isinstance(config, LlamaConfig) and config.model_type == name

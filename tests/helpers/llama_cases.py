@@ -44,8 +44,9 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
 
 # id -> (model_type, config options, save options). Between them: tied and untied embeddings,
 # rope_scaling llama3, yarn, linear and default, biases (attention, MLP, q/k/v), sliding windows
-# shorter than the sequences, Phi-3's fused projections, OLMo 2's output norms, per-head q/k norms with an explicit
-# head_dim, a sharded save, a bf16 save.
+# shorter than the sequences, Phi-3's fused projections, OLMo 2's output norms, OLMo 3's rotary
+# embeddings per layer type, per-head q/k norms with an explicit head_dim, a sharded save, a
+# bf16 save.
 CASES: dict[str, tuple] = {
     "llama-tied-llama3-sharded": (
         "llama",
@@ -63,6 +64,18 @@ CASES: dict[str, tuple] = {
     "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
     "phi3-window": ("phi3", dict(tie_word_embeddings=False, sliding_window=6), {}),
     "olmo2-biases": ("olmo2", dict(tie_word_embeddings=False, attention_bias=True), {}),
+    "olmo3-yarn-window": (
+        "olmo3",
+        dict(
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": _YARN,
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+        {},
+    ),
     "llama-linear": (
         "llama",
         dict(tie_word_embeddings=True, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),

@@ -1,5 +1,5 @@
 """The Llama-family models: ``llama`` (Llama 2/3/3.1, also serving ``mistral`` checkpoints),
-``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4) and ``olmo2``, one framework-neutral config
+``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4), ``olmo2`` and ``olmo3``, one framework-neutral config
 (``config.py``, numpy only; the Hugging Face ``config.json`` and tensor conversions in
 ``hf.py``) and the prefill/decode math in each framework with its ``run_decode`` on that
 framework's shared driver (``torch_loop.py``, ``jax_loop.py``; :mod:`trace_replay_app.drivers`),
@@ -77,4 +77,5 @@ FAMILIES = (
     _family("qwen3", "Qwen3-family model", ("qwen3",)),
     _family("phi3", "Phi-3-family model", ("phi3",)),
     _family("olmo2", "OLMo-2-family model", ("olmo2",)),
+    _family("olmo3", "OLMo-3-family model", ("olmo3",)),
 )

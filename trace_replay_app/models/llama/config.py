@@ -5,7 +5,8 @@ One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.
 (per-head RMSNorm on q and k, an explicit ``head_dim``), ``phi3`` (Phi-3 and Phi-4: the
 Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits) and
 ``olmo2`` (OLMo 2: RMSNorm on each sublayer's output instead of its input, and on the whole
-q and k projections). The block: RMSNorm, grouped-query
+q and k projections) and ``olmo3`` (OLMo 2's layers, three of every four with a sliding window
+and plain rotary embeddings). The block: RMSNorm, grouped-query
 attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default``,
 ``linear``, ``llama3`` or ``yarn``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
 or the token embedding when tied).
@@ -39,7 +40,7 @@ __all__ = [
     "yarn_attention_factor",
 ]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -59,7 +60,9 @@ class LlamaConfig:
     ``rope_high_freq_factor`` and ``rope_original_max_positions``; ``"yarn"`` uses
     ``rope_factor``, ``rope_original_max_positions``, ``rope_beta_fast``, ``rope_beta_slow`` and
     ``rope_truncate``, and scales cos and sin by ``rope_attention_factor`` (0, the default:
-    YaRN's :func:`yarn_attention_factor`; the other types keep 1). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
+    YaRN's :func:`yarn_attention_factor`; the other types keep 1). ``sliding_rope_theta``
+    (OLMo 3): the layers with a sliding window use plain rotary embeddings at this base instead
+    (0: every layer the same). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
     q/k/v, output and MLP projections; ``qk_norm``: RMSNorm over each head of q and k (Qwen3).
     ``post_norms`` (OLMo 2): each layer normalises the attention's and the MLP's outputs before
     adding them to the residual stream (``post_attention_layernorm``,
@@ -91,6 +94,7 @@ class LlamaConfig:
     rope_beta_slow: float = 1.0
     rope_truncate: bool = True
     rope_attention_factor: float = 0.0
+    sliding_rope_theta: float = 0.0
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -154,6 +158,10 @@ class LlamaConfig:
                 f"{owner}.rope_attention_factor applies to rope_type 'yarn' only (got {a!r} with {self.rope_type!r})"
             )
         object.__setattr__(self, "rope_attention_factor", float(a))
+        t = self.sliding_rope_theta
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ValueError(f"{owner}.sliding_rope_theta must be a finite number >= 0 (got {t!r})")
+        object.__setattr__(self, "sliding_rope_theta", float(t))
         windows = tuple(self.layer_windows)
         if windows and len(windows) != self.num_hidden_layers:
             raise ValueError(
@@ -193,6 +201,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
     "phi3": dict(rope_theta=250000.0),
     "olmo2": dict(post_norms=True, qk_norm=True, rope_theta=500000.0),
+    "olmo3": dict(post_norms=True, qk_norm=True, rope_theta=500000.0, layer_windows=(32, 0)),
 }
 
 
@@ -283,13 +292,17 @@ def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def inv_freq(config: LlamaConfig) -> np.ndarray:
+def inv_freq(config: LlamaConfig, sliding: bool = False) -> np.ndarray:
     """The rotary inverse frequencies ``[head_dim // 2]`` float32, as transformers computes them
     (``theta ** -(2i / head_dim)``, then the rope type's rescaling: ``linear`` divides all by
     ``rope_factor``; ``llama3`` and ``yarn`` divide the long wavelengths by it, keep the short
     ones and blend those between), here in float64 and rounded once. A position ``p`` rotates
-    pair ``i`` by ``p * inv_freq[i]`` radians (that product in float32, as transformers does)."""
+    pair ``i`` by ``p * inv_freq[i]`` radians (that product in float32, as transformers does).
+    ``sliding``: those of the layers with a sliding window (with ``sliding_rope_theta``: plain,
+    at that base)."""
     d = config.head_dim
+    if sliding and config.sliding_rope_theta:
+        return (1.0 / config.sliding_rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)).astype(np.float32)
     freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     if config.rope_type == "linear":
         freq = freq / config.rope_factor

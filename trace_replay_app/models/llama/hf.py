@@ -21,7 +21,9 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
+_ATTENTION_BIAS = ("llama", "qwen3", "olmo2", "olmo3")  # attention_bias: q/k/v and output biases
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
 
@@ -57,6 +59,29 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
             out[field] = get_float(merged, key, name=f"rope_scaling.{key}")
         out["rope_original_max_positions"] = _original_positions(hf, merged)
     return out
+
+
+def _layered_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """OLMo 3's rotary options, per layer type: ``rope_parameters`` as ``{"full_attention": ...,
+    "sliding_attention": ...}`` (older files: ``rope_scaling`` for the full layers, ``rope_theta``
+    for both). The full layers' options are the config's; the sliding layers must use plain
+    rotary embeddings, at ``sliding_rope_theta`` when that differs from the full layers' (as
+    transformers, YaRN's ``truncate`` is read from the top of ``rope_parameters``: true)."""
+    params = get_mapping(hf, "rope_parameters")
+    if "full_attention" not in params and "sliding_attention" not in params:
+        full = _rope(hf)
+        sliding = {"rope_type": "default", "rope_theta": get_float(hf, "rope_theta", 10000.0)}
+    else:
+        full_params = dict(get_mapping(params, "full_attention"), truncate=params.get("truncate", True))
+        full = _rope({**hf, "rope_parameters": full_params, "rope_scaling": None})
+        sliding = get_mapping(params, "sliding_attention")
+    kind = sliding.get("rope_type", sliding.get("type", "default")) or "default"
+    if kind != "default":
+        raise ValueError(f"rope_parameters.sliding_attention type {kind!r} is not supported (supported: default)")
+    theta = get_float(sliding, "rope_theta", full["rope_theta"], name="rope_parameters.sliding_attention.rope_theta")
+    if full["rope_type"] != "default" or theta != full["rope_theta"]:
+        full["sliding_rope_theta"] = theta
+    return full
 
 
 def _factor(merged: Mapping[str, Any], rope_type: str) -> float:
@@ -104,19 +129,23 @@ def _original_positions(hf: Mapping[str, Any], merged: Mapping[str, Any]) -> int
 
 def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
     """Per-layer sliding windows as transformers applies them: Mistral and Phi-3 slide in every
-    layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the layers that
-    ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``)."""
-    window = hf.get("sliding_window")
+    layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the
+    layers that ``layer_types`` marks ``sliding_attention`` (by default those from
+    ``max_window_layers``); OLMo 3 in those layers always (by default three of every four, a
+    window of 4,096 unless ``sliding_window`` says otherwise)."""
+    window = hf.get("sliding_window", 4096 if model_type == "olmo3" else None)
     if model_type in ("llama", "olmo2") or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
     if model_type in ("mistral", "phi3"):
         return (window,) * layers
-    if not get_bool(hf, "use_sliding_window"):
+    if model_type != "olmo3" and not get_bool(hf, "use_sliding_window"):
         return ()
     types = hf.get("layer_types")
-    if types is None:
+    if types is None and model_type == "olmo3":  # three sliding layers, then a full one
+        types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    elif types is None:
         start = get_int(hf, "max_window_layers", layers)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
     if (
@@ -132,10 +161,10 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
-    """The config of a Hugging Face ``config.json`` mapping of model_type ``llama``,
-    ``mistral``, ``qwen2``, ``qwen3``, ``phi3`` or ``olmo2``; ``ValueError`` naming the key for a missing size or an
-    option the loops do not implement (another activation, another rotary scaling, partial
-    rotary). Keys the loops do not need are ignored."""
+    """The config of a Hugging Face ``config.json`` mapping of a model type in
+    :data:`~.config.MODEL_TYPES`; ``ValueError`` naming the key for a missing size or an option
+    the loops do not implement (another activation, another rotary scaling, partial rotary).
+    Keys the loops do not need are ignored."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(
@@ -159,13 +188,13 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
         rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
         tie_word_embeddings=get_bool(hf, "tie_word_embeddings"),
-        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in ("llama", "qwen3", "olmo2"),
-        o_bias=attention_bias and model_type in ("llama", "qwen3", "olmo2"),
+        qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in _ATTENTION_BIAS,
+        o_bias=attention_bias and model_type in _ATTENTION_BIAS,
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
-        qk_norm=model_type in ("qwen3", "olmo2"),
-        post_norms=model_type == "olmo2",
+        qk_norm=model_type in ("qwen3", "olmo2", "olmo3"),
+        post_norms=model_type in ("olmo2", "olmo3"),
         layer_windows=_windows(hf, model_type, layers),
-        **_rope(hf),
+        **(_layered_rope(hf) if model_type == "olmo3" else _rope(hf)),
     )
 
 
@@ -272,6 +301,18 @@ def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[
         "mlp_bias": config.mlp_bias,
         "sliding_window": windows.pop() if windows else None,
     }
+    if config.model_type == "olmo3":
+        theta = config.sliding_rope_theta or config.rope_theta
+        hf["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": theta},
+        }
+        hf["rope_scaling"] = None
+        hf["layer_types"] = [
+            "sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)
+        ]
+    elif config.sliding_rope_theta:
+        raise ValueError(f"a {config.model_type} checkpoint has one rotary embedding for all layers (this config: two)")
     if config.model_type in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = hf["sliding_window"] is not None
         hf["layer_types"] = [

@@ -109,22 +109,30 @@ def _rotate(x, cos, sin):
     return x * cos[:, None] + jnp.concatenate([-x2, x1], axis=-1) * sin[:, None]
 
 
+def _cos_sin(positions, inv: np.ndarray, factor: float, dtype):
+    """The rotary cos and sin of ``positions`` in ``dtype``: the angles in float32, cos and sin
+    scaled by ``factor`` (YaRN) before rounding, as transformers."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if factor != 1:
+        cos, sin = cos * factor, sin * factor
+    return cos.astype(dtype), sin.astype(dtype)
+
+
 def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     """Hidden states after the final norm ``[tokens, hidden]``, and ``state``;
     ``attend(layer, q, k, v, state)`` (rotated ``[tokens, heads or kv_heads, head_dim]``)
     returns the attention output ``[tokens, heads * head_dim]`` and the new state."""
     c, eps = config, config.rms_norm_eps
     dtype = p["embed"].dtype
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq(c))[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if c.rope_attention_factor != 1:  # YaRN: float32 cos and sin scaled, then cast (as transformers)
-        cos, sin = cos * c.rope_attention_factor, sin * c.rope_attention_factor
-    cos, sin = cos.astype(dtype), sin.astype(dtype)
+    rope = _cos_sin(positions, inv_freq(c), c.rope_attention_factor, dtype)
+    local = _cos_sin(positions, inv_freq(c, sliding=True), 1.0, dtype) if c.sliding_rope_theta else rope
     x = p["embed"][tokens]
     n, d = x.shape[0], c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d, c.num_key_value_heads * d
     for i, w in enumerate(p["layers"]):
+        cos, sin = local if c.window(i) else rope
         qkv = _linear(x if c.post_norms else _rms(x, w["ln1"], eps), w["qkv_w"], w.get("qkv_b"))
         q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
         if c.qk_norm and c.post_norms:  # over the whole projections

@@ -230,6 +230,7 @@ class LlamaTorch:
         if shard is not None and c.tie_word_embeddings:
             self.head = self.embed[shard.start : shard.end]  # a view of the replicated embedding
         self.inv_freq = torch.from_numpy(inv_freq(c)).to(device)
+        self.inv_freq_sliding = torch.from_numpy(inv_freq(c, sliding=True)).to(device)
         self.scale = c.head_dim**-0.5
         self._index = torch.arange(max(2, c.num_hidden_layers), device=device)  # store_step_kv's
 
@@ -245,18 +246,24 @@ class LlamaTorch:
         """A zero :func:`cache_shape` KV cache (of this rank's heads) on the model's device in its dtype."""
         return torch.zeros(cache_shape(self.config, slots, kv_len), dtype=self.dtype, device=self.device)
 
+    def _cos_sin(self, positions: torch.Tensor, inv: torch.Tensor, factor: float):
+        """The rotary cos and sin of ``positions`` in the model's dtype: the angles in float32, cos
+        and sin scaled by ``factor`` (YaRN) before rounding, as transformers."""
+        freqs = positions.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1:
+            cos, sin = cos * factor, sin * factor
+        return cos.to(self.dtype), sin.to(self.dtype)
+
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Callable, compiled: bool = False):
         """Hidden states after the final norm, ``[tokens, hidden]``; ``attend(layer, q, k, v)``
         (``[tokens, heads or kv_heads, head_dim]``, rotated) stores keys/values and returns the
         attention output ``[tokens, heads * head_dim]``. ``compiled``: the layer pieces through
         ``torch.compile`` (fixed shapes: the decode step)."""
         c, eps = self.config, self.config.rms_norm_eps
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # float32, as transformers
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if c.rope_attention_factor != 1:  # YaRN: float32 cos and sin scaled, then cast (as transformers)
-            cos, sin = cos * c.rope_attention_factor, sin * c.rope_attention_factor
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        rope = self._cos_sin(positions, self.inv_freq, c.rope_attention_factor)
+        local = self._cos_sin(positions, self.inv_freq_sliding, 1.0) if c.sliding_rope_theta else rope
         options: dict[str, Any]
         if compiled:
             inputs, after = _compiled_pieces()
@@ -267,6 +274,7 @@ class LlamaTorch:
         shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, eps, c.qk_norm, c.post_norms)
         x = self.embed[tokens]
         for i, w in enumerate(self.layers):
+            cos, sin = local if c.window(i) else rope
             q, k, v = inputs(x, w, cos, sin, *shape)
             x = after(x, attend(i, q, k, v), w, eps, **options)
         return _rms(x, self.norm, eps)
