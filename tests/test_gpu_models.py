@@ -32,6 +32,7 @@ _GPU_CASES = [
     "phi3-window",
     "olmo2-biases",
     "olmo3-yarn-window",
+    "gemma3-window",
 ]
 
 

@@ -48,17 +48,18 @@ def test_names_and_shapes_are_transformers(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rotary_frequencies_are_transformers(case):
+    # transformers computes them in float32, here in float64 rounded once: a few float32 steps apart
     hf = _hf(case)
     config = config_from_hf(hf.to_dict())
     rotary = transformers.AutoModelForCausalLM.from_config(hf).model.rotary_emb
     if hasattr(rotary, "full_attention_inv_freq"):  # one rotary embedding per layer type (OLMo 3)
         for sliding, kind in ((False, "full_attention"), (True, "sliding_attention")):
-            np.testing.assert_allclose(inv_freq(config, sliding), getattr(rotary, f"{kind}_inv_freq"), rtol=3e-7)
+            np.testing.assert_allclose(inv_freq(config, sliding), getattr(rotary, f"{kind}_inv_freq"), rtol=5e-7)
         assert config.sliding_rope_theta and not np.allclose(inv_freq(config, True), inv_freq(config))
         scale = rotary.full_attention_attention_scaling
         assert rotary.sliding_attention_attention_scaling == 1.0
     else:
-        np.testing.assert_allclose(inv_freq(config), rotary.inv_freq.numpy(), rtol=3e-7)
+        np.testing.assert_allclose(inv_freq(config), rotary.inv_freq.numpy(), rtol=5e-7)
         scale = rotary.attention_scaling
     assert config.rope_attention_factor == pytest.approx(scale, rel=1e-12)
 
@@ -85,7 +86,7 @@ def test_rope_scaling_is_transformers(options):
     hf = transformers.AutoConfig.for_model("qwen3", **_SIZES, head_dim=32, rope_parameters=dict(options))
     config = config_from_hf(hf.to_dict())
     rotary = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(hf)
-    np.testing.assert_allclose(inv_freq(config), rotary.inv_freq.numpy(), rtol=3e-7)
+    np.testing.assert_allclose(inv_freq(config), rotary.inv_freq.numpy(), rtol=5e-7)
     assert config.rope_attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
     again = config_from_hf(to_hf(config, seeded_weights(config))[0])  # and back through config.json
     assert again == config
@@ -332,8 +333,10 @@ def test_registry_entries():
     for t in MODEL_TYPES:
         assert t in supported_model_types()
     assert family_for_model_type("mistral") is get_family("llama")
-    for name in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3"):
+    for name, model_type in [(t, t) for t in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3")] + [
+        ("gemma3", "gemma3_text")
+    ]:
         family = get_family(name)
         config = family.default_config()
-        assert isinstance(config, LlamaConfig) and config.model_type == name
+        assert isinstance(config, LlamaConfig) and config.model_type == model_type
         family.check_weights(config, family.seeded_weights(config, 0))

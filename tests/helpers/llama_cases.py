@@ -45,8 +45,8 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
 # id -> (model_type, config options, save options). Between them: tied and untied embeddings,
 # rope_scaling llama3, yarn, linear and default, biases (attention, MLP, q/k/v), sliding windows
 # shorter than the sequences, Phi-3's fused projections, OLMo 2's output norms, OLMo 3's rotary
-# embeddings per layer type, per-head q/k norms with an explicit head_dim, a sharded save, a
-# bf16 save.
+# embeddings per layer type, Gemma 3's sandwich norms and scaled embeddings, per-head q/k norms
+# with an explicit head_dim, a sharded save, a bf16 save.
 CASES: dict[str, tuple] = {
     "llama-tied-llama3-sharded": (
         "llama",
@@ -64,6 +64,20 @@ CASES: dict[str, tuple] = {
     "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
     "phi3-window": ("phi3", dict(tie_word_embeddings=False, sliding_window=6), {}),
     "olmo2-biases": ("olmo2", dict(tie_word_embeddings=False, attention_bias=True), {}),
+    "gemma3-window": (
+        "gemma3_text",
+        dict(
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+        {},
+    ),
     "olmo3-yarn-window": (
         "olmo3",
         dict(
@@ -91,10 +105,14 @@ def make_checkpoint(case: str, folder: str, seed: int = 0, **overrides: Any) -> 
     config = transformers.AutoConfig.for_model(model_type, **{**_SIZES, **options, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # transformers starts biases at 0: a loop that drops one would match by accident
+    # transformers starts biases at 0 and norm gains at 1 (Gemma's at 0, as it adds 1): a loop
+    # that drops one, or swaps two norms, would match by accident
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
     if save.get("dtype") == "bfloat16":
         model = model.to(torch.bfloat16)
     os.makedirs(folder, exist_ok=True)

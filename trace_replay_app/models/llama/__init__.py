@@ -1,5 +1,5 @@
 """The Llama-family models: ``llama`` (Llama 2/3/3.1, also serving ``mistral`` checkpoints),
-``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4), ``olmo2`` and ``olmo3``, one framework-neutral config
+``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4), ``olmo2``, ``olmo3`` and ``gemma3``, one framework-neutral config
 (``config.py``, numpy only; the Hugging Face ``config.json`` and tensor conversions in
 ``hf.py``) and the prefill/decode math in each framework with its ``run_decode`` on that
 framework's shared driver (``torch_loop.py``, ``jax_loop.py``; :mod:`trace_replay_app.drivers`),
@@ -61,7 +61,7 @@ def _family(name: str, label: str, model_types) -> Family:
         model_types=tuple(model_types),
         config_type=LlamaConfig,
         config_from_hf=config_from_hf,
-        default_config=functools.partial(default_config, name),
+        default_config=functools.partial(default_config, model_types[0]),
         seeded_weights=seeded_weights,
         weights_from_tensors=weights_from_tensors,
         check_weights=check_weights,
@@ -78,4 +78,5 @@ FAMILIES = (
     _family("phi3", "Phi-3-family model", ("phi3",)),
     _family("olmo2", "OLMo-2-family model", ("olmo2",)),
     _family("olmo3", "OLMo-3-family model", ("olmo3",)),
+    _family("gemma3", "Gemma-3-family model", ("gemma3_text",)),
 )

@@ -3,13 +3,16 @@
 One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.1), ``mistral``
 (the same layout, with a sliding attention window), ``qwen2`` (biases on q/k/v), ``qwen3``
 (per-head RMSNorm on q and k, an explicit ``head_dim``), ``phi3`` (Phi-3 and Phi-4: the
-Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits) and
+Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits),
 ``olmo2`` (OLMo 2: RMSNorm on each sublayer's output instead of its input, and on the whole
-q and k projections) and ``olmo3`` (OLMo 2's layers, three of every four with a sliding window
-and plain rotary embeddings). The block: RMSNorm, grouped-query
-attention with rotary embeddings (``rope_theta``; ``rope_scaling`` none, ``default``,
-``linear``, ``llama3`` or ``yarn``), RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``,
-or the token embedding when tied).
+q and k projections), ``olmo3`` (OLMo 2's layers, three of every four with a sliding window
+and plain rotary embeddings) and ``gemma3_text`` (Gemma 3: norms on each sublayer's input and
+output scaling by ``1 + weight``, per-head q/k norms, a GELU-gated MLP, embeddings scaled by
+``sqrt(hidden_size)``, five of every six layers with a sliding window and their own rotary
+base). The Llama block: RMSNorm, grouped-query attention with rotary embeddings
+(``rope_theta``; ``rope_scaling`` none, ``default``, ``linear``, ``llama3`` or ``yarn``),
+RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``, or the token
+embedding when tied).
 
 Parameters keep the names and shapes transformers saves (``model.embed_tokens.weight``,
 ``model.layers.N.self_attn.q_proj.weight`` ``[heads * head_dim, hidden]``, ...,
@@ -38,10 +41,14 @@ __all__ = [
     "describe",
     "inv_freq",
     "yarn_attention_factor",
+    "layer_norm_names",
 ]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+NORM_PLACEMENTS = ("pre", "post", "both")
+NORM_STYLES = ("llama", "olmo", "gemma")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 def _positive_int(owner: str, name: str, value: Any) -> None:
@@ -64,10 +71,18 @@ class LlamaConfig:
     (OLMo 3): the layers with a sliding window use plain rotary embeddings at this base instead
     (0: every layer the same). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
     q/k/v, output and MLP projections; ``qk_norm``: RMSNorm over each head of q and k (Qwen3).
-    ``post_norms`` (OLMo 2): each layer normalises the attention's and the MLP's outputs before
-    adding them to the residual stream (``post_attention_layernorm``,
-    ``post_feedforward_layernorm``; no ``input_layernorm``), ``qk_norm`` is then over the whole
-    q and k projections (all heads at once), and these norms scale in float32 before rounding.
+    ``norm_placement``: where a layer's RMSNorms sit, ``"pre"`` on the attention's and the MLP's
+    inputs (Llama: ``input_layernorm``, ``post_attention_layernorm``), ``"post"`` on their outputs
+    before the residual add (OLMo: ``post_attention_layernorm``, ``post_feedforward_layernorm``)
+    or ``"both"`` (Gemma 3: ``input_layernorm``, ``post_attention_layernorm``,
+    ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``); :func:`layer_norm_names`.
+    ``norm_style``: how every RMSNorm scales, ``"llama"`` (rounded to the activations' dtype,
+    then times the weight), ``"olmo"`` (times the weight in float32, then rounded; ``qk_norm`` is
+    then over the whole q and k projections, all heads at once) or ``"gemma"`` (times ``1 +
+    weight`` in float32, then rounded). ``hidden_act``: the MLP gate's activation, ``"silu"`` or
+    ``"gelu_pytorch_tanh"``; ``embed_scale``: token embeddings times ``sqrt(hidden_size)``
+    (rounded to the compute dtype; Gemma); ``query_pre_attn_scalar``: attention scores scale by
+    its inverse square root (0: ``head_dim``'s).
     ``layer_windows``: per layer, the sliding attention window in tokens (a query at position
     ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty means
     full attention in every layer. ``n_positions`` (the most prompt + decoded tokens of one
@@ -100,7 +115,11 @@ class LlamaConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    post_norms: bool = False
+    norm_placement: str = "pre"
+    norm_style: str = "llama"
+    hidden_act: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float = 0.0
     layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -158,6 +177,19 @@ class LlamaConfig:
                 f"{owner}.rope_attention_factor applies to rope_type 'yarn' only (got {a!r} with {self.rope_type!r})"
             )
         object.__setattr__(self, "rope_attention_factor", float(a))
+        for name, allowed in (
+            ("norm_placement", NORM_PLACEMENTS),
+            ("norm_style", NORM_STYLES),
+            ("hidden_act", HIDDEN_ACTS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{owner}.{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        if not isinstance(self.embed_scale, bool):
+            raise ValueError(f"{owner}.embed_scale must be True or False (got {self.embed_scale!r})")
+        t = self.query_pre_attn_scalar
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ValueError(f"{owner}.query_pre_attn_scalar must be a finite number >= 0 (got {t!r})")
+        object.__setattr__(self, "query_pre_attn_scalar", float(t))
         t = self.sliding_rope_theta
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
             raise ValueError(f"{owner}.sliding_rope_theta must be a finite number >= 0 (got {t!r})")
@@ -176,6 +208,11 @@ class LlamaConfig:
     @property
     def n_positions(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of the attention scores: ``query_pre_attn_scalar ** -0.5``, else ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_groups(self) -> int:
@@ -200,9 +237,34 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(qkv_bias=True, tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
     "phi3": dict(rope_theta=250000.0),
-    "olmo2": dict(post_norms=True, qk_norm=True, rope_theta=500000.0),
-    "olmo3": dict(post_norms=True, qk_norm=True, rope_theta=500000.0, layer_windows=(32, 0)),
+    "olmo2": dict(norm_placement="post", norm_style="olmo", qk_norm=True, rope_theta=500000.0),
+    "olmo3": dict(norm_placement="post", norm_style="olmo", qk_norm=True, rope_theta=500000.0, layer_windows=(32, 0)),
+    "gemma3_text": dict(
+        norm_placement="both",
+        norm_style="gemma",
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        embed_scale=True,
+        head_dim=32,
+        query_pre_attn_scalar=32.0,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        sliding_rope_theta=10000.0,
+        layer_windows=(32, 0),
+    ),
 }
+
+
+def layer_norm_names(config: LlamaConfig) -> dict[str, str]:
+    """A layer's RMSNorms by role (``"attention_in"``, ``"attention_out"``, ``"mlp_in"``,
+    ``"mlp_out"``) -> their names in a checkpoint (``model.layers.N.<name>.weight``), those of
+    ``config.norm_placement``."""
+    if config.norm_placement == "pre":
+        return {"attention_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
+    out = {"attention_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"}
+    if config.norm_placement == "both":
+        out.update(attention_in="input_layernorm", mlp_in="pre_feedforward_layernorm")
+    return out
 
 
 def default_config(model_type: str = "llama") -> LlamaConfig:
@@ -220,8 +282,6 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        if not config.post_norms:
-            shapes[p + "input_layernorm.weight"] = (h,)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shapes[f"{p}self_attn.{name}.weight"] = (rows, h)
             if config.qkv_bias:
@@ -230,11 +290,11 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         if config.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (q,) if config.post_norms else (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (kv,) if config.post_norms else (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if config.post_norms:
-            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+            whole = config.norm_style == "olmo"
+            shapes[p + "self_attn.q_norm.weight"] = (q,) if whole else (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv,) if whole else (d,)
+        for name in layer_norm_names(config).values():
+            shapes[p + name + ".weight"] = (h,)
         for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             shapes[f"{p}mlp.{name}.weight"] = shape
             if config.mlp_bias:

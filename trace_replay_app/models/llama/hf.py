@@ -22,8 +22,9 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
-_ATTENTION_BIAS = ("llama", "qwen3", "olmo2", "olmo3")  # attention_bias: q/k/v and output biases
+_ATTENTION_BIAS = ("llama", "qwen3", "olmo2", "olmo3", "gemma3_text")  # attention_bias: q/k/v and output biases
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
 
@@ -61,16 +62,19 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _layered_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """OLMo 3's rotary options, per layer type: ``rope_parameters`` as ``{"full_attention": ...,
-    "sliding_attention": ...}`` (older files: ``rope_scaling`` for the full layers, ``rope_theta``
-    for both). The full layers' options are the config's; the sliding layers must use plain
-    rotary embeddings, at ``sliding_rope_theta`` when that differs from the full layers' (as
-    transformers, YaRN's ``truncate`` is read from the top of ``rope_parameters``: true)."""
+def _layered_rope(hf: Mapping[str, Any], gemma: bool = False) -> dict[str, Any]:
+    """OLMo 3's and Gemma 3's rotary options, per layer type: ``rope_parameters`` as
+    ``{"full_attention": ..., "sliding_attention": ...}`` (older files: ``rope_scaling`` for the
+    full layers; ``rope_theta`` for both, or with ``gemma`` for the full layers, default 1e6,
+    and ``rope_local_base_freq`` for the sliding ones, default 1e4). The full layers' options
+    are the config's; the sliding layers must use plain rotary embeddings, at
+    ``sliding_rope_theta`` when that differs from the full layers' (as transformers, YaRN's
+    ``truncate`` is read from the top of ``rope_parameters``: true)."""
     params = get_mapping(hf, "rope_parameters")
     if "full_attention" not in params and "sliding_attention" not in params:
-        full = _rope(hf)
-        sliding = {"rope_type": "default", "rope_theta": get_float(hf, "rope_theta", 10000.0)}
+        full = _rope({**hf, "rope_theta": get_float(hf, "rope_theta", 1e6)} if gemma else hf)
+        theta = get_float(hf, "rope_local_base_freq", 1e4) if gemma else get_float(hf, "rope_theta", 1e4)
+        sliding = {"rope_type": "default", "rope_theta": theta}
     else:
         full_params = dict(get_mapping(params, "full_attention"), truncate=params.get("truncate", True))
         full = _rope({**hf, "rope_parameters": full_params, "rope_scaling": None})
@@ -112,6 +116,11 @@ def _yarn(hf: Mapping[str, Any], merged: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _number(value: float) -> int | float:
+    """``value`` as JSON writes it for transformers' typed configs: an int when it is one."""
+    return int(value) if float(value).is_integer() else value
+
+
 def _positive(merged: Mapping[str, Any], key: str) -> float:
     value = get_float(merged, key, name=f"rope_scaling.{key}")
     if not 0 < value < float("inf"):
@@ -131,20 +140,23 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
     """Per-layer sliding windows as transformers applies them: Mistral and Phi-3 slide in every
     layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the
     layers that ``layer_types`` marks ``sliding_attention`` (by default those from
-    ``max_window_layers``); OLMo 3 in those layers always (by default three of every four, a
-    window of 4,096 unless ``sliding_window`` says otherwise)."""
-    window = hf.get("sliding_window", 4096 if model_type == "olmo3" else None)
+    ``max_window_layers``); OLMo 3 and Gemma 3 in those layers always (by default three of
+    every four, or five of every ``sliding_window_pattern`` = 6; a window of 4,096 unless
+    ``sliding_window`` says otherwise)."""
+    always = model_type in ("olmo3", "gemma3_text")  # windows per layer_types, no switch
+    window = hf.get("sliding_window", 4096 if always else None)
     if model_type in ("llama", "olmo2") or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"sliding_window must be a positive int or null (got {window!r})")
     if model_type in ("mistral", "phi3"):
         return (window,) * layers
-    if model_type != "olmo3" and not get_bool(hf, "use_sliding_window"):
+    if not always and not get_bool(hf, "use_sliding_window"):
         return ()
     types = hf.get("layer_types")
-    if types is None and model_type == "olmo3":  # three sliding layers, then a full one
-        types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    if types is None and always:  # OLMo 3: three sliding layers, then a full one; Gemma 3: five
+        every = get_int(hf, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 4
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     elif types is None:
         start = get_int(hf, "max_window_layers", layers)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
@@ -170,12 +182,23 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         raise ValueError(
             f"model_type {model_type!r} is not supported by the llama family (supported: {', '.join(MODEL_TYPES)})"
         )
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act={act!r} is not supported (the loops implement SwiGLU with 'silu')")
+    gemma = model_type == "gemma3_text"
+    if gemma:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation={act!r} is not supported (Gemma 3's is 'gelu_pytorch_tanh')")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+            if hf.get(key):  # Gemma 2's soft caps and bidirectional attention: not implemented
+                raise ValueError(f"{key}={hf[key]!r} is not supported")
+    else:
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported (the loops implement SwiGLU with 'silu')")
     heads = get_int(hf, "num_attention_heads", required=True)
     layers = get_int(hf, "num_hidden_layers", required=True)
     attention_bias = get_bool(hf, "attention_bias")
+    olmo = model_type in ("olmo2", "olmo3")
+    placement = "post" if olmo else ("both" if gemma else "pre")
     return LlamaConfig(
         model_type=model_type,
         vocab_size=get_int(hf, "vocab_size", required=True),
@@ -187,14 +210,18 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         head_dim=get_int(hf, "head_dim", 0),
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
         rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
-        tie_word_embeddings=get_bool(hf, "tie_word_embeddings"),
+        tie_word_embeddings=get_bool(hf, "tie_word_embeddings") if "tie_word_embeddings" in hf or not gemma else True,
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in _ATTENTION_BIAS,
         o_bias=attention_bias and model_type in _ATTENTION_BIAS,
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
-        qk_norm=model_type in ("qwen3", "olmo2", "olmo3"),
-        post_norms=model_type in ("olmo2", "olmo3"),
+        qk_norm=model_type in ("qwen3", "olmo2", "olmo3", "gemma3_text"),
+        norm_placement=placement,
+        norm_style="olmo" if olmo else ("gemma" if gemma else "llama"),
+        hidden_act=act,
+        embed_scale=gemma,
+        query_pre_attn_scalar=get_float(hf, "query_pre_attn_scalar", 256.0) if gemma else 0.0,
         layer_windows=_windows(hf, model_type, layers),
-        **(_layered_rope(hf) if model_type == "olmo3" else _rope(hf)),
+        **(_layered_rope(hf, gemma) if model_type in ("olmo3", "gemma3_text") else _rope(hf)),
     )
 
 
@@ -292,7 +319,7 @@ def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[
         "head_dim": config.head_dim,
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.rms_norm_eps,
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "tie_word_embeddings": config.tie_word_embeddings,
         "rope_theta": config.rope_theta,
         "rope_scaling": rope if config.rope_type != "default" else None,
@@ -301,7 +328,17 @@ def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[
         "mlp_bias": config.mlp_bias,
         "sliding_window": windows.pop() if windows else None,
     }
-    if config.model_type == "olmo3":
+    if config.model_type == "gemma3_text":
+        hf.update(
+            hidden_activation=config.hidden_act,
+            query_pre_attn_scalar=_number(config.query_pre_attn_scalar or config.head_dim),
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    if config.model_type in ("olmo3", "gemma3_text"):
         theta = config.sliding_rope_theta or config.rope_theta
         hf["rope_parameters"] = {
             "full_attention": rope,

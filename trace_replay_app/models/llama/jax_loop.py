@@ -34,7 +34,7 @@ import numpy as np
 from ...drivers.jax_attention import cache_mix, cache_scores
 from ...drivers.jax_driver import JaxFamily, decoder
 from ...drivers.jax_score import scorer
-from .config import LlamaConfig, check_weights, inv_freq
+from .config import LlamaConfig, check_weights, inv_freq, layer_norm_names
 
 __all__ = ["JAX", "run_decode", "run_score"]
 
@@ -53,15 +53,13 @@ def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray], head: bool =
     for i in range(config.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         layer = {
-            "ln2": get(f"model.layers.{i}.post_attention_layernorm.weight"),
+            **{role: get(f"model.layers.{i}.{name}.weight") for role, name in layer_norm_names(config).items()},
             "qkv_w": np.concatenate([get(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")]).T,
             "o_w": get(a + "o_proj.weight").T,
             "gu_w": np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]).T,
             "down_w": get(m + "down_proj.weight").T,
         }
         optional = {
-            "ln1": [f"model.layers.{i}.input_layernorm.weight"],
-            "ln3": [f"model.layers.{i}.post_feedforward_layernorm.weight"],
             "qkv_b": [a + n + ".bias" for n in ("q_proj", "k_proj", "v_proj")],
             "o_b": [a + "o_proj.bias"],
             "q_norm": [a + "q_norm.weight"],
@@ -90,18 +88,21 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def _rms(x, weight, eps: float):
-    """RMSNorm as transformers computes it: in float32, rounded to ``x``'s dtype, then scaled."""
+def _rms(x, weight, eps: float, style: str = "llama"):
+    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style``): normalised
+    in float32, then ``"llama"``: rounded to ``x``'s dtype and times the weight; ``"olmo"``:
+    times the weight in float32, then rounded; ``"gemma"``: times ``1 + weight`` in float32,
+    then rounded."""
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return weight * h.astype(x.dtype)
+    if style == "llama":
+        return weight * h.astype(x.dtype)
+    w = weight.astype(jnp.float32)
+    return (h * (w + 1.0 if style == "gemma" else w)).astype(x.dtype)
 
 
-def _rms_scaled_f32(x, weight, eps: float):
-    """RMSNorm as OLMo 2 computes it: scaled in float32, then rounded to ``x``'s dtype."""
-    h = x.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * h).astype(x.dtype)
+def _act(gate, act: str):
+    return jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
 
 
 def _rotate(x, cos, sin):
@@ -129,28 +130,30 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     rope = _cos_sin(positions, inv_freq(c), c.rope_attention_factor, dtype)
     local = _cos_sin(positions, inv_freq(c, sliding=True), 1.0, dtype) if c.sliding_rope_theta else rope
     x = p["embed"][tokens]
+    if c.embed_scale:  # Gemma: sqrt(hidden_size) rounded to the compute dtype, as transformers
+        x = x * jnp.asarray(c.hidden_size**0.5, dtype)
     n, d = x.shape[0], c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d, c.num_key_value_heads * d
+    style, pre, post = c.norm_style, c.norm_placement != "post", c.norm_placement != "pre"
+    whole = c.qk_norm and style == "olmo"  # q/k norms over the whole projections, else per head
     for i, w in enumerate(p["layers"]):
         cos, sin = local if c.window(i) else rope
-        qkv = _linear(x if c.post_norms else _rms(x, w["ln1"], eps), w["qkv_w"], w.get("qkv_b"))
+        qkv = _linear(_rms(x, w["attention_in"], eps, style) if pre else x, w["qkv_w"], w.get("qkv_b"))
         q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
-        if c.qk_norm and c.post_norms:  # over the whole projections
-            q, k = _rms_scaled_f32(q, w["q_norm"], eps), _rms_scaled_f32(k, w["k_norm"], eps)
+        if whole:
+            q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
         q = q.reshape(n, c.num_attention_heads, d)
         k, v = k.reshape(n, c.num_key_value_heads, d), v.reshape(n, c.num_key_value_heads, d)
-        if c.qk_norm and not c.post_norms:  # per head
-            q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
+        if c.qk_norm and not whole:
+            q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
         a, state = attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v, state)
-        if c.post_norms:
-            x = x + _rms_scaled_f32(_linear(a, w["o_w"], w.get("o_b")), w["ln2"], eps)
-            gate, up = jnp.split(_linear(x, w["gu_w"], w.get("gu_b")), 2, axis=-1)
-            x = x + _rms_scaled_f32(_linear(jax.nn.silu(gate) * up, w["down_w"], w.get("down_b")), w["ln3"], eps)
-            continue
-        x = x + _linear(a, w["o_w"], w.get("o_b"))
-        gate, up = jnp.split(_linear(_rms(x, w["ln2"], eps), w["gu_w"], w.get("gu_b")), 2, axis=-1)
-        x = x + _linear(jax.nn.silu(gate) * up, w["down_w"], w.get("down_b"))
-    return _rms(x, p["norm"], eps), state
+        out = _linear(a, w["o_w"], w.get("o_b"))
+        x = x + (_rms(out, w["attention_out"], eps, style) if post else out)
+        h = _rms(x, w["mlp_in"], eps, style) if pre else x
+        gate, up = jnp.split(_linear(h, w["gu_w"], w.get("gu_b")), 2, axis=-1)
+        out = _linear(_act(gate, c.hidden_act) * up, w["down_w"], w.get("down_b"))
+        x = x + (_rms(out, w["mlp_out"], eps, style) if post else out)
+    return _rms(x, p["norm"], eps, style), state
 
 
 def _logits(p, h):
@@ -169,7 +172,7 @@ def _prefill(params, config: LlamaConfig, tokens):
     c = config
     n = tokens.shape[0]
     pos = jnp.arange(n)
-    scale = c.head_dim**-0.5
+    scale = c.attention_scale
 
     def attend(layer, q, k, v, kv):
         window = c.window(layer)
@@ -193,7 +196,7 @@ def _hidden(params, config: LlamaConfig, tokens, attention: str = "xla"):
     c = config
     r, n = tokens.shape
     pos = jnp.arange(n)
-    scale = c.head_dim**-0.5
+    scale = c.attention_scale
 
     def attend(layer, q, k, v, state):
         q, k, v = (t.reshape(r, n, t.shape[1], c.head_dim) for t in (q, k, v))
@@ -245,7 +248,7 @@ def _decode(p, config: LlamaConfig, cache, tokens, positions, attention: str = "
     c = config
     rows = jnp.arange(positions.shape[0])
     kpos = jnp.arange(cache[0][0].shape[1])
-    scale = c.head_dim**-0.5
+    scale = c.attention_scale
     lengths = (positions + 1).astype(jnp.int32)
     masks = {}
     for layer in range(c.num_hidden_layers):

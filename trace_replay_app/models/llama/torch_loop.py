@@ -36,7 +36,7 @@ from ...drivers.torch_attention import flash_decode, flash_decode_supported, sto
 from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
-from .config import LlamaConfig, check_weights, inv_freq
+from .config import LlamaConfig, check_weights, inv_freq, layer_norm_names
 
 __all__ = ["LlamaTorch", "TORCH", "run_decode", "run_score", "splits_layers"]
 
@@ -51,7 +51,7 @@ def splits_layers(config: LlamaConfig, world_size: int) -> bool:
     """Whether attention and MLP split evenly over ``world_size`` ranks (key/value heads and MLP
     hidden units multiples of it; never with q/k norms over whole projections, which would need
     every rank's heads)."""
-    if config.qk_norm and config.post_norms:
+    if config.qk_norm and config.norm_style == "olmo":
         return False
     return config.num_key_value_heads % world_size == 0 and config.intermediate_size % world_size == 0
 
@@ -90,18 +90,20 @@ def _tensor(w: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers computes it: in float32, rounded to ``x``'s dtype, then scaled."""
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
+    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style``): normalised
+    in float32, then ``"llama"``: rounded to ``x``'s dtype and times the weight; ``"olmo"``:
+    times the weight in float32, then rounded; ``"gemma"``: times ``1 + weight`` in float32,
+    then rounded."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    if style == "llama":
+        return weight * h.to(x.dtype)
+    return (h * (weight.float() + 1.0 if style == "gemma" else weight.float())).to(x.dtype)
 
 
-def _rms_scaled_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as OLMo 2 computes it: scaled in float32, then rounded to ``x``'s dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h).to(x.dtype)
+def _act(gate: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,35 +112,42 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
+_LLAMA_FORM = ("llama", "pre", "silu")
+
+
 def _attention_inputs(
-    x, w, cos, sin, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool, post_norms: bool = False
+    x, w, cos, sin, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool, form=_LLAMA_FORM
 ):
-    """A layer's input norm (none with ``post_norms``) and q/k/v projection: rotated ``q``
-    ``[tokens, heads, head_dim]``, rotated ``k`` and ``v`` ``[tokens, kv_heads, head_dim]``; q/k
-    norms per head, or with ``post_norms`` over the whole projections."""
+    """A layer's input norm (none when ``form``'s placement is ``"post"``) and q/k/v projection:
+    rotated ``q`` ``[tokens, heads, head_dim]``, rotated ``k`` and ``v`` ``[tokens, kv_heads,
+    head_dim]``; q/k norms per head (with the ``"olmo"`` style over the whole projections).
+    ``form``: the config's ``(norm_style, norm_placement, hidden_act)``."""
+    style, placement, _ = form
     n = x.shape[0]
-    q, k, v = F.linear(x if post_norms else _rms(x, w["ln1"], eps), w["qkv_w"], w["qkv_b"]).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+    h = x if placement == "post" else _rms(x, w["attention_in"], eps, style)
+    q, k, v = F.linear(h, w["qkv_w"], w["qkv_b"]).split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
     )
-    if qk_norm and post_norms:
-        q, k = _rms_scaled_f32(q, w["q_norm"], eps), _rms_scaled_f32(k, w["k_norm"], eps)
+    whole = qk_norm and style == "olmo"
+    if whole:
+        q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
     q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
-    if qk_norm and not post_norms:
-        q, k = _rms(q, w["q_norm"], eps), _rms(k, w["k_norm"], eps)
+    if qk_norm and not whole:
+        q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(n, kv_heads, head_dim)
 
 
-def _after_attention(x, a, w, eps: float, row_parallel: Callable = F.linear, post_norms: bool = False):
+def _after_attention(x, a, w, eps: float, row_parallel: Callable = F.linear, form=_LLAMA_FORM):
     """A layer's output projection of the attention ``a`` and its MLP, each added to the
-    residual stream ``x`` (with ``post_norms``, each normalised first; else the MLP's input is);
-    ``row_parallel(input, weight, bias)`` runs the two row-parallel products."""
-    if post_norms:
-        x = x + _rms_scaled_f32(row_parallel(a, w["o_w"], w["o_b"]), w["ln2"], eps)
-        gate, up = F.linear(x, w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
-        return x + _rms_scaled_f32(row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"]), w["ln3"], eps)
-    x = x + row_parallel(a, w["o_w"], w["o_b"])
-    gate, up = F.linear(_rms(x, w["ln2"], eps), w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
-    return x + row_parallel(F.silu(gate) * up, w["down_w"], w["down_b"])
+    residual stream ``x``, with the norms of ``form``'s placement (on each sublayer's input, its
+    output, or both); ``row_parallel(input, weight, bias)`` runs the two row-parallel products."""
+    style, placement, act = form
+    out = row_parallel(a, w["o_w"], w["o_b"])
+    x = x + (out if placement == "pre" else _rms(out, w["attention_out"], eps, style))
+    h = x if placement == "post" else _rms(x, w["mlp_in"], eps, style)
+    gate, up = F.linear(h, w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
+    out = row_parallel(_act(gate, act) * up, w["down_w"], w["down_b"])
+    return x + (out if placement == "pre" else _rms(out, w["mlp_out"], eps, style))
 
 
 @functools.cache
@@ -209,9 +218,6 @@ class LlamaTorch:
             a, m = p + "self_attn.", p + "mlp."
             self.layers.append(
                 {
-                    "ln1": get(p + "input_layernorm.weight"),
-                    "ln2": get(p + "post_attention_layernorm.weight"),
-                    "ln3": get(p + "post_feedforward_layernorm.weight"),
                     "qkv_w": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                     "qkv_b": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
                     "o_w": get(a + "o_proj.weight"),
@@ -222,6 +228,7 @@ class LlamaTorch:
                     "gu_b": cat([m + "gate_proj.bias", m + "up_proj.bias"]),
                     "down_w": get(m + "down_proj.weight"),
                     "down_b": get(m + "down_proj.bias"),
+                    **{role: get(p + name + ".weight") for role, name in layer_norm_names(c).items()},
                 }
             )
         self.embed = get("model.embed_tokens.weight")
@@ -231,7 +238,9 @@ class LlamaTorch:
             self.head = self.embed[shard.start : shard.end]  # a view of the replicated embedding
         self.inv_freq = torch.from_numpy(inv_freq(c)).to(device)
         self.inv_freq_sliding = torch.from_numpy(inv_freq(c, sliding=True)).to(device)
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
+        # Gemma: sqrt(hidden_size) rounded to the compute dtype, as transformers scales the embeddings
+        self.embed_mult = float(torch.tensor(c.hidden_size**0.5, dtype=dtype)) if c.embed_scale else 1.0
         self._index = torch.arange(max(2, c.num_hidden_layers), device=device)  # store_step_kv's
 
     @property
@@ -264,20 +273,23 @@ class LlamaTorch:
         c, eps = self.config, self.config.rms_norm_eps
         rope = self._cos_sin(positions, self.inv_freq, c.rope_attention_factor)
         local = self._cos_sin(positions, self.inv_freq_sliding, 1.0) if c.sliding_rope_theta else rope
+        form = (c.norm_style, c.norm_placement, c.hidden_act)
         options: dict[str, Any]
         if compiled:
             inputs, after = _compiled_pieces()
-            options = {"post_norms": c.post_norms}
+            options = {"form": form}
         else:
             inputs, after = _attention_inputs, _after_attention
-            options = {"row_parallel": self._row_parallel, "post_norms": c.post_norms}
-        shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, eps, c.qk_norm, c.post_norms)
+            options = {"row_parallel": self._row_parallel, "form": form}
+        shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, eps, c.qk_norm, form)
         x = self.embed[tokens]
+        if self.embed_mult != 1.0:
+            x = x * self.embed_mult
         for i, w in enumerate(self.layers):
             cos, sin = local if c.window(i) else rope
             q, k, v = inputs(x, w, cos, sin, *shape)
             x = after(x, attend(i, q, k, v), w, eps, **options)
-        return _rms(x, self.norm, eps)
+        return _rms(x, self.norm, eps, c.norm_style)
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The output and down projections, ``x @ w.T + b``; with split layers this rank's share,
