@@ -89,10 +89,7 @@ def _linear(x, w, b=None):
 
 
 def _rms(x, weight, eps: float, style: str = "llama"):
-    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style``): normalised
-    in float32, then ``"llama"``: rounded to ``x``'s dtype and times the weight; ``"olmo"``:
-    times the weight in float32, then rounded; ``"gemma"``: times ``1 + weight`` in float32,
-    then rounded."""
+    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style`` says how)."""
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     if style == "llama":

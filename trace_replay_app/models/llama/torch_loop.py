@@ -91,10 +91,7 @@ def _tensor(w: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Te
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
-    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style``): normalised
-    in float32, then ``"llama"``: rounded to ``x``'s dtype and times the weight; ``"olmo"``:
-    times the weight in float32, then rounded; ``"gemma"``: times ``1 + weight`` in float32,
-    then rounded."""
+    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style`` says how)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if style == "llama":
