@@ -262,6 +262,52 @@ def test_olmo3_layer_types_and_rotary_per_type():
         to_hf(two, seeded_weights(two))
 
 
+# config.json as published (older key styles: rope_theta, rope_local_base_freq, rope_scaling),
+# sizes shrunk; each must read as transformers reads it (its own to_dict, in the newer style).
+_PUBLISHED = {
+    "gemma-3-1b": dict(
+        model_type="gemma3_text", head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        rope_local_base_freq=10000, rope_scaling=None, rope_theta=1000000, sliding_window=512,
+        sliding_window_pattern=6, num_hidden_layers=13, final_logit_softcapping=None, attn_logit_softcapping=None,
+    ),
+    "gemma-3-4b-text": dict(
+        model_type="gemma3_text", head_dim=256, query_pre_attn_scalar=256, rope_local_base_freq=10000,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}, rope_theta=1000000, sliding_window=1024,
+        num_hidden_layers=7,
+    ),
+    "qwen3-yarn": dict(
+        model_type="qwen3", head_dim=128, rope_theta=1000000, max_position_embeddings=40960,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    ),
+    "olmo-2": dict(model_type="olmo2", rope_theta=500000, rope_scaling=None, max_position_embeddings=4096),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_published_configs_read_as_transformers_reads_them(name):
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1)
+    raw = {"num_hidden_layers": 2, "max_position_embeddings": 128, **sizes, **_PUBLISHED[name]}
+    ours = config_from_hf(raw)
+    theirs = transformers.AutoConfig.for_model(**raw)
+    assert config_from_hf(theirs.to_dict()) == ours
+    types = getattr(theirs, "layer_types", None)
+    if ours.layer_windows:
+        assert [t == "sliding_attention" for t in types] == [bool(w) for w in ours.layer_windows]
+    rotary = transformers.AutoModelForCausalLM.from_config(theirs).model.rotary_emb
+    full = getattr(rotary, "full_attention_inv_freq", getattr(rotary, "inv_freq", None))
+    np.testing.assert_allclose(inv_freq(ours), full, rtol=5e-7)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_keys_left_out_read_as_transformers_defaults_them(model_type):
+    """A config.json with the sizes alone: every option it leaves out (norm epsilon, head_dim,
+    rotary bases, windows, tied embeddings, ...) as transformers' config class of the type
+    assumes it, i.e. the same config as from transformers' own complete to_dict."""
+    sizes = dict(vocab_size=256, hidden_size=128, intermediate_size=128, num_attention_heads=32, num_hidden_layers=6)
+    raw = dict(model_type=model_type, max_position_embeddings=128, **sizes)
+    assert config_from_hf(raw) == config_from_hf(transformers.AutoConfig.for_model(**raw).to_dict())
+
+
 def test_phi3_fused_tensors_split_and_refused_by_name():
     config = default_config("phi3")
     w = _weights(config)

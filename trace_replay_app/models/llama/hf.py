@@ -25,6 +25,18 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
 }
 _ATTENTION_BIAS = ("llama", "qwen3", "olmo2", "olmo3", "gemma3_text")  # attention_bias: q/k/v and output biases
+# What transformers' config class of a model type assumes for a key config.json leaves out,
+# where it differs from the Llama defaults (1e-6, hidden_size // heads, 10,000, no window, as
+# many key/value heads as query heads).
+_ABSENT: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096, "num_key_value_heads": 8},
+    "qwen2": {"num_key_value_heads": 32},
+    "qwen3": {"head_dim": 128, "num_key_value_heads": 32},
+    "phi3": {"rms_norm_eps": 1e-5},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "olmo3": {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
+    "gemma3_text": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4},
+}
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
 
@@ -42,7 +54,9 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"partial_rotary_factor={partial!r} is not supported (rotary over the whole head only)")
     where = "rope_parameters" if "rope_theta" in params else ("rope_scaling" if "rope_theta" in scaling else "")
     theta = (
-        get_float(merged, "rope_theta", name=f"{where}.rope_theta") if where else get_float(hf, "rope_theta", 10000.0)
+        get_float(merged, "rope_theta", name=f"{where}.rope_theta")
+        if where
+        else get_float(hf, "rope_theta", _absent(hf, "rope_theta", 1e4))
     )
     out: dict[str, Any] = {"rope_theta": theta, "rope_type": rope_type}
     if rope_type == "linear":
@@ -73,7 +87,11 @@ def _layered_rope(hf: Mapping[str, Any], gemma: bool = False) -> dict[str, Any]:
     params = get_mapping(hf, "rope_parameters")
     if "full_attention" not in params and "sliding_attention" not in params:
         full = _rope({**hf, "rope_theta": get_float(hf, "rope_theta", 1e6)} if gemma else hf)
-        theta = get_float(hf, "rope_local_base_freq", 1e4) if gemma else get_float(hf, "rope_theta", 1e4)
+        theta = (
+            get_float(hf, "rope_local_base_freq", 1e4)
+            if gemma
+            else get_float(hf, "rope_theta", _absent(hf, "rope_theta", 1e4))
+        )
         sliding = {"rope_type": "default", "rope_theta": theta}
     else:
         full_params = dict(get_mapping(params, "full_attention"), truncate=params.get("truncate", True))
@@ -86,6 +104,11 @@ def _layered_rope(hf: Mapping[str, Any], gemma: bool = False) -> dict[str, Any]:
     if full["rope_type"] != "default" or theta != full["rope_theta"]:
         full["sliding_rope_theta"] = theta
     return full
+
+
+def _absent(hf: Mapping[str, Any], key: str, default: Any) -> Any:
+    """The value transformers assumes for ``key`` when ``hf`` (a model type's config.json) lacks it."""
+    return _ABSENT.get(hf.get("model_type", ""), {}).get(key, default)
 
 
 def _factor(merged: Mapping[str, Any], rope_type: str) -> float:
@@ -144,7 +167,7 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
     every four, or five of every ``sliding_window_pattern`` = 6; a window of 4,096 unless
     ``sliding_window`` says otherwise)."""
     always = model_type in ("olmo3", "gemma3_text")  # windows per layer_types, no switch
-    window = hf.get("sliding_window", 4096 if always else None)
+    window = hf.get("sliding_window", _absent(hf, "sliding_window", None))
     if model_type in ("llama", "olmo2") or window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
@@ -206,10 +229,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         intermediate_size=get_int(hf, "intermediate_size", required=True),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=get_int(hf, "num_key_value_heads", heads),
-        head_dim=get_int(hf, "head_dim", 0),
+        num_key_value_heads=get_int(hf, "num_key_value_heads", _absent(hf, "num_key_value_heads", heads)),
+        head_dim=get_int(hf, "head_dim", _absent(hf, "head_dim", 0)),
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
-        rms_norm_eps=get_float(hf, "rms_norm_eps", 1e-6),
+        rms_norm_eps=get_float(hf, "rms_norm_eps", _absent(hf, "rms_norm_eps", 1e-6)),
         tie_word_embeddings=get_bool(hf, "tie_word_embeddings") if "tie_word_embeddings" in hf or not gemma else True,
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in _ATTENTION_BIAS,
         o_bias=attention_bias and model_type in _ATTENTION_BIAS,
