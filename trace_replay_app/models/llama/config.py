@@ -68,8 +68,8 @@ class LlamaConfig:
     ``rope_factor``, ``rope_original_max_positions``, ``rope_beta_fast``, ``rope_beta_slow`` and
     ``rope_truncate``, and scales cos and sin by ``rope_attention_factor`` (0, the default:
     YaRN's :func:`yarn_attention_factor`; the other types keep 1). ``sliding_rope_theta``
-    (OLMo 3): the layers with a sliding window use plain rotary embeddings at this base instead
-    (0: every layer the same). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
+    (OLMo 3, Gemma 3): the layers with a sliding window use plain rotary embeddings at this base
+    instead (0: every layer the same). ``qkv_bias``/``o_bias``/``mlp_bias``: biases on the
     q/k/v, output and MLP projections; ``qk_norm``: RMSNorm over each head of q and k (Qwen3).
     ``norm_placement``: where a layer's RMSNorms sit, ``"pre"`` on the attention's and the MLP's
     inputs (Llama: ``input_layernorm``, ``post_attention_layernorm``), ``"post"`` on their outputs

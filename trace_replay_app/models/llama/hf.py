@@ -233,7 +233,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         head_dim=get_int(hf, "head_dim", _absent(hf, "head_dim", 0)),
         max_position_embeddings=get_int(hf, "max_position_embeddings", required=True),
         rms_norm_eps=get_float(hf, "rms_norm_eps", _absent(hf, "rms_norm_eps", 1e-6)),
-        tie_word_embeddings=get_bool(hf, "tie_word_embeddings") if "tie_word_embeddings" in hf or not gemma else True,
+        tie_word_embeddings=get_bool(hf, "tie_word_embeddings") if hf.get("tie_word_embeddings") is not None else gemma,
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in _ATTENTION_BIAS,
         o_bias=attention_bias and model_type in _ATTENTION_BIAS,
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
