@@ -127,8 +127,8 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     rope = _cos_sin(positions, inv_freq(c), c.rope_attention_factor, dtype)
     local = _cos_sin(positions, inv_freq(c, sliding=True), 1.0, dtype) if c.sliding_rope_theta else rope
     x = p["embed"][tokens]
-    if c.embed_scale:  # Gemma: sqrt(hidden_size) rounded to the compute dtype, as transformers
-        x = x * jnp.asarray(c.hidden_size**0.5, dtype)
+    if c.embed_scale:  # Gemma: sqrt(hidden_size) as transformers' float32 buffer, rounded to the compute dtype
+        x = x * jnp.asarray(np.float32(c.hidden_size**0.5)).astype(dtype)
     n, d = x.shape[0], c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d, c.num_key_value_heads * d
     style, pre, post = c.norm_style, c.norm_placement != "post", c.norm_placement != "pre"

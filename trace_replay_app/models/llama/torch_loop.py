@@ -236,8 +236,8 @@ class LlamaTorch:
         self.inv_freq = torch.from_numpy(inv_freq(c)).to(device)
         self.inv_freq_sliding = torch.from_numpy(inv_freq(c, sliding=True)).to(device)
         self.scale = c.attention_scale
-        # Gemma: sqrt(hidden_size) rounded to the compute dtype, as transformers scales the embeddings
-        self.embed_mult = float(torch.tensor(c.hidden_size**0.5, dtype=dtype)) if c.embed_scale else 1.0
+        # Gemma: sqrt(hidden_size) as transformers' float32 buffer, rounded to the compute dtype
+        self.embed_mult = float(torch.tensor(c.hidden_size**0.5).to(dtype)) if c.embed_scale else 1.0
         self._index = torch.arange(max(2, c.num_hidden_layers), device=device)  # store_step_kv's
 
     @property
