@@ -257,6 +257,12 @@ def test_olmo3_layer_types_and_rotary_per_type():
     bad = dict(hf, rope_parameters={"full_attention": {"rope_theta": 1e4}, "sliding_attention": _YARN})
     with pytest.raises(ValueError, match=r"^rope_parameters\.sliding_attention type 'yarn' is not supported"):
         config_from_hf(bad)
+    gemma = _hf("gemma3-window").to_dict()
+    gemma.pop("layer_types")
+    assert config_from_hf(dict(gemma, sliding_window_pattern=2)).layer_windows == (5, 0)
+    for every in (0, -2):
+        with pytest.raises(ValueError, match=rf"^sliding_window_pattern must be a positive int \(got {every}\)$"):
+            config_from_hf(dict(gemma, sliding_window_pattern=every))
     two = dataclasses.replace(default_config("qwen3"), sliding_rope_theta=1e4)
     with pytest.raises(ValueError, match="one rotary embedding for all layers"):
         to_hf(two, seeded_weights(two))

@@ -1040,6 +1040,11 @@ def _cases():
             r"line 1: cannot tell the rollout format from this line \(choices, id, object\)",
         ),
         "auto/list": ("auto", ["[1, 2]"], r"line 1: cannot tell the rollout format from this line \(list\)"),
+        "auto/control_char_key": (  # the message stays one line: the key is shown escaped
+            "auto",
+            ['{"\\r": null, "' + "k" * 50 + '": 1}'],
+            r"line 1: cannot tell the rollout format from this line \('\\r', k{39}…\); give one",
+        ),
     }
     return cases
 

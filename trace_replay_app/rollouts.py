@@ -106,10 +106,17 @@ def _first(path: str) -> tuple[int, Any]:
     raise TraceFileError(path, None, None, "holds no rollouts (one JSON response per line)")
 
 
+def _shown(key: str) -> str:
+    """A JSON key as an error message shows it: as is when printable (a control character would
+    break the message's one line), else quoted with escapes; at most 40 characters."""
+    text = key if key.isprintable() else repr(key)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
 def _guess(path: str, number: int, obj: Any) -> str:
     fmt = detect(obj)
     if fmt is None:
-        keys = ", ".join(sorted(map(str, obj))[:8]) if isinstance(obj, dict) else type(obj).__name__
+        keys = ", ".join(_shown(k) for k in sorted(obj)[:8]) if isinstance(obj, dict) else type(obj).__name__
         raise TraceFileError(
             path,
             number,

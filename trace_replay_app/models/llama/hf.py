@@ -179,6 +179,8 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
     types = hf.get("layer_types")
     if types is None and always:  # OLMo 3: three sliding layers, then a full one; Gemma 3: five
         every = get_int(hf, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 4
+        if every <= 0:
+            raise ValueError(f"sliding_window_pattern must be a positive int (got {every})")
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     elif types is None:
         start = get_int(hf, "max_window_layers", layers)
