@@ -13,7 +13,15 @@ LIBRARIES = ("trace_replay_core", "trace_replay_torch", "trace_replay_jax")
 # framework -> the modules that may import it: its drivers (decode, its steps and its
 # tensor-parallel option, and score) and each family's math for it
 FRAMEWORK_MODULES = {
-    "torch": ("torch_loop", "torch_driver", "torch_steps", "torch_score", "torch_parallel", "torch_attention"),
+    "torch": (
+        "torch_loop",
+        "torch_layers",
+        "torch_driver",
+        "torch_steps",
+        "torch_score",
+        "torch_parallel",
+        "torch_attention",
+    ),
     "jax": ("jax_loop", "jax_driver", "jax_steps", "jax_score", "jax_placement", "jax_attention"),
     "jaxlib": ("jax_loop", "jax_driver", "jax_steps", "jax_score", "jax_placement", "jax_attention"),
 }

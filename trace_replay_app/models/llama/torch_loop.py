@@ -24,7 +24,6 @@ Example (CPU; ``device="cuda"`` on a GPU)::
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,6 +36,7 @@ from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
 from .config import LlamaConfig, check_weights, inv_freq, layer_norm_names
+from .torch_layers import after_attention, attention_inputs, compiled_pieces, rms
 
 __all__ = ["LlamaTorch", "TORCH", "run_decode", "run_score", "splits_layers"]
 
@@ -88,71 +88,6 @@ def _shard(config: LlamaConfig, weights: Mapping[str, np.ndarray], shard: Shard)
 
 def _tensor(w: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device=device, dtype=dtype)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
-    """RMSNorm as transformers computes it for ``style`` (``LlamaConfig.norm_style`` says how)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if style == "llama":
-        return weight * h.to(x.dtype)
-    return (h * (weight.float() + 1.0 if style == "gemma" else weight.float())).to(x.dtype)
-
-
-def _act(gate: torch.Tensor, act: str) -> torch.Tensor:
-    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x`` ``[tokens, heads, head_dim]`` (halves rotated, as transformers)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-
-
-_LLAMA_FORM = ("llama", "pre", "silu")
-
-
-def _attention_inputs(
-    x, w, cos, sin, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool, form=_LLAMA_FORM
-):
-    """A layer's input norm (none when ``form``'s placement is ``"post"``) and q/k/v projection:
-    rotated ``q`` ``[tokens, heads, head_dim]``, rotated ``k`` and ``v`` ``[tokens, kv_heads,
-    head_dim]``; q/k norms per head (with the ``"olmo"`` style over the whole projections).
-    ``form``: the config's ``(norm_style, norm_placement, hidden_act)``."""
-    style, placement, _ = form
-    n = x.shape[0]
-    h = x if placement == "post" else _rms(x, w["attention_in"], eps, style)
-    q, k, v = F.linear(h, w["qkv_w"], w["qkv_b"]).split(
-        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1
-    )
-    whole = qk_norm and style == "olmo"
-    if whole:
-        q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
-    q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
-    if qk_norm and not whole:
-        q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(n, kv_heads, head_dim)
-
-
-def _after_attention(x, a, w, eps: float, row_parallel: Callable = F.linear, form=_LLAMA_FORM):
-    """A layer's output projection of the attention ``a`` and its MLP, each added to the
-    residual stream ``x``, with the norms of ``form``'s placement (on each sublayer's input, its
-    output, or both); ``row_parallel(input, weight, bias)`` runs the two row-parallel products."""
-    style, placement, act = form
-    out = row_parallel(a, w["o_w"], w["o_b"])
-    x = x + (out if placement == "pre" else _rms(out, w["attention_out"], eps, style))
-    h = x if placement == "post" else _rms(x, w["mlp_in"], eps, style)
-    gate, up = F.linear(h, w["gu_w"], w["gu_b"]).chunk(2, dim=-1)
-    out = row_parallel(_act(gate, act) * up, w["down_w"], w["down_b"])
-    return x + (out if placement == "pre" else _rms(out, w["mlp_out"], eps, style))
-
-
-@functools.cache
-def _compiled_pieces() -> tuple[Callable, Callable]:
-    """:func:`_attention_inputs` and :func:`_after_attention` through ``torch.compile`` (made
-    once per process; Dynamo guards on shapes and the int/float arguments, so every layer and
-    every model of one shape share a compilation)."""
-    return torch.compile(_attention_inputs, dynamic=False), torch.compile(_after_attention, dynamic=False)
 
 
 class LlamaTorch:
@@ -273,10 +208,10 @@ class LlamaTorch:
         form = (c.norm_style, c.norm_placement, c.hidden_act)
         options: dict[str, Any]
         if compiled:
-            inputs, after = _compiled_pieces()
+            inputs, after = compiled_pieces()
             options = {"form": form}
         else:
-            inputs, after = _attention_inputs, _after_attention
+            inputs, after = attention_inputs, after_attention
             options = {"row_parallel": self._row_parallel, "form": form}
         shape = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, eps, c.qk_norm, form)
         x = self.embed[tokens]
@@ -286,7 +221,7 @@ class LlamaTorch:
             cos, sin = local if c.window(i) else rope
             q, k, v = inputs(x, w, cos, sin, *shape)
             x = after(x, attend(i, q, k, v), w, eps, **options)
-        return _rms(x, self.norm, eps, c.norm_style)
+        return rms(x, self.norm, eps, c.norm_style)
 
     def _row_parallel(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The output and down projections, ``x @ w.T + b``; with split layers this rank's share,
