@@ -33,6 +33,7 @@ _GPU_CASES = [
     "olmo2-biases",
     "olmo3-yarn-window",
     "gemma3-window",
+    "gemma2-softcap",
 ]
 
 

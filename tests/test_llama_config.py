@@ -286,6 +286,11 @@ _PUBLISHED = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
     ),
     "olmo-2": dict(model_type="olmo2", rope_theta=500000, rope_scaling=None, max_position_embeddings=4096),
+    "gemma-2-2b": dict(
+        model_type="gemma2", head_dim=256, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+        sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rope_theta=10000.0,
+        num_hidden_layers=4, cache_implementation="hybrid",
+    ),
 }  # fmt: skip
 
 
@@ -385,7 +390,7 @@ def test_registry_entries():
     for t in MODEL_TYPES:
         assert t in supported_model_types()
     assert family_for_model_type("mistral") is get_family("llama")
-    for name, model_type in [(t, t) for t in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3")] + [
+    for name, model_type in [(t, t) for t in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "gemma2")] + [
         ("gemma3", "gemma3_text")
     ]:
         family = get_family(name)

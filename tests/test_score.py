@@ -51,8 +51,9 @@ GPT2_ATOL = 32 * 2.0**-21
 # The Llama-family cases scored here: the layer math each model type adds is checked against
 # transformers in decode (test_llama_loops.py, every case) and score runs the same layers, so
 # the cases here are those that reach each branch of score's own prefill attention (windows,
-# biases, q/k norms, tied heads) plus Gemma 3's (norms on both sides, a query scale of its own).
-SCORE_CASES = ["gemma3-window", "llama-tied-llama3-sharded", "llama-untied-llama3-biases", "mistral-window-bf16"]
+# biases, q/k norms, tied heads) plus Gemma 2's (soft-capped scores and logits, norms on both
+# sides, a query scale of its own).
+SCORE_CASES = ["gemma2-softcap", "llama-tied-llama3-sharded", "llama-untied-llama3-biases", "mistral-window-bf16"]
 SCORE_CASES += ["qwen2", "qwen3"]
 assert set(SCORE_CASES) <= set(CASES)
 

@@ -64,6 +64,17 @@ CASES: dict[str, tuple] = {
     "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
     "phi3-window": ("phi3", dict(tie_word_embeddings=False, sliding_window=6), {}),
     "olmo2-biases": ("olmo2", dict(tie_word_embeddings=False, attention_bias=True), {}),
+    "gemma2-softcap": (  # caps small enough to matter on a tiny random model's scores and logits
+        "gemma2",
+        dict(
+            head_dim=24,
+            query_pre_attn_scalar=20,
+            sliding_window=5,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0,
+        ),
+        {},
+    ),  # fmt: skip
     "gemma3-window": (
         "gemma3_text",
         dict(

@@ -6,10 +6,11 @@ One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.
 Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits),
 ``olmo2`` (OLMo 2: RMSNorm on each sublayer's output instead of its input, and on the whole
 q and k projections), ``olmo3`` (OLMo 2's layers, three of every four with a sliding window
-and plain rotary embeddings) and ``gemma3_text`` (Gemma 3: norms on each sublayer's input and
-output scaling by ``1 + weight``, per-head q/k norms, a GELU-gated MLP, embeddings scaled by
-``sqrt(hidden_size)``, five of every six layers with a sliding window and their own rotary
-base). The Llama block: RMSNorm, grouped-query attention with rotary embeddings
+and plain rotary embeddings), ``gemma2`` (Gemma 2: as Gemma 3 without q/k norms, every other
+layer with a window, scores and logits soft-capped) and ``gemma3_text`` (Gemma 3: norms on each
+sublayer's input and output scaling by ``1 + weight``, per-head q/k norms, a GELU-gated MLP,
+embeddings scaled by ``sqrt(hidden_size)``, five of every six layers with a sliding window and
+their own rotary base). The Llama block: RMSNorm, grouped-query attention with rotary embeddings
 (``rope_theta``; ``rope_scaling`` none, ``default``, ``linear``, ``llama3`` or ``yarn``),
 RMSNorm, SwiGLU MLP; a final RMSNorm and the output projection (``lm_head``, or the token
 embedding when tied).
@@ -44,7 +45,7 @@ __all__ = [
     "layer_norm_names",
 ]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NORM_PLACEMENTS = ("pre", "post", "both")
 NORM_STYLES = ("llama", "olmo", "gemma")
@@ -82,7 +83,9 @@ class LlamaConfig:
     weight`` in float32, then rounded). ``hidden_act``: the MLP gate's activation, ``"silu"`` or
     ``"gelu_pytorch_tanh"``; ``embed_scale``: token embeddings times ``sqrt(hidden_size)``
     (rounded to the compute dtype; Gemma); ``query_pre_attn_scalar``: attention scores scale by
-    its inverse square root (0: ``head_dim``'s).
+    its inverse square root (0: ``head_dim``'s). ``attn_logit_softcapping`` /
+    ``final_logit_softcapping`` (Gemma 2): scores / logits ``x`` become ``c * tanh(x / c)`` in the
+    compute dtype (0: none; capped scores leave flash and cuDNN attention for the masked form).
     ``layer_windows``: per layer, the sliding attention window in tokens (a query at position
     ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty means
     full attention in every layer. ``n_positions`` (the most prompt + decoded tokens of one
@@ -120,6 +123,8 @@ class LlamaConfig:
     hidden_act: str = "silu"
     embed_scale: bool = False
     query_pre_attn_scalar: float = 0.0
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
     layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -186,14 +191,16 @@ class LlamaConfig:
                 raise ValueError(f"{owner}.{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
         if not isinstance(self.embed_scale, bool):
             raise ValueError(f"{owner}.embed_scale must be True or False (got {self.embed_scale!r})")
-        t = self.query_pre_attn_scalar
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise ValueError(f"{owner}.query_pre_attn_scalar must be a finite number >= 0 (got {t!r})")
-        object.__setattr__(self, "query_pre_attn_scalar", float(t))
-        t = self.sliding_rope_theta
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise ValueError(f"{owner}.sliding_rope_theta must be a finite number >= 0 (got {t!r})")
-        object.__setattr__(self, "sliding_rope_theta", float(t))
+        for name in (
+            "query_pre_attn_scalar",
+            "sliding_rope_theta",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+                raise ValueError(f"{owner}.{name} must be a finite number >= 0 (got {t!r})")
+            object.__setattr__(self, name, float(t))
         windows = tuple(self.layer_windows)
         if windows and len(windows) != self.num_hidden_layers:
             raise ValueError(
@@ -224,6 +231,10 @@ class LlamaConfig:
         return self.layer_windows[layer] if self.layer_windows else 0
 
 
+_GEMMA: dict[str, Any] = dict(
+    norm_placement="both", norm_style="gemma", hidden_act="gelu_pytorch_tanh", embed_scale=True, head_dim=32,
+    query_pre_attn_scalar=32.0, tie_word_embeddings=True, layer_windows=(32, 0),
+)  # fmt: skip
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
         rope_type="llama3",
@@ -239,19 +250,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": dict(rope_theta=250000.0),
     "olmo2": dict(norm_placement="post", norm_style="olmo", qk_norm=True, rope_theta=500000.0),
     "olmo3": dict(norm_placement="post", norm_style="olmo", qk_norm=True, rope_theta=500000.0, layer_windows=(32, 0)),
-    "gemma3_text": dict(
-        norm_placement="both",
-        norm_style="gemma",
-        qk_norm=True,
-        hidden_act="gelu_pytorch_tanh",
-        embed_scale=True,
-        head_dim=32,
-        query_pre_attn_scalar=32.0,
-        tie_word_embeddings=True,
-        rope_theta=1000000.0,
-        sliding_rope_theta=10000.0,
-        layer_windows=(32, 0),
-    ),
+    "gemma2": dict(_GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(_GEMMA, qk_norm=True, rope_theta=1000000.0, sliding_rope_theta=10000.0),
 }
 
 

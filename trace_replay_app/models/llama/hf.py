@@ -22,9 +22,11 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
-_ATTENTION_BIAS = ("llama", "qwen3", "olmo2", "olmo3", "gemma3_text")  # attention_bias: q/k/v and output biases
+_ATTENTION_BIAS = ("llama", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3_text")
+_GEMMA = ("gemma2", "gemma3_text")  # attention_bias: q/k/v and output biases
 # What transformers' config class of a model type assumes for a key config.json leaves out,
 # where it differs from the Llama defaults (1e-6, hidden_size // heads, 10,000, no window, as
 # many key/value heads as query heads).
@@ -35,6 +37,8 @@ _ABSENT: dict[str, dict[str, Any]] = {
     "phi3": {"rms_norm_eps": 1e-5},
     "olmo2": {"rms_norm_eps": 1e-5},
     "olmo3": {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
+    "gemma2": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4}
+    | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
     "gemma3_text": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4},
 }
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
@@ -163,10 +167,10 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
     """Per-layer sliding windows as transformers applies them: Mistral and Phi-3 slide in every
     layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the
     layers that ``layer_types`` marks ``sliding_attention`` (by default those from
-    ``max_window_layers``); OLMo 3 and Gemma 3 in those layers always (by default three of
-    every four, or five of every ``sliding_window_pattern`` = 6; a window of 4,096 unless
-    ``sliding_window`` says otherwise)."""
-    always = model_type in ("olmo3", "gemma3_text")  # windows per layer_types, no switch
+    ``max_window_layers``); OLMo 3 and Gemma 2 and 3 in those layers always (by default three
+    of every four, every other one, or five of every ``sliding_window_pattern`` = 6; a window of
+    4,096 unless ``sliding_window`` says otherwise)."""
+    always = model_type in ("olmo3", "gemma2", "gemma3_text")  # windows per layer_types, no switch
     window = hf.get("sliding_window", _absent(hf, "sliding_window", None))
     if model_type in ("llama", "olmo2") or window is None:
         return ()
@@ -177,8 +181,8 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
     if not always and not get_bool(hf, "use_sliding_window"):
         return ()
     types = hf.get("layer_types")
-    if types is None and always:  # OLMo 3: three sliding layers, then a full one; Gemma 3: five
-        every = get_int(hf, "sliding_window_pattern", 6) if model_type == "gemma3_text" else 4
+    if types is None and always:  # OLMo 3: three sliding layers, then a full one; Gemma 2: one; 3: five
+        every = {"olmo3": 4, "gemma2": 2}.get(model_type) or get_int(hf, "sliding_window_pattern", 6)
         if every <= 0:
             raise ValueError(f"sliding_window_pattern must be a positive int (got {every})")
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
@@ -207,14 +211,16 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         raise ValueError(
             f"model_type {model_type!r} is not supported by the llama family (supported: {', '.join(MODEL_TYPES)})"
         )
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in _GEMMA
+    caps = {}
     if gemma:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_activation={act!r} is not supported (Gemma 3's is 'gelu_pytorch_tanh')")
-        for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
-            if hf.get(key):  # Gemma 2's soft caps and bidirectional attention: not implemented
-                raise ValueError(f"{key}={hf[key]!r} is not supported")
+            raise ValueError(f"hidden_activation={act!r} is not supported (Gemma's is 'gelu_pytorch_tanh')")
+        if hf.get("use_bidirectional_attention"):  # Gemma's embedding variants: not a decoder
+            raise ValueError(f"use_bidirectional_attention={hf['use_bidirectional_attention']!r} is not supported")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # null: none
+            caps[key] = get_float(hf, key, 0.0 if key in hf else _absent(hf, key, 0.0))
     else:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -239,13 +245,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in _ATTENTION_BIAS,
         o_bias=attention_bias and model_type in _ATTENTION_BIAS,
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
-        qk_norm=model_type in ("qwen3", "olmo2", "olmo3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "olmo2", "olmo3", "gemma3_text"),  # not gemma2
         norm_placement=placement,
         norm_style="olmo" if olmo else ("gemma" if gemma else "llama"),
         hidden_act=act,
         embed_scale=gemma,
         query_pre_attn_scalar=get_float(hf, "query_pre_attn_scalar", 256.0) if gemma else 0.0,
         layer_windows=_windows(hf, model_type, layers),
+        **caps,
         **(_layered_rope(hf, gemma) if model_type in ("olmo3", "gemma3_text") else _rope(hf)),
     )
 
@@ -353,30 +360,23 @@ def to_hf(config: LlamaConfig, weights: Mapping[str, np.ndarray]) -> tuple[dict[
         "mlp_bias": config.mlp_bias,
         "sliding_window": windows.pop() if windows else None,
     }
-    if config.model_type == "gemma3_text":
+    if config.model_type in _GEMMA:
         hf.update(
             hidden_activation=config.hidden_act,
             query_pre_attn_scalar=_number(config.query_pre_attn_scalar or config.head_dim),
-            final_logit_softcapping=None,
-            attn_logit_softcapping=None,
+            final_logit_softcapping=config.final_logit_softcapping or None,
+            attn_logit_softcapping=config.attn_logit_softcapping or None,
             pad_token_id=None,
             bos_token_id=None,
             eos_token_id=None,
         )
     if config.model_type in ("olmo3", "gemma3_text"):
-        theta = config.sliding_rope_theta or config.rope_theta
-        hf["rope_parameters"] = {
-            "full_attention": rope,
-            "sliding_attention": {"rope_type": "default", "rope_theta": theta},
-        }
-        hf["rope_scaling"] = None
-        hf["layer_types"] = [
-            "sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)
-        ]
+        sliding = {"rope_type": "default", "rope_theta": config.sliding_rope_theta or config.rope_theta}
+        hf.update(rope_parameters={"full_attention": rope, "sliding_attention": sliding}, rope_scaling=None)
     elif config.sliding_rope_theta:
         raise ValueError(f"a {config.model_type} checkpoint has one rotary embedding for all layers (this config: two)")
-    if config.model_type in ("qwen2", "qwen3"):
-        hf["use_sliding_window"] = hf["sliding_window"] is not None
+    if config.model_type in ("qwen2", "qwen3", "olmo3", "gemma2", "gemma3_text"):
+        hf["use_sliding_window"] = hf["sliding_window"] is not None  # read by Qwen's configs alone
         hf["layer_types"] = [
             "sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)
         ]

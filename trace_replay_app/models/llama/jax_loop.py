@@ -72,6 +72,8 @@ def _params(config: LlamaConfig, weights: Mapping[str, np.ndarray], head: bool =
                 layer[key] = np.concatenate([get(n) for n in names])
         layers.append({k: np.ascontiguousarray(v) for k, v in layer.items()})
     params = {"layers": layers, "embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+    if config.final_logit_softcapping:  # cast to the compute dtype with the weights
+        params["logit_cap"] = np.float32(config.final_logit_softcapping)
     if not config.tie_word_embeddings:
         params["head"] = np.ascontiguousarray(get("lm_head.weight").T)
     elif head:
@@ -154,7 +156,14 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
 
 
 def _logits(p, h):
-    return _mm(h, p["head"]) if "head" in p else _mm(h, p["embed"].T)
+    """The output projection of ``h``, soft-capped by ``p["logit_cap"]`` when the model has one."""
+    logits = _mm(h, p["head"]) if "head" in p else _mm(h, p["embed"].T)
+    return _softcap(logits, p["logit_cap"].astype(logits.dtype)) if "logit_cap" in p else logits
+
+
+def _softcap(x, cap):
+    """``cap * tanh(x / cap)`` in ``x``'s dtype, as transformers soft-caps (``cap`` 0: ``x``)."""
+    return jnp.tanh(x / cap) * cap if not isinstance(cap, (int, float)) or cap else x
 
 
 def _softmax_f32(scores, visible, dtype, axis: int = -1):
@@ -178,7 +187,7 @@ def _prefill(params, config: LlamaConfig, tokens):
             visible = visible & (pos[None, :] > pos[:, None] - window)
         qg = q.reshape(n, c.num_key_value_heads, c.kv_groups, c.head_dim)
         scores = jnp.einsum("qkgd,tkd->kgqt", qg, k, precision="highest" if q.dtype == jnp.float32 else None)
-        probs = _softmax_f32(scores * scale, visible, q.dtype)
+        probs = _softmax_f32(_softcap(scores * scale, c.attn_logit_softcapping), visible, q.dtype)
         out = jnp.einsum("kgqt,tkd->qkgd", probs, v, precision="highest" if q.dtype == jnp.float32 else None)
         return out.reshape(n, -1), kv + [(k, v)]
 
@@ -198,7 +207,7 @@ def _hidden(params, config: LlamaConfig, tokens, attention: str = "xla"):
     def attend(layer, q, k, v, state):
         q, k, v = (t.reshape(r, n, t.shape[1], c.head_dim) for t in (q, k, v))
         window = c.window(layer)
-        if q.dtype != jnp.float32:
+        if q.dtype != jnp.float32 and not c.attn_logit_softcapping:  # fused attention takes no soft cap
             local = (window - 1, 0) if window else None
             out = jax.nn.dot_product_attention(
                 q, k, v, scale=scale, is_causal=True, local_window_size=local, implementation=attention
@@ -209,7 +218,7 @@ def _hidden(params, config: LlamaConfig, tokens, attention: str = "xla"):
             visible = visible & (pos[None, :] > pos[:, None] - window)
         qg = q.reshape(r, n, c.num_key_value_heads, c.kv_groups, c.head_dim)
         scores = jnp.einsum("rqkgd,rtkd->rkgqt", qg, k, precision="highest")
-        probs = _softmax_f32(scores * scale, visible, q.dtype)
+        probs = _softmax_f32(_softcap(scores * scale, c.attn_logit_softcapping), visible, q.dtype)
         return jnp.einsum("rkgqt,rtkd->rqkgd", probs, v, precision="highest").reshape(r * n, -1), state
 
     h, _ = _layers(params, c, tokens.reshape(-1), jnp.tile(pos, r), attend, None)
@@ -260,12 +269,13 @@ def _decode(p, config: LlamaConfig, cache, tokens, positions, attention: str = "
         keys, values = kv
         kb = keys[layer].at[rows, positions].set(k)  # [rows, kv_len, kv_heads, head_dim]
         vb = values[layer].at[rows, positions].set(v)
-        if attention == "cudnn" and not c.window(layer):
+        if attention == "cudnn" and not c.window(layer) and not c.attn_logit_softcapping:
             out = jax.nn.dot_product_attention(
                 q[:, None], kb, vb, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
             ).reshape(q.shape[0], -1)
         else:
             scores = cache_scores(q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim), kb) * scale
+            scores = _softcap(scores, c.attn_logit_softcapping)
             probs = _softmax_f32(scores, masks[c.window(layer)], q.dtype, axis=1)  # [rows, kv_len, kv_heads, groups]
             out = cache_mix(probs, vb).reshape(q.shape[0], -1)
         return out, (keys[:layer] + (kb,) + keys[layer + 1 :], values[:layer] + (vb,) + values[layer + 1 :])

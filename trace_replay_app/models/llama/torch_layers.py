@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms", "attention_inputs", "after_attention", "compiled_pieces"]
+__all__ = ["rms", "softcap", "attention_inputs", "after_attention", "compiled_pieces"]
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
@@ -22,6 +22,11 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama")
     if style == "llama":
         return weight * h.to(x.dtype)
     return (h * (weight.float() + 1.0 if style == "gemma" else weight.float())).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in ``x``'s dtype, as transformers soft-caps (``cap`` 0: ``x``)."""
+    return torch.tanh(x / cap) * cap if cap else x
 
 
 def _act(gate: torch.Tensor, act: str) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ...drivers.torch_driver import TorchFamily, decoder
 from ...drivers.torch_parallel import Shard
 from ...drivers.torch_score import scorer
 from .config import LlamaConfig, check_weights, inv_freq, layer_norm_names
-from .torch_layers import after_attention, attention_inputs, compiled_pieces, rms
+from .torch_layers import after_attention, attention_inputs, compiled_pieces, rms, softcap
 
 __all__ = ["LlamaTorch", "TORCH", "run_decode", "run_score", "splits_layers"]
 
@@ -129,9 +129,10 @@ class LlamaTorch:
         self.shard, self.device = shard, device
         c, self.config, self.dtype = config, config, dtype
         can_fuse = flash_decode_supported(device, dtype, c.head_dim) and (shard is None or not shard.layers)
+        can_fuse = can_fuse and not c.attn_logit_softcapping  # flash attention takes no soft cap here
         if fused and not can_fuse:
             raise ValueError(
-                "fused=True needs a CUDA device, bfloat16 or float16, head_dim <= 256 and unsplit layers "
+                "fused=True needs a CUDA device, bfloat16 or float16, head_dim <= 256, unsplit layers, no soft cap "
                 f"(got device={device}, dtype={dtype}, head_dim={c.head_dim}, split layers="
                 f"{shard is not None and shard.layers})"
             )
@@ -245,7 +246,7 @@ class LlamaTorch:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output projection of ``hidden`` ``[rows, hidden]``: logits in the compute dtype."""
-        return F.linear(hidden, self.head)
+        return softcap(F.linear(hidden, self.head), self.config.final_logit_softcapping)
 
     def _causal(self, tokens: torch.Tensor, cache: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
         """Causal attention over each row of ``tokens`` ``[requests, n]``, storing keys and values
@@ -263,6 +264,11 @@ class LlamaTorch:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             k, v = k.repeat_interleave(c.kv_groups, dim=1), v.repeat_interleave(c.kv_groups, dim=1)
             window = c.window(layer)
+            if c.attn_logit_softcapping:  # SDPA takes no soft cap: transformers' eager attention
+                mask = causal & (pos[None, :] > pos[:, None] - window) if window else causal
+                scores = softcap(torch.matmul(q, k.transpose(2, 3)) * self.scale, c.attn_logit_softcapping)
+                probs = scores.float().masked_fill(~mask, float("-inf")).softmax(dim=-1)
+                return torch.matmul(probs.to(q.dtype), v).transpose(1, 2).reshape(r * n, -1)
             mask = causal & (pos[None, :] > pos[:, None] - window) if window else None
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
             return out.transpose(1, 2).reshape(r * n, -1)
@@ -304,6 +310,7 @@ class LlamaTorch:
             keys, values = cache[layer, 0], cache[layer, 1]  # [rows, kv_len, kv_heads, head_dim]
             qg = q.reshape(-1, c.num_key_value_heads, c.kv_groups, c.head_dim)
             scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # [rows, kv_heads, groups, kv_len]
+            scores = softcap(scores, c.attn_logit_softcapping)
             probs = scores.float().masked_fill(masks[c.window(layer)], float("-inf")).softmax(dim=-1)
             return torch.matmul(probs.to(self.dtype), values.transpose(1, 2)).reshape(q.shape[0], -1)
 
