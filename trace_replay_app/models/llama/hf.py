@@ -212,7 +212,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
             f"model_type {model_type!r} is not supported by the llama family (supported: {', '.join(MODEL_TYPES)})"
         )
     gemma = model_type in _GEMMA
-    caps = {}
+    caps: dict[str, Any] = {}
     if gemma:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":
