@@ -208,7 +208,7 @@ def jax_pattern_params(config, device, dtype, seed: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from trace_replay_app.models.llama.config import param_shapes
+    from trace_replay_app.models.llama.config import layer_norm_names, param_shapes
 
     shapes = param_shapes(config)
     index = {name: i for i, name in enumerate(shapes)}
@@ -233,8 +233,7 @@ def jax_pattern_params(config, device, dtype, seed: int = 0) -> dict:
         a, m = p + "self_attn.", p + "mlp."
         qkv = [a + n for n in ("q_proj", "k_proj", "v_proj")]
         layer = {
-            "ln1": vec([p + "input_layernorm.weight"]),
-            "ln2": vec([p + "post_attention_layernorm.weight"]),
+            **{role: vec([p + name + ".weight"]) for role, name in layer_norm_names(config).items()},
             "qkv_w": cat_t([n + ".weight" for n in qkv]),
             "o_w": cat_t([a + "o_proj.weight"]),
             "gu_w": cat_t([m + "gate_proj.weight", m + "up_proj.weight"]),
@@ -255,6 +254,8 @@ def jax_pattern_params(config, device, dtype, seed: int = 0) -> dict:
         "embed": mat("model.embed_tokens.weight").astype(dtype),
         "norm": vec(["model.norm.weight"]),
     }
+    if config.final_logit_softcapping:
+        params["logit_cap"] = put(np.float32(config.final_logit_softcapping)).astype(dtype)
     if not config.tie_word_embeddings:
         params["head"] = cat_t(["lm_head.weight"])
     return params
