@@ -24,6 +24,9 @@ CASES = {
     "qwen3": default_config("qwen3"),
     "mistral-window": default_config("mistral"),
     "llama-8-kv-heads": dataclasses.replace(default_config("llama"), num_attention_heads=8, num_key_value_heads=8),
+    # windows, a rotary base per layer type, norms on both sides, a query scale of its own
+    "gemma3": dataclasses.replace(default_config("gemma3_text"), query_pre_attn_scalar=20.0),
+    "olmo3": default_config("olmo3"),  # norms on outputs, q/k norms over whole projections
 }
 
 
@@ -129,7 +132,7 @@ def test_gpu_gpt2_torch_flash_decode(rng):
     _graph_replays_eager(GPT2Torch(config, weights, dev, torch.bfloat16), cache, t, p)
 
 
-@pytest.mark.parametrize("family", ["llama-qwen2", "llama-mistral-window", "gpt2"])
+@pytest.mark.parametrize("family", ["llama-qwen2", "llama-mistral-window", "llama-gemma3", "gpt2"])
 def test_gpu_jax_cudnn_decode(family, rng):
     from helpers.jax_helpers import jax_gpu
 
