@@ -34,6 +34,7 @@ _GPU_CASES = [
     "olmo3-yarn-window",
     "gemma3-window",
     "gemma2-softcap",
+    "smollm3-nope-window",
 ]
 
 

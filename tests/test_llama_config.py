@@ -263,6 +263,12 @@ def test_olmo3_layer_types_and_rotary_per_type():
     for every in (0, -2):
         with pytest.raises(ValueError, match=rf"^sliding_window_pattern must be a positive int \(got {every}\)$"):
             config_from_hf(dict(gemma, sliding_window_pattern=every))
+    smol = _hf("smollm3-nope-window").to_dict()
+    with pytest.raises(ValueError, match=r"^no_rope_layers must list 0 or 1 for each of the 2 layers \(got \[1\]\)$"):
+        config_from_hf(dict(smol, no_rope_layers=[1]))
+    nope = dataclasses.replace(default_config("qwen3"), nope_layers=(0,))
+    with pytest.raises(ValueError, match="rotary embeddings in every layer"):
+        to_hf(nope, seeded_weights(nope))
     two = dataclasses.replace(default_config("qwen3"), sliding_rope_theta=1e4)
     with pytest.raises(ValueError, match="one rotary embedding for all layers"):
         to_hf(two, seeded_weights(two))
@@ -390,9 +396,9 @@ def test_registry_entries():
     for t in MODEL_TYPES:
         assert t in supported_model_types()
     assert family_for_model_type("mistral") is get_family("llama")
-    for name, model_type in [(t, t) for t in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "gemma2")] + [
-        ("gemma3", "gemma3_text")
-    ]:
+    for name, model_type in [
+        (t, t) for t in ("llama", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "smollm3", "gemma2")
+    ] + [("gemma3", "gemma3_text")]:
         family = get_family(name)
         config = family.default_config()
         assert isinstance(config, LlamaConfig) and config.model_type == model_type

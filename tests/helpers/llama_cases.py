@@ -64,6 +64,16 @@ CASES: dict[str, tuple] = {
     "qwen3-yarn": ("qwen3", dict(tie_word_embeddings=False, head_dim=32, rope_parameters=_YARN), {}),
     "phi3-window": ("phi3", dict(tie_word_embeddings=False, sliding_window=6), {}),
     "olmo2-biases": ("olmo2", dict(tie_word_embeddings=False, attention_bias=True), {}),
+    "smollm3-nope-window": (  # layer 1 without rotary embeddings, and windowed
+        "smollm3",
+        dict(
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
+        {},
+    ),
     "gemma2-softcap": (  # caps small enough to matter on a tiny random model's scores and logits
         "gemma2",
         dict(

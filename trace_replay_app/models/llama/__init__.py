@@ -1,5 +1,5 @@
 """The Llama-family models: ``llama`` (Llama 2/3/3.1, also serving ``mistral`` checkpoints),
-``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4), ``olmo2``, ``olmo3``, ``gemma2`` and ``gemma3``,
+``qwen2``, ``qwen3``, ``phi3`` (Phi-3, Phi-4), ``olmo2``, ``olmo3``, ``smollm3``, ``gemma2`` and ``gemma3``,
 one framework-neutral config (``config.py``, numpy only; the Hugging Face ``config.json`` and
 tensor conversions in ``hf.py``) and the prefill/decode math in each framework with its
 ``run_decode`` on that framework's shared driver (``torch_loop.py`` with ``torch_layers.py``,
@@ -79,6 +79,7 @@ FAMILIES = (
     _family("phi3", "Phi-3-family model", ("phi3",)),
     _family("olmo2", "OLMo-2-family model", ("olmo2",)),
     _family("olmo3", "OLMo-3-family model", ("olmo3",)),
+    _family("smollm3", "SmolLM3-family model", ("smollm3",)),
     _family("gemma2", "Gemma-2-family model", ("gemma2",)),
     _family("gemma3", "Gemma-3-family model", ("gemma3_text",)),
 )

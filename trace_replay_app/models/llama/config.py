@@ -6,7 +6,8 @@ One config serves the Hugging Face ``model_type`` values ``llama`` (Llama 2/3/3.
 Llama layout saved with fused q/k/v and gate/up projections, which ``hf.py`` splits),
 ``olmo2`` (OLMo 2: RMSNorm on each sublayer's output instead of its input, and on the whole
 q and k projections), ``olmo3`` (OLMo 2's layers, three of every four with a sliding window
-and plain rotary embeddings), ``gemma2`` (Gemma 2: as Gemma 3 without q/k norms, every other
+and plain rotary embeddings), ``smollm3`` (every fourth layer without rotary embeddings),
+``gemma2`` (Gemma 2: as Gemma 3 without q/k norms, every other
 layer with a window, scores and logits soft-capped) and ``gemma3_text`` (Gemma 3: norms on each
 sublayer's input and output scaling by ``1 + weight``, per-head q/k norms, a GELU-gated MLP,
 embeddings scaled by ``sqrt(hidden_size)``, five of every six layers with a sliding window and
@@ -45,7 +46,7 @@ __all__ = [
     "layer_norm_names",
 ]
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "gemma2", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "smollm3", "gemma2", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NORM_PLACEMENTS = ("pre", "post", "both")
 NORM_STYLES = ("llama", "olmo", "gemma")
@@ -87,9 +88,9 @@ class LlamaConfig:
     ``final_logit_softcapping`` (Gemma 2): scores / logits ``x`` become ``c * tanh(x / c)`` in the
     compute dtype (0: none; capped scores leave flash and cuDNN attention for the masked form).
     ``layer_windows``: per layer, the sliding attention window in tokens (a query at position
-    ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty means
-    full attention in every layer. ``n_positions`` (the most prompt + decoded tokens of one
-    request) is ``max_position_embeddings``. Frozen and hashable.
+    ``p`` sees keys at ``p - window < k <= p``) or 0 for full causal attention; empty: none.
+    ``nope_layers``: the layers without rotary embeddings (SmolLM3's). ``n_positions`` (the
+    most prompt + decoded tokens of one request) is ``max_position_embeddings``. Frozen, hashable.
     """
 
     model_type: str = "llama"
@@ -126,6 +127,7 @@ class LlamaConfig:
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
     layer_windows: tuple[int, ...] = ()
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         owner = "LlamaConfig"
@@ -211,6 +213,12 @@ class LlamaConfig:
             if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 0:
                 raise ValueError(f"{owner}.layer_windows must hold ints >= 0 (0 = full attention) (got {w!r})")
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows) if any(windows) else ())
+        layers = range(self.num_hidden_layers)
+        if any(
+            isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i not in layers for i in self.nope_layers
+        ):
+            raise ValueError(f"{owner}.nope_layers must hold layer indices (got {self.nope_layers!r})")
+        object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
 
     @property
     def n_positions(self) -> int:
@@ -243,22 +251,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         rope_high_freq_factor=4.0,
         rope_original_max_positions=64,
         rope_theta=500000.0,
-    ),
+    ),  # fmt: skip
     "mistral": dict(layer_windows=(32, 32)),
     "qwen2": dict(qkv_bias=True, tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(qk_norm=True, head_dim=32, rope_theta=1000000.0),
     "phi3": dict(rope_theta=250000.0),
     "olmo2": dict(norm_placement="post", norm_style="olmo", qk_norm=True, rope_theta=500000.0),
     "olmo3": dict(norm_placement="post", norm_style="olmo", qk_norm=True, rope_theta=500000.0, layer_windows=(32, 0)),
+    "smollm3": dict(tie_word_embeddings=True, rope_theta=5000000.0, nope_layers=(1,)),
     "gemma2": dict(_GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     "gemma3_text": dict(_GEMMA, qk_norm=True, rope_theta=1000000.0, sliding_rope_theta=10000.0),
 }
 
 
 def layer_norm_names(config: LlamaConfig) -> dict[str, str]:
-    """A layer's RMSNorms by role (``"attention_in"``, ``"attention_out"``, ``"mlp_in"``,
-    ``"mlp_out"``) -> their names in a checkpoint (``model.layers.N.<name>.weight``), those of
-    ``config.norm_placement``."""
+    """A layer's RMSNorms of ``config.norm_placement`` by role (``attention_in``/``_out``,
+    ``mlp_in``/``_out``) -> their checkpoint names (``model.layers.N.<name>.weight``)."""
     if config.norm_placement == "pre":
         return {"attention_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
     out = {"attention_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"}
@@ -268,8 +276,8 @@ def layer_norm_names(config: LlamaConfig) -> dict[str, str]:
 
 
 def default_config(model_type: str = "llama") -> LlamaConfig:
-    """A small config of ``model_type`` for seeded runs (vocabulary 512, 2 layers, width 64,
-    4 query and 2 key/value heads, 256 positions, and the model type's own options)."""
+    """A small config of ``model_type`` for seeded runs (vocabulary 512, 2 layers, width 64, 4
+    query and 2 key/value heads, 256 positions, the model type's options)."""
     if model_type not in _DEFAULTS:
         raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)} (got {model_type!r})")
     return LlamaConfig(model_type=model_type, **_DEFAULTS[model_type])

@@ -137,6 +137,7 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
     whole = c.qk_norm and style == "olmo"  # q/k norms over the whole projections, else per head
     for i, w in enumerate(p["layers"]):
         cos, sin = local if c.window(i) else rope
+        rotate = _rotate if i not in c.nope_layers else (lambda x, cos, sin: x)  # SmolLM3's NoPE layers
         qkv = _linear(_rms(x, w["attention_in"], eps, style) if pre else x, w["qkv_w"], w.get("qkv_b"))
         q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
         if whole:
@@ -145,7 +146,7 @@ def _layers(p, config: LlamaConfig, tokens, positions, attend, state):
         k, v = k.reshape(n, c.num_key_value_heads, d), v.reshape(n, c.num_key_value_heads, d)
         if c.qk_norm and not whole:
             q, k = _rms(q, w["q_norm"], eps, style), _rms(k, w["k_norm"], eps, style)
-        a, state = attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v, state)
+        a, state = attend(i, rotate(q, cos, sin), rotate(k, cos, sin), v, state)
         out = _linear(a, w["o_w"], w.get("o_b"))
         x = x + (_rms(out, w["attention_out"], eps, style) if post else out)
         h = _rms(x, w["mlp_in"], eps, style) if pre else x

@@ -61,7 +61,9 @@ def attention_inputs(
     q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
     if qk_norm and not whole:
         q, k = rms(q, w["q_norm"], eps, style), rms(k, w["k_norm"], eps, style)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.reshape(n, kv_heads, head_dim)
+    if cos is not None:  # None: a layer without rotary embeddings
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return q, k, v.reshape(n, kv_heads, head_dim)
 
 
 def after_attention(x, a, w, eps: float, row_parallel: Callable = F.linear, form=_LLAMA_FORM):

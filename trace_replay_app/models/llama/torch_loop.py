@@ -219,7 +219,7 @@ class LlamaTorch:
         if self.embed_mult != 1.0:
             x = x * self.embed_mult
         for i, w in enumerate(self.layers):
-            cos, sin = local if c.window(i) else rope
+            cos, sin = (None, None) if i in c.nope_layers else local if c.window(i) else rope
             q, k, v = inputs(x, w, cos, sin, *shape)
             x = after(x, attend(i, q, k, v), w, eps, **options)
         return rms(x, self.norm, eps, c.norm_style)
