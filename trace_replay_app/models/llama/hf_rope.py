@@ -52,10 +52,10 @@ def rope_options(hf: Mapping[str, Any], default_theta: float = 1e4) -> dict[str,
 def layered_rope_options(hf: Mapping[str, Any], gemma: bool = False, default_theta: float = 1e4) -> dict[str, Any]:
     """OLMo 3's and Gemma 3's rotary options, per layer type: ``rope_parameters`` as
     ``{"full_attention": ..., "sliding_attention": ...}`` (older files: ``rope_scaling`` for the
-    full layers; ``rope_theta`` (else ``default_theta``) for both, or with ``gemma`` for the full layers, default 1e6,
-    and ``rope_local_base_freq`` for the sliding ones, default 1e4). The full layers' options
-    are the config's; the sliding layers must use plain rotary embeddings, at
-    ``sliding_rope_theta`` when that differs from the full layers' (as transformers, YaRN's
+    full layers; ``rope_theta``, else ``default_theta``, for both, or with ``gemma`` for the full
+    layers, default 1e6, and ``rope_local_base_freq`` for the sliding ones, default 1e4). The
+    full layers' options are the config's; the sliding layers must use plain rotary embeddings,
+    at ``sliding_rope_theta`` when that differs from the full layers' (as transformers, YaRN's
     ``truncate`` is read from the top of ``rope_parameters``: true)."""
     params = get_mapping(hf, "rope_parameters")
     if "full_attention" not in params and "sliding_attention" not in params:
