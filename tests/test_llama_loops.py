@@ -1,6 +1,7 @@
 """The Llama-family decode loops (torch and JAX) against transformers' own tiny models, on the CPU.
 
-Per case (see ``llama_cases.CASES``): a random model made and saved by transformers, read back
+Per case (``llama_cases.CORE_CASES``; the other model types: test_llama_model_types.py): a
+random model made and saved by transformers, read back
 through ``trace_replay_app.checkpoint``; every forced token's logprob within 1e-5 of
 transformers' teacher-forced forward (float32), ranks and argmax identical wherever a logit gap
 above ``llama_cases.RANK_EPS`` decides them; untraced greedy requests equal
@@ -22,8 +23,10 @@ from helpers.bf16_bounds import LLAMA_BF16, check_caught, check_close, gaps, ref
 from helpers.flash_double import flash_varlen_forward  # noqa: E402
 from helpers.llama_cases import (  # noqa: E402
     CASES,
+    CORE_CASES,
     check_against_hf,
     check_same,
+    checkpoints_of,
     hf_model,
     load,
     make_checkpoint,
@@ -46,16 +49,11 @@ if HAS_JAX:  # only a missing jax skips the JAX cases: an import error in our ow
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """case -> (folder, config, weights, transformers' model), made once per module."""
-    out = {}
-    for i, case in enumerate(CASES):
-        folder = make_checkpoint(case, str(tmp_path_factory.mktemp(case)), seed=i)
-        config, weights = load(folder)
-        out[case] = (folder, config, weights, hf_model(folder))
-    return out
+    return checkpoints_of(CORE_CASES, tmp_path_factory)
 
 
 @pytest.mark.parametrize("framework", sorted(LOOPS))
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", CORE_CASES)
 def test_matches_transformers(checkpoints, case, framework, rng):
     folder, config, weights, model = checkpoints[case]
     assert config.model_type == CASES[case][0]
@@ -79,7 +77,7 @@ def test_query_head_groups_larger_than_the_kv_heads(tmp_path, framework, rng):
 
 
 @pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", CORE_CASES)
 def test_torch_and_jax_agree(checkpoints, case, rng):
     _, config, weights, model = checkpoints[case]
     requests = make_requests(rng, config.vocab_size, n=7)

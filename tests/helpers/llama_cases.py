@@ -119,6 +119,23 @@ CASES: dict[str, tuple] = {
 }
 
 
+# The first five cases (Llama, Mistral, Qwen2, Qwen3) and the model types added to the family
+# after them: test_llama_loops.py runs every loop test on the first, test_llama_model_types.py
+# checks the others against transformers in both loops (two files, so pytest's workers share them).
+CORE_CASES = ("llama-tied-llama3-sharded", "llama-untied-llama3-biases", "mistral-window-bf16", "qwen2", "qwen3")
+VARIANT_CASES = tuple(sorted(set(CASES) - set(CORE_CASES)))
+
+
+def checkpoints_of(cases, tmp_path_factory, seed: int = 0) -> dict:
+    """case -> (folder, config, weights, transformers' model) of each of ``cases``, made under
+    ``tmp_path_factory`` (case ``i`` with seed ``seed + i``)."""
+    out = {}
+    for i, case in enumerate(cases):
+        folder = make_checkpoint(case, str(tmp_path_factory.mktemp(case)), seed=seed + i)
+        out[case] = (folder, *load(folder), hf_model(folder))
+    return out
+
+
 def make_checkpoint(case: str, folder: str, seed: int = 0, **overrides: Any) -> str:
     """Save the tiny model of ``case`` (random weights from ``seed``; ``overrides``: config
     options over the case's sizes and options) under ``folder``; return it."""
