@@ -502,4 +502,85 @@ FAULTS = (
         ("tests/test_cli_compare.py::test_rollout_against_decode_and_score",),
         "tests/test_cli_compare.py::test_rollout_against_decode_and_score",
     ),
+    # -- the Llama family's model types (phi3, olmo2/3, smollm3, gemma2/3, yarn) ----------------
+    Fault(
+        "types: YaRN's cos/sin scale dropped (JAX)",
+        "trace_replay_app/models/llama/jax_loop.py",
+        (
+            (
+                "    if factor != 1:\n        cos, sin = cos * factor, sin * factor",
+                "    if False:\n        cos, sin = cos * factor, sin * factor",
+            ),
+        ),
+        ("tests/test_llama_model_types.py::test_matches_transformers[qwen3-yarn-jax]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[qwen3-yarn-jax]",
+    ),
+    Fault(
+        "types: windowed layers take the full layers' rotary embedding (torch)",
+        "trace_replay_app/models/llama/torch_loop.py",
+        (
+            (
+                "(None, None) if i in c.nope_layers else local if c.window(i) else rope",
+                "(None, None) if i in c.nope_layers else rope",
+            ),
+        ),
+        ("tests/test_llama_model_types.py::test_matches_transformers[olmo3-yarn-window-torch]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[olmo3-yarn-window-torch]",
+    ),
+    Fault(
+        "types: SmolLM3's NoPE layers rotated (torch)",
+        "trace_replay_app/models/llama/torch_loop.py",
+        (("(None, None) if i in c.nope_layers else local", "local"),),
+        ("tests/test_llama_model_types.py::test_matches_transformers[smollm3-nope-window-torch]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[smollm3-nope-window-torch]",
+    ),
+    Fault(
+        "types: Gemma's norm scales by the weight, not 1 + weight (torch)",
+        "trace_replay_app/models/llama/torch_layers.py",
+        (('weight.float() + 1.0 if style == "gemma" else weight.float()', "weight.float()"),),
+        ("tests/test_llama_model_types.py::test_matches_transformers[gemma3-window-torch]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[gemma3-window-torch]",
+    ),
+    Fault(
+        "types: Gemma's embeddings unscaled (torch)",
+        "trace_replay_app/models/llama/torch_loop.py",
+        (("            x = x * self.embed_mult", "            x = x"),),
+        ("tests/test_llama_model_types.py::test_matches_transformers[gemma3-window-torch]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[gemma3-window-torch]",
+    ),
+    Fault(
+        "types: the attention and MLP output norms swapped (JAX)",
+        "trace_replay_app/models/llama/jax_loop.py",
+        (('_rms(out, w["attention_out"], eps, style) if post', '_rms(out, w["mlp_out"], eps, style) if post'),),
+        ("tests/test_llama_model_types.py::test_matches_transformers[gemma2-softcap-jax]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[gemma2-softcap-jax]",
+    ),
+    Fault(
+        "types: Gemma 2's score cap dropped in masked decode (torch)",
+        "trace_replay_app/models/llama/torch_loop.py",
+        (("            scores = softcap(scores, c.attn_logit_softcapping)\n", ""),),
+        ("tests/test_llama_model_types.py::test_matches_transformers[gemma2-softcap-torch]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[gemma2-softcap-torch]",
+    ),
+    Fault(
+        "types: Gemma 2's logits cap dropped (JAX)",
+        "trace_replay_app/models/llama/jax_loop.py",
+        (('_softcap(logits, p["logit_cap"].astype(logits.dtype)) if "logit_cap" in p else logits', "logits"),),
+        ("tests/test_llama_model_types.py::test_matches_transformers[gemma2-softcap-jax]",),
+        "tests/test_llama_model_types.py::test_matches_transformers[gemma2-softcap-jax]",
+    ),
+    Fault(
+        "types: mistral's key/value heads when config.json leaves them out (transformers: 8)",
+        "trace_replay_app/models/llama/hf.py",
+        (('"mistral": {"sliding_window": 4096, "num_key_value_heads": 8}', '"mistral": {"sliding_window": 4096}'),),
+        ("tests/test_llama_config.py::test_keys_left_out_read_as_transformers_defaults_them[mistral]",),
+        "tests/test_llama_config.py::test_keys_left_out_read_as_transformers_defaults_them[mistral]",
+    ),
+    Fault(
+        "types: a rollout key shown raw in the one-line error",
+        "trace_replay_app/rollouts.py",
+        (("    text = key if key.isprintable() else repr(key)", "    text = key"),),
+        ("tests/test_rollouts.py::test_bad_lines_name_file_line_and_field",),
+        "tests/test_rollouts.py::test_bad_lines_name_file_line_and_field[auto/control_char_key]",
+    ),
 )
