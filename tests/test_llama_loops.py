@@ -14,7 +14,6 @@ and the same bound refuses bf16 runs with a planted error (q/k/v biases dropped,
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import numpy as np
 import pytest
@@ -22,11 +21,13 @@ import torch
 from helpers.bf16_bounds import LLAMA_BF16, check_caught, check_close, gaps, refs_gaps  # noqa: E402
 from helpers.flash_double import flash_varlen_forward  # noqa: E402
 from helpers.llama_cases import (  # noqa: E402
-    CASES,
     CORE_CASES,
     check_against_hf,
+    check_case_against_hf,
+    check_loops_agree,
     check_same,
     checkpoints_of,
+    decode_loops,
     hf_model,
     load,
     make_checkpoint,
@@ -38,12 +39,8 @@ from trace_replay_app.drivers.torch_attention import flash_decode  # noqa: E402
 from trace_replay_app.models.llama import torch_loop  # noqa: E402
 from trace_replay_app.models.llama.config import default_config, seeded_weights  # noqa: E402
 
-LOOPS = {"torch": torch_loop.run_decode}
-HAS_JAX = importlib.util.find_spec("jax") is not None
-if HAS_JAX:  # only a missing jax skips the JAX cases: an import error in our own loop fails here
-    from trace_replay_app.models.llama import jax_loop
-
-    LOOPS["jax"] = jax_loop.run_decode
+LOOPS = decode_loops()
+HAS_JAX = "jax" in LOOPS
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +52,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("framework", sorted(LOOPS))
 @pytest.mark.parametrize("case", CORE_CASES)
 def test_matches_transformers(checkpoints, case, framework, rng):
-    folder, config, weights, model = checkpoints[case]
-    assert config.model_type == CASES[case][0]
-    requests = make_requests(rng, config.vocab_size)
-    results = LOOPS[framework](config, weights, requests, max_batch=3)
-    check_against_hf(model, requests, results, f"{case} {framework}")
+    check_case_against_hf(checkpoints, case, LOOPS[framework], f"{case} {framework}", rng)
 
 
 @pytest.mark.parametrize("framework", sorted(LOOPS))
@@ -79,11 +72,7 @@ def test_query_head_groups_larger_than_the_kv_heads(tmp_path, framework, rng):
 @pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
 @pytest.mark.parametrize("case", CORE_CASES)
 def test_torch_and_jax_agree(checkpoints, case, rng):
-    _, config, weights, model = checkpoints[case]
-    requests = make_requests(rng, config.vocab_size, n=7)
-    a = LOOPS["torch"](config, weights, requests, max_batch=3)
-    b = LOOPS["jax"](config, weights, requests, max_batch=3)
-    check_same(a, b, f"{case} torch vs jax", reference=model, requests=requests)
+    check_loops_agree(checkpoints, case, LOOPS, rng)
 
 
 @pytest.mark.parametrize("framework", sorted(LOOPS))

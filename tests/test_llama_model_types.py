@@ -8,19 +8,10 @@ that are not about a model type's layer math run on the first cases (test_llama_
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from helpers.llama_cases import CASES, VARIANT_CASES, check_against_hf, check_same, checkpoints_of, make_requests
+from helpers.llama_cases import VARIANT_CASES, check_case_against_hf, check_loops_agree, checkpoints_of, decode_loops
 
-from trace_replay_app.models.llama import torch_loop
-
-LOOPS = {"torch": torch_loop.run_decode}
-HAS_JAX = importlib.util.find_spec("jax") is not None
-if HAS_JAX:  # only a missing jax skips the JAX cases: an import error in our own loop fails here
-    from trace_replay_app.models.llama import jax_loop
-
-    LOOPS["jax"] = jax_loop.run_decode
+LOOPS = decode_loops()
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +22,10 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("framework", sorted(LOOPS))
 @pytest.mark.parametrize("case", VARIANT_CASES)
 def test_matches_transformers(checkpoints, case, framework, rng):
-    folder, config, weights, model = checkpoints[case]
-    assert config.model_type == CASES[case][0]
-    requests = make_requests(rng, config.vocab_size)
-    results = LOOPS[framework](config, weights, requests, max_batch=3)
-    check_against_hf(model, requests, results, f"{case} {framework}")
+    check_case_against_hf(checkpoints, case, LOOPS[framework], f"{case} {framework}", rng)
 
 
-@pytest.mark.skipif(not HAS_JAX, reason="jax is not installed")
+@pytest.mark.skipif("jax" not in LOOPS, reason="jax is not installed")
 @pytest.mark.parametrize("case", VARIANT_CASES)
 def test_torch_and_jax_agree(checkpoints, case, rng):
-    _, config, weights, model = checkpoints[case]
-    requests = make_requests(rng, config.vocab_size, n=7)
-    a = LOOPS["torch"](config, weights, requests, max_batch=3)
-    b = LOOPS["jax"](config, weights, requests, max_batch=3)
-    check_same(a, b, f"{case} torch vs jax", reference=model, requests=requests)
+    check_loops_agree(checkpoints, case, LOOPS, rng)

@@ -7,6 +7,7 @@ drawn too: transformers starts them at 0).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -124,6 +125,38 @@ CASES: dict[str, tuple] = {
 # checks the others against transformers in both loops (two files, so pytest's workers share them).
 CORE_CASES = ("llama-tied-llama3-sharded", "llama-untied-llama3-biases", "mistral-window-bf16", "qwen2", "qwen3")
 VARIANT_CASES = tuple(sorted(set(CASES) - set(CORE_CASES)))
+
+
+def decode_loops() -> dict:
+    """framework -> the Llama family's ``run_decode``: torch, and JAX when jax is installed (only a
+    missing jax leaves it out: an import error in our own loop fails the caller)."""
+    from trace_replay_app.models.llama import torch_loop
+
+    loops = {"torch": torch_loop.run_decode}
+    if importlib.util.find_spec("jax") is not None:
+        from trace_replay_app.models.llama import jax_loop
+
+        loops["jax"] = jax_loop.run_decode
+    return loops
+
+
+def check_case_against_hf(checkpoints: dict, case: str, run, what: str, rng) -> None:
+    """``case``'s checkpoint (from :func:`checkpoints_of`) through the decode loop ``run``
+    against transformers' teacher-forced forward (:func:`check_against_hf`)."""
+    _, config, weights, model = checkpoints[case]
+    assert config.model_type == CASES[case][0]
+    requests = make_requests(rng, config.vocab_size)
+    check_against_hf(model, requests, run(config, weights, requests, max_batch=3), what)
+
+
+def check_loops_agree(checkpoints: dict, case: str, loops: dict, rng) -> None:
+    """The torch and JAX loops on ``case``'s checkpoint give the same tokens and logprobs
+    (:func:`check_same`, ranks against transformers' logits)."""
+    _, config, weights, model = checkpoints[case]
+    requests = make_requests(rng, config.vocab_size, n=7)
+    a = loops["torch"](config, weights, requests, max_batch=3)
+    b = loops["jax"](config, weights, requests, max_batch=3)
+    check_same(a, b, f"{case} torch vs jax", reference=model, requests=requests)
 
 
 def checkpoints_of(cases, tmp_path_factory, seed: int = 0) -> dict:
