@@ -40,9 +40,9 @@ _ABSENT: dict[str, dict[str, Any]] = {
     "phi3": {"rms_norm_eps": 1e-5},
     "olmo2": {"rms_norm_eps": 1e-5},
     "olmo3": {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
-    "gemma2": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4}
+    "gemma2": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4, "tie_word_embeddings": True}
     | {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-    "gemma3_text": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4},
+    "gemma3_text": {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4, "tie_word_embeddings": True},
 }
 _IGNORED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)  # a buffer older checkpoints store
 
@@ -57,7 +57,7 @@ def _number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
 
 
-def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, ...]:
+def _windows(hf: Mapping[str, Any], model_type: str, layers: int, nope: tuple[int, ...]) -> tuple[int, ...]:
     """Per-layer sliding windows as transformers applies them: Mistral and Phi-3 slide in every
     layer when ``sliding_window`` is set; Qwen2/Qwen3 only with ``use_sliding_window``, in the
     layers that ``layer_types`` marks ``sliding_attention`` (by default those from
@@ -81,10 +81,7 @@ def _windows(hf: Mapping[str, Any], model_type: str, layers: int) -> tuple[int, 
             raise ValueError(f"sliding_window_pattern must be a positive int (got {every})")
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     elif types is None and model_type == "smollm3":  # windows on the layers without rotary embeddings
-        types = [
-            "sliding_attention" if i in _nope_layers(hf, model_type, layers) else "full_attention"
-            for i in range(layers)
-        ]
+        types = ["sliding_attention" if i in nope else "full_attention" for i in range(layers)]
     elif types is None:
         start = get_int(hf, "max_window_layers", layers)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
@@ -150,6 +147,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
     olmo = model_type in ("olmo2", "olmo3")
     theta = _absent(hf, "rope_theta", 1e4)  # when config.json gives none
     placement = "post" if olmo else ("both" if gemma else "pre")
+    nope = _nope_layers(hf, model_type, layers)
     return LlamaConfig(
         model_type=model_type,
         vocab_size=get_int(hf, "vocab_size", required=True),
@@ -163,8 +161,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         rms_norm_eps=get_float(hf, "rms_norm_eps", _absent(hf, "rms_norm_eps", 1e-6)),
         tie_word_embeddings=get_bool(hf, "tie_word_embeddings")
         if hf.get("tie_word_embeddings") is not None
-        else _absent(hf, "tie_word_embeddings", gemma),
-        nope_layers=_nope_layers(hf, model_type, layers),
+        else _absent(hf, "tie_word_embeddings", False),
+        nope_layers=nope,
         qkv_bias=True if model_type == "qwen2" else attention_bias and model_type in _ATTENTION_BIAS,
         o_bias=attention_bias and model_type in _ATTENTION_BIAS,
         mlp_bias=get_bool(hf, "mlp_bias") and model_type == "llama",
@@ -174,7 +172,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> LlamaConfig:
         hidden_act=act,
         embed_scale=gemma,
         query_pre_attn_scalar=get_float(hf, "query_pre_attn_scalar", 256.0) if gemma else 0.0,
-        layer_windows=_windows(hf, model_type, layers),
+        layer_windows=_windows(hf, model_type, layers, nope),
         **caps,
         **(
             layered_rope_options(hf, gemma, theta)

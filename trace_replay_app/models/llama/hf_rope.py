@@ -118,25 +118,28 @@ def _original_positions(hf: Mapping[str, Any], merged: Mapping[str, Any]) -> int
     return get_int(hf, "max_position_embeddings", required=True)
 
 
+# The LlamaConfig field behind each key transformers reads for a rope type (written by rope_parameters).
+_WRITTEN = {
+    "linear": {"factor": "rope_factor"},
+    "yarn": {
+        "factor": "rope_factor",
+        "original_max_position_embeddings": "rope_original_max_positions",
+        "beta_fast": "rope_beta_fast",
+        "beta_slow": "rope_beta_slow",
+        "truncate": "rope_truncate",
+        "attention_factor": "rope_attention_factor",
+    },
+    "llama3": {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_positions",
+    },
+}
+
+
 def rope_parameters(config: LlamaConfig) -> dict[str, Any]:
     """``config``'s rotary options as transformers' ``rope_parameters`` (the full layers')."""
     rope: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
-    if config.rope_type == "linear":
-        rope.update(factor=config.rope_factor)
-    elif config.rope_type == "yarn":
-        rope.update(
-            factor=config.rope_factor,
-            original_max_position_embeddings=config.rope_original_max_positions,
-            beta_fast=config.rope_beta_fast,
-            beta_slow=config.rope_beta_slow,
-            truncate=config.rope_truncate,
-            attention_factor=config.rope_attention_factor,
-        )
-    elif config.rope_type == "llama3":
-        rope.update(
-            factor=config.rope_factor,
-            low_freq_factor=config.rope_low_freq_factor,
-            high_freq_factor=config.rope_high_freq_factor,
-            original_max_position_embeddings=config.rope_original_max_positions,
-        )
+    rope.update({key: getattr(config, field) for key, field in _WRITTEN.get(config.rope_type, {}).items()})
     return rope

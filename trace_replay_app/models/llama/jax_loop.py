@@ -163,8 +163,9 @@ def _logits(p, h):
 
 
 def _softcap(x, cap):
-    """``cap * tanh(x / cap)`` in ``x``'s dtype, as transformers soft-caps (``cap`` 0: ``x``)."""
-    return jnp.tanh(x / cap) * cap if not isinstance(cap, (int, float)) or cap else x
+    """``cap * tanh(x / cap)`` in ``x``'s dtype, as transformers soft-caps (``cap``: an array,
+    or a config's float where 0 means none)."""
+    return x if isinstance(cap, float) and not cap else jnp.tanh(x / cap) * cap
 
 
 def _softmax_f32(scores, visible, dtype, axis: int = -1):
