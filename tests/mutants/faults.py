@@ -239,7 +239,7 @@ FAULTS = (
     ),
     Fault(
         "kernel entropy: u not moved to a line's new maximum",
-        T + "kernels/_logprob_online_jit.py",
+        T + "kernels/_logprob_chunk_jit.py",
         (
             (
                 "        kept = tl.where(c == 0, 0.0, c * (u + shift * s))\n",

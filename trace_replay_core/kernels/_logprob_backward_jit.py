@@ -6,8 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._logprob_chunk_jit import scaled
-from ._logprob_online_jit import LOG2E
+from ._logprob_chunk_jit import LOG2E, scaled
 
 __all__ = ["logprob_backward_kernel", "logprob_backward_combine_kernel"]
 

@@ -11,8 +11,8 @@ This module is the op's host side: :func:`plan_logprob_rank` returns a call's
 :class:`LogprobVariant` (cached per batch, vocabulary, dtype, top-k and options),
 :func:`kernel_specs` its kernels, :func:`launch_logprob_rank` and :func:`bind_logprob_rank_launch`
 queue them on a stream with integers only. The ``@triton.jit`` kernels: :mod:`._logprob_rank_jit`
-(a chunk's partial: :mod:`._logprob_chunk_jit`; the online reductions, the entropy's among them:
-:mod:`._logprob_online_jit`).
+(with the row's merge and top-k; a chunk's partial and the online reductions, the entropy's among
+them: :mod:`._logprob_chunk_jit`).
 
 Design reasons:
 
@@ -32,7 +32,7 @@ Design reasons:
   342 instructions per 32 logits); a chunk whose maximum lies beyond ``+-2**20`` is flagged and
   re-summed exactly by the combine kernel.
 - Top-k from the same read: per-line maxima, then a read-back of the vectors that can pass a
-  threshold (:mod:`._logprob_topk_jit`); its chunk kernel: at most 64 registers, 2 chunks each.
+  threshold (:mod:`._logprob_rank_jit`); its chunk kernel: at most 64 registers, 2 chunks each.
 - sm_90+: without top-k, when a call's rows fit on the device at once, a row's programs form one
   cluster whose first program merges the row (one kernel instead of two: faster up to about 64
   rows of 151,936; beyond, two kernels); either way the same bits. Bound calls are programmatic
