@@ -47,7 +47,7 @@ def _worse_by(fast: np.ndarray, masked: np.ndarray, reference: np.ndarray, what:
     err_fast, err_masked = np.abs(fast - reference).max(), np.abs(masked - reference).max()
     scale = np.abs(reference).max()
     assert err_fast <= 2 * err_masked + 2e-3 * scale, (
-        f"{what}: max |fast - float32| {err_fast:.3g} against masked bf16's {err_masked:.3g} (logits up to {scale:.3g})"
+        f"{what}: max |fast - float32| {err_fast:.3g} against masked bf16's {err_masked:.3g} (values up to {scale:.3g})"
     )
 
 
@@ -65,13 +65,15 @@ def _steps(build, fast: str, cache, t, p) -> dict:
     return out
 
 
-def _writes_where_masked_does(out: dict, fast: str, cache, positions) -> None:
-    """The fast step's keys and values land where the masked step puts them (later layers'
-    differ by the attention before them), nowhere else."""
-    np.testing.assert_allclose(out[fast + " cache"], out["masked cache"], atol=3e-2, rtol=3e-2)
-    untouched = np.ones(out[fast + " cache"].shape, dtype=bool)
-    untouched[:, :, np.arange(ROWS), positions] = False
-    assert np.array_equal(out[fast + " cache"][untouched], cache.numpy()[untouched])
+def _writes_where_masked_does(out: dict, fast: str, cache, positions, what: str) -> None:
+    """The fast step's keys and values land at each row's position, nowhere else, and are as
+    close to the float32 step's as the masked bf16 step's (:func:`_worse_by`: a layer's keys
+    follow the attention before it, which q/k norms can amplify past a fixed tolerance)."""
+    written = np.zeros(out[fast + " cache"].shape, dtype=bool)
+    written[:, :, np.arange(ROWS), positions] = True
+    got, masked, reference = (out[k + " cache"][written] for k in (fast, "masked", "float32"))
+    _worse_by(got, masked, reference, f"{what} cache writes")
+    assert np.array_equal(out[fast + " cache"][~written], cache.numpy()[~written])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -84,7 +86,7 @@ def test_gpu_torch_fused_decode(case, rng):
     out = _steps(lambda dtype, fused: LlamaTorch(config, weights, dev, dtype, fused=fused), "fused", cache, t, p)
     assert LlamaTorch(config, weights, dev, torch.bfloat16).fused  # the default on CUDA in bf16
     _worse_by(out["fused"], out["masked"], out["float32"], f"{case} torch fused")
-    _writes_where_masked_does(out, "fused", cache, positions)
+    _writes_where_masked_does(out, "fused", cache, positions, f"{case} torch fused")
 
 
 @pytest.mark.parametrize("case", ["qwen2", "mistral-window"])
@@ -128,7 +130,7 @@ def test_gpu_gpt2_torch_flash_decode(rng):
     out = _steps(lambda dtype, flash: GPT2Torch(config, weights, dev, dtype, flash=flash), "flash", cache, t, p)
     assert GPT2Torch(config, weights, dev, torch.bfloat16).flash  # the default on CUDA in bf16
     _worse_by(out["flash"], out["masked"], out["float32"], "gpt2 torch flash")
-    _writes_where_masked_does(out, "flash", cache, positions)
+    _writes_where_masked_does(out, "flash", cache, positions, "gpt2 torch flash")
     _graph_replays_eager(GPT2Torch(config, weights, dev, torch.bfloat16), cache, t, p)
 
 
