@@ -178,8 +178,10 @@ def token_logprob_rank(
     """
     if torch.compiler.is_compiling():
         return _compiled_call(logits, token_ids, top_k, temperature, out, argmax, entropy)
-    wants_grad = getattr(logits, "requires_grad", False) or getattr(temperature, "requires_grad", False)
-    if (wants_grad and torch.is_grad_enabled()) or _transforms_active():
+    wants_grad = getattr(logits, "requires_grad", False) or (
+        temperature is not None and getattr(temperature, "requires_grad", False)
+    )
+    if (wants_grad and torch.is_grad_enabled()) or (_FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()):
         if out is not None:
             raise TypeError(
                 "out= cannot be used when logits or temperature require grad, or under torch.func "
@@ -195,13 +197,9 @@ def token_logprob_rank(
     )
 
 
+# Whether a ``torch.func`` transform (vmap, grad, ...) is active: its wrapped tensors have no
+# storage to hand over, so the call goes through the op, which has rules for them.
 _FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def _transforms_active() -> bool:
-    """Whether a ``torch.func`` transform (vmap, grad, ...) is active: its wrapped tensors have
-    no storage to hand over, so the call goes through the op, which has rules for them."""
-    return bool(_FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE())
 
 
 def compute_logprob_rank(

@@ -3,6 +3,7 @@ combination of options (top-k, greedy token, entropy), and how a call's output s
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -130,8 +131,16 @@ def result_type(top_k: int, argmax: bool, entropy: bool) -> type:
     return _RESULTS[(top_k > 0, argmax, entropy)]
 
 
+# (top_k > 0, argmax, entropy) -> the six output slots' indices the result holds, as a getter
+_SLOTS = {
+    key: operator.itemgetter(*(i for i, has in enumerate((True, True, key[0], key[0], key[1], key[2])) if has))
+    for key in _RESULTS
+}
+
+
 def named_result(outs, top_k: int, argmax: bool, entropy: bool) -> LogprobRankResult:
     """The named result of the six output slots (logprobs, ranks, topk logprobs, topk ids,
-    argmax, entropy): the slots the call has, in that order."""
-    has = (True, True, top_k > 0, top_k > 0, argmax, entropy)
-    return result_type(top_k, argmax, entropy)(*(t for t, h in zip(outs, has) if h))
+    argmax, entropy): the slots the call has, in that order. (On the eager hot path: one
+    lookup and one getter, no generator.)"""
+    key = (top_k > 0, argmax, entropy)
+    return _RESULTS[key](*_SLOTS[key](outs))
