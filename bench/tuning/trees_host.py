@@ -2,17 +2,18 @@
 
 Question: did a change of the library move the host time a decode loop pays per step? Each tree
 (a checkout or an archive of a commit) is measured in its own child process, with the same timing
-code (this file), in the order A B B A, so drift of the machine falls on both alike; each row
-reports the median over both children of the per-round means and the ratio of the second tree to
-the first.
+code (this file), in the order A B B A (``--repeat``: that many times), so drift of the machine
+falls on both alike; each row reports the median over all children of the per-round means and
+the ratio of the second tree to the first.
 
 Rows (torch, bf16 logits of 32,000 columns, 1,024 slots of up to 8,192 trace tokens):
 ``replay`` (``TraceReplayState.replay``) at batch 1, 256 and 1,024; ``core_bound`` (the core's
 bound launch without the adapter) at 256; ``sampler_eager`` (``argmax``, ``replay``,
-``token_logprob_rank``) at 1, 256 and 1,024 (device-bound at 1,024). With ``--jax``, each tree's
-own ``bench/jax_step.py`` child (default XLA flags, ``none``, ``trace_replay_jax``,
-``trace_replay_jax_kernel``) runs once per tree after the torch rows, and its rows are printed
-side by side.
+``token_logprob_rank``) at 1, 256 and 1,024 (device-bound at 1,024); ``logprob_device``: the
+logprob op's device time (CUDA events, the host hidden) on bf16 logits of 151,936 columns at
+batch 256 and 4,096. With ``--jax``, each tree's own ``bench/jax_step.py`` child (default XLA
+flags, ``none``, ``trace_replay_jax``, ``trace_replay_jax_kernel``) runs once per tree after the
+torch rows, and its rows are printed side by side.
 
 Run on a GPU: ``python3 bench/tuning/trees_host.py --trees base=/path/a,main=. [--jax] --out F``.
 """
@@ -45,6 +46,24 @@ def _time_host(fn, sync) -> list[float]:
             fn()
         per_round.append((time.perf_counter() - t0) / CALLS * 1e6)
     sync()
+    return per_round
+
+
+def _time_device(fn, torch) -> list[float]:
+    """Device us per call of ``fn``: CUDA events around 50 back-to-back calls queued behind a
+    sleep kernel (about 5 ms), so the host's enqueue is hidden; one figure per round."""
+    for _ in range(3):
+        fn()
+    per_round = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(10_000_000)
+        start.record()
+        for _ in range(50):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        per_round.append(start.elapsed_time(end) * 1e3 / 50)
     return per_round
 
 
@@ -88,6 +107,12 @@ def child(out: str) -> None:
         rows[f"sampler_eager B={batch} checksum"] = [
             float(t.double().nansum().item()) for t in (tokens, logprobs, ranks)
         ]
+    for batch in (256, 4096):  # the logprob op's device time, bf16 logits of Qwen's vocabulary
+        logits = torch.randn(batch, 151_936, device=dev).to(torch.bfloat16)
+        ids = torch.randint(0, 151_936, (batch,), device=dev)
+        rows[f"logprob_device B={batch} V=151936"] = _time_device(
+            functools.partial(token_logprob_rank, logits, ids), torch
+        )
     st.close()
     with open(out, "w") as f:
         json.dump(rows, f)
@@ -130,6 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", help="NAME=PATH,NAME=PATH: the first is the reference")
     ap.add_argument("--jax", action="store_true", help="also each tree's bench/jax_step.py child")
+    ap.add_argument("--repeat", type=int, default=1, help="children per tree: 2 x this (A B B A, repeated)")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per child process")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -142,7 +168,7 @@ def main() -> None:
         ap.error(f"--trees must be NAME=PATH,NAME=PATH (got {a.trees!r})")
     (na, ta), (nb, tb) = [(n, os.path.abspath(p)) for n, p in trees]
     rounds: dict[str, dict[str, list[float]]] = {na: {}, nb: {}}
-    for name, tree in ((na, ta), (nb, tb), (nb, tb), (na, ta)):
+    for name, tree in ((na, ta), (nb, tb), (nb, tb), (na, ta)) * a.repeat:
         for key, values in _run_child(name, tree, a.timeout).items():
             rounds[name].setdefault(key, []).extend(values)
     torch_rows: list[dict] = []
