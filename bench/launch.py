@@ -39,11 +39,13 @@ A second question: what does a whole sampler step cost (greedy ``argmax`` over `
 At large batches the sampler reads the logits twice and shows device time.
 
 Does not measure: device time of the kernel (see ``bench/`` scaling scripts), commits.
-Run: ``python bench/launch.py`` on a GPU; writes ``bench/results/launch.json``.
+Run: ``python bench/launch.py [--batches 1,256]`` on a GPU; writes ``bench/results/launch.json``
+(the batches given).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -84,7 +86,14 @@ def _samplers():
 
 
 def main() -> None:
-    parse_args(__doc__)
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--batches",
+        type=lambda s: tuple(int(b) for b in s.split(",")),
+        default=BATCHES,
+        help="comma-separated batch sizes (default: 1,256,1024; the whole run takes about 10 minutes on an H200)",
+    )
+    batches = parse_args(__doc__, parser).batches
     import torch
     import triton
 
@@ -125,7 +134,7 @@ def main() -> None:
     table_t = torch.from_numpy(table_np).to(dev)
     len_t = torch.from_numpy(len_np).to(dev)
 
-    for batch in BATCHES:
+    for batch in batches:
         idx = torch.tensor(rng.permutation(MAX_SLOTS)[:batch], dtype=torch.int32, device=dev)
         base = torch.tensor(rng.integers(0, 150_000, batch), dtype=torch.int64, device=dev)
         outs = {}
