@@ -224,6 +224,13 @@ FAULTS = (
         ("tests/test_jax_adapter.py::test_replay_matches_reference_and_returns_a_new_array",),
         "tests/test_jax_adapter.py::test_replay_matches_reference_and_returns_a_new_array",
     ),
+    Fault(
+        "torch named result: the entropy field holds the greedy tokens",
+        "adapters/trace_replay_torch/logprob_results.py",
+        (("(True, True, key[0], key[0], key[1], key[2])", "(True, True, key[0], key[0], key[1] or key[2], False)"),),
+        ("tests/test_torch_entropy.py",),
+        "tests/test_torch_entropy.py",
+    ),
     # -- the entropy of token_logprob_rank ----------------------------------------------------------
     Fault(
         "numpy entropy: a -inf logit's term makes u NaN",
