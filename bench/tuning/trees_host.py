@@ -124,31 +124,28 @@ def _env(tree: str) -> dict:
     return env
 
 
-def _run_child(name: str, tree: str, timeout: float) -> dict:
+def _child(label: str, tree: str, cmd: list[str], timeout: float):
+    """Run ``cmd + ["--out", file]`` in ``tree`` (its own packages first on the path); the JSON
+    it wrote, or None when it wrote none."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", out]
         t0 = time.perf_counter()
         try:
-            rc: int | str = subprocess.run(cmd, cwd=tree, env=_env(tree), timeout=timeout).returncode
+            rc: int | str = subprocess.run(cmd + ["--out", out], cwd=tree, env=_env(tree), timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-        print(f"--- {name}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
-        return json.load(open(out)) if os.path.exists(out) else {}
+        print(f"--- {label}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+        return json.load(open(out)) if os.path.exists(out) else None
+
+
+def _run_child(name: str, tree: str, timeout: float) -> dict:
+    return _child(name, tree, [sys.executable, os.path.abspath(__file__), "--child"], timeout) or {}
 
 
 def _jax_rows(name: str, tree: str, timeout: float) -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mechanisms = "none,trace_replay_jax,trace_replay_jax_kernel"
-        cmd = [sys.executable, "bench/jax_step.py", "--child", "default", "--out", out, "--mechanisms", mechanisms]
-        t0 = time.perf_counter()
-        try:
-            rc: int | str = subprocess.run(cmd, cwd=tree, env=_env(tree), timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"--- {name} jax_step child: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
-        return json.load(open(out)) if os.path.exists(out) else []
+    mechanisms = "none,trace_replay_jax,trace_replay_jax_kernel"
+    cmd = [sys.executable, "bench/jax_step.py", "--child", "default", "--mechanisms", mechanisms]
+    return _child(f"{name} jax_step child", tree, cmd, timeout) or []
 
 
 def main() -> None:
@@ -158,10 +155,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="children per tree: 2 x this (A B B A, repeated)")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per child process")
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.child)
+        child(a.out)
         return
     trees = [tuple(t.split("=", 1)) for t in a.trees.split(",")]
     if len(trees) != 2 or any(len(t) != 2 for t in trees):
