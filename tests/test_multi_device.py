@@ -6,9 +6,12 @@ results must equal the one-process loop's (``torch_loop.run_decode``) token for 
 and untraced greedy requests, and seeded sampling), logprobs within 1e-5 (float32), ranks and
 argmax those of transformers' logits wherever no near-tie leaves them open (an all-reduce sums
 in another order: a rank 190 against 191 was seen), and be the same bits on both ranks.
-Models: transformers' own tiny models of every case in ``llama_cases.CASES`` (tensor-parallel
-layers) and a seeded model whose sizes do not split (one key/value head, a prime vocabulary:
-replicated layers, uneven vocabulary blocks), written as a transformers checkpoint.
+Models: transformers' own tiny models of the cases whose layout the split touches
+(``TP_CASES``: tied and untied heads, attention and MLP biases, per-head q/k norms, a window in
+bfloat16, OLMo 2's norms over whole projections, which replicate the layers, and Gemma 2's soft
+caps over vocabulary blocks; the rotary variants change no split and are checked in one process)
+and a seeded model whose sizes do not split (one key/value head, a prime vocabulary: replicated
+layers, uneven vocabulary blocks), written as a transformers checkpoint.
 
 JAX: ``jax_mesh_loop_cases.py`` in a process of its own with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (JAX fixes its CPU device count at start).
@@ -24,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.llama_cases import (  # noqa: E402
-    CASES,
+    CORE_CASES,
     check_against_hf,
     check_same,
     hf_model,
@@ -47,6 +50,7 @@ if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
 
 JAX_CASES = Path(__file__).with_name("jax_mesh_loop_cases.py")
+TP_CASES = (*CORE_CASES, "olmo2-biases", "gemma2-softcap")
 # Sizes that do not split over 2 ranks: one key/value head, an odd MLP and a prime vocabulary.
 ODD = LlamaConfig(
     model_type="qwen2",
@@ -81,7 +85,7 @@ def test_refused_without_a_process_group():
 
 def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
     jobs, models = [], {}
-    for i, case in enumerate(sorted(CASES)):
+    for i, case in enumerate(sorted(TP_CASES)):
         folder = make_checkpoint(case, str(tmp_path / case), seed=i)
         config, weights = load(folder)
         requests = make_requests(rng, config.vocab_size, n=5, longest=16)
@@ -95,7 +99,7 @@ def test_two_gloo_ranks_equal_the_one_process_loop(tmp_path, rng):
     gpt2 = GPT2Config(vocab_size=251)
     gpt2_requests = make_requests(rng, gpt2.vocab_size, n=5, longest=16)
     jobs.append(("gpt2", gpt2, gpt2_weights(gpt2, seed=int(rng.integers(2**31))), gpt2_requests, dict(max_batch=3)))
-    sampled = jobs[sorted(CASES).index("qwen3")]
+    sampled = jobs[sorted(TP_CASES).index("qwen3")]
     jobs.append(("qwen3-sampled", sampled[1], sampled[2], sampled[3], dict(max_batch=3, temperature=1.5, seed=7)))
     models["qwen3-sampled"] = models["qwen3"]
 
