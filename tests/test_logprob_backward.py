@@ -137,6 +137,12 @@ def test_reference_is_not_the_library():
         assert_grads(case, ref * case["temp"][:, None], None, "planted")
 
 
+def _strided_rows(row_stride):
+    """A writable float32 [3, 10] over one buffer (7.0 everywhere) whose rows start ``row_stride`` elements apart."""
+    buf = np.full(40, 7.0, np.float32)
+    return np.lib.stride_tricks.as_strided(buf, shape=(3, 10), strides=(4 * row_stride, 4), writeable=True)
+
+
 def _bad_calls():
     x = np.ones((3, 10), np.float32)
     ids, lp = np.zeros(3, np.int64), np.zeros(3, np.float32)
@@ -174,6 +180,17 @@ def _bad_calls():
                 r"^grad_topk_logprobs must have shape \[3, 2\]",
             ),
             "aliased": (dict(out_grad_logits=x), ValueError, r"^out_grad_logits and logits overlap in memory"),
+            # rows 7 elements apart over a vocabulary of 10 (or all on one row): they overlap
+            "grad-rows-overlap": (
+                dict(out_grad_logits=_strided_rows(7)),
+                ValueError,
+                r"^out_grad_logits must not have overlapping rows: .* \(got element strides \[7, 1\]\)$",
+            ),
+            "grad-rows-stride-0": (
+                dict(out_grad_logits=_strided_rows(0)),
+                ValueError,
+                r"^out_grad_logits must not have overlapping rows: .* \(got element strides \[0, 1\]\)$",
+            ),
             "stream-none": (dict(stream=None), TypeError, r"stream"),
         },
         x,
@@ -190,9 +207,11 @@ def test_refusals_change_nothing(name):
     g[:] = 7.0
     args = dict(logprobs=lp, out_grad_logits=g, stream=0) | override
     logprobs = args.pop("logprobs")
+    before = {k: v.copy() for k, v in args.items() if isinstance(v, np.ndarray)}
     with pytest.raises(exc, match=pattern):
         token_logprob_rank_backward(x, ids, logprobs, **args)
     assert (g == 7.0).all()
+    assert all(np.array_equal(args[k], v) for k, v in before.items())
 
 
 def test_workspace_bytes():

@@ -97,7 +97,8 @@ def token_logprob_rank_backward(
         needs the top-k outputs, ``grad_entropy`` needs ``entropy``).
     out_grad_logits:
         Caller-owned ``[batch, vocab]`` output in the logits' dtype, element stride 1 along the
-        vocabulary (rows may be strided), writable; every element is written.
+        vocabulary (rows may be strided, at least ``vocab`` elements apart: rows must not
+        overlap), writable; every element is written.
     out_grad_temperature:
         Optional caller-owned ``[batch]`` float32 output (needs ``temperature``); every row written.
     stream:
@@ -251,10 +252,10 @@ def _checked_backward(
     check_view(gv, name="out_grad_logits", dtypes=(lv.dtype,), device=device, ndim=2, writable=True, contiguous=False)
     if tuple(gv.shape) != (batch, vocab):
         raise ValueError(f"out_grad_logits must have the logits' shape {[batch, vocab]} (got shape {list(gv.shape)})")
-    if batch > 1 and vocab > 1 and (gv.strides[1] != 1 or not 0 <= gv.strides[0] <= INT32_MAX):
+    if batch > 1 and ((vocab > 1 and gv.strides[1] != 1) or not vocab <= gv.strides[0] <= INT32_MAX):
         raise ValueError(
-            f"out_grad_logits must be contiguous along the vocabulary with a row stride between 0 and {INT32_MAX} "
-            f"elements (got element strides {list(gv.strides)})"
+            f"out_grad_logits must not have overlapping rows: element stride 1 along the vocabulary and a row "
+            f"stride between {vocab} (the vocabulary) and {INT32_MAX} elements (got element strides {list(gv.strides)})"
         )
     inputs = [("logits", lv), ("token_ids", iv), ("logprobs", lpv), ("grad_logprobs", glv), ("temperature", tv)]
     inputs += [("argmax", amv), ("topk_ids", tidv), ("topk_logprobs", tlpv), ("grad_topk_logprobs", gtkv)]
