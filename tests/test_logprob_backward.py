@@ -180,6 +180,11 @@ def _bad_calls():
                 r"^grad_topk_logprobs must have shape \[3, 2\]",
             ),
             "aliased": (dict(out_grad_logits=x), ValueError, r"^out_grad_logits and logits overlap in memory"),
+            "logprobs-none": (
+                dict(logprobs=None),
+                ValueError,
+                r"^logprobs must be given: the forward's \[batch\] float32 logprobs \(got None\)$",
+            ),
             # rows 7 elements apart over a vocabulary of 10 (or all on one row): they overlap
             "grad-rows-overlap": (
                 dict(out_grad_logits=_strided_rows(7)),

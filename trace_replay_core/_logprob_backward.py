@@ -90,8 +90,8 @@ def token_logprob_rank_backward(
         bfloat16 or float16 (rows may be strided); ``[batch]`` or ``[batch, 1]`` int32/int64;
         optional ``[batch]`` float32; optional ``[batch]`` int32/int64. Read only.
     logprobs, topk_ids, topk_logprobs, entropy:
-        The forward's outputs (``[batch]`` float32; ``[batch, top_k]`` int32/int64 and float32,
-        both or neither; ``[batch]`` float32, required with ``grad_entropy``).
+        The forward's outputs (``[batch]`` float32, required; ``[batch, top_k]`` int32/int64 and
+        float32, both or neither; ``[batch]`` float32, required with ``grad_entropy``).
     grad_logprobs, grad_topk_logprobs, grad_entropy:
         Upstream gradients, float32, shaped as their outputs; ``None``: zero (``grad_topk_logprobs``
         needs the top-k outputs, ``grad_entropy`` needs ``entropy``).
@@ -232,6 +232,8 @@ def _checked_backward(
             check_view(v, name=name, dtypes=dtypes, device=device, ndim=1, length=batch, writable=writable)
         return v
 
+    if logprobs is None:  # the kernels recover each row's normaliser from it: never optional
+        raise ValueError(f"logprobs must be given: the forward's [batch] float32 logprobs (got {logprobs!r})")
     lpv = vector(logprobs, "logprobs")
     glv = vector(grad_logprobs, "grad_logprobs")
     tv = None if temperature is None else check_temperature(view(temperature, "temperature"), batch, device)
