@@ -225,14 +225,15 @@ class DeviceTable:
         return table, lengths
 
     def close(self) -> None:
-        """Host-blocking: waits for all queued device work, then frees everything. Idempotent."""
+        """Host-blocking: waits for all queued device work, then frees everything. Idempotent.
+        Every resource is released even when the synchronisation or a free fails; the first
+        error is raised afterwards (:class:`~._cuda.CudaError`)."""
         if self._closed:
             return
         self._closed = True
+        closers: list[Callable[[], None]] = [_cuda.synchronize_device]
+        if self._ring is not None:
+            closers.append(self._ring.close)
+        closers += [alloc.close for alloc in (self._table_dev, self._table_host, self._trace_len) if alloc is not None]
         with _cuda.on_device(self.device_id):
-            _cuda.synchronize_device()
-            if self._ring is not None:
-                self._ring.close()
-            for alloc in (self._table_dev, self._table_host, self._trace_len):
-                if alloc is not None:
-                    alloc.close()
+            _cuda.close_all(closers)

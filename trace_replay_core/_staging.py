@@ -221,9 +221,7 @@ class _StagingPair:
         self.tokens = host.numpy(np.uint32)
 
     def close(self) -> None:
-        self.host.close()
-        self.device.close()
-        self.event.close()
+        _cuda.close_all((self.host.close, self.device.close, self.event.close))
 
 
 class StagingRing:
@@ -296,6 +294,6 @@ class StagingRing:
         return self._pairs
 
     def close(self) -> None:
-        for pair in self._pairs:
-            pair.close()
-        self._pairs = []
+        """Free every pair (each even when one before it fails; the first error is raised)."""
+        pairs, self._pairs = self._pairs, []
+        _cuda.close_all(pair.close for pair in pairs)

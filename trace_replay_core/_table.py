@@ -116,7 +116,10 @@ class TraceTable:
         return self._backend
 
     def close(self) -> None:
-        """Free all memory. Host-blocking (waits for queued device work first); idempotent."""
+        """Free all memory. Host-blocking (waits for queued device work first); idempotent.
+
+        The table is closed even when a driver call fails: the wait or a free that fails does
+        not stop the rest from being freed, and the first error is raised afterwards."""
         with self._lock:
             if self._closed:
                 return
