@@ -42,3 +42,28 @@ def test_close_frees_the_rest_when_frees_fail_and_raises_the_first_error(fake_cu
     assert set(fake_cuda.buffers) == kept  # the staging ring's buffers went all the same
     assert fake_cuda.events == {}
     t.close()
+
+
+class _CloseOnEntry:
+    """Stands in for a table's lock: the first ``with`` closes the table (through the real lock)
+    before taking the lock, as a ``close()`` in another thread that wins the lock would."""
+
+    def __init__(self, table: TraceTable):
+        self.table, self.lock = table, table._lock
+
+    def __enter__(self):
+        self.table._lock = self.lock
+        self.table.close()
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_commit_racing_close_gets_the_closed_table_error(fake_cuda, device):  # noqa: F811
+    t = TraceTable(4, 8, device=device)
+    t.stage(2, [7, 8])
+    t._lock = _CloseOnEntry(t)
+    with pytest.raises(RuntimeError, match=r"^this TraceTable is closed$"):
+        t.commit(stream=0)

@@ -227,9 +227,10 @@ class TraceTable:
         capturable in a CUDA graph (call it between graph replays).
         """
         handle = stream_handle(stream)
-        backend = self._live()
-        with self._lock:
-            backend.commit(handle)
+        if self._closed:
+            self._live()  # raises
+        with self._lock:  # a close() that won the lock is seen here, as in stage and clear
+            self._live().commit(handle)
 
     # replay ----------------------------------------------------------------------------------
     def _check_replay(
