@@ -102,7 +102,7 @@ class DeviceTable:
         self.ring.entries().stage_many(slots, traces, vocab_size)
 
     def clear(self, slot: int) -> None:
-        self.ring.staged.clear(slot)
+        self.ring.entries().clear(slot)  # waits for the open buffer here, not in commit
 
     def pending(self) -> int:
         return len(self.ring.staged.entries)

@@ -172,7 +172,10 @@ class StagedEntries:
         self.longest = max(self.longest, longest)
 
     def clear(self, slot: int) -> None:
-        """Stage "no trace" for ``slot``: an entry of length 0."""
+        """Stage "no trace" for ``slot``: an entry of length 0, its place in the entry table
+        reserved now (as :meth:`stage` does), so that :meth:`pack` never grows the buffer."""
+        if slot not in self.entries:
+            self._reserve(self.fill, 1)
         self.entries[slot] = (slot, 0, 0)
 
     def pack(self) -> tuple[int, int, int]:

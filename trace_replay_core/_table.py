@@ -54,7 +54,8 @@ class TraceTable:
     Ownership and blocking: the table owns all its memory. Construction and :meth:`close` are
     host-blocking; :meth:`stage`, :meth:`stage_many` and :meth:`clear` are host-only;
     :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
-    (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
+    (:meth:`stage`, :meth:`stage_many` and :meth:`clear` may wait for a staging buffer when
+    ``staging_depth`` commits are still in flight, and grow it; a commit does neither).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
     """
 
@@ -206,7 +207,8 @@ class TraceTable:
             self._live().stage_many(slots, traces, self.vocab_size)
 
     def clear(self, slot: int) -> None:
-        """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only."""
+        """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only;
+        like :meth:`stage`, it may wait for a staging buffer that a commit in flight still reads."""
         backend = self._live()
         if type(slot) is not int or not 0 <= slot < self.max_slots:
             slot = check_slot(slot, self.max_slots)
