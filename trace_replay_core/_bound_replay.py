@@ -35,11 +35,10 @@ class BoundReplay:
         self.views = views
 
     def release(self) -> None:
-        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
-        caller must keep them alive while it uses this bound replay (a cache keyed by address
-        does). Host-only."""
-        for v in self.views:
-            v.keepalive = None
+        """Drop this object's views and with them its hold on the arrays' DLPack capsules: the
+        arrays may then be freed, and the caller must keep them alive while it uses this bound
+        replay (a cache keyed by address does). The views themselves are not changed (one may
+        be the caller's own :class:`ArrayView`). Host-only."""
         self.views = ()
 
     def __call__(self, *, stream: Any) -> None:

@@ -341,6 +341,18 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     return ArrayView(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive=capsule)
 
 
+def without_capsules(values: tuple) -> tuple:
+    """``values`` with each :class:`ArrayView` replaced by a copy that holds no capsule (the
+    others as they are): what a bound launch keeps, pointers only, so that dropping the bound
+    object's views lets the arrays go. The views given are left unchanged."""
+    return tuple(
+        ArrayView(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly)
+        if isinstance(v, ArrayView)
+        else v
+        for v in values
+    )
+
+
 def check_view(
     view: ArrayView,
     *,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import ArrayView
+from ._dlpack import ArrayView, without_capsules
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
 from ._logprob_checks import logprob_rank_workspace_bytes, validated_logprob_call
 from ._numpy_backend import logprob_rank_numpy
@@ -213,11 +213,10 @@ class BoundLogprobRank:
         self.views = views
 
     def release(self) -> None:
-        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
-        caller must keep them alive while it uses this bound call (a cache keyed by address
-        does). Host-only."""
-        for v in self.views:
-            v.keepalive = None
+        """Drop this object's views and with them its hold on the arrays' DLPack capsules: the
+        arrays may then be freed, and the caller must keep them alive while it uses this bound
+        call (a cache keyed by address does). The views themselves are not changed (one may be
+        the caller's own :class:`ArrayView`). Host-only."""
         self.views = ()
 
     def __call__(self, *, stream: Any) -> None:
@@ -272,7 +271,8 @@ def bind_logprob_rank(
     views, args, dtypes, _ = checked
     kept = tuple(v for v in views if isinstance(v, ArrayView))
     if args is None:
-        return BoundLogprobRank(lambda _stream: logprob_rank_numpy(*views), kept)
+        cpu = without_capsules(views)  # the launch keeps pointers: release() lets the arrays go
+        return BoundLogprobRank(lambda _stream: logprob_rank_numpy(*cpu), kept)
     from . import _cuda
     from .kernels.logprob_rank import bind_logprob_rank_launch
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import CPU, ArrayView, as_view, check_view
+from ._dlpack import CPU, ArrayView, as_view, check_view, without_capsules
 from ._dtypes import RANK_DTYPES
 from ._logprob import BoundLogprobRank
 from ._numpy_backend import logprob_backward_numpy
@@ -188,7 +188,10 @@ def bind_logprob_rank_backward(
     )
     kept = tuple(v for v in views if isinstance(v, ArrayView))
     if args is None:
-        return BoundLogprobRank(numpy_call, kept)
+        if numpy_call is None:
+            return BoundLogprobRank(None, kept)
+        cpu = without_capsules(views)  # the launch keeps pointers: release() lets the arrays go
+        return BoundLogprobRank(lambda _stream: logprob_backward_numpy(*cpu), kept)
     from . import _cuda
     from .kernels.logprob_backward import bind_logprob_backward_launch
 

@@ -16,7 +16,7 @@ import ctypes
 
 import numpy as np
 
-from ._dlpack import ArrayView
+from ._dlpack import ArrayView, without_capsules
 from ._staging import copy_trace
 
 __all__ = ["NumpyTable", "numpy_of", "replay_numpy", "temperature_or_nan"]
@@ -118,6 +118,9 @@ class NumpyTable:
         prompt: ArrayView | None,
         step: ArrayView | None,
     ):
+        # Pointers only (views without capsules): a released bound replay lets the arrays go.
+        sampled, idx, total, prompt, step = without_capsules((sampled, idx, total, prompt, step))
+
         def launch(stream: int) -> None:
             self.replay(sampled, idx, total, prompt, step, stream)
 
