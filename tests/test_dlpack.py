@@ -151,3 +151,56 @@ def test_refusals(case):
     call, exc, pattern = REFUSALS[case]
     with pytest.raises(exc, match=pattern):
         call()
+
+
+CONSTRUCTOR_REFUSALS = {  # ArrayView(ptr, shape, strides, dtype, device_type, device_id) built by hand
+    "dtype-unknown": (
+        (0x1000, (4,), (1,), "int128", "cuda", 0),
+        TypeError,
+        r"^dtype must be one of int8, .* \(got 'int128'\)$",
+    ),
+    "dtype-not-a-name": ((0x1000, (4,), (1,), None, "cuda", 0), TypeError, r"^dtype must be one of .* \(got None\)$"),
+    "strides-short": (
+        (0x1000, (4, 3), (3,), "int32", "cuda", 0),
+        ValueError,
+        r"^strides must have one entry per dimension of shape \[4, 3\] \(got strides \[3\]\)$",
+    ),
+    "device-type-unknown": (
+        (0x1000, (4,), (1,), "int32", "gpu", 0),
+        ValueError,
+        r"^device_type must be 'cpu' or 'cuda' \(got 'gpu'\)$",
+    ),
+    "shape-negative": (
+        (0x1000, (4, -2), (1, 1), "int32", "cpu", 0),
+        ValueError,
+        r"^shape must hold non-negative ints \(got -2\)$",
+    ),
+    "ptr-negative": (
+        (-16, (4,), (1,), "int32", "cpu", 0),
+        ValueError,
+        r"^ptr must be a non-negative int \(got -16\)$",
+    ),
+    "device-id-negative": (
+        (0x1000, (4,), (1,), "int32", "cuda", -1),
+        ValueError,
+        r"^device_id must be a non-negative int \(got -1\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRUCTOR_REFUSALS))
+def test_constructor_refusals(case):
+    args, exc, pattern = CONSTRUCTOR_REFUSALS[case]
+    with pytest.raises(exc, match=pattern):
+        ArrayView(*args)
+
+
+def test_as_view_builds_the_same_view_as_the_constructor():
+    """as_view skips the constructor's checks (its fields come from a checked capsule): the view
+    is the one the constructor gives for the same fields."""
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)[1:, ::2]
+    v = as_view(a, name="a")
+    w = ArrayView(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly, v.keepalive)
+    fields = ArrayView.__slots__
+    assert [getattr(v, f) for f in fields] == [getattr(w, f) for f in fields]
+    assert type(v) is ArrayView and v.itemsize == 4 and v.strides == (6, 2)

@@ -24,6 +24,7 @@ for its pending writes (``-1`` asks for no ordering at all).
 from __future__ import annotations
 
 import ctypes
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,40 +39,19 @@ __all__ = [
 CPU = "cpu"
 CUDA = "cuda"
 
-# DLDeviceType values (dlpack.h).
-_KDL_CPU = 1
-_KDL_CUDA = 2
-_KDL_CUDA_HOST = 3
+# DLDeviceType values (dlpack.h), and the names of the kinds a view may come from.
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {
-    1: "cpu",
-    2: "cuda",
-    3: "cuda_host",
-    4: "opencl",
-    7: "vulkan",
-    8: "metal",
-    9: "vpi",
-    10: "rocm",
-    11: "rocm_host",
-    13: "cuda_managed",
-    14: "oneapi",
-}
+    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
+    11: "rocm_host", 13: "cuda_managed", 14: "oneapi",
+}  # fmt: skip
 
 # (code, bits) -> dtype name. DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
 _DTYPES = {
-    (0, 8): "int8",
-    (0, 16): "int16",
-    (0, 32): "int32",
-    (0, 64): "int64",
-    (1, 8): "uint8",
-    (1, 16): "uint16",
-    (1, 32): "uint32",
-    (1, 64): "uint64",
-    (2, 16): "float16",
-    (2, 32): "float32",
-    (2, 64): "float64",
-    (4, 16): "bfloat16",
-    (6, 8): "bool",
-}
+    (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
+    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64", (4, 16): "bfloat16", (6, 8): "bool",
+}  # fmt: skip
 ITEMSIZE = {name: bits // 8 for (_, bits), name in _DTYPES.items()}
 
 _FLAG_READ_ONLY = 1 << 0
@@ -143,11 +123,15 @@ class ArrayView:
 
     Attributes: ``ptr`` (int, bytes, already ``data + byte_offset``), ``shape`` and ``strides``
     (tuples; strides in elements), ``dtype`` (name), ``itemsize`` (bytes), ``device_type``
-    (``"cpu"`` or ``"cuda"``), ``device_id`` (int), ``readonly`` (bool).
+    (``"cpu"`` or ``"cuda"``; a view that :func:`as_view` read from another kind of device
+    names it, e.g. ``"rocm"``, and every check refuses it), ``device_id`` (int), ``readonly``
+    (bool).
 
     The view does not own the memory; it holds the DLPack capsule (``keepalive``), which keeps
     the producer's buffer alive until the view is dropped. Building one by hand (``keepalive``
-    ``None``) is for callers that keep the memory alive themselves.
+    ``None``) is for callers that keep the memory alive themselves; the constructor checks its
+    arguments (``TypeError``/``ValueError`` naming the one at fault). :func:`as_view` builds its
+    views from a capsule it has checked already, without the constructor's checks.
     """
 
     __slots__ = ("ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id", "readonly", "keepalive")
@@ -163,13 +147,21 @@ class ArrayView:
         readonly: bool = False,
         keepalive: Any = None,
     ):
-        self.ptr = int(ptr)
-        self.shape = tuple(int(s) for s in shape)
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise TypeError(f"dtype must be one of {', '.join(ITEMSIZE)} (got {dtype!r})")
+        if device_type not in (CPU, CUDA):
+            raise ValueError(f"device_type must be {CPU!r} or {CUDA!r} (got {device_type!r})")
+        self.ptr = _non_negative(ptr, "ptr must be a non-negative int")
+        self.device_id = _non_negative(device_id, "device_id must be a non-negative int")
+        self.shape = tuple(_non_negative(n, "shape must hold non-negative ints") for n in shape)
         self.strides = tuple(int(s) for s in strides)
+        if len(self.strides) != len(self.shape):
+            raise ValueError(
+                f"strides must have one entry per dimension of shape {list(self.shape)} (got strides {list(strides)})"
+            )
         self.dtype = dtype
         self.itemsize = ITEMSIZE[dtype]
         self.device_type = device_type
-        self.device_id = int(device_id)
         self.readonly = bool(readonly)
         self.keepalive = keepalive
 
@@ -251,6 +243,22 @@ class ArrayView:
             f"ArrayView(ptr=0x{self.ptr:x}, shape={self.shape}, strides={self.strides}, "
             f"dtype={self.dtype}, device={self.device}, readonly={self.readonly})"
         )
+
+
+def _non_negative(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{what} (got {value!r})")
+    return int(value)
+
+
+def _view(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive) -> ArrayView:
+    """An :class:`ArrayView` of fields known to be valid, without the constructor's checks: the
+    path of every :func:`as_view` (a replay or logprob call that is not bound reads four to
+    fourteen arrays), whose fields come from a capsule it has checked."""
+    v = object.__new__(ArrayView)
+    v.ptr, v.shape, v.strides, v.dtype, v.itemsize = ptr, shape, strides, dtype, ITEMSIZE[dtype]
+    v.device_type, v.device_id, v.readonly, v.keepalive = device_type, device_id, readonly, keepalive
+    return v
 
 
 def _dlpack_stream_arg(device_type: int, stream: int | None) -> int | None:
@@ -338,7 +346,7 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     else:
         device_type, device_id = _DEVICE_NAMES.get(dev_type, f"dldevice{dev_type}"), t.device.device_id
     ptr = (t.data or 0) + t.byte_offset
-    return ArrayView(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive=capsule)
+    return _view(ptr, shape, strides, dtype, device_type, device_id, readonly, capsule)
 
 
 def without_capsules(values: tuple) -> tuple:
@@ -346,7 +354,7 @@ def without_capsules(values: tuple) -> tuple:
     others as they are): what a bound launch keeps, pointers only, so that dropping the bound
     object's views lets the arrays go. The views given are left unchanged."""
     return tuple(
-        ArrayView(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly)
+        _view(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly, None)
         if isinstance(v, ArrayView)
         else v
         for v in values
