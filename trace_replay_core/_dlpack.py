@@ -1,11 +1,10 @@
 """DLPack intake: any object with ``__dlpack__`` becomes a validated :class:`ArrayView`.
 
 Why by hand: maintained intakes exist (cuda.core's ``StridedMemoryView``), but they cost more
-than a decode step can spend. Measured on the CPU machine (2026-11-30): ``StridedMemoryView``
-took 4 us per numpy array, 12 us per torch tensor and 18 us per JAX array, against about 3.5 us
-for the bare ``__dlpack__()`` call this module builds on; a replay hands over four or five
-arrays. The hot paths go further and skip DLPack after the first call (bound launches cached
-by layout, :meth:`~trace_replay_core.TraceTable.replay_cached`).
+than a decode step can spend: 12 us per torch tensor against about 3.5 us for the bare
+``__dlpack__()`` call this module builds on, and a replay hands over four or five arrays. The
+hot paths go further and skip DLPack after the first call (bound launches cached by layout,
+:meth:`~trace_replay_core.TraceTable.replay_cached`).
 
 The core never sees framework types. It asks the producer for a DLPack capsule (a versioned
 1.x capsule when the producer offers one, else the older unversioned kind), reads the

@@ -153,19 +153,19 @@ def token_logprob_rank(
         Optional caller-owned ``[batch]`` output, contiguous, writable, int32 or int64. Every
         row is written. The kernels that fill it are compiled apart from the ones without it,
         so a call without ``out_argmax`` pays nothing for it. With it, the call takes about
-        1.15x the time of one without in bfloat16 (H200, vocab 151,936, batch 256 and 4096).
+        1.15x the time of one without (bfloat16, vocab 151,936).
     out_entropy:
         Optional caller-owned ``[batch]`` output, contiguous, writable, float32. Every row is
         written. As with ``out_argmax``, the kernels that fill it are compiled apart, so a call
         without it pays nothing for it (``bench/logprob_rank.py`` times the two side by side).
 
     Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
-    ``stream`` (one on sm_90 and later without top-k when the rows fit on the device at once:
-    rows of 151,936 logits, up to 67 on an H200; the same bits either way) and returns without
-    synchronising; it allocates nothing, so it may be captured in
-    a CUDA graph once the kernels are compiled (the first call for a device and signature
-    compiles them, host-blocking: make it before capturing). The arrays must stay alive until
-    the queued work has run. On the CPU backend the call computes before it returns. A rejected
+    ``stream`` (one on sm_90 and later without top-k when the rows fit on the device at once,
+    a few dozen rows of 151,936 logits; the same bits either way) and returns without
+    synchronising; it allocates nothing, so it may be captured in a CUDA graph once the
+    kernels are compiled (the first call for a device and signature compiles them,
+    host-blocking: make it before capturing). The arrays must stay alive until the queued work
+    has run. On the CPU backend the call computes before it returns. A rejected
     call (any exception from validation) writes nothing.
     """
     checked = validated_logprob_call(

@@ -281,8 +281,8 @@ class TraceTable:
         per-slot int32/int64 arrays of at least ``max_slots`` entries, read on the device; the
         step of a row is ``total_len[slot] - prompt_len[slot]``. Arrays are DLPack objects or
         :class:`ArrayView`; they must stay alive until the queued work has run (as for any
-        stream-ordered call). Validates every array on every call (about 100 us for four torch
-        CUDA tensors): loops that reuse buffers use :meth:`replay_cached` or :meth:`bind_replay`.
+        stream-ordered call). Validates every array on every call, a DLPack handshake each:
+        loops that reuse buffers use :meth:`replay_cached` or :meth:`bind_replay`.
         """
         handle = stream_handle(stream)
         views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, None, handle)

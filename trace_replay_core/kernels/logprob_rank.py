@@ -23,7 +23,7 @@ Design reasons:
   program (large programs at large batches pay a program's start and the token's dependent
   loads once) and the cluster form.
 - Blocks read as 16-byte lines, a line per thread with its own running max and sum (no shuffles
-  or barriers per block); about 13 chunks per row measured best from batch 1 to 4,096 (H200).
+  or barriers per block); about 13 chunks per row measured best from batch 1 to 4,096.
   Rows not 16-byte aligned (GPT-2's 50,257, a padded stride) read each line as the two aligned
   vectors around it, shifted into place: the registers and bits of aligned rows, at a higher
   cost per chunk, so their chunks are at least 4 blocks long.
