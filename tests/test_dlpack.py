@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from trace_replay_core import ArrayView, as_view
-from trace_replay_core._dlpack import check_view
+from trace_replay_core._validate import check_view
 
 
 class LegacyProducer:

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import numbers
-from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
     "ArrayView",
     "as_view",
-    "check_view",
     "CPU",
     "CUDA",
 ]
@@ -358,41 +356,3 @@ def without_capsules(values: tuple) -> tuple:
         else v
         for v in values
     )
-
-
-def check_view(
-    view: ArrayView,
-    *,
-    name: str,
-    dtypes: Iterable[str],
-    device: str | None = None,
-    ndim: int | None = None,
-    length: int | None = None,
-    min_length: int | None = None,
-    writable: bool = False,
-    contiguous: bool = True,
-) -> ArrayView:
-    """Validate ``view`` and raise with ``name`` and what was received; return it unchanged.
-
-    ``device`` is ``"cpu"`` or ``"cuda:N"``; ``length``/``min_length`` apply to dimension 0.
-    """
-    dtypes = tuple(dtypes)
-    if view.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)} (got {view.dtype})")
-    if device is not None and view.device != device:
-        raise ValueError(f"{name} must be on {device} (got {view.device})")
-    if ndim is not None and view.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D (got shape {list(view.shape)})")
-    if length is not None and view.shape[0] != length:
-        raise ValueError(f"{name} must have {length} rows (got shape {list(view.shape)})")
-    if min_length is not None and view.shape[0] < min_length:
-        raise ValueError(f"{name} must have at least {min_length} entries (got shape {list(view.shape)})")
-    if contiguous and not view.is_c_contiguous:
-        raise ValueError(
-            f"{name} must be contiguous (got shape {list(view.shape)} with element strides {list(view.strides)})"
-        )
-    if writable and view.readonly:
-        raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
-    if view.size and view.ptr % view.itemsize:
-        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
-    return view

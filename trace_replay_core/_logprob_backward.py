@@ -22,12 +22,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import CPU, ArrayView, as_view, check_view, without_capsules
+from ._dlpack import CPU, ArrayView, as_view, without_capsules
 from ._dtypes import RANK_DTYPES
 from ._logprob import BoundLogprobRank
 from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
-from ._validate import INT32_MAX, check_disjoint, check_logits, check_temperature, check_token_ids, check_workspace
+from ._validate import (
+    INT32_MAX,
+    check_disjoint,
+    check_logits,
+    check_temperature,
+    check_token_ids,
+    check_view,
+    check_workspace,
+)
 
 __all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
 

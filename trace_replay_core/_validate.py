@@ -1,4 +1,4 @@
-"""Host-side validation of slots and traces.
+"""Host-side validation of slots, traces and the arrays read over DLPack.
 
 ``check_*``, :func:`trace_array` and :func:`trace_block` only read their input; the token ids
 are checked later, while staging copies them (:func:`~._staging.copy_trace`): it validates
@@ -8,6 +8,7 @@ exactly the bytes it keeps, and refuses an id that int32 cannot hold instead of 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ __all__ = [
     "check_slot",
     "check_slots",
     "check_trace",
+    "check_view",
     "trace_array",
     "trace_block",
     "token_error",
@@ -175,11 +177,53 @@ def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: int | None, name
     return arr
 
 
+# -- arrays ----------------------------------------------------------------------------------------
+# One array read over DLPack, checked (host-only: it reads the view and never writes).
+
+from ._dlpack import ArrayView  # noqa: E402  (kept with the sections that use it)
+from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES  # noqa: E402
+
+
+def check_view(
+    view: ArrayView,
+    *,
+    name: str,
+    dtypes: Iterable[str],
+    device: str | None = None,
+    ndim: int | None = None,
+    length: int | None = None,
+    min_length: int | None = None,
+    writable: bool = False,
+    contiguous: bool = True,
+) -> ArrayView:
+    """Validate ``view`` and raise with ``name`` and what was received; return it unchanged.
+
+    ``device`` is ``"cpu"`` or ``"cuda:N"``; ``length``/``min_length`` apply to dimension 0.
+    """
+    dtypes = tuple(dtypes)
+    if view.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)} (got {view.dtype})")
+    if device is not None and view.device != device:
+        raise ValueError(f"{name} must be on {device} (got {view.device})")
+    if ndim is not None and view.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D (got shape {list(view.shape)})")
+    if length is not None and view.shape[0] != length:
+        raise ValueError(f"{name} must have {length} rows (got shape {list(view.shape)})")
+    if min_length is not None and view.shape[0] < min_length:
+        raise ValueError(f"{name} must have at least {min_length} entries (got shape {list(view.shape)})")
+    if contiguous and not view.is_c_contiguous:
+        raise ValueError(
+            f"{name} must be contiguous (got shape {list(view.shape)} with element strides {list(view.strides)})"
+        )
+    if writable and view.readonly:
+        raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
+    if view.size and view.ptr % view.itemsize:
+        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
+    return view
+
+
 # -- logprob and rank ----------------------------------------------------------------------------
 # Checks of the arrays of ``token_logprob_rank`` (host-only, they read views and never write).
-
-from ._dlpack import ArrayView, check_view  # noqa: E402  (kept with the section that uses it)
-from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES  # noqa: E402
 
 LOGPROB_MAX_VOCAB = 2**30
 LOGPROB_TOPK_MAX = 64
