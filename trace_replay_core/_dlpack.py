@@ -13,7 +13,7 @@ view exists, the producer's memory cannot be freed under it.
 
 A view records the data pointer (``data + byte_offset``, in bytes), shape and strides (in
 elements), the dtype as a name (``"int32"``, ``"bfloat16"`` ...), the device and whether the
-producer marked the memory read-only.
+producer marked the memory read-only or exported a copy (both refused where a call writes).
 
 Consuming a capsule is host-only and never blocks on the device. The ``stream`` handed to the
 producer is the consumer stream of the DLPack handshake: the producer makes that stream wait
@@ -52,6 +52,7 @@ _DTYPES = {
 ITEMSIZE = {name: bits // 8 for (_, bits), name in _DTYPES.items()}
 
 _FLAG_READ_ONLY = 1 << 0
+_FLAG_IS_COPIED = 1 << 1  # the producer exported a copy: writes through the view would be lost
 
 
 class _DLDevice(ctypes.Structure):
@@ -122,7 +123,8 @@ class ArrayView:
     (tuples; strides in elements), ``dtype`` (name), ``itemsize`` (bytes), ``device_type``
     (``"cpu"`` or ``"cuda"``; a view that :func:`as_view` read from another kind of device
     names it, e.g. ``"rocm"``, and every check refuses it), ``device_id`` (int), ``readonly``
-    (bool).
+    (bool), ``copied`` (bool: the producer exported a copy, DLPack 1.x's ``IS_COPIED`` flag;
+    False for a view built by hand).
 
     The view does not own the memory; it holds the DLPack capsule (``keepalive``), which keeps
     the producer's buffer alive until the view is dropped. Building one by hand (``keepalive``
@@ -131,7 +133,9 @@ class ArrayView:
     views from a capsule it has checked already, without the constructor's checks.
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id", "readonly", "keepalive")
+    __slots__ = (
+        "ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id", "readonly", "copied", "keepalive"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -160,6 +164,7 @@ class ArrayView:
         self.itemsize = ITEMSIZE[dtype]
         self.device_type = device_type
         self.readonly = bool(readonly)
+        self.copied = False
         self.keepalive = keepalive
 
     @property
@@ -248,13 +253,13 @@ def _non_negative(value: Any, what: str) -> int:
     return int(value)
 
 
-def _view(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive) -> ArrayView:
+def _view(ptr, shape, strides, dtype, device_type, device_id, readonly, copied, keepalive) -> ArrayView:
     """An :class:`ArrayView` of fields known to be valid, without the constructor's checks: the
     path of every :func:`as_view` (a replay or logprob call that is not bound reads four to
     fourteen arrays), whose fields come from a capsule it has checked."""
     v = object.__new__(ArrayView)
     v.ptr, v.shape, v.strides, v.dtype, v.itemsize = ptr, shape, strides, dtype, ITEMSIZE[dtype]
-    v.device_type, v.device_id, v.readonly, v.keepalive = device_type, device_id, readonly, keepalive
+    v.device_type, v.device_id, v.readonly, v.copied, v.keepalive = device_type, device_id, readonly, copied, keepalive
     return v
 
 
@@ -312,10 +317,11 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
                 f"{name} came as a DLPack {managed.version.major}.{managed.version.minor} "
                 f"capsule; this library reads DLPack 1.x"
             )
-        readonly = bool(managed.flags & _FLAG_READ_ONLY)
+        flags = managed.flags
+        readonly, copied = bool(flags & _FLAG_READ_ONLY), bool(flags & _FLAG_IS_COPIED)
     elif _capsule_is_valid(capsule, _UNVERSIONED):
         managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, _UNVERSIONED))
-        readonly = False
+        readonly = copied = False
     else:
         raise TypeError(f"{name}.__dlpack__() returned {capsule!r}, not an unconsumed DLPack capsule")
     t = managed.dl_tensor
@@ -343,7 +349,7 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     else:
         device_type, device_id = _DEVICE_NAMES.get(dev_type, f"dldevice{dev_type}"), t.device.device_id
     ptr = (t.data or 0) + t.byte_offset
-    return _view(ptr, shape, strides, dtype, device_type, device_id, readonly, capsule)
+    return _view(ptr, shape, strides, dtype, device_type, device_id, readonly, copied, capsule)
 
 
 def without_capsules(values: tuple) -> tuple:
@@ -351,7 +357,7 @@ def without_capsules(values: tuple) -> tuple:
     others as they are): what a bound launch keeps, pointers only, so that dropping the bound
     object's views lets the arrays go. The views given are left unchanged."""
     return tuple(
-        _view(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly, None)
+        _view(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly, v.copied, None)
         if isinstance(v, ArrayView)
         else v
         for v in values

@@ -215,8 +215,13 @@ def check_view(
         raise ValueError(
             f"{name} must be contiguous (got shape {list(view.shape)} with element strides {list(view.strides)})"
         )
-    if writable and view.readonly:
-        raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
+    if writable and (view.readonly or view.copied):
+        if view.readonly:
+            raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
+        raise ValueError(
+            f"{name} is written in place, but its producer exported a copy over DLPack (the IS_COPIED "
+            f"flag): the writes would be lost; pass an array whose own memory it exports"
+        )
     if view.size and view.ptr % view.itemsize:
         raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
     return view
