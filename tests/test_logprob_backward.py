@@ -219,6 +219,22 @@ def test_refusals_change_nothing(name):
     assert all(np.array_equal(args[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize(
+    "args, exc, pattern",
+    [
+        ((4, 0, True), ValueError, r"^vocab must be between 1 and 1073741824 \(got 0\)$"),
+        ((4, -7, True), ValueError, r"^vocab must be between 1 and 1073741824 \(got -7\)$"),
+        ((4, 1000.0, True), TypeError, r"^vocab must be an int \(got float 1000\.0\)$"),
+        ((-3, 1000, True), ValueError, r"^batch must be between 0 and 2147483647 \(got -3\)$"),
+        ((2.5, 1000, False), TypeError, r"^batch must be an int \(got float 2\.5\)$"),
+        ((4, 1000, "yes"), TypeError, r"^grad_temperature must be True or False \(got 'yes'\)$"),
+    ],
+)
+def test_workspace_bytes_refusals(args, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        logprob_backward_workspace_bytes(*args)
+
+
 def test_workspace_bytes():
     assert logprob_backward_workspace_bytes(256, 151936) == 0
     assert logprob_backward_workspace_bytes(256, 151936, True) == 4 * 256 * 19

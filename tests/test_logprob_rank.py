@@ -217,6 +217,25 @@ def test_variant_choices_and_cache():
     assert plan_logprob_rank(64, 50257, "float32", 20, aligned=False, argmax=True).unroll == 2
 
 
+WORKSPACE_REFUSALS = {  # (batch, vocab, top_k) -> error, anchored message
+    "vocab-zero": ((4, 0, 0), ValueError, r"^vocab must be between 1 and 1073741824 \(got 0\)$"),
+    "vocab-negative": ((4, -7, 0), ValueError, r"^vocab must be between 1 and 1073741824 \(got -7\)$"),
+    "vocab-float": ((4, 1000.0, 0), TypeError, r"^vocab must be an int \(got float 1000\.0\)$"),
+    "batch-negative": ((-3, 1000, 0), ValueError, r"^batch must be between 0 and 2147483647 \(got -3\)$"),
+    "batch-float": ((2.5, 1000, 0), TypeError, r"^batch must be an int \(got float 2\.5\)$"),
+    "top-k-too-large": ((4, 1000, 65), ValueError, r"^top_k must be between 0 and 64 .*\(got 65\)$"),
+    "top-k-above-vocab": ((4, 5, 6), ValueError, r"^top_k must be between 0 and 5 .*\(got 6\)$"),
+    "top-k-negative": ((4, 1000, -1), ValueError, r"^top_k must be between 0 and 64 .*\(got -1\)$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WORKSPACE_REFUSALS))
+def test_workspace_size_refusals(case):
+    args, exc, pattern = WORKSPACE_REFUSALS[case]
+    with pytest.raises(exc, match=pattern):
+        logprob_rank_workspace_bytes(*args)
+
+
 def test_workspace_size():
     # 24 bytes per chunk and row (max, sum, count, the greedy maximum and column, used with
     # out_argmax, and the entropy's u, used with out_entropy); with top-k, per chunk 8 bytes per

@@ -35,6 +35,7 @@ from ._validate import (
     check_token_ids,
     check_view,
     check_workspace,
+    check_workspace_shape,
 )
 
 __all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
@@ -43,9 +44,13 @@ __all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob
 def logprob_backward_workspace_bytes(batch: int, vocab: int, grad_temperature: bool = False) -> int:
     """Bytes of device workspace a ``[batch, vocab]`` backward needs (host-only, pure): 0 without
     ``out_grad_temperature``; with it, 4 bytes per chunk of each row (96 bytes per row at vocab
-    151,936)."""
+    151,936). Errors (``TypeError``/``ValueError``) name the argument: ``batch >= 0``, ``1 <=
+    vocab <= MAX_VOCAB``, ``grad_temperature`` a bool."""
     from .kernels.logprob_backward import backward_workspace_bytes
 
+    batch, vocab = check_workspace_shape(batch, vocab)
+    if type(grad_temperature) is not bool:
+        raise TypeError(f"grad_temperature must be True or False (got {grad_temperature!r})")
     return backward_workspace_bytes(batch, vocab, grad_temperature)
 
 
@@ -282,7 +287,9 @@ def _checked_backward(
         return (lambda _stream: logprob_backward_numpy(*views)) if batch else None, None, None, views
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
-    need = logprob_backward_workspace_bytes(batch, vocab, gtv is not None)
+    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes, backward_workspace_bytes
+
+    need = backward_workspace_bytes(batch, vocab, gtv is not None)
     wsv = None
     if need:
         if workspace is None:
@@ -294,7 +301,6 @@ def _checked_backward(
         check_disjoint([("workspace", wsv)] + outputs + inputs)
     if batch == 0:
         return None, None, None, ()
-    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes
 
     def ptr(v: ArrayView | None) -> int:
         return 0 if v is None else v.ptr

@@ -17,6 +17,7 @@ from ._validate import (
     check_topk_outputs,
     check_view,
     check_workspace,
+    check_workspace_shape,
 )
 
 
@@ -26,10 +27,17 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     of each row (13 chunks at vocab 151,936) and 8 per row, plus ``32 * k_pad`` per chunk with
     ``top_k`` (``k_pad`` = 8, 32 or 64, the power of two used for ``top_k``), each region rounded
     up to 16 bytes. At vocab 151,936: about 320 bytes per row, 16.6 KiB per row with
-    ``top_k = 20``. 0 for an empty batch."""
+    ``top_k = 20``. 0 for an empty batch. Errors (``TypeError``/``ValueError``) name the
+    argument: ``batch >= 0``, ``1 <= vocab <= MAX_VOCAB``, ``0 <= top_k <= min(TOPK_MAX, vocab)``."""
+    batch, vocab = check_workspace_shape(batch, vocab)
+    return _workspace_bytes(batch, vocab, check_top_k(top_k, vocab))
+
+
+def _workspace_bytes(batch: int, vocab: int, top_k: int) -> int:
+    """:func:`logprob_rank_workspace_bytes` of sizes known to be valid (a checked call's)."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
 
-    if batch <= 0:
+    if batch == 0:
         return 0
     return workspace_layout(batch, plan_logprob_rank(batch, vocab, "bfloat16", top_k))[-1]
 
@@ -95,7 +103,7 @@ def validated_logprob_call(
         return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv, env), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
-    need = logprob_rank_workspace_bytes(batch, vocab, top_k)
+    need = _workspace_bytes(batch, vocab, top_k)
     if workspace is None:
         if need:
             raise ValueError(

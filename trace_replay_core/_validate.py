@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "check_int",
     "check_positive_int",
     "check_slot",
     "check_slots",
@@ -30,12 +31,17 @@ INT32_MAX = 2**31 - 1
 TOKEN_LIMIT = INT32_MAX + 1  # token ids are stored as int32: without a vocabulary, below 2**31
 
 
-def check_positive_int(value: Any, *, name: str, maximum: int = INT32_MAX) -> int:
+def check_int(value: Any, *, name: str, minimum: int, maximum: int) -> int:
+    """``value`` as an int in ``[minimum, maximum]``, or raise naming ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
-    if not 1 <= int(value) <= maximum:
-        raise ValueError(f"{name} must be between 1 and {maximum} (got {value})")
+    if not minimum <= int(value) <= maximum:
+        raise ValueError(f"{name} must be between {minimum} and {maximum} (got {value})")
     return int(value)
+
+
+def check_positive_int(value: Any, *, name: str, maximum: int = INT32_MAX) -> int:
+    return check_int(value, name=name, minimum=1, maximum=maximum)
 
 
 def check_slot(slot: Any, max_slots: int, *, name: str = "slot") -> int:
@@ -279,6 +285,13 @@ def check_token_ids(v: ArrayView, batch: int, device: str) -> ArrayView:
     if not (v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1)):
         raise ValueError(f"token_ids must be 1-D [batch] or [batch, 1], one token per row (got shape {list(v.shape)})")
     return check_view(v, name="token_ids", dtypes=TOKEN_DTYPES, device=device, length=batch)
+
+
+def check_workspace_shape(batch: Any, vocab: Any) -> tuple[int, int]:
+    """``(batch, vocab)`` of a workspace-size question, checked: ``batch >= 0``, ``1 <= vocab <=
+    LOGPROB_MAX_VOCAB``."""
+    batch = check_int(batch, name="batch", minimum=0, maximum=INT32_MAX)
+    return batch, check_int(vocab, name="vocab", minimum=1, maximum=LOGPROB_MAX_VOCAB)
 
 
 def check_top_k(top_k: Any, vocab: int) -> int:
