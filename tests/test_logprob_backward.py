@@ -235,6 +235,28 @@ def test_workspace_bytes_refusals(args, exc, pattern):
         logprob_backward_workspace_bytes(*args)
 
 
+def test_inputs_may_share_memory(rng):
+    """Reading the same memory twice is harmless: one upstream gradient array given as both
+    grad_logprobs and grad_entropy gives what two copies give."""
+    case = make_backward_case(rng, 4, 60, "float32", entropy=True)
+    g = np.array([0.5, -1.25, 2.0, 0.75], np.float32)
+    got, want = np.full_like(case["x"], np.nan), np.full_like(case["x"], np.nan)
+    common = dict(entropy=case["ent"], stream=0)
+    token_logprob_rank_backward(
+        case["x"], case["ids"], case["lp"], grad_logprobs=g, grad_entropy=g, out_grad_logits=got, **common
+    )
+    token_logprob_rank_backward(
+        case["x"],
+        case["ids"],
+        case["lp"],
+        grad_logprobs=g.copy(),
+        grad_entropy=g.copy(),
+        out_grad_logits=want,
+        **common,
+    )
+    assert got.tobytes() == want.tobytes() and np.all(np.isfinite(got))
+
+
 def test_workspace_bytes():
     assert logprob_backward_workspace_bytes(256, 151936) == 0
     assert logprob_backward_workspace_bytes(256, 151936, True) == 4 * 256 * 19

@@ -110,6 +110,21 @@ def test_cpu_backend_empty_batch_and_read_only_logits():
     assert rk.tolist() == [1, 3]
 
 
+def test_inputs_may_share_memory():
+    """Reading the same memory twice is harmless: a temperature that is a view of the logits'
+    own memory (their first row's first entries) gives what a copy of it gives."""
+    logits = np.linspace(-3.0, 3.0, 4 * 30, dtype=np.float32).reshape(4, 30)
+    logits[0, :4] = [0.7, 1.3, 2.5, 0.4]
+    temperature = logits.reshape(-1)[:4]  # shares the logits' memory
+    ids = np.array([3, 0, 29, 17])
+    got = np.full(4, POISON_LOGPROB, np.float32), np.full(4, POISON_RANK, np.int64)
+    want = np.full(4, POISON_LOGPROB, np.float32), np.full(4, POISON_RANK, np.int64)
+    token_logprob_rank(logits, ids, out_logprobs=got[0], out_ranks=got[1], temperature=temperature, stream=0)
+    token_logprob_rank(logits, ids, out_logprobs=want[0], out_ranks=want[1], temperature=temperature.copy(), stream=0)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tolist() == want[1].tolist()
+    assert np.all(np.isfinite(got[0])) and np.all(got[1] >= 1)
+
+
 def test_bound_call_repeats_the_call_on_new_contents():
     """bind_logprob_rank validates once; each call recomputes from the arrays' current contents."""
     rng = np.random.default_rng(12)

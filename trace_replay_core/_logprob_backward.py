@@ -279,7 +279,7 @@ def _checked_backward(
     inputs += [("argmax", amv), ("topk_ids", tidv), ("topk_logprobs", tlpv), ("grad_topk_logprobs", gtkv)]
     inputs += [("entropy", env), ("grad_entropy", gev)]
     outputs = [("out_grad_logits", gv), ("out_grad_temperature", gtv)]
-    check_disjoint(outputs + inputs)
+    check_disjoint(outputs, inputs)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
@@ -298,7 +298,7 @@ def _checked_backward(
                 f"(logprob_backward_workspace_bytes({batch}, {vocab}, True))"
             )
         wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
-        check_disjoint([("workspace", wsv)] + outputs + inputs)
+        check_disjoint([("workspace", wsv)], outputs + inputs)  # the rest checked above
     if batch == 0:
         return None, None, None, ()
 

@@ -85,18 +85,16 @@ def validated_logprob_call(
     tv = None
     if temperature is not None:
         tv = check_temperature(as_view(temperature, name="temperature", stream=handle), batch, device)
-    named = [
+    outputs = [
         ("out_logprobs", lpv),
         ("out_ranks", rkv),
         ("out_topk_logprobs", tlpv),
         ("out_topk_ids", tidv),
         ("out_argmax", amv),
         ("out_entropy", env),
-        ("logits", lv),
-        ("token_ids", iv),
-        ("temperature", tv),
     ]
-    check_disjoint(named)
+    inputs = [("logits", lv), ("token_ids", iv), ("temperature", tv)]
+    check_disjoint(outputs, inputs)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
@@ -112,7 +110,7 @@ def validated_logprob_call(
             )
         return None
     wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
-    check_disjoint([("workspace", wsv)] + named)
+    check_disjoint([("workspace", wsv)], outputs + inputs)  # the rest checked above
     if batch == 0:
         return None
     from .kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes, plan_logprob_rank

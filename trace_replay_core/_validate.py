@@ -248,11 +248,13 @@ def _span(v: ArrayView):
     return (v.ptr, v.ptr + (last + 1) * v.itemsize)
 
 
-def check_disjoint(named) -> None:
-    """Refuse outputs that overlap each other or the inputs: ``named`` is (name, view) pairs."""
-    spans = [(name, _span(v)) for name, v in named if v is not None and v.size]
-    for i, (a, (alo, ahi)) in enumerate(spans):
-        for b, (blo, bhi) in spans[i + 1 :]:
+def check_disjoint(outputs, inputs=()) -> None:
+    """Refuse outputs that overlap each other or the inputs (both ``(name, view)`` pairs, a
+    ``None`` view skipped). Inputs may overlap each other: reading memory twice is harmless."""
+    outs = [(name, _span(v)) for name, v in outputs if v is not None and v.size]
+    ins = [(name, _span(v)) for name, v in inputs if v is not None and v.size]
+    for i, (a, (alo, ahi)) in enumerate(outs):
+        for b, (blo, bhi) in outs[i + 1 :] + ins:
             if alo < bhi and blo < ahi:
                 raise ValueError(
                     f"{a} and {b} overlap in memory ({a} at 0x{alo:x}..0x{ahi:x}, {b} at "
