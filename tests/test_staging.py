@@ -187,7 +187,12 @@ def _refusals(rng, max_len, vocab):
         ("empty", np.zeros(0, np.int32), ValueError, r"^tokens must not be empty"),
         ("2-d", rng.integers(1, vocab, (2, 2)), ValueError, r"^tokens must be 1-D \(got shape \[2, 2\]\)$"),
         ("float", rng.random(3), TypeError, r"^tokens must have an integer dtype \(got float64\)$"),
-        ("object", [1, 2**70], TypeError, r"^tokens must have an integer dtype \(got object\)$"),
+        (
+            "beyond-64-bits",
+            [1, 2**70],
+            ValueError,
+            r"^tokens must be below 2\*\*31 \(got 1180591620717411303424 at index 1\)$",
+        ),
     ]
 
 

@@ -103,10 +103,31 @@ def _host_array(tokens: Any, name: str) -> np.ndarray:
                 f"{type(tokens).__name__}{'' if dtype is None else f' of dtype {dtype}'} over DLPack: {exc}"
             ) from None
     if isinstance(tokens, (list, tuple, range)):
-        return np.asarray(tokens)
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError):  # ragged or nested: numpy's message names nothing
+            raise _sequence_error(tokens, name) from None
+        # object: an int no 64-bit type holds; float64 from ints: int64 and uint64 together
+        if arr.dtype.kind == "O" or (
+            arr.dtype.kind == "f" and arr.size and all(isinstance(x, numbers.Integral) for x in tokens)
+        ):
+            raise _sequence_error(tokens, name)
+        return arr
     raise TypeError(
         f"{name} must be a 1-D sequence of token ids (list, numpy array or CPU tensor); got {type(tokens).__name__}"
     )
+
+
+def _sequence_error(tokens: Any, name: str) -> Exception:
+    """The refusal of a sequence numpy could not read as one integer array, naming the entry at
+    fault: one that is no int, else the ids out of range (as :func:`token_error` words it)."""
+    for i, x in enumerate(tokens):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+            return TypeError(
+                f"{name} must be a 1-D sequence of int token ids ({name}[{i}] is {type(x).__name__} {shown})"
+            )
+    return token_error(np.array([int(x) for x in tokens], dtype=object), None, name)
 
 
 def trace_array(tokens: Any, *, max_trace_len: int, name: str = "tokens") -> np.ndarray:
