@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 from helpers.staging_doubles import fake_cuda  # noqa: F401  (a fixture)
 
-from trace_replay_core import TraceTable
-from trace_replay_core._cuda import CudaError
+from trace_replay_core import CudaError, TraceTable
 
 
 def _used_table(driver) -> TraceTable:

@@ -23,8 +23,9 @@ class BoundReplay:
     """A replay whose arrays were validated and fixed by :meth:`TraceTable.bind_replay`.
 
     ``bound(stream=s)`` queues the replay on stream ``s`` (stream-ordered, never blocks): the
-    cheapest way to replay, a single kernel launch. ``views`` holds the validated arrays, whose
-    DLPack capsules keep their memory alive while the bound replay lives.
+    cheapest way to replay, a single kernel launch (a failing launch raises
+    :class:`~trace_replay_core.CudaError`). ``views`` holds the validated arrays, whose DLPack
+    capsules keep their memory alive while the bound replay lives.
     """
 
     __slots__ = ("_table", "_launch", "views")

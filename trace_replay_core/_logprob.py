@@ -165,8 +165,9 @@ def token_logprob_rank(
     synchronising; it allocates nothing, so it may be captured in a CUDA graph once the
     kernels are compiled (the first call for a device and signature compiles them,
     host-blocking: make it before capturing). The arrays must stay alive until the queued work
-    has run. On the CPU backend the call computes before it returns. A rejected
-    call (any exception from validation) writes nothing.
+    has run. On the CPU backend the call computes before it returns. A rejected call (any
+    exception from validation) writes nothing; on a GPU a CUDA driver call that fails (the
+    launch, the first call's kernel load) raises :class:`~trace_replay_core.CudaError`.
     """
     checked = validated_logprob_call(
         logits,
@@ -201,7 +202,8 @@ class BoundLogprobRank:
     :func:`bind_logprob_rank`.
 
     ``bound(stream=s)`` queues the call on stream ``s`` and returns: one or two kernel launches, no
-    validation, no DLPack, stream-ordered, never blocking; capturable in a CUDA graph. On the
+    validation, no DLPack, stream-ordered, never blocking; capturable in a CUDA graph (a failing
+    launch raises :class:`~trace_replay_core.CudaError`). On the
     CPU backend it computes in numpy before returning. ``views`` holds the validated arrays
     (their DLPack capsules keep the memory alive while the object lives).
     """

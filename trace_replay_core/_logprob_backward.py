@@ -127,7 +127,9 @@ def token_logprob_rank_backward(
     captured in a CUDA graph once compiled (the first call per device and signature compiles,
     host-blocking). The arrays must stay alive until the queued work has run; the outputs must
     not overlap the inputs or each other. On the CPU backend the call computes before it returns.
-    Errors name the argument and what was received; a rejected call writes nothing.
+    Errors name the argument and what was received; a rejected call writes nothing. On a GPU a
+    CUDA driver call that fails (the launch, the first call's kernel load) raises
+    :class:`~trace_replay_core.CudaError`.
     """
     numpy_call, args, dtypes, views = _checked_backward(
         logits,

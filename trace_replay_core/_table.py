@@ -57,6 +57,10 @@ class TraceTable:
     (:meth:`stage`, :meth:`stage_many` and :meth:`clear` may wait for a staging buffer when
     ``staging_depth`` commits are still in flight, and grow it; a commit does neither).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
+
+    Errors: a bad argument raises ``TypeError``/``ValueError`` naming it (a rejected call
+    changes nothing); on a GPU, a CUDA driver call that fails (allocation, copy, launch, wait)
+    raises :class:`~trace_replay_core.CudaError`.
     """
 
     def __init__(
@@ -120,7 +124,8 @@ class TraceTable:
         """Free all memory. Host-blocking (waits for queued device work first); idempotent.
 
         The table is closed even when a driver call fails: the wait or a free that fails does
-        not stop the rest from being freed, and the first error is raised afterwards."""
+        not stop the rest from being freed, and the first error (a
+        :class:`~trace_replay_core.CudaError`) is raised afterwards."""
         with self._lock:
             if self._closed:
                 return
