@@ -57,6 +57,9 @@ class TraceTable:
     (:meth:`stage`, :meth:`stage_many` and :meth:`clear` may wait for a staging buffer when
     ``staging_depth`` commits are still in flight, and grow it; a commit does neither).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
+    On a GPU the first commit, and the first replay (or bind) for each dtype signature of its
+    arrays, compile a Triton kernel: host-blocking, and not allowed while a CUDA graph is being
+    captured, so make them before capturing; later calls find the kernel compiled.
 
     Errors: a bad argument raises ``TypeError``/``ValueError`` naming it (a rejected call
     changes nothing); on a GPU, a CUDA driver call that fails (allocation, copy, launch, wait)
@@ -229,7 +232,8 @@ class TraceTable:
     def commit(self, *, stream: Any) -> None:
         """Apply everything staged since the last commit, ordered on ``stream``.
 
-        One host-to-device copy and one scatter launch; no host synchronisation. Replays queued
+        One host-to-device copy and one scatter launch; no host synchronisation (the first commit
+        on a GPU compiles the scatter kernel, host-blocking). Replays queued
         on ``stream`` after this call see the new traces; earlier ones see the old. Not
         capturable in a CUDA graph (call it between graph replays).
         """
@@ -279,7 +283,9 @@ class TraceTable:
         return self._lengths is not None
 
     def replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
-        """Overwrite traced rows of ``sampled`` in place, ordered on ``stream``; never blocks.
+        """Overwrite traced rows of ``sampled`` in place, ordered on ``stream``; never waits for
+        the device. On a GPU the first replay for a device and the dtypes of these arrays
+        compiles the replay kernel (host-blocking; make it before capturing a CUDA graph).
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64, writable. ``idx_mapping``:
         ``[batch]`` int32/int64 slot per row (-1: no request). ``total_len``, ``prompt_len``:
@@ -312,7 +318,8 @@ class TraceTable:
         stream: Any,
     ) -> None:
         """The hot path of a decode loop: replay onto ``sampled``, launching the replay cached
-        under ``key`` (stream-ordered, never blocks).
+        under ``key`` (stream-ordered, never waits for the device; a miss may compile the kernel,
+        as :meth:`replay` does).
 
         ``key``: any hashable that the caller derives from the memory layout of the arrays it
         passes (``sampled``, ``idx_mapping`` and any of ``total_len``, ``prompt_len``, ``step``):
@@ -322,7 +329,8 @@ class TraceTable:
         ``prompt_len``, or ``step``), or else the lengths of :meth:`bind_lengths`; on a hit
         nothing is validated, so a hit costs one dict lookup and one kernel launch. The
         cache keeps pointers, never the arrays: the caller keeps them alive while work is
-        queued (a framework's caching allocator does). It holds the latest 64 keys.
+        queued (a framework's caching allocator does). It holds 64 keys: a miss beyond that
+        drops the key bound first (insertion order; a hit does not keep a key longer).
 
         Thread-safe: lookups take no lock; a miss binds under the table's lock. ``stream``:
         an int handle or an object with ``__cuda_stream__``, resolved once here.
@@ -362,6 +370,8 @@ class TraceTable:
         each call of the result only queues the kernel. Give ``total_len`` and ``prompt_len``, or
         ``step``. The bound replay holds the arrays' DLPack capsules, keeping them alive.
         ``stream`` is used for the DLPack handshake here; each call names its own stream.
+        Host-blocking when it compiles the kernel (the first bind or replay for a device and
+        these dtypes); the bound replay's calls never block.
         """
         handle = stream_handle(stream)
         views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle)
