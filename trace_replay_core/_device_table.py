@@ -37,6 +37,10 @@ def _ptr(view: ArrayView | None) -> int:
     return 0 if view is None else view.ptr
 
 
+def _dtype(view: ArrayView | None) -> str:
+    return "" if view is None else view.dtype
+
+
 class DeviceTable:
     """The table of one CUDA device. Not thread-safe on its own: :class:`~._table.TraceTable`
     serialises staging and commits with its lock; replays read no host state staging changes."""
@@ -136,11 +140,10 @@ class DeviceTable:
         prompt: ArrayView | None,
         step: ArrayView | None,
     ):
+        # check_replay's views: total and prompt, or step (the others None)
         if step is not None:
             return replay_compiled(self.device_id, sampled.dtype, idx.dtype, ("", ""), step.dtype)
-        if total is None or prompt is None:
-            raise ValueError("a replay needs total_len and prompt_len (per slot), or step (per row)")
-        return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (total.dtype, prompt.dtype), None)
+        return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (_dtype(total), _dtype(prompt)), None)
 
     def bind(
         self,

@@ -29,6 +29,7 @@ from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
 from ._validate import (
     INT32_MAX,
+    LOGPROB_TOPK_MAX,
     check_disjoint,
     check_logits,
     check_temperature,
@@ -332,8 +333,9 @@ def _check_topk(ids, lps, grads, batch: int, vocab: int, device: str) -> int:
     for name, v, dtypes in (("topk_ids", ids, RANK_DTYPES), ("topk_logprobs", lps, ("float32",))):
         check_view(v, name=name, dtypes=dtypes, device=device, ndim=2, length=batch)
     top_k = ids.shape[1]
-    if not 1 <= top_k <= min(64, vocab):
-        raise ValueError(f"topk_ids must have between 1 and {min(64, vocab)} columns (got shape {list(ids.shape)})")
+    limit = min(LOGPROB_TOPK_MAX, vocab)
+    if not 1 <= top_k <= limit:
+        raise ValueError(f"topk_ids must have between 1 and {limit} columns (got shape {list(ids.shape)})")
     for name, v in (("topk_logprobs", lps), ("grad_topk_logprobs", grads)):
         if v is not None:
             check_view(v, name=name, dtypes=("float32",), device=device, ndim=2, length=batch)

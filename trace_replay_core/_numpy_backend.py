@@ -51,10 +51,9 @@ def replay_numpy(
     n = trace_len[s].astype(np.int64)
     if step is not None:
         at = step.astype(np.int64)
-    elif total is not None and prompt is not None:
-        at = total[s].astype(np.int64) - prompt[s].astype(np.int64)
     else:
-        raise ValueError("replay_numpy needs step, or total and prompt (got neither)")
+        assert total is not None and prompt is not None  # check_replay gives both without a step
+        at = total[s].astype(np.int64) - prompt[s].astype(np.int64)
     active &= (n > 0) & (at >= 0) & (at < n)
     rows = np.nonzero(active)[0]
     out[rows] = table[s[rows], at[rows]].astype(out.dtype)

@@ -60,7 +60,6 @@ __all__ = [
     "kernel_specs",
     "launch_logprob_rank",
     "bind_logprob_rank_launch",
-    "TOPK_MAX",
 ]
 
 BLOCK = 2048  # logits per block (the largest; small vocabularies take the next power of two)
@@ -72,7 +71,6 @@ GROUPS, MIN_PROGRAMS = (4, 2, 1), 2048  # chunks per program: the largest leavin
 TOPK_GROUPS, TOPK_MIN_PROGRAMS = (2, 1), 1024
 TOPK_SEL = 128  # group maxima for the top-k threshold
 TOPK_MAXNREG = 64
-TOPK_MAX = 64
 MAX_CHUNKS = 256  # the combine kernel holds a row's partials in one tile
 COMBINE_KEYS = 1024  # top-k keys per merge step of the combine kernel
 COMBINE_WARPS, COMBINE_TOPK_WARPS = 1, 4
