@@ -100,3 +100,53 @@ def test_replay_cached_from_many_threads(rng):
 
         run_threads(worker, 8)
         assert failures == []
+
+
+def _bound_pair(rng, wrap):
+    """A bound logprob call and a bound replay over fresh arrays, each passed through ``wrap``."""
+    table = TraceTable(4, 8, device="cpu")
+    table.stage(1, [5, 6, 7])
+    table.commit(stream=0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32)
+    arrays = dict(
+        logits=logits, ids=np.array([4, 9, 17]), lp=np.zeros(3, np.float32), rk=np.zeros(3, np.int64),
+        sampled=np.array([9, 9], np.int64), idx=np.array([1, 0], np.int32),
+        total=np.array([0, 3, 0, 0], np.int32), prompt=np.array([0, 2, 0, 0], np.int32),
+    )  # fmt: skip
+    a = {k: wrap(k, v) for k, v in arrays.items()}
+    logprob = bind_logprob_rank(a["logits"], a["ids"], out_logprobs=a["lp"], out_ranks=a["rk"], stream=0)
+    replay = table.bind_replay(a["sampled"], a["idx"], a["total"], a["prompt"], stream=0)
+    return table, logprob, replay, arrays, a
+
+
+def test_release_leaves_the_callers_views_alone(rng):
+    """An ArrayView the caller passes is used as it is (as_view returns it): release() drops the
+    bound object's references and leaves the caller's views, capsules included, untouched."""
+    from trace_replay_core import as_view
+
+    table, logprob, replay, arrays, views = _bound_pair(rng, lambda name, a: as_view(a, name=name))
+    capsules = {k: v.keepalive for k, v in views.items()}
+    logprob.release()
+    replay.release()
+    assert logprob.views == () and replay.views == ()
+    assert {k: v.keepalive for k, v in views.items()} == capsules and all(capsules.values())
+    logprob(stream=0)
+    replay(stream=0)
+    assert arrays["sampled"].tolist() == [6, 9] and np.all(arrays["rk"] >= 1)
+    table.close()
+
+
+def test_released_bound_calls_keep_no_array_alive(rng):
+    """After release() nothing of a bound call (not even the numpy backend's launch) holds the
+    arrays: dropped by the caller, they are freed."""
+    import gc
+    import weakref
+
+    table, logprob, replay, arrays = _bound_pair(rng, lambda name, a: a)[:4]
+    refs = {k: weakref.ref(a) for k, a in arrays.items()}
+    logprob.release()
+    replay.release()
+    del arrays
+    gc.collect()
+    assert [k for k, r in refs.items() if r() is not None] == []
+    table.close()

@@ -1,10 +1,13 @@
 """CPU tier: DLPack intake from numpy, torch CPU and JAX CPU arrays, and every refusal."""
 
+import ctypes
+
 import numpy as np
 import pytest
+from test_dlpack_byte_offset import _capsule_new, _DataType, _Device, _Tensor
 
 from trace_replay_core import ArrayView, as_view
-from trace_replay_core._dlpack import check_view
+from trace_replay_core._validate import check_view
 
 
 class LegacyProducer:
@@ -151,3 +154,155 @@ def test_refusals(case):
     call, exc, pattern = REFUSALS[case]
     with pytest.raises(exc, match=pattern):
         call()
+
+
+CONSTRUCTOR_REFUSALS = {  # ArrayView(ptr, shape, strides, dtype, device_type, device_id) built by hand
+    "dtype-unknown": (
+        (0x1000, (4,), (1,), "int128", "cuda", 0),
+        TypeError,
+        r"^dtype must be one of int8, .* \(got 'int128'\)$",
+    ),
+    "dtype-not-a-name": ((0x1000, (4,), (1,), None, "cuda", 0), TypeError, r"^dtype must be one of .* \(got None\)$"),
+    "strides-short": (
+        (0x1000, (4, 3), (3,), "int32", "cuda", 0),
+        ValueError,
+        r"^strides must have one entry per dimension of shape \[4, 3\] \(got strides \[3\]\)$",
+    ),
+    "device-type-unknown": (
+        (0x1000, (4,), (1,), "int32", "gpu", 0),
+        ValueError,
+        r"^device_type must be 'cpu' or 'cuda' \(got 'gpu'\)$",
+    ),
+    "shape-negative": (
+        (0x1000, (4, -2), (1, 1), "int32", "cpu", 0),
+        ValueError,
+        r"^shape must hold non-negative ints \(got -2\)$",
+    ),
+    "ptr-negative": (
+        (-16, (4,), (1,), "int32", "cpu", 0),
+        ValueError,
+        r"^ptr must be a non-negative int \(got -16\)$",
+    ),
+    "device-id-negative": (
+        (0x1000, (4,), (1,), "int32", "cuda", -1),
+        ValueError,
+        r"^device_id must be a non-negative int \(got -1\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRUCTOR_REFUSALS))
+def test_constructor_refusals(case):
+    args, exc, pattern = CONSTRUCTOR_REFUSALS[case]
+    with pytest.raises(exc, match=pattern):
+        ArrayView(*args)
+
+
+def test_as_view_builds_the_same_view_as_the_constructor():
+    """as_view skips the constructor's checks (its fields come from a checked capsule): the view
+    is the one the constructor gives for the same fields."""
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)[1:, ::2]
+    v = as_view(a, name="a")
+    w = ArrayView(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly, v.keepalive)
+    fields = ArrayView.__slots__
+    assert [getattr(v, f) for f in fields] == [getattr(w, f) for f in fields]
+    assert type(v) is ArrayView and v.itemsize == 4 and v.strides == (6, 2)
+
+
+# A DLPack 1.x producer that exported a copy --------------------------------------------------
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _ManagedVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _Version),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _Tensor),
+    ]
+
+
+_IS_COPIED = 1 << 1  # DLPACK_FLAG_BITMASK_IS_COPIED
+_VERSIONED_NAME = ctypes.create_string_buffer(b"dltensor_versioned")
+
+
+class CopyingProducer:
+    """Exports a versioned capsule of a compact copy of ``arr`` (a numpy array) flagged as a
+    copy, as a DLPack 1.x producer does when it could not hand out the array's own memory. Keeps
+    every structure it hands out (no deleter)."""
+
+    def __init__(self, arr: np.ndarray):
+        self.arr, self.copy = arr, np.ascontiguousarray(arr).copy()
+        self._shape = (ctypes.c_int64 * arr.ndim)(*arr.shape)
+        self._strides = (ctypes.c_int64 * arr.ndim)(*(s // arr.itemsize for s in self.copy.strides))
+        self._managed = m = _ManagedVersioned()
+        m.version, m.flags = _Version(1, 1), _IS_COPIED
+        t = m.dl_tensor
+        t.data, t.device, t.ndim = self.copy.ctypes.data, _Device(1, 0), arr.ndim
+        t.dtype = _DataType({"i": 0, "u": 1, "f": 2}[arr.dtype.kind], arr.dtype.itemsize * 8, 1)
+        t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64))
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        return _capsule_new(ctypes.addressof(self._managed), _VERSIONED_NAME, None)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def _copied_calls():
+    """name -> (call writing into a copied export, the argument it names). Each output in turn."""
+    from trace_replay_core import TraceTable, token_logprob_rank, token_logprob_rank_backward
+
+    table = TraceTable(4, 8, device="cpu")
+    table.stage(1, [5, 6, 7])
+    table.commit(stream=0)
+    logits = np.linspace(-2.0, 2.0, 30, dtype=np.float32).reshape(3, 10)
+    ids, lp, rk = np.array([1, 4, 9]), np.full(3, 7.0, np.float32), np.full(3, 7, np.int64)
+    am, ent = np.full(3, 7, np.int32), np.full(3, 7.0, np.float32)
+    idx, total, prompt = np.array([1, 0, -1], np.int32), np.array([0, 3, 0, 0], np.int32), np.zeros(4, np.int32)
+    sampled = np.full(3, 7, np.int64)
+
+    def logprob(**swap):
+        a = dict(out_logprobs=lp, out_ranks=rk, out_argmax=am, out_entropy=ent) | swap
+        return lambda: token_logprob_rank(logits, ids, stream=0, **a)
+
+    def backward(grad):
+        return lambda: token_logprob_rank_backward(logits, ids, lp, out_grad_logits=grad, stream=0)
+
+    grad = np.full((3, 10), 7.0, np.float32)
+    return {
+        "sampled": (lambda: table.replay(CopyingProducer(sampled), idx, total, prompt, stream=0), "sampled"),
+        "bind-sampled": (lambda: table.bind_replay(CopyingProducer(sampled), idx, total, prompt, stream=0), "sampled"),
+        "out_logprobs": (logprob(out_logprobs=CopyingProducer(lp)), "out_logprobs"),
+        "out_ranks": (logprob(out_ranks=CopyingProducer(rk)), "out_ranks"),
+        "out_argmax": (logprob(out_argmax=CopyingProducer(am)), "out_argmax"),
+        "out_entropy": (logprob(out_entropy=CopyingProducer(ent)), "out_entropy"),
+        "out_grad_logits": (backward(CopyingProducer(grad)), "out_grad_logits"),
+    }, (sampled, lp, rk, am, ent, grad)
+
+
+@pytest.mark.parametrize("case", sorted(_copied_calls()[0]))
+def test_copied_exports_are_refused_where_written(case):
+    """Writes into a producer's copy would be lost: an array written in place (sampled, the
+    outputs) whose capsule carries DLPack's IS_COPIED flag is refused, naming it; nothing is written."""
+    calls, arrays = _copied_calls()
+    call, name = calls[case]
+    with pytest.raises(ValueError, match=rf"^{name} is written in place, but its producer exported a copy"):
+        call()
+    assert all(np.all(a == 7) for a in arrays)
+
+
+def test_copied_exports_are_read_where_only_read():
+    """Reading a copy is harmless: idx_mapping and the lengths may come as copies."""
+    from trace_replay_core import TraceTable
+
+    with TraceTable(4, 8, device="cpu") as table:
+        table.stage(1, [5, 6, 7])
+        table.commit(stream=0)
+        sampled = np.full(2, 9, np.int64)
+        idx, total, prompt = np.array([1, 0], np.int32), np.array([0, 3, 0, 0], np.int32), np.zeros(4, np.int32)
+        table.replay(sampled, CopyingProducer(idx), CopyingProducer(total), CopyingProducer(prompt + 2), stream=0)
+        assert sampled.tolist() == [6, 9]

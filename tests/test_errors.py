@@ -73,6 +73,31 @@ CORE = {
         TypeError,
         r"^tokens must be a 1-D sequence of token ids \(list, numpy array or CPU tensor\); got str$",
     ),
+    "trace-nested": (
+        lambda t, a: t.stage(0, [1, [2]]),
+        TypeError,
+        r"^tokens must be a 1-D sequence of int token ids \(tokens\[1\] is list \[2\]\)$",
+    ),
+    "trace-none-entry": (
+        lambda t, a: t.stage(0, (4, None)),
+        TypeError,
+        r"^tokens must be a 1-D sequence of int token ids \(tokens\[1\] is NoneType None\)$",
+    ),
+    "trace-beyond-64-bits": (
+        lambda t, a: t.stage(0, [3, 2**64]),
+        ValueError,
+        r"^tokens must be below 2\*\*31 \(got 18446744073709551616 at index 1\)$",
+    ),
+    "trace-mixed-sign-wide": (  # numpy reads [-1, 2**63] as float64
+        lambda t, a: t.stage(0, [2**63, -1]),
+        ValueError,
+        r"^tokens must be non-negative \(got -1 at index 1\)$",
+    ),
+    "stage-many-nested": (
+        lambda t, a: t.stage_many([0, 3], [[1, 2], [5, [6, 7]]]),
+        TypeError,
+        r"^traces\[1\] must be a 1-D sequence of int token ids \(traces\[1\]\[1\] is list \[6, 7\]\)$",
+    ),
     "slot-too-large": (lambda t, a: t.stage(MAX_SLOTS, [1]), ValueError, r"^slot must be in \[0, 8\) \(got 8\)$"),
     "slot-negative": (lambda t, a: t.stage(-1, [1]), ValueError, r"^slot must be in \[0, 8\) \(got -1\)$"),
     "slot-float": (lambda t, a: t.stage(1.0, [1]), TypeError, r"^slot must be an int \(got float 1\.0\)$"),

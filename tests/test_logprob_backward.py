@@ -137,6 +137,12 @@ def test_reference_is_not_the_library():
         assert_grads(case, ref * case["temp"][:, None], None, "planted")
 
 
+def _strided_rows(row_stride):
+    """A writable float32 [3, 10] over one buffer (7.0 everywhere) whose rows start ``row_stride`` elements apart."""
+    buf = np.full(40, 7.0, np.float32)
+    return np.lib.stride_tricks.as_strided(buf, shape=(3, 10), strides=(4 * row_stride, 4), writeable=True)
+
+
 def _bad_calls():
     x = np.ones((3, 10), np.float32)
     ids, lp = np.zeros(3, np.int64), np.zeros(3, np.float32)
@@ -174,6 +180,22 @@ def _bad_calls():
                 r"^grad_topk_logprobs must have shape \[3, 2\]",
             ),
             "aliased": (dict(out_grad_logits=x), ValueError, r"^out_grad_logits and logits overlap in memory"),
+            "logprobs-none": (
+                dict(logprobs=None),
+                ValueError,
+                r"^logprobs must be given: the forward's \[batch\] float32 logprobs \(got None\)$",
+            ),
+            # rows 7 elements apart over a vocabulary of 10 (or all on one row): they overlap
+            "grad-rows-overlap": (
+                dict(out_grad_logits=_strided_rows(7)),
+                ValueError,
+                r"^out_grad_logits must not have overlapping rows: .* \(got element strides \[7, 1\]\)$",
+            ),
+            "grad-rows-stride-0": (
+                dict(out_grad_logits=_strided_rows(0)),
+                ValueError,
+                r"^out_grad_logits must not have overlapping rows: .* \(got element strides \[0, 1\]\)$",
+            ),
             "stream-none": (dict(stream=None), TypeError, r"stream"),
         },
         x,
@@ -190,9 +212,49 @@ def test_refusals_change_nothing(name):
     g[:] = 7.0
     args = dict(logprobs=lp, out_grad_logits=g, stream=0) | override
     logprobs = args.pop("logprobs")
+    before = {k: v.copy() for k, v in args.items() if isinstance(v, np.ndarray)}
     with pytest.raises(exc, match=pattern):
         token_logprob_rank_backward(x, ids, logprobs, **args)
     assert (g == 7.0).all()
+    assert all(np.array_equal(args[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    "args, exc, pattern",
+    [
+        ((4, 0, True), ValueError, r"^vocab must be between 1 and 1073741824 \(got 0\)$"),
+        ((4, -7, True), ValueError, r"^vocab must be between 1 and 1073741824 \(got -7\)$"),
+        ((4, 1000.0, True), TypeError, r"^vocab must be an int \(got float 1000\.0\)$"),
+        ((-3, 1000, True), ValueError, r"^batch must be between 0 and 2147483647 \(got -3\)$"),
+        ((2.5, 1000, False), TypeError, r"^batch must be an int \(got float 2\.5\)$"),
+        ((4, 1000, "yes"), TypeError, r"^grad_temperature must be True or False \(got 'yes'\)$"),
+    ],
+)
+def test_workspace_bytes_refusals(args, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        logprob_backward_workspace_bytes(*args)
+
+
+def test_inputs_may_share_memory(rng):
+    """Reading the same memory twice is harmless: one upstream gradient array given as both
+    grad_logprobs and grad_entropy gives what two copies give."""
+    case = make_backward_case(rng, 4, 60, "float32", entropy=True)
+    g = np.array([0.5, -1.25, 2.0, 0.75], np.float32)
+    got, want = np.full_like(case["x"], np.nan), np.full_like(case["x"], np.nan)
+    common = dict(entropy=case["ent"], stream=0)
+    token_logprob_rank_backward(
+        case["x"], case["ids"], case["lp"], grad_logprobs=g, grad_entropy=g, out_grad_logits=got, **common
+    )
+    token_logprob_rank_backward(
+        case["x"],
+        case["ids"],
+        case["lp"],
+        grad_logprobs=g.copy(),
+        grad_entropy=g.copy(),
+        out_grad_logits=want,
+        **common,
+    )
+    assert got.tobytes() == want.tobytes() and np.all(np.isfinite(got))
 
 
 def test_workspace_bytes():

@@ -110,6 +110,21 @@ def test_cpu_backend_empty_batch_and_read_only_logits():
     assert rk.tolist() == [1, 3]
 
 
+def test_inputs_may_share_memory():
+    """Reading the same memory twice is harmless: a temperature that is a view of the logits'
+    own memory (their first row's first entries) gives what a copy of it gives."""
+    logits = np.linspace(-3.0, 3.0, 4 * 30, dtype=np.float32).reshape(4, 30)
+    logits[0, :4] = [0.7, 1.3, 2.5, 0.4]
+    temperature = logits.reshape(-1)[:4]  # shares the logits' memory
+    ids = np.array([3, 0, 29, 17])
+    got = np.full(4, POISON_LOGPROB, np.float32), np.full(4, POISON_RANK, np.int64)
+    want = np.full(4, POISON_LOGPROB, np.float32), np.full(4, POISON_RANK, np.int64)
+    token_logprob_rank(logits, ids, out_logprobs=got[0], out_ranks=got[1], temperature=temperature, stream=0)
+    token_logprob_rank(logits, ids, out_logprobs=want[0], out_ranks=want[1], temperature=temperature.copy(), stream=0)
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tolist() == want[1].tolist()
+    assert np.all(np.isfinite(got[0])) and np.all(got[1] >= 1)
+
+
 def test_bound_call_repeats_the_call_on_new_contents():
     """bind_logprob_rank validates once; each call recomputes from the arrays' current contents."""
     rng = np.random.default_rng(12)
@@ -215,6 +230,25 @@ def test_variant_choices_and_cache():
     # float32 rows that are not aligned, with top-k: the element path's block loop not unrolled.
     assert plan_logprob_rank(64, 50257, "float32", 20, aligned=False).unroll == 1
     assert plan_logprob_rank(64, 50257, "float32", 20, aligned=False, argmax=True).unroll == 2
+
+
+WORKSPACE_REFUSALS = {  # (batch, vocab, top_k) -> error, anchored message
+    "vocab-zero": ((4, 0, 0), ValueError, r"^vocab must be between 1 and 1073741824 \(got 0\)$"),
+    "vocab-negative": ((4, -7, 0), ValueError, r"^vocab must be between 1 and 1073741824 \(got -7\)$"),
+    "vocab-float": ((4, 1000.0, 0), TypeError, r"^vocab must be an int \(got float 1000\.0\)$"),
+    "batch-negative": ((-3, 1000, 0), ValueError, r"^batch must be between 0 and 2147483647 \(got -3\)$"),
+    "batch-float": ((2.5, 1000, 0), TypeError, r"^batch must be an int \(got float 2\.5\)$"),
+    "top-k-too-large": ((4, 1000, 65), ValueError, r"^top_k must be between 0 and 64 .*\(got 65\)$"),
+    "top-k-above-vocab": ((4, 5, 6), ValueError, r"^top_k must be between 0 and 5 .*\(got 6\)$"),
+    "top-k-negative": ((4, 1000, -1), ValueError, r"^top_k must be between 0 and 64 .*\(got -1\)$"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WORKSPACE_REFUSALS))
+def test_workspace_size_refusals(case):
+    args, exc, pattern = WORKSPACE_REFUSALS[case]
+    with pytest.raises(exc, match=pattern):
+        logprob_rank_workspace_bytes(*args)
 
 
 def test_workspace_size():

@@ -59,6 +59,7 @@ PINNED = {
         "TOKEN_DTYPES": "('int32', 'int64')",
         "TOPK_MAX": "64",
         "StagedWritesWarning": {},
+        "CudaError": {},
         "TraceTable": {
             "__enter__": "(self)",
             "__exit__": "(self, *exc)",

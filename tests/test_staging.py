@@ -187,7 +187,12 @@ def _refusals(rng, max_len, vocab):
         ("empty", np.zeros(0, np.int32), ValueError, r"^tokens must not be empty"),
         ("2-d", rng.integers(1, vocab, (2, 2)), ValueError, r"^tokens must be 1-D \(got shape \[2, 2\]\)$"),
         ("float", rng.random(3), TypeError, r"^tokens must have an integer dtype \(got float64\)$"),
-        ("object", [1, 2**70], TypeError, r"^tokens must have an integer dtype \(got object\)$"),
+        (
+            "beyond-64-bits",
+            [1, 2**70],
+            ValueError,
+            r"^tokens must be below 2\*\*31 \(got 1180591620717411303424 at index 1\)$",
+        ),
     ]
 
 
@@ -325,6 +330,31 @@ def test_gpu_staging_without_guard_corrupts(rng, fake_cuda):
         t.commit(stream=0)
     table, _ = committed(t)
     assert any(not np.array_equal(table[s], tr) for s, tr in traces.items())
+    t.close()
+
+
+def test_gpu_commit_after_clears_neither_waits_nor_allocates(fake_cuda):
+    """clear takes its staging entry as stage does: waiting for the staging buffer that a commit
+    in flight still reads, and growing it, happen in clear, never in commit (which must not
+    synchronise). Nothing runs on the device until the end."""
+    t = TraceTable(12, 16, device="cuda:0", staging_depth=2, staging_bytes=64)
+    t.stage_many(list(range(2, 10)), np.full((8, 1), 5))  # commit A (pair 0): slots 2-9 traced
+    t.commit(stream=0)
+    t.stage(0, np.arange(3, 19))  # commit B (pair 1, grown to 128 bytes)
+    t.commit(stream=0)
+    t.stage(1, np.arange(4, 20))  # commit C (pair 0, waiting for A)
+    t.commit(stream=0)
+    calls = []
+    for name in ("cuMemAlloc", "cuMemAllocHost", "cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize"):
+        real = getattr(fake_cuda, name)
+        setattr(fake_cuda, name, lambda *a, real=real, name=name: (calls.append(name), real(*a))[1])
+    for slot in range(2, 10):
+        t.clear(slot)  # pair 1, still read by B: 8 entries need more than its 128 bytes
+    assert calls == ["cuEventSynchronize", "cuMemAllocHost", "cuMemAlloc"]
+    calls.clear()
+    t.commit(stream=0)
+    assert calls == []
+    expect_rows(t, {0: np.arange(3, 19), 1: np.arange(4, 20)})
     t.close()
 
 

@@ -19,10 +19,13 @@ Example (CPU backend; on a GPU pass ``device="cuda"`` and device arrays)::
         table.replay(sampled, idx_mapping, total_len, prompt_len, stream=0)
         assert sampled.tolist() == [6, 9]                    # slot 2 is at step 1 of its trace
 
-Importing this package loads neither torch nor jax.
+Importing this package loads neither torch nor jax (nor NVIDIA's driver bindings, until a GPU
+is used). A CUDA driver call that fails raises :class:`CudaError`, naming the call and the
+driver's error.
 """
 
 from ._bound_cache import BoundCache
+from ._cuda import CudaError
 from ._devices import default_device, parse_device, split_device
 from ._dlpack import ArrayView, as_view
 from ._dtypes import INDEX_DTYPES, LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
@@ -55,6 +58,7 @@ __all__ = [
     "BoundReplay",
     "PLACEMENTS",
     "StagedWritesWarning",
+    "CudaError",
     # logprob and rank of the chosen token
     "token_logprob_rank",
     "bind_logprob_rank",

@@ -5,7 +5,9 @@ allocator reuses addresses), so the table (:meth:`~trace_replay_core.TraceTable.
 and the adapters' logprob calls bind a launch once per layout and only launch it afterwards.
 The key is whatever describes that layout completely (data pointers, dtypes, shapes, strides):
 equal keys describe the same memory, so a cached launch is exactly what binding again would
-give. An entry keeps only pointers, never the arrays: old arrays must be free to go.
+give. An entry keeps only pointers, never the arrays: old arrays must be free to go. Beyond its
+size the cache drops the key inserted first: insertion order, not least recently used (a lookup
+does not refresh an entry; a loop of more layouts than the size binds again in turn).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ __all__ = ["BoundCache"]
 
 
 class BoundCache(dict):
-    """A dict of ``key -> bound launch`` holding at most ``size`` entries, oldest dropped first.
+    """A dict of ``key -> bound launch`` holding at most ``size`` entries: a new key beyond that
+    drops the key inserted first (the dict's order; lookups do not reorder it).
 
     Look up with ``cache.get(key)`` (a plain dict lookup, for hot paths), or with
     :meth:`bind`, which binds on a miss. Thread-safe: lookups take no lock (a dict read is

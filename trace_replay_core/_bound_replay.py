@@ -23,8 +23,9 @@ class BoundReplay:
     """A replay whose arrays were validated and fixed by :meth:`TraceTable.bind_replay`.
 
     ``bound(stream=s)`` queues the replay on stream ``s`` (stream-ordered, never blocks): the
-    cheapest way to replay, a single kernel launch. ``views`` holds the validated arrays, whose
-    DLPack capsules keep their memory alive while the bound replay lives.
+    cheapest way to replay, a single kernel launch (a failing launch raises
+    :class:`~trace_replay_core.CudaError`). ``views`` holds the validated arrays, whose DLPack
+    capsules keep their memory alive while the bound replay lives.
     """
 
     __slots__ = ("_table", "_launch", "views")
@@ -35,11 +36,10 @@ class BoundReplay:
         self.views = views
 
     def release(self) -> None:
-        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
-        caller must keep them alive while it uses this bound replay (a cache keyed by address
-        does). Host-only."""
-        for v in self.views:
-            v.keepalive = None
+        """Drop this object's views and with them its hold on the arrays' DLPack capsules: the
+        arrays may then be freed, and the caller must keep them alive while it uses this bound
+        replay (a cache keyed by address does). The views themselves are not changed (one may
+        be the caller's own :class:`ArrayView`). Host-only."""
         self.views = ()
 
     def __call__(self, *, stream: Any) -> None:

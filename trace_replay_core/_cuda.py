@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "create_stream",
     "destroy_stream",
     "synchronize_stream",
+    "close_all",
 ]
 
 
@@ -232,3 +234,18 @@ def destroy_stream(stream: int | None) -> None:
 
 def synchronize_stream(stream: int) -> None:
     _check(_driver().cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def close_all(closers: Iterable[Callable[[], None]]) -> None:
+    """Call every closer in order, each even when one before it raised, then raise the first
+    error (host-only). For resources that must all be released: a failed synchronisation or
+    free leaves nothing else behind."""
+    first: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised once the rest are released
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first

@@ -37,6 +37,10 @@ def _ptr(view: ArrayView | None) -> int:
     return 0 if view is None else view.ptr
 
 
+def _dtype(view: ArrayView | None) -> str:
+    return "" if view is None else view.dtype
+
+
 class DeviceTable:
     """The table of one CUDA device. Not thread-safe on its own: :class:`~._table.TraceTable`
     serialises staging and commits with its lock; replays read no host state staging changes."""
@@ -102,7 +106,7 @@ class DeviceTable:
         self.ring.entries().stage_many(slots, traces, vocab_size)
 
     def clear(self, slot: int) -> None:
-        self.ring.staged.clear(slot)
+        self.ring.entries().clear(slot)  # waits for the open buffer here, not in commit
 
     def pending(self) -> int:
         return len(self.ring.staged.entries)
@@ -136,11 +140,10 @@ class DeviceTable:
         prompt: ArrayView | None,
         step: ArrayView | None,
     ):
+        # check_replay's views: total and prompt, or step (the others None)
         if step is not None:
             return replay_compiled(self.device_id, sampled.dtype, idx.dtype, ("", ""), step.dtype)
-        if total is None or prompt is None:
-            raise ValueError("a replay needs total_len and prompt_len (per slot), or step (per row)")
-        return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (total.dtype, prompt.dtype), None)
+        return replay_compiled(self.device_id, sampled.dtype, idx.dtype, (_dtype(total), _dtype(prompt)), None)
 
     def bind(
         self,
@@ -225,14 +228,15 @@ class DeviceTable:
         return table, lengths
 
     def close(self) -> None:
-        """Host-blocking: waits for all queued device work, then frees everything. Idempotent."""
+        """Host-blocking: waits for all queued device work, then frees everything. Idempotent.
+        Every resource is released even when the synchronisation or a free fails; the first
+        error is raised afterwards (:class:`~._cuda.CudaError`)."""
         if self._closed:
             return
         self._closed = True
+        closers: list[Callable[[], None]] = [_cuda.synchronize_device]
+        if self._ring is not None:
+            closers.append(self._ring.close)
+        closers += [alloc.close for alloc in (self._table_dev, self._table_host, self._trace_len) if alloc is not None]
         with _cuda.on_device(self.device_id):
-            _cuda.synchronize_device()
-            if self._ring is not None:
-                self._ring.close()
-            for alloc in (self._table_dev, self._table_host, self._trace_len):
-                if alloc is not None:
-                    alloc.close()
+            _cuda.close_all(closers)

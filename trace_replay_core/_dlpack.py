@@ -1,11 +1,10 @@
 """DLPack intake: any object with ``__dlpack__`` becomes a validated :class:`ArrayView`.
 
 Why by hand: maintained intakes exist (cuda.core's ``StridedMemoryView``), but they cost more
-than a decode step can spend. Measured on the CPU machine (2026-11-30): ``StridedMemoryView``
-took 4 us per numpy array, 12 us per torch tensor and 18 us per JAX array, against about 3.5 us
-for the bare ``__dlpack__()`` call this module builds on; a replay hands over four or five
-arrays. The hot paths go further and skip DLPack after the first call (bound launches cached
-by layout, :meth:`~trace_replay_core.TraceTable.replay_cached`).
+than a decode step can spend: 12 us per torch tensor against about 3.5 us for the bare
+``__dlpack__()`` call this module builds on, and a replay hands over four or five arrays. The
+hot paths go further and skip DLPack after the first call (bound launches cached by layout,
+:meth:`~trace_replay_core.TraceTable.replay_cached`).
 
 The core never sees framework types. It asks the producer for a DLPack capsule (a versioned
 1.x capsule when the producer offers one, else the older unversioned kind), reads the
@@ -14,7 +13,7 @@ view exists, the producer's memory cannot be freed under it.
 
 A view records the data pointer (``data + byte_offset``, in bytes), shape and strides (in
 elements), the dtype as a name (``"int32"``, ``"bfloat16"`` ...), the device and whether the
-producer marked the memory read-only.
+producer marked the memory read-only or exported a copy (both refused where a call writes).
 
 Consuming a capsule is host-only and never blocks on the device. The ``stream`` handed to the
 producer is the consumer stream of the DLPack handshake: the producer makes that stream wait
@@ -24,13 +23,12 @@ for its pending writes (``-1`` asks for no ordering at all).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+import numbers
 from typing import Any
 
 __all__ = [
     "ArrayView",
     "as_view",
-    "check_view",
     "CPU",
     "CUDA",
 ]
@@ -38,43 +36,23 @@ __all__ = [
 CPU = "cpu"
 CUDA = "cuda"
 
-# DLDeviceType values (dlpack.h).
-_KDL_CPU = 1
-_KDL_CUDA = 2
-_KDL_CUDA_HOST = 3
+# DLDeviceType values (dlpack.h), and the names of the kinds a view may come from.
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST = 1, 2, 3
 _DEVICE_NAMES = {
-    1: "cpu",
-    2: "cuda",
-    3: "cuda_host",
-    4: "opencl",
-    7: "vulkan",
-    8: "metal",
-    9: "vpi",
-    10: "rocm",
-    11: "rocm_host",
-    13: "cuda_managed",
-    14: "oneapi",
-}
+    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
+    11: "rocm_host", 13: "cuda_managed", 14: "oneapi",
+}  # fmt: skip
 
 # (code, bits) -> dtype name. DLDataTypeCode: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
 _DTYPES = {
-    (0, 8): "int8",
-    (0, 16): "int16",
-    (0, 32): "int32",
-    (0, 64): "int64",
-    (1, 8): "uint8",
-    (1, 16): "uint16",
-    (1, 32): "uint32",
-    (1, 64): "uint64",
-    (2, 16): "float16",
-    (2, 32): "float32",
-    (2, 64): "float64",
-    (4, 16): "bfloat16",
-    (6, 8): "bool",
-}
+    (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
+    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64", (4, 16): "bfloat16", (6, 8): "bool",
+}  # fmt: skip
 ITEMSIZE = {name: bits // 8 for (_, bits), name in _DTYPES.items()}
 
 _FLAG_READ_ONLY = 1 << 0
+_FLAG_IS_COPIED = 1 << 1  # the producer exported a copy: writes through the view would be lost
 
 
 class _DLDevice(ctypes.Structure):
@@ -143,14 +121,21 @@ class ArrayView:
 
     Attributes: ``ptr`` (int, bytes, already ``data + byte_offset``), ``shape`` and ``strides``
     (tuples; strides in elements), ``dtype`` (name), ``itemsize`` (bytes), ``device_type``
-    (``"cpu"`` or ``"cuda"``), ``device_id`` (int), ``readonly`` (bool).
+    (``"cpu"`` or ``"cuda"``; a view that :func:`as_view` read from another kind of device
+    names it, e.g. ``"rocm"``, and every check refuses it), ``device_id`` (int), ``readonly``
+    (bool), ``copied`` (bool: the producer exported a copy, DLPack 1.x's ``IS_COPIED`` flag;
+    False for a view built by hand).
 
     The view does not own the memory; it holds the DLPack capsule (``keepalive``), which keeps
     the producer's buffer alive until the view is dropped. Building one by hand (``keepalive``
-    ``None``) is for callers that keep the memory alive themselves.
+    ``None``) is for callers that keep the memory alive themselves; the constructor checks its
+    arguments (``TypeError``/``ValueError`` naming the one at fault). :func:`as_view` builds its
+    views from a capsule it has checked already, without the constructor's checks.
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id", "readonly", "keepalive")
+    __slots__ = (
+        "ptr", "shape", "strides", "dtype", "itemsize", "device_type", "device_id", "readonly", "copied", "keepalive"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -163,14 +148,23 @@ class ArrayView:
         readonly: bool = False,
         keepalive: Any = None,
     ):
-        self.ptr = int(ptr)
-        self.shape = tuple(int(s) for s in shape)
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise TypeError(f"dtype must be one of {', '.join(ITEMSIZE)} (got {dtype!r})")
+        if device_type not in (CPU, CUDA):
+            raise ValueError(f"device_type must be {CPU!r} or {CUDA!r} (got {device_type!r})")
+        self.ptr = _non_negative(ptr, "ptr must be a non-negative int")
+        self.device_id = _non_negative(device_id, "device_id must be a non-negative int")
+        self.shape = tuple(_non_negative(n, "shape must hold non-negative ints") for n in shape)
         self.strides = tuple(int(s) for s in strides)
+        if len(self.strides) != len(self.shape):
+            raise ValueError(
+                f"strides must have one entry per dimension of shape {list(self.shape)} (got strides {list(strides)})"
+            )
         self.dtype = dtype
         self.itemsize = ITEMSIZE[dtype]
         self.device_type = device_type
-        self.device_id = int(device_id)
         self.readonly = bool(readonly)
+        self.copied = False
         self.keepalive = keepalive
 
     @property
@@ -253,6 +247,22 @@ class ArrayView:
         )
 
 
+def _non_negative(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{what} (got {value!r})")
+    return int(value)
+
+
+def _view(ptr, shape, strides, dtype, device_type, device_id, readonly, copied, keepalive) -> ArrayView:
+    """An :class:`ArrayView` of fields known to be valid, without the constructor's checks: the
+    path of every :func:`as_view` (a replay or logprob call that is not bound reads four to
+    fourteen arrays), whose fields come from a capsule it has checked."""
+    v = object.__new__(ArrayView)
+    v.ptr, v.shape, v.strides, v.dtype, v.itemsize = ptr, shape, strides, dtype, ITEMSIZE[dtype]
+    v.device_type, v.device_id, v.readonly, v.copied, v.keepalive = device_type, device_id, readonly, copied, keepalive
+    return v
+
+
 def _dlpack_stream_arg(device_type: int, stream: int | None) -> int | None:
     """The ``stream`` argument of the DLPack handshake for a producer on ``device_type``.
 
@@ -307,10 +317,11 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
                 f"{name} came as a DLPack {managed.version.major}.{managed.version.minor} "
                 f"capsule; this library reads DLPack 1.x"
             )
-        readonly = bool(managed.flags & _FLAG_READ_ONLY)
+        flags = managed.flags
+        readonly, copied = bool(flags & _FLAG_READ_ONLY), bool(flags & _FLAG_IS_COPIED)
     elif _capsule_is_valid(capsule, _UNVERSIONED):
         managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, _UNVERSIONED))
-        readonly = False
+        readonly = copied = False
     else:
         raise TypeError(f"{name}.__dlpack__() returned {capsule!r}, not an unconsumed DLPack capsule")
     t = managed.dl_tensor
@@ -338,42 +349,16 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
     else:
         device_type, device_id = _DEVICE_NAMES.get(dev_type, f"dldevice{dev_type}"), t.device.device_id
     ptr = (t.data or 0) + t.byte_offset
-    return ArrayView(ptr, shape, strides, dtype, device_type, device_id, readonly, keepalive=capsule)
+    return _view(ptr, shape, strides, dtype, device_type, device_id, readonly, copied, capsule)
 
 
-def check_view(
-    view: ArrayView,
-    *,
-    name: str,
-    dtypes: Iterable[str],
-    device: str | None = None,
-    ndim: int | None = None,
-    length: int | None = None,
-    min_length: int | None = None,
-    writable: bool = False,
-    contiguous: bool = True,
-) -> ArrayView:
-    """Validate ``view`` and raise with ``name`` and what was received; return it unchanged.
-
-    ``device`` is ``"cpu"`` or ``"cuda:N"``; ``length``/``min_length`` apply to dimension 0.
-    """
-    dtypes = tuple(dtypes)
-    if view.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)} (got {view.dtype})")
-    if device is not None and view.device != device:
-        raise ValueError(f"{name} must be on {device} (got {view.device})")
-    if ndim is not None and view.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D (got shape {list(view.shape)})")
-    if length is not None and view.shape[0] != length:
-        raise ValueError(f"{name} must have {length} rows (got shape {list(view.shape)})")
-    if min_length is not None and view.shape[0] < min_length:
-        raise ValueError(f"{name} must have at least {min_length} entries (got shape {list(view.shape)})")
-    if contiguous and not view.is_c_contiguous:
-        raise ValueError(
-            f"{name} must be contiguous (got shape {list(view.shape)} with element strides {list(view.strides)})"
-        )
-    if writable and view.readonly:
-        raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
-    if view.size and view.ptr % view.itemsize:
-        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
-    return view
+def without_capsules(values: tuple) -> tuple:
+    """``values`` with each :class:`ArrayView` replaced by a copy that holds no capsule (the
+    others as they are): what a bound launch keeps, pointers only, so that dropping the bound
+    object's views lets the arrays go. The views given are left unchanged."""
+    return tuple(
+        _view(v.ptr, v.shape, v.strides, v.dtype, v.device_type, v.device_id, v.readonly, v.copied, None)
+        if isinstance(v, ArrayView)
+        else v
+        for v in values
+    )

@@ -7,7 +7,7 @@ defines its own list.
 
 from __future__ import annotations
 
-__all__ = ["TOKEN_DTYPES", "INDEX_DTYPES", "LOGITS_DTYPES", "RANK_DTYPES", "TABLE_DTYPE"]
+__all__ = ["TOKEN_DTYPES", "INDEX_DTYPES", "LOGITS_DTYPES", "RANK_DTYPES"]
 
 #: ``sampled`` and token ids: JAX's default int32 and PyTorch's int64.
 TOKEN_DTYPES = ("int32", "int64")
@@ -17,5 +17,3 @@ INDEX_DTYPES = ("int32", "int64")
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 #: ranks written by the logprob kernel.
 RANK_DTYPES = ("int32", "int64")
-#: the trace table's element type (token ids below 2**31).
-TABLE_DTYPE = "int32"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import ArrayView
+from ._dlpack import ArrayView, without_capsules
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
 from ._logprob_checks import logprob_rank_workspace_bytes, validated_logprob_call
 from ._numpy_backend import logprob_rank_numpy
@@ -153,20 +153,21 @@ def token_logprob_rank(
         Optional caller-owned ``[batch]`` output, contiguous, writable, int32 or int64. Every
         row is written. The kernels that fill it are compiled apart from the ones without it,
         so a call without ``out_argmax`` pays nothing for it. With it, the call takes about
-        1.15x the time of one without in bfloat16 (H200, vocab 151,936, batch 256 and 4096).
+        1.15x the time of one without (bfloat16, vocab 151,936).
     out_entropy:
         Optional caller-owned ``[batch]`` output, contiguous, writable, float32. Every row is
         written. As with ``out_argmax``, the kernels that fill it are compiled apart, so a call
         without it pays nothing for it (``bench/logprob_rank.py`` times the two side by side).
 
     Blocking and ownership: on a GPU the call is stream-ordered: it queues two kernels on
-    ``stream`` (one on sm_90 and later without top-k when the rows fit on the device at once:
-    rows of 151,936 logits, up to 67 on an H200; the same bits either way) and returns without
-    synchronising; it allocates nothing, so it may be captured in
-    a CUDA graph once the kernels are compiled (the first call for a device and signature
-    compiles them, host-blocking: make it before capturing). The arrays must stay alive until
-    the queued work has run. On the CPU backend the call computes before it returns. A rejected
-    call (any exception from validation) writes nothing.
+    ``stream`` (one on sm_90 and later without top-k when the rows fit on the device at once,
+    a few dozen rows of 151,936 logits; the same bits either way) and returns without
+    synchronising; it allocates nothing, so it may be captured in a CUDA graph once the
+    kernels are compiled (the first call for a device and signature compiles them,
+    host-blocking: make it before capturing). The arrays must stay alive until the queued work
+    has run. On the CPU backend the call computes before it returns. A rejected call (any
+    exception from validation) writes nothing; on a GPU a CUDA driver call that fails (the
+    launch, the first call's kernel load) raises :class:`~trace_replay_core.CudaError`.
     """
     checked = validated_logprob_call(
         logits,
@@ -201,7 +202,8 @@ class BoundLogprobRank:
     :func:`bind_logprob_rank`.
 
     ``bound(stream=s)`` queues the call on stream ``s`` and returns: one or two kernel launches, no
-    validation, no DLPack, stream-ordered, never blocking; capturable in a CUDA graph. On the
+    validation, no DLPack, stream-ordered, never blocking; capturable in a CUDA graph (a failing
+    launch raises :class:`~trace_replay_core.CudaError`). On the
     CPU backend it computes in numpy before returning. ``views`` holds the validated arrays
     (their DLPack capsules keep the memory alive while the object lives).
     """
@@ -213,11 +215,10 @@ class BoundLogprobRank:
         self.views = views
 
     def release(self) -> None:
-        """Drop the views and their DLPack capsules: the arrays may then be freed, and the
-        caller must keep them alive while it uses this bound call (a cache keyed by address
-        does). Host-only."""
-        for v in self.views:
-            v.keepalive = None
+        """Drop this object's views and with them its hold on the arrays' DLPack capsules: the
+        arrays may then be freed, and the caller must keep them alive while it uses this bound
+        call (a cache keyed by address does). The views themselves are not changed (one may be
+        the caller's own :class:`ArrayView`). Host-only."""
         self.views = ()
 
     def __call__(self, *, stream: Any) -> None:
@@ -272,7 +273,8 @@ def bind_logprob_rank(
     views, args, dtypes, _ = checked
     kept = tuple(v for v in views if isinstance(v, ArrayView))
     if args is None:
-        return BoundLogprobRank(lambda _stream: logprob_rank_numpy(*views), kept)
+        cpu = without_capsules(views)  # the launch keeps pointers: release() lets the arrays go
+        return BoundLogprobRank(lambda _stream: logprob_rank_numpy(*cpu), kept)
     from . import _cuda
     from .kernels.logprob_rank import bind_logprob_rank_launch
 

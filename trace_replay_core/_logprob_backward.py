@@ -22,12 +22,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import CPU, ArrayView, as_view, check_view
+from ._dlpack import CPU, ArrayView, as_view, without_capsules
 from ._dtypes import RANK_DTYPES
 from ._logprob import BoundLogprobRank
 from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
-from ._validate import INT32_MAX, check_disjoint, check_logits, check_temperature, check_token_ids, check_workspace
+from ._validate import (
+    INT32_MAX,
+    LOGPROB_TOPK_MAX,
+    check_disjoint,
+    check_logits,
+    check_temperature,
+    check_token_ids,
+    check_view,
+    check_workspace,
+    check_workspace_shape,
+)
 
 __all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
 
@@ -35,9 +45,13 @@ __all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob
 def logprob_backward_workspace_bytes(batch: int, vocab: int, grad_temperature: bool = False) -> int:
     """Bytes of device workspace a ``[batch, vocab]`` backward needs (host-only, pure): 0 without
     ``out_grad_temperature``; with it, 4 bytes per chunk of each row (96 bytes per row at vocab
-    151,936)."""
+    151,936). Errors (``TypeError``/``ValueError``) name the argument: ``batch >= 0``, ``1 <=
+    vocab <= MAX_VOCAB``, ``grad_temperature`` a bool."""
     from .kernels.logprob_backward import backward_workspace_bytes
 
+    batch, vocab = check_workspace_shape(batch, vocab)
+    if type(grad_temperature) is not bool:
+        raise TypeError(f"grad_temperature must be True or False (got {grad_temperature!r})")
     return backward_workspace_bytes(batch, vocab, grad_temperature)
 
 
@@ -90,14 +104,15 @@ def token_logprob_rank_backward(
         bfloat16 or float16 (rows may be strided); ``[batch]`` or ``[batch, 1]`` int32/int64;
         optional ``[batch]`` float32; optional ``[batch]`` int32/int64. Read only.
     logprobs, topk_ids, topk_logprobs, entropy:
-        The forward's outputs (``[batch]`` float32; ``[batch, top_k]`` int32/int64 and float32,
-        both or neither; ``[batch]`` float32, required with ``grad_entropy``).
+        The forward's outputs (``[batch]`` float32, required; ``[batch, top_k]`` int32/int64 and
+        float32, both or neither; ``[batch]`` float32, required with ``grad_entropy``).
     grad_logprobs, grad_topk_logprobs, grad_entropy:
         Upstream gradients, float32, shaped as their outputs; ``None``: zero (``grad_topk_logprobs``
         needs the top-k outputs, ``grad_entropy`` needs ``entropy``).
     out_grad_logits:
         Caller-owned ``[batch, vocab]`` output in the logits' dtype, element stride 1 along the
-        vocabulary (rows may be strided), writable; every element is written.
+        vocabulary (rows may be strided, at least ``vocab`` elements apart: rows must not
+        overlap), writable; every element is written.
     out_grad_temperature:
         Optional caller-owned ``[batch]`` float32 output (needs ``temperature``); every row written.
     stream:
@@ -113,7 +128,9 @@ def token_logprob_rank_backward(
     captured in a CUDA graph once compiled (the first call per device and signature compiles,
     host-blocking). The arrays must stay alive until the queued work has run; the outputs must
     not overlap the inputs or each other. On the CPU backend the call computes before it returns.
-    Errors name the argument and what was received; a rejected call writes nothing.
+    Errors name the argument and what was received; a rejected call writes nothing. On a GPU a
+    CUDA driver call that fails (the launch, the first call's kernel load) raises
+    :class:`~trace_replay_core.CudaError`.
     """
     numpy_call, args, dtypes, views = _checked_backward(
         logits,
@@ -187,7 +204,10 @@ def bind_logprob_rank_backward(
     )
     kept = tuple(v for v in views if isinstance(v, ArrayView))
     if args is None:
-        return BoundLogprobRank(numpy_call, kept)
+        if numpy_call is None:
+            return BoundLogprobRank(None, kept)
+        cpu = without_capsules(views)  # the launch keeps pointers: release() lets the arrays go
+        return BoundLogprobRank(lambda _stream: logprob_backward_numpy(*cpu), kept)
     from . import _cuda
     from .kernels.logprob_backward import bind_logprob_backward_launch
 
@@ -231,6 +251,8 @@ def _checked_backward(
             check_view(v, name=name, dtypes=dtypes, device=device, ndim=1, length=batch, writable=writable)
         return v
 
+    if logprobs is None:  # the kernels recover each row's normaliser from it: never optional
+        raise ValueError(f"logprobs must be given: the forward's [batch] float32 logprobs (got {logprobs!r})")
     lpv = vector(logprobs, "logprobs")
     glv = vector(grad_logprobs, "grad_logprobs")
     tv = None if temperature is None else check_temperature(view(temperature, "temperature"), batch, device)
@@ -251,16 +273,16 @@ def _checked_backward(
     check_view(gv, name="out_grad_logits", dtypes=(lv.dtype,), device=device, ndim=2, writable=True, contiguous=False)
     if tuple(gv.shape) != (batch, vocab):
         raise ValueError(f"out_grad_logits must have the logits' shape {[batch, vocab]} (got shape {list(gv.shape)})")
-    if batch > 1 and vocab > 1 and (gv.strides[1] != 1 or not 0 <= gv.strides[0] <= INT32_MAX):
+    if batch > 1 and ((vocab > 1 and gv.strides[1] != 1) or not vocab <= gv.strides[0] <= INT32_MAX):
         raise ValueError(
-            f"out_grad_logits must be contiguous along the vocabulary with a row stride between 0 and {INT32_MAX} "
-            f"elements (got element strides {list(gv.strides)})"
+            f"out_grad_logits must not have overlapping rows: element stride 1 along the vocabulary and a row "
+            f"stride between {vocab} (the vocabulary) and {INT32_MAX} elements (got element strides {list(gv.strides)})"
         )
     inputs = [("logits", lv), ("token_ids", iv), ("logprobs", lpv), ("grad_logprobs", glv), ("temperature", tv)]
     inputs += [("argmax", amv), ("topk_ids", tidv), ("topk_logprobs", tlpv), ("grad_topk_logprobs", gtkv)]
     inputs += [("entropy", env), ("grad_entropy", gev)]
     outputs = [("out_grad_logits", gv), ("out_grad_temperature", gtv)]
-    check_disjoint(outputs + inputs)
+    check_disjoint(outputs, inputs)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
@@ -268,7 +290,9 @@ def _checked_backward(
         return (lambda _stream: logprob_backward_numpy(*views)) if batch else None, None, None, views
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
-    need = logprob_backward_workspace_bytes(batch, vocab, gtv is not None)
+    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes, backward_workspace_bytes
+
+    need = backward_workspace_bytes(batch, vocab, gtv is not None)
     wsv = None
     if need:
         if workspace is None:
@@ -277,10 +301,9 @@ def _checked_backward(
                 f"(logprob_backward_workspace_bytes({batch}, {vocab}, True))"
             )
         wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
-        check_disjoint([("workspace", wsv)] + outputs + inputs)
+        check_disjoint([("workspace", wsv)], outputs + inputs)  # the rest checked above
     if batch == 0:
         return None, None, None, ()
-    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes
 
     def ptr(v: ArrayView | None) -> int:
         return 0 if v is None else v.ptr
@@ -310,8 +333,9 @@ def _check_topk(ids, lps, grads, batch: int, vocab: int, device: str) -> int:
     for name, v, dtypes in (("topk_ids", ids, RANK_DTYPES), ("topk_logprobs", lps, ("float32",))):
         check_view(v, name=name, dtypes=dtypes, device=device, ndim=2, length=batch)
     top_k = ids.shape[1]
-    if not 1 <= top_k <= min(64, vocab):
-        raise ValueError(f"topk_ids must have between 1 and {min(64, vocab)} columns (got shape {list(ids.shape)})")
+    limit = min(LOGPROB_TOPK_MAX, vocab)
+    if not 1 <= top_k <= limit:
+        raise ValueError(f"topk_ids must have between 1 and {limit} columns (got shape {list(ids.shape)})")
     for name, v in (("topk_logprobs", lps), ("grad_topk_logprobs", grads)):
         if v is not None:
             check_view(v, name=name, dtypes=("float32",), device=device, ndim=2, length=batch)

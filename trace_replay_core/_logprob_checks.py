@@ -17,6 +17,7 @@ from ._validate import (
     check_topk_outputs,
     check_view,
     check_workspace,
+    check_workspace_shape,
 )
 
 
@@ -26,10 +27,17 @@ def logprob_rank_workspace_bytes(batch: int, vocab: int, top_k: int = 0) -> int:
     of each row (13 chunks at vocab 151,936) and 8 per row, plus ``32 * k_pad`` per chunk with
     ``top_k`` (``k_pad`` = 8, 32 or 64, the power of two used for ``top_k``), each region rounded
     up to 16 bytes. At vocab 151,936: about 320 bytes per row, 16.6 KiB per row with
-    ``top_k = 20``. 0 for an empty batch."""
+    ``top_k = 20``. 0 for an empty batch. Errors (``TypeError``/``ValueError``) name the
+    argument: ``batch >= 0``, ``1 <= vocab <= MAX_VOCAB``, ``0 <= top_k <= min(TOPK_MAX, vocab)``."""
+    batch, vocab = check_workspace_shape(batch, vocab)
+    return _workspace_bytes(batch, vocab, check_top_k(top_k, vocab))
+
+
+def _workspace_bytes(batch: int, vocab: int, top_k: int) -> int:
+    """:func:`logprob_rank_workspace_bytes` of sizes known to be valid (a checked call's)."""
     from .kernels.logprob_rank import plan_logprob_rank, workspace_layout
 
-    if batch <= 0:
+    if batch == 0:
         return 0
     return workspace_layout(batch, plan_logprob_rank(batch, vocab, "bfloat16", top_k))[-1]
 
@@ -77,25 +85,23 @@ def validated_logprob_call(
     tv = None
     if temperature is not None:
         tv = check_temperature(as_view(temperature, name="temperature", stream=handle), batch, device)
-    named = [
+    outputs = [
         ("out_logprobs", lpv),
         ("out_ranks", rkv),
         ("out_topk_logprobs", tlpv),
         ("out_topk_ids", tidv),
         ("out_argmax", amv),
         ("out_entropy", env),
-        ("logits", lv),
-        ("token_ids", iv),
-        ("temperature", tv),
     ]
-    check_disjoint(named)
+    inputs = [("logits", lv), ("token_ids", iv), ("temperature", tv)]
+    check_disjoint(outputs, inputs)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
         return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv, env), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
-    need = logprob_rank_workspace_bytes(batch, vocab, top_k)
+    need = _workspace_bytes(batch, vocab, top_k)
     if workspace is None:
         if need:
             raise ValueError(
@@ -104,7 +110,7 @@ def validated_logprob_call(
             )
         return None
     wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
-    check_disjoint([("workspace", wsv)] + named)
+    check_disjoint([("workspace", wsv)], outputs + inputs)  # the rest checked above
     if batch == 0:
         return None
     from .kernels.logprob_rank import LogprobRankArgs, LogprobRankDtypes, plan_logprob_rank

@@ -16,7 +16,7 @@ import ctypes
 
 import numpy as np
 
-from ._dlpack import ArrayView
+from ._dlpack import ArrayView, without_capsules
 from ._staging import copy_trace
 
 __all__ = ["NumpyTable", "numpy_of", "replay_numpy", "temperature_or_nan"]
@@ -51,10 +51,9 @@ def replay_numpy(
     n = trace_len[s].astype(np.int64)
     if step is not None:
         at = step.astype(np.int64)
-    elif total is not None and prompt is not None:
-        at = total[s].astype(np.int64) - prompt[s].astype(np.int64)
     else:
-        raise ValueError("replay_numpy needs step, or total and prompt (got neither)")
+        assert total is not None and prompt is not None  # check_replay gives both without a step
+        at = total[s].astype(np.int64) - prompt[s].astype(np.int64)
     active &= (n > 0) & (at >= 0) & (at < n)
     rows = np.nonzero(active)[0]
     out[rows] = table[s[rows], at[rows]].astype(out.dtype)
@@ -118,6 +117,9 @@ class NumpyTable:
         prompt: ArrayView | None,
         step: ArrayView | None,
     ):
+        # Pointers only (views without capsules): a released bound replay lets the arrays go.
+        sampled, idx, total, prompt, step = without_capsules((sampled, idx, total, prompt, step))
+
         def launch(stream: int) -> None:
             self.replay(sampled, idx, total, prompt, step, stream)
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import ArrayView, as_view, check_view
+from ._dlpack import ArrayView, as_view
 from ._dtypes import INDEX_DTYPES, TOKEN_DTYPES
+from ._validate import check_view
 
 __all__ = ["ReplayViews", "check_per_slot", "check_replay"]
 

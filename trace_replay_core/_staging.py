@@ -40,9 +40,8 @@ ALIGN_TOKENS = 4  # each trace starts on a 16-byte boundary
 _UINT64 = np.dtype(np.uint64)
 _INT32 = np.dtype(np.int32)  # native byte order only
 # A block of traces is copied and checked in pieces of about this many bytes, so that the check
-# reads what the copy just wrote from cache: 2 MiB (64 x 8K tokens) into pinned memory on the
-# H200's host took 238 and 332 us in 256 KiB pieces against 275 and 376 us whole (two runs,
-# two machines), as fast as the bare copy (261 and 336 us); smaller pieces were slower.
+# reads what the copy just wrote from cache: a block copied and checked this way takes the time
+# of the bare copy, whole it took about 15% longer; smaller pieces were slower.
 CHECK_CHUNK_BYTES = 1 << 18
 
 
@@ -62,10 +61,8 @@ def copy_trace(arr: np.ndarray, out: np.ndarray, *, vocab_size: int | None, name
         signed = arr.dtype.kind == "i"
         if arr.ndim == 2 and arr.dtype == _INT32:
             # A block of native int32 as uint32, the same bits: numpy then copies it with memmove
-            # instead of an element-wise cast loop. 2 MiB (64 x 8K tokens) copied and checked in
-            # 256 KiB pieces on the H200's host: 298 and 311 us against 353 and 358 us (two runs).
-            # Not for one trace: the view costs ~0.5 us, and a cast of up to 32K tokens was no
-            # slower than memmove on a CPU-only host.
+            # instead of an element-wise cast loop, about 15% faster on large blocks. Not for one
+            # trace: there the cast was no slower than memmove, and the view only adds its cost.
             arr = arr.view(np.uint32)
         # Up to 4 bytes the copy keeps every bit that matters: as uint32 a negative id becomes
         # >= 2**31 >= limit, so the largest staged value checks both bounds, on exactly the bytes
@@ -172,7 +169,10 @@ class StagedEntries:
         self.longest = max(self.longest, longest)
 
     def clear(self, slot: int) -> None:
-        """Stage "no trace" for ``slot``: an entry of length 0."""
+        """Stage "no trace" for ``slot``: an entry of length 0, its place in the entry table
+        reserved now (as :meth:`stage` does), so that :meth:`pack` never grows the buffer."""
+        if slot not in self.entries:
+            self._reserve(self.fill, 1)
         self.entries[slot] = (slot, 0, 0)
 
     def pack(self) -> tuple[int, int, int]:
@@ -221,9 +221,7 @@ class _StagingPair:
         self.tokens = host.numpy(np.uint32)
 
     def close(self) -> None:
-        self.host.close()
-        self.device.close()
-        self.event.close()
+        _cuda.close_all((self.host.close, self.device.close, self.event.close))
 
 
 class StagingRing:
@@ -296,6 +294,6 @@ class StagingRing:
         return self._pairs
 
     def close(self) -> None:
-        for pair in self._pairs:
-            pair.close()
-        self._pairs = []
+        """Free every pair (each even when one before it fails; the first error is raised)."""
+        pairs, self._pairs = self._pairs, []
+        _cuda.close_all(pair.close for pair in pairs)

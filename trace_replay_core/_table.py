@@ -54,8 +54,16 @@ class TraceTable:
     Ownership and blocking: the table owns all its memory. Construction and :meth:`close` are
     host-blocking; :meth:`stage`, :meth:`stage_many` and :meth:`clear` are host-only;
     :meth:`commit` and :meth:`replay` are stream-ordered and never synchronise with the device
-    (staging may wait for a staging buffer when ``staging_depth`` commits are still in flight).
+    (:meth:`stage`, :meth:`stage_many` and :meth:`clear` may wait for a staging buffer when
+    ``staging_depth`` commits are still in flight, and grow it; a commit does neither).
     Staging methods are thread-safe (one lock); replay reads no host state that staging changes.
+    On a GPU the first commit, and the first replay (or bind) for each dtype signature of its
+    arrays, compile a Triton kernel: host-blocking, and not allowed while a CUDA graph is being
+    captured, so make them before capturing; later calls find the kernel compiled.
+
+    Errors: a bad argument raises ``TypeError``/``ValueError`` naming it (a rejected call
+    changes nothing); on a GPU, a CUDA driver call that fails (allocation, copy, launch, wait)
+    raises :class:`~trace_replay_core.CudaError`.
     """
 
     def __init__(
@@ -116,7 +124,11 @@ class TraceTable:
         return self._backend
 
     def close(self) -> None:
-        """Free all memory. Host-blocking (waits for queued device work first); idempotent."""
+        """Free all memory. Host-blocking (waits for queued device work first); idempotent.
+
+        The table is closed even when a driver call fails: the wait or a free that fails does
+        not stop the rest from being freed, and the first error (a
+        :class:`~trace_replay_core.CudaError`) is raised afterwards."""
         with self._lock:
             if self._closed:
                 return
@@ -203,7 +215,8 @@ class TraceTable:
             self._live().stage_many(slots, traces, self.vocab_size)
 
     def clear(self, slot: int) -> None:
-        """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only."""
+        """Stage "no trace" for ``slot`` (its rows are then left alone by replay). Host-only;
+        like :meth:`stage`, it may wait for a staging buffer that a commit in flight still reads."""
         backend = self._live()
         if type(slot) is not int or not 0 <= slot < self.max_slots:
             slot = check_slot(slot, self.max_slots)
@@ -219,14 +232,16 @@ class TraceTable:
     def commit(self, *, stream: Any) -> None:
         """Apply everything staged since the last commit, ordered on ``stream``.
 
-        One host-to-device copy and one scatter launch; no host synchronisation. Replays queued
+        One host-to-device copy and one scatter launch; no host synchronisation (the first commit
+        on a GPU compiles the scatter kernel, host-blocking). Replays queued
         on ``stream`` after this call see the new traces; earlier ones see the old. Not
         capturable in a CUDA graph (call it between graph replays).
         """
         handle = stream_handle(stream)
-        backend = self._live()
-        with self._lock:
-            backend.commit(handle)
+        if self._closed:
+            self._live()  # raises
+        with self._lock:  # a close() that won the lock is seen here, as in stage and clear
+            self._live().commit(handle)
 
     # replay ----------------------------------------------------------------------------------
     def _check_replay(
@@ -268,15 +283,17 @@ class TraceTable:
         return self._lengths is not None
 
     def replay(self, sampled: Any, idx_mapping: Any, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
-        """Overwrite traced rows of ``sampled`` in place, ordered on ``stream``; never blocks.
+        """Overwrite traced rows of ``sampled`` in place, ordered on ``stream``; never waits for
+        the device. On a GPU the first replay for a device and the dtypes of these arrays
+        compiles the replay kernel (host-blocking; make it before capturing a CUDA graph).
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64, writable. ``idx_mapping``:
         ``[batch]`` int32/int64 slot per row (-1: no request). ``total_len``, ``prompt_len``:
         per-slot int32/int64 arrays of at least ``max_slots`` entries, read on the device; the
         step of a row is ``total_len[slot] - prompt_len[slot]``. Arrays are DLPack objects or
         :class:`ArrayView`; they must stay alive until the queued work has run (as for any
-        stream-ordered call). Validates every array on every call (about 100 us for four torch
-        CUDA tensors): loops that reuse buffers use :meth:`replay_cached` or :meth:`bind_replay`.
+        stream-ordered call). Validates every array on every call, a DLPack handshake each:
+        loops that reuse buffers use :meth:`replay_cached` or :meth:`bind_replay`.
         """
         handle = stream_handle(stream)
         views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, None, handle)
@@ -301,7 +318,8 @@ class TraceTable:
         stream: Any,
     ) -> None:
         """The hot path of a decode loop: replay onto ``sampled``, launching the replay cached
-        under ``key`` (stream-ordered, never blocks).
+        under ``key`` (stream-ordered, never waits for the device; a miss may compile the kernel,
+        as :meth:`replay` does).
 
         ``key``: any hashable that the caller derives from the memory layout of the arrays it
         passes (``sampled``, ``idx_mapping`` and any of ``total_len``, ``prompt_len``, ``step``):
@@ -311,7 +329,8 @@ class TraceTable:
         ``prompt_len``, or ``step``), or else the lengths of :meth:`bind_lengths`; on a hit
         nothing is validated, so a hit costs one dict lookup and one kernel launch. The
         cache keeps pointers, never the arrays: the caller keeps them alive while work is
-        queued (a framework's caching allocator does). It holds the latest 64 keys.
+        queued (a framework's caching allocator does). It holds 64 keys: a miss beyond that
+        drops the key bound first (insertion order; a hit does not keep a key longer).
 
         Thread-safe: lookups take no lock; a miss binds under the table's lock. ``stream``:
         an int handle or an object with ``__cuda_stream__``, resolved once here.
@@ -351,6 +370,8 @@ class TraceTable:
         each call of the result only queues the kernel. Give ``total_len`` and ``prompt_len``, or
         ``step``. The bound replay holds the arrays' DLPack capsules, keeping them alive.
         ``stream`` is used for the DLPack handshake here; each call names its own stream.
+        Host-blocking when it compiles the kernel (the first bind or replay for a device and
+        these dtypes); the bound replay's calls never block.
         """
         handle = stream_handle(stream)
         views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle)

@@ -1,4 +1,4 @@
-"""Host-side validation of slots and traces.
+"""Host-side validation of slots, traces and the arrays read over DLPack.
 
 ``check_*``, :func:`trace_array` and :func:`trace_block` only read their input; the token ids
 are checked later, while staging copies them (:func:`~._staging.copy_trace`): it validates
@@ -8,15 +8,18 @@ exactly the bytes it keeps, and refuses an id that int32 cannot hold instead of 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "check_int",
     "check_positive_int",
     "check_slot",
     "check_slots",
     "check_trace",
+    "check_view",
     "trace_array",
     "trace_block",
     "token_error",
@@ -28,12 +31,17 @@ INT32_MAX = 2**31 - 1
 TOKEN_LIMIT = INT32_MAX + 1  # token ids are stored as int32: without a vocabulary, below 2**31
 
 
-def check_positive_int(value: Any, *, name: str, maximum: int = INT32_MAX) -> int:
+def check_int(value: Any, *, name: str, minimum: int, maximum: int) -> int:
+    """``value`` as an int in ``[minimum, maximum]``, or raise naming ``name`` and the value."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
-    if not 1 <= int(value) <= maximum:
-        raise ValueError(f"{name} must be between 1 and {maximum} (got {value})")
+    if not minimum <= int(value) <= maximum:
+        raise ValueError(f"{name} must be between {minimum} and {maximum} (got {value})")
     return int(value)
+
+
+def check_positive_int(value: Any, *, name: str, maximum: int = INT32_MAX) -> int:
+    return check_int(value, name=name, minimum=1, maximum=maximum)
 
 
 def check_slot(slot: Any, max_slots: int, *, name: str = "slot") -> int:
@@ -95,10 +103,31 @@ def _host_array(tokens: Any, name: str) -> np.ndarray:
                 f"{type(tokens).__name__}{'' if dtype is None else f' of dtype {dtype}'} over DLPack: {exc}"
             ) from None
     if isinstance(tokens, (list, tuple, range)):
-        return np.asarray(tokens)
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError):  # ragged or nested: numpy's message names nothing
+            raise _sequence_error(tokens, name) from None
+        # object: an int no 64-bit type holds; float64 from ints: int64 and uint64 together
+        if arr.dtype.kind == "O" or (
+            arr.dtype.kind == "f" and arr.size and all(isinstance(x, numbers.Integral) for x in tokens)
+        ):
+            raise _sequence_error(tokens, name)
+        return arr
     raise TypeError(
         f"{name} must be a 1-D sequence of token ids (list, numpy array or CPU tensor); got {type(tokens).__name__}"
     )
+
+
+def _sequence_error(tokens: Any, name: str) -> Exception:
+    """The refusal of a sequence numpy could not read as one integer array, naming the entry at
+    fault: one that is no int, else the ids out of range (as :func:`token_error` words it)."""
+    for i, x in enumerate(tokens):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            shown = repr(x) if len(repr(x)) <= 40 else repr(x)[:37] + "..."
+            return TypeError(
+                f"{name} must be a 1-D sequence of int token ids ({name}[{i}] is {type(x).__name__} {shown})"
+            )
+    return token_error(np.array([int(x) for x in tokens], dtype=object), None, name)
 
 
 def trace_array(tokens: Any, *, max_trace_len: int, name: str = "tokens") -> np.ndarray:
@@ -175,11 +204,58 @@ def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: int | None, name
     return arr
 
 
+# -- arrays ----------------------------------------------------------------------------------------
+# One array read over DLPack, checked (host-only: it reads the view and never writes).
+
+from ._dlpack import ArrayView  # noqa: E402  (kept with the sections that use it)
+from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES  # noqa: E402
+
+
+def check_view(
+    view: ArrayView,
+    *,
+    name: str,
+    dtypes: Iterable[str],
+    device: str | None = None,
+    ndim: int | None = None,
+    length: int | None = None,
+    min_length: int | None = None,
+    writable: bool = False,
+    contiguous: bool = True,
+) -> ArrayView:
+    """Validate ``view`` and raise with ``name`` and what was received; return it unchanged.
+
+    ``device`` is ``"cpu"`` or ``"cuda:N"``; ``length``/``min_length`` apply to dimension 0.
+    """
+    dtypes = tuple(dtypes)
+    if view.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)} (got {view.dtype})")
+    if device is not None and view.device != device:
+        raise ValueError(f"{name} must be on {device} (got {view.device})")
+    if ndim is not None and view.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D (got shape {list(view.shape)})")
+    if length is not None and view.shape[0] != length:
+        raise ValueError(f"{name} must have {length} rows (got shape {list(view.shape)})")
+    if min_length is not None and view.shape[0] < min_length:
+        raise ValueError(f"{name} must have at least {min_length} entries (got shape {list(view.shape)})")
+    if contiguous and not view.is_c_contiguous:
+        raise ValueError(
+            f"{name} must be contiguous (got shape {list(view.shape)} with element strides {list(view.strides)})"
+        )
+    if writable and (view.readonly or view.copied):
+        if view.readonly:
+            raise ValueError(f"{name} is written in place and must be writable (got a read-only array)")
+        raise ValueError(
+            f"{name} is written in place, but its producer exported a copy over DLPack (the IS_COPIED "
+            f"flag): the writes would be lost; pass an array whose own memory it exports"
+        )
+    if view.size and view.ptr % view.itemsize:
+        raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
+    return view
+
+
 # -- logprob and rank ----------------------------------------------------------------------------
 # Checks of the arrays of ``token_logprob_rank`` (host-only, they read views and never write).
-
-from ._dlpack import ArrayView, check_view  # noqa: E402  (kept with the section that uses it)
-from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES  # noqa: E402
 
 LOGPROB_MAX_VOCAB = 2**30
 LOGPROB_TOPK_MAX = 64
@@ -193,11 +269,13 @@ def _span(v: ArrayView):
     return (v.ptr, v.ptr + (last + 1) * v.itemsize)
 
 
-def check_disjoint(named) -> None:
-    """Refuse outputs that overlap each other or the inputs: ``named`` is (name, view) pairs."""
-    spans = [(name, _span(v)) for name, v in named if v is not None and v.size]
-    for i, (a, (alo, ahi)) in enumerate(spans):
-        for b, (blo, bhi) in spans[i + 1 :]:
+def check_disjoint(outputs, inputs=()) -> None:
+    """Refuse outputs that overlap each other or the inputs (both ``(name, view)`` pairs, a
+    ``None`` view skipped). Inputs may overlap each other: reading memory twice is harmless."""
+    outs = [(name, _span(v)) for name, v in outputs if v is not None and v.size]
+    ins = [(name, _span(v)) for name, v in inputs if v is not None and v.size]
+    for i, (a, (alo, ahi)) in enumerate(outs):
+        for b, (blo, bhi) in outs[i + 1 :] + ins:
             if alo < bhi and blo < ahi:
                 raise ValueError(
                     f"{a} and {b} overlap in memory ({a} at 0x{alo:x}..0x{ahi:x}, {b} at "
@@ -230,6 +308,13 @@ def check_token_ids(v: ArrayView, batch: int, device: str) -> ArrayView:
     if not (v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1)):
         raise ValueError(f"token_ids must be 1-D [batch] or [batch, 1], one token per row (got shape {list(v.shape)})")
     return check_view(v, name="token_ids", dtypes=TOKEN_DTYPES, device=device, length=batch)
+
+
+def check_workspace_shape(batch: Any, vocab: Any) -> tuple[int, int]:
+    """``(batch, vocab)`` of a workspace-size question, checked: ``batch >= 0``, ``1 <= vocab <=
+    LOGPROB_MAX_VOCAB``."""
+    batch = check_int(batch, name="batch", minimum=0, maximum=INT32_MAX)
+    return batch, check_int(vocab, name="vocab", minimum=1, maximum=LOGPROB_MAX_VOCAB)
 
 
 def check_top_k(top_k: Any, vocab: int) -> int:

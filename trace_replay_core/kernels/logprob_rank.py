@@ -23,7 +23,7 @@ Design reasons:
   program (large programs at large batches pay a program's start and the token's dependent
   loads once) and the cluster form.
 - Blocks read as 16-byte lines, a line per thread with its own running max and sum (no shuffles
-  or barriers per block); about 13 chunks per row measured best from batch 1 to 4,096 (H200).
+  or barriers per block); about 13 chunks per row measured best from batch 1 to 4,096.
   Rows not 16-byte aligned (GPT-2's 50,257, a padded stride) read each line as the two aligned
   vectors around it, shifted into place: the registers and bits of aligned rows, at a higher
   cost per chunk, so their chunks are at least 4 blocks long.
@@ -60,7 +60,6 @@ __all__ = [
     "kernel_specs",
     "launch_logprob_rank",
     "bind_logprob_rank_launch",
-    "TOPK_MAX",
 ]
 
 BLOCK = 2048  # logits per block (the largest; small vocabularies take the next power of two)
@@ -72,7 +71,6 @@ GROUPS, MIN_PROGRAMS = (4, 2, 1), 2048  # chunks per program: the largest leavin
 TOPK_GROUPS, TOPK_MIN_PROGRAMS = (2, 1), 1024
 TOPK_SEL = 128  # group maxima for the top-k threshold
 TOPK_MAXNREG = 64
-TOPK_MAX = 64
 MAX_CHUNKS = 256  # the combine kernel holds a row's partials in one tile
 COMBINE_KEYS = 1024  # top-k keys per merge step of the combine kernel
 COMBINE_WARPS, COMBINE_TOPK_WARPS = 1, 4

@@ -92,7 +92,9 @@ def replay_compiled(
 ) -> CompiledKernel:
     """The compiled replay kernel for these dtypes on ``device_id``: per-slot when ``step_dtype``
     is None (``length_dtypes`` = dtypes of total_len, prompt_len), else per-row (``length_dtypes``
-    ignored). Compiles on first use (host-blocking), then a cache hit."""
+    ignored). Compiles on first use (host-blocking, and not allowed while a CUDA graph is being
+    captured: the first replay or bind for a device and dtypes must come before capturing), then
+    a cache hit."""
     per_row = step_dtype is not None
     total_dtype, prompt_dtype = (_UNUSED_DTYPE, _UNUSED_DTYPE) if per_row else length_dtypes
     dtypes = (sampled_dtype, idx_dtype, total_dtype, prompt_dtype, step_dtype or _UNUSED_DTYPE, "int32", "int32")
@@ -155,7 +157,8 @@ def launch_replay(
     max_slots: int,
     row_stride: int,
 ) -> None:
-    """Queue one replay on ``stream`` (stream-ordered, never blocks); arguments as :func:`bind_replay`."""
+    """Queue one replay on ``stream`` with an already compiled ``kernel`` (stream-ordered, never
+    blocks); arguments as :func:`bind_replay`."""
     kernel.launch(
         plan_replay(rows),
         stream,
