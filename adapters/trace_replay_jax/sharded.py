@@ -35,6 +35,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from trace_replay_core import LOGITS_DTYPES, TOKEN_DTYPES
 
+from .guards import check_fits_int32
+
 __all__ = ["token_logprob_rank_sharded", "token_logprob_rank_in_shard_map"]
 
 _TOKEN_DTYPES = tuple(np.dtype(d) for d in TOKEN_DTYPES)
@@ -56,6 +58,7 @@ def _check_block(logits: Any, token_ids: Any) -> None:
         )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
         raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
+    check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
 
 
 def _in_order(parts: jax.Array) -> jax.Array:
@@ -111,8 +114,10 @@ def token_logprob_rank_sharded(
 
     ``logits``: global ``[batch, vocab]`` array, columns split evenly over ``vocab_axis`` of
     ``mesh`` (rows optionally over ``batch_axis``), never modified. ``token_ids``: global
-    ``[batch]`` or ``[batch, 1]`` int32/int64. Returns ``(logprobs, ranks)``: float32 and int32
-    ``[batch]``, sharded over ``batch_axis`` (replicated when it is ``None``), with
+    ``[batch]`` or ``[batch, 1]`` int32/int64 (an int64 numpy array must fit int32 while
+    ``jax_enable_x64`` is off, as for :func:`trace_replay_jax.token_logprob_rank`). Returns
+    ``(logprobs, ranks)``: float32 and int32 ``[batch]``, sharded over ``batch_axis``
+    (replicated when it is ``None``), with
     :func:`trace_replay_jax.token_logprob_rank`'s contract and definitions. Eager or inside
     ``jax.jit``; a ``shard_map`` over ``mesh`` around :func:`token_logprob_rank_in_shard_map`.
     """
