@@ -143,7 +143,8 @@ PINNED = {
         "token_logprob_rank": "(logits, token_ids, *, method='kernel', top_k=0, temperature=None, argmax=False, "
         "entropy=False)",
         "token_logprob_rank_in_shard_map": "(logits, token_ids, *, vocab_axis)",
-        "token_logprob_rank_sharded": "(logits, token_ids, *, mesh, vocab_axis, batch_axis=None)",
+        "token_logprob_rank_sharded": "(logits, token_ids, *, mesh, vocab_axis, batch_axis=None, top_k=0, "
+        "temperature=None, argmax=False, entropy=False)",
     },
     "trace_replay_torch": {
         "LogprobRank": {},
