@@ -71,8 +71,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
-from .logprob import _temperature
-from .logprob import compute_logprob_rank as token_logprob_rank  # the ops' kernels: never routed back to an op
+from .logprob import _temperature, compute_logprob_rank  # the ops' kernels: never routed back to an op
 from .logprob_grad import differentiable, register_logprob_grads
 from .logprob_results import LogprobRankResult, result_type
 from .state import TraceReplayState
@@ -135,48 +134,30 @@ def _replay_at_step_kernel(sampled, idx_mapping, step, state):
     registry.lookup(state).replay_at_step(sampled, idx_mapping, step)
 
 
-def _logprob_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature))
+def _logprob_kernel(name: str):
+    """The kernel of logprob op ``name`` (``token_logprob_rank[_topk][_argmax][_entropy]``): the
+    eager function's no-gradient path, its results as a tuple."""
+    argmax, entropy = "_argmax" in name, "_entropy" in name
+    if "_topk" not in name:
+
+        def kernel(logits, token_ids, temperature=None):
+            return tuple(
+                compute_logprob_rank(logits, token_ids, temperature=temperature, argmax=argmax, entropy=entropy)
+            )
+
+        return kernel
+
+    def topk_kernel(logits, token_ids, top_k, temperature=None):
+        return tuple(
+            compute_logprob_rank(
+                logits, token_ids, top_k=top_k, temperature=temperature, argmax=argmax, entropy=entropy
+            )
+        )
+
+    return topk_kernel
 
 
-def _logprob_topk_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature))
-
-
-def _logprob_argmax_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, argmax=True))
-
-
-def _logprob_topk_argmax_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True))
-
-
-def _logprob_entropy_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, entropy=True))
-
-
-def _logprob_topk_entropy_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, entropy=True))
-
-
-def _logprob_argmax_entropy_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, argmax=True, entropy=True))
-
-
-def _logprob_topk_argmax_entropy_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True, entropy=True))
-
-
-_LOGPROB_KERNELS = (
-    _logprob_kernel,
-    _logprob_topk_kernel,
-    _logprob_argmax_kernel,
-    _logprob_topk_argmax_kernel,
-    _logprob_entropy_kernel,
-    _logprob_topk_entropy_kernel,
-    _logprob_argmax_entropy_kernel,
-    _logprob_topk_argmax_entropy_kernel,
-)
+_LOGPROB_KERNELS = tuple(_logprob_kernel(name) for name in _LOGPROB_OPS)
 for _key in ("CPU", "CUDA"):
     _LIB.impl("replay", _replay_kernel, _key)
     _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
@@ -204,71 +185,27 @@ def _check_logits(logits) -> int:
     return logits.shape[0]
 
 
-@torch.library.register_fake("trace_replay::token_logprob_rank", lib=_LIB)
-def _logprob_fake(logits, token_ids, temperature=None):
-    batch = _check_logits(logits)
-    return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64))
+def _logprob_fake(name: str):
+    """The fake kernel of logprob op ``name``: its outputs' shapes and dtypes (float32 logprobs,
+    top-k logprobs and entropy; int64 ranks, top-k ids and argmax)."""
+    topk, argmax, entropy = "_topk" in name, "_argmax" in name, "_entropy" in name
+
+    def fake(logits, token_ids, *args):
+        batch = _check_logits(logits)
+        f32, i64 = torch.float32, torch.int64
+        outs = [logits.new_empty(batch, dtype=f32), logits.new_empty(batch, dtype=i64)]
+        if topk:  # args[0] is top_k
+            outs += [logits.new_empty(batch, args[0], dtype=f32), logits.new_empty(batch, args[0], dtype=i64)]
+        outs += [logits.new_empty(batch, dtype=i64)] if argmax else []
+        outs += [logits.new_empty(batch, dtype=f32)] if entropy else []
+        return tuple(outs)
+
+    return fake
 
 
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk", lib=_LIB)
-def _logprob_topk_fake(logits, token_ids, top_k, temperature=None):
-    batch = _check_logits(logits)
-    return (
-        logits.new_empty(batch, dtype=torch.float32),
-        logits.new_empty(batch, dtype=torch.int64),
-        logits.new_empty(batch, top_k, dtype=torch.float32),
-        logits.new_empty(batch, top_k, dtype=torch.int64),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_argmax", lib=_LIB)
-def _logprob_argmax_fake(logits, token_ids, temperature=None):
-    return _logprob_fake(logits, token_ids, temperature) + (logits.new_empty(logits.shape[0], dtype=torch.int64),)
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax", lib=_LIB)
-def _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature=None):
-    return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.int64),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_entropy", lib=_LIB)
-def _logprob_entropy_fake(logits, token_ids, temperature=None):
-    return _logprob_fake(logits, token_ids, temperature) + (logits.new_empty(logits.shape[0], dtype=torch.float32),)
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk_entropy", lib=_LIB)
-def _logprob_topk_entropy_fake(logits, token_ids, top_k, temperature=None):
-    return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.float32),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_argmax_entropy", lib=_LIB)
-def _logprob_argmax_entropy_fake(logits, token_ids, temperature=None):
-    return _logprob_argmax_fake(logits, token_ids, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.float32),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax_entropy", lib=_LIB)
-def _logprob_topk_argmax_entropy_fake(logits, token_ids, top_k, temperature=None):
-    return _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.float32),
-    )
-
-
-_LOGPROB_FAKES = (
-    _logprob_fake,
-    _logprob_topk_fake,
-    _logprob_argmax_fake,
-    _logprob_topk_argmax_fake,
-    _logprob_entropy_fake,
-    _logprob_topk_entropy_fake,
-    _logprob_argmax_entropy_fake,
-    _logprob_topk_argmax_entropy_fake,
-)
+_LOGPROB_FAKES = tuple(_logprob_fake(name) for name in _LOGPROB_OPS)
+for _name, _fake in zip(_LOGPROB_OPS, _LOGPROB_FAKES):
+    torch.library.register_fake(f"trace_replay::{_name}", _fake, lib=_LIB)
 
 
 # no-gradient twins: each logprob op again as ``<name>_nograd``, same schema, kernels, fake and vmap
