@@ -59,6 +59,10 @@ address and never runs the Python kernel again: replaying such a graph after ``c
 memory, so close a state only after its graphs are gone. Thread-safety: as the state's methods
 (lookups in the registry take no lock; ids are issued under one).
 
+In place: the replay ops bump ``sampled``'s version counter, as torch's in-place ops do (their
+kernels run the state's methods, which do it), so autograd refuses a backward through a tensor it
+saved before the replay.
+
 Blocking: as the eager methods: ordered on torch's current stream, no host sync. Cost: an op call
 goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); eager code
 keeps calling :meth:`TraceReplayState.replay` and :func:`token_logprob_rank`, the direct path.
@@ -165,6 +169,8 @@ for _key in ("CPU", "CUDA"):
         _LIB.impl(_name, _kernel, _key)
 for _name in ("replay", "replay_at_step"):
     # Not differentiable: integer tokens in and out. A fallthrough says so: outputs never require grad.
+    # The write to sampled is not hidden from autograd all the same: the kernels run the state's
+    # methods, which bump sampled's version counter after it, as torch's in-place ops do.
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from trace_replay_core import StagedWritesWarning, TraceTable, parse_device
 
@@ -300,11 +301,13 @@ class TraceReplayState:
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
         int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
-        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. With writes
-        staged but not applied it warns once (``strict=True``: raises ``RuntimeError``). Inside
-        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`),
-        whose kernel makes the same check each time the compiled code runs (a CUDA graph replays
-        without it).
+        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. Bumps
+        ``sampled``'s version counter as torch's in-place ops do: a backward through a tensor
+        autograd saved before (``logits.gather(1, sampled[:, None])``) raises instead of using
+        the replayed tokens. With writes staged but not applied it warns once (``strict=True``:
+        raises ``RuntimeError``). Inside ``torch.compile`` it becomes the registered op
+        (:func:`~trace_replay_torch.replay_op`), whose kernel makes the same check each time the
+        compiled code runs (a CUDA graph replays without it).
         """
         if torch.compiler.is_compiling():
             from .ops import replay_op  # a graph holds the registered op, never this method's Python
@@ -321,6 +324,7 @@ class TraceReplayState:
                 raise error
             layout = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
             self.table.replay_cached(layout, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
+            increment_version(sampled)
             return sampled
         # The hot path of a decode loop: one flat key, one dict lookup, one launch (in the core).
         # Nothing is checked before the launch; a failure is explained afterwards (closed first:
@@ -346,6 +350,7 @@ class TraceReplayState:
             if error is not None:
                 raise error from None
             raise
+        increment_version(sampled)  # written through its pointer: tell autograd, as an in-place op does
         return sampled
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -364,4 +369,5 @@ class TraceReplayState:
             raise error
         key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
         self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
+        increment_version(sampled)
         return sampled
