@@ -131,7 +131,7 @@ class TraceReplayState:
         self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # the bound tensors
         self._strict = strict
         self._unapplied = False  # set after staging, cleared before a commit: replay's one check
-        self._warned = False
+        self._warned = self._warning_unsettled = False  # unsettled: given to a replay not yet checked
         self.table = TraceTable(
             max_slots,
             max_trace_len,
@@ -181,17 +181,18 @@ class TraceReplayState:
         if not torch.compiler.is_compiling():
             self._check_open()
 
-    def _staged_not_applied(self, call: str) -> None:
-        """A replay found writes staged and not applied: warn once per state, or raise when strict.
-        Host-only; called only when the flag is set, so replay's hot path reads one bool."""
+    def _staged_not_applied(self, call: str, stacklevel: int = 3) -> None:
+        """A replay found writes staged and not applied: warn once per state (a refused replay gives
+        it back), or raise when strict. Host-only; called only when replay's one bool is set."""
         self._check_open()
+        self._warning_unsettled = False  # the replay that took it was not refused: it ran
         if not self.table.pending:  # another thread applied them after staging set the flag
             return
         if self._strict:
             raise RuntimeError(_STAGED.format(call=call))
         if not self._warned:
-            self._warned = True
-            warnings.warn(_STAGED.format(call=call), StagedWritesWarning, stacklevel=3)
+            warnings.warn(_STAGED.format(call=call), StagedWritesWarning, stacklevel=stacklevel)
+            self._warned = self._warning_unsettled = True  # after warn: one raised as an error is not used up
 
     def close(self) -> None:
         """Free the table and staging memory (host-blocking: waits for queued device work;
@@ -263,6 +264,7 @@ class TraceReplayState:
         self._check_open()
         # Cleared before the commit: a trace another thread stages meanwhile sets it again.
         self._unapplied = False
+        self._warning_unsettled = False
         try:
             self.table.commit(stream=self._stream())
         except BaseException:
@@ -305,16 +307,15 @@ class TraceReplayState:
         ``sampled``'s version counter as torch's in-place ops do: a backward through a tensor
         autograd saved before (``logits.gather(1, sampled[:, None])``) raises instead of using
         the replayed tokens. With writes staged but not applied it warns once (``strict=True``:
-        raises ``RuntimeError``). Inside ``torch.compile`` it becomes the registered op
-        (:func:`~trace_replay_torch.replay_op`), whose kernel makes the same check each time the
-        compiled code runs (a CUDA graph replays without it).
+        raises ``RuntimeError``; a refused call does not use up the warning). Inside
+        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`),
+        whose kernel makes the same check each time the compiled code runs (a CUDA graph replays
+        without it).
         """
         if torch.compiler.is_compiling():
             from .ops import replay_op  # a graph holds the registered op, never this method's Python
 
             return replay_op(self, sampled, idx_mapping, total_len, prompt_len)
-        if self._unapplied:
-            self._staged_not_applied("replay")
         if total_len is not None or prompt_len is not None:
             self._check_open()
             if total_len is None or prompt_len is None:
@@ -322,10 +323,9 @@ class TraceReplayState:
             error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len, prompt_len=prompt_len)
             if error is not None:
                 raise error
-            layout = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
-            self.table.replay_cached(layout, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
-            increment_version(sampled)
-            return sampled
+            return self._replay_checked("replay", sampled, idx_mapping, lengths=(total_len, prompt_len))
+        if self._unapplied:
+            self._staged_not_applied("replay")
         # The hot path of a decode loop: one flat key, one dict lookup, one launch (in the core).
         # Nothing is checked before the launch; a failure is explained afterwards (closed first:
         # closing clears the table's cache, so a closed state always reaches the except clause).
@@ -343,13 +343,8 @@ class TraceReplayState:
             self.table.replay_cached(
                 key, sampled, idx_mapping, stream=raw_stream(self._index) if self._index is not None else 0
             )
-        except Exception:
-            if self._closed:
-                raise RuntimeError(_CLOSED) from None
-            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping)
-            if error is not None:
-                raise error from None
-            raise
+        except Exception as exc:
+            return self._replay_refused(exc, sampled, idx_mapping)
         increment_version(sampled)  # written through its pointer: tell autograd, as an in-place op does
         return sampled
 
@@ -362,12 +357,38 @@ class TraceReplayState:
 
             return replay_at_step_op(self, sampled, idx_mapping, step)
         self._check_open()
-        if self._unapplied:
-            self._staged_not_applied("replay_at_step")
         error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, step=step)
         if error is not None:
             raise error
-        key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
-        self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
+        return self._replay_checked("replay_at_step", sampled, idx_mapping, step=step)
+
+    def _replay_checked(self, call: str, sampled, idx_mapping, lengths=None, step=None) -> torch.Tensor:
+        """A replay with explicit lengths or per-row steps, its arguments checked to be tensors."""
+        if self._unapplied:
+            self._staged_not_applied(call, stacklevel=4)
+        try:
+            if step is None:
+                key = tuple(layout_key(t) for t in (sampled, idx_mapping, *lengths))
+                self.table.replay_cached(key, sampled, idx_mapping, *lengths, stream=self._stream())
+            else:
+                key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
+                self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
+        except Exception as exc:
+            return self._replay_refused(exc, sampled, idx_mapping)
         increment_version(sampled)
         return sampled
+
+    def _replay_refused(self, exc: Exception, sampled, idx_mapping):
+        """A replay failed before it launched: raise what explains it best (closed first: closing
+        clears the table's cache). A refused replay gives the staged-writes warning back."""
+        try:
+            if self._closed:
+                raise RuntimeError(_CLOSED) from None
+            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping)
+            if error is not None:
+                raise error from None
+            raise exc
+        except BaseException:
+            if self._warning_unsettled:  # this call took the one warning: the next replay gets it
+                self._warned = self._warning_unsettled = False
+            raise
