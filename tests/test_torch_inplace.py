@@ -1,10 +1,15 @@
-"""CPU tier: what torch's autograd sees of a replay that writes ``sampled`` in place.
+"""CPU tier: what torch's autograd and ``torch.func`` see of a replay that writes ``sampled`` in place.
 
-A replay writes ``sampled`` through its data pointer, so torch cannot see the write; the adapter
-bumps ``sampled``'s version after it (method and op). Before, a tensor that autograd had saved
-(``logits.gather(1, sampled[:, None])``) was replayed into and the backward silently put the
-gradient at the replayed token; now it raises torch's in-place error. A rejected call writes
-nothing and bumps nothing.
+- The version counter: a replay writes ``sampled`` through its data pointer, so torch cannot see
+  the write; the adapter bumps ``sampled``'s version after it (method and op). Before, a tensor
+  that autograd had saved (``logits.gather(1, sampled[:, None])``) was replayed into and the
+  backward silently put the gradient at the replayed token; now it raises torch's in-place
+  error. A rejected call writes nothing and bumps nothing.
+- ``torch.vmap``: the replay ops already replay a whole batch; a vmap over them (or over the
+  methods) is refused with a message that says to fold the mapped axis into the batch, instead
+  of "Cannot access data pointer of Tensor that doesn't have storage" or torch's generic
+  batching-rule error. Under other ``torch.func`` transforms (``grad``) the methods run as the
+  registered op.
 """
 
 from __future__ import annotations
@@ -63,6 +68,45 @@ def test_a_rejected_replay_bumps_nothing(call):
         with pytest.raises((TypeError, ValueError), match=r"idx_mapping"):
             CALLS[call](st, sampled, torch.tensor([1.0, 3.0]))
         assert sampled.tolist() == [7, 9] and sampled._version == 0
+
+
+VMAP = (
+    r"^trace_replay_torch's {op} \(state\.{op}, {op}_op\) does not support torch\.vmap: it already replays "
+    r"a whole batch\. Call it on the batched tensors instead \(fold the mapped axis into the batch axis: "
+    r"{names} as \[n \* batch\]\), without vmap$"
+)
+
+
+@pytest.mark.parametrize("call", ["replay", "replay_op", "replay_at_step", "replay_at_step_op"])
+def test_vmap_over_a_replay_is_refused_naming_what_to_do(call):
+    op, names = (
+        ("replay_at_step", "sampled, idx_mapping and step") if "step" in call else ("replay", "sampled and idx_mapping")
+    )
+    with _state() as st:
+        sampled = torch.tensor([[7, 9], [8, 6]])
+        idx = torch.tensor([[1, 3], [3, 1]], dtype=torch.int32)
+        with pytest.raises(ValueError, match=VMAP.format(op=op, names=names)):
+            torch.vmap(lambda s, i: CALLS[call](st, s, i))(sampled, idx)
+        assert sampled.tolist() == [[7, 9], [8, 6]] and sampled._version == 0
+        st.replay(sampled.reshape(-1), idx.reshape(-1))  # what the message says: one batch of n * batch
+        assert sampled.tolist() == [[7, 42], [42, 6]]
+
+
+@pytest.mark.parametrize("call", ["replay", "replay_at_step"])
+def test_the_methods_run_as_the_op_under_torch_func_grad(rng, call):
+    """Under ``torch.func.grad`` the tokens drawn from the logits are wrapped tensors without
+    storage: the method runs as the registered op (before: "Cannot access data pointer")."""
+    logits = torch.from_numpy(rng.standard_normal((2, 50)).astype(np.float32))
+    idx = torch.tensor([1, 3], dtype=torch.int32)
+    with _state() as st:
+
+        def loss(x):
+            sampled = torch.argmax(x, dim=-1)
+            CALLS[call](st, sampled, idx)
+            return x.gather(1, sampled[:, None]).sum()
+
+        grad = torch.func.grad(loss)(logits)
+    assert grad.nonzero().tolist() == [[0, int(logits[0].argmax())], [1, 42]]
 
 
 def test_a_tensor_made_in_inference_mode_is_replayed_in_and_out_of_it():

@@ -61,7 +61,8 @@ memory, so close a state only after its graphs are gone. Thread-safety: as the s
 
 In place: the replay ops bump ``sampled``'s version counter, as torch's in-place ops do (their
 kernels run the state's methods, which do it), so autograd refuses a backward through a tensor it
-saved before the replay.
+saved before the replay. ``torch.vmap`` over a replay op is refused, naming what to do instead
+(fold the mapped axis into the batch); the logprob ops fold it themselves.
 
 Blocking: as the eager methods: ordered on torch's current stream, no host sync. Cost: an op call
 goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); eager code
@@ -172,6 +173,25 @@ for _name in ("replay", "replay_at_step"):
     # The write to sampled is not hidden from autograd all the same: the kernels run the state's
     # methods, which bump sampled's version counter after it, as torch's in-place ops do.
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
+_VMAP = (
+    "trace_replay_torch's {op} (state.{op}, {op}_op) does not support torch.vmap: it already replays a "
+    "whole batch. Call it on the batched tensors instead (fold the mapped axis into the batch axis: "
+    "{names} as [n * batch]), without vmap"
+)
+
+
+def _refuse_vmap(op: str, names: str):
+    def rule(info, in_dims, *args):
+        raise ValueError(_VMAP.format(op=op, names=names))
+
+    return rule
+
+
+torch.library.register_vmap("trace_replay::replay", _refuse_vmap("replay", "sampled and idx_mapping"), lib=_LIB)
+torch.library.register_vmap(
+    "trace_replay::replay_at_step", _refuse_vmap("replay_at_step", "sampled, idx_mapping and step"), lib=_LIB
+)
 
 
 # fake kernels: shapes and dtypes only (FakeTensor, meta), for tracing ---------------------------

@@ -15,7 +15,7 @@ from torch.autograd.graph import increment_version
 from trace_replay_core import StagedWritesWarning, TraceTable, parse_device
 
 from . import registry
-from .views import layout_key, raw_stream
+from .views import FUNCTORCH_ACTIVE, layout_key, raw_stream
 
 __all__ = ["TraceReplayState"]
 
@@ -174,10 +174,9 @@ class TraceReplayState:
             raise RuntimeError(_CLOSED)
 
     def _check_open_unless_tracing(self) -> None:
-        """:meth:`_check_open`, except while ``torch.compile`` traces: then a closed state is
-        refused by the op when the graph runs (same message), so that Dynamo never traces the
-        raise (it would report it wrapped in its own error, and a guard on ``closed`` would
-        retrace the function at every close)."""
+        """:meth:`_check_open`, except while ``torch.compile`` traces: the op refuses a closed state
+        when the graph runs (same message); Dynamo would report a traced raise wrapped in its own
+        error, and a guard on ``closed`` would retrace the function at every close."""
         if not torch.compiler.is_compiling():
             self._check_open()
 
@@ -306,11 +305,11 @@ class TraceReplayState:
         Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. Bumps
         ``sampled``'s version counter as torch's in-place ops do: a backward through a tensor
         autograd saved before (``logits.gather(1, sampled[:, None])``) raises instead of using
-        the replayed tokens. With writes staged but not applied it warns once (``strict=True``:
-        raises ``RuntimeError``; a refused call does not use up the warning). Inside
-        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`),
-        whose kernel makes the same check each time the compiled code runs (a CUDA graph replays
-        without it).
+        the replayed tokens. ``torch.vmap`` is refused: fold the mapped axis into the batch. With
+        writes staged but not applied it warns once (``strict=True``: raises ``RuntimeError``; a
+        refused call does not use up the warning). Inside ``torch.compile`` it becomes the
+        registered op (:func:`~trace_replay_torch.replay_op`), whose kernel makes the same check
+        each time the compiled code runs (a CUDA graph replays without it).
         """
         if torch.compiler.is_compiling():
             from .ops import replay_op  # a graph holds the registered op, never this method's Python
@@ -344,7 +343,7 @@ class TraceReplayState:
                 key, sampled, idx_mapping, stream=raw_stream(self._index) if self._index is not None else 0
             )
         except Exception as exc:
-            return self._replay_refused(exc, sampled, idx_mapping)
+            return self._replay_refused(exc, "replay", sampled, idx_mapping)
         increment_version(sampled)  # written through its pointer: tell autograd, as an in-place op does
         return sampled
 
@@ -374,14 +373,20 @@ class TraceReplayState:
                 key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
                 self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
         except Exception as exc:
-            return self._replay_refused(exc, sampled, idx_mapping)
+            return self._replay_refused(exc, call, sampled, idx_mapping, lengths, step)
         increment_version(sampled)
         return sampled
 
-    def _replay_refused(self, exc: Exception, sampled, idx_mapping):
-        """A replay failed before it launched: raise what explains it best (closed first: closing
-        clears the table's cache). A refused replay gives the staged-writes warning back."""
+    def _replay_refused(self, exc: Exception, call: str, sampled, idx_mapping, lengths=None, step=None):
+        """A replay failed before it launched: under ``torch.func`` transforms (tensors without storage)
+        run the registered op, which has rules for them; else raise what explains it best."""
         try:
+            if FUNCTORCH_ACTIVE is not None and FUNCTORCH_ACTIVE():
+                from .ops import replay_at_step_op, replay_op
+
+                if call == "replay_at_step":
+                    return replay_at_step_op(self, sampled, idx_mapping, step)
+                return replay_op(self, sampled, idx_mapping, *(lengths or ()))
             if self._closed:
                 raise RuntimeError(_CLOSED) from None
             error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping)
