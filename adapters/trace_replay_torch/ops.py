@@ -2,7 +2,9 @@
 
 A sampler that samples, replays and scores compiles into one graph (``fullgraph=True``) and stays
 capturable in a CUDA graph (``torch.cuda.graph`` around the compiled function, or
-``mode="reduce-overhead"``)::
+``mode="reduce-overhead"``). Written with the state's methods and
+:func:`~trace_replay_torch.token_logprob_rank` it compiles as it is (while Dynamo traces, they
+become these ops); the ``_op`` functions here call the ops directly, in any mode::
 
     import torch
     from trace_replay_torch import replay_op, token_logprob_rank_op
@@ -65,8 +67,8 @@ saved before the replay. ``torch.vmap`` over a replay op is refused, naming what
 (fold the mapped axis into the batch); the logprob ops fold it themselves.
 
 Blocking: as the eager methods: ordered on torch's current stream, no host sync. Cost: an op call
-goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); eager code
-keeps calling :meth:`TraceReplayState.replay` and :func:`token_logprob_rank`, the direct path.
+goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); called eagerly,
+:meth:`TraceReplayState.replay` and :func:`token_logprob_rank` skip it (the direct path).
 The first call of each tensor layout binds (validates once), as in eager mode: run the compiled
 function once before capturing it.
 """
@@ -274,8 +276,8 @@ def replay_op(
     total_len: torch.Tensor | None = None,
     prompt_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:meth:`TraceReplayState.replay` through the registered op ``trace_replay::replay``: the
-    form to call inside ``torch.compile`` (no graph break) and CUDA graphs.
+    """:meth:`TraceReplayState.replay` through the registered op ``trace_replay::replay``, the op
+    the method becomes inside ``torch.compile`` (no graph break); capturable in CUDA graphs.
 
     Same arguments and result: overwrites traced rows of ``sampled`` in place (``[batch]`` or
     ``[batch, 1]`` int32/int64) and returns it; ``total_len``/``prompt_len`` default to the
@@ -318,8 +320,8 @@ def token_logprob_rank_op(
 ) -> LogprobRankResult:
     """:func:`trace_replay_torch.token_logprob_rank` through the registered ops
     ``trace_replay::token_logprob_rank`` (``top_k == 0``), ``trace_replay::token_logprob_rank_topk``
-    and their ``_argmax`` (``argmax=True``) and ``_entropy`` (``entropy=True``) forms: the form to
-    call inside ``torch.compile``.
+    and their ``_argmax`` (``argmax=True``) and ``_entropy`` (``entropy=True``) forms, the ops the
+    function becomes inside ``torch.compile``.
 
     Same arguments (``out=`` aside) and results: :class:`LogprobRank` ``(logprobs, ranks)``,
     :class:`LogprobRankTopK` with ``top_k > 0``, :class:`LogprobRankArgmax` /

@@ -92,8 +92,8 @@ class TraceReplayState:
     ``replay`` are ordered on the current stream and never synchronise. The first replay of a
     dtype combination compiles a kernel: run one eager step before capturing a CUDA graph.
 
-    Inside ``torch.compile``: use :func:`trace_replay_torch.replay_op` (the registered op, which
-    names this state by :attr:`op_id`); the methods here are the direct eager path.
+    Inside ``torch.compile`` the methods compile as they are: they become the registered ops,
+    which name this state by :attr:`op_id` (the ``*_op`` functions call those ops directly; optional).
 
     Lifetime: :meth:`close` (or leaving the ``with`` block) frees the table; afterwards every
     method raises ``RuntimeError("this TraceReplayState is closed")``. A CUDA graph captured with
@@ -301,14 +301,15 @@ class TraceReplayState:
         """Overwrite traced rows of ``sampled`` in place on the current stream; return it.
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
-        int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
-        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. Bumps
-        ``sampled``'s version counter as torch's in-place ops do: a backward through a tensor
-        autograd saved before (``logits.gather(1, sampled[:, None])``) raises instead of using
-        the replayed tokens. ``torch.vmap`` is refused: fold the mapped axis into the batch. With
-        writes staged but not applied it warns once (``strict=True``: raises ``RuntimeError``; a
-        refused call does not use up the warning). Inside ``torch.compile`` it becomes the
-        registered op (:func:`~trace_replay_torch.replay_op`), whose kernel makes the same check
+        int32/int64 slots (-1 = padding); ``total_len``/``prompt_len`` default to the bound ones.
+        Each contiguous and on the state's device (else refused, never copied). Stream-ordered,
+        no host sync; capturable in a CUDA graph once warmed up. With writes staged but not
+        applied it warns once (``strict=True``: raises ``RuntimeError``; a refused call does not
+        use up the warning). Bumps ``sampled``'s version counter as torch's in-place ops do: a
+        backward through a tensor autograd saved before (``logits.gather(1, sampled[:, None])``)
+        raises instead of using the replayed tokens. ``torch.vmap`` is refused: fold the mapped
+        axis into the batch. Compiles as it is: inside ``torch.compile`` it becomes the registered
+        op (:func:`~trace_replay_torch.replay_op`), whose kernel makes the staged-writes check
         each time the compiled code runs (a CUDA graph replays without it).
         """
         if torch.compiler.is_compiling():
@@ -349,8 +350,8 @@ class TraceReplayState:
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row:
-        ``step`` is a ``[batch]`` int32/int64 tensor on the state's device. Inside ``torch.compile``
-        it becomes the registered op (:func:`~trace_replay_torch.replay_at_step_op`)."""
+        ``step`` is a contiguous ``[batch]`` int32/int64 tensor on the state's device. Compiles as
+        it is (the registered op :func:`~trace_replay_torch.replay_at_step_op`)."""
         if torch.compiler.is_compiling():
             from .ops import replay_at_step_op
 
