@@ -85,7 +85,7 @@ from . import registry
 from .logprob import _temperature, compute_logprob_rank  # the ops' kernels: never routed back to an op
 from .logprob_grad import differentiable, register_logprob_grads
 from .logprob_results import LogprobRankResult, result_type
-from .state import TraceReplayState
+from .state import TraceReplayState, _not_a_tensor
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
 
@@ -259,9 +259,9 @@ _define_nograd_twins()
 
 # wrappers: the public functions ----------------------------------------------------------------
 def _check_tensors(**arrays) -> None:
-    for name, value in arrays.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
+    error = _not_a_tensor(**arrays)
+    if error is not None:
+        raise error
 
 
 def _check_state(state) -> None:
