@@ -35,6 +35,7 @@ from .views import FUNCTORCH_ACTIVE, layout_key, raw_stream
 
 __all__ = [
     "token_logprob_rank",
+    "compute_logprob_rank",
     "LogprobRank",
     "LogprobRankTopK",
     "LogprobRankArgmax",
