@@ -144,7 +144,8 @@ PINNED = {
         "token_logprob_rank": "(logits, token_ids, *, method='kernel', top_k=0, temperature=None, argmax=False, "
         "entropy=False)",
         "token_logprob_rank_in_shard_map": "(logits, token_ids, *, vocab_axis)",
-        "token_logprob_rank_sharded": "(logits, token_ids, *, mesh, vocab_axis, batch_axis=None)",
+        "token_logprob_rank_sharded": "(logits, token_ids, *, mesh, vocab_axis, batch_axis=None, top_k=0, "
+        "temperature=None, argmax=False, entropy=False)",
     },
     "trace_replay_torch": {
         "LogprobRank": {},
@@ -200,3 +201,26 @@ def test_all_lists_only_what_the_package_defines_and_nothing_private(package):
     assert len(set(module.__all__)) == len(module.__all__)
     assert all(hasattr(module, name) for name in module.__all__)
     assert not [n for n in module.__all__ if n.startswith("_") and n != "__version__"]
+
+
+@pytest.mark.parametrize("package", ["trace_replay_torch"])
+def test_a_public_name_a_module_imports_from_a_sibling_is_in_the_siblings_all(package):
+    """Inside the adapter, ``from .module import name`` (a public name) takes something that
+    ``module.__all__`` lists and that ``module`` defines: a module's ``__all__`` says what it
+    exports to its siblings, not only to users."""
+    import ast
+    import importlib
+    import pathlib
+
+    folder = pathlib.Path(importlib.import_module(package).__file__).parent
+    missing = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                module = importlib.import_module(f"{package}.{node.module}")
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        continue
+                    if alias.name not in module.__all__ or not hasattr(module, alias.name):
+                        missing.append(f"{path.name}: {node.module}.{alias.name}")
+    assert not missing, missing

@@ -102,6 +102,63 @@ def test_torch_strict_raises_and_replays_nothing(rng, call):
         assert _torch_step(state, call).tolist() == [trace[2], POISON]
 
 
+_I64, _I32 = torch.int64, torch.int32
+TORCH_REJECTED = {
+    "replay-float-idx": (
+        lambda st: st.replay(torch.zeros(2, dtype=_I64), torch.tensor([1.0, 3.0])),
+        TypeError,
+        r"^idx_mapping must have dtype int32 or int64 \(got float32\)$",
+    ),
+    "replay-list-idx": (
+        lambda st: st.replay(torch.zeros(2, dtype=_I64), [1, 3]),
+        TypeError,
+        r"^idx_mapping must be a torch\.Tensor \(got list\)$",
+    ),
+    "replay-short-total_len": (
+        lambda st: st.replay(
+            torch.zeros(2, dtype=_I64),
+            torch.tensor([1, 3], dtype=_I32),
+            torch.zeros(2, dtype=_I32),
+            torch.zeros(4, dtype=_I32),
+        ),
+        ValueError,
+        r"^total_len must have at least 4 entries \(got shape \[2\]\)$",
+    ),
+    "replay_at_step-list-step": (
+        lambda st: st.replay_at_step(torch.zeros(2, dtype=_I64), torch.tensor([1, 3], dtype=_I32), [2, 0]),
+        TypeError,
+        r"^step must be a torch\.Tensor \(got list\)$",
+    ),
+    "replay_at_step-long-step": (
+        lambda st: st.replay_at_step(
+            torch.zeros(2, dtype=_I64), torch.tensor([1, 3], dtype=_I32), torch.zeros(3, dtype=_I32)
+        ),
+        ValueError,
+        r"^step must have 2 rows \(got shape \[3\]\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TORCH_REJECTED))
+def test_torch_a_rejected_replay_leaves_the_warning_to_the_next_replay(rng, case):
+    """A replay refused for its arguments does not use up the state's one warning: the next
+    replay that runs with the writes still staged warns (before, it replayed stale traces silently)."""
+    call, exc, pattern = TORCH_REJECTED[case]
+    trace = rng.integers(0, 1000, 5)
+    with _torch_state(rng) as state:
+        state.add_request(1, trace)  # staged, not applied: slot 1 has no trace yet
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StagedWritesWarning)  # whether the refused call warns is not the point
+            with pytest.raises(exc, match=pattern):
+                call(state)
+        what = case.split("-")[0]
+        with pytest.warns(StagedWritesWarning, match=_message(what, rf"state\.{what}\(\) ran")):
+            assert _torch_step(state, what).tolist() == [POISON, POISON]  # the traces of the last apply
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _torch_step(state, what)  # then once per state, as before
+
+
 def test_torch_applied_writes_never_warn(rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -153,3 +153,22 @@ def test_trace_int32_cannot_hold_is_refused_by_staging(trace):
         with pytest.raises(ValueError, match=r"^tokens must be below 2\*\*31 \(got 4294967301 at index 1\)$"):
             state.add_request(0, trace)
         assert state.pending == 0
+
+
+def test_sharded_logprob_token_ids_int32_cannot_hold_are_refused_without_x64(rng):
+    """``token_logprob_rank_sharded`` makes the unsharded function's check (before: the id
+    ``2**32 + 5`` was scored as token 5, silently)."""
+    from jax.sharding import Mesh
+
+    from trace_replay_jax.sharded import token_logprob_rank_sharded
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("vocab",))
+    logits = jnp.asarray(rng.standard_normal((3, 10)), jnp.float32)
+    ids = np.array([1, 2**32 + 5, 2], np.int64)
+    with x64(False):
+        with pytest.raises(ValueError, match=_wrapped("token_ids", 2**32 + 5, 1, 5)):
+            token_logprob_rank_sharded(logits, ids, mesh=mesh, vocab_axis="vocab")
+        lp, rk = token_logprob_rank_sharded(logits, np.array([1, 7, 2], np.int64), mesh=mesh, vocab_axis="vocab")
+        want_lp, want_rk = trj.token_logprob_rank(logits, np.array([1, 7, 2], np.int32), method="jnp")
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), rtol=2e-6, atol=2e-6)
+        np.testing.assert_array_equal(np.asarray(rk), np.asarray(want_rk))

@@ -332,3 +332,32 @@ def test_nograd_twins_are_the_ops_without_autograd(rng, name):
 
     torch.compile(lambda x, t: token_logprob_rank_op(x, t, **flags), backend=record, fullgraph=True)(logits, tokens)
     assert any(s.endswith(f"{name}_nograd") or f"{name}_nograd." in s for s in seen), seen
+
+
+TOPK_OUT_OF_RANGE = r"top_k must be between 0 and 11 \(at most 64 and at most the vocabulary, 11\) \(got -1\)"
+
+
+def test_every_logprob_path_checks_top_k_as_the_eager_function(rng):
+    """``top_k`` is checked once, before an op is chosen, with the eager function's message:
+    compiled (before: the fake kernel's "negative dimension", naming nothing), and an integer
+    that is not an ``int`` (``np.int64``) works on every path (before: a ``TypeError`` when the
+    logits require grad)."""
+    logits = torch.from_numpy(rng.standard_normal((3, 11)).astype(np.float32))
+    tokens = torch.tensor([4, 0, 10])
+    for fn in (token_logprob_rank, token_logprob_rank_op):
+        with pytest.raises(ValueError, match=f"^{TOPK_OUT_OF_RANGE}$"):
+            fn(logits, tokens, top_k=-1)
+    compiled = torch.compile(lambda x, t: token_logprob_rank(x, t, top_k=-1), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=TOPK_OUT_OF_RANGE):  # Dynamo reports it wrapped in its own error
+        compiled(logits, tokens)
+    want = token_logprob_rank(logits, tokens, top_k=3)
+    grad = logits.clone().requires_grad_(True)
+    for got in (
+        token_logprob_rank(logits, tokens, top_k=np.int64(3)),
+        token_logprob_rank(grad, tokens, top_k=np.int64(3)),
+        token_logprob_rank_op(logits, tokens, top_k=np.int64(3)),
+        token_logprob_rank_op(grad, tokens, top_k=np.int64(3)),
+    ):
+        assert type(got) is type(want)
+        for name, g, w in zip(type(want)._fields, got, want):
+            assert torch.equal(g.detach(), w), name

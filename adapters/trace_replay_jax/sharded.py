@@ -26,6 +26,7 @@ of the local block.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 import jax
@@ -34,6 +35,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from trace_replay_core import LOGITS_DTYPES, TOKEN_DTYPES
+
+from .guards import check_fits_int32
+from .logprob_results import LogprobRank
 
 __all__ = ["token_logprob_rank_sharded", "token_logprob_rank_in_shard_map"]
 
@@ -56,6 +60,30 @@ def _check_block(logits: Any, token_ids: Any) -> None:
         )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
         raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
+    check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
+
+
+_COMPUTED_ELSEWHERE = (
+    "token_logprob_rank_sharded does not compute {name} (got {value!r}): it merges logprobs and ranks "
+    "only; for top_k, argmax or entropy call trace_replay_jax.token_logprob_rank on logits "
+    "replicated over vocab_axis"
+)
+
+
+def _refuse_options(top_k: Any, temperature: Any, argmax: Any, entropy: Any) -> None:
+    """Refuse the options of :func:`trace_replay_jax.token_logprob_rank` that the merge does not
+    compute, naming the option and what to do instead."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k != 0:
+        raise ValueError(_COMPUTED_ELSEWHERE.format(name="top_k", value=top_k))
+    for name, flag in (("argmax", argmax), ("entropy", entropy)):
+        if flag is not False:
+            raise ValueError(_COMPUTED_ELSEWHERE.format(name=name, value=flag))
+    if temperature is not None:
+        raise ValueError(
+            f"token_logprob_rank_sharded does not take temperature (got {temperature!r}): pass the "
+            f"logits divided by it (logits / T, or logits / T[:, None] for one T per row): the "
+            f"results of temperature=T are those of logits / T"
+        )
 
 
 def _in_order(parts: jax.Array) -> jax.Array:
@@ -75,7 +103,10 @@ def token_logprob_rank_in_shard_map(
     ``vocab_axis`` holds columns ``[k * vocab / n, (k + 1) * vocab / n)``), float32, bfloat16
     or float16. ``token_ids``: ``[batch]`` or ``[batch, 1]`` global token ids of the same rows
     (replicated over ``vocab_axis``). Returns ``(logprobs, ranks)`` of those rows (float32,
-    int32), the same on every device of the ``vocab_axis``. Stream-ordered like any JAX op.
+    int32), the same on every device of the ``vocab_axis``: a plain tuple, so that the caller's
+    ``shard_map`` names its outputs with a tuple of two specs (``out_specs=(P(...), P(...))``;
+    :func:`token_logprob_rank_sharded` returns the named :class:`~trace_replay_jax.LogprobRank`).
+    Stream-ordered like any JAX op.
     """
     _check_block(logits, token_ids)
     block = logits.shape[1]
@@ -105,17 +136,35 @@ def token_logprob_rank_in_shard_map(
 
 
 def token_logprob_rank_sharded(
-    logits: jax.Array, token_ids: jax.Array, *, mesh: Mesh, vocab_axis: str, batch_axis: str | None = None
-) -> tuple[jax.Array, jax.Array]:
+    logits: jax.Array,
+    token_ids: jax.Array,
+    *,
+    mesh: Mesh,
+    vocab_axis: str,
+    batch_axis: str | None = None,
+    top_k: int = 0,
+    temperature: None = None,
+    argmax: bool = False,
+    entropy: bool = False,
+) -> LogprobRank:
     """Log-probability and rank of ``token_ids[b]`` under row ``b`` of vocabulary-sharded ``logits``.
 
     ``logits``: global ``[batch, vocab]`` array, columns split evenly over ``vocab_axis`` of
     ``mesh`` (rows optionally over ``batch_axis``), never modified. ``token_ids``: global
-    ``[batch]`` or ``[batch, 1]`` int32/int64. Returns ``(logprobs, ranks)``: float32 and int32
-    ``[batch]``, sharded over ``batch_axis`` (replicated when it is ``None``), with
+    ``[batch]`` or ``[batch, 1]`` int32/int64 (an int64 numpy array must fit int32 while
+    ``jax_enable_x64`` is off, as for :func:`trace_replay_jax.token_logprob_rank`). Returns
+    :class:`~trace_replay_jax.LogprobRank` ``(logprobs, ranks)``: float32 and int32 ``[batch]``,
+    sharded over ``batch_axis`` (replicated when it is ``None``), with
     :func:`trace_replay_jax.token_logprob_rank`'s contract and definitions. Eager or inside
     ``jax.jit``; a ``shard_map`` over ``mesh`` around :func:`token_logprob_rank_in_shard_map`.
+
+    Not computed here: ``top_k``, ``argmax`` and ``entropy`` (call
+    :func:`trace_replay_jax.token_logprob_rank` on logits replicated over ``vocab_axis``), and
+    ``temperature`` (pass ``logits / T``: the results of ``temperature=T`` are those of
+    ``logits / T``); each is refused with a ``ValueError`` naming it when given a value other
+    than its default. There is no ``method=``: the merge is the ``method="jnp"`` arithmetic.
     """
+    _refuse_options(top_k, temperature, argmax, entropy)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (got {type(mesh).__name__})")
     for name, axis in (("vocab_axis", vocab_axis), ("batch_axis", batch_axis)):
@@ -136,7 +185,7 @@ def token_logprob_rank_sharded(
         raise ValueError(
             f"logits has {batch} rows, which {rows} shards of batch_axis {batch_axis!r} do not split evenly"
         )
-    return _sharded(mesh, vocab_axis, batch_axis, len(token_ids.shape))(logits, token_ids)
+    return LogprobRank(*_sharded(mesh, vocab_axis, batch_axis, len(token_ids.shape))(logits, token_ids))
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,9 +14,11 @@ Example (runs on the CPU; use ``device="cuda"`` on a GPU)::
         state.replay(sampled, torch.tensor([2, 0], dtype=torch.int32))
         assert sampled.tolist() == [6, 9]      # slot 2 is at step 1 of its trace
 
-Inside ``torch.compile`` (``fullgraph=True``) and CUDA graphs, call the registered-op forms
-``replay_op(state, sampled, idx_mapping)``, ``replay_at_step_op`` and ``token_logprob_rank_op``
-(see :mod:`trace_replay_torch.ops`); eager code keeps the direct methods above.
+The methods above and :func:`token_logprob_rank` compile as they are: inside ``torch.compile``
+(``fullgraph=True`` too) they become registered ops, and a CUDA graph captures them once warmed
+up. The ``_op`` forms, ``replay_op(state, sampled, idx_mapping)``, ``replay_at_step_op`` and
+``token_logprob_rank_op``, call the same ops directly (see :mod:`trace_replay_torch.ops`):
+optional, for code that wants the op in every mode.
 
 A greedy step reads the logits once: fill ``sampled`` with -1, replay, then
 ``token_logprob_rank(logits, sampled, argmax=True)`` returns each row's greedy token and scores

@@ -31,10 +31,11 @@ from .logprob_results import (
     LogprobRankTopKEntropy,
     named_result,
 )
-from .views import layout_key, raw_stream
+from .views import FUNCTORCH_ACTIVE, layout_key, raw_stream
 
 __all__ = [
     "token_logprob_rank",
+    "compute_logprob_rank",
     "LogprobRank",
     "LogprobRankTopK",
     "LogprobRankArgmax",
@@ -181,7 +182,7 @@ def token_logprob_rank(
     wants_grad = getattr(logits, "requires_grad", False) or (
         temperature is not None and getattr(temperature, "requires_grad", False)
     )
-    if (wants_grad and torch.is_grad_enabled()) or (_FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()):
+    if (wants_grad and torch.is_grad_enabled()) or (FUNCTORCH_ACTIVE is not None and FUNCTORCH_ACTIVE()):
         if out is not None:
             raise TypeError(
                 "out= cannot be used when logits or temperature require grad, or under torch.func "
@@ -195,11 +196,6 @@ def token_logprob_rank(
     return compute_logprob_rank(
         logits, token_ids, top_k=top_k, temperature=temperature, out=out, argmax=argmax, entropy=entropy
     )
-
-
-# Whether a ``torch.func`` transform (vmap, grad, ...) is active: its wrapped tensors have no
-# storage to hand over, so the call goes through the op, which has rules for them.
-_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def compute_logprob_rank(

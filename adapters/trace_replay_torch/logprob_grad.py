@@ -92,7 +92,7 @@ def _contiguous(t):
     return None if t is None else t.contiguous()
 
 
-def _autograd_for(top_k_arg: bool, top_k: bool, argmax: bool, entropy: bool):
+def _autograd_for(top_k: bool, argmax: bool, entropy: bool):
     """``(setup_context, backward)`` of a forward op whose arguments are ``logits, token_ids[,
     top_k], temperature`` and whose outputs are ``logprobs, ranks[, topk_logprobs, topk_ids][,
     argmax][, entropy]``."""
@@ -126,7 +126,7 @@ def _autograd_for(top_k_arg: bool, top_k: bool, argmax: bool, entropy: bool):
             logits, token_ids, temperature, am, lp, _contiguous(g_lp), tk_ids, tk_lp, _contiguous(g_tk), ent,
             _contiguous(g_ent), grad_t,
         )  # fmt: skip
-        rest = (None, None) if top_k_arg else (None,)
+        rest = (None, None) if top_k else (None,)
         return (grad_logits if ctx.needs_input_grad[0] else None, *rest, grad_temp if grad_t else None)
 
     return setup_context, backward
@@ -159,7 +159,9 @@ _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 
 
 def _forward_of(name: str):
-    op = getattr(torch.ops.trace_replay, name)
+    # The op's no-gradient twin: the same kernels and bits, without the Python autograd layer that
+    # the differentiable op pays on every call (the Function records the graph itself).
+    op = getattr(torch.ops.trace_replay, f"{name}_nograd")
 
     def forward(*args):
         return op(*args)
@@ -168,11 +170,11 @@ def _forward_of(name: str):
 
 
 def differentiable(name: str) -> type[torch.autograd.Function]:
-    """The ``torch.autograd.Function`` of forward op ``name``: the op, with the same formula as its
-    ``register_autograd`` one. The wrappers call it when a gradient is wanted, because torch's
-    transforms (``torch.func.grad``, ``jacrev``, and ``vmap`` over them) differentiate a Function
-    with ``setup_context`` but not a registered op's formula; its vmap rule is generated from the
-    ops' own rules."""
+    """The ``torch.autograd.Function`` of forward op ``name``: its ``_nograd`` twin (the same kernels
+    and bits) with the same formula as the op's ``register_autograd`` one. The wrappers call it
+    when a gradient is wanted, because torch's transforms (``torch.func.grad``, ``jacrev``, and
+    ``vmap`` over them) differentiate a Function with ``setup_context`` but not a registered op's
+    formula; its vmap rule is generated from the twins' own rules."""
     return _FUNCTIONS[name]
 
 
@@ -182,7 +184,7 @@ def register_logprob_grads(ops: tuple[str, ...]) -> None:
     (which must be defined), and the backward op's vmap rule."""
     for name in ops:
         top_k, argmax, entropy = "_topk" in name, "_argmax" in name, "_entropy" in name
-        setup_context, backward = _autograd_for(top_k, top_k, argmax, entropy)
+        setup_context, backward = _autograd_for(top_k, argmax, entropy)
         torch.library.register_autograd(f"trace_replay::{name}", backward, setup_context=setup_context, lib=_LIB)
         torch.library.register_vmap(f"trace_replay::{name}", _vmap_rule(name), lib=_LIB)
         torch.library.register_vmap(f"trace_replay::{name}_nograd", _vmap_rule(f"{name}_nograd"), lib=_LIB)

@@ -2,7 +2,9 @@
 
 A sampler that samples, replays and scores compiles into one graph (``fullgraph=True``) and stays
 capturable in a CUDA graph (``torch.cuda.graph`` around the compiled function, or
-``mode="reduce-overhead"``)::
+``mode="reduce-overhead"``). Written with the state's methods and
+:func:`~trace_replay_torch.token_logprob_rank` it compiles as it is (while Dynamo traces, they
+become these ops); the ``_op`` functions here call the ops directly, in any mode::
 
     import torch
     from trace_replay_torch import replay_op, token_logprob_rank_op
@@ -59,23 +61,31 @@ address and never runs the Python kernel again: replaying such a graph after ``c
 memory, so close a state only after its graphs are gone. Thread-safety: as the state's methods
 (lookups in the registry take no lock; ids are issued under one).
 
+In place: the replay ops bump ``sampled``'s version counter, as torch's in-place ops do (their
+kernels run the state's methods, which do it), so autograd refuses a backward through a tensor it
+saved before the replay. ``torch.vmap`` over a replay op is refused, naming what to do instead
+(fold the mapped axis into the batch); the logprob ops fold it themselves.
+
 Blocking: as the eager methods: ordered on torch's current stream, no host sync. Cost: an op call
-goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); eager code
-keeps calling :meth:`TraceReplayState.replay` and :func:`token_logprob_rank`, the direct path.
+goes through torch's dispatcher (a few microseconds per call, ``bench/launch.py``); called eagerly,
+:meth:`TraceReplayState.replay` and :func:`token_logprob_rank` skip it (the direct path).
 The first call of each tensor layout binds (validates once), as in eager mode: run the compiled
 function once before capturing it.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
+from trace_replay_core import TOPK_MAX
+
 from . import registry
-from .logprob import _temperature
-from .logprob import compute_logprob_rank as token_logprob_rank  # the ops' kernels: never routed back to an op
+from .logprob import _temperature, compute_logprob_rank  # the ops' kernels: never routed back to an op
 from .logprob_grad import differentiable, register_logprob_grads
 from .logprob_results import LogprobRankResult, result_type
-from .state import TraceReplayState
+from .state import TraceReplayState, _not_a_tensor
 
 __all__ = ["replay_op", "replay_at_step_op", "token_logprob_rank_op"]
 
@@ -135,48 +145,30 @@ def _replay_at_step_kernel(sampled, idx_mapping, step, state):
     registry.lookup(state).replay_at_step(sampled, idx_mapping, step)
 
 
-def _logprob_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature))
+def _logprob_kernel(name: str):
+    """The kernel of logprob op ``name`` (``token_logprob_rank[_topk][_argmax][_entropy]``): the
+    eager function's no-gradient path, its results as a tuple."""
+    argmax, entropy = "_argmax" in name, "_entropy" in name
+    if "_topk" not in name:
+
+        def kernel(logits, token_ids, temperature=None):
+            return tuple(
+                compute_logprob_rank(logits, token_ids, temperature=temperature, argmax=argmax, entropy=entropy)
+            )
+
+        return kernel
+
+    def topk_kernel(logits, token_ids, top_k, temperature=None):
+        return tuple(
+            compute_logprob_rank(
+                logits, token_ids, top_k=top_k, temperature=temperature, argmax=argmax, entropy=entropy
+            )
+        )
+
+    return topk_kernel
 
 
-def _logprob_topk_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature))
-
-
-def _logprob_argmax_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, argmax=True))
-
-
-def _logprob_topk_argmax_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True))
-
-
-def _logprob_entropy_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, entropy=True))
-
-
-def _logprob_topk_entropy_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, entropy=True))
-
-
-def _logprob_argmax_entropy_kernel(logits, token_ids, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, temperature=temperature, argmax=True, entropy=True))
-
-
-def _logprob_topk_argmax_entropy_kernel(logits, token_ids, top_k, temperature=None):
-    return tuple(token_logprob_rank(logits, token_ids, top_k=top_k, temperature=temperature, argmax=True, entropy=True))
-
-
-_LOGPROB_KERNELS = (
-    _logprob_kernel,
-    _logprob_topk_kernel,
-    _logprob_argmax_kernel,
-    _logprob_topk_argmax_kernel,
-    _logprob_entropy_kernel,
-    _logprob_topk_entropy_kernel,
-    _logprob_argmax_entropy_kernel,
-    _logprob_topk_argmax_entropy_kernel,
-)
+_LOGPROB_KERNELS = tuple(_logprob_kernel(name) for name in _LOGPROB_OPS)
 for _key in ("CPU", "CUDA"):
     _LIB.impl("replay", _replay_kernel, _key)
     _LIB.impl("replay_at_step", _replay_at_step_kernel, _key)
@@ -184,7 +176,28 @@ for _key in ("CPU", "CUDA"):
         _LIB.impl(_name, _kernel, _key)
 for _name in ("replay", "replay_at_step"):
     # Not differentiable: integer tokens in and out. A fallthrough says so: outputs never require grad.
+    # The write to sampled is not hidden from autograd all the same: the kernels run the state's
+    # methods, which bump sampled's version counter after it, as torch's in-place ops do.
     _LIB.impl(_name, torch.library.fallthrough_kernel, "Autograd")
+
+_VMAP = (
+    "trace_replay_torch's {op} (state.{op}, {op}_op) does not support torch.vmap: it already replays a "
+    "whole batch. Call it on the batched tensors instead (fold the mapped axis into the batch axis: "
+    "{names} as [n * batch]), without vmap"
+)
+
+
+def _refuse_vmap(op: str, names: str):
+    def rule(info, in_dims, *args):
+        raise ValueError(_VMAP.format(op=op, names=names))
+
+    return rule
+
+
+torch.library.register_vmap("trace_replay::replay", _refuse_vmap("replay", "sampled and idx_mapping"), lib=_LIB)
+torch.library.register_vmap(
+    "trace_replay::replay_at_step", _refuse_vmap("replay_at_step", "sampled, idx_mapping and step"), lib=_LIB
+)
 
 
 # fake kernels: shapes and dtypes only (FakeTensor, meta), for tracing ---------------------------
@@ -204,71 +217,27 @@ def _check_logits(logits) -> int:
     return logits.shape[0]
 
 
-@torch.library.register_fake("trace_replay::token_logprob_rank", lib=_LIB)
-def _logprob_fake(logits, token_ids, temperature=None):
-    batch = _check_logits(logits)
-    return (logits.new_empty(batch, dtype=torch.float32), logits.new_empty(batch, dtype=torch.int64))
+def _logprob_fake(name: str):
+    """The fake kernel of logprob op ``name``: its outputs' shapes and dtypes (float32 logprobs,
+    top-k logprobs and entropy; int64 ranks, top-k ids and argmax)."""
+    topk, argmax, entropy = "_topk" in name, "_argmax" in name, "_entropy" in name
+
+    def fake(logits, token_ids, *args):
+        batch = _check_logits(logits)
+        f32, i64 = torch.float32, torch.int64
+        outs = [logits.new_empty(batch, dtype=f32), logits.new_empty(batch, dtype=i64)]
+        if topk:  # args[0] is top_k
+            outs += [logits.new_empty(batch, args[0], dtype=f32), logits.new_empty(batch, args[0], dtype=i64)]
+        outs += [logits.new_empty(batch, dtype=i64)] if argmax else []
+        outs += [logits.new_empty(batch, dtype=f32)] if entropy else []
+        return tuple(outs)
+
+    return fake
 
 
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk", lib=_LIB)
-def _logprob_topk_fake(logits, token_ids, top_k, temperature=None):
-    batch = _check_logits(logits)
-    return (
-        logits.new_empty(batch, dtype=torch.float32),
-        logits.new_empty(batch, dtype=torch.int64),
-        logits.new_empty(batch, top_k, dtype=torch.float32),
-        logits.new_empty(batch, top_k, dtype=torch.int64),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_argmax", lib=_LIB)
-def _logprob_argmax_fake(logits, token_ids, temperature=None):
-    return _logprob_fake(logits, token_ids, temperature) + (logits.new_empty(logits.shape[0], dtype=torch.int64),)
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax", lib=_LIB)
-def _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature=None):
-    return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.int64),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_entropy", lib=_LIB)
-def _logprob_entropy_fake(logits, token_ids, temperature=None):
-    return _logprob_fake(logits, token_ids, temperature) + (logits.new_empty(logits.shape[0], dtype=torch.float32),)
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk_entropy", lib=_LIB)
-def _logprob_topk_entropy_fake(logits, token_ids, top_k, temperature=None):
-    return _logprob_topk_fake(logits, token_ids, top_k, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.float32),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_argmax_entropy", lib=_LIB)
-def _logprob_argmax_entropy_fake(logits, token_ids, temperature=None):
-    return _logprob_argmax_fake(logits, token_ids, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.float32),
-    )
-
-
-@torch.library.register_fake("trace_replay::token_logprob_rank_topk_argmax_entropy", lib=_LIB)
-def _logprob_topk_argmax_entropy_fake(logits, token_ids, top_k, temperature=None):
-    return _logprob_topk_argmax_fake(logits, token_ids, top_k, temperature) + (
-        logits.new_empty(logits.shape[0], dtype=torch.float32),
-    )
-
-
-_LOGPROB_FAKES = (
-    _logprob_fake,
-    _logprob_topk_fake,
-    _logprob_argmax_fake,
-    _logprob_topk_argmax_fake,
-    _logprob_entropy_fake,
-    _logprob_topk_entropy_fake,
-    _logprob_argmax_entropy_fake,
-    _logprob_topk_argmax_entropy_fake,
-)
+_LOGPROB_FAKES = tuple(_logprob_fake(name) for name in _LOGPROB_OPS)
+for _name, _fake in zip(_LOGPROB_OPS, _LOGPROB_FAKES):
+    torch.library.register_fake(f"trace_replay::{_name}", _fake, lib=_LIB)
 
 
 # no-gradient twins: each logprob op again as ``<name>_nograd``, same schema, kernels, fake and vmap
@@ -290,9 +259,9 @@ _define_nograd_twins()
 
 # wrappers: the public functions ----------------------------------------------------------------
 def _check_tensors(**arrays) -> None:
-    for name, value in arrays.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
+    error = _not_a_tensor(**arrays)
+    if error is not None:
+        raise error
 
 
 def _check_state(state) -> None:
@@ -307,8 +276,8 @@ def replay_op(
     total_len: torch.Tensor | None = None,
     prompt_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:meth:`TraceReplayState.replay` through the registered op ``trace_replay::replay``: the
-    form to call inside ``torch.compile`` (no graph break) and CUDA graphs.
+    """:meth:`TraceReplayState.replay` through the registered op ``trace_replay::replay``, the op
+    the method becomes inside ``torch.compile`` (no graph break); capturable in CUDA graphs.
 
     Same arguments and result: overwrites traced rows of ``sampled`` in place (``[batch]`` or
     ``[batch, 1]`` int32/int64) and returns it; ``total_len``/``prompt_len`` default to the
@@ -351,8 +320,8 @@ def token_logprob_rank_op(
 ) -> LogprobRankResult:
     """:func:`trace_replay_torch.token_logprob_rank` through the registered ops
     ``trace_replay::token_logprob_rank`` (``top_k == 0``), ``trace_replay::token_logprob_rank_topk``
-    and their ``_argmax`` (``argmax=True``) and ``_entropy`` (``entropy=True``) forms: the form to
-    call inside ``torch.compile``.
+    and their ``_argmax`` (``argmax=True``) and ``_entropy`` (``entropy=True``) forms, the ops the
+    function becomes inside ``torch.compile``.
 
     Same arguments (``out=`` aside) and results: :class:`LogprobRank` ``(logprobs, ranks)``,
     :class:`LogprobRankTopK` with ``top_k > 0``, :class:`LogprobRankArgmax` /
@@ -366,7 +335,7 @@ def token_logprob_rank_op(
     Stream-ordered on the current stream, no host sync.
     """
     _check_tensors(logits=logits, token_ids=token_ids)
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     if not isinstance(argmax, bool):
         raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
@@ -374,6 +343,15 @@ def token_logprob_rank_op(
         raise TypeError(f"entropy must be a bool (got {type(entropy).__name__} {entropy!r})")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
+    top_k = int(top_k)
+    vocab = logits.shape[1]
+    # The core's check and message, made here once whichever op runs (a fake kernel would fail on a
+    # negative size). top_k > vocab is tested only for a top_k > 0: no guard on the vocabulary otherwise.
+    if top_k < 0 or top_k > TOPK_MAX or (top_k > 0 and top_k > vocab):
+        raise ValueError(
+            f"top_k must be between 0 and {min(TOPK_MAX, vocab)} (at most {TOPK_MAX} and at most the "
+            f"vocabulary, {vocab}) (got {top_k})"
+        )
     temp = _temperature(temperature, logits.shape[0], logits.device)
     ops, x = torch.ops.trace_replay, logits
     name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")

@@ -10,11 +10,12 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from trace_replay_core import StagedWritesWarning, TraceTable, parse_device
 
 from . import registry
-from .views import layout_key, raw_stream
+from .views import FUNCTORCH_ACTIVE, layout_key, raw_stream
 
 __all__ = ["TraceReplayState"]
 
@@ -91,8 +92,8 @@ class TraceReplayState:
     ``replay`` are ordered on the current stream and never synchronise. The first replay of a
     dtype combination compiles a kernel: run one eager step before capturing a CUDA graph.
 
-    Inside ``torch.compile``: use :func:`trace_replay_torch.replay_op` (the registered op, which
-    names this state by :attr:`op_id`); the methods here are the direct eager path.
+    Inside ``torch.compile`` the methods compile as they are: they become the registered ops,
+    which name this state by :attr:`op_id` (the ``*_op`` functions call those ops directly; optional).
 
     Lifetime: :meth:`close` (or leaving the ``with`` block) frees the table; afterwards every
     method raises ``RuntimeError("this TraceReplayState is closed")``. A CUDA graph captured with
@@ -130,7 +131,7 @@ class TraceReplayState:
         self._lengths: tuple[torch.Tensor, torch.Tensor] | None = None  # the bound tensors
         self._strict = strict
         self._unapplied = False  # set after staging, cleared before a commit: replay's one check
-        self._warned = False
+        self._warned = self._warning_unsettled = False  # unsettled: given to a replay not yet checked
         self.table = TraceTable(
             max_slots,
             max_trace_len,
@@ -173,24 +174,24 @@ class TraceReplayState:
             raise RuntimeError(_CLOSED)
 
     def _check_open_unless_tracing(self) -> None:
-        """:meth:`_check_open`, except while ``torch.compile`` traces: then a closed state is
-        refused by the op when the graph runs (same message), so that Dynamo never traces the
-        raise (it would report it wrapped in its own error, and a guard on ``closed`` would
-        retrace the function at every close)."""
+        """:meth:`_check_open`, except while ``torch.compile`` traces: the op refuses a closed state
+        when the graph runs (same message); Dynamo would report a traced raise wrapped in its own
+        error, and a guard on ``closed`` would retrace the function at every close."""
         if not torch.compiler.is_compiling():
             self._check_open()
 
-    def _staged_not_applied(self, call: str) -> None:
-        """A replay found writes staged and not applied: warn once per state, or raise when strict.
-        Host-only; called only when the flag is set, so replay's hot path reads one bool."""
+    def _staged_not_applied(self, call: str, stacklevel: int = 3) -> None:
+        """A replay found writes staged and not applied: warn once per state (a refused replay gives
+        it back), or raise when strict. Host-only; called only when replay's one bool is set."""
         self._check_open()
+        self._warning_unsettled = False  # the replay that took it was not refused: it ran
         if not self.table.pending:  # another thread applied them after staging set the flag
             return
         if self._strict:
             raise RuntimeError(_STAGED.format(call=call))
         if not self._warned:
-            self._warned = True
-            warnings.warn(_STAGED.format(call=call), StagedWritesWarning, stacklevel=3)
+            warnings.warn(_STAGED.format(call=call), StagedWritesWarning, stacklevel=stacklevel)
+            self._warned = self._warning_unsettled = True  # after warn: one raised as an error is not used up
 
     def close(self) -> None:
         """Free the table and staging memory (host-blocking: waits for queued device work;
@@ -262,6 +263,7 @@ class TraceReplayState:
         self._check_open()
         # Cleared before the commit: a trace another thread stages meanwhile sets it again.
         self._unapplied = False
+        self._warning_unsettled = False
         try:
             self.table.commit(stream=self._stream())
         except BaseException:
@@ -299,19 +301,21 @@ class TraceReplayState:
         """Overwrite traced rows of ``sampled`` in place on the current stream; return it.
 
         ``sampled``: ``[batch]`` or ``[batch, 1]`` int32/int64; ``idx_mapping``: ``[batch]``
-        int32/int64 slots (-1 = padding). ``total_len``/``prompt_len`` default to the bound ones.
-        Stream-ordered, no host sync; capturable in a CUDA graph once warmed up. With writes
-        staged but not applied it warns once (``strict=True``: raises ``RuntimeError``). Inside
-        ``torch.compile`` it becomes the registered op (:func:`~trace_replay_torch.replay_op`),
-        whose kernel makes the same check each time the compiled code runs (a CUDA graph replays
-        without it).
+        int32/int64 slots (-1 = padding); ``total_len``/``prompt_len`` default to the bound ones.
+        Each contiguous and on the state's device (else refused, never copied). Stream-ordered,
+        no host sync; capturable in a CUDA graph once warmed up. With writes staged but not
+        applied it warns once (``strict=True``: raises ``RuntimeError``; a refused call does not
+        use up the warning). Bumps ``sampled``'s version counter as torch's in-place ops do: a
+        backward through a tensor autograd saved before (``logits.gather(1, sampled[:, None])``)
+        raises instead of using the replayed tokens. ``torch.vmap`` is refused: fold the mapped
+        axis into the batch. Compiles as it is: inside ``torch.compile`` it becomes the registered
+        op (:func:`~trace_replay_torch.replay_op`), whose kernel makes the staged-writes check
+        each time the compiled code runs (a CUDA graph replays without it).
         """
         if torch.compiler.is_compiling():
             from .ops import replay_op  # a graph holds the registered op, never this method's Python
 
             return replay_op(self, sampled, idx_mapping, total_len, prompt_len)
-        if self._unapplied:
-            self._staged_not_applied("replay")
         if total_len is not None or prompt_len is not None:
             self._check_open()
             if total_len is None or prompt_len is None:
@@ -319,9 +323,9 @@ class TraceReplayState:
             error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, total_len=total_len, prompt_len=prompt_len)
             if error is not None:
                 raise error
-            layout = (layout_key(sampled), layout_key(idx_mapping), layout_key(total_len), layout_key(prompt_len))
-            self.table.replay_cached(layout, sampled, idx_mapping, total_len, prompt_len, stream=self._stream())
-            return sampled
+            return self._replay_checked("replay", sampled, idx_mapping, lengths=(total_len, prompt_len))
+        if self._unapplied:
+            self._staged_not_applied("replay")
         # The hot path of a decode loop: one flat key, one dict lookup, one launch (in the core).
         # Nothing is checked before the launch; a failure is explained afterwards (closed first:
         # closing clears the table's cache, so a closed state always reaches the except clause).
@@ -339,29 +343,58 @@ class TraceReplayState:
             self.table.replay_cached(
                 key, sampled, idx_mapping, stream=raw_stream(self._index) if self._index is not None else 0
             )
-        except Exception:
-            if self._closed:
-                raise RuntimeError(_CLOSED) from None
-            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping)
-            if error is not None:
-                raise error from None
-            raise
+        except Exception as exc:
+            return self._replay_refused(exc, "replay", sampled, idx_mapping)
+        increment_version(sampled)  # written through its pointer: tell autograd, as an in-place op does
         return sampled
 
     def replay_at_step(self, sampled: torch.Tensor, idx_mapping: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """As :meth:`replay`, with ``step[b]`` (outputs already produced by row ``b``) given per row:
-        ``step`` is a ``[batch]`` int32/int64 tensor on the state's device. Inside ``torch.compile``
-        it becomes the registered op (:func:`~trace_replay_torch.replay_at_step_op`)."""
+        ``step`` is a contiguous ``[batch]`` int32/int64 tensor on the state's device. Compiles as
+        it is (the registered op :func:`~trace_replay_torch.replay_at_step_op`)."""
         if torch.compiler.is_compiling():
             from .ops import replay_at_step_op
 
             return replay_at_step_op(self, sampled, idx_mapping, step)
         self._check_open()
-        if self._unapplied:
-            self._staged_not_applied("replay_at_step")
         error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping, step=step)
         if error is not None:
             raise error
-        key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
-        self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
+        return self._replay_checked("replay_at_step", sampled, idx_mapping, step=step)
+
+    def _replay_checked(self, call: str, sampled, idx_mapping, lengths=None, step=None) -> torch.Tensor:
+        """A replay with explicit lengths or per-row steps, its arguments checked to be tensors."""
+        if self._unapplied:
+            self._staged_not_applied(call, stacklevel=4)
+        try:
+            if step is None:
+                key = tuple(layout_key(t) for t in (sampled, idx_mapping, *lengths))
+                self.table.replay_cached(key, sampled, idx_mapping, *lengths, stream=self._stream())
+            else:
+                key = ("step", layout_key(sampled), layout_key(idx_mapping), layout_key(step))
+                self.table.replay_cached(key, sampled, idx_mapping, step=step, stream=self._stream())
+        except Exception as exc:
+            return self._replay_refused(exc, call, sampled, idx_mapping, lengths, step)
+        increment_version(sampled)
         return sampled
+
+    def _replay_refused(self, exc: Exception, call: str, sampled, idx_mapping, lengths=None, step=None):
+        """A replay failed before it launched: under ``torch.func`` transforms (tensors without storage)
+        run the registered op, which has rules for them; else raise what explains it best."""
+        try:
+            if FUNCTORCH_ACTIVE is not None and FUNCTORCH_ACTIVE():
+                from .ops import replay_at_step_op, replay_op
+
+                if call == "replay_at_step":
+                    return replay_at_step_op(self, sampled, idx_mapping, step)
+                return replay_op(self, sampled, idx_mapping, *(lengths or ()))
+            if self._closed:
+                raise RuntimeError(_CLOSED) from None
+            error = _not_a_tensor(sampled=sampled, idx_mapping=idx_mapping)
+            if error is not None:
+                raise error from None
+            raise exc
+        except BaseException:
+            if self._warning_unsettled:  # this call took the one warning: the next replay gets it
+                self._warned = self._warning_unsettled = False
+            raise
