@@ -4,7 +4,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from test_dlpack_byte_offset import _capsule_new, _DataType, _Device, _Tensor
+from helpers.dlpack_producers import DataType, Device, Tensor, capsule_new
 
 from trace_replay_core import ArrayView, as_view
 from trace_replay_core._validate import check_view
@@ -220,7 +220,7 @@ class _ManagedVersioned(ctypes.Structure):
         ("manager_ctx", ctypes.c_void_p),
         ("deleter", ctypes.c_void_p),
         ("flags", ctypes.c_uint64),
-        ("dl_tensor", _Tensor),
+        ("dl_tensor", Tensor),
     ]
 
 
@@ -240,13 +240,13 @@ class CopyingProducer:
         self._managed = m = _ManagedVersioned()
         m.version, m.flags = _Version(1, 1), _IS_COPIED
         t = m.dl_tensor
-        t.data, t.device, t.ndim = self.copy.ctypes.data, _Device(1, 0), arr.ndim
-        t.dtype = _DataType({"i": 0, "u": 1, "f": 2}[arr.dtype.kind], arr.dtype.itemsize * 8, 1)
+        t.data, t.device, t.ndim = self.copy.ctypes.data, Device(1, 0), arr.ndim
+        t.dtype = DataType({"i": 0, "u": 1, "f": 2}[arr.dtype.kind], arr.dtype.itemsize * 8, 1)
         t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
         t.strides = ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64))
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        return _capsule_new(ctypes.addressof(self._managed), _VERSIONED_NAME, None)
+        return capsule_new(ctypes.addressof(self._managed), _VERSIONED_NAME, None)
 
     def __dlpack_device__(self):
         return (1, 0)

@@ -12,39 +12,9 @@ import ctypes
 
 import numpy as np
 from helpers import POISON
+from helpers.dlpack_producers import KDL_CPU, KDL_INT, NAME, DataType, Device, Managed, capsule_new
 
 from trace_replay_core import TraceTable, as_view
-
-
-class _Device(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _Tensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _Device),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _Managed(ctypes.Structure):
-    _fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_NAME = ctypes.create_string_buffer(b"dltensor")
-_KDL_INT, _KDL_CPU = 0, 1
 
 
 class OffsetProducer:
@@ -56,21 +26,21 @@ class OffsetProducer:
         self.buffer = buffer
         self._shape = (ctypes.c_int64 * 1)(length)
         self._strides = (ctypes.c_int64 * 1)(1)
-        self._managed = _Managed()
+        self._managed = Managed()
         t = self._managed.dl_tensor
         t.data = buffer.ctypes.data
-        t.device = _Device(_KDL_CPU, 0)
+        t.device = Device(KDL_CPU, 0)
         t.ndim = 1
-        t.dtype = _DataType(_KDL_INT, buffer.dtype.itemsize * 8, 1)
+        t.dtype = DataType(KDL_INT, buffer.dtype.itemsize * 8, 1)
         t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
         t.strides = ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64))
         t.byte_offset = start * buffer.dtype.itemsize
 
     def __dlpack__(self, stream=None):  # a producer from before DLPack 1.0: no max_version
-        return _capsule_new(ctypes.addressof(self._managed), _NAME, None)
+        return capsule_new(ctypes.addressof(self._managed), NAME, None)
 
     def __dlpack_device__(self):
-        return (_KDL_CPU, 0)
+        return (KDL_CPU, 0)
 
 
 def test_the_view_starts_at_data_plus_byte_offset():

@@ -266,7 +266,7 @@ FAULTS = (
     # -- the command line -----------------------------------------------------------------------------
     Fault(
         "run exits 0 when a trace was not reproduced",
-        "trace_replay_app/cli.py",
+        "trace_replay_app/commands.py",
         (
             (
                 'not reproduced exactly: {_ids(bad)}", file=sys.stderr)\n        status = 1\n',
