@@ -381,3 +381,23 @@ def test_the_command_line_imports_no_framework_until_it_runs_one(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert proc.stdout.strip() == "status 2 loaded []", proc.stdout + proc.stderr
+
+
+def test_torch_device_check_asks_the_driver_a_bounded_number_of_times(monkeypatch):
+    """``--device cuda:N`` on a CUDA build of torch: the driver is asked a fixed number of times,
+    not once per index up to N (``cuda:99999999999`` would take hours), and the message names
+    the devices the process sees."""
+    from trace_replay_app import runner
+
+    asked = []
+
+    def two_devices(device):
+        asked.append(device)
+        if int(device.partition(":")[2] or 0) >= 2:
+            raise ValueError(f"device {device!r} is not available: this process sees 2 CUDA device(s)")
+        return device
+
+    monkeypatch.setattr(runner, "parse_device", two_devices)
+    assert runner._torch_device_error("cuda:1000", "2.9.0+cu130") == "sees CUDA devices [0, 1] only"
+    assert len(asked) <= 5, asked
+    assert runner._torch_device_error("cuda:1", "2.9.0+cu130") is None
