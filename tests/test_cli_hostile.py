@@ -65,6 +65,14 @@ def _bert(d, inputs):
     return folder
 
 
+def _completions(d, requests_name="req.jsonl"):
+    """An openai-completions response without prompt ids, and its request body (``requests_name``)."""
+    choice = {"index": 0, "text": "x", "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-1.0]}}
+    (d / "comp.jsonl").write_text(json.dumps({"id": "c", "object": "text_completion", "choices": [choice]}) + "\n")
+    (d / requests_name).write_text('{"prompt": [1, 2, 3]}\n')
+    return ["--traces", str(d / "comp.jsonl"), "--requests", str(d / requests_name)]
+
+
 RUN = ("run", "--framework", "torch", "--quiet")
 # id -> (arguments from (work folder d, inputs), the output whose bytes must not change, stderr pattern)
 REFUSED = {
@@ -72,6 +80,16 @@ REFUSED = {
         lambda d, i: [*RUN, "--traces", _copy(i / "t.jsonl", d / "o"), "--out", str(d / "o")],
         "o",
         r"--out .*o: is the --traces file \(the output would replace the input\)",
+    ),
+    "out_is_requests": (
+        lambda d, i: [*RUN, *_completions(d, "o"), "--out", str(d / "o")],
+        "o",
+        r"--out .*o: is the --requests file \(the output would replace the input\)",
+    ),
+    "score_out_is_requests": (
+        lambda d, i: ["score", "--framework", "jax", *_completions(d, "o"), "--out", str(d / "o")],
+        "o",
+        r"--out .*o: is the --requests file \(the output would replace the input\)",
     ),
     "report_is_plot": (
         lambda d, i: ["compare", "--traces", str(i / "t.jsonl"), "--report", str(d / "o"), "--plot", str(d / "o")],

@@ -56,9 +56,14 @@ def _report_non_finite(command: str, s: dict) -> bool:
 TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
 
 
+def _inputs(args) -> list[tuple[str, str | None]]:
+    """The input files a run or score reads, as ``(option, path)``: no output may replace one."""
+    return [("--traces", args.traces), ("--requests", args.requests)]
+
+
 # subcommands ------------------------------------------------------------------------------------
 def cmd_run(args, out: TextIO) -> int:
-    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
     family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
     decode = decode_options(args)
     results, seconds = replay_requests(
@@ -111,7 +116,7 @@ def cmd_run(args, out: TextIO) -> int:
 
 
 def cmd_score(args, out: TextIO) -> int:
-    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
     family, config, source, requests, weights, loops = prepare_run(args, [args.framework], score=True)
     untraced = [r.id for r in requests if r.trace is None]
     if untraced:
