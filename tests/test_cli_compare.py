@@ -2,6 +2,7 @@
 engine's own logprobs), outputs of ``run`` and ``score``, runs made by compare itself; the RL
 measures of every pair against values computed here from the logprobs; gates; refusals."""
 
+import io
 import json
 import re
 
@@ -138,3 +139,70 @@ def test_logprobs_of_different_kinds_are_refused(tmp_path, files, capsys):
         and "the sources' logprobs are of different kinds: rollout processed_logprobs, torch raw_logprobs" in err
     )
     assert not (tmp_path / "o").exists()
+
+
+def _output(rows: list[bytes]) -> bytes:
+    """An output of run as run writes it, requests from line 3 on, with these rows as bytes."""
+    head = b'{"summary": {"framework": "torch", "logprobs_mode": "raw_logprobs"},\n"requests": [\n'
+    return head + b",\n".join(rows) + b"\n]}\n"
+
+
+ROW = b'{"id": "a", "traced": true, "prompt_len": 1, "tokens": [2], "forced": [true], "logprobs": [%s], ' \
+    b'"ranks": [1], "argmax": [2]}'  # fmt: skip
+GOOD = ROW % b"-1.0"
+# id -> (the file's bytes, line, field or None, message)
+BAD_SOURCES = {
+    "rollout_not_utf8": (b'{"id": "a", "prompt": [1], "trace": [2], "logprobs": [-1.0], "x": "\xff"}\n', 1, None,
+                         "not UTF-8 (byte 0xff at column 68)"),
+    "output_not_utf8": (_output([GOOD, b'{"id": "\xff"}']), 4, None, "not UTF-8 (byte 0xff at column 9)"),
+    "output_nested_deeply": (_output([GOOD, b"[" * 100_000 + b"]" * 100_000]), 4, None,
+                             "not valid JSON here (nested too deeply to read)"),
+    "one_line_nested_deeply": (b'{"summary": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", 1, None,
+                               "not valid JSON here (nested too deeply to read)"),
+    "output_integer_too_long": (_output([b'{"id": "a", "tokens": [' + b"7" * 5000 + b"]}"]), 3, None,
+                                "not valid JSON here (Exceeds the limit (4300 digits) for integer string conversion"),
+    "output_truncated": (_output([GOOD, GOOD])[:-12], 4, None, "not valid JSON (Unterminated string"),
+    "logprob_integer_beyond_float": (_output([ROW % (b"-" + b"9" * 400)]), 3, "requests.logprobs",
+                                     "request 1 ('a'): entry 0 is too large to be a logprob (-9999999999"),
+    "logprob_positive": (_output([GOOD, ROW.replace(b'"a"', b'"b"') % b"0.5"]), 4, "requests.logprobs",
+                         "request 2 ('b'): entry 0 is 0.5, above 0 (a logprob is at most 0)"),
+    "logprob_infinite": (_output([ROW % b"-Infinity"]), 3, "requests.logprobs",
+                         "request 1 ('a'): entry 0 is infinite (-inf)"),
+    "logprob_not_a_number": (_output([ROW % b'"-1"']), 3, "requests.logprobs",
+                             "request 1 ('a'): entry 0 must be a number (got '-1')"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SOURCES))
+def test_hostile_sources_exit_2_naming_file_line_and_field(tmp_path, files, capsys, case):
+    data, line, field, message = BAD_SOURCES[case]
+    path = tmp_path / "bad.json"
+    path.write_bytes(data)
+    status, text = run_cli("compare", str(path), files["torch"], "--out-dir", str(tmp_path / "o"))
+    err = capsys.readouterr().err
+    where = f"{path}, line {line}" + (f', field "{field}"' if field else "")
+    assert status == 2 and text == "" and err.startswith(f"trace-replay compare: error: {where}: {message}"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_a_json_lines_file_is_told_from_its_first_line(tmp_path, monkeypatch):
+    """Whether a file is an output document is decided from its first line: a JSON Lines
+    rollout is not read whole for it (its second line here is 4 MiB)."""
+    from trace_replay_app import sources
+
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": [1], "trace": [2]}\n{"x": "' + b"y" * 2**22 + b'"}\n')
+    read = []
+
+    class Counted(io.FileIO):
+        def readinto(self, buffer):
+            n = super().readinto(buffer)
+            read.append(n or 0)
+            return n
+
+    monkeypatch.setattr(sources, "open", lambda p, mode="rb": io.BufferedReader(Counted(p, "rb")), raising=False)
+    assert sources.is_output_document(str(path)) is False
+    assert 0 < sum(read) < 2**20, sum(read)
+    one_line = tmp_path / "o.json"  # an output written on one line is still one
+    one_line.write_text(json.dumps({"summary": {"framework": "torch"}, "requests": []}) + "\n")
+    assert sources.is_output_document(str(one_line)) is True
