@@ -359,3 +359,13 @@ def test_compare_summary_lines_name_every_measure():
     assert f"|probability difference|: max {dp:.3g}, mean {dp / 2:.3g}; k3 KL estimate {k3:.3g};" in text
     assert "logprob correlation 1; argmax differs at 1 positions" in text, text
     assert "argmax choices differ in 1 requests; earliest at position 1 (request a)" in text
+
+
+def test_a_request_s_measures_leave_out_its_non_finite_logprobs():
+    """One NaN logprob: the request's max, mean and k3 all cover its finite positions (the max
+    was None while mean and k3 were finite)."""
+    a = _result("a", [1, 2, 3], [-1.0, np.nan, -2.0], [1, 2, 3])
+    b = _result("a", [1, 2, 3], [-1.5, -1.0, -2.0], [1, 2, 3])
+    row = compare_results([TraceRequest("a", (1,), (1, 2, 3))], [a], [b])["requests"][0]
+    assert row["non_finite_logprobs"] == 1 and row["mean_abs_logprob_diff"] == 0.25
+    assert row["max_abs_logprob_diff"] == 0.5, row["max_abs_logprob_diff"]

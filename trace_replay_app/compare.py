@@ -188,7 +188,6 @@ def compare_results(
                 "first_token_divergence": token_div,
                 "first_argmax_divergence": argmax_div,
                 **mismatch_measures(la[ok], lb[ok]),
-                "max_abs_logprob_diff": _num(absd.max()) if absd.size else None,
                 "argmax_mismatches": mismatched,
                 "first_divergence": min(firsts) if firsts else None,
                 "logprob_diff": [_num(d) for d in diff],
