@@ -359,6 +359,14 @@ def test_compare_summary_lines_name_every_measure():
     assert f"|probability difference|: max {dp:.3g}, mean {dp / 2:.3g}; k3 KL estimate {k3:.3g};" in text
     assert "logprob correlation 1; argmax differs at 1 positions" in text, text
     assert "argmax choices differ in 1 requests; earliest at position 1 (request a)" in text
+    rollout = RequestResult(
+        "a", np.array([2, 3]), np.ones(2, bool), np.array([-1.5, -2.0]), np.full(2, -1), np.full(2, -1)
+    )
+    report = compare_results([TraceRequest("a", (1,), (2, 3))], [rollout], [_result("a", [2, 3], [-1, -2], [2, 3])])
+    text = "\n".join(summary_lines(report))  # a rollout has neither ranks nor greedy tokens: nothing said of them
+    assert "ranks differ" not in text and "argmax differs" not in text and "agree" not in text, text
+    assert "; ranks not compared" in text and "; argmax not compared" in text, text
+    assert report["summary"]["ranks_compared"] is report["summary"]["argmax_compared"] is False
 
 
 def test_a_request_s_measures_leave_out_its_non_finite_logprobs():

@@ -131,10 +131,11 @@ def compare_results(
     statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts), and per request and in
     the summary the measures of :func:`mismatch_measures`, ``argmax_mismatches`` and
     ``first_divergence`` (argmax and ranks only where both runs have them: a rollout's are
-    unknown, -1; ``argmax_compared`` says whether they were); ``rl_metrics``: per request and
-    over the batch the measures RL stacks log (:func:`trace_replay_app.metrics.rl_metrics`, ``b``
-    in the trainer's role and ``a`` in the rollout's, over the compared positions with finite
-    logprobs). Non-finite values are written as ``None``.
+    unknown, -1; ``argmax_compared`` and ``ranks_compared`` say whether they were);
+    ``rl_metrics``: per request and over the batch the measures RL stacks log
+    (:func:`trace_replay_app.metrics.rl_metrics`, ``b`` in the trainer's role and ``a`` in the
+    rollout's, over the compared positions with finite logprobs). Non-finite values are written
+    as ``None``.
     """
     name_a, name_b = names
     rows: list[dict[str, Any]] = []
@@ -143,7 +144,7 @@ def compare_results(
     pairs_a: list[np.ndarray] = []
     pairs_b: list[np.ndarray] = []
     rank_changes = argmax_mismatches = 0
-    argmax_known = True
+    argmax_known = ranks_known = True
     for req, ra, rb in zip(requests, a, b, strict=True):
         if not (ra.id == rb.id == req.id):
             raise ValueError(f"results out of order: request {req.id!r} got results {ra.id!r} and {rb.id!r}")
@@ -166,6 +167,7 @@ def compare_results(
         ranks_a, ranks_b = np.asarray(ra.ranks[:m]), np.asarray(rb.ranks[:m])
         both = valid & (ranks_a >= 0) & (ranks_b >= 0)
         rank_changes += int(np.sum(ranks_a[both] != ranks_b[both]))
+        ranks_known &= bool(both[valid].all())  # a rollout has no ranks (-1)
         absd = np.abs(diff[valid])
         all_diffs.append(absd)
         ok = valid & np.isfinite(la) & np.isfinite(lb)
@@ -232,6 +234,7 @@ def compare_results(
         "argmax_compared": argmax_known,
         "first_divergence": min(first_divs) if first_divs else None,
         "rank_changes": rank_changes,
+        "ranks_compared": ranks_known,
         "requests_with_argmax_divergence": len(argmax_divs),
         "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
         "untraced_requests_with_token_divergence": len(token_divs),
@@ -282,6 +285,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     def g(x):
         return "n/a" if x is None else f"{x:.3g}"
 
+    # a rollout records neither ranks nor greedy tokens: say so, never "0 differ"
+    ranks = f"ranks differ at {s['rank_changes']} positions" if s["ranks_compared"] else "ranks not compared"
+    argmax = f"argmax differs at {s['argmax_mismatches']} positions" if s["argmax_compared"] else "argmax not compared"
     lines = [
         (
             f"{a} vs {b}: {s['requests']} requests ({s['traced_requests']} traced), "
@@ -290,15 +296,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         (
             f"|logprob difference|: max {g(s['max_abs_logprob_diff'])}, mean {g(s['mean_abs_logprob_diff'])}, "
             f"p50 {g(s['p50_abs_logprob_diff'])}, p99 {g(s['p99_abs_logprob_diff'])}, "
-            f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions"
+            f"rms {g(s['rms_logprob_diff'])}; {ranks}"
         ),
         (
             f"|probability difference|: max {g(s['max_abs_prob_diff'])}, mean {g(s['mean_abs_prob_diff'])}; "
-            f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; "
-            f"argmax differs at {s['argmax_mismatches']} positions"
+            f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; {argmax}"
         ),
     ]
-    if s["requests_with_argmax_divergence"]:
+    if s["argmax_compared"] and s["requests_with_argmax_divergence"]:
         first = [
             (r["first_argmax_divergence"], r["id"])
             for r in report["requests"]
@@ -309,7 +314,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"argmax choices differ in {s['requests_with_argmax_divergence']} requests; "
             f"earliest at position {pos} (request {rid})"
         )
-    else:
+    elif s["argmax_compared"]:
         lines.append("argmax choices agree at every compared position")
     if s["untraced_requests_with_token_divergence"]:
         lines.append(
