@@ -68,7 +68,7 @@ def test_rollout_against_decode_and_score(tmp_path, files):
     assert doc["summary"]["argmax_compared"] is False and doc["summary"]["argmax_mismatches"] == 0
     score_rl = doc["pairs"][0]["summary"]["rl_metrics"]
     assert score_rl["verl/rollout_corr/kl"] == pytest.approx(-x, abs=2e-5)  # score within 1e-5 of decode
-    assert "k3_kl" in text and "torch-score vs rollout" in text, text
+    assert "k3_kl" in text and "rollout vs torch-score: 5 requests" in text, text
     # the RL table: one label per column (no spaces), each over its own measure, by hand
     want = {"k3_kl": np.exp(x) - x - 1, "kl": -x, "log_ppl_abs_diff": x, "ppl_ratio": np.exp(-x),
             "chi2_token": np.exp(2 * x) - 1, "mismatch_kl_max": np.exp(x) - x - 1, "logprob_abs_diff": x}  # fmt: skip
@@ -76,7 +76,7 @@ def test_rollout_against_decode_and_score(tmp_path, files):
     head = next(i for i, line in enumerate(lines) if line.startswith("pair "))
     assert lines[head].split() == ["pair", *want], lines[head]
     starts = [m.start() for m in re.finditer(r"\S+", lines[head])] + [None]
-    for line, pair in zip(lines[head + 1 : head + 3], ("torch vs rollout", "torch-score vs rollout"), strict=True):
+    for line, pair in zip(lines[head + 1 : head + 3], ("rollout vs torch", "rollout vs torch-score"), strict=True):
         cells = [line[a:b].strip() for a, b in zip(starts[:-1], starts[1:])]
         assert cells[0] == pair, line
         for (label, value), cell in zip(want.items(), cells[1:], strict=True):

@@ -348,6 +348,6 @@ def _rl_table(pairs) -> list[str]:
     for pair in pairs:
         a, b = pair["summary"]["frameworks"]
         values = pair["summary"]["rl_metrics"]
-        rows.append([f"{b} vs {a}", *("n/a" if values.get(k) is None else f"{values[k]:.3g}" for k, _ in RL_COLUMNS)])
+        rows.append([f"{a} vs {b}", *("n/a" if values.get(k) is None else f"{values[k]:.3g}" for k, _ in RL_COLUMNS)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
