@@ -244,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--temperature",
         type=_non_negative_float,
-        default=1.0,
-        help="with --logprobs-mode processed_logprobs: the logprobs of logits / T (default 1)",
+        default=None,
+        help="with --logprobs-mode processed_logprobs (only): the logprobs of logits / T (default 1)",
     )
     inputs(sc)
     common(sc, max_batch=1, decode=False)

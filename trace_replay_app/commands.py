@@ -115,9 +115,37 @@ def cmd_run(args, out: TextIO) -> int:
     return status
 
 
+def _score_temperature(args) -> float | None:
+    """The temperature ``score`` takes its logprobs at: ``--temperature`` (default 1) for
+    processed_logprobs, None for raw ones; :class:`CliError` for a temperature that would do
+    nothing (raw logprobs) or that processed logprobs cannot take (0)."""
+    given = args.temperature
+    if args.logprobs_mode == "raw_logprobs":
+        if given is not None:
+            raise CliError(f"--temperature {given:g}: has no effect on raw_logprobs (the logits as they are; "
+                           "--logprobs-mode processed_logprobs takes logits / T)")  # fmt: skip
+        return None
+    if given is not None and given <= 0:
+        raise CliError(f"--temperature {given:g}: processed_logprobs are the logprobs of logits / T: give T above 0")
+    return 1.0 if given is None else given
+
+
+def _check_top_k(top_k: int):
+    """A check of ``--top-k`` against the model's config (run before the weights are read)."""
+
+    def check(config) -> None:
+        if top_k > config.vocab_size:
+            raise CliError(f"--top-k {top_k}: above the model's vocabulary of {config.vocab_size} tokens")
+
+    return check
+
+
 def cmd_score(args, out: TextIO) -> int:
     check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
-    family, config, source, requests, weights, loops = prepare_run(args, [args.framework], score=True)
+    temperature = _score_temperature(args)
+    family, config, source, requests, weights, loops = prepare_run(
+        args, [args.framework], score=True, check=_check_top_k(args.top_k)
+    )
     untraced = [r.id for r in requests if r.trace is None]
     if untraced:
         raise CliError(f"--traces {args.traces}: score needs each request's completion; no trace in {_ids(untraced)}")
@@ -126,11 +154,11 @@ def cmd_score(args, out: TextIO) -> int:
     t0 = time.perf_counter()
     stop_if_interrupted()
     results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
-                                    logprobs_mode=args.logprobs_mode, temperature=args.temperature,
+                                    logprobs_mode=args.logprobs_mode, temperature=temperature or 1.0,
                                     max_tokens=args.max_tokens, chunk_rows=args.chunk_rows,
                                     top_k=args.top_k)  # fmt: skip
     s = run_summary(requests, results, time.perf_counter() - t0)
-    options = dict(dtype=dtype, temperature=args.temperature, seed=0, logprobs_mode=args.logprobs_mode)
+    options = dict(dtype=dtype, temperature=temperature, seed=None, logprobs_mode=args.logprobs_mode)  # no sampling
     summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
     summary.update(max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, top_k=args.top_k)
     summary.update(model_summary(family, config, source, options))

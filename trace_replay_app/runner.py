@@ -11,7 +11,7 @@ import importlib.metadata
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -214,10 +214,13 @@ def model_summary(family, config, source, decode) -> dict:
     }
 
 
-def prepare_run(args, frameworks: Sequence[str], *, score: bool = False):
-    """What ``run`` and ``compare`` do before decoding, cheapest check first: the model's config,
-    the trace file against it, each framework's view of the device, the weights, the loops."""
+def prepare_run(args, frameworks: Sequence[str], *, score: bool = False, check: Callable[[Any], None] | None = None):
+    """What ``run`` and ``score`` do before their work, cheapest check first: the model's config
+    (and ``check(config)``: the command's own checks of it), the trace file against it, each
+    framework's view of the device, the weights, the loops."""
     family, config, source = load_model(args.model, args.checkpoint, args.seed)
+    if check is not None:
+        check(config)
     requests = read_requests(args.traces, config, format=args.format, requests_path=args.requests)
     for fw in frameworks:
         check_framework_device(fw, args.device)
