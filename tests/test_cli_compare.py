@@ -114,7 +114,7 @@ def test_gates_on_rl_measures(tmp_path, files, capsys):
     "extra, message",
     [
         ([], "compare needs at least two sources (got 1)"),
-        (["--fail-above", "verl/no_such=1"], "metric must be one of"),
+        (["--fail-above", "verl/no_such=1"], "--fail-above verl/no_such: give a per-request measure"),
         (["--fail-above", "nonsense=1"], "--fail-above nonsense: give a per-request measure"),
         (["--run", "torch,torch"], "--run torch,torch: give frameworks among torch, jax"),
     ],
@@ -124,6 +124,53 @@ def test_refusals_write_nothing(tmp_path, files, capsys, extra, message):
                         str(tmp_path / "o"), *extra)  # fmt: skip
     assert status == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def _processed(files, d):
+    """The rollout with every line saying its logprobs are processed."""
+    with open(files["rollout"]) as src, open(d / "processed.jsonl", "w") as dst:
+        for line in src:
+            dst.write(json.dumps(dict(json.loads(line), logprobs_mode="processed_logprobs")) + "\n")
+    return str(d / "processed.jsonl")
+
+
+def _first_lines(path, d, n):
+    (d / "part.jsonl").write_text("".join(open(path).readlines()[:n]))
+    return str(d / "part.jsonl")
+
+
+def _untraced(files, d):
+    (d / "free.jsonl").write_text(open(files["traces"]).read() + '{"id": "free", "prompt": [1], "max_new_tokens": 2}\n')
+    return str(d / "free.jsonl")
+
+
+# id -> (arguments from (files, work folder), the one line on stderr after "trace-replay compare: error: ")
+REFUSED_BEFORE_RUNS = {
+    "one_source": (lambda f, d: ["--traces", f["traces"], "--run", "torch"],
+                   "compare needs at least two sources (got 1): add files, --run or --score"),
+    "score_untraced": (lambda f, d: ["--traces", _untraced(f, d), "--run", "torch", "--score", "jax"],
+                       "--score needs each request's completion; no trace in free"),
+    "modes_differ": (lambda f, d: [_processed(f, d), "--run", "torch"],
+                     "the sources' logprobs are of different kinds: rollout processed_logprobs, torch raw_logprobs "
+                     "(--logprobs-mode sets the runs')"),
+    "missing_request": (lambda f, d: [_first_lines(f["rollout"], d, 4), "--traces", f["traces"], "--run", "torch"],
+                        "source rollout ({d}/part.jsonl) has no result for request 'r4'"),
+    "unknown_rl_key": (lambda f, d: [f["rollout"], "--run", "torch", "--fail-above", "verl/no_such=1"],
+                       "--fail-above verl/no_such: give a per-request measure"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_BEFORE_RUNS))
+def test_refused_before_the_runs(tmp_path, files, capsys, monkeypatch, case):
+    """Refusals of compare exit 2 before the weights are read and any run is made (they came
+    after the decode runs), naming what is at fault; nothing is written."""
+    make, message = REFUSED_BEFORE_RUNS[case]
+    monkeypatch.setenv("TRACE_REPLAY_TEST_STAGES", "1")
+    status, text = run_cli("compare", *make(files, tmp_path), "--out-dir", str(tmp_path / "o"))
+    err = capsys.readouterr().err
+    assert status == 2 and text == "", err
+    assert err.splitlines()[-1].startswith("trace-replay compare: error: " + message.format(d=tmp_path)), err
+    assert "stage load" not in err and not (tmp_path / "o").exists()
 
 
 def test_logprobs_of_different_kinds_are_refused(tmp_path, files, capsys):

@@ -201,8 +201,9 @@ def parse_gate(text: str) -> tuple[str, float]:
 def _compare_inputs(args):
     """The requests and sources of a ``compare`` call, in order: the files given, then the
     ``--run`` and ``--score`` runs it makes itself (today's ``--traces FILE`` alone: ``--run
-    torch,jax``); also the report's summary additions."""
-    from .sources import load_source, results_source
+    torch,jax``); also the report's summary additions. Everything that can be refused is
+    refused before the weights are read and the runs made."""
+    from .sources import check_same_requests, load_source, results_source
 
     runs, scores = framework_list("--run", args.run), framework_list("--score", args.score)
     if args.traces is not None and not args.sources and not runs and not scores:
@@ -210,6 +211,9 @@ def _compare_inputs(args):
     if not args.sources and args.traces is None:
         raise CliError("give the files to compare (run or score outputs, rollout files), or --traces FILE")
     making = runs + scores
+    if len(args.sources) + len(making) < 2:
+        got = len(args.sources) + len(making)
+        raise CliError(f"compare needs at least two sources (got {got}): add files, --run or --score")
     need_model = bool(making) or args.checkpoint is not None or args.model is not None
     family = config = weights = None
     if need_model:
@@ -228,6 +232,22 @@ def _compare_inputs(args):
         requests = next((list(s.requests) for s in sources if s.requests is not None), None)
         if requests is None and making:
             raise CliError("--run/--score need the requests: give --traces FILE or a rollout file among the files")
+    if requests is None:  # only output files: their reference's requests, by id
+        from .records import TraceRequest
+
+        requests = [TraceRequest(i, (0,), tuple(int(t) for t in r.tokens)) for i, r in sources[0].results.items()]
+    modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
+    modes.update({name: args.logprobs_mode for name in [*runs, *(f"{fw}-score" for fw in scores)]})
+    if len(set(modes.values())) > 1:
+        kinds = ", ".join(f"{n} {m}" for n, m in modes.items())
+        raise CliError(f"the sources' logprobs are of different kinds: {kinds} (--logprobs-mode sets the runs')")
+    untraced = [r.id for r in requests if r.trace is None]
+    if scores and untraced:
+        raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
+    try:
+        check_same_requests(requests, sources)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     extra: dict = {}
     if making:
         assert family is not None
@@ -245,9 +265,6 @@ def _compare_inputs(args):
             summaries[fw] = run_summary(requests, results, seconds)
             sources.append(results_source(fw, "decode", results, args.logprobs_mode))
         for fw in scores:
-            untraced = [r.id for r in requests if r.trace is None]
-            if untraced:
-                raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
             stage(f"{fw}-score")
             t0 = time.perf_counter()
             results = load_loop(family, fw, score=True)(
@@ -257,16 +274,6 @@ def _compare_inputs(args):
             summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
             sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode))
         extra.update(max_batch=args.max_batch, runs=summaries)
-    if len(sources) < 2:
-        raise CliError(f"compare needs at least two sources (got {len(sources)}): add files, --run or --score")
-    modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
-    if len(set(modes.values())) > 1:
-        kinds = ", ".join(f"{n} {m}" for n, m in modes.items())
-        raise CliError(f"the sources' logprobs are of different kinds: {kinds} (--logprobs-mode sets the runs')")
-    if requests is None:  # only output files: their reference's requests, by id
-        from .records import TraceRequest
-
-        requests = [TraceRequest(i, (0,), tuple(int(t) for t in r.tokens)) for i, r in sources[0].results.items()]
     return _unique(sources), requests, extra
 
 
@@ -285,6 +292,7 @@ def _unique(sources):
 def cmd_compare(args, out: TextIO) -> int:
     from .compare import (
         GATED_MEASURES,
+        RL_METRIC_KEYS,
         batch_gate_failures,
         compare_sources,
         gate_failures,
@@ -298,15 +306,12 @@ def cmd_compare(args, out: TextIO) -> int:
     report_path, plot_path, create = output_paths(args.out_dir, args.report, args.plot, inputs, args.checkpoint)
     gates = list(args.fail_above) + ([("k3", args.max_k3)] if args.max_k3 is not None else [])
     for metric, _ in gates:
-        if metric not in GATED_MEASURES and "/" not in metric:
+        if metric not in GATED_MEASURES and metric not in RL_METRIC_KEYS:
             raise CliError(f"--fail-above {metric}: give a per-request measure ({', '.join(GATED_MEASURES)}) or an "
                            "rl_metrics key such as verl/rollout_corr/k3_kl")  # fmt: skip
     sources, requests, extra = _compare_inputs(args)
     try:
         report = compare_sources(requests, sources)
-        for metric, limit in gates:
-            if metric not in GATED_MEASURES:
-                batch_gate_failures(report, metric, limit)  # an unknown key is refused before anything is written
     except ValueError as exc:
         raise CliError(str(exc)) from None
     report["summary"].update(extra)

@@ -41,10 +41,13 @@ __all__ = [
     "gate_failures",
     "output_paths",
     "GATED_MEASURES",
+    "RL_METRIC_KEYS",
 ]
 
 # the per-request measures a gate (``--max-k3``) may bound
 GATED_MEASURES = ("k3", "mean_abs_logprob_diff", "max_abs_logprob_diff", "mean_abs_prob_diff", "max_abs_prob_diff")
+# the batch measures of every pair a gate (``--fail-above``) may bound: the keys of ``rl_metrics``
+RL_METRIC_KEYS = tuple(rl_metrics(train=[], rollout=[]).batch)
 
 
 def _first(mask: np.ndarray) -> int | None:

@@ -40,6 +40,7 @@ __all__ = [
     "load_source",
     "results_source",
     "is_output_document",
+    "check_same_requests",
     "UNKNOWN",
 ]
 
@@ -255,3 +256,12 @@ def load_source(
         raise TraceFileError(path, None, "logprobs_mode", f"differs between lines ({', '.join(sorted(modes))})")
     mode = modes.pop() if modes else None
     return Source("rollout", results, "rollout", path, [r.request for r in rollouts], mode)
+
+
+def check_same_requests(requests: Sequence[TraceRequest], sources: Sequence[Source]) -> None:
+    """``ValueError`` naming the source and the request unless every one of ``sources`` holds a
+    result for every request of ``requests``."""
+    for q in requests:
+        for s in sources:
+            if q.id not in s.results:
+                raise ValueError(f"source {s.name} ({s.path}) has no result for request {q.id!r}")
