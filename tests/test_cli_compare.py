@@ -253,3 +253,26 @@ def test_a_json_lines_file_is_told_from_its_first_line(tmp_path, monkeypatch):
     one_line = tmp_path / "o.json"  # an output written on one line is still one
     one_line.write_text(json.dumps({"summary": {"framework": "torch"}, "requests": []}) + "\n")
     assert sources.is_output_document(str(one_line)) is True
+
+
+def _row(rid, traced, tokens, prompt_len=1):
+    n = len(tokens)
+    return json.dumps({"id": rid, "traced": traced, "prompt_len": prompt_len, "tokens": tokens, "forced": [traced] * n,
+                       "logprobs": [-1.0] * n, "ranks": [1] * n, "argmax": tokens}).encode()  # fmt: skip
+
+
+def test_output_files_keep_which_requests_were_traced(tmp_path, capsys):
+    """Two outputs of run alone: request a traced, b decoded freely into different tokens. The
+    report counts one traced request and b as an untraced divergence (every request counted as
+    traced before)."""
+    x, y = tmp_path / "x.json", tmp_path / "y.json"
+    x.write_bytes(_output([_row("a", True, [2, 3]), _row("b", False, [4, 5])]))
+    y.write_bytes(_output([_row("a", True, [2, 3]), _row("b", False, [4, 6])]))
+    report = tmp_path / "r.json"
+    status, text = run_cli("compare", str(x), str(y), "--report", str(report), "--plot", str(tmp_path / "p.png"))
+    assert status == 0, capsys.readouterr().err
+    doc = load(report)
+    s = doc["summary"]
+    assert [r["traced"] for r in doc["requests"]] == [True, False] and s["traced_requests"] == 1
+    assert (s["untraced_requests_with_token_divergence"], s["traced_requests_with_token_divergence"]) == (1, 0)
+    assert "1 untraced requests decoded different tokens" in text and "traced requests hold" not in text, text

@@ -203,7 +203,7 @@ def _compare_inputs(args):
     ``--run`` and ``--score`` runs it makes itself (today's ``--traces FILE`` alone: ``--run
     torch,jax``); also the report's summary additions. Everything that can be refused is
     refused before the weights are read and the runs made."""
-    from .sources import check_same_requests, load_source, results_source
+    from .sources import check_same_requests, load_source, output_requests, results_source
 
     runs, scores = framework_list("--run", args.run), framework_list("--score", args.score)
     if args.traces is not None and not args.sources and not runs and not scores:
@@ -232,10 +232,8 @@ def _compare_inputs(args):
         requests = next((list(s.requests) for s in sources if s.requests is not None), None)
         if requests is None and making:
             raise CliError("--run/--score need the requests: give --traces FILE or a rollout file among the files")
-    if requests is None:  # only output files: their reference's requests, by id
-        from .records import TraceRequest
-
-        requests = [TraceRequest(i, (0,), tuple(int(t) for t in r.tokens)) for i, r in sources[0].results.items()]
+    if requests is None:  # only output files: their reference's requests, as far as it records them
+        requests = output_requests(sources[0])
     modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
     modes.update({name: args.logprobs_mode for name in [*runs, *(f"{fw}-score" for fw in scores)]})
     if len(set(modes.values())) > 1:
@@ -263,7 +261,7 @@ def _compare_inputs(args):
                                                device=args.device, max_batch=args.max_batch,
                                                show_progress=False if args.quiet else None, **decode)  # fmt: skip
             summaries[fw] = run_summary(requests, results, seconds)
-            sources.append(results_source(fw, "decode", results, args.logprobs_mode))
+            sources.append(results_source(fw, "decode", results, args.logprobs_mode, requests))
         for fw in scores:
             stage(f"{fw}-score")
             t0 = time.perf_counter()
@@ -272,7 +270,7 @@ def _compare_inputs(args):
                 logprobs_mode=args.logprobs_mode, temperature=args.temperature or 1.0,
             )  # fmt: skip
             summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
-            sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode))
+            sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode, requests))
         extra.update(max_batch=args.max_batch, runs=summaries)
     return _unique(sources), requests, extra
 

@@ -206,6 +206,7 @@ def compare_results(
     finite = flat[np.isfinite(flat)]
     argmax_divs = [r["first_argmax_divergence"] for r in rows if r["first_argmax_divergence"] is not None]
     token_divs = [r for r in rows if r["first_token_divergence"] is not None]
+    traced_divs = sum(r["traced"] for r in token_divs)  # a trace not reproduced, or given differently
 
     def stat(f) -> float | None:
         return _num(f(finite)) if finite.size else None
@@ -240,7 +241,8 @@ def compare_results(
         "ranks_compared": ranks_known,
         "requests_with_argmax_divergence": len(argmax_divs),
         "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
-        "untraced_requests_with_token_divergence": len(token_divs),
+        "untraced_requests_with_token_divergence": len(token_divs) - traced_divs,
+        "traced_requests_with_token_divergence": traced_divs,
         "rl_metrics": rl.batch,
     }
     per_position = [
@@ -322,6 +324,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if s["untraced_requests_with_token_divergence"]:
         lines.append(
             f"{s['untraced_requests_with_token_divergence']} untraced requests decoded different tokens "
+            "(compared up to that position)"
+        )
+    if s["traced_requests_with_token_divergence"]:
+        lines.append(
+            f"{s['traced_requests_with_token_divergence']} traced requests hold different tokens "
             "(compared up to that position)"
         )
     if s["non_finite_differences"]:

@@ -2,7 +2,8 @@
 
 A :class:`Source` is one set of results for requests, by id: per request the tokens and the
 logprob of each under that source's model and view, with ranks and greedy tokens where the
-source has them. :func:`load_source` reads a file:
+source has them, and what the source says of each request itself (:class:`Described`: its
+prompt, and whether its tokens were given or decoded freely). :func:`load_source` reads a file:
 
 - the output of ``trace-replay run`` or ``score`` (one JSON document with ``summary`` and
   ``requests``): named ``<framework>`` (decode with replay, as ``compare --run`` names its
@@ -37,8 +38,10 @@ from .traces import TraceFileError, json_error, utf8_text
 
 __all__ = [
     "Source",
+    "Described",
     "load_source",
     "results_source",
+    "output_requests",
     "is_output_document",
     "check_same_requests",
     "UNKNOWN",
@@ -47,11 +50,28 @@ __all__ = [
 UNKNOWN = -1  # a rank or greedy token the source does not have
 
 
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """What a source says of one request beside its results: ``prompt_len``, the ``prompt``'s
+    token ids (None where the source records only the length: an output of run or score) and
+    whether its tokens were ``traced`` (given: a trace, a rollout's sampled tokens) rather than
+    decoded freely."""
+
+    prompt_len: int
+    traced: bool
+    prompt: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, request: TraceRequest) -> Described:
+        return cls(len(request.prompt), request.trace is not None, tuple(request.prompt))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Source:
     """``name``; ``results`` by request id; ``view``: ``"rollout"``, ``"decode"`` or
     ``"teacher-forced"``; ``path``; ``requests`` (those it read, for a rollout file, else None);
-    ``logprobs_mode``: vLLM's name of what its logprobs are (None where the file does not say)."""
+    ``logprobs_mode``: vLLM's name of what its logprobs are (None where the file does not say);
+    ``described``: each request as the source describes it, by id."""
 
     name: str
     results: Mapping[str, RequestResult]
@@ -59,11 +79,32 @@ class Source:
     path: str | None = None
     requests: Sequence[TraceRequest] | None = None
     logprobs_mode: str | None = None
+    described: Mapping[str, Described] = dataclasses.field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The source as messages name it: its name, and its file where it has one."""
+        return self.name if self.path is None else f"{self.name} ({self.path})"
 
 
-def results_source(name: str, view: str, results: Sequence[RequestResult], logprobs_mode: str) -> Source:
-    """A source of results made in this process (``--run``/``--score``)."""
-    return Source(name, {r.id: r for r in results}, view, logprobs_mode=logprobs_mode)
+def results_source(
+    name: str, view: str, results: Sequence[RequestResult], logprobs_mode: str, requests: Sequence[TraceRequest]
+) -> Source:
+    """A source of results made in this process (``--run``/``--score``) from ``requests``."""
+    described = {q.id: Described.of(q) for q in requests}
+    return Source(name, {r.id: r for r in results}, view, logprobs_mode=logprobs_mode, described=described)
+
+
+def output_requests(source: Source) -> list[TraceRequest]:
+    """The requests of an output of run or score as far as it records them: ids, tokens (the
+    trace of a traced request; an untraced one decoded as many) and the prompt's length (its
+    ids unknown: zeros)."""
+    requests = []
+    for rid, r in source.results.items():
+        about = source.described[rid]
+        tokens = tuple(int(t) for t in r.tokens)
+        requests.append(TraceRequest(rid, (0,) * about.prompt_len, tokens if about.traced else None, len(tokens)))
+    return requests
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -187,7 +228,7 @@ def _logprobs(where: str, value: Any, n: int) -> np.ndarray:
     )
 
 
-def _request(where: str, r: Any, seen: Mapping[str, Any]) -> RequestResult:
+def _request(where: str, r: Any, seen: Mapping[str, Any]) -> tuple[RequestResult, Described]:
     if not isinstance(r, dict) or not isinstance(r.get("id"), str) or not r["id"]:
         raise Invalid("requests.id", f"{where}: must be an object with a non-empty string id")
     where = f"{where} ({r['id']!r})"
@@ -200,7 +241,13 @@ def _request(where: str, r: Any, seen: Mapping[str, Any]) -> RequestResult:
         raise Invalid("requests.forced", f"{where}: must be a list of booleans as long as tokens")
     ranks = _ints(where, "requests.ranks", r.get("ranks"), tokens.size, -1)
     argmax = _ints(where, "requests.argmax", r.get("argmax"), tokens.size, 0)
-    return RequestResult(r["id"], tokens, np.asarray(forced, bool), values, ranks, argmax)
+    prompt_len, traced = r.get("prompt_len"), r.get("traced")
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise Invalid("requests.prompt_len", f"{where}: must be a positive integer (got {prompt_len!r})")
+    if not isinstance(traced, bool):
+        raise Invalid("requests.traced", f"{where}: must be true or false (got {traced!r})")
+    result = RequestResult(r["id"], tokens, np.asarray(forced, bool), values, ranks, argmax)
+    return result, Described(prompt_len, traced)
 
 
 def _from_output(path: str) -> Source:
@@ -221,13 +268,14 @@ def _from_output(path: str) -> Source:
     if not isinstance(doc["requests"], list):
         raise TraceFileError(path, key_lines["requests"], "requests", "must be a list")
     results: dict[str, RequestResult] = {}
+    described: dict[str, Described] = {}
     for i, (r, line) in enumerate(zip(doc["requests"], entry_lines, strict=True)):
         try:
-            result = _request(f"request {i + 1}", r, results)
+            result, about = _request(f"request {i + 1}", r, results)
         except Invalid as exc:
             raise TraceFileError(path, line, exc.field, exc.message) from None
-        results[result.id] = result
-    return Source(name, results, view, path, logprobs_mode=mode)
+        results[result.id], described[result.id] = result, about
+    return Source(name, results, view, path, logprobs_mode=mode, described=described)
 
 
 def load_source(
@@ -255,7 +303,8 @@ def load_source(
     if len(modes) > 1:
         raise TraceFileError(path, None, "logprobs_mode", f"differs between lines ({', '.join(sorted(modes))})")
     mode = modes.pop() if modes else None
-    return Source("rollout", results, "rollout", path, [r.request for r in rollouts], mode)
+    described = {r.request.id: Described.of(r.request) for r in rollouts}
+    return Source("rollout", results, "rollout", path, [r.request for r in rollouts], mode, described)
 
 
 def check_same_requests(requests: Sequence[TraceRequest], sources: Sequence[Source]) -> None:
@@ -264,4 +313,4 @@ def check_same_requests(requests: Sequence[TraceRequest], sources: Sequence[Sour
     for q in requests:
         for s in sources:
             if q.id not in s.results:
-                raise ValueError(f"source {s.name} ({s.path}) has no result for request {q.id!r}")
+                raise ValueError(f"source {s.label} has no result for request {q.id!r}")
