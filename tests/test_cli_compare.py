@@ -276,3 +276,41 @@ def test_output_files_keep_which_requests_were_traced(tmp_path, capsys):
     assert [r["traced"] for r in doc["requests"]] == [True, False] and s["traced_requests"] == 1
     assert (s["untraced_requests_with_token_divergence"], s["traced_requests_with_token_divergence"]) == (1, 0)
     assert "1 untraced requests decoded different tokens" in text and "traced requests hold" not in text, text
+
+
+def _file(d, name, data: bytes):
+    (d / name).write_bytes(data)
+    return str(d / name)
+
+
+ROLLOUT_A = b'{"id": "a", "prompt": [1, 2], "trace": [3, 4], "logprobs": [-1.0, -1.0]}\n'
+# id -> (arguments from the work folder, the message after "trace-replay compare: error: ")
+DIFFERENT_REQUESTS = {
+    "prompt_lengths": (
+        lambda d: [_file(d, "x.json", _output([_row("a", True, [3, 4], 2)])),
+                   _file(d, "y.json", _output([_row("a", True, [3, 4], 3)]))],
+        "request 'a': the prompts differ between torch ({d}/x.json) and torch ({d}/y.json) (2 and 3 tokens)"),
+    "traced_tokens": (
+        lambda d: [_file(d, "x.json", _output([_row("a", True, [3, 4], 2)])),
+                   _file(d, "y.json", _output([_row("a", True, [3, 5], 2)]))],
+        "request 'a': the tokens differ between torch ({d}/x.json) and torch ({d}/y.json) (token 1: 4 and 5)"),
+    "prompt_ids_against_traces": (
+        lambda d: [_file(d, "r.jsonl", ROLLOUT_A), _file(d, "x.json", _output([_row("a", True, [3, 4], 2)])),
+                   "--traces", _file(d, "t.jsonl", b'{"id": "a", "prompt": [1, 5], "trace": [3, 4]}\n')],
+        "request 'a': the prompts differ between --traces {d}/t.jsonl and rollout ({d}/r.jsonl) (token 1: 5 and 2)"),
+    "rollout_against_output": (
+        lambda d: [_file(d, "r.jsonl", ROLLOUT_A), _file(d, "x.json", _output([_row("a", True, [3, 5], 2)]))],
+        "request 'a': the tokens differ between rollout ({d}/r.jsonl) and torch ({d}/x.json) (token 1: 4 and 5)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(DIFFERENT_REQUESTS))
+def test_sources_of_different_requests_are_refused(tmp_path, capsys, case):
+    """Sources that describe a request differently (prompt, or the tokens two of them give) are
+    not the same requests: exit 2 naming the request, both sources and what differs (a traced
+    request's tokens that differed were reported as an untraced divergence, with exit 0)."""
+    make, message = DIFFERENT_REQUESTS[case]
+    status, _ = run_cli("compare", *make(tmp_path), "--out-dir", str(tmp_path / "o"))
+    err = capsys.readouterr().err
+    assert status == 2 and err == f"trace-replay compare: error: {message.format(d=tmp_path)}\n", err
+    assert not (tmp_path / "o").exists()

@@ -243,7 +243,7 @@ def _compare_inputs(args):
     if scores and untraced:
         raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
     try:
-        check_same_requests(requests, sources)
+        check_same_requests(requests, sources, None if args.traces is None else f"--traces {args.traces}")
     except ValueError as exc:
         raise CliError(str(exc)) from None
     extra: dict = {}

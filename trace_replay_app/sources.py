@@ -307,10 +307,42 @@ def load_source(
     return Source("rollout", results, "rollout", path, [r.request for r in rollouts], mode, described)
 
 
-def check_same_requests(requests: Sequence[TraceRequest], sources: Sequence[Source]) -> None:
-    """``ValueError`` naming the source and the request unless every one of ``sources`` holds a
-    result for every request of ``requests``."""
+def check_same_requests(
+    requests: Sequence[TraceRequest], sources: Sequence[Source], reference: str | None = None
+) -> None:
+    """``ValueError`` naming the request, two sources and what differs unless every one of
+    ``sources`` holds every request of ``requests`` and all describe it alike: the same prompt
+    (its ids, or its length where a source records only that) and, where two sources both give
+    its tokens (a trace, a rollout's sampled tokens), the same tokens. ``reference`` names where
+    ``requests`` were read (``--traces FILE``), which then counts as one more source; None when
+    they came from one of ``sources``."""
     for q in requests:
+        seen = [] if reference is None else [(reference, Described.of(q), q.trace)]
         for s in sources:
             if q.id not in s.results:
                 raise ValueError(f"source {s.label} has no result for request {q.id!r}")
+            about = s.described.get(q.id)
+            if about is not None:
+                seen.append((s.label, about, tuple(int(t) for t in s.results[q.id].tokens) if about.traced else None))
+        if seen:
+            _same(q.id, "prompts", [(who, about.prompt_len, about.prompt) for who, about, _ in seen])
+            _same(q.id, "tokens", [(who, len(tokens), tokens) for who, _, tokens in seen if tokens is not None])
+
+
+def _same(rid: str, what: str, seen: Sequence[tuple[str, int, tuple[int, ...] | None]]) -> None:
+    """``ValueError`` unless every ``(who, length, ids or None)`` of ``seen`` agrees with the first
+    on the length and with the first that has ids on the ids."""
+    if not seen:
+        return
+    first, length, _ = seen[0]
+    for who, n, _ in seen[1:]:
+        if n != length:
+            raise ValueError(f"request {rid!r}: the {what} differ between {first} and {who} ({length} and {n} tokens)")
+    with_ids = [(who, ids) for who, _, ids in seen if ids is not None]
+    for who, ids in with_ids[1:]:
+        at = next((i for i, (a, b) in enumerate(zip(with_ids[0][1], ids)) if a != b), None)
+        if at is not None:
+            raise ValueError(
+                f"request {rid!r}: the {what} differ between {with_ids[0][0]} and {who} "
+                f"(token {at}: {with_ids[0][1][at]} and {ids[at]})"
+            )
