@@ -314,3 +314,51 @@ def test_sources_of_different_requests_are_refused(tmp_path, capsys, case):
     err = capsys.readouterr().err
     assert status == 2 and err == f"trace-replay compare: error: {message.format(d=tmp_path)}\n", err
     assert not (tmp_path / "o").exists()
+
+
+COMPLETIONS = json.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x", "logprobs": {
+    "tokens": ["token_id:4", "token_id:5"], "token_logprobs": [-1.0, -2.0]}}]}).encode() + b"\n"  # fmt: skip
+VLLM_OFFLINE = (
+    json.dumps(
+        {
+            "request_id": "c",
+            "prompt_token_ids": [1, 2, 3],
+            "outputs": [
+                {"index": 0, "token_ids": [4, 5], "logprobs": [{"4": {"logprob": -1.1}}, {"5": {"logprob": -2.1}}]}
+            ],
+        }
+    ).encode()
+    + b"\n"
+)
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (["comp.jsonl", "vo.jsonl"], None),
+        (["vo.jsonl", "comp.jsonl"], None),
+        (["vo.jsonl", "vo.jsonl"], "--requests {d}/req.jsonl: the request bodies of an openai-completions file, "
+         "and none of {d}/vo.jsonl, {d}/vo.jsonl is one"),
+        (["comp.jsonl", "comp2.jsonl"], "--requests {d}/req.jsonl: goes with one openai-completions file, and "
+         "{d}/comp.jsonl and {d}/comp2.jsonl are both"),
+    ],
+)  # fmt: skip
+def test_requests_go_with_the_completions_file(tmp_path, capsys, names, message):
+    """--requests holds the request bodies of the one openai-completions file among compare's
+    files; the others are read without them (a completions file beside a vLLM one was refused)."""
+    for name, data in (("comp.jsonl", COMPLETIONS), ("comp2.jsonl", COMPLETIONS), ("vo.jsonl", VLLM_OFFLINE)):
+        _file(tmp_path, name, data)
+    _file(tmp_path, "req.jsonl", b'{"prompt": [1, 2, 3]}\n')
+    report = tmp_path / "r.json"
+    paths = [str(tmp_path / n) for n in names]
+    args = ["compare", *paths, "--requests", str(tmp_path / "req.jsonl"), "--report", str(report)]
+    status, _ = run_cli(*args, "--plot", str(tmp_path / "p.png"))
+    err = capsys.readouterr().err
+    if message is None:
+        assert status == 0, err
+        rows = load(report)["requests"]
+        assert [(r["id"], r["compared_positions"]) for r in rows] == [("c/0", 2)]
+        assert rows[0]["max_abs_logprob_diff"] == pytest.approx(0.1)
+    else:
+        assert status == 2 and err == f"trace-replay compare: error: {message.format(d=tmp_path)}\n", err
+        assert not report.exists()

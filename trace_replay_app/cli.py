@@ -122,19 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     names = [f.name for f in families()]
 
-    def inputs(p):
+    def inputs(p, compare: bool = False):
+        files = "--traces and the rollout files" if compare else "--traces"
         p.add_argument(
             "--format",
             choices=("auto", *ROLLOUT_FORMATS),
             default="auto",
-            help="format of --traces (default auto: told from its first line)",
+            help=f"format of {files} (default auto: told from {'each' if compare else 'its'} first line)",
         )
         p.add_argument(
             "--requests",
             metavar="FILE",
             default=None,
-            help="request bodies of an openai-completions file without prompt_token_ids (JSON Lines, "
-            "same order, prompt as token ids)",
+            help=f"request bodies of {'the openai-completions file among ' if compare else ''}{files}"
+            f"{'' if compare else ' (openai-completions)'}, for responses without prompt_token_ids "
+            "(JSON Lines, one per response, same order, prompt as token ids)",
         )
         p.add_argument(
             "--logprobs-mode",
@@ -274,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 when a measure is above X or missing: a per-request one (k3, max_abs_logprob_diff, ...) "
         "for every request, or an rl_metrics key (e.g. verl/rollout_corr/k3_kl) for every pair; repeatable",
     )
-    inputs(cmp)
+    inputs(cmp, compare=True)
     cmp.add_argument(
         "--out-dir",
         default=None,

@@ -26,7 +26,7 @@ from .runner import (
     say,
     stage,
 )
-from .traces import TraceFileError, stop_if_interrupted
+from .traces import stop_if_interrupted
 
 __all__ = ["cmd_run", "cmd_score", "cmd_compare", "parse_gate", "framework_list", "TRACES_HELP"]
 
@@ -203,7 +203,7 @@ def _compare_inputs(args):
     ``--run`` and ``--score`` runs it makes itself (today's ``--traces FILE`` alone: ``--run
     torch,jax``); also the report's summary additions. Everything that can be refused is
     refused before the weights are read and the runs made."""
-    from .sources import check_same_requests, load_source, output_requests, results_source
+    from .sources import check_same_requests, load_source, output_requests, requests_file_for, results_source
 
     runs, scores = framework_list("--run", args.run), framework_list("--score", args.score)
     if args.traces is not None and not args.sources and not runs and not scores:
@@ -218,16 +218,24 @@ def _compare_inputs(args):
     family = config = weights = None
     if need_model:
         family, config, model_source = load_model(args.model, args.checkpoint, args.seed)
+    files = [*([args.traces] if args.traces is not None else []), *args.sources]
+    bodies: dict[str, str] = {}  # the one file --requests goes with
     sources = []
-    for path in args.sources:
-        try:
-            sources.append(load_source(path, config, format=args.format, requests_path=args.requests))
-        except TraceFileError as exc:
-            raise CliError(str(exc)) from None
-        except OSError as exc:
-            raise CliError(f"{exc.filename or path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        if args.requests is not None:
+            bodies[os.path.realpath(requests_file_for(files, args.format, args.requests))] = args.requests
+        for path in args.sources:
+            sources.append(
+                load_source(path, config, format=args.format, requests_path=bodies.get(os.path.realpath(path)))
+            )
+    except ValueError as exc:  # TraceFileError too
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"{exc.filename or ', '.join(files)}: cannot read ({exc.strerror or exc})") from None
     if args.traces is not None:
-        requests = read_requests(args.traces, config, format=args.format, requests_path=args.requests)
+        requests = read_requests(
+            args.traces, config, format=args.format, requests_path=bodies.get(os.path.realpath(args.traces))
+        )
     else:
         requests = next((list(s.requests) for s in sources if s.requests is not None), None)
         if requests is None and making:

@@ -25,6 +25,7 @@ import codecs
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 
 from .records import RequestResult, TraceRequest
 from .rollout_fields import Invalid, logprob
-from .rollouts import read_rollouts
+from .rollouts import ROLLOUT_FORMATS, detect_format, read_rollouts
 from .traces import TraceFileError, json_error, utf8_text
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "load_source",
     "results_source",
     "output_requests",
+    "requests_file_for",
     "is_output_document",
     "check_same_requests",
     "UNKNOWN",
@@ -305,6 +307,25 @@ def load_source(
     mode = modes.pop() if modes else None
     described = {r.request.id: Described.of(r.request) for r in rollouts}
     return Source("rollout", results, "rollout", path, [r.request for r in rollouts], mode, described)
+
+
+def requests_file_for(paths: Sequence[str], format: str, requests_path: str) -> str:
+    """The one of ``paths`` (rollout files and outputs of run or score) that the request bodies
+    ``requests_path`` go with: the openai-completions file among them (``format``, or told from
+    its first line; one path given twice is one file). ``ValueError`` when there is none or
+    more than one; :class:`TraceFileError` or ``OSError`` from reading a first line."""
+    completions: dict[str, str] = {}
+    for path in paths:
+        if not is_output_document(path) and (format if format != "auto" else detect_format(path)) == ROLLOUT_FORMATS[1]:
+            completions.setdefault(os.path.realpath(path), path)
+    found = list(completions.values())
+    if not found:
+        raise ValueError(f"--requests {requests_path}: the request bodies of an openai-completions file, and none "
+                         f"of {', '.join(paths)} is one")  # fmt: skip
+    if len(found) > 1:
+        raise ValueError(f"--requests {requests_path}: goes with one openai-completions file, and {found[0]} and "
+                         f"{found[1]} are both")  # fmt: skip
+    return found[0]
 
 
 def check_same_requests(
