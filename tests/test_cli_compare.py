@@ -160,6 +160,26 @@ REFUSED_BEFORE_RUNS = {
 }  # fmt: skip
 
 
+NO_RUN = "has no effect here (compare runs no model without --run or --score)"
+REFUSED_BEFORE_RUNS.update({
+    "device_without_runs": (lambda f, d: [f["rollout"], f["torch"], "--device", "cuda"], "--device cuda: " + NO_RUN),
+    "dtype_without_runs": (lambda f, d: [f["rollout"], f["torch"], "--dtype", "bfloat16"],
+                           "--dtype bfloat16: " + NO_RUN),
+    "temperature_without_runs": (lambda f, d: [f["rollout"], f["torch"], "--temperature", "0.5"],
+                                 "--temperature 0.5: " + NO_RUN),
+    "max_batch_without_run": (lambda f, d: [f["rollout"], "--score", "torch", "--max-batch", "4"],
+                              "--max-batch 4: has no effect here (only --run decodes in slots)"),
+    "sampling_seed_without_run": (lambda f, d: [f["rollout"], "--score", "torch", "--sampling-seed", "3"],
+                                  "--sampling-seed 3: has no effect here (only --run samples)"),
+    "temperature_with_raw_score": (lambda f, d: [f["rollout"], "--score", "torch", "--temperature", "0.5"],
+                                   "--temperature 0.5: has no effect here (--score takes no temperature for "
+                                   "raw_logprobs)"),
+    "mode_against_files": (lambda f, d: [f["rollout"], f["torch"], "--logprobs-mode", "processed_logprobs"],
+                           "--logprobs-mode processed_logprobs: the files' logprobs are of another kind: torch "
+                           "raw_logprobs"),
+})  # fmt: skip
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED_BEFORE_RUNS))
 def test_refused_before_the_runs(tmp_path, files, capsys, monkeypatch, case):
     """Refusals of compare exit 2 before the weights are read and any run is made (they came
@@ -171,6 +191,11 @@ def test_refused_before_the_runs(tmp_path, files, capsys, monkeypatch, case):
     assert status == 2 and text == "", err
     assert err.splitlines()[-1].startswith("trace-replay compare: error: " + message.format(d=tmp_path)), err
     assert "stage load" not in err and not (tmp_path / "o").exists()
+
+
+def test_an_explicit_logprobs_mode_checks_the_files(tmp_path, files):
+    args = ["compare", files["rollout"], files["torch"], "--logprobs-mode", "raw_logprobs"]
+    assert run_cli(*args, "--out-dir", str(tmp_path / "o"))[0] == 0
 
 
 def test_logprobs_of_different_kinds_are_refused(tmp_path, files, capsys):

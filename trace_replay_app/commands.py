@@ -28,7 +28,7 @@ from .runner import (
 )
 from .traces import stop_if_interrupted
 
-__all__ = ["cmd_run", "cmd_score", "cmd_compare", "parse_gate", "framework_list", "TRACES_HELP"]
+__all__ = ["cmd_run", "cmd_score", "cmd_compare", "framework_list"]
 
 
 def _ids(ids: Sequence[str]) -> str:
@@ -51,9 +51,6 @@ def _report_non_finite(command: str, s: dict) -> bool:
         file=sys.stderr,
     )
     return True
-
-
-TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
 
 
 def _inputs(args) -> list[tuple[str, str | None]]:
@@ -186,24 +183,19 @@ def framework_list(option: str, text: str | None) -> list[str]:
     return names
 
 
-def parse_gate(text: str) -> tuple[str, float]:
-    """``METRIC=X`` of ``--fail-above`` -> ``(metric, X)``; ``ValueError`` saying what is wrong."""
-    metric, sep, value = text.partition("=")
-    try:
-        limit = float(value)
-    except ValueError:
-        limit = float("nan")
-    if not sep or not metric or not limit == limit or limit in (float("inf"), float("-inf")):
-        raise ValueError(f"must be METRIC=X with a finite number X (got {text!r})")
-    return metric, limit
-
-
 def _compare_inputs(args):
     """The requests and sources of a ``compare`` call, in order: the files given, then the
     ``--run`` and ``--score`` runs it makes itself (today's ``--traces FILE`` alone: ``--run
     torch,jax``); also the report's summary additions. Everything that can be refused is
     refused before the weights are read and the runs made."""
-    from .sources import check_same_requests, load_source, output_requests, requests_file_for, results_source
+    from .sources import (
+        check_same_requests,
+        load_source,
+        output_requests,
+        requests_file_for,
+        results_source,
+        unique_names,
+    )
 
     runs, scores = framework_list("--run", args.run), framework_list("--score", args.score)
     if args.traces is not None and not args.sources and not runs and not scores:
@@ -211,6 +203,7 @@ def _compare_inputs(args):
     if not args.sources and args.traces is None:
         raise CliError("give the files to compare (run or score outputs, rollout files), or --traces FILE")
     making = runs + scores
+    _run_options(args, runs, scores)
     if len(args.sources) + len(making) < 2:
         got = len(args.sources) + len(making)
         raise CliError(f"compare needs at least two sources (got {got}): add files, --run or --score")
@@ -243,6 +236,11 @@ def _compare_inputs(args):
     if requests is None:  # only output files: their reference's requests, as far as it records them
         requests = output_requests(sources[0])
     modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
+    if args.logprobs_mode is not None and not making:  # given for the files alone: a check of theirs
+        other = ", ".join(f"{n} {m}" for n, m in modes.items() if m != args.logprobs_mode)
+        if other:
+            raise CliError(f"--logprobs-mode {args.logprobs_mode}: the files' logprobs are of another kind: {other}")
+    args.logprobs_mode = args.logprobs_mode or "raw_logprobs"
     modes.update({name: args.logprobs_mode for name in [*runs, *(f"{fw}-score" for fw in scores)]})
     if len(set(modes.values())) > 1:
         kinds = ", ".join(f"{n} {m}" for n, m in modes.items())
@@ -280,19 +278,29 @@ def _compare_inputs(args):
             summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
             sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode, requests))
         extra.update(max_batch=args.max_batch, runs=summaries)
-    return _unique(sources), requests, extra
+    return unique_names(sources), requests, extra
 
 
-def _unique(sources):
-    """Sources with unique names (a repeated name gets ``#2``, ``#3``, ...)."""
-    import dataclasses
-
-    seen: dict[str, int] = {}
-    out = []
-    for s in sources:
-        seen[s.name] = seen.get(s.name, 0) + 1
-        out.append(s if seen[s.name] == 1 else dataclasses.replace(s, name=f"{s.name}#{seen[s.name]}"))
-    return out
+def _run_options(args, runs: Sequence[str], scores: Sequence[str]) -> None:
+    """Refuse compare's run options that would change nothing in this call (exit 2 naming the
+    option), then give those left out their defaults (``--logprobs-mode``: see the caller)."""
+    nothing = "compare runs no model without --run or --score"
+    processed = args.logprobs_mode == "processed_logprobs"
+    unused = {
+        "device": None if runs or scores else nothing,
+        "dtype": None if runs or scores else nothing,
+        "max_batch": None if runs else "only --run decodes in slots",
+        "sampling_seed": None if runs else "only --run samples",
+        "temperature": None
+        if runs or (scores and processed)
+        else ("--score takes no temperature for raw_logprobs" if scores else nothing),
+    }
+    for name, why in unused.items():
+        if why is not None and getattr(args, name) is not None:
+            raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)}: has no effect here ({why})")
+    for name, default in {"device": "cpu", "max_batch": 8, "temperature": 0.0, "sampling_seed": 0}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def cmd_compare(args, out: TextIO) -> int:

@@ -44,6 +44,7 @@ __all__ = [
     "results_source",
     "output_requests",
     "requests_file_for",
+    "unique_names",
     "is_output_document",
     "check_same_requests",
     "UNKNOWN",
@@ -326,6 +327,16 @@ def requests_file_for(paths: Sequence[str], format: str, requests_path: str) -> 
         raise ValueError(f"--requests {requests_path}: goes with one openai-completions file, and {found[0]} and "
                          f"{found[1]} are both")  # fmt: skip
     return found[0]
+
+
+def unique_names(sources: Sequence[Source]) -> list[Source]:
+    """``sources`` with unique names (a repeated name gets ``#2``, ``#3``, ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for s in sources:
+        seen[s.name] = seen.get(s.name, 0) + 1
+        out.append(s if seen[s.name] == 1 else dataclasses.replace(s, name=f"{s.name}#{seen[s.name]}"))
+    return out
 
 
 def check_same_requests(
