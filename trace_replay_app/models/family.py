@@ -32,15 +32,30 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Family", "FrameworkMissing", "FRAMEWORKS", "RunDecode"]
+__all__ = ["Family", "FrameworkMissing", "FRAMEWORKS", "RunDecode", "loop_loader"]
 
 FRAMEWORKS = ("torch", "jax")
 
 RunDecode = Callable[..., list]
+
+
+def loop_loader(loop_module: Callable[[str], ModuleType]) -> Callable[..., RunDecode]:
+    """A family's ``load_loop(framework, entry="run_decode")``: ``entry`` of the family's loop
+    module for ``framework`` (``"torch"`` or ``"jax"``, else ``ValueError``), which
+    ``loop_module(framework)`` imports with a plain import (nothing loads a framework before it
+    is asked for)."""
+
+    def load_loop(framework: str, entry: str = "run_decode") -> RunDecode:
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
+        return getattr(loop_module(framework), entry)
+
+    return load_loop
 
 
 class FrameworkMissing(ImportError):
