@@ -16,6 +16,7 @@ from helpers.cli_helpers import main as run_cli
 from trace_replay_app import cli, demo
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.records import RequestResult
 from trace_replay_app.runner import progress_bar
 from trace_replay_app.traces import random_requests, read_traces, write_traces
 
@@ -316,6 +317,27 @@ def test_demo_checks_catch_a_broken_loop(loop, failed):
     demo.report(result, out=out)
     text = out.getvalue()
     assert f"check: {failed}" in text and text.rstrip().endswith("CHECKS FAILED: see above")
+
+
+def _echo_loop(config, weights, requests, **kw):
+    """A stand-in loop: each traced request decodes its trace, each other one zeros."""
+    out = []
+    for q in requests:
+        n = q.new_tokens
+        tokens = np.asarray(q.trace if q.trace is not None else [0] * n, np.int64)
+        ones = np.ones(n, np.int64)
+        out.append(
+            RequestResult(q.id, tokens, np.full(n, q.trace is not None), np.full(n, -1.0, np.float32), ones, ones)
+        )
+    return out
+
+
+def test_demo_names_the_slots_it_used():
+    """--max-batch 100 for the demo's 12 requests: the header names the 12 slots used, not the option."""
+    result = demo.run_demo(loops={"torch": _echo_loop}, max_batch=100)
+    out = io.StringIO()
+    demo.report(result, out=out)
+    assert "12 requests on 12 slots, device cpu" in out.getvalue(), out.getvalue()[:300]
 
 
 def test_demo_subcommand_exit_status_follows_the_checks(monkeypatch):

@@ -226,7 +226,8 @@ def test_max_batch_beyond_the_requests_uses_one_slot_per_request(tmp_path, input
     got = child(*RUN, *args, cwd=tmp_path, memory_limit=6 * 2**30)
     assert got.status == 0 and got.err == "", got.err
     summary = load(out)["summary"]
-    assert summary["max_batch"] == 10**11 and summary["exact_reproductions"] == summary["traced_requests"] == 2
+    assert summary["max_batch"] == 10**11 and summary["slots"] == 4  # the option, and the slots it took
+    assert summary["exact_reproductions"] == summary["traced_requests"] == 2
 
 
 def test_non_finite_logprobs_are_reported_not_formatted(tmp_path, inputs):

@@ -26,6 +26,7 @@ from .runner import (
     say,
     stage,
 )
+from .schedule import slots_for
 from .traces import stop_if_interrupted
 
 __all__ = ["cmd_run", "cmd_score", "cmd_compare", "framework_list"]
@@ -63,17 +64,9 @@ def cmd_run(args, out: TextIO) -> int:
     check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
     family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
     decode = decode_options(args)
-    results, seconds = replay_requests(
-        args.framework,
-        config,
-        weights,
-        requests,
-        loop=loops[args.framework],
-        device=args.device,
-        max_batch=args.max_batch,
-        show_progress=False if args.quiet else None,
-        **decode,
-    )
+    results, seconds = replay_requests(args.framework, config, weights, requests, loop=loops[args.framework],
+                                       device=args.device, max_batch=args.max_batch,
+                                       show_progress=False if args.quiet else None, **decode)  # fmt: skip
     s = run_summary(requests, results, seconds)
     head = {
         "summary": dict(
@@ -81,6 +74,7 @@ def cmd_run(args, out: TextIO) -> int:
             framework=args.framework,
             device=args.device,
             max_batch=args.max_batch,
+            slots=slots_for([q.new_tokens for q in requests], args.max_batch),
             traces=args.traces,
             **model_summary(family, config, source, decode),
         )
@@ -277,7 +271,9 @@ def _compare_inputs(args):
             )  # fmt: skip
             summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
             sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode, requests))
-        extra.update(max_batch=args.max_batch, runs=summaries)
+        if runs:  # the decode slots: the option, and those the runs took
+            extra.update(max_batch=args.max_batch, slots=slots_for([q.new_tokens for q in requests], args.max_batch))
+        extra.update(runs=summaries)
     return unique_names(sources), requests, extra
 
 

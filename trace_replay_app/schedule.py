@@ -42,6 +42,7 @@ __all__ = [
     "Schedule",
     "DecodeCall",
     "plan",
+    "slots_for",
     "check_decode",
     "check_model_call",
     "check_limits",
@@ -101,6 +102,11 @@ class Schedule:
         return per_step[self.start[i] : self.start[i] + self.new_tokens[i], self.slot[i]]
 
 
+def slots_for(new_tokens: Sequence[int], max_batch: int) -> int:
+    """The slots of a run of requests decoding ``new_tokens``: ``min(max_batch, those > 0)``, at least 1."""
+    return max(1, min(int(max_batch), sum(1 for n in new_tokens if n > 0)))
+
+
 def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
     """The schedule of requests decoding ``new_tokens[i]`` tokens each through at most
     ``max_batch`` slots (``max_batch`` may be far above the work: the schedule, and every buffer
@@ -109,11 +115,10 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
     Host-only and deterministic; see the module docstring for the rules.
     """
     _check_slots_and_callback(max_batch, None)
-    max_batch = int(max_batch)
     counts = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
     if (counts < 0).any():
         raise ValueError(f"new_tokens must be >= 0 (got {counts[counts < 0][0]})")
-    slots = max(1, min(max_batch, int((counts > 0).sum())))
+    slots = slots_for(counts.tolist(), max_batch)
     slot = np.full(counts.size, -1, dtype=np.int32)
     start = np.full(counts.size, -1, dtype=np.int32)
     free = [(0, s) for s in range(slots)]  # (step the slot is free from, slot): a heap
