@@ -1,11 +1,13 @@
-"""Compare two runs of the same requests (the torch and the JAX reference loop) token by token.
+"""Compare sources of logprobs for the same requests token by token: a pair ``a`` and ``b`` (two
+runs, a rollout and a run, a decode and a teacher-forced score), and several sources as the
+first (the reference) against each of the others.
 
-For each request, positions are comparable while both runs hold the same tokens so far: for a
-traced request that is every position (both runs force the same tokens); for an untraced one
-it ends at the first position where the runs chose different tokens (after it, the two runs
-condition on different sequences). At each comparable position the report holds the logprob
-difference ``d = b - a`` of the chosen token, and it names the first position where the two
-runs' argmax choices differ, which is where greedy decoding of the two would part.
+For each request, positions are comparable while both sources hold the same tokens so far: for
+a traced request that is every position (both hold its trace); for an untraced one it ends at
+the first position where they chose different tokens (after it, the two condition on
+different sequences). At each comparable position the report holds the logprob difference
+``d = b - a`` of the chosen token, and it names the first position where the two sides' argmax
+choices differ (where both have them), which is where greedy decoding of the two would part.
 
 The measures RL teams track for train/rollout mismatch, per request and over all compared
 positions: mean and max ``|d|``; mean and max ``|exp(b) - exp(a)|`` (probability of the
@@ -13,8 +15,8 @@ token); the k3 estimate of KL(a || b), ``mean(exp(d) - 1 - d)`` (non-negative, u
 tokens drawn from ``a``); the Pearson correlation of the two logprob sequences; how many
 positions' argmax differ; and the first divergent position (argmax or token, whichever first).
 
-:func:`compare_results` builds the report (a JSON-ready dict); :func:`plot_divergence` draws
-``|logprob difference|`` against position (matplotlib, imported on first use).
+:func:`compare_results` builds the report of a pair (a JSON-ready dict), :func:`compare_sources`
+that of several sources; :mod:`trace_replay_app.compare_plots` draws them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ __all__ = [
     "pair_reports",
     "summary_lines",
     "mismatch_measures",
-    "requests_above_k3",
     "gate_failures",
     "output_paths",
     "GATED_MEASURES",
@@ -88,13 +89,6 @@ def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> dict[str, Any]:
         "k3": _num(k3.mean()),
         "pearson": pearson,
     }
-
-
-def requests_above_k3(report: dict[str, Any], limit: float) -> list[tuple]:
-    """``[(id, k3)]`` of the requests of a :func:`compare_results` report whose k3 estimate is
-    above ``limit``, in report order (see :func:`gate_failures` for the gate, which also fails
-    requests whose k3 is missing)."""
-    return [(r["id"], r["k3"]) for r in report["requests"] if r["k3"] is not None and r["k3"] > limit]
 
 
 def gate_failures(report: dict[str, Any], measure: str, limit: float) -> list[str]:
