@@ -234,6 +234,7 @@ BAD_SOURCES = {
     "output_integer_too_long": (_output([b'{"id": "a", "tokens": [' + b"7" * 5000 + b"]}"]), 3, None,
                                 "not valid JSON here (Exceeds the limit (4300 digits) for integer string conversion"),
     "output_truncated": (_output([GOOD, GOOD])[:-12], 4, None, "not valid JSON (Unterminated string"),
+    "output_trailing_comma": (_output([GOOD, b""]), 5, None, "not valid JSON (Expecting value at column 1)"),
     "logprob_integer_beyond_float": (_output([ROW % (b"-" + b"9" * 400)]), 3, "requests.logprobs",
                                      "request 1 ('a'): entry 0 is too large to be a logprob (-9999999999"),
     "logprob_positive": (_output([GOOD, ROW.replace(b'"a"', b'"b"') % b"0.5"]), 4, "requests.logprobs",

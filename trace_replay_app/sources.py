@@ -179,34 +179,43 @@ def _document(path: str) -> tuple[dict[str, Any], dict[str, int], list[int]]:
     doc: dict[str, Any] = {}
     key_lines: dict[str, int] = {}
     entry_lines: list[int] = []
-    at = skip(0)
-    expect(at, "{")
-    at = skip(at + 1)
-    while text[at : at + 1] != "}":
+
+    def items(at: int, close: str, read) -> int:  # comma-separated items up to `close`, each read(at) -> at
+        at = skip(at)
+        if text[at : at + 1] == close:
+            return at + 1
+        while True:
+            at = skip(read(at))
+            if expect(at, "," + close) == close:
+                return at + 1
+            at = skip(at + 1)
+
+    def entry(at: int) -> int:
+        entry_lines.append(line(at))
+        item, at = value(at)
+        doc["requests"].append(item)
+        return at
+
+    def member(at: int) -> int:
         expect(at, '"')
+        where = line(at)
         key, at = value(at)
-        key_lines[key] = line(at)
         at = skip(at)
         expect(at, ":")
         at = skip(at + 1)
+        key_lines[key] = where
         if key == "requests" and text[at : at + 1] == "[":
-            entries, entry_lines = [], []
-            at = skip(at + 1)
-            while text[at : at + 1] != "]":
-                entry_lines.append(line(at))
-                entry, at = value(at)
-                entries.append(entry)
-                at = skip(at)
-                if expect(at, ",]") == ",":
-                    at = skip(at + 1)
-            doc[key], at = entries, at + 1
-        else:
-            doc[key], at = value(at)
-        at = skip(at)
-        if expect(at, ",}") == ",":
-            at = skip(at + 1)
-    if skip(at + 1) != len(text):
-        raise TraceFileError(path, line(skip(at + 1)), None, "not valid JSON (more after the document's end)")
+            doc[key] = []
+            entry_lines.clear()
+            return items(at + 1, "]", entry)
+        doc[key], at = value(at)
+        return at
+
+    at = skip(0)
+    expect(at, "{")
+    at = skip(items(at + 1, "}", member))
+    if at != len(text):
+        raise TraceFileError(path, line(at), None, "not valid JSON (more after the document's end)")
     return doc, key_lines, entry_lines
 
 
