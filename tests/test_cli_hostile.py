@@ -86,11 +86,6 @@ REFUSED = {
         "o",
         r"--out .*o: is the --requests file \(the output would replace the input\)",
     ),
-    "score_out_is_requests": (
-        lambda d, i: ["score", "--framework", "jax", *_completions(d, "o"), "--out", str(d / "o")],
-        "o",
-        r"--out .*o: is the --requests file \(the output would replace the input\)",
-    ),
     "report_is_plot": (
         lambda d, i: ["compare", "--traces", str(i / "t.jsonl"), "--report", str(d / "o"), "--plot", str(d / "o")],
         "o",

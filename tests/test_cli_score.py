@@ -101,6 +101,22 @@ def test_score_refuses_options_before_loading_weights(tmp_path, capsys, monkeypa
     assert "stage load" not in err and not out.exists()
 
 
+def test_score_out_may_not_replace_the_requests_file(tmp_path, capsys):
+    choice = {"index": 0, "text": "x", "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-1.0]}}
+    (tmp_path / "c.jsonl").write_text(json.dumps({"id": "c", "object": "text_completion", "choices": [choice]}) + "\n")
+    bodies = tmp_path / "req.jsonl"
+    bodies.write_text('{"prompt": [1, 2, 3]}\n')
+    args = ["--traces", str(tmp_path / "c.jsonl"), "--requests", str(bodies), "--out", str(bodies)]
+    status, _ = run_cli("score", "--framework", "torch", *args)
+    err = capsys.readouterr().err
+    assert (
+        status == 2
+        and err
+        == f"trace-replay score: error: --out {bodies}: is the --requests file (the output would replace the input)\n"
+    )
+    assert bodies.read_text() == '{"prompt": [1, 2, 3]}\n'
+
+
 def test_score_refuses_an_untraced_request(tmp_path, capsys):
     path = str(tmp_path / "t.jsonl")
     with open(path, "w") as f:
