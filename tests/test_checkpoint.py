@@ -31,12 +31,21 @@ from trace_replay_app.checkpoint import (
     save_checkpoint,
     write_safetensors,
 )
+from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
 
 
 def _load(path):
     with open(path) as f:
         return json.load(f)
+
+
+def _config_with_literal(d, family, key, literal):
+    """A checkpoint folder's config.json of ``family``'s default config with ``key`` written as
+    the JSON text ``literal`` (``1e400`` reads as inf); no weights (the config is read first)."""
+    fam = get_family(family)
+    hf, _ = fam.to_hf(fam.default_config(), fam.seeded_weights(fam.default_config(), 0))
+    return file_of_bytes(d / "config.json", json.dumps(dict(hf, **{key: "@"})).replace('"@"', literal).encode(), d)
 
 
 def _bf16(x):
@@ -239,7 +248,21 @@ BAD_CHECKPOINTS = {
         lambda d: edit_config(small_checkpoint(d), layer_norm_epsilon="1e-5") or str(d),
         r"config\.json: layer_norm_epsilon must be a number \(got '1e-5'\)$",
     ),
+    "epsilon_overflows": (
+        lambda d: _config_with_literal(d, "gpt2", "layer_norm_epsilon", "1e400"),  # 1e400 reads as inf
+        r"config\.json: layer_norm_epsilon must be a finite number \(got inf\)$",
+    ),
+    "rms_norm_eps_overflows": (
+        lambda d: _config_with_literal(d, "llama", "rms_norm_eps", "-1e999"),
+        r"config\.json: rms_norm_eps must be a finite number \(got -inf\)$",
+    ),
 }
+
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), 0.0, -1e-5])
+def test_gpt2_config_refuses_an_epsilon_not_positive_and_finite(eps):
+    with pytest.raises(ValueError, match=r"^GPT2Config\.layer_norm_epsilon must be a positive finite float"):
+        GPT2Config(layer_norm_epsilon=eps)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))

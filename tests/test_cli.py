@@ -16,6 +16,7 @@ from helpers.cli_helpers import main as run_cli
 from trace_replay_app import cli, demo
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.records import RequestResult
 from trace_replay_app.runner import progress_bar
 from trace_replay_app.traces import random_requests, read_traces, write_traces
 
@@ -318,6 +319,27 @@ def test_demo_checks_catch_a_broken_loop(loop, failed):
     assert f"check: {failed}" in text and text.rstrip().endswith("CHECKS FAILED: see above")
 
 
+def _echo_loop(config, weights, requests, **kw):
+    """A stand-in loop: each traced request decodes its trace, each other one zeros."""
+    out = []
+    for q in requests:
+        n = q.new_tokens
+        tokens = np.asarray(q.trace if q.trace is not None else [0] * n, np.int64)
+        ones = np.ones(n, np.int64)
+        out.append(
+            RequestResult(q.id, tokens, np.full(n, q.trace is not None), np.full(n, -1.0, np.float32), ones, ones)
+        )
+    return out
+
+
+def test_demo_names_the_slots_it_used():
+    """--max-batch 100 for the demo's 12 requests: the header names the 12 slots used, not the option."""
+    result = demo.run_demo(loops={"torch": _echo_loop}, max_batch=100)
+    out = io.StringIO()
+    demo.report(result, out=out)
+    assert "12 requests on 12 slots, device cpu" in out.getvalue(), out.getvalue()[:300]
+
+
 def test_demo_subcommand_exit_status_follows_the_checks(monkeypatch):
     monkeypatch.setattr(
         demo,
@@ -381,3 +403,23 @@ def test_the_command_line_imports_no_framework_until_it_runs_one(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
     assert proc.stdout.strip() == "status 2 loaded []", proc.stdout + proc.stderr
+
+
+def test_torch_device_check_asks_the_driver_a_bounded_number_of_times(monkeypatch):
+    """``--device cuda:N`` on a CUDA build of torch: the driver is asked a fixed number of times,
+    not once per index up to N (``cuda:99999999999`` would take hours), and the message names
+    the devices the process sees."""
+    from trace_replay_app import runner
+
+    asked = []
+
+    def two_devices(device):
+        asked.append(device)
+        if int(device.partition(":")[2] or 0) >= 2:
+            raise ValueError(f"device {device!r} is not available: this process sees 2 CUDA device(s)")
+        return device
+
+    monkeypatch.setattr(runner, "parse_device", two_devices)
+    assert runner._torch_device_error("cuda:1000", "2.9.0+cu130") == "sees CUDA devices [0, 1] only"
+    assert len(asked) <= 5, asked
+    assert runner._torch_device_error("cuda:1", "2.9.0+cu130") is None

@@ -65,6 +65,14 @@ def _bert(d, inputs):
     return folder
 
 
+def _completions(d, requests_name="req.jsonl"):
+    """An openai-completions response without prompt ids, and its request body (``requests_name``)."""
+    choice = {"index": 0, "text": "x", "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-1.0]}}
+    (d / "comp.jsonl").write_text(json.dumps({"id": "c", "object": "text_completion", "choices": [choice]}) + "\n")
+    (d / requests_name).write_text('{"prompt": [1, 2, 3]}\n')
+    return ["--traces", str(d / "comp.jsonl"), "--requests", str(d / requests_name)]
+
+
 RUN = ("run", "--framework", "torch", "--quiet")
 # id -> (arguments from (work folder d, inputs), the output whose bytes must not change, stderr pattern)
 REFUSED = {
@@ -72,6 +80,11 @@ REFUSED = {
         lambda d, i: [*RUN, "--traces", _copy(i / "t.jsonl", d / "o"), "--out", str(d / "o")],
         "o",
         r"--out .*o: is the --traces file \(the output would replace the input\)",
+    ),
+    "out_is_requests": (
+        lambda d, i: [*RUN, *_completions(d, "o"), "--out", str(d / "o")],
+        "o",
+        r"--out .*o: is the --requests file \(the output would replace the input\)",
     ),
     "report_is_plot": (
         lambda d, i: ["compare", "--traces", str(i / "t.jsonl"), "--report", str(d / "o"), "--plot", str(d / "o")],
@@ -208,7 +221,8 @@ def test_max_batch_beyond_the_requests_uses_one_slot_per_request(tmp_path, input
     got = child(*RUN, *args, cwd=tmp_path, memory_limit=6 * 2**30)
     assert got.status == 0 and got.err == "", got.err
     summary = load(out)["summary"]
-    assert summary["max_batch"] == 10**11 and summary["exact_reproductions"] == summary["traced_requests"] == 2
+    assert summary["max_batch"] == 10**11 and summary["slots"] == 4  # the option, and the slots it took
+    assert summary["exact_reproductions"] == summary["traced_requests"] == 2
 
 
 def test_non_finite_logprobs_are_reported_not_formatted(tmp_path, inputs):

@@ -15,7 +15,7 @@ from helpers.cli_helpers import load
 from helpers.cli_helpers import main as run_cli
 
 from trace_replay_app import __version__, cli
-from trace_replay_app.compare import compare_results, requests_above_k3
+from trace_replay_app.compare import compare_results
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
 from trace_replay_app.records import DeviceMemoryError, RequestResult, TraceRequest
@@ -290,7 +290,6 @@ def test_mismatch_measures_against_numpy(rng):
     assert s["argmax_mismatches"] == sum(r["argmax_mismatches"] for r in report["requests"])
     firsts = [r["first_divergence"] for r in report["requests"] if r["first_divergence"] is not None]
     assert s["first_divergence"] == (min(firsts) if firsts else None)
-    assert requests_above_k3(report, 0.0) == [(r["id"], r["k3"]) for r in report["requests"] if r["k3"] > 0]
     # k3 is non-negative and zero exactly where the runs agree; a constant sequence has no correlation
     same = compare_results(requests[:1], a[:1], a[:1])["requests"][0]
     assert same["k3"] == 0 and same["max_abs_logprob_diff"] == 0 and same["first_divergence"] is None
@@ -359,3 +358,21 @@ def test_compare_summary_lines_name_every_measure():
     assert f"|probability difference|: max {dp:.3g}, mean {dp / 2:.3g}; k3 KL estimate {k3:.3g};" in text
     assert "logprob correlation 1; argmax differs at 1 positions" in text, text
     assert "argmax choices differ in 1 requests; earliest at position 1 (request a)" in text
+    rollout = RequestResult(
+        "a", np.array([2, 3]), np.ones(2, bool), np.array([-1.5, -2.0]), np.full(2, -1), np.full(2, -1)
+    )
+    report = compare_results([TraceRequest("a", (1,), (2, 3))], [rollout], [_result("a", [2, 3], [-1, -2], [2, 3])])
+    text = "\n".join(summary_lines(report))  # a rollout has neither ranks nor greedy tokens: nothing said of them
+    assert "ranks differ" not in text and "argmax differs" not in text and "agree" not in text, text
+    assert "; ranks not compared" in text and "; argmax not compared" in text, text
+    assert report["summary"]["ranks_compared"] is report["summary"]["argmax_compared"] is False
+
+
+def test_a_request_s_measures_leave_out_its_non_finite_logprobs():
+    """One NaN logprob: the request's max, mean and k3 all cover its finite positions (the max
+    was None while mean and k3 were finite)."""
+    a = _result("a", [1, 2, 3], [-1.0, np.nan, -2.0], [1, 2, 3])
+    b = _result("a", [1, 2, 3], [-1.5, -1.0, -2.0], [1, 2, 3])
+    row = compare_results([TraceRequest("a", (1,), (1, 2, 3))], [a], [b])["requests"][0]
+    assert row["non_finite_logprobs"] == 1 and row["mean_abs_logprob_diff"] == 0.25
+    assert row["max_abs_logprob_diff"] == 0.5, row["max_abs_logprob_diff"]

@@ -14,7 +14,8 @@ import pytest
 from helpers.cli_helpers import load
 from helpers.cli_helpers import main as run_cli
 
-from trace_replay_app.models.gpt2 import GPT2Config
+from trace_replay_app.checkpoint import save_checkpoint
+from trace_replay_app.models.gpt2 import GPT2Config, seeded_weights
 from trace_replay_app.traces import random_requests, write_traces
 
 CONFIG = GPT2Config()
@@ -72,6 +73,48 @@ def test_score_refuses_a_bad_top_k(tmp_path, traced_file, capsys, value):
     assert exc.value.code == 2 and not out.exists()
     err = capsys.readouterr().err
     assert re.search(rf"argument --top-k: must be an integer from 0 to \d+ \(got '?{value}'?\)", err), err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--logprobs-mode", "processed_logprobs", "--temperature", "0"],
+         "--temperature 0: processed_logprobs are the logprobs of logits / T: give T above 0"),
+        (["--temperature", "0.7"], "--temperature 0.7: has no effect on raw_logprobs (the logits as they are; "
+         "--logprobs-mode processed_logprobs takes logits / T)"),
+        (["--top-k", "50", "--checkpoint", "{vocab32}"], "--top-k 50: above the model's vocabulary of 32 tokens"),
+    ],
+)  # fmt: skip
+def test_score_refuses_options_before_loading_weights(tmp_path, capsys, monkeypatch, args, message):
+    """Options the forward cannot honour exit 2 naming the option, before the weights are read
+    (they ended in a ValueError traceback), and nothing is written."""
+    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    save_checkpoint(str(tmp_path / "ck"), config, seeded_weights(config, 0))
+    traces = str(tmp_path / "t.jsonl")
+    write_traces(traces, random_requests(config, 2, seed=0))
+    monkeypatch.setenv("TRACE_REPLAY_TEST_STAGES", "1")
+    args = [a.format(vocab32=tmp_path / "ck") for a in args]
+    out = tmp_path / "o.json"
+    status, text = run_cli("score", "--framework", "torch", "--traces", traces, "--out", str(out), *args)
+    err = capsys.readouterr().err
+    assert status == 2 and text == "" and f"trace-replay score: error: {message}\n" in err, err
+    assert "stage load" not in err and not out.exists()
+
+
+def test_score_out_may_not_replace_the_requests_file(tmp_path, capsys):
+    choice = {"index": 0, "text": "x", "logprobs": {"tokens": ["token_id:4"], "token_logprobs": [-1.0]}}
+    (tmp_path / "c.jsonl").write_text(json.dumps({"id": "c", "object": "text_completion", "choices": [choice]}) + "\n")
+    bodies = tmp_path / "req.jsonl"
+    bodies.write_text('{"prompt": [1, 2, 3]}\n')
+    args = ["--traces", str(tmp_path / "c.jsonl"), "--requests", str(bodies), "--out", str(bodies)]
+    status, _ = run_cli("score", "--framework", "torch", *args)
+    err = capsys.readouterr().err
+    assert (
+        status == 2
+        and err
+        == f"trace-replay score: error: --out {bodies}: is the --requests file (the output would replace the input)\n"
+    )
+    assert bodies.read_text() == '{"prompt": [1, 2, 3]}\n'
 
 
 def test_score_refuses_an_untraced_request(tmp_path, capsys):

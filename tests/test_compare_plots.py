@@ -76,9 +76,9 @@ def test_pair_colours_match_across_panels(tmp_path):
              if line.get_label().startswith("mean, ")}  # fmt: skip
     bars = {text.get_text(): handle.get_edgecolor() for text, handle in
             zip(right.get_legend().get_texts(), right.get_legend().legend_handles)}  # fmt: skip
-    assert set(means) == {"jax vs torch", "torch-score vs torch", "jax-score vs torch"}
+    assert set(means) == {"torch vs jax", "torch vs torch-score", "torch vs jax-score"}  # as the terminal names them
     for name, color in means.items():
-        b, a = name.split(" vs ")
+        a, b = name.split(" vs ")
         assert to_rgba(bars[f"{b} / {a}"]) == to_rgba(color), name
     assert len(set(means.values())) == 3
     plot_divergence(report, str(tmp_path / "p.png"))

@@ -45,7 +45,7 @@ from typing import NoReturn, TextIO
 from trace_replay_core import TOPK_MAX, split_device
 
 from . import __version__, demo
-from .commands import TRACES_HELP, cmd_compare, cmd_run, cmd_score, parse_gate
+from .commands import cmd_compare, cmd_run, cmd_score
 from .models import FRAMEWORKS, families
 from .records import DeviceMemoryError
 from .rollouts import ROLLOUT_FORMATS
@@ -54,6 +54,8 @@ from .schedule import COMPUTE_DTYPES, LOGPROBS_MODES
 from .traces import interrupted, sigint_tracked
 
 __all__ = ["main", "run", "build_parser"]
+
+TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
 
 
 # parser -----------------------------------------------------------------------------------------
@@ -98,10 +100,15 @@ def _seed(text: str) -> int:
 
 
 def _gate(text: str) -> tuple[str, float]:
+    """``METRIC=X`` of ``--fail-above`` -> ``(metric, X)``."""
+    metric, sep, value = text.partition("=")
     try:
-        return parse_gate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        limit = float(value)
+    except ValueError:
+        limit = float("nan")
+    if not sep or not metric or not limit == limit or limit in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be METRIC=X with a finite number X (got {text!r})")
+    return metric, limit
 
 
 def _device(text: str) -> str:
@@ -122,35 +129,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     names = [f.name for f in families()]
 
-    def inputs(p):
+    def inputs(p, compare: bool = False):  # compare: options it may ignore default to None (commands.py)
+        files = "--traces and the rollout files" if compare else "--traces"
         p.add_argument(
             "--format",
             choices=("auto", *ROLLOUT_FORMATS),
             default="auto",
-            help="format of --traces (default auto: told from its first line)",
+            help=f"format of {files} (default auto: told from {'each' if compare else 'its'} first line)",
         )
         p.add_argument(
             "--requests",
             metavar="FILE",
             default=None,
-            help="request bodies of an openai-completions file without prompt_token_ids (JSON Lines, "
-            "same order, prompt as token ids)",
+            help=f"request bodies of {'the openai-completions file among ' if compare else ''}{files}"
+            f"{'' if compare else ' (openai-completions)'}, for responses without prompt_token_ids "
+            "(JSON Lines, one per response, same order, prompt as token ids)",
         )
         p.add_argument(
             "--logprobs-mode",
             choices=LOGPROBS_MODES,
-            default="raw_logprobs",
+            default=None if compare else "raw_logprobs",
             help="vLLM's names: raw_logprobs (default: of the logits as they are) or processed_logprobs "
             "(of logits / temperature; match the rollout's)",
         )
 
-    def common(p, *, max_batch: int, model: bool = True, decode: bool = True):
-        p.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
+    def common(p, *, max_batch: int, model: bool = True, decode: bool = True, unset: bool = False):
+        """``unset``: the run options default to None, so that the command sees which were given."""
+        p.add_argument("--device", type=_device, default=None if unset else "cpu", help="cpu (default), cuda or cuda:N")
         if decode:
             p.add_argument(
                 "--max-batch",
                 type=_positive,
-                default=max_batch,
+                default=None if unset else max_batch,
                 help=f"decode slots: requests decoded together (default {max_batch})",
             )
         p.add_argument("--seed", type=_seed, default=0, help="seed of the seeded model's weights (default 0)")
@@ -178,10 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--temperature",
                 type=_non_negative_float,
-                default=0.0,
+                default=None if unset else 0.0,
                 help="sampling temperature of untraced requests (default 0: greedy)",
             )
-            p.add_argument("--sampling-seed", type=_seed, default=0, help="seed of the sampling noise (default 0)")
+            p.add_argument(
+                "--sampling-seed",
+                type=_seed,
+                default=None if unset else 0,
+                help="seed of the sampling noise (default 0)",
+            )
         p.add_argument(
             "--quiet",
             action="store_true",
@@ -244,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--temperature",
         type=_non_negative_float,
-        default=1.0,
-        help="with --logprobs-mode processed_logprobs: the logprobs of logits / T (default 1)",
+        default=None,
+        help="with --logprobs-mode processed_logprobs (only): the logprobs of logits / T (default 1)",
     )
     inputs(sc)
     common(sc, max_batch=1, decode=False)
@@ -274,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 when a measure is above X or missing: a per-request one (k3, max_abs_logprob_diff, ...) "
         "for every request, or an rl_metrics key (e.g. verl/rollout_corr/k3_kl) for every pair; repeatable",
     )
-    inputs(cmp)
+    inputs(cmp, compare=True)
     cmp.add_argument(
         "--out-dir",
         default=None,
@@ -290,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="X",
         help="exit 1 and list the requests whose k3 KL estimate is above X or missing (not finite, none compared)",
     )
-    common(cmp, max_batch=8)
+    common(cmp, max_batch=8, unset=True)
     return parser
 
 

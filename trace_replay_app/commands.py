@@ -26,9 +26,10 @@ from .runner import (
     say,
     stage,
 )
-from .traces import TraceFileError, stop_if_interrupted
+from .schedule import slots_for
+from .traces import stop_if_interrupted
 
-__all__ = ["cmd_run", "cmd_score", "cmd_compare", "parse_gate", "framework_list", "TRACES_HELP"]
+__all__ = ["cmd_run", "cmd_score", "cmd_compare", "framework_list"]
 
 
 def _ids(ids: Sequence[str]) -> str:
@@ -53,25 +54,19 @@ def _report_non_finite(command: str, s: dict) -> bool:
     return True
 
 
-TRACES_HELP = "trace or rollout file (JSON Lines; formats: see --format)"
+def _inputs(args) -> list[tuple[str, str | None]]:
+    """The input files a run or score reads, as ``(option, path)``: no output may replace one."""
+    return [("--traces", args.traces), ("--requests", args.requests)]
 
 
 # subcommands ------------------------------------------------------------------------------------
 def cmd_run(args, out: TextIO) -> int:
-    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
+    check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
     family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
     decode = decode_options(args)
-    results, seconds = replay_requests(
-        args.framework,
-        config,
-        weights,
-        requests,
-        loop=loops[args.framework],
-        device=args.device,
-        max_batch=args.max_batch,
-        show_progress=False if args.quiet else None,
-        **decode,
-    )
+    results, seconds = replay_requests(args.framework, config, weights, requests, loop=loops[args.framework],
+                                       device=args.device, max_batch=args.max_batch,
+                                       show_progress=False if args.quiet else None, **decode)  # fmt: skip
     s = run_summary(requests, results, seconds)
     head = {
         "summary": dict(
@@ -79,6 +74,7 @@ def cmd_run(args, out: TextIO) -> int:
             framework=args.framework,
             device=args.device,
             max_batch=args.max_batch,
+            slots=slots_for([q.new_tokens for q in requests], args.max_batch),
             traces=args.traces,
             **model_summary(family, config, source, decode),
         )
@@ -110,9 +106,37 @@ def cmd_run(args, out: TextIO) -> int:
     return status
 
 
+def _score_temperature(args) -> float | None:
+    """The temperature ``score`` takes its logprobs at: ``--temperature`` (default 1) for
+    processed_logprobs, None for raw ones; :class:`CliError` for a temperature that would do
+    nothing (raw logprobs) or that processed logprobs cannot take (0)."""
+    given = args.temperature
+    if args.logprobs_mode == "raw_logprobs":
+        if given is not None:
+            raise CliError(f"--temperature {given:g}: has no effect on raw_logprobs (the logits as they are; "
+                           "--logprobs-mode processed_logprobs takes logits / T)")  # fmt: skip
+        return None
+    if given is not None and given <= 0:
+        raise CliError(f"--temperature {given:g}: processed_logprobs are the logprobs of logits / T: give T above 0")
+    return 1.0 if given is None else given
+
+
+def _check_top_k(top_k: int):
+    """A check of ``--top-k`` against the model's config (run before the weights are read)."""
+
+    def check(config) -> None:
+        if top_k > config.vocab_size:
+            raise CliError(f"--top-k {top_k}: above the model's vocabulary of {config.vocab_size} tokens")
+
+    return check
+
+
 def cmd_score(args, out: TextIO) -> int:
-    check_outputs([("--out", args.out)], [("--traces", args.traces)], args.checkpoint)
-    family, config, source, requests, weights, loops = prepare_run(args, [args.framework], score=True)
+    check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
+    temperature = _score_temperature(args)
+    family, config, source, requests, weights, loops = prepare_run(
+        args, [args.framework], score=True, check=_check_top_k(args.top_k)
+    )
     untraced = [r.id for r in requests if r.trace is None]
     if untraced:
         raise CliError(f"--traces {args.traces}: score needs each request's completion; no trace in {_ids(untraced)}")
@@ -121,11 +145,11 @@ def cmd_score(args, out: TextIO) -> int:
     t0 = time.perf_counter()
     stop_if_interrupted()
     results = loops[args.framework](config, weights, requests, device=args.device, dtype=dtype,
-                                    logprobs_mode=args.logprobs_mode, temperature=args.temperature,
+                                    logprobs_mode=args.logprobs_mode, temperature=temperature or 1.0,
                                     max_tokens=args.max_tokens, chunk_rows=args.chunk_rows,
                                     top_k=args.top_k)  # fmt: skip
     s = run_summary(requests, results, time.perf_counter() - t0)
-    options = dict(dtype=dtype, temperature=args.temperature, seed=0, logprobs_mode=args.logprobs_mode)
+    options = dict(dtype=dtype, temperature=temperature, seed=None, logprobs_mode=args.logprobs_mode)  # no sampling
     summary = dict(s, framework=args.framework, device=args.device, traces=args.traces, view="teacher-forced")
     summary.update(max_tokens=args.max_tokens, chunk_rows=args.chunk_rows, top_k=args.top_k)
     summary.update(model_summary(family, config, source, options))
@@ -153,23 +177,19 @@ def framework_list(option: str, text: str | None) -> list[str]:
     return names
 
 
-def parse_gate(text: str) -> tuple[str, float]:
-    """``METRIC=X`` of ``--fail-above`` -> ``(metric, X)``; ``ValueError`` saying what is wrong."""
-    metric, sep, value = text.partition("=")
-    try:
-        limit = float(value)
-    except ValueError:
-        limit = float("nan")
-    if not sep or not metric or not limit == limit or limit in (float("inf"), float("-inf")):
-        raise ValueError(f"must be METRIC=X with a finite number X (got {text!r})")
-    return metric, limit
-
-
 def _compare_inputs(args):
     """The requests and sources of a ``compare`` call, in order: the files given, then the
     ``--run`` and ``--score`` runs it makes itself (today's ``--traces FILE`` alone: ``--run
-    torch,jax``); also the report's summary additions."""
-    from .sources import load_source, results_source
+    torch,jax``); also the report's summary additions. Everything that can be refused is
+    refused before the weights are read and the runs made."""
+    from .sources import (
+        check_same_requests,
+        load_source,
+        output_requests,
+        requests_file_for,
+        results_source,
+        unique_names,
+    )
 
     runs, scores = framework_list("--run", args.run), framework_list("--score", args.score)
     if args.traces is not None and not args.sources and not runs and not scores:
@@ -177,24 +197,55 @@ def _compare_inputs(args):
     if not args.sources and args.traces is None:
         raise CliError("give the files to compare (run or score outputs, rollout files), or --traces FILE")
     making = runs + scores
+    _run_options(args, runs, scores)
+    if len(args.sources) + len(making) < 2:
+        got = len(args.sources) + len(making)
+        raise CliError(f"compare needs at least two sources (got {got}): add files, --run or --score")
     need_model = bool(making) or args.checkpoint is not None or args.model is not None
     family = config = weights = None
     if need_model:
         family, config, model_source = load_model(args.model, args.checkpoint, args.seed)
+    files = [*([args.traces] if args.traces is not None else []), *args.sources]
+    bodies: dict[str, str] = {}  # the one file --requests goes with
     sources = []
-    for path in args.sources:
-        try:
-            sources.append(load_source(path, config, format=args.format, requests_path=args.requests))
-        except TraceFileError as exc:
-            raise CliError(str(exc)) from None
-        except OSError as exc:
-            raise CliError(f"{exc.filename or path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        if args.requests is not None:
+            bodies[os.path.realpath(requests_file_for(files, args.format, args.requests))] = args.requests
+        for path in args.sources:
+            sources.append(
+                load_source(path, config, format=args.format, requests_path=bodies.get(os.path.realpath(path)))
+            )
+    except ValueError as exc:  # TraceFileError too
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"{exc.filename or ', '.join(files)}: cannot read ({exc.strerror or exc})") from None
     if args.traces is not None:
-        requests = read_requests(args.traces, config, format=args.format, requests_path=args.requests)
+        requests = read_requests(
+            args.traces, config, format=args.format, requests_path=bodies.get(os.path.realpath(args.traces))
+        )
     else:
         requests = next((list(s.requests) for s in sources if s.requests is not None), None)
         if requests is None and making:
             raise CliError("--run/--score need the requests: give --traces FILE or a rollout file among the files")
+    if requests is None:  # only output files: their reference's requests, as far as it records them
+        requests = output_requests(sources[0])
+    modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
+    if args.logprobs_mode is not None and not making:  # given for the files alone: a check of theirs
+        other = ", ".join(f"{n} {m}" for n, m in modes.items() if m != args.logprobs_mode)
+        if other:
+            raise CliError(f"--logprobs-mode {args.logprobs_mode}: the files' logprobs are of another kind: {other}")
+    args.logprobs_mode = args.logprobs_mode or "raw_logprobs"
+    modes.update({name: args.logprobs_mode for name in [*runs, *(f"{fw}-score" for fw in scores)]})
+    if len(set(modes.values())) > 1:
+        kinds = ", ".join(f"{n} {m}" for n, m in modes.items())
+        raise CliError(f"the sources' logprobs are of different kinds: {kinds} (--logprobs-mode sets the runs')")
+    untraced = [r.id for r in requests if r.trace is None]
+    if scores and untraced:
+        raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
+    try:
+        check_same_requests(requests, sources, None if args.traces is None else f"--traces {args.traces}")
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     extra: dict = {}
     if making:
         assert family is not None
@@ -210,11 +261,8 @@ def _compare_inputs(args):
                                                device=args.device, max_batch=args.max_batch,
                                                show_progress=False if args.quiet else None, **decode)  # fmt: skip
             summaries[fw] = run_summary(requests, results, seconds)
-            sources.append(results_source(fw, "decode", results, args.logprobs_mode))
+            sources.append(results_source(fw, "decode", results, args.logprobs_mode, requests))
         for fw in scores:
-            untraced = [r.id for r in requests if r.trace is None]
-            if untraced:
-                raise CliError(f"--score needs each request's completion; no trace in {_ids(untraced)}")
             stage(f"{fw}-score")
             t0 = time.perf_counter()
             results = load_loop(family, fw, score=True)(
@@ -222,36 +270,39 @@ def _compare_inputs(args):
                 logprobs_mode=args.logprobs_mode, temperature=args.temperature or 1.0,
             )  # fmt: skip
             summaries[f"{fw}-score"] = run_summary(requests, results, time.perf_counter() - t0)
-            sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode))
-        extra.update(max_batch=args.max_batch, runs=summaries)
-    if len(sources) < 2:
-        raise CliError(f"compare needs at least two sources (got {len(sources)}): add files, --run or --score")
-    modes = {s.name: s.logprobs_mode for s in sources if s.logprobs_mode is not None}
-    if len(set(modes.values())) > 1:
-        kinds = ", ".join(f"{n} {m}" for n, m in modes.items())
-        raise CliError(f"the sources' logprobs are of different kinds: {kinds} (--logprobs-mode sets the runs')")
-    if requests is None:  # only output files: their reference's requests, by id
-        from .records import TraceRequest
-
-        requests = [TraceRequest(i, (0,), tuple(int(t) for t in r.tokens)) for i, r in sources[0].results.items()]
-    return _unique(sources), requests, extra
+            sources.append(results_source(f"{fw}-score", "teacher-forced", results, args.logprobs_mode, requests))
+        if runs:  # the decode slots: the option, and those the runs took
+            extra.update(max_batch=args.max_batch, slots=slots_for([q.new_tokens for q in requests], args.max_batch))
+        extra.update(runs=summaries)
+    return unique_names(sources), requests, extra
 
 
-def _unique(sources):
-    """Sources with unique names (a repeated name gets ``#2``, ``#3``, ...)."""
-    import dataclasses
-
-    seen: dict[str, int] = {}
-    out = []
-    for s in sources:
-        seen[s.name] = seen.get(s.name, 0) + 1
-        out.append(s if seen[s.name] == 1 else dataclasses.replace(s, name=f"{s.name}#{seen[s.name]}"))
-    return out
+def _run_options(args, runs: Sequence[str], scores: Sequence[str]) -> None:
+    """Refuse compare's run options that would change nothing in this call (exit 2 naming the
+    option), then give those left out their defaults (``--logprobs-mode``: see the caller)."""
+    nothing = "compare runs no model without --run or --score"
+    processed = args.logprobs_mode == "processed_logprobs"
+    unused = {
+        "device": None if runs or scores else nothing,
+        "dtype": None if runs or scores else nothing,
+        "max_batch": None if runs else "only --run decodes in slots",
+        "sampling_seed": None if runs else "only --run samples",
+        "temperature": None
+        if runs or (scores and processed)
+        else ("--score takes no temperature for raw_logprobs" if scores else nothing),
+    }
+    for name, why in unused.items():
+        if why is not None and getattr(args, name) is not None:
+            raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)}: has no effect here ({why})")
+    for name, default in {"device": "cpu", "max_batch": 8, "temperature": 0.0, "sampling_seed": 0}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def cmd_compare(args, out: TextIO) -> int:
     from .compare import (
         GATED_MEASURES,
+        RL_METRIC_KEYS,
         batch_gate_failures,
         compare_sources,
         gate_failures,
@@ -265,15 +316,12 @@ def cmd_compare(args, out: TextIO) -> int:
     report_path, plot_path, create = output_paths(args.out_dir, args.report, args.plot, inputs, args.checkpoint)
     gates = list(args.fail_above) + ([("k3", args.max_k3)] if args.max_k3 is not None else [])
     for metric, _ in gates:
-        if metric not in GATED_MEASURES and "/" not in metric:
+        if metric not in GATED_MEASURES and metric not in RL_METRIC_KEYS:
             raise CliError(f"--fail-above {metric}: give a per-request measure ({', '.join(GATED_MEASURES)}) or an "
                            "rl_metrics key such as verl/rollout_corr/k3_kl")  # fmt: skip
     sources, requests, extra = _compare_inputs(args)
     try:
         report = compare_sources(requests, sources)
-        for metric, limit in gates:
-            if metric not in GATED_MEASURES:
-                batch_gate_failures(report, metric, limit)  # an unknown key is refused before anything is written
     except ValueError as exc:
         raise CliError(str(exc)) from None
     report["summary"].update(extra)
@@ -343,6 +391,6 @@ def _rl_table(pairs) -> list[str]:
     for pair in pairs:
         a, b = pair["summary"]["frameworks"]
         values = pair["summary"]["rl_metrics"]
-        rows.append([f"{b} vs {a}", *("n/a" if values.get(k) is None else f"{values[k]:.3g}" for k, _ in RL_COLUMNS)])
+        rows.append([f"{a} vs {b}", *("n/a" if values.get(k) is None else f"{values[k]:.3g}" for k, _ in RL_COLUMNS)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -1,11 +1,13 @@
-"""Compare two runs of the same requests (the torch and the JAX reference loop) token by token.
+"""Compare sources of logprobs for the same requests token by token: a pair ``a`` and ``b`` (two
+runs, a rollout and a run, a decode and a teacher-forced score), and several sources as the
+first (the reference) against each of the others.
 
-For each request, positions are comparable while both runs hold the same tokens so far: for a
-traced request that is every position (both runs force the same tokens); for an untraced one
-it ends at the first position where the runs chose different tokens (after it, the two runs
-condition on different sequences). At each comparable position the report holds the logprob
-difference ``d = b - a`` of the chosen token, and it names the first position where the two
-runs' argmax choices differ, which is where greedy decoding of the two would part.
+For each request, positions are comparable while both sources hold the same tokens so far: for
+a traced request that is every position (both hold its trace); for an untraced one it ends at
+the first position where they chose different tokens (after it, the two condition on
+different sequences). At each comparable position the report holds the logprob difference
+``d = b - a`` of the chosen token, and it names the first position where the two sides' argmax
+choices differ (where both have them), which is where greedy decoding of the two would part.
 
 The measures RL teams track for train/rollout mismatch, per request and over all compared
 positions: mean and max ``|d|``; mean and max ``|exp(b) - exp(a)|`` (probability of the
@@ -13,8 +15,8 @@ token); the k3 estimate of KL(a || b), ``mean(exp(d) - 1 - d)`` (non-negative, u
 tokens drawn from ``a``); the Pearson correlation of the two logprob sequences; how many
 positions' argmax differ; and the first divergent position (argmax or token, whichever first).
 
-:func:`compare_results` builds the report (a JSON-ready dict); :func:`plot_divergence` draws
-``|logprob difference|`` against position (matplotlib, imported on first use).
+:func:`compare_results` builds the report of a pair (a JSON-ready dict), :func:`compare_sources`
+that of several sources; :mod:`trace_replay_app.compare_plots` draws them.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ __all__ = [
     "pair_reports",
     "summary_lines",
     "mismatch_measures",
-    "requests_above_k3",
     "gate_failures",
     "output_paths",
     "GATED_MEASURES",
+    "RL_METRIC_KEYS",
 ]
 
 # the per-request measures a gate (``--max-k3``) may bound
 GATED_MEASURES = ("k3", "mean_abs_logprob_diff", "max_abs_logprob_diff", "mean_abs_prob_diff", "max_abs_prob_diff")
+# the batch measures of every pair a gate (``--fail-above``) may bound: the keys of ``rl_metrics``
+RL_METRIC_KEYS = tuple(rl_metrics(train=[], rollout=[]).batch)
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -87,13 +91,6 @@ def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> dict[str, Any]:
     }
 
 
-def requests_above_k3(report: dict[str, Any], limit: float) -> list[tuple]:
-    """``[(id, k3)]`` of the requests of a :func:`compare_results` report whose k3 estimate is
-    above ``limit``, in report order (see :func:`gate_failures` for the gate, which also fails
-    requests whose k3 is missing)."""
-    return [(r["id"], r["k3"]) for r in report["requests"] if r["k3"] is not None and r["k3"] > limit]
-
-
 def gate_failures(report: dict[str, Any], measure: str, limit: float) -> list[str]:
     """The requests of a :func:`compare_results` report that fail the gate ``measure <= limit``,
     each as ``"id (why)"``: the value above ``limit``, the value missing (no compared position,
@@ -131,10 +128,11 @@ def compare_results(
     statistics (max, mean, p50, p99, RMS of ``|logprob_diff|``, counts), and per request and in
     the summary the measures of :func:`mismatch_measures`, ``argmax_mismatches`` and
     ``first_divergence`` (argmax and ranks only where both runs have them: a rollout's are
-    unknown, -1; ``argmax_compared`` says whether they were); ``rl_metrics``: per request and
-    over the batch the measures RL stacks log (:func:`trace_replay_app.metrics.rl_metrics`, ``b``
-    in the trainer's role and ``a`` in the rollout's, over the compared positions with finite
-    logprobs). Non-finite values are written as ``None``.
+    unknown, -1; ``argmax_compared`` and ``ranks_compared`` say whether they were);
+    ``rl_metrics``: per request and over the batch the measures RL stacks log
+    (:func:`trace_replay_app.metrics.rl_metrics`, ``b`` in the trainer's role and ``a`` in the
+    rollout's, over the compared positions with finite logprobs). Non-finite values are written
+    as ``None``.
     """
     name_a, name_b = names
     rows: list[dict[str, Any]] = []
@@ -143,7 +141,7 @@ def compare_results(
     pairs_a: list[np.ndarray] = []
     pairs_b: list[np.ndarray] = []
     rank_changes = argmax_mismatches = 0
-    argmax_known = True
+    argmax_known = ranks_known = True
     for req, ra, rb in zip(requests, a, b, strict=True):
         if not (ra.id == rb.id == req.id):
             raise ValueError(f"results out of order: request {req.id!r} got results {ra.id!r} and {rb.id!r}")
@@ -166,6 +164,7 @@ def compare_results(
         ranks_a, ranks_b = np.asarray(ra.ranks[:m]), np.asarray(rb.ranks[:m])
         both = valid & (ranks_a >= 0) & (ranks_b >= 0)
         rank_changes += int(np.sum(ranks_a[both] != ranks_b[both]))
+        ranks_known &= bool(both[valid].all())  # a rollout has no ranks (-1)
         absd = np.abs(diff[valid])
         all_diffs.append(absd)
         ok = valid & np.isfinite(la) & np.isfinite(lb)
@@ -188,7 +187,6 @@ def compare_results(
                 "first_token_divergence": token_div,
                 "first_argmax_divergence": argmax_div,
                 **mismatch_measures(la[ok], lb[ok]),
-                "max_abs_logprob_diff": _num(absd.max()) if absd.size else None,
                 "argmax_mismatches": mismatched,
                 "first_divergence": min(firsts) if firsts else None,
                 "logprob_diff": [_num(d) for d in diff],
@@ -202,6 +200,7 @@ def compare_results(
     finite = flat[np.isfinite(flat)]
     argmax_divs = [r["first_argmax_divergence"] for r in rows if r["first_argmax_divergence"] is not None]
     token_divs = [r for r in rows if r["first_token_divergence"] is not None]
+    traced_divs = sum(r["traced"] for r in token_divs)  # a trace not reproduced, or given differently
 
     def stat(f) -> float | None:
         return _num(f(finite)) if finite.size else None
@@ -233,9 +232,11 @@ def compare_results(
         "argmax_compared": argmax_known,
         "first_divergence": min(first_divs) if first_divs else None,
         "rank_changes": rank_changes,
+        "ranks_compared": ranks_known,
         "requests_with_argmax_divergence": len(argmax_divs),
         "earliest_argmax_divergence": min(argmax_divs) if argmax_divs else None,
-        "untraced_requests_with_token_divergence": len(token_divs),
+        "untraced_requests_with_token_divergence": len(token_divs) - traced_divs,
+        "traced_requests_with_token_divergence": traced_divs,
         "rl_metrics": rl.batch,
     }
     per_position = [
@@ -283,6 +284,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     def g(x):
         return "n/a" if x is None else f"{x:.3g}"
 
+    # a rollout records neither ranks nor greedy tokens: say so, never "0 differ"
+    ranks = f"ranks differ at {s['rank_changes']} positions" if s["ranks_compared"] else "ranks not compared"
+    argmax = f"argmax differs at {s['argmax_mismatches']} positions" if s["argmax_compared"] else "argmax not compared"
     lines = [
         (
             f"{a} vs {b}: {s['requests']} requests ({s['traced_requests']} traced), "
@@ -291,15 +295,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         (
             f"|logprob difference|: max {g(s['max_abs_logprob_diff'])}, mean {g(s['mean_abs_logprob_diff'])}, "
             f"p50 {g(s['p50_abs_logprob_diff'])}, p99 {g(s['p99_abs_logprob_diff'])}, "
-            f"rms {g(s['rms_logprob_diff'])}; ranks differ at {s['rank_changes']} positions"
+            f"rms {g(s['rms_logprob_diff'])}; {ranks}"
         ),
         (
             f"|probability difference|: max {g(s['max_abs_prob_diff'])}, mean {g(s['mean_abs_prob_diff'])}; "
-            f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; "
-            f"argmax differs at {s['argmax_mismatches']} positions"
+            f"k3 KL estimate {g(s['k3'])}; logprob correlation {g(s['pearson'])}; {argmax}"
         ),
     ]
-    if s["requests_with_argmax_divergence"]:
+    if s["argmax_compared"] and s["requests_with_argmax_divergence"]:
         first = [
             (r["first_argmax_divergence"], r["id"])
             for r in report["requests"]
@@ -310,11 +313,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"argmax choices differ in {s['requests_with_argmax_divergence']} requests; "
             f"earliest at position {pos} (request {rid})"
         )
-    else:
+    elif s["argmax_compared"]:
         lines.append("argmax choices agree at every compared position")
     if s["untraced_requests_with_token_divergence"]:
         lines.append(
             f"{s['untraced_requests_with_token_divergence']} untraced requests decoded different tokens "
+            "(compared up to that position)"
+        )
+    if s["traced_requests_with_token_divergence"]:
+        lines.append(
+            f"{s['traced_requests_with_token_divergence']} traced requests hold different tokens "
             "(compared up to that position)"
         )
     if s["non_finite_differences"]:

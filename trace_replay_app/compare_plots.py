@@ -16,7 +16,9 @@ PAIR_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:pink", "
 
 
 def _pair_name(pair: dict[str, Any]) -> str:
-    return "{1} vs {0}".format(*pair["summary"]["frameworks"])
+    """``"a vs b"``: the reference first, as the terminal and the gates name a pair."""
+    a, b = pair["summary"]["frameworks"]
+    return f"{a} vs {b}"
 
 
 def plot_divergence(report: dict[str, Any], path: str, *, title: str | None = None) -> None:

@@ -31,6 +31,7 @@ from .compare import compare_results
 from .models import FRAMEWORKS, Family, FrameworkMissing, get_family
 from .records import RequestResult, TraceRequest
 from .runner import CliError, check_framework_device, replay_requests
+from .schedule import slots_for
 
 __all__ = ["builtin_requests", "available_loops", "run_demo", "report", "cmd_demo", "DemoResult", "Check"]
 
@@ -213,7 +214,7 @@ def report(result: DemoResult, *, quiet: bool = False, out: TextIO | None = None
         print(
             f"trace-replay demo: {family.label} with seeded weights (seed {result.seed}; "
             f"{family.describe(c)}), {len(reqs)} requests on "
-            f"{result.max_batch} slots, device {result.device}",
+            f"{slots_for([q.new_tokens for q in reqs], result.max_batch)} slots, device {result.device}",
             file=out,
         )
         print(

@@ -11,7 +11,7 @@ import importlib.metadata
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -76,10 +76,12 @@ def _torch_device_error(device: str, version: str) -> str | None:
     if not cuda_build:
         fix = f"pip uninstall -y torch && pip install 'torch=={version.partition('+')[0]}'"  # PyPI's Linux wheels
         return f"sees no CUDA device (its CPU build is installed; install its CUDA build: {fix})"
-    seen = [i for i in range(split_device(device)[1] + 1) if _driver_sees(f"cuda:{i}")]
-    if not seen:
+    if _driver_sees(device):
+        return None
+    count = _cuda_count()
+    if not count:
         return "sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)"
-    return None if len(seen) > split_device(device)[1] else f"sees CUDA devices {seen} only"
+    return f"sees CUDA devices {list(range(count))} only"
 
 
 def _driver_sees(device: str) -> bool:
@@ -88,6 +90,20 @@ def _driver_sees(device: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _cuda_count() -> int:
+    """How many CUDA devices the driver shows this process, found through the core's parser in
+    about 2 log2(count) questions (never one per index up to the one asked for)."""
+    if not _driver_sees("cuda:0"):
+        return 0
+    low, high = 0, 1  # low is seen; high doubles until it is not
+    while _driver_sees(f"cuda:{high}"):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if _driver_sees(f"cuda:{middle}") else (low, middle)
+    return high
 
 
 def _jax_device_error(device: str, version: str) -> str | None:
@@ -198,10 +214,13 @@ def model_summary(family, config, source, decode) -> dict:
     }
 
 
-def prepare_run(args, frameworks: Sequence[str], *, score: bool = False):
-    """What ``run`` and ``compare`` do before decoding, cheapest check first: the model's config,
-    the trace file against it, each framework's view of the device, the weights, the loops."""
+def prepare_run(args, frameworks: Sequence[str], *, score: bool = False, check: Callable[[Any], None] | None = None):
+    """What ``run`` and ``score`` do before their work, cheapest check first: the model's config
+    (and ``check(config)``: the command's own checks of it), the trace file against it, each
+    framework's view of the device, the weights, the loops."""
     family, config, source = load_model(args.model, args.checkpoint, args.seed)
+    if check is not None:
+        check(config)
     requests = read_requests(args.traces, config, format=args.format, requests_path=args.requests)
     for fw in frameworks:
         check_framework_device(fw, args.device)

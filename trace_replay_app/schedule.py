@@ -42,6 +42,7 @@ __all__ = [
     "Schedule",
     "DecodeCall",
     "plan",
+    "slots_for",
     "check_decode",
     "check_model_call",
     "check_limits",
@@ -101,6 +102,11 @@ class Schedule:
         return per_step[self.start[i] : self.start[i] + self.new_tokens[i], self.slot[i]]
 
 
+def slots_for(new_tokens: Sequence[int], max_batch: int) -> int:
+    """The slots of a run of requests decoding ``new_tokens``: ``min(max_batch, those > 0)``, at least 1."""
+    return max(1, min(int(max_batch), sum(1 for n in new_tokens if n > 0)))
+
+
 def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
     """The schedule of requests decoding ``new_tokens[i]`` tokens each through at most
     ``max_batch`` slots (``max_batch`` may be far above the work: the schedule, and every buffer
@@ -108,13 +114,11 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
 
     Host-only and deterministic; see the module docstring for the rules.
     """
-    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
-    max_batch = int(max_batch)
+    _check_slots_and_callback(max_batch, None)
     counts = np.asarray(new_tokens, dtype=np.int64).reshape(-1)
     if (counts < 0).any():
         raise ValueError(f"new_tokens must be >= 0 (got {counts[counts < 0][0]})")
-    slots = max(1, min(max_batch, int((counts > 0).sum())))
+    slots = slots_for(counts.tolist(), max_batch)
     slot = np.full(counts.size, -1, dtype=np.int32)
     start = np.full(counts.size, -1, dtype=np.int32)
     free = [(0, s) for s in range(slots)]  # (step the slot is free from, slot): a heap
@@ -127,7 +131,7 @@ def plan(new_tokens: Sequence[int], max_batch: int) -> Schedule:
         heapq.heappush(free, (free_at + int(n), s))
     n_steps = int((start + counts).max(initial=0))
     idx_mapping = np.full((n_steps, slots), -1, dtype=np.int32)
-    for i in np.nonzero(counts > 0)[0]:
+    for i in np.nonzero(counts > 0)[0].tolist():
         idx_mapping[start[i] : start[i] + counts[i], slot[i]] = slot[i]
     return Schedule(slots, slot, start, counts.astype(np.int32), idx_mapping)
 
@@ -190,6 +194,17 @@ def request_arrays(config: Any, requests: Sequence[TraceRequest], *, limits: str
     return prompts, traces
 
 
+def _check_slots_and_callback(max_batch: Any, on_step: Any) -> None:
+    """Refuse a ``max_batch`` that is not an int >= 1 and an ``on_step`` that is neither None
+    nor callable, naming the argument."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(
+            f"on_step must be a callable taking the tokens decoded in a step, or None (got {type(on_step).__name__})"
+        )
+
+
 def check_device(device: Any) -> None:
     """Refuse a ``device`` that is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (whether it exists
     is for the framework to say)."""
@@ -248,12 +263,7 @@ def check_run(
         kind = np.asarray(value).dtype.kind
         if kind != "f":
             raise ValueError(f"weights[{name!r}] must be a floating-point array (got dtype {np.asarray(value).dtype})")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
-    if on_step is not None and not callable(on_step):
-        raise TypeError(
-            f"on_step must be a callable taking the tokens decoded in a step, or None (got {type(on_step).__name__})"
-        )
+    _check_slots_and_callback(max_batch, on_step)
     return request_arrays(config, requests)
 
 
@@ -381,12 +391,7 @@ def check_model_call(
     ``device``; then the schedule. The returned call's ``dtype`` is ``None``: the model computes
     in its own. Host-only; ``TypeError``/``ValueError`` naming the argument."""
     check_limits(model)
-    if isinstance(max_batch, bool) or not isinstance(max_batch, numbers.Integral) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1 (got {max_batch!r})")
-    if on_step is not None and not callable(on_step):
-        raise TypeError(
-            f"on_step must be a callable taking the tokens decoded in a step, or None (got {type(on_step).__name__})"
-        )
+    _check_slots_and_callback(max_batch, on_step)
     prompts, traces = request_arrays(model, requests, limits="model")
     temp = _temperature_seed(temperature, seed)
     check_device(device)

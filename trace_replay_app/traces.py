@@ -42,6 +42,8 @@ __all__ = [
     "TRACE_FIELDS",
     "read_traces",
     "read_json_lines",
+    "utf8_text",
+    "json_error",
     "parse_request",
     "check_request",
     "request_to_json",
@@ -172,23 +174,36 @@ def read_json_lines(path: str) -> Iterator[tuple[int, Any]]:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise TraceFileError(
-                    path, number, None, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
-                ) from None
+            text = utf8_text(path, raw, number)
             if not text.strip():
                 continue
             try:
                 obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceFileError(path, number, None, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            except RecursionError:
-                raise TraceFileError(path, number, None, "not valid JSON here (nested too deeply to read)") from None
-            except ValueError as exc:  # an integer literal of more digits than Python converts
-                raise TraceFileError(path, number, None, f"not valid JSON here ({str(exc).split(';')[0]})") from None
+            except (RecursionError, ValueError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
+                raise json_error(path, number, exc) from None
             yield number, obj
+
+
+def utf8_text(path: str, raw: bytes, line: int = 1) -> str:
+    """``raw``, the bytes of ``path`` from line ``line`` on, decoded as UTF-8; else
+    :class:`TraceFileError` naming the line and column of the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        column = exc.start - raw.rfind(b"\n", 0, exc.start)
+        line += raw.count(b"\n", 0, exc.start)
+        raise TraceFileError(path, line, None, f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column})") from None
+
+
+def json_error(path: str, line: int | None, exc: BaseException) -> TraceFileError:
+    """The :class:`TraceFileError` for a JSON value at ``line`` of ``path`` that ``json`` could
+    not read (``exc``): a ``JSONDecodeError`` (with its column), a ``RecursionError`` (nested
+    too deeply) or a ``ValueError`` (an integer literal of more digits than Python converts)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return TraceFileError(path, line, None, f"not valid JSON ({exc.msg} at column {exc.colno})")
+    if isinstance(exc, RecursionError):
+        return TraceFileError(path, line, None, "not valid JSON here (nested too deeply to read)")
+    return TraceFileError(path, line, None, f"not valid JSON here ({str(exc).split(';')[0]})")
 
 
 def read_traces(path: str, config: Any | None = None) -> list[TraceRequest]:

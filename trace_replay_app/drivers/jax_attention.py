@@ -7,9 +7,10 @@ runs (float32, the CPU, a mesh, windowed layers), its scores and its weighted su
 written here as products summed over the cache's own axes, never as a ``dot_general`` whose
 batch axes (rows, heads) are not the cache's leading ones: XLA lowers such a dot by first
 transposing the whole layer's cache, a copy of it per layer and step, which is what made the
-masked step slower than the attention it feeds. A product of two elements in float32 is exact
-for bfloat16, float16 and float32 inputs, and the sums run in float32, so each result is what a
-matrix product with float32 accumulation returns, up to the order of its sum.
+masked step slower than the attention it feeds. The products are taken in float32 (exact for
+bfloat16 and float16 inputs, rounded once for float32 ones, as in a matrix product) and summed
+in float32, so each result is what a matrix product with float32 accumulation returns, up to
+the order of its sum.
 """
 
 from __future__ import annotations

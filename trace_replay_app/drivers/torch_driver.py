@@ -300,7 +300,7 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
 
     Returns one :class:`~trace_replay_app.records.RequestResult` per request, in request
     order: tokens, ``forced``, the logprob and rank of each token under the unmodified logits
-    (logprobs in float32, before temperature) and the greedy ``argmax``. Matrix products follow
+    (logprobs in float32, of the logits ``logprobs_mode`` names) and the greedy ``argmax``. Matrix products follow
     torch's float32 settings (full float32 unless the caller allowed TF32). Nothing waits for
     the device between steps; outputs are copied to the host once at the end. Arguments are
     checked before anything runs (``TypeError`` / ``ValueError`` naming the argument); a run
@@ -323,10 +323,8 @@ def _run(family, config, weights, requests, device, max_batch, on_step, dtype, t
     )
     if tp is not None and call.logprob_temperature is not None:
         raise ValueError("logprobs_mode='processed_logprobs' with sampling is not supported with tensor_parallel")
-    if cuda_graph not in (None, True, False):
-        raise TypeError(f"cuda_graph must be None, True or False (got {cuda_graph!r})")
-    shard = None if tp is None else shard_for(tp, config, family.splits_layers)
     dev, use_graph = _device_and_graph(device, cuda_graph)
+    shard = None if tp is None else shard_for(tp, config, family.splits_layers)
     outputs = None
     if call.schedule.n_steps:
         torch_dtype = getattr(torch, call.dtype)

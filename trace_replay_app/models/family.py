@@ -12,7 +12,8 @@ Every loop is a function with this signature (the contract both drivers keep for
 torch adds ``cuda_graph=`` and ``tensor_parallel=``, JAX ``mesh=`` and ``vocab_axis=``)::
 
     run_decode(config, weights, requests, *, device="cpu", max_batch=8, on_step=None,
-               dtype="float32", temperature=0.0, seed=0) -> list[RequestResult]
+               dtype="float32", temperature=0.0, seed=0, logprobs_mode="raw_logprobs")
+        -> list[RequestResult]
 
 ``weights``: numpy float arrays under the family's names (the caller's arrays are not changed);
 ``requests``: :class:`~trace_replay_app.records.TraceRequest`; ``device``: ``"cpu"``, ``"cuda"``
@@ -22,7 +23,9 @@ or ``"cuda:N"``; ``max_batch``: the most slots decoding together on the shared s
 ``dtype``: compute dtype, ``"float32"`` or ``"bfloat16"``;
 ``temperature``: 0 = greedy (ties: lowest id), else sampling from ``softmax(logits / T)``
 with the ``seed`` (reproducible for the same arguments). Traced requests are forced onto their
-traces; logprobs and ranks are those of the raw float32 logits (before temperature). A rejected
+traces; logprobs and ranks are those of the float32 logits as they are (``logprobs_mode``
+``"raw_logprobs"``) or, with ``"processed_logprobs"`` when sampling, of ``logits /
+temperature`` (vLLM's names). A rejected
 call raises ``TypeError``/``ValueError`` naming the argument, before anything runs; a run that
 cannot fit in the device's free memory raises :class:`~trace_replay_app.records.DeviceMemoryError`
 before anything is allocated there.
@@ -32,15 +35,30 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Family", "FrameworkMissing", "FRAMEWORKS", "RunDecode"]
+__all__ = ["Family", "FrameworkMissing", "FRAMEWORKS", "RunDecode", "loop_loader"]
 
 FRAMEWORKS = ("torch", "jax")
 
 RunDecode = Callable[..., list]
+
+
+def loop_loader(loop_module: Callable[[str], ModuleType]) -> Callable[..., RunDecode]:
+    """A family's ``load_loop(framework, entry="run_decode")``: ``entry`` of the family's loop
+    module for ``framework`` (``"torch"`` or ``"jax"``, else ``ValueError``), which
+    ``loop_module(framework)`` imports with a plain import (nothing loads a framework before it
+    is asked for)."""
+
+    def load_loop(framework: str, entry: str = "run_decode") -> RunDecode:
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
+        return getattr(loop_module(framework), entry)
+
+    return load_loop
 
 
 class FrameworkMissing(ImportError):

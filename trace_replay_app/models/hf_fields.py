@@ -7,6 +7,7 @@ misread (the string ``"false"`` as true).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,11 +32,18 @@ def get_int(hf: Mapping[str, Any], key: str, default: Any = None, required: bool
 
 
 def get_float(hf: Mapping[str, Any], key: str, default: Any = None, required: bool = False, *, name: str = "") -> float:
-    """``hf[key]`` (or ``default``) as a float; only JSON numbers are accepted, naming the key."""
+    """``hf[key]`` (or ``default``) as a finite float; only JSON numbers are accepted, naming
+    the key (a literal beyond float's range, ``1e400``, reads as infinite and is refused)."""
     value = get(hf, key, default, required)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name or key} must be a number (got {value!r})")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer literal beyond float's range
+        number = math.copysign(math.inf, value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name or key} must be a finite number (got {number!r})")
+    return number
 
 
 def get_bool(hf: Mapping[str, Any], key: str) -> bool:

@@ -6,7 +6,7 @@ math in each framework and its ``run_decode`` on that framework's shared driver
 
 from __future__ import annotations
 
-from ..family import Family
+from ..family import Family, loop_loader
 from .config import (
     GPT2Config,
     check_weights,
@@ -33,16 +33,15 @@ __all__ = [
 ]
 
 
-def load_loop(framework: str, entry: str = "run_decode"):
-    """``framework``'s (``"torch"`` or ``"jax"``) ``run_decode``, or ``entry`` (``"run_score"``),
-    imported now."""
+def _loop_module(framework: str):
     if framework == "torch":
         from . import torch_loop as module
-    elif framework == "jax":
-        from . import jax_loop as module  # type: ignore[no-redef]
     else:
-        raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
-    return getattr(module, entry)
+        from . import jax_loop as module  # type: ignore[no-redef]
+    return module
+
+
+load_loop = loop_loader(_loop_module)  # framework -> its run_decode (or entry "run_score"), imported now
 
 
 FAMILY = Family(

@@ -15,6 +15,7 @@ when it equals ``wte.weight``), and :func:`to_hf` is the way back (for tests and
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,8 +71,8 @@ class GPT2Config:
                 f"GPT2Config.n_embd must be a multiple of n_head (got n_embd={self.n_embd}, n_head={self.n_head})"
             )
         eps = self.layer_norm_epsilon
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-            raise ValueError(f"GPT2Config.layer_norm_epsilon must be a positive float (got {eps!r})")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < math.inf:
+            raise ValueError(f"GPT2Config.layer_norm_epsilon must be a positive finite float (got {eps!r})")
 
     @property
     def head_dim(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from ..family import Family
+from ..family import Family, loop_loader
 from .config import (
     MODEL_TYPES,
     LlamaConfig,
@@ -43,16 +43,15 @@ __all__ = [
 ]
 
 
-def load_loop(framework: str, entry: str = "run_decode"):
-    """``framework``'s (``"torch"`` or ``"jax"``) ``run_decode``, or ``entry`` (``"run_score"``),
-    imported now."""
+def _loop_module(framework: str):
     if framework == "torch":
         from . import torch_loop as module
-    elif framework == "jax":
-        from . import jax_loop as module  # type: ignore[no-redef]
     else:
-        raise ValueError(f"framework must be 'torch' or 'jax' (got {framework!r})")
-    return getattr(module, entry)
+        from . import jax_loop as module  # type: ignore[no-redef]
+    return module
+
+
+load_loop = loop_loader(_loop_module)  # framework -> its run_decode (or entry "run_score"), imported now
 
 
 def _family(name: str, label: str, model_types) -> Family:

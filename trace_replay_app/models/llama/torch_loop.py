@@ -106,11 +106,9 @@ class LlamaTorch:
     follows the rows' lengths, not the cache's capacity
     (:mod:`~trace_replay_app.drivers.torch_attention`). Else: the eager layers and masked
     attention over the whole capacity in float32 softmax, as transformers' eager attention (the
-    numerics reference, and the only form on the CPU and in float32). Why this form: the eager
-    step is hundreds of small kernels (3.6 ms at batch 64 on an H200, Qwen2.5-0.5B shape; fused
-    1.9 ms), and the whole step compiled copied the cache at every KV write while the writes
-    went through a view of it (they are ``index_put_`` now; the whole-step form is to be
-    measured again: ARCHITECTURE.md, "Decode attention").
+    numerics reference, and the only form on the CPU and in float32). Why fused: the eager step
+    is hundreds of small kernels, and the fused one is the faster step measured on the GPU
+    (ARCHITECTURE.md, "Decode attention", holds the measurement).
     """
 
     def __init__(
