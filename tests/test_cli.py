@@ -204,6 +204,7 @@ def test_bad_usage_exits_2(args, message, capsys):
 
 def test_bad_paths_exit_2(tmp_path, trace_file, capsys):
     """(A device a framework does not see: tests/test_cli_hostile.py, as a child process.)"""
+    run = ["run", "--framework", "torch", "--traces", trace_file]
     cases = [
         (
             ["run", "--framework", "torch", "--traces", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
@@ -229,6 +230,10 @@ def test_bad_paths_exit_2(tmp_path, trace_file, capsys):
                 str(tmp_path / "ckpt"),
             ],
             r".*ckpt: not a folder",
+        ),
+        (
+            [*run, "--out", str(tmp_path / "o"), "--seed", "3", "--checkpoint", str(tmp_path / "ckpt")],
+            r"--seed 3: has no effect with --checkpoint",
         ),
     ]
     for args, pattern in cases:

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None if unset else max_batch,
                 help=f"decode slots: requests decoded together (default {max_batch})",
             )
-        p.add_argument("--seed", type=_seed, default=0, help="seed of the seeded model's weights (default 0)")
+        p.add_argument("--seed", type=_seed, default=None, help="seed of the seeded model's weights (default 0)")
         p.add_argument(
             "--model",
             choices=names,

@@ -299,7 +299,7 @@ def cmd_demo(args, out: TextIO) -> int:
         check_framework_device(fw, args.device)
     result = run_demo(
         device=args.device,
-        seed=args.seed,
+        seed=0 if args.seed is None else args.seed,
         max_batch=args.max_batch,
         loops=loops,
         missing=missing,

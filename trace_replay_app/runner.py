@@ -138,13 +138,16 @@ def check_framework_device(framework: str, device: str) -> None:
         raise CliError(f"--device {device}: {framework} {version} {why}; or use --device cpu")
 
 
-def load_model(model: str | None, checkpoint: str | None, seed: int) -> tuple[Family, Any, dict[str, Any]]:
+def load_model(model: str | None, checkpoint: str | None, seed: int | None) -> tuple[Family, Any, dict[str, Any]]:
     """``(family, config, source)``: from the checkpoint folder's ``config.json`` if given, else
-    the family ``model`` (default ``gpt2``) with its small default config; ``source`` says where
-    the weights come from (:func:`load_weights` reads them)."""
+    the family ``model`` (default ``gpt2``) with its small default config and weights seeded by
+    ``seed`` (default 0; refused beside a checkpoint, whose weights it would not change);
+    ``source`` says where the weights come from (:func:`load_weights` reads them)."""
     from .checkpoint import CheckpointError, read_config  # reads safetensors only when asked
 
     if checkpoint is not None:
+        if seed is not None:
+            raise CliError(f"--seed {seed}: has no effect with --checkpoint (the weights are the checkpoint's)")
         try:
             family, config = read_config(checkpoint)
         except CheckpointError as exc:
@@ -156,7 +159,7 @@ def load_model(model: str | None, checkpoint: str | None, seed: int) -> tuple[Fa
         family = get_family(model or "gpt2")
     except ValueError as exc:
         raise CliError(f"--model: {exc}") from None
-    return family, family.default_config(), {"source": "seeded", "seed": seed}
+    return family, family.default_config(), {"source": "seeded", "seed": 0 if seed is None else seed}
 
 
 def load_weights(family: Family, config: Any, source: Mapping[str, Any]) -> dict[str, Any]:
