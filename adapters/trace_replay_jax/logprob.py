@@ -78,7 +78,7 @@ def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
     if len(shape) != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(shape)})")
     if np.dtype(logits.dtype).name not in LOGITS_DTYPES:
-        raise ValueError(f"logits must be one of {LOGITS_DTYPES} (got {np.dtype(logits.dtype).name})")
+        raise TypeError(f"logits must have dtype {' or '.join(LOGITS_DTYPES)} (got {np.dtype(logits.dtype).name})")
     batch, vocab = shape
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(
@@ -91,7 +91,7 @@ def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
             f"(got shape {list(ids_shape)})"
         )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
-        raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
+        raise TypeError(f"token_ids must have dtype int32 or int64 (got {np.dtype(token_ids.dtype).name})")
     check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
     return batch, vocab
 
@@ -126,7 +126,7 @@ def _temperature(temperature: Any, batch: int) -> Any | None:
     if tuple(temperature.shape) != (batch,):
         raise ValueError(f"temperature must be [batch] with batch = {batch} (got shape {list(temperature.shape)})")
     if np.dtype(temperature.dtype) != np.float32:
-        raise ValueError(f"temperature must be float32 (got {np.dtype(temperature.dtype).name})")
+        raise TypeError(f"temperature must have dtype float32 (got {np.dtype(temperature.dtype).name})")
     return temperature
 
 
