@@ -89,9 +89,13 @@ class TraceReplayState:
         state.apply_staged_writes()
         out = step(params, state.tables, ...)
 
-    Blocking: construction and :meth:`close` are host-blocking; ``add_request`` and
-    ``remove_request`` are host-only; ``apply_staged_writes`` and ``replay`` are ordered with
-    JAX's own work and never wait for the device. One thread drives a state at a time.
+    Blocking: construction and :meth:`close` are host-blocking; ``apply_staged_writes`` and
+    ``replay`` are ordered with JAX's own work and never wait for the device. On a GPU,
+    ``add_request``, ``add_requests``, ``remove_request``, :attr:`pending` and
+    ``apply_staged_writes`` may block the host until XLA's thread has run the last apply's
+    commit callback, which takes the staged writes (a trace staged sooner would leak into it;
+    see ``commit.py``): a wait for XLA to dispatch the programs queued before that commit, not
+    for the device to run it. One thread drives a state at a time.
     Ownership: the state owns the table (and on a GPU the memory behind :attr:`tables`); keep
     it alive while its tables are in use. Closing it deletes those arrays: on the CPU every
     copy an apply handed out, not only the latest (see :meth:`close`).
@@ -242,7 +246,8 @@ class TraceReplayState:
     # requests --------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Slots staged since the last :meth:`apply_staged_writes`."""
+        """Slots staged since the last :meth:`apply_staged_writes`. Host-only; on a GPU it may
+        block the host until the last apply's commit has taken its writes (see Blocking above)."""
         refuse_under_trace("pending")
         self._live()
         self._wait()
@@ -255,7 +260,8 @@ class TraceReplayState:
         non-empty, non-negative, at most ``max_trace_len`` long, below ``vocab_size`` when set;
         it is copied. Reusing a slot replaces whatever the previous request left there. Takes
         effect at the next :meth:`apply_staged_writes`. Host-only (refused under a JAX trace);
-        a rejected call changes nothing.
+        a rejected call changes nothing. On a GPU it may block the host until the last apply's
+        commit has taken its writes, so that this trace stays out of it (see Blocking above).
         """
         self._live()
         if trace is not None:
@@ -278,8 +284,8 @@ class TraceReplayState:
         the whole block is copied and checked in one pass), or a list of 1-D traces of any
         lengths. Each request takes its own slot: a slot given twice is refused (``ValueError``
         naming it and both positions). Takes effect at the next :meth:`apply_staged_writes`.
-        Host-only (refused under a JAX trace); a rejected call changes nothing. See
-        :meth:`trace_replay_core.TraceTable.stage_many`.
+        Host-only (refused under a JAX trace); a rejected call changes nothing; on a GPU it may
+        block the host as :meth:`add_request` does. See :meth:`trace_replay_core.TraceTable.stage_many`.
         """
         self._live()
         if isinstance(traces, (list, tuple)):
@@ -295,7 +301,8 @@ class TraceReplayState:
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply.
-        Host-only (refused under a JAX trace)."""
+        Host-only (refused under a JAX trace); on a GPU it may block the host as
+        :meth:`add_request` does."""
         refuse_under_trace("remove_request")
         self.add_request(slot, None)
 
@@ -306,7 +313,8 @@ class TraceReplayState:
         every JAX program queued before, and before every one queued after). On the CPU: a
         commit and a fresh copy of the table as :attr:`tables`. Does nothing when nothing was
         staged. Host-only: call it between jitted calls, never inside one (refused under a JAX
-        trace, where it would run once at trace time and never again).
+        trace, where it would run once at trace time and never again). On a GPU it may block
+        the host until the last apply's commit has taken its writes (see Blocking above).
         """
         refuse_under_trace("apply_staged_writes")
         self._live()
