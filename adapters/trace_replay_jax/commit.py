@@ -43,7 +43,8 @@ class XlaCommit:
     ``table``: anything with ``commit(*, stream)``. ``stream_of(ctx)`` extracts the stream from
     the buffer-callback context (the default reads ``ctx.stream``, which exists on GPUs only).
     Calling the instance with ``anchor`` (a small array on the table's device, which places the
-    program there and is not read) queues one commit; stream-ordered, never blocks on the device.
+    program there and is not read) queues one commit; stream-ordered, never blocks on the device,
+    but first blocks the host as :meth:`wait` does.
     """
 
     def __init__(self, table: Any, stream_of: Callable[[Any], int] = _xla_stream):
@@ -67,8 +68,9 @@ class XlaCommit:
             self._idle.set()
 
     def wait(self) -> None:
-        """Host-only: wait until the last queued commit has taken its staged writes; re-raise its
-        error, if it had one."""
+        """Block the host until XLA's thread has run the last queued commit's callback (which takes
+        the staged writes), not until the device has run the commit; re-raise its error, if it
+        had one. The state calls it before staging, reading ``pending`` and applying."""
         while not self._idle.wait(0.05):
             token = self._token
             if token is not None and token.is_ready() and not self._idle.is_set():
