@@ -182,6 +182,19 @@ def test_mesh_refusals():
         token_logprob_rank_sharded(lg, jnp.zeros(4, jnp.int32), mesh=mesh, vocab_axis="model")
 
 
+def test_close_deletes_every_copy_of_the_tables_over_a_mesh():
+    """Each apply on a CPU mesh hands out new global tables; closing deletes all of them."""
+    state = trj.TraceReplayState(4, 6, mesh=_mesh((2, 4)))
+    handed_out = []
+    for trace in ([1, 2, 3], [4, 5]):
+        state.add_request(1, trace)
+        state.apply_staged_writes()
+        handed_out.append(state.tables)
+    state.close()
+    for tables in handed_out:
+        assert tables.table.is_deleted() and tables.trace_len.is_deleted()
+
+
 # -- vocabulary-sharded logprob ----------------------------------------------------------------
 def _logits(rng, batch: int, vocab: int, dtype) -> jax.Array:
     x = rng.normal(0, 3, (batch, vocab)).astype(np.float32)

@@ -22,7 +22,7 @@ from helpers.jax_adapter_cases import (
     _random_state,
     _reference,
 )
-from helpers.jax_helpers import x64
+from helpers.jax_helpers import external_view, x64
 
 import trace_replay_jax as trj
 from trace_replay_jax import TraceReplayState
@@ -302,8 +302,6 @@ def test_close_is_idempotent_and_final():
 
 # -- building blocks, testable on the CPU ---------------------------------------------------------
 def test_external_view_is_zero_copy_and_frees_only_its_descriptor(rng):
-    from trace_replay_jax.views import external_view
-
     raw = np.zeros(16 * 64 * 4 + 128, np.uint8)
     off = (-raw.ctypes.data) % 64
     mem = raw[off : off + 16 * 64 * 4].view(np.int32).reshape(16, 64)
@@ -321,8 +319,6 @@ def test_external_view_is_zero_copy_and_frees_only_its_descriptor(rng):
 
 
 def test_external_view_passes_on_jaxs_refusal_of_misaligned_memory():
-    from trace_replay_jax.views import external_view
-
     raw = np.zeros(1024, np.uint8)
     off = (-raw.ctypes.data) % 64 + 4  # 4-byte aligned, not 64
     with pytest.raises(
@@ -335,8 +331,6 @@ def test_external_view_passes_on_jaxs_refusal_of_misaligned_memory():
 def test_external_view_refuses_a_copy_where_a_view_was_asked_for(monkeypatch):
     """A JAX that hands back a copy (as it may for memory it cannot view) is refused by the
     adapter itself: a copy would silently stop seeing the table's writes."""
-    from trace_replay_jax.views import external_view
-
     raw = np.zeros(1024, np.uint8)
     off = (-raw.ctypes.data) % 64
     ptr = raw.ctypes.data + off

@@ -115,8 +115,8 @@ BAD = {
     "logits-1d": (dict(logits=jnp.ones(10)), ValueError, r"^logits must be 2-D \[batch, vocab\] \(got shape \[10\]\)"),
     "logits-int": (
         dict(logits=jnp.ones((3, 10), jnp.int32)),
-        ValueError,
-        r"^logits must be one of \('float32', 'bfloat16', 'float16'\) \(got int32\)",
+        TypeError,
+        r"^logits must have dtype float32 or bfloat16 or float16 \(got int32\)",
     ),
     "logits-no-vocab": (dict(logits=jnp.ones((3, 0))), ValueError, r"^logits must have between 1 and"),
     "logits-list": (dict(logits=[[1.0]]), TypeError, r"^logits must be a JAX or numpy array \(got list\)"),
@@ -132,8 +132,18 @@ BAD = {
     ),
     "ids-float": (
         dict(token_ids=jnp.zeros((3,), jnp.float32)),
-        ValueError,
-        r"^token_ids must be int32 or int64 \(got float32\)",
+        TypeError,
+        r"^token_ids must have dtype int32 or int64 \(got float32\)",
+    ),
+    "ids-int16": (
+        dict(token_ids=jnp.zeros((3,), jnp.int16)),
+        TypeError,
+        r"^token_ids must have dtype int32 or int64 \(got int16\)",
+    ),
+    "temperature-float16": (
+        dict(temperature=jnp.ones((3,), jnp.float16)),
+        TypeError,
+        r"^temperature must have dtype float32 \(got float16\)",
     ),
 }
 
@@ -142,16 +152,16 @@ BAD = {
 @pytest.mark.parametrize("traced", [False, True])
 def test_errors_name_the_argument(case, traced):
     change, exc, pattern = BAD[case]
-    args = dict(logits=_X, token_ids=_IDS, method="kernel") | change
+    args = dict(logits=_X, token_ids=_IDS, method="kernel", temperature=None) | change
     method = args.pop("method")
 
-    def call(a, b):
-        return token_logprob_rank(a, b, method=method)
+    def call(a, b, t):
+        return token_logprob_rank(a, b, method=method, temperature=t)
 
     if traced and case != "logits-list":
         call = jax.jit(call)
     with pytest.raises(exc, match=pattern):
-        call(args["logits"], args["token_ids"])
+        call(args["logits"], args["token_ids"], args["temperature"])
 
 
 # -- the GPU --------------------------------------------------------------------------------------

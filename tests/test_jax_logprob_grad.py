@@ -95,3 +95,39 @@ def test_vmap_jit_and_grad(method):
     assert res.topk_ids.shape == (3, 4, 2) and res.argmax.shape == (3, 4)
     want = jnp.take_along_axis(jax.nn.log_softmax(xb / 0.8, axis=-1), idsb[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(res.logprobs, want, atol=2e-6)
+
+
+def test_forward_mode_works_with_jnp_and_is_refused_by_the_kernel_method():
+    """Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``): ``method="jnp"`` gives the
+    derivatives of the logprobs (with respect to ``logits`` and ``temperature``) that reverse mode
+    gives; the kernel method is a ``jax.custom_vjp`` (reverse mode, first order), refused by JAX's
+    own errors. Should JAX or the kernel method learn forward mode, this test says so."""
+    x = jax.random.normal(jax.random.key(2), (3, 17)) * 2
+    t = jnp.asarray([0.7, 1.0, 1.6], jnp.float32)
+    ids = jnp.asarray([0, 5, 16], jnp.int32)
+
+    def logprobs(method):
+        return lambda a, temp: token_logprob_rank(a, ids, method=method, temperature=temp).logprobs
+
+    def ref(a, temp):
+        return jax.nn.log_softmax(a / temp[:, None])[jnp.arange(3), ids]
+
+    for jac in (jax.jacfwd, lambda f, argnums: jax.jit(jax.jacfwd(f, argnums))):
+        got = jac(logprobs("jnp"), argnums=(0, 1))(x, t)
+        want = jax.jacrev(ref, argnums=(0, 1))(x, t)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=2e-6)
+    tangents = (jax.random.normal(jax.random.key(3), x.shape), jnp.asarray([0.5, -1.0, 2.0], jnp.float32))
+    _, tangent = jax.jvp(logprobs("jnp"), (x, t), tangents)
+    np.testing.assert_allclose(tangent, jax.jvp(ref, (x, t), tangents)[1], atol=1e-5)
+    for forward in (
+        lambda: jax.jacfwd(logprobs("kernel"))(x, t),
+        lambda: jax.jvp(logprobs("kernel"), (x, t), tangents),
+    ):
+        with pytest.raises(TypeError, match=r"forward-mode autodiff \(jvp\) to a custom_vjp function"):
+            forward()
+    # second order, forward over reverse
+    got = jax.hessian(lambda a: logprobs("jnp")(a, t).sum())(x)
+    np.testing.assert_allclose(got, jax.hessian(lambda a: ref(a, t).sum())(x), atol=1e-5)
+    with pytest.raises(ValueError, match=r"Buffer callbacks do not support JVP"):
+        jax.hessian(lambda a: logprobs("kernel")(a, t).sum())(x)

@@ -61,3 +61,24 @@ def test_options_it_does_not_compute_are_refused_by_name(option):
     logits, ids = jnp.zeros((2, 8), jnp.float32), jnp.zeros(2, jnp.int32)
     with pytest.raises(ValueError, match=pattern):
         token_logprob_rank_sharded(logits, ids, mesh=_mesh(), vocab_axis="vocab", **kwargs)
+
+
+WRONG_DTYPE = {
+    "logits-int32": (
+        dict(logits=jnp.zeros((2, 8), jnp.int32)),
+        r"^logits must have dtype float32 or bfloat16 or float16 \(got int32\)$",
+    ),
+    "token_ids-int16": (
+        dict(token_ids=jnp.zeros(2, jnp.int16)),
+        r"^token_ids must have dtype int32 or int64 \(got int16\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_DTYPE))
+def test_a_wrong_dtype_is_a_type_error_naming_the_argument(case):
+    """As the core, the torch adapter, JAX replay and the unsharded op: a dtype is a TypeError."""
+    change, pattern = WRONG_DTYPE[case]
+    args = dict(logits=jnp.zeros((2, 8), jnp.float32), token_ids=jnp.zeros(2, jnp.int32)) | change
+    with pytest.raises(TypeError, match=pattern):
+        token_logprob_rank_sharded(args["logits"], args["token_ids"], mesh=_mesh(), vocab_axis="vocab")

@@ -42,18 +42,14 @@ class XlaCommit:
 
     ``table``: anything with ``commit(*, stream)``. ``stream_of(ctx)`` extracts the stream from
     the buffer-callback context (the default reads ``ctx.stream``, which exists on GPUs only).
-    ``activate()``, when given, runs first on XLA's thread (to make the device's CUDA context
-    current there: XLA's thread need not have one for driver calls made from Python).
     Calling the instance with ``anchor`` (a small array on the table's device, which places the
-    program there and is not read) queues one commit; stream-ordered, never blocks on the device.
+    program there and is not read) queues one commit; stream-ordered, never blocks on the device,
+    but first blocks the host as :meth:`wait` does.
     """
 
-    def __init__(
-        self, table: Any, stream_of: Callable[[Any], int] = _xla_stream, activate: Callable[[], None] | None = None
-    ):
+    def __init__(self, table: Any, stream_of: Callable[[Any], int] = _xla_stream):
         self._table = table
         self._stream_of = stream_of
-        self._activate = activate
         self._idle = threading.Event()
         self._idle.set()
         self._error: BaseException | None = None
@@ -65,8 +61,6 @@ class XlaCommit:
         if getattr(ctx, "stage", ExecutionStage.EXECUTE) != ExecutionStage.EXECUTE:
             return  # only the execute stage queues work
         try:
-            if self._activate is not None:
-                self._activate()
             self._table.commit(stream=self._stream_of(ctx))
         except BaseException as exc:  # noqa: BLE001 - reported at the next call, on the caller's thread
             self._error = exc
@@ -74,8 +68,9 @@ class XlaCommit:
             self._idle.set()
 
     def wait(self) -> None:
-        """Host-only: wait until the last queued commit has taken its staged writes; re-raise its
-        error, if it had one."""
+        """Block the host until XLA's thread has run the last queued commit's callback (which takes
+        the staged writes), not until the device has run the commit; re-raise its error, if it
+        had one. The state calls it before staging, reading ``pending`` and applying."""
         while not self._idle.wait(0.05):
             token = self._token
             if token is not None and token.is_ready() and not self._idle.is_set():

@@ -9,7 +9,8 @@ Two implementations of one contract (the core's, see
   batch), run on XLA's own stream through ``jax.experimental.buffer_callback``
   (:mod:`.logprob_callback`); on the CPU the same callback runs the core's numpy backend (row by
   row, also batch-invariant) on XLA's host buffers. Differentiable: a ``jax.custom_vjp`` runs the
-  core's backward kernel the same way (:mod:`.logprob_grad`).
+  core's backward kernel the same way (:mod:`.logprob_grad`); reverse mode, first order only
+  (``jax.jvp``, ``jax.jacfwd`` and ``jax.hessian`` need ``method="jnp"``).
 - ``method="jnp"``: the same arithmetic in ``jax.numpy`` (a max, a sum of exponentials, a
   gather, a count, ``lax.top_k``), fused by XLA into the surrounding program; it reads the
   logits more than once, but needs no callback; JAX differentiates it. It is *not*
@@ -78,7 +79,7 @@ def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
     if len(shape) != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(shape)})")
     if np.dtype(logits.dtype).name not in LOGITS_DTYPES:
-        raise ValueError(f"logits must be one of {LOGITS_DTYPES} (got {np.dtype(logits.dtype).name})")
+        raise TypeError(f"logits must have dtype {' or '.join(LOGITS_DTYPES)} (got {np.dtype(logits.dtype).name})")
     batch, vocab = shape
     if not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(
@@ -91,7 +92,7 @@ def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
             f"(got shape {list(ids_shape)})"
         )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
-        raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
+        raise TypeError(f"token_ids must have dtype int32 or int64 (got {np.dtype(token_ids.dtype).name})")
     check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
     return batch, vocab
 
@@ -126,7 +127,7 @@ def _temperature(temperature: Any, batch: int) -> Any | None:
     if tuple(temperature.shape) != (batch,):
         raise ValueError(f"temperature must be [batch] with batch = {batch} (got shape {list(temperature.shape)})")
     if np.dtype(temperature.dtype) != np.float32:
-        raise ValueError(f"temperature must be float32 (got {np.dtype(temperature.dtype).name})")
+        raise TypeError(f"temperature must have dtype float32 (got {np.dtype(temperature.dtype).name})")
     return temperature
 
 
@@ -269,9 +270,14 @@ def token_logprob_rank(
     is the core's backward kernel (one read of the logits, one write of the gradient,
     batch-invariant) through a ``jax.custom_vjp``. A row whose id is out of range adds no gradient
     through its (NaN) logprob; a row without a normaliser (a NaN or ``+inf`` logit, only ``-inf``,
-    a temperature not finite and ``> 0``) gets NaN gradients. ``jax.vmap`` works, also over
-    ``jax.jit`` and ``jax.grad`` of it: the kernel method folds a mapped axis into the batch axis
-    and runs once.
+    a temperature not finite and ``> 0``) gets NaN gradients. Forward mode (``jax.jvp``,
+    ``jax.jacfwd``) and second order (``jax.hessian``): ``method="jnp"`` only. The kernel method
+    is reverse mode, first order: a ``jax.custom_vjp`` has no forward rule, so JAX refuses
+    ``jax.jvp``/``jax.jacfwd`` of it (``TypeError``: "can't apply forward-mode autodiff (jvp) to
+    a custom_vjp function") and forward mode over its gradient (``ValueError``: "Buffer
+    callbacks do not support JVP"); pass ``method="jnp"`` to those transforms. ``jax.vmap``
+    works, also over ``jax.jit`` and ``jax.grad`` of it: the kernel method folds a mapped axis
+    into the batch axis and runs once.
     """
     batch, vocab = _check(logits, token_ids, method)
     top_k = _check_top_k(top_k, vocab)

@@ -51,7 +51,7 @@ def _check_block(logits: Any, token_ids: Any) -> None:
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
     if np.dtype(logits.dtype).name not in LOGITS_DTYPES:
-        raise ValueError(f"logits must be one of {LOGITS_DTYPES} (got {np.dtype(logits.dtype).name})")
+        raise TypeError(f"logits must have dtype {' or '.join(LOGITS_DTYPES)} (got {np.dtype(logits.dtype).name})")
     batch = logits.shape[0]
     if tuple(token_ids.shape) not in ((batch,), (batch, 1)):
         raise ValueError(
@@ -59,7 +59,7 @@ def _check_block(logits: Any, token_ids: Any) -> None:
             f"(got shape {list(token_ids.shape)})"
         )
     if np.dtype(token_ids.dtype) not in _TOKEN_DTYPES:
-        raise ValueError(f"token_ids must be int32 or int64 (got {np.dtype(token_ids.dtype).name})")
+        raise TypeError(f"token_ids must have dtype int32 or int64 (got {np.dtype(token_ids.dtype).name})")
     check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
 
 

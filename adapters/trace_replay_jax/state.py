@@ -14,7 +14,8 @@ Memory and ordering:
 - On the CPU, XLA programs run asynchronously and not necessarily in dispatch order, so
   stream order cannot protect an in-place write. There ``apply_staged_writes()`` commits to
   the numpy table and takes a fresh copy as the new ``tables``: programs already queued keep
-  the old arrays. Cost: one copy of the table per apply that had staged writes.
+  the old arrays. Cost: one copy of the table per apply that had staged writes. The state
+  holds its copies weakly and deletes those still alive when it closes.
 - Over a ``jax.sharding.Mesh`` (``mesh=``): one core table per local device of the mesh,
   every one staged with the same traces and committed on its own device's stream (the GPU)
   or copied (the CPU) by the same apply; ``tables`` are global arrays replicated over the
@@ -24,6 +25,7 @@ Memory and ordering:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,11 +89,16 @@ class TraceReplayState:
         state.apply_staged_writes()
         out = step(params, state.tables, ...)
 
-    Blocking: construction and :meth:`close` are host-blocking; ``add_request`` and
-    ``remove_request`` are host-only; ``apply_staged_writes`` and ``replay`` are ordered with
-    JAX's own work and never wait for the device. One thread drives a state at a time.
+    Blocking: construction and :meth:`close` are host-blocking; ``apply_staged_writes`` and
+    ``replay`` are ordered with JAX's own work and never wait for the device. On a GPU,
+    ``add_request``, ``add_requests``, ``remove_request``, :attr:`pending` and
+    ``apply_staged_writes`` may block the host until XLA's thread has run the last apply's
+    commit callback, which takes the staged writes (a trace staged sooner would leak into it;
+    see ``commit.py``): a wait for XLA to dispatch the programs queued before that commit, not
+    for the device to run it. One thread drives a state at a time.
     Ownership: the state owns the table (and on a GPU the memory behind :attr:`tables`); keep
-    it alive while its tables are in use. Closing it deletes those arrays.
+    it alive while its tables are in use. Closing it deletes those arrays: on the CPU every
+    copy an apply handed out, not only the latest (see :meth:`close`).
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class TraceReplayState:
         self._cores: list[TraceTable] = []
         self._commits: list = []
         self._views: list[ReplayTables] = []
+        self._copies: list[weakref.ref[jax.Array]] = []  # the CPU copies handed out, until close
         try:
             for d in self.devices:
                 self._cores.append(
@@ -167,7 +175,10 @@ class TraceReplayState:
             copy = ReplayTables(jax.device_put(table, d), jax.device_put(trace_len, d))
             register_copies(core, copy.table)  # what method="kernel" accepts, as on a GPU
             per_device.append(copy)
-        return self._assemble(per_device)
+        tables = self._assemble(per_device)
+        self._copies = [ref for ref in self._copies if ref() is not None]
+        self._copies += [weakref.ref(tables.table), weakref.ref(tables.trace_len)]
+        return tables
 
     # lifetime --------------------------------------------------------------------------------
     @property
@@ -191,7 +202,8 @@ class TraceReplayState:
     def close(self) -> None:
         """Free the tables and staging memory. Host-blocking (waits for queued device work);
         idempotent. The arrays of :attr:`tables` are deleted (on a GPU they view freed memory;
-        on the CPU too, so that both refuse a closed state's tables alike)."""
+        on the CPU every copy an apply handed out, held weakly until then, so that both refuse a
+        closed state's tables alike). A program queued before with a CPU copy still reads it."""
         refuse_under_trace("close")
         self._release()
 
@@ -204,11 +216,13 @@ class TraceReplayState:
             from .kernel_replay import unregister_table
 
             tables = getattr(self, "_tables", None)
-            for arr in ([tables.table, tables.trace_len] if tables is not None else []) + [
-                a for v in self._views for a in (v.table, v.trace_len)
-            ]:
-                if not arr.is_deleted():
+            arrays = [tables.table, tables.trace_len] if tables is not None else []
+            arrays += [a for v in self._views for a in (v.table, v.trace_len)]
+            arrays += [ref() for ref in self._copies]  # on the CPU: every copy handed out, still alive
+            for arr in arrays:
+                if arr is not None and not arr.is_deleted():
                     arr.delete()
+            self._copies = []
             for core in self._cores:
                 unregister_table(core)
             self._commits = []
@@ -232,7 +246,8 @@ class TraceReplayState:
     # requests --------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Slots staged since the last :meth:`apply_staged_writes`."""
+        """Slots staged since the last :meth:`apply_staged_writes`. Host-only; on a GPU it may
+        block the host until the last apply's commit has taken its writes (see Blocking above)."""
         refuse_under_trace("pending")
         self._live()
         self._wait()
@@ -245,7 +260,8 @@ class TraceReplayState:
         non-empty, non-negative, at most ``max_trace_len`` long, below ``vocab_size`` when set;
         it is copied. Reusing a slot replaces whatever the previous request left there. Takes
         effect at the next :meth:`apply_staged_writes`. Host-only (refused under a JAX trace);
-        a rejected call changes nothing.
+        a rejected call changes nothing. On a GPU it may block the host until the last apply's
+        commit has taken its writes, so that this trace stays out of it (see Blocking above).
         """
         self._live()
         if trace is not None:
@@ -268,8 +284,8 @@ class TraceReplayState:
         the whole block is copied and checked in one pass), or a list of 1-D traces of any
         lengths. Each request takes its own slot: a slot given twice is refused (``ValueError``
         naming it and both positions). Takes effect at the next :meth:`apply_staged_writes`.
-        Host-only (refused under a JAX trace); a rejected call changes nothing. See
-        :meth:`trace_replay_core.TraceTable.stage_many`.
+        Host-only (refused under a JAX trace); a rejected call changes nothing; on a GPU it may
+        block the host as :meth:`add_request` does. See :meth:`trace_replay_core.TraceTable.stage_many`.
         """
         self._live()
         if isinstance(traces, (list, tuple)):
@@ -285,7 +301,8 @@ class TraceReplayState:
 
     def remove_request(self, slot: int) -> None:
         """The request in ``slot`` finished: the slot becomes untraced at the next apply.
-        Host-only (refused under a JAX trace)."""
+        Host-only (refused under a JAX trace); on a GPU it may block the host as
+        :meth:`add_request` does."""
         refuse_under_trace("remove_request")
         self.add_request(slot, None)
 
@@ -296,7 +313,8 @@ class TraceReplayState:
         every JAX program queued before, and before every one queued after). On the CPU: a
         commit and a fresh copy of the table as :attr:`tables`. Does nothing when nothing was
         staged. Host-only: call it between jitted calls, never inside one (refused under a JAX
-        trace, where it would run once at trace time and never again).
+        trace, where it would run once at trace time and never again). On a GPU it may block
+        the host until the last apply's commit has taken its writes (see Blocking above).
         """
         refuse_under_trace("apply_staged_writes")
         self._live()

@@ -16,15 +16,9 @@ from __future__ import annotations
 
 from jax.extend.core import get_opaque_trace_state
 
-__all__ = ["under_trace", "refuse_under_trace"]
+__all__ = ["refuse_under_trace"]
 
 _TOP_LEVEL = get_opaque_trace_state()
-
-
-def under_trace() -> bool:
-    """True while JAX is tracing a function on this thread (jit, lax loops, vmap, grad, shard_map)."""
-    return get_opaque_trace_state() != _TOP_LEVEL
-
 
 _HOST_ONLY = {
     "add_request": "call it between jitted calls, on the host",

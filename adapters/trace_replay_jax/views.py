@@ -12,16 +12,13 @@ writes happen on XLA's own stream (see ``commit.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
-import numpy as np
 
 from trace_replay_core import ArrayView, TraceTable
 
 from .jnp_replay import ReplayTables
 
-__all__ = ["external_view", "jax_view", "table_views"]
+__all__ = ["jax_view", "table_views"]
 
 
 def table_views(core: TraceTable) -> ReplayTables:
@@ -57,21 +54,3 @@ def jax_view(view: ArrayView) -> jax.Array:
             f"0x{array.unsafe_buffer_pointer():x}); it must be compact and aligned"
         )
     return array
-
-
-def external_view(ptr: int, shape: Sequence[int], dtype, device: jax.Device) -> jax.Array:
-    """A ``jax.Array`` over compact row-major ``dtype`` data at ``ptr`` on ``device``.
-
-    ``ptr`` is a device pointer on a GPU, or a host pointer aligned to 64 bytes on the CPU; the
-    caller keeps the memory alive and unwritten by others for as long as the view exists.
-    """
-    shape = tuple(int(s) for s in shape)
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    if device.platform == "cpu":
-        kind, index = "cpu", 0
-    else:
-        kind, index = "cuda", int(device.local_hardware_id)
-    return jax_view(ArrayView(ptr, shape, tuple(reversed(strides)), np.dtype(dtype).name, kind, index))

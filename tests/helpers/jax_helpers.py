@@ -1,6 +1,9 @@
 """Helpers shared by the JAX test modules ."""
 
+from collections.abc import Sequence
+
 import jax
+import numpy as np
 import pytest
 
 
@@ -20,3 +23,26 @@ def jax_gpu():
         return jax.devices("gpu")[0]
     except RuntimeError as exc:
         pytest.skip(f"no CUDA device visible to JAX ({exc})")
+
+
+def external_view(ptr: int, shape: Sequence[int], dtype, device: jax.Device) -> jax.Array:
+    """A ``jax.Array`` over compact row-major ``dtype`` data at ``ptr`` on ``device``, through the
+    adapter's :func:`trace_replay_jax.views.jax_view` (what a state's GPU tables are made with),
+    so that tests can check that view on memory of their own.
+
+    ``ptr`` is a device pointer on a GPU, or a host pointer aligned to 64 bytes on the CPU; the
+    caller keeps the memory alive and unwritten by others for as long as the view exists.
+    """
+    from trace_replay_core import ArrayView  # here: importing these helpers loads no library
+    from trace_replay_jax.views import jax_view
+
+    shape = tuple(int(s) for s in shape)
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    if device.platform == "cpu":
+        kind, index = "cpu", 0
+    else:
+        kind, index = "cuda", int(device.local_hardware_id)
+    return jax_view(ArrayView(ptr, shape, tuple(reversed(strides)), np.dtype(dtype).name, kind, index))
