@@ -1,6 +1,7 @@
 """BoundCache: one bind per key, entries hold no arrays, oldest entry dropped first."""
 
 import numpy as np
+import pytest
 
 from trace_replay_core import TraceTable, bind_logprob_rank
 from trace_replay_core._bound_cache import BoundCache
@@ -26,6 +27,20 @@ def test_binds_once_per_key_drops_views_and_evicts_oldest(rng):
     cache.bind("c", bind)  # size 2: "a", the oldest, goes
     assert list(cache) == ["b", "c"] and len(calls) == 3
     assert cache.get("a") is None
+
+
+def test_entries_go_in_only_through_bind():
+    """Item assignment and update would bypass the size limit and the lock: BoundCache is no
+    dict and has neither; what it reads like a mapping (get, in, len, iteration, clear) stays."""
+    cache = BoundCache(2)
+    with pytest.raises(TypeError, match=r"^'BoundCache' object does not support item assignment$"):
+        cache["a"] = object()
+    assert not any(hasattr(cache, name) for name in ("update", "setdefault", "pop", "__setitem__"))
+    kept = {k: cache.bind(k, object) for k in "abcd"}
+    assert list(cache) == ["c", "d"] and len(cache) == 2 and "c" in cache and "a" not in cache
+    assert cache.get("d") is kept["d"] and cache.get("a") is None and cache.get("a", 5) == 5
+    cache.clear()
+    assert len(cache) == 0 and cache.get("d") is None
 
 
 def test_bound_replay_views_lose_their_capsules(rng):

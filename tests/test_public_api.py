@@ -44,7 +44,7 @@ PINNED = {
             "ndim": "property",
             "size": "property",
         },
-        "BoundCache": {"__init__": "(self, size)", "bind": "(self, key, bind)"},
+        "BoundCache": {"__init__": "(self, size)", "bind": "(self, key, bind)", "clear": "(self)"},
         "BoundLogprobRank": {"__call__": "(self, *, stream)", "__init__": "(self, launch, views)", "release": "(self)"},
         "BoundReplay": {
             "__call__": "(self, *, stream)",

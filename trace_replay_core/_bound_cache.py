@@ -13,25 +13,32 @@ does not refresh an entry; a loop of more layouts than the size binds again in t
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 __all__ = ["BoundCache"]
 
 
-class BoundCache(dict):
-    """A dict of ``key -> bound launch`` holding at most ``size`` entries: a new key beyond that
-    drops the key inserted first (the dict's order; lookups do not reorder it).
+class BoundCache:
+    """At most ``size`` entries of ``key -> bound launch``: a new key beyond that drops the key
+    inserted first (insertion order; lookups do not reorder it).
 
-    Look up with ``cache.get(key)`` (a plain dict lookup, for hot paths), or with
-    :meth:`bind`, which binds on a miss. Thread-safe: lookups take no lock (a dict read is
-    atomic in CPython); :meth:`bind` inserts and evicts under the cache's own lock, so
-    concurrent misses on one key bind at most once each and never corrupt the order. Host-only.
+    Look up with ``cache.get(key)`` (``get(key, default=None)``: the wrapped dict's own
+    ``get``, a plain dict lookup, for hot paths), or with :meth:`bind`, which binds on a miss.
+    Entries go in only through :meth:`bind`: the cache is no dict, so no item assignment or
+    ``update`` can pass its size limit or its lock. It reads as a mapping otherwise: ``key in
+    cache``, ``len(cache)``, iteration over the keys (oldest first), :meth:`clear`.
+    Thread-safe: lookups take no lock (a dict read is atomic in CPython); :meth:`bind` inserts
+    and evicts, and :meth:`clear` empties, under the cache's own lock, so concurrent misses on
+    one key bind at most once each and never corrupt the order. Host-only.
     """
 
+    __slots__ = ("size", "get", "_entries", "_lock")
+
     def __init__(self, size: int):
-        super().__init__()
         self.size = size
+        self._entries: dict[Hashable, Any] = {}
+        self.get = self._entries.get  # bound once: a lookup is the dict's own, no Python frame
         self._lock = threading.Lock()
 
     def bind(self, key: Hashable, bind: Callable[[], Any]) -> Any:
@@ -43,13 +50,28 @@ class BoundCache(dict):
         if bound is not None:
             return bound
         with self._lock:
-            bound = self.get(key)
+            entries = self._entries
+            bound = entries.get(key)
             if bound is None:
                 bound = bind()
                 release = getattr(bound, "release", None)
                 if release is not None:
                     release()
-                if len(self) >= self.size:
-                    self.pop(next(iter(self)))
-                self[key] = bound
+                if len(entries) >= self.size:
+                    del entries[next(iter(entries))]
+                entries[key] = bound
         return bound
+
+    def clear(self) -> None:
+        """Drop every entry (host-only)."""
+        with self._lock:
+            self._entries.clear()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(list(self._entries))

@@ -172,7 +172,12 @@ FAULTS = (
     Fault(
         "bound cache evicts the newest entry",
         T + "_bound_cache.py",
-        (("                    self.pop(next(iter(self)))\n", "                    self.pop(next(reversed(self)))\n"),),
+        (
+            (
+                "                    del entries[next(iter(entries))]\n",
+                "                    del entries[next(reversed(entries))]\n",
+            ),
+        ),
         ("tests/test_bound_cache.py::test_concurrent_misses_bind_each_key_once_and_keep_the_bound",),
         "tests/test_bound_cache.py::test_concurrent_misses_bind_each_key_once_and_keep_the_bound",
     ),
