@@ -1,10 +1,8 @@
 """CPU tier: DLPack intake from numpy, torch CPU and JAX CPU arrays, and every refusal."""
 
-import ctypes
-
 import numpy as np
 import pytest
-from helpers.dlpack_producers import DataType, Device, Tensor, capsule_new
+from helpers.dlpack_producers import CopyingProducer
 
 from trace_replay_core import ArrayView, as_view
 from trace_replay_core._validate import check_view
@@ -207,49 +205,6 @@ def test_as_view_builds_the_same_view_as_the_constructor():
     fields = ArrayView.__slots__
     assert [getattr(v, f) for f in fields] == [getattr(w, f) for f in fields]
     assert type(v) is ArrayView and v.itemsize == 4 and v.strides == (6, 2)
-
-
-# A DLPack 1.x producer that exported a copy --------------------------------------------------
-class _Version(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _ManagedVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version", _Version),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", Tensor),
-    ]
-
-
-_IS_COPIED = 1 << 1  # DLPACK_FLAG_BITMASK_IS_COPIED
-_VERSIONED_NAME = ctypes.create_string_buffer(b"dltensor_versioned")
-
-
-class CopyingProducer:
-    """Exports a versioned capsule of a compact copy of ``arr`` (a numpy array) flagged as a
-    copy, as a DLPack 1.x producer does when it could not hand out the array's own memory. Keeps
-    every structure it hands out (no deleter)."""
-
-    def __init__(self, arr: np.ndarray):
-        self.arr, self.copy = arr, np.ascontiguousarray(arr).copy()
-        self._shape = (ctypes.c_int64 * arr.ndim)(*arr.shape)
-        self._strides = (ctypes.c_int64 * arr.ndim)(*(s // arr.itemsize for s in self.copy.strides))
-        self._managed = m = _ManagedVersioned()
-        m.version, m.flags = _Version(1, 1), _IS_COPIED
-        t = m.dl_tensor
-        t.data, t.device, t.ndim = self.copy.ctypes.data, Device(1, 0), arr.ndim
-        t.dtype = DataType({"i": 0, "u": 1, "f": 2}[arr.dtype.kind], arr.dtype.itemsize * 8, 1)
-        t.shape = ctypes.cast(self._shape, ctypes.POINTER(ctypes.c_int64))
-        t.strides = ctypes.cast(self._strides, ctypes.POINTER(ctypes.c_int64))
-
-    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        return capsule_new(ctypes.addressof(self._managed), _VERSIONED_NAME, None)
-
-    def __dlpack_device__(self):
-        return (1, 0)
 
 
 def _copied_calls():
