@@ -22,9 +22,17 @@ for its pending writes (``-1`` asks for no ordering at all).
 
 from __future__ import annotations
 
-import ctypes
 import numbers
 from typing import Any
+
+from ._dlpack_capsules import (
+    CAN_VERSION,
+    DLManagedTensor,
+    DLManagedTensorVersioned,
+    capsule_get_pointer,
+    capsule_is_valid,
+    export_capsule,
+)
 
 __all__ = [
     "ArrayView",
@@ -55,62 +63,7 @@ _FLAG_READ_ONLY = 1 << 0
 _FLAG_IS_COPIED = 1 << 1  # the producer exported a copy: writes through the view would be lost
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version", _DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", _DLTensor),
-    ]
-
-
-_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_get_pointer.restype = ctypes.c_void_p
-_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-_libc = ctypes.CDLL(None)
-_malloc = _libc.malloc
-_malloc.restype = ctypes.c_void_p
-_malloc.argtypes = [ctypes.c_size_t]
-_FREE = ctypes.cast(_libc.free, ctypes.c_void_p).value
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_EXPORT_NAME = ctypes.create_string_buffer(b"dltensor")  # lives as long as the module
 _DTYPE_CODES = {name: key for key, name in _DTYPES.items()}
-
 _VERSIONED = b"dltensor_versioned"
 _UNVERSIONED = b"dltensor"
 _MAX_VERSION = (1, 1)
@@ -207,38 +160,32 @@ class ArrayView:
         raise BufferError(f"cannot export a view on {self.device} over DLPack")
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        """Export the described memory as an unversioned DLPack capsule (zero-copy).
+        """Export the described memory as a DLPack capsule, in place (zero-copy).
 
-        The capsule's deleter frees only its own small descriptor: the memory stays owned by
-        whoever owns it now (for :meth:`TraceTable.device_views`, the table), which must outlive
-        every consumer. ``stream`` is accepted and ignored: the owner orders its own writes.
+        ``max_version`` ``(1, 0)`` or later gives a versioned capsule (DLPack 1.x) whose flags
+        carry ``readonly`` and ``copied``; else an unversioned one, which has no flags (a
+        read-only view exports as writable memory there). ``dl_device`` may only name the
+        view's own device and ``copy`` may not be True (``BufferError``): the view makes no
+        copies. ``stream`` is accepted and ignored: the owner orders its own writes.
+
+        The capsule's descriptor is freed once, by the consumer that takes it or, dropped
+        unconsumed, by the capsule itself (:mod:`._dlpack_capsules`). The memory stays owned by
+        whoever owns it now (for :meth:`TraceTable.device_views`, the table), which must
+        outlive every consumer.
         """
         if copy:
             raise BufferError("an ArrayView exports its memory in place; import it with copy=False")
-        self.__dlpack_device__()
-        ndim = self.ndim
-        dims = max(ndim, 1)
-        head = ctypes.sizeof(_DLManagedTensor)
-        block = _malloc(head + 16 * dims)
-        if not block:
-            raise MemoryError("malloc failed for a DLPack descriptor")
-        shape = (ctypes.c_int64 * dims).from_address(block + head)
-        strides = (ctypes.c_int64 * dims).from_address(block + head + 8 * dims)
-        for i in range(ndim):
-            shape[i] = self.shape[i]
-            strides[i] = self.strides[i]
-        managed = _DLManagedTensor.from_address(block)
-        t = managed.dl_tensor
-        t.data = self.ptr
-        t.device = _DLDevice(*self.__dlpack_device__())
-        t.ndim = ndim
-        t.dtype = _DLDataType(*_DTYPE_CODES[self.dtype], 1)
-        t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-        t.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
-        t.byte_offset = 0
-        managed.manager_ctx = None
-        managed.deleter = _FREE
-        return _capsule_new(block, _EXPORT_NAME, None)
+        device = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != device:
+            raise BufferError(
+                f"an ArrayView on {self.device} exports its memory only there, in place (got dl_device {dl_device})"
+            )
+        version = None
+        if max_version is not None and max_version[0] >= 1 and CAN_VERSION:
+            version = _MAX_VERSION if tuple(max_version) >= _MAX_VERSION else (1, 0)
+        flags = (_FLAG_READ_ONLY if self.readonly else 0) | (_FLAG_IS_COPIED if self.copied else 0)
+        dtype = _DTYPE_CODES[self.dtype]
+        return export_capsule(self.ptr, self.shape, self.strides, dtype, device, version=version, flags=flags)
 
     def __repr__(self) -> str:
         return (
@@ -309,9 +256,9 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
         capsule = _capsule_of(obj, name, stream)
     except BufferError as exc:
         raise ValueError(f"{name} could not be exported over DLPack ({exc})") from exc
-    managed: _DLManagedTensorVersioned | _DLManagedTensor
-    if _capsule_is_valid(capsule, _VERSIONED):
-        managed = _DLManagedTensorVersioned.from_address(_capsule_get_pointer(capsule, _VERSIONED))
+    managed: DLManagedTensorVersioned | DLManagedTensor
+    if capsule_is_valid(capsule, _VERSIONED):
+        managed = DLManagedTensorVersioned.from_address(capsule_get_pointer(capsule, _VERSIONED))
         if managed.version.major > 1:
             raise ValueError(
                 f"{name} came as a DLPack {managed.version.major}.{managed.version.minor} "
@@ -319,8 +266,8 @@ def as_view(obj: Any, *, name: str, stream: int | None = None) -> ArrayView:
             )
         flags = managed.flags
         readonly, copied = bool(flags & _FLAG_READ_ONLY), bool(flags & _FLAG_IS_COPIED)
-    elif _capsule_is_valid(capsule, _UNVERSIONED):
-        managed = _DLManagedTensor.from_address(_capsule_get_pointer(capsule, _UNVERSIONED))
+    elif capsule_is_valid(capsule, _UNVERSIONED):
+        managed = DLManagedTensor.from_address(capsule_get_pointer(capsule, _UNVERSIONED))
         readonly = copied = False
     else:
         raise TypeError(f"{name}.__dlpack__() returned {capsule!r}, not an unconsumed DLPack capsule")
