@@ -27,10 +27,9 @@ from typing import Any
 
 from ._dlpack import ArrayView, without_capsules
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
-from ._logprob_checks import logprob_rank_workspace_bytes, validated_logprob_call
+from ._logprob_checks import LOGPROB_MAX_VOCAB, LOGPROB_TOPK_MAX, logprob_rank_workspace_bytes, validated_logprob_call
 from ._numpy_backend import logprob_rank_numpy
 from ._streams import stream_handle
-from ._validate import LOGPROB_MAX_VOCAB, LOGPROB_TOPK_MAX
 
 __all__ = [
     "token_logprob_rank",

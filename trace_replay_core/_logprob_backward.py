@@ -22,22 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._dlpack import CPU, ArrayView, as_view, without_capsules
-from ._dtypes import RANK_DTYPES
+from ._dlpack import ArrayView, without_capsules
 from ._logprob import BoundLogprobRank
+from ._logprob_checks import check_workspace_shape, validated_backward_call
 from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
-from ._validate import (
-    INT32_MAX,
-    LOGPROB_TOPK_MAX,
-    check_disjoint,
-    check_logits,
-    check_temperature,
-    check_token_ids,
-    check_view,
-    check_workspace,
-    check_workspace_shape,
-)
 
 __all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
 
@@ -132,7 +121,7 @@ def token_logprob_rank_backward(
     CUDA driver call that fails (the launch, the first call's kernel load) raises
     :class:`~trace_replay_core.CudaError`.
     """
-    numpy_call, args, dtypes, views = _checked_backward(
+    numpy_call, args, dtypes, views = validated_backward_call(
         logits,
         token_ids,
         logprobs,
@@ -185,7 +174,7 @@ def bind_logprob_rank_backward(
     :func:`token_logprob_rank_backward`; ``stream`` is used for the DLPack handshake here.
     Host-blocking only when it compiles the kernels (the first time for a device and signature).
     """
-    numpy_call, args, dtypes, views = _checked_backward(
+    numpy_call, args, dtypes, views = validated_backward_call(
         logits,
         token_ids,
         logprobs,
@@ -215,130 +204,3 @@ def bind_logprob_rank_backward(
     with _cuda.on_device(device_id):
         launch = bind_logprob_backward_launch(args, dtypes, device_id)
     return BoundLogprobRank(launch, kept)
-
-
-def _checked_backward(
-    logits,
-    token_ids,
-    logprobs,
-    out_grad_logits,
-    stream,
-    grad_logprobs,
-    temperature,
-    out_grad_temperature,
-    argmax,
-    topk_ids,
-    topk_logprobs,
-    grad_topk_logprobs,
-    entropy,
-    grad_entropy,
-    workspace,
-):
-    """Every check of a backward call: ``(numpy call or None, kernel args or None, kernel dtypes,
-    views)``; both None when there is nothing to compute."""
-    handle = stream_handle(stream)
-
-    def view(value, name):
-        return None if value is None else as_view(value, name=name, stream=handle)
-
-    lv = check_logits(as_view(logits, name="logits", stream=handle))
-    device, (batch, vocab) = lv.device, lv.shape
-    iv = check_token_ids(as_view(token_ids, name="token_ids", stream=handle), batch, device)
-
-    def vector(value, name, dtypes=("float32",), writable=False):
-        v = view(value, name)
-        if v is not None:
-            check_view(v, name=name, dtypes=dtypes, device=device, ndim=1, length=batch, writable=writable)
-        return v
-
-    if logprobs is None:  # the kernels recover each row's normaliser from it: never optional
-        raise ValueError(f"logprobs must be given: the forward's [batch] float32 logprobs (got {logprobs!r})")
-    lpv = vector(logprobs, "logprobs")
-    glv = vector(grad_logprobs, "grad_logprobs")
-    tv = None if temperature is None else check_temperature(view(temperature, "temperature"), batch, device)
-    amv = vector(argmax, "argmax", RANK_DTYPES)
-    env, gev = vector(entropy, "entropy"), vector(grad_entropy, "grad_entropy")
-    if gev is not None and env is None:
-        raise ValueError("entropy must be given with grad_entropy (the forward's entropy output, float32 [batch])")
-    gtv = vector(out_grad_temperature, "out_grad_temperature", writable=True)
-    if gtv is not None and tv is None:
-        raise ValueError("out_grad_temperature needs temperature (a call without one has no temperature gradient)")
-    tidv, tlpv, gtkv = (
-        view(topk_ids, "topk_ids"),
-        view(topk_logprobs, "topk_logprobs"),
-        view(grad_topk_logprobs, "grad_topk_logprobs"),
-    )
-    top_k = _check_topk(tidv, tlpv, gtkv, batch, vocab, device)
-    gv = as_view(out_grad_logits, name="out_grad_logits", stream=handle)
-    check_view(gv, name="out_grad_logits", dtypes=(lv.dtype,), device=device, ndim=2, writable=True, contiguous=False)
-    if tuple(gv.shape) != (batch, vocab):
-        raise ValueError(f"out_grad_logits must have the logits' shape {[batch, vocab]} (got shape {list(gv.shape)})")
-    if batch > 1 and ((vocab > 1 and gv.strides[1] != 1) or not vocab <= gv.strides[0] <= INT32_MAX):
-        raise ValueError(
-            f"out_grad_logits must not have overlapping rows: element stride 1 along the vocabulary and a row "
-            f"stride between {vocab} (the vocabulary) and {INT32_MAX} elements (got element strides {list(gv.strides)})"
-        )
-    inputs = [("logits", lv), ("token_ids", iv), ("logprobs", lpv), ("grad_logprobs", glv), ("temperature", tv)]
-    inputs += [("argmax", amv), ("topk_ids", tidv), ("topk_logprobs", tlpv), ("grad_topk_logprobs", gtkv)]
-    inputs += [("entropy", env), ("grad_entropy", gev)]
-    outputs = [("out_grad_logits", gv), ("out_grad_temperature", gtv)]
-    check_disjoint(outputs, inputs)
-    if device == CPU:
-        if workspace is not None:
-            check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
-        views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv)
-        return (lambda _stream: logprob_backward_numpy(*views)) if batch else None, None, None, views
-    if lv.device_type != "cuda":
-        raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
-    from .kernels.logprob_backward import LogprobBackwardArgs, LogprobBackwardDtypes, backward_workspace_bytes
-
-    need = backward_workspace_bytes(batch, vocab, gtv is not None)
-    wsv = None
-    if need:
-        if workspace is None:
-            raise ValueError(
-                f"workspace must be given on a GPU with out_grad_temperature: this call needs {need} bytes "
-                f"(logprob_backward_workspace_bytes({batch}, {vocab}, True))"
-            )
-        wsv = check_workspace(as_view(workspace, name="workspace", stream=handle), device, need)
-        check_disjoint([("workspace", wsv)], outputs + inputs)  # the rest checked above
-    if batch == 0:
-        return None, None, None, ()
-
-    def ptr(v: ArrayView | None) -> int:
-        return 0 if v is None else v.ptr
-
-    args = LogprobBackwardArgs(
-        lv.ptr, iv.ptr, ptr(amv), ptr(tv), ptr(lpv), ptr(glv), ptr(tidv), ptr(tlpv), ptr(gtkv), ptr(env), ptr(gev),
-        gv.ptr, ptr(gtv), ptr(wsv), batch, vocab,
-        lv.strides[0] if batch > 1 else vocab, gv.strides[0] if batch > 1 else vocab, top_k,
-    )  # fmt: skip
-    dtypes = LogprobBackwardDtypes(
-        lv.dtype, iv.dtype, amv.dtype if amv is not None else "int32", tidv.dtype if tidv is not None else "int32"
-    )
-    views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv, wsv)
-    return None, args, dtypes, views
-
-
-def _check_topk(ids, lps, grads, batch: int, vocab: int, device: str) -> int:
-    """``top_k`` of the forward's top-k outputs (0 without), checked: both or neither, shapes."""
-    if (ids is None) != (lps is None):
-        raise ValueError(
-            "topk_ids and topk_logprobs must be given together (the forward's top-k outputs) or not at all"
-        )
-    if ids is None:
-        if grads is not None:
-            raise ValueError("grad_topk_logprobs needs topk_ids and topk_logprobs (the forward's top-k outputs)")
-        return 0
-    for name, v, dtypes in (("topk_ids", ids, RANK_DTYPES), ("topk_logprobs", lps, ("float32",))):
-        check_view(v, name=name, dtypes=dtypes, device=device, ndim=2, length=batch)
-    top_k = ids.shape[1]
-    limit = min(LOGPROB_TOPK_MAX, vocab)
-    if not 1 <= top_k <= limit:
-        raise ValueError(f"topk_ids must have between 1 and {limit} columns (got shape {list(ids.shape)})")
-    for name, v in (("topk_logprobs", lps), ("grad_topk_logprobs", grads)):
-        if v is not None:
-            check_view(v, name=name, dtypes=("float32",), device=device, ndim=2, length=batch)
-            if tuple(v.shape) != (batch, top_k):
-                raise ValueError(f"{name} must have shape {[batch, top_k]} (as topk_ids) (got shape {list(v.shape)})")
-    return top_k

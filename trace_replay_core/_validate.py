@@ -1,4 +1,5 @@
-"""Host-side validation of slots, traces and the arrays read over DLPack.
+"""Host-side validation of slots, traces and the arrays read over DLPack (the logprob op's own
+checks are in :mod:`._logprob_checks`).
 
 ``check_*``, :func:`trace_array` and :func:`trace_block` only read their input; the token ids
 are checked later, while staging copies them (:func:`~._staging.copy_trace`): it validates
@@ -12,6 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
+from ._dlpack import ArrayView
 
 __all__ = [
     "check_int",
@@ -207,9 +210,6 @@ def check_trace(tokens: Any, *, max_trace_len: int, vocab_size: int | None, name
 # -- arrays ----------------------------------------------------------------------------------------
 # One array read over DLPack, checked (host-only: it reads the view and never writes).
 
-from ._dlpack import ArrayView  # noqa: E402  (kept with the sections that use it)
-from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES  # noqa: E402
-
 
 def check_view(
     view: ArrayView,
@@ -252,110 +252,3 @@ def check_view(
     if view.size and view.ptr % view.itemsize:
         raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
     return view
-
-
-# -- logprob and rank ----------------------------------------------------------------------------
-# Checks of the arrays of ``token_logprob_rank`` (host-only, they read views and never write).
-
-LOGPROB_MAX_VOCAB = 2**30
-LOGPROB_TOPK_MAX = 64
-
-
-def _span(v: ArrayView):
-    """Byte range [lo, hi) touched by a view with non-negative strides."""
-    if v.size == 0:
-        return (v.ptr, v.ptr)
-    last = sum((n - 1) * s for n, s in zip(v.shape, v.strides))
-    return (v.ptr, v.ptr + (last + 1) * v.itemsize)
-
-
-def check_disjoint(outputs, inputs=()) -> None:
-    """Refuse outputs that overlap each other or the inputs (both ``(name, view)`` pairs, a
-    ``None`` view skipped). Inputs may overlap each other: reading memory twice is harmless."""
-    outs = [(name, _span(v)) for name, v in outputs if v is not None and v.size]
-    ins = [(name, _span(v)) for name, v in inputs if v is not None and v.size]
-    for i, (a, (alo, ahi)) in enumerate(outs):
-        for b, (blo, bhi) in outs[i + 1 :] + ins:
-            if alo < bhi and blo < ahi:
-                raise ValueError(
-                    f"{a} and {b} overlap in memory ({a} at 0x{alo:x}..0x{ahi:x}, {b} at "
-                    f"0x{blo:x}..0x{bhi:x}); the outputs must not alias the inputs or each other"
-                )
-
-
-def check_logits(v: ArrayView) -> ArrayView:
-    check_view(v, name="logits", dtypes=LOGITS_DTYPES, ndim=2, contiguous=False)
-    batch, vocab = v.shape
-    if not 1 <= vocab <= LOGPROB_MAX_VOCAB:
-        raise ValueError(
-            f"logits must have between 1 and {LOGPROB_MAX_VOCAB} columns (the vocabulary) (got shape {list(v.shape)})"
-        )
-    row_stride, col_stride = v.strides
-    if batch and vocab > 1 and col_stride != 1:
-        raise ValueError(
-            f"logits must be contiguous along the vocabulary (element stride 1 in dimension 1; "
-            f"got shape {list(v.shape)} with element strides {list(v.strides)})"
-        )
-    if batch > 1 and not 0 <= row_stride <= INT32_MAX:
-        raise ValueError(
-            f"logits must have a row stride between 0 and {INT32_MAX} elements "
-            f"(got shape {list(v.shape)} with element strides {list(v.strides)})"
-        )
-    return v
-
-
-def check_token_ids(v: ArrayView, batch: int, device: str) -> ArrayView:
-    if not (v.ndim == 1 or (v.ndim == 2 and v.shape[1] == 1)):
-        raise ValueError(f"token_ids must be 1-D [batch] or [batch, 1], one token per row (got shape {list(v.shape)})")
-    return check_view(v, name="token_ids", dtypes=TOKEN_DTYPES, device=device, length=batch)
-
-
-def check_workspace_shape(batch: Any, vocab: Any) -> tuple[int, int]:
-    """``(batch, vocab)`` of a workspace-size question, checked: ``batch >= 0``, ``1 <= vocab <=
-    LOGPROB_MAX_VOCAB``."""
-    batch = check_int(batch, name="batch", minimum=0, maximum=INT32_MAX)
-    return batch, check_int(vocab, name="vocab", minimum=1, maximum=LOGPROB_MAX_VOCAB)
-
-
-def check_top_k(top_k: Any, vocab: int) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
-    limit = min(LOGPROB_TOPK_MAX, vocab)
-    if not 0 <= int(top_k) <= limit:
-        raise ValueError(
-            f"top_k must be between 0 and {limit} (at most {LOGPROB_TOPK_MAX} and at most the "
-            f"vocabulary, {vocab}) (got {top_k})"
-        )
-    return int(top_k)
-
-
-def check_topk_outputs(lp: ArrayView | None, ids: ArrayView | None, batch: int, top_k: int, device: str) -> None:
-    if top_k == 0:
-        for name, v in (("out_topk_logprobs", lp), ("out_topk_ids", ids)):
-            if v is not None:
-                raise ValueError(f"{name} is given but top_k is 0 (pass top_k > 0, or leave {name} out)")
-        return
-    for name, v, dtypes in (("out_topk_logprobs", lp, ("float32",)), ("out_topk_ids", ids, RANK_DTYPES)):
-        if v is None:
-            raise ValueError(f"{name} must be given when top_k > 0 (a [batch, top_k] = [{batch}, {top_k}] array)")
-        check_view(v, name=name, dtypes=dtypes, device=device, ndim=2, writable=True)
-        if tuple(v.shape) != (batch, top_k):
-            raise ValueError(f"{name} must have shape [{batch}, {top_k}] ([batch, top_k]) (got shape {list(v.shape)})")
-
-
-def check_temperature(v: ArrayView, batch: int, device: str) -> ArrayView:
-    return check_view(v, name="temperature", dtypes=("float32",), device=device, ndim=1, length=batch)
-
-
-def check_workspace(v: ArrayView, device: str, need: int) -> ArrayView:
-    # Any element type: only the bytes count.
-    check_view(v, name="workspace", dtypes=(v.dtype,), device=device, ndim=1, writable=True)
-    nbytes = v.size * v.itemsize
-    if nbytes < need:
-        raise ValueError(
-            f"workspace must hold at least {need} bytes for this call (see "
-            f"logprob_rank_workspace_bytes; got {nbytes} bytes, {v.describe()})"
-        )
-    if v.ptr % 16:
-        raise ValueError(f"workspace must be aligned to 16 bytes (got address 0x{v.ptr:x})")
-    return v
