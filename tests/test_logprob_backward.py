@@ -263,6 +263,20 @@ def test_workspace_bytes():
     assert logprob_backward_workspace_bytes(0, 151936, True) == 0
 
 
+@pytest.mark.parametrize("batch", [3, 0])
+def test_bound_backward_has_its_own_type(rng, batch):
+    """bind_logprob_rank_backward returns a BoundLogprobBackward, whose docstring is the
+    backward's; it stays a BoundLogprobRank (release() and calls as the forward's)."""
+    from trace_replay_core import BoundLogprobBackward, BoundLogprobRank, bind_logprob_rank_backward
+
+    case = make_backward_case(rng, batch, 10, "float32")
+    grad = np.empty_like(case["x"])
+    bound = bind_logprob_rank_backward(case["x"], case["ids"], case["lp"], out_grad_logits=grad, stream=0)
+    assert type(bound) is BoundLogprobBackward and isinstance(bound, BoundLogprobRank)
+    assert "bind_logprob_rank_backward" in BoundLogprobBackward.__doc__
+    assert "bind_logprob_rank`" not in BoundLogprobBackward.__doc__
+
+
 def test_bound_call_repeats_the_call(rng):
     """bind_logprob_rank_backward: the bound call reads the arrays' current values each time."""
     from trace_replay_core import bind_logprob_rank_backward

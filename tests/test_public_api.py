@@ -45,6 +45,7 @@ PINNED = {
             "size": "property",
         },
         "BoundCache": {"__init__": "(self, size)", "bind": "(self, key, bind)", "clear": "(self)"},
+        "BoundLogprobBackward": {},
         "BoundLogprobRank": {"__call__": "(self, *, stream)", "__init__": "(self, launch, views)", "release": "(self)"},
         "BoundReplay": {
             "__call__": "(self, *, stream)",

@@ -38,6 +38,7 @@ from ._logprob import (
     token_logprob_rank,
 )
 from ._logprob_backward import (
+    BoundLogprobBackward,
     bind_logprob_rank_backward,
     logprob_backward_workspace_bytes,
     token_logprob_rank_backward,
@@ -69,6 +70,7 @@ __all__ = [
     # its gradient
     "token_logprob_rank_backward",
     "bind_logprob_rank_backward",
+    "BoundLogprobBackward",
     "logprob_backward_workspace_bytes",
     # the numpy reference of both ops
     "replay_reference",

@@ -28,7 +28,12 @@ from ._logprob_checks import check_workspace_shape, validated_backward_call
 from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
 
-__all__ = ["token_logprob_rank_backward", "bind_logprob_rank_backward", "logprob_backward_workspace_bytes"]
+__all__ = [
+    "token_logprob_rank_backward",
+    "bind_logprob_rank_backward",
+    "BoundLogprobBackward",
+    "logprob_backward_workspace_bytes",
+]
 
 
 def logprob_backward_workspace_bytes(batch: int, vocab: int, grad_temperature: bool = False) -> int:
@@ -149,6 +154,21 @@ def token_logprob_rank_backward(
             launch_logprob_backward(args, dtypes, device_id, stream_handle(stream))
 
 
+class BoundLogprobBackward(BoundLogprobRank):
+    """A :func:`token_logprob_rank_backward` call whose arrays were validated and fixed by
+    :func:`bind_logprob_rank_backward`.
+
+    ``bound(stream=s)`` queues the call on stream ``s`` and returns: one kernel launch (two with
+    ``out_grad_temperature``), no validation, no DLPack, stream-ordered, never blocking;
+    capturable in a CUDA graph (a failing launch raises :class:`~trace_replay_core.CudaError`).
+    On the CPU backend it computes in numpy before returning. ``views`` holds the validated
+    arrays (their DLPack capsules keep the memory alive while the object lives);
+    :meth:`release` drops them, as for the forward's :class:`BoundLogprobRank`.
+    """
+
+    __slots__ = ()
+
+
 def bind_logprob_rank_backward(
     logits: Any,
     token_ids: Any,
@@ -166,9 +186,9 @@ def bind_logprob_rank_backward(
     entropy: Any = None,
     grad_entropy: Any = None,
     workspace: Any = None,
-) -> BoundLogprobRank:
+) -> BoundLogprobBackward:
     """Validate the arrays of a :func:`token_logprob_rank_backward` call once and return a
-    :class:`BoundLogprobRank` that repeats exactly that call: ``bound(stream=s)`` queues the
+    :class:`BoundLogprobBackward` that repeats exactly that call: ``bound(stream=s)`` queues the
     kernels on ``s`` (one or two launches, no validation, no DLPack; stream-ordered, capturable in
     a CUDA graph), or computes in numpy on the CPU backend. Arguments and errors as
     :func:`token_logprob_rank_backward`; ``stream`` is used for the DLPack handshake here.
@@ -194,13 +214,13 @@ def bind_logprob_rank_backward(
     kept = tuple(v for v in views if isinstance(v, ArrayView))
     if args is None:
         if numpy_call is None:
-            return BoundLogprobRank(None, kept)
+            return BoundLogprobBackward(None, kept)
         cpu = without_capsules(views)  # the launch keeps pointers: release() lets the arrays go
-        return BoundLogprobRank(lambda _stream: logprob_backward_numpy(*cpu), kept)
+        return BoundLogprobBackward(lambda _stream: logprob_backward_numpy(*cpu), kept)
     from . import _cuda
     from .kernels.logprob_backward import bind_logprob_backward_launch
 
     device_id = views[0].device_id
     with _cuda.on_device(device_id):
         launch = bind_logprob_backward_launch(args, dtypes, device_id)
-    return BoundLogprobRank(launch, kept)
+    return BoundLogprobBackward(launch, kept)
