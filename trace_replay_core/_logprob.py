@@ -246,12 +246,14 @@ def bind_logprob_rank(
 
     For loops that reuse the same buffers every step (or a cache keyed by buffer layout, as the
     torch adapter keeps): each call of the result only queues the kernels, about a tenth of the
-    host time of an unbound call. Arguments and errors as :func:`token_logprob_rank`; ``stream``
-    is used for the DLPack handshake here, each call of the result names its own. Host-blocking
-    only when it compiles the kernels (the first time for a device and signature). On sm_90 and
-    later the kernels of a bound call are queued as programmatic dependent launches: the first may
-    be scheduled while the kernel before it on the stream ends, and waits on the device for that
-    kernel's writes before it reads anything; stream order is kept as for any launch.
+    host time of an unbound call. Arguments and errors as :func:`token_logprob_rank`, and an input
+    whose producer exported a copy over DLPack is refused (the bound call keeps its pointer);
+    ``stream`` is used for the DLPack handshake here, each call of the result names its own.
+    Host-blocking only when it compiles the kernels (the first time for a device and signature).
+    On sm_90 and later the kernels of a bound call are queued as programmatic dependent launches:
+    the first may be scheduled while the kernel before it on the stream ends, and waits on the
+    device for that kernel's writes before it reads anything; stream order is kept as for any
+    launch.
     """
     checked = validated_logprob_call(
         logits,
@@ -266,6 +268,7 @@ def bind_logprob_rank(
         out_topk_ids,
         out_argmax,
         out_entropy,
+        bound=True,
     )
     if checked is None:
         return BoundLogprobRank(None, ())

@@ -191,7 +191,8 @@ def bind_logprob_rank_backward(
     :class:`BoundLogprobBackward` that repeats exactly that call: ``bound(stream=s)`` queues the
     kernels on ``s`` (one or two launches, no validation, no DLPack; stream-ordered, capturable in
     a CUDA graph), or computes in numpy on the CPU backend. Arguments and errors as
-    :func:`token_logprob_rank_backward`; ``stream`` is used for the DLPack handshake here.
+    :func:`token_logprob_rank_backward`, and an input whose producer exported a copy over DLPack
+    is refused (the bound call keeps its pointer); ``stream`` is used for the DLPack handshake here.
     Host-blocking only when it compiles the kernels (the first time for a device and signature).
     """
     numpy_call, args, dtypes, views = validated_backward_call(
@@ -210,6 +211,7 @@ def bind_logprob_rank_backward(
         entropy,
         grad_entropy,
         workspace,
+        bound=True,
     )
     kept = tuple(v for v in views if isinstance(v, ArrayView))
     if args is None:

@@ -11,7 +11,7 @@ from ._dlpack import CPU, ArrayView, as_view
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
 from ._numpy_backend import logprob_backward_numpy
 from ._streams import stream_handle
-from ._validate import INT32_MAX, check_int, check_view
+from ._validate import INT32_MAX, check_int, check_not_copied, check_view
 
 # -- the arrays of both calls (host-only: they read views and never write) ----------------------
 LOGPROB_MAX_VOCAB = 2**30
@@ -153,10 +153,12 @@ def validated_logprob_call(
     out_topk_ids,
     out_argmax,
     out_entropy,
+    bound=False,
 ):
     """Every check of a call: ``None`` when there is nothing to compute (empty batch), else
     ``(numpy backend arguments, kernel args or None, kernel dtypes or None, stream)``; the
-    kernel args are None on the CPU backend."""
+    kernel args are None on the CPU backend. ``bound``: the call is bound, its inputs may not be
+    copies (the outputs never may)."""
     handle = stream_handle(stream)
     lv = check_logits(as_view(logits, name="logits", stream=handle))
     device = lv.device
@@ -193,6 +195,8 @@ def validated_logprob_call(
     ]
     inputs = [("logits", lv), ("token_ids", iv), ("temperature", tv)]
     check_disjoint(outputs, inputs)
+    if bound:
+        check_not_copied(inputs)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
@@ -265,9 +269,11 @@ def validated_backward_call(
     entropy,
     grad_entropy,
     workspace,
+    bound=False,
 ):
     """Every check of a backward call: ``(numpy call or None, kernel args or None, kernel dtypes,
-    views)``; both None when there is nothing to compute."""
+    views)``; both None when there is nothing to compute. ``bound``: the call is bound, its inputs
+    may not be copies (the outputs never may)."""
     handle = stream_handle(stream)
 
     def view(value, name):
@@ -315,6 +321,8 @@ def validated_backward_call(
     inputs += [("entropy", env), ("grad_entropy", gev)]
     outputs = [("out_grad_logits", gv), ("out_grad_temperature", gtv)]
     check_disjoint(outputs, inputs)
+    if bound:
+        check_not_copied(inputs)
     if device == CPU:
         if workspace is not None:
             check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)

@@ -15,13 +15,14 @@ from typing import Any
 
 from ._dlpack import ArrayView, as_view
 from ._dtypes import INDEX_DTYPES, TOKEN_DTYPES
-from ._validate import check_view
+from ._validate import check_not_copied, check_view
 
-__all__ = ["ReplayViews", "check_per_slot", "check_replay"]
+__all__ = ["ReplayViews", "bound_views", "check_per_slot", "check_replay"]
 
 # (sampled, idx_mapping, total_len, prompt_len, step): step None for the per-slot step, else
 # total_len and prompt_len None.
 ReplayViews = tuple[ArrayView, ArrayView, ArrayView | None, ArrayView | None, ArrayView | None]
+_NAMES = ("sampled", "idx_mapping", "total_len", "prompt_len", "step")
 
 
 def _check_sampled(sampled: Any, *, device: str, handle: int) -> ArrayView:
@@ -41,10 +42,14 @@ def _check_rows(arr: Any, name: str, rows: int, *, device: str, handle: int) -> 
     return check_view(view, name=name, dtypes=INDEX_DTYPES, device=device, ndim=1, length=rows)
 
 
-def check_per_slot(arr: Any, name: str, max_slots: int, *, device: str, handle: int) -> ArrayView:
-    """``arr`` as a per-slot length array: int32/int64, 1-D, at least ``max_slots`` entries."""
+def check_per_slot(arr: Any, name: str, max_slots: int, *, device: str, handle: int, bound: bool = False) -> ArrayView:
+    """``arr`` as a per-slot length array: int32/int64, 1-D, at least ``max_slots`` entries; with
+    ``bound`` (lengths kept for later replays), not a copy (:func:`~._validate.check_not_copied`)."""
     view = as_view(arr, name=name, stream=handle)
-    return check_view(view, name=name, dtypes=INDEX_DTYPES, device=device, ndim=1, min_length=max_slots)
+    check_view(view, name=name, dtypes=INDEX_DTYPES, device=device, ndim=1, min_length=max_slots)
+    if bound:
+        check_not_copied(((name, view),))
+    return view
 
 
 def check_replay(
@@ -76,3 +81,10 @@ def check_replay(
         check_per_slot(prompt_len, "prompt_len", max_slots, device=device, handle=handle),
         None,
     )
+
+
+def bound_views(views: ReplayViews) -> ReplayViews:
+    """``views`` (of :func:`check_replay`) for a replay that is bound, whose launch keeps their
+    pointers: refused, naming the array, when one is a copy (:func:`~._validate.check_not_copied`)."""
+    check_not_copied(zip(_NAMES, views))
+    return views

@@ -17,7 +17,7 @@ from ._bound_cache import BoundCache
 from ._bound_replay import BoundReplay
 from ._devices import parse_device
 from ._dlpack import ArrayView
-from ._replay_views import ReplayViews, check_per_slot, check_replay
+from ._replay_views import ReplayViews, bound_views, check_per_slot, check_replay
 from ._streams import stream_handle
 from ._validate import check_distinct_slots, check_positive_int, check_slot, check_slots, trace_array, trace_block
 
@@ -259,8 +259,8 @@ class TraceTable:
         )
 
     def bind_lengths(self, total_len: Any, prompt_len: Any, *, stream: Any) -> None:
-        """Bind the per-slot length arrays that :meth:`replay_cached` reads: validated here,
-        once (int32/int64, 1-D, at least ``max_slots`` entries, on the table's device).
+        """Bind the per-slot length arrays that :meth:`replay_cached` reads: validated here, once
+        (int32/int64, 1-D, at least ``max_slots`` entries, on the table's device, not a copy).
 
         The table keeps their DLPack capsules, so the memory stays alive while bound; the loop
         keeps the contents current (``total_len[slot]`` = prompt plus outputs so far), and
@@ -270,8 +270,8 @@ class TraceTable:
         handle = stream_handle(stream)
         self._live()
         lengths = (
-            check_per_slot(total_len, "total_len", self.max_slots, device=self.device, handle=handle),
-            check_per_slot(prompt_len, "prompt_len", self.max_slots, device=self.device, handle=handle),
+            check_per_slot(total_len, "total_len", self.max_slots, device=self.device, handle=handle, bound=True),
+            check_per_slot(prompt_len, "prompt_len", self.max_slots, device=self.device, handle=handle, bound=True),
         )
         with self._lock:
             self._replays.clear()
@@ -325,7 +325,7 @@ class TraceTable:
         passes (``sampled``, ``idx_mapping`` and any of ``total_len``, ``prompt_len``, ``step``):
         data pointers, dtypes, shapes and strides. Equal keys must describe the same memory;
         then a cached replay is exactly what binding again would give. On a miss the arrays are
-        validated and bound once (over DLPack), with the step source given (``total_len`` and
+        validated and bound once (over DLPack; none a copy), with the step source (``total_len`` and
         ``prompt_len``, or ``step``), or else the lengths of :meth:`bind_lengths`; on a hit
         nothing is validated, so a hit costs one dict lookup and one kernel launch. The
         cache keeps pointers, never the arrays: the caller keeps them alive while work is
@@ -349,7 +349,7 @@ class TraceTable:
             if self._lengths is None:
                 raise ValueError("total_len and prompt_len were neither given nor bound (see bind_lengths)")
             total_len, prompt_len = self._lengths
-        views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle)
+        views = bound_views(self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle))
         with self._lock:
             self._live()
             return self._replays.bind(key, lambda: backend.bind(*views))
@@ -368,13 +368,14 @@ class TraceTable:
 
         For loops that reuse the same buffers every step (persistent input buffers, CUDA graphs):
         each call of the result only queues the kernel. Give ``total_len`` and ``prompt_len``, or
-        ``step``. The bound replay holds the arrays' DLPack capsules, keeping them alive.
+        ``step``. The bound replay holds the arrays' DLPack capsules, keeping them alive; an
+        array whose producer exported a copy is refused (the launch keeps its pointer).
         ``stream`` is used for the DLPack handshake here; each call names its own stream.
         Host-blocking when it compiles the kernel (the first bind or replay for a device and
         these dtypes); the bound replay's calls never block.
         """
         handle = stream_handle(stream)
-        views = self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle)
+        views = bound_views(self._check_replay(sampled, idx_mapping, total_len, prompt_len, step, handle))
         return BoundReplay(self, self._live().bind(*views), tuple(v for v in views if v is not None))
 
     # inspection ------------------------------------------------------------------------------

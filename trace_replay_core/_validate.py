@@ -23,6 +23,7 @@ __all__ = [
     "check_slots",
     "check_trace",
     "check_view",
+    "check_not_copied",
     "trace_array",
     "trace_block",
     "token_error",
@@ -252,3 +253,18 @@ def check_view(
     if view.size and view.ptr % view.itemsize:
         raise ValueError(f"{name} must be aligned to its {view.itemsize}-byte elements (got address 0x{view.ptr:x})")
     return view
+
+
+def check_not_copied(named: Iterable[tuple[str, ArrayView | None]]) -> None:
+    """Refuse, for a call that is bound, each ``(name, view)`` whose producer exported a copy over
+    DLPack (the ``IS_COPIED`` flag; a ``None`` view skipped). A bound call keeps the pointer and
+    reads it at every call: after ``release()`` (or in a cache that keeps pointers only) the copy
+    may be freed, and it never sees what is written to the array later. An unbound call reads a
+    copy while it holds its capsule, so it takes copies."""
+    for name, view in named:
+        if view is not None and view.copied:
+            raise ValueError(
+                f"{name}'s producer exported a copy over DLPack (the IS_COPIED flag): a bound call keeps its "
+                f"pointer and reads it at every call, when the copy may be freed and never sees later writes "
+                f"to the array; pass an array whose own memory its producer exports, or make an unbound call"
+            )
