@@ -129,7 +129,8 @@ def test_forward_mode_works_with_jnp_and_is_refused_by_the_kernel_method():
     # second order, forward over reverse
     got = jax.hessian(lambda a: logprobs("jnp")(a, t).sum())(x)
     np.testing.assert_allclose(got, jax.hessian(lambda a: ref(a, t).sum())(x), atol=1e-5)
-    # the backward's own refusal: JAX's words depend on how the backward is lowered (a buffer
-    # callback: "do not support JVP"; a custom call: no differentiation rule), not pinned here
-    with pytest.raises((ValueError, TypeError, NotImplementedError)):
+    # the backward's own refusal: JAX's words and type depend on how the backward is lowered (a
+    # buffer callback, JAX 0.10.2 on the CPU: ValueError "Buffer callbacks do not support JVP"; a
+    # custom call: no differentiation rule, "not implemented"), so the pattern takes either
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=r"(?i)jvp|differentiat|not implemented"):
         jax.hessian(lambda a: logprobs("kernel")(a, t).sum())(x)
