@@ -5,19 +5,17 @@ only where it runs, on a GPU."""
 
 from __future__ import annotations
 
-import os
-import sys
+import pathlib
 
+import jax
+import jax.numpy as jnp
 import pytest
+from helpers import module_from_file
 
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
+from trace_replay_app.models.llama import jax_loop
+from trace_replay_app.models.llama.config import MODEL_TYPES, default_config, seeded_weights
 
-from trace_replay_app.models.llama import jax_loop  # noqa: E402
-from trace_replay_app.models.llama.config import MODEL_TYPES, default_config, seeded_weights  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import qwen_shape  # noqa: E402
+qwen_shape = module_from_file(pathlib.Path(__file__).resolve().parents[1] / "bench" / "qwen_shape.py")
 
 
 @pytest.mark.parametrize("model_type", [t for t in MODEL_TYPES if t != "mistral"])

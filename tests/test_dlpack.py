@@ -1,5 +1,8 @@
 """CPU tier: DLPack intake from numpy, torch CPU and JAX CPU arrays, and every refusal."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from helpers.dlpack_producers import CopyingProducer
@@ -64,10 +67,16 @@ def test_unversioned_capsule_fallback():
 
 
 def test_view_keeps_producer_memory_alive():
-    v = as_view(np.arange(1000, dtype=np.int64) * 3, name="x")  # the array has no other owner
-    from trace_replay_core._numpy_backend import numpy_of
-
-    assert numpy_of(v)[999] == 2997
+    a = np.arange(1000, dtype=np.int64) * 3
+    alive = weakref.ref(a)
+    v = as_view(a, name="x")
+    del a  # the view is now the array's only owner
+    gc.collect()
+    assert alive() is not None, "the array was freed while a view of it lives"
+    assert v.ptr == alive().ctypes.data
+    del v
+    gc.collect()
+    assert alive() is None, "the array outlived its last view"
 
 
 def test_torch_cpu_views():

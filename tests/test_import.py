@@ -75,11 +75,23 @@ def test_adapters_never_import_the_application():
 
 
 def test_adapters_use_only_the_core_public_names():
-    """An adapter that needs a private module of the core is a sign the core lacks a public name."""
+    """An adapter that needs a private module of the core is a sign the core lacks a public name:
+    no ``trace_replay_core.<module>`` import, and every name taken ``from trace_replay_core`` is
+    in its ``__all__`` (so ``from trace_replay_core import _numpy_backend`` fails too)."""
+    import trace_replay_core
+
     found = []
     for package in ("adapters/trace_replay_torch", "adapters/trace_replay_jax"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            for name, line in _imported_names(ast.parse(path.read_text(), str(path))):
+            tree = ast.parse(path.read_text(), str(path))
+            for name, line in _imported_names(tree):
                 if name.startswith("trace_replay_core."):
                     found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "trace_replay_core":
+                    found += [
+                        f"{path.relative_to(ROOT)}:{node.lineno}: trace_replay_core.{a.name}"
+                        for a in node.names
+                        if a.name not in trace_replay_core.__all__
+                    ]
     assert found == []

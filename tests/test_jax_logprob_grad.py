@@ -46,8 +46,12 @@ def _grads(method, case, flags, dtype, jit):
     return np.asarray(gx, np.float32), None if gt is None else np.asarray(gt)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("dtype", sorted(JNP_DTYPES))
+# eager runs cover every dtype; jit (the same kernels under tracing) runs float32 only
+@pytest.mark.parametrize(
+    "dtype, jit",
+    [(d, False) for d in sorted(JNP_DTYPES)] + [("float32", True)],
+    ids=lambda v: {False: "eager", True: "jit"}.get(v, v),
+)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_grad_matches_log_softmax(rng, name, method, dtype, jit):
@@ -129,7 +133,8 @@ def test_forward_mode_works_with_jnp_and_is_refused_by_the_kernel_method():
     # second order, forward over reverse
     got = jax.hessian(lambda a: logprobs("jnp")(a, t).sum())(x)
     np.testing.assert_allclose(got, jax.hessian(lambda a: ref(a, t).sum())(x), atol=1e-5)
-    # the backward's own refusal: JAX's words depend on how the backward is lowered (a buffer
-    # callback: "do not support JVP"; a custom call: no differentiation rule), not pinned here
-    with pytest.raises((ValueError, TypeError, NotImplementedError)):
+    # the backward's own refusal: JAX's words and type depend on how the backward is lowered (a
+    # buffer callback, JAX 0.10.2 on the CPU: ValueError "Buffer callbacks do not support JVP"; a
+    # custom call: no differentiation rule, "not implemented"), so the pattern takes either
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=r"(?i)jvp|differentiat|not implemented"):
         jax.hessian(lambda a: logprobs("kernel")(a, t).sum())(x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.backward_cases import assert_grads, check_special, make_backward_case, reference_grads, special_case
+from helpers.backward_cases import RTOL, assert_grads, check_special, make_backward_case, reference_grads, special_case
 from helpers.backward_interpreter import run_backward_cases
 
 from trace_replay_core import logprob_backward_workspace_bytes, token_logprob_rank_backward
@@ -88,12 +88,13 @@ def test_kernels_in_interpreter_match_autograd(interpreted):
         assert_grads(case, got["grad"], got.get("grad_t"), f"interpreter {case['name']}")
         if case.get("block") == 128 and case.get("chunk_blocks") == 2:
             assert got["plan"][2] == -(-case["x"].shape[1] // 256), case["name"]
-        # the numpy twin agrees to the dtype's rounding
+        # the numpy twin agrees to the dtype's rounding: twice the reference tolerance for bf16/fp16
+        # (measured 2026-12-05 on the CPU: at most 0.0077 relative for bf16, 0 for fp16 beyond atol)
         want, want_t = _numpy_call(case)
         np.testing.assert_allclose(
             got["grad"],
             want,
-            rtol=4 * np.finfo(np.float32).eps * 2**16 if case["dtype"] != "float32" else 1e-5,
+            rtol=2 * RTOL[case["dtype"]] if case["dtype"] != "float32" else 1e-5,
             atol=1e-6,
             err_msg=case["name"],
         )

@@ -287,13 +287,21 @@ def test_keys():
 @pytest.mark.parametrize(
     "train, rollout, options, message",
     [
-        ([[-1.0]], [], {}, "train has 1 requests, rollout 0"),
-        ([[-1.0, -2.0]], [[-1.0]], {}, "request 0: train has 2 logprobs, rollout 1"),
-        ([[-1.0]], [[float("nan")]], {}, r"rollout\[0\] holds a non-finite"),
-        ([[[-1.0]]], [[[-1.0]]], {}, r"train\[0\] must be 1-D"),
-        ([[-1.0]], [[-1.0]], {"is_threshold": 0.0}, "is_threshold must be positive"),
-        ([[-1.0]], [[-1.0]], {"tis_clip_low": 2.0}, "tis_clip_low must be in"),
-        ([[-1.0]], [[-1.0]], {"rollout_is": "geometric"}, "rollout_is must be"),
+        ([[-1.0]], [], {}, r"^train has 1 requests, rollout 0$"),
+        ([[-1.0, -2.0]], [[-1.0]], {}, r"^request 0: train has 2 logprobs, rollout 1$"),
+        # names the place, not the value: the library's message carries no "(got ...)"
+        ([[-1.0]], [[float("nan")]], {}, r"^rollout\[0\] holds a non-finite logprob$"),
+        ([[[-1.0]]], [[[-1.0]]], {}, r"^train\[0\] must be 1-D \(got shape \(1, 1\)\)$"),
+        # values unlike the other option's default (tis_clip_low 0.0, is_threshold 2.0), so a message
+        # that prints the wrong one fails
+        ([[-1.0]], [[-1.0]], {"is_threshold": -0.5}, r"^is_threshold must be positive and finite \(got -0\.5\)$"),
+        ([[-1.0]], [[-1.0]], {"tis_clip_low": 2.5}, r"^tis_clip_low must be in \[0, is_threshold\) \(got 2\.5\)$"),
+        (
+            [[-1.0]],
+            [[-1.0]],
+            {"rollout_is": "geometric"},
+            r"^rollout_is must be 'token' or 'sequence' \(got 'geometric'\)$",
+        ),
     ],
 )
 def test_refusals(train, rollout, options, message):

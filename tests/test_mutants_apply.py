@@ -5,14 +5,13 @@ would otherwise stay unnoticed until then (seconds here)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import module_from_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "mutants"))
-from faults import FAULTS  # noqa: E402
+FAULTS = module_from_file(ROOT / "tests" / "mutants" / "faults.py").FAULTS
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])

@@ -381,7 +381,7 @@ def test_a_rollout_is_frozen_and_its_logprobs_read_only(tmp_path):
     (rollout, _) = read_rollouts(write(tmp_path, *TRACE))
     with pytest.raises(dataclasses.FrozenInstanceError):
         rollout.logprobs = None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="read-only"):
         rollout.logprobs[0] = 0.0
 
 

@@ -152,7 +152,7 @@ def test_a_late_completion_is_caught(models, rng, monkeypatch):
         (dict(max_tokens=0), ValueError, r"max_tokens must be at least 1 \(got 0\)"),
         (dict(chunk_rows=True), TypeError, r"chunk_rows must be an int \(got bool True\)"),
         (dict(dtype="float16"), ValueError, r"dtype must be one of float32, bfloat16 \(got 'float16'\)"),
-        (dict(device="tpu"), ValueError, r"device"),
+        (dict(device="tpu"), ValueError, r"^device must be 'cpu', 'cuda' or 'cuda:N' \(got 'tpu'\)$"),
         (
             dict(top_k=-1),
             ValueError,

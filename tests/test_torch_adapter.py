@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import assert_tokens_equal, random_scenario  # noqa: E402
+from helpers import POISON, assert_tokens_equal, random_scenario  # noqa: E402
 
 from trace_replay_core import replay_reference  # noqa: E402
 from trace_replay_torch import (  # noqa: E402
@@ -77,18 +77,19 @@ def test_new_buffers_and_reused_buffers_every_step(rng):
 
 
 def test_none_trace_clears_a_reused_slot():
-    z = torch.zeros(4, dtype=torch.int32)
-    with TraceReplayState(4, 4, device="cpu", total_len=z, prompt_len=z) as st:
+    total = torch.tensor([0, 4, 0, 0], dtype=torch.int32)
+    prompt = torch.tensor([0, 3, 0, 0], dtype=torch.int32)  # slot 1 is at step 1
+    with TraceReplayState(4, 4, device="cpu", total_len=total, prompt_len=prompt) as st:
         st.add_request(1, [8, 9])
         st.apply_staged_writes()
-        s = torch.tensor([0])
+        s = torch.tensor([POISON])
         st.replay(s, torch.tensor([1]))
-        assert s.tolist() == [8]
+        assert s.tolist() == [9]
         st.add_request(1, None)  # the next request in slot 1 samples freely
         st.apply_staged_writes()
-        s = torch.tensor([0])
+        s = torch.tensor([POISON])
         st.replay(s, torch.tensor([1]))
-        assert s.tolist() == [0]
+        assert s.tolist() == [POISON], "a cleared slot still replays"
 
 
 def test_add_requests_matches_add_request(rng):

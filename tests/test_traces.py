@@ -212,12 +212,12 @@ def test_without_config_only_the_syntax_is_checked(tmp_path):
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     target = tmp_path / "out.json"
-    with pytest.raises(RuntimeError), atomic_write(str(target)) as f:
+    with pytest.raises(RuntimeError, match="^boom$"), atomic_write(str(target)) as f:
         f.write("partial")
         raise RuntimeError("boom")
     assert os.listdir(tmp_path) == []
     target.write_text("old")
-    with pytest.raises(RuntimeError), atomic_write(str(target)) as f:
+    with pytest.raises(RuntimeError, match="^boom$"), atomic_write(str(target)) as f:
         f.write("new")
         raise RuntimeError("boom")
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]

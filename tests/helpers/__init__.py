@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
 import threading
+import types
 
 import numpy as np
 
@@ -141,3 +145,20 @@ def run_threads(worker, threads: int, *, timeout: float = 300.0) -> None:
         ) from first
     missing = sorted(set(range(threads)) - finished)
     assert not missing, f"threads {missing} of {threads} did not finish within {timeout} s"
+
+
+def module_from_file(path) -> types.ModuleType:
+    """The module in the file ``path`` (a script folder's, not a package's), loaded by its own
+    spec: nothing is added to ``sys.path``, so its folder's other files stay unimportable. It
+    sits in ``sys.modules`` only while it runs (dataclasses look it up there)."""
+    path = pathlib.Path(path)
+    name = f"_trace_replay_tests_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module

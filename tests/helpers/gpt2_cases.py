@@ -136,7 +136,7 @@ def check_against_reference(weights, requests, results, what: str) -> None:
         ref = reference_rows(weights, req, res.tokens)
         at = np.arange(n)
         ref_lp = log_softmax(ref)[at, res.tokens]
-        bad = np.nonzero(np.abs(res.logprobs - ref_lp) > LOGPROB_ATOL)[0]
+        bad = np.flatnonzero(~(np.abs(res.logprobs - ref_lp) <= LOGPROB_ATOL))  # NaN is a failure
         assert bad.size == 0, (
             f"{who}: logprobs differ from the reference at positions {bad[:10].tolist()}: "
             f"got {res.logprobs[bad[:10]].tolist()} expected {ref_lp[bad[:10]].tolist()}"

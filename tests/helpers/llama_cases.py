@@ -344,7 +344,7 @@ def check_against_hf(model, requests, results, what: str, *, atol: float = 1e-5,
         logits = reference_logits(model, r.prompt, res.tokens.tolist())
         logprobs, _, _ = _stats(logits, res.tokens)
         diff = np.abs(res.logprobs - logprobs)
-        bad = np.nonzero(diff > atol)[0]
+        bad = np.flatnonzero(~(diff <= atol))  # NaN is a failure
         assert bad.size == 0, f"{who}: logprob off by {diff.max():.3g} at positions {bad[:8].tolist()}"
         check_ranks(res, logits, who, eps)
 
