@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import admit_requests, check_soak  # noqa: E402
+from helpers.jax_helpers import jax_gpu  # noqa: E402
 
 import trace_replay_jax as trj  # noqa: E402
 from trace_replay_jax import TraceReplayState  # noqa: E402
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("method", ["jnp", "kernel"])
 def test_jax_soak(method, rng):
-    try:
-        gpu = jax.devices("gpu")[0]
-    except RuntimeError as exc:
-        pytest.skip(f"no CUDA device visible to JAX ({exc})")
+    gpu = jax_gpu()
     steps = int(os.environ.get("TRACE_REPLAY_JAX_SOAK_STEPS", 20_000))
     max_slots, max_len, batch, vocab = 64, 48, 32, 50_000
     idx_all = rng.integers(-1, max_slots, (steps, batch)).astype(np.int32)

@@ -18,10 +18,19 @@ def x64(enabled: bool = True):
 
 
 def jax_gpu():
-    """JAX's first GPU device, or skip the test with the reason."""
+    """JAX's first GPU device. Where torch sees a CUDA GPU and JAX does not, JAX's CUDA build is
+    missing or broken: the test fails (saying how to install it) rather than skip, since a
+    skip would hide the GPU tier's JAX half; with no GPU at all, it skips with the reason."""
     try:
         return jax.devices("gpu")[0]
     except RuntimeError as exc:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.fail(
+                f"torch sees a CUDA GPU but JAX does not ({exc}): install JAX's CUDA build "
+                f"(pip install 'jax[cuda13]=={jax.__version__}')"
+            )
         pytest.skip(f"no CUDA device visible to JAX ({exc})")
 
 
