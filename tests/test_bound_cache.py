@@ -1,5 +1,7 @@
 """BoundCache: one bind per key, entries hold no arrays, oldest entry dropped first."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -165,3 +167,9 @@ def test_released_bound_calls_keep_no_array_alive(rng):
     gc.collect()
     assert [k for k, r in refs.items() if r() is not None] == []
     table.close()
+
+
+@pytest.mark.parametrize("size", [0, -3, 2.0, True, None])
+def test_size_must_be_a_positive_int(size):
+    with pytest.raises(ValueError, match=rf"^size must be a positive int \(got \w+ {re.escape(repr(size))}\)$"):
+        BoundCache(size)

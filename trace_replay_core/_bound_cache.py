@@ -36,6 +36,8 @@ class BoundCache:
     __slots__ = ("size", "get", "_entries", "_lock")
 
     def __init__(self, size: int):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be a positive int (got {type(size).__name__} {size!r})")
         self.size = size
         self._entries: dict[Hashable, Any] = {}
         self.get = self._entries.get  # bound once: a lookup is the dict's own, no Python frame
