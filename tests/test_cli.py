@@ -235,6 +235,14 @@ def test_bad_paths_exit_2(tmp_path, trace_file, capsys):
             [*run, "--out", str(tmp_path / "o"), "--seed", "3", "--checkpoint", str(tmp_path / "ckpt")],
             r"--seed 3: has no effect with --checkpoint",
         ),
+        (
+            [*run, "--out", str(tmp_path / "o"), "--sampling-seed", "5"],
+            r"--sampling-seed 5: has no effect at --temperature 0 \(greedy: nothing drawn\)$",
+        ),
+        (
+            ["compare", "--traces", trace_file, "--run", "torch", "--sampling-seed", "5"],
+            r"--sampling-seed 5: has no effect here \(only --run samples, at --temperature above 0\)$",
+        ),
     ]
     for args, pattern in cases:
         status, _ = run_cli(*args)

@@ -170,7 +170,8 @@ REFUSED_BEFORE_RUNS.update({
     "max_batch_without_run": (lambda f, d: [f["rollout"], "--score", "torch", "--max-batch", "4"],
                               "--max-batch 4: has no effect here (only --run decodes in slots)"),
     "sampling_seed_without_run": (lambda f, d: [f["rollout"], "--score", "torch", "--sampling-seed", "3"],
-                                  "--sampling-seed 3: has no effect here (only --run samples)"),
+                                  "--sampling-seed 3: has no effect here (only --run samples, at --temperature "
+                                  "above 0)"),
     "temperature_with_raw_score": (lambda f, d: [f["rollout"], "--score", "torch", "--temperature", "0.5"],
                                    "--temperature 0.5: has no effect here (--score takes no temperature for "
                                    "raw_logprobs)"),

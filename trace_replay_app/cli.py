@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--sampling-seed",
                 type=_seed,
-                default=None if unset else 0,
-                help="seed of the sampling noise (default 0)",
+                default=None,
+                help="seed of the sampling noise (default 0; only with --temperature above 0)",
             )
         p.add_argument(
             "--quiet",

@@ -15,6 +15,7 @@ from .runner import (
     CliError,
     check_framework_device,
     check_outputs,
+    check_sampling_seed,
     decode_options,
     load_loop,
     load_model,
@@ -62,6 +63,7 @@ def _inputs(args) -> list[tuple[str, str | None]]:
 # subcommands ------------------------------------------------------------------------------------
 def cmd_run(args, out: TextIO) -> int:
     check_outputs([("--out", args.out)], _inputs(args), args.checkpoint)
+    check_sampling_seed(args)
     family, config, source, requests, weights, loops = prepare_run(args, [args.framework])
     decode = decode_options(args)
     results, seconds = replay_requests(args.framework, config, weights, requests, loop=loops[args.framework],
@@ -286,7 +288,7 @@ def _run_options(args, runs: Sequence[str], scores: Sequence[str]) -> None:
         "device": None if runs or scores else nothing,
         "dtype": None if runs or scores else nothing,
         "max_batch": None if runs else "only --run decodes in slots",
-        "sampling_seed": None if runs else "only --run samples",
+        "sampling_seed": None if runs and args.temperature else "only --run samples, at --temperature above 0",
         "temperature": None
         if runs or (scores and processed)
         else ("--score takes no temperature for raw_logprobs" if scores else nothing),

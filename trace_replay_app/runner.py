@@ -30,6 +30,7 @@ __all__ = [
     "load_model",
     "load_weights",
     "decode_options",
+    "check_sampling_seed",
     "model_summary",
     "prepare_run",
     "read_requests",
@@ -197,7 +198,15 @@ def decode_options(args) -> dict:
     default: float32 on the CPU, bfloat16 on a GPU)."""
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     mode = getattr(args, "logprobs_mode", "raw_logprobs")
-    return {"dtype": dtype, "temperature": args.temperature, "seed": args.sampling_seed, "logprobs_mode": mode}
+    seed = 0 if args.sampling_seed is None else args.sampling_seed
+    return {"dtype": dtype, "temperature": args.temperature, "seed": seed, "logprobs_mode": mode}
+
+
+def check_sampling_seed(args) -> None:
+    """:class:`CliError` for ``--sampling-seed`` at temperature 0, where nothing is drawn."""
+    if args.sampling_seed is not None and not args.temperature:
+        seed = args.sampling_seed
+        raise CliError(f"--sampling-seed {seed}: has no effect at --temperature 0 (greedy: nothing drawn)")
 
 
 def model_summary(family, config, source, decode) -> dict:
