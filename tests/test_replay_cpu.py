@@ -74,9 +74,11 @@ def test_clear_and_reuse_slots(rng):
                 tr = rng.integers(0, 1000, int(rng.integers(1, max_trace_len + 1)))
                 t.stage(slot, tr)
                 state[slot] = tr
-        # staging the same slot twice before a commit: the last one wins
-        t.stage(3, [1, 2, 3])
-        state[3] = np.array([1, 2, 3])
+        # staging the same slot twice before a commit: the last one wins; slot 3 holds a full-length
+        # trace after round 0 and a 3-token one after each later round (a reused slot's length shrinks)
+        tr3 = rng.integers(0, 1000, max_trace_len) if rnd == 0 else np.array([1, 2, 3])
+        t.stage(3, tr3)
+        state[3] = tr3
         t.commit(stream=0)
         table = np.zeros((max_slots, max_trace_len), np.int32)
         lens = np.zeros(max_slots, np.int32)
@@ -85,6 +87,7 @@ def test_clear_and_reuse_slots(rng):
             lens[slot] = len(tr)
         idx = rng.integers(-1, max_slots, batch).astype(np.int64)
         step = rng.integers(-1, max_trace_len + 1, batch).astype(np.int64)
+        idx[: max_trace_len + 1], step[: max_trace_len + 1] = 3, np.arange(max_trace_len + 1)  # every step of slot 3
         sampled = np.full(batch, POISON, np.int64)
         t.replay_at_step(sampled, idx, step, stream=0)
         assert_tokens_equal(
