@@ -63,9 +63,9 @@ def test_autograd_matches_log_softmax(rng, name, fn, dtype):
 def test_gradcheck_float32():
     """gradcheck with float32 logits (the op takes no float64): finite differences of step 1e-2
     against the analytical gradient, logits and temperature."""
-    torch.manual_seed(0)
-    x = (torch.randn(3, 17) * 2).requires_grad_(True)
-    t = (torch.rand(3) + 0.5).requires_grad_(True)
+    gen = torch.Generator().manual_seed(0)  # fixed inputs, torch's global generator untouched
+    x = (torch.randn(3, 17, generator=gen) * 2).requires_grad_(True)
+    t = (torch.rand(3, generator=gen) + 0.5).requires_grad_(True)
     ids = torch.tensor([0, 5, 16])
 
     def f(x, t):
@@ -92,9 +92,9 @@ def _reference_logprobs(x, ids):
 
 
 def test_func_transforms():
-    torch.manual_seed(1)
-    x, ids = torch.randn(4, 60), torch.randint(0, 60, (4,))
-    xb = torch.randn(3, 4, 60)
+    gen = torch.Generator().manual_seed(1)
+    x, ids = torch.randn(4, 60, generator=gen), torch.randint(0, 60, (4,), generator=gen)
+    xb = torch.randn(3, 4, 60, generator=gen)
 
     def ours(a):
         return token_logprob_rank(a, ids).logprobs
@@ -120,10 +120,10 @@ def test_func_transforms():
 @pytest.mark.parametrize("argmax", [False, True])
 @pytest.mark.parametrize("entropy", [False, True])
 def test_opcheck_every_logprob_op(top_k, argmax, entropy):
-    torch.manual_seed(2)
-    x = torch.randn(3, 33, requires_grad=True)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 33, generator=gen, requires_grad=True)
     # a greedy row with argmax (its id -1); opcheck compares outputs without equating NaN
-    ids, t = torch.tensor([0, -1 if argmax else 7, 32]), (torch.rand(3) + 0.5).requires_grad_(True)
+    ids, t = torch.tensor([0, -1 if argmax else 7, 32]), (torch.rand(3, generator=gen) + 0.5).requires_grad_(True)
     name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")
     op = getattr(torch.ops.trace_replay, name + ("_entropy" if entropy else "")).default
     for temp in (t, None):
@@ -131,19 +131,19 @@ def test_opcheck_every_logprob_op(top_k, argmax, entropy):
 
 
 def test_opcheck_backward():
-    torch.manual_seed(2)
-    x = torch.randn(3, 33, requires_grad=True)
-    ids, t = torch.tensor([0, 7, 32]), (torch.rand(3) + 0.5).requires_grad_(True)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 33, generator=gen, requires_grad=True)
+    ids, t = torch.tensor([0, 7, 32]), (torch.rand(3, generator=gen) + 0.5).requires_grad_(True)
     ops = torch.ops.trace_replay
     lp, _, tlp, tid, am, ent = ops.token_logprob_rank_topk_argmax_entropy(x.detach(), ids, 3, t.detach())
-    g = torch.randn(3)
-    args = (x.detach(), ids, t.detach(), am, lp, g, tid, tlp, torch.randn(3, 3), ent, torch.randn(3), True)
+    g, g_topk, g_ent = torch.randn(3, generator=gen), torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen)
+    args = (x.detach(), ids, t.detach(), am, lp, g, tid, tlp, g_topk, ent, g_ent, True)
     torch.library.opcheck(ops.token_logprob_rank_backward.default, args)
 
 
 def test_compile_backward_aot_eager():
-    torch.manual_seed(3)
-    x, ids = torch.randn(5, 70, requires_grad=True), torch.randint(0, 70, (5,))
+    gen = torch.Generator().manual_seed(3)
+    x, ids = torch.randn(5, 70, generator=gen, requires_grad=True), torch.randint(0, 70, (5,), generator=gen)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def loss(a):
