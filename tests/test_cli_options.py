@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from helpers.cli_helpers import load
 from helpers.cli_helpers import main as run_cli
 
 from trace_replay_app import __version__, cli
-from trace_replay_app.compare import compare_results
+from trace_replay_app.compare import _rms, compare_results, mismatch_measures
 from trace_replay_app.models import get_family
 from trace_replay_app.models.gpt2 import GPT2Config
 from trace_replay_app.records import DeviceMemoryError, RequestResult, TraceRequest
@@ -376,3 +377,20 @@ def test_a_request_s_measures_leave_out_its_non_finite_logprobs():
     row = compare_results([TraceRequest("a", (1,), (1, 2, 3))], [a], [b])["requests"][0]
     assert row["non_finite_logprobs"] == 1 and row["mean_abs_logprob_diff"] == 0.25
     assert row["max_abs_logprob_diff"] == 0.5, row["max_abs_logprob_diff"]
+
+
+def test_measures_of_huge_logprobs_stay_finite_without_overflow():
+    """Logprobs near -1e300 (finite, so a rollout may carry them): the rms and Pearson of their
+    differences are finite and right, computed without an overflow (warnings are errors here);
+    k3's exp(d) is beyond float range, so k3 is not finite (reported as None)."""
+    la = np.array([-1e300, -1.0, -2.0, -3.0])
+    lb = np.array([-1.0, -1.5, -2.5, -1e299])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = mismatch_measures(la, lb)
+        rms = _rms(lb - la)
+    d = (lb - la) / 1e300
+    np.testing.assert_allclose(rms, 1e300 * np.sqrt(np.mean(d * d)), rtol=1e-12)
+    np.testing.assert_allclose(m["pearson"], np.corrcoef(la / 1e300, lb / 1e300)[0, 1], rtol=1e-12)
+    assert m["k3"] is None and m["max_abs_logprob_diff"] == pytest.approx(1e300)
+    assert _rms(np.zeros(3)) == 0.0

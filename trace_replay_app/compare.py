@@ -61,6 +61,13 @@ def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _rms(x: np.ndarray) -> float:
+    """Root mean square, scaled by the largest magnitude first, so that squares of differences
+    beyond 1e154 do not overflow (the result is finite whenever the differences are)."""
+    top = float(np.abs(x).max())
+    return 0.0 if top == 0.0 else top * float(np.sqrt(np.mean((x / top) ** 2)))
+
+
 def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> dict[str, Any]:
     """The mismatch measures of two logprob sequences of the same tokens (float64, equal length,
     finite entries only): ``mean/max_abs_logprob_diff``, ``mean/max_abs_prob_diff``, ``k3`` and
@@ -76,11 +83,14 @@ def mismatch_measures(la: np.ndarray, lb: np.ndarray) -> dict[str, Any]:
             "pearson": None,
         }
     dp = np.abs(np.exp(lb) - np.exp(la))
-    # exp(d) - 1 - d loses every digit for tiny d: expm1 keeps them
-    k3 = np.expm1(d) - d
+    # exp(d) - 1 - d loses every digit for tiny d: expm1 keeps them; beyond float range it is inf
+    with np.errstate(over="ignore"):
+        k3 = np.expm1(d) - d
     pearson = None
-    if d.size >= 2 and np.std(la) > 0 and np.std(lb) > 0:
-        pearson = _num(np.corrcoef(la, lb)[0, 1])
+    if d.size >= 2:  # scaled first: squares of logprobs beyond 1e154 overflow (the correlation is the same)
+        sa, sb = (x / top if (top := np.abs(x).max()) > 0 else x for x in (la, lb))
+        if np.std(sa) > 0 and np.std(sb) > 0:
+            pearson = _num(np.corrcoef(sa, sb)[0, 1])
     return {
         "mean_abs_logprob_diff": _num(np.abs(d).mean()),
         "max_abs_logprob_diff": _num(np.abs(d).max()),
@@ -223,7 +233,7 @@ def compare_results(
         "mean_abs_logprob_diff": stat(np.mean),
         "p50_abs_logprob_diff": stat(lambda x: np.percentile(x, 50)),
         "p99_abs_logprob_diff": stat(lambda x: np.percentile(x, 99)),
-        "rms_logprob_diff": stat(lambda x: np.sqrt(np.mean(x * x))),
+        "rms_logprob_diff": stat(_rms),
         "mean_abs_prob_diff": overall["mean_abs_prob_diff"],
         "max_abs_prob_diff": overall["max_abs_prob_diff"],
         "k3": overall["k3"],
