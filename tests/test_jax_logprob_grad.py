@@ -128,7 +128,7 @@ def test_forward_mode_works_with_jnp_and_is_refused_by_the_kernel_method():
         lambda: jax.jacfwd(logprobs("kernel"))(x, t),
         lambda: jax.jvp(logprobs("kernel"), (x, t), tangents),
     ):
-        with pytest.raises(TypeError, match=r"forward-mode autodiff \(jvp\) to a custom_vjp function"):
+        with pytest.raises(TypeError, match=r"(?i)forward-mode|jvp"):
             forward()
     # second order, forward over reverse
     got = jax.hessian(lambda a: logprobs("jnp")(a, t).sum())(x)
