@@ -262,7 +262,7 @@ def test_hostile_sources_exit_2_naming_file_line_and_field(tmp_path, files, caps
 def test_a_json_lines_file_is_told_from_its_first_line(tmp_path, monkeypatch):
     """Whether a file is an output document is decided from its first line: a JSON Lines
     rollout is not read whole for it (its second line here is 4 MiB)."""
-    from trace_replay_app import sources
+    from trace_replay_app import sources, traces
 
     path = tmp_path / "r.jsonl"
     path.write_bytes(b'{"id": "a", "prompt": [1], "trace": [2]}\n{"x": "' + b"y" * 2**22 + b'"}\n')
@@ -274,7 +274,8 @@ def test_a_json_lines_file_is_told_from_its_first_line(tmp_path, monkeypatch):
             read.append(n or 0)
             return n
 
-    monkeypatch.setattr(sources, "open", lambda p, mode="rb": io.BufferedReader(Counted(p, "rb")), raising=False)
+    for module in (sources, traces):  # every read of the file counted (traces.text_lines reads its lines)
+        monkeypatch.setattr(module, "open", lambda p, mode="rb": io.BufferedReader(Counted(p, "rb")), raising=False)
     assert sources.is_output_document(str(path)) is False
     assert 0 < sum(read) < 2**20, sum(read)
     one_line = tmp_path / "o.json"  # an output written on one line is still one

@@ -22,6 +22,7 @@ error names the file, the line and the field (:class:`~trace_replay_app.traces.T
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,7 +36,7 @@ import numpy as np
 from .records import RequestResult, TraceRequest
 from .rollout_fields import Invalid, logprob
 from .rollouts import ROLLOUT_FORMATS, detect_format, read_rollouts
-from .traces import TraceFileError, json_error, utf8_text
+from .traces import TraceFileError, json_error, text_lines, utf8_text
 
 __all__ = [
     "Source",
@@ -121,13 +122,8 @@ def _output_keys(value: Any) -> bool:
 def _first_value(path: str) -> tuple[bool, Any]:
     """``(complete, value)`` of the first non-blank line of ``path``: whether it holds a whole
     JSON value, and that value (None for an empty file or an incomplete line)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
-            text = utf8_text(path, raw, number)
-            if not text.strip():
-                continue
+    with contextlib.closing(text_lines(path)) as lines:
+        for number, text in lines:
             try:
                 return True, json.loads(text)
             except json.JSONDecodeError:

@@ -31,7 +31,7 @@ import random
 import secrets
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from .records import TraceRequest
@@ -42,6 +42,7 @@ __all__ = [
     "TRACE_FIELDS",
     "read_traces",
     "read_json_lines",
+    "text_lines",
     "utf8_text",
     "json_error",
     "parse_request",
@@ -170,18 +171,25 @@ def read_json_lines(path: str) -> Iterator[tuple[int, Any]]:
     naming the line for bytes that are not UTF-8, text that is not JSON, JSON nested too deeply
     or an integer literal too long for Python to read; ``OSError`` if the file cannot be read.
     """
+    for number, text in text_lines(path):
+        try:
+            obj = json.loads(text)
+        except (RecursionError, ValueError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
+            raise json_error(path, number, exc) from None
+        yield number, obj
+
+
+def text_lines(path: str) -> Generator[tuple[int, str], None, None]:
+    """Each non-blank line of ``path`` as (line number from 1, text), decoded as UTF-8 (a leading
+    byte-order mark skipped); :class:`TraceFileError` naming the line for bytes that are not
+    UTF-8; ``OSError`` if the file cannot be read."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
             text = utf8_text(path, raw, number)
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except (RecursionError, ValueError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
-                raise json_error(path, number, exc) from None
-            yield number, obj
+            if text.strip():
+                yield number, text
 
 
 def utf8_text(path: str, raw: bytes, line: int = 1) -> str:
