@@ -89,6 +89,7 @@ PINNED = {
         "bind_logprob_rank": "(logits, token_ids, *, out_logprobs, out_ranks, stream, "
         "workspace=None, temperature=None, top_k=0, "
         "out_topk_logprobs=None, out_topk_ids=None, out_argmax=None, out_entropy=None)",
+        "check_top_k": "(top_k, vocab)",
         "default_device": "()",
         "logprob_rank_workspace_bytes": "(batch, vocab, top_k=0)",
         "parse_device": "(device)",

@@ -34,6 +34,7 @@ from ._logprob import (
     TOPK_MAX,
     BoundLogprobRank,
     bind_logprob_rank,
+    check_top_k,
     logprob_rank_workspace_bytes,
     token_logprob_rank,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "bind_logprob_rank",
     "BoundLogprobRank",
     "logprob_rank_workspace_bytes",
+    "check_top_k",
     "MAX_VOCAB",
     "TOPK_MAX",
     # its gradient

@@ -27,7 +27,13 @@ from typing import Any
 
 from ._dlpack import ArrayView, without_capsules
 from ._dtypes import LOGITS_DTYPES, RANK_DTYPES, TOKEN_DTYPES
-from ._logprob_checks import LOGPROB_MAX_VOCAB, LOGPROB_TOPK_MAX, logprob_rank_workspace_bytes, validated_logprob_call
+from ._logprob_checks import (
+    LOGPROB_MAX_VOCAB,
+    LOGPROB_TOPK_MAX,
+    check_top_k,
+    logprob_rank_workspace_bytes,
+    validated_logprob_call,
+)
 from ._numpy_backend import logprob_rank_numpy
 from ._streams import stream_handle
 
@@ -36,6 +42,7 @@ __all__ = [
     "bind_logprob_rank",
     "BoundLogprobRank",
     "logprob_rank_workspace_bytes",
+    "check_top_k",
     "LOGITS_DTYPES",
     "TOKEN_DTYPES",
     "RANK_DTYPES",

@@ -75,6 +75,9 @@ def check_workspace_shape(batch: Any, vocab: Any) -> tuple[int, int]:
 
 
 def check_top_k(top_k: Any, vocab: int) -> int:
+    """``top_k`` as an int, checked for a call on ``vocab`` logits: an integer (not a bool)
+    between 0 and ``min(TOPK_MAX, vocab)``; ``TypeError``/``ValueError`` naming it and the value
+    otherwise. Host-only; the adapters call it before choosing what to run."""
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
         raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     limit = min(LOGPROB_TOPK_MAX, vocab)

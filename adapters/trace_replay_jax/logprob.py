@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_replay_core import LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, TOPK_MAX
+from trace_replay_core import LOGITS_DTYPES, MAX_VOCAB, TOKEN_DTYPES, check_top_k
 
 from .guards import check_fits_int32
 from .logprob_grad import kernel_logprob_rank
@@ -95,18 +95,6 @@ def _check(logits: Any, token_ids: Any, method: Any) -> tuple[int, int]:
         raise TypeError(f"token_ids must have dtype int32 or int64 (got {np.dtype(token_ids.dtype).name})")
     check_fits_int32(token_ids, "token_ids")  # an int64 numpy id JAX would wrap without x64
     return batch, vocab
-
-
-def _check_top_k(top_k: Any, vocab: int) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
-    limit = min(TOPK_MAX, vocab)
-    if not 0 <= int(top_k) <= limit:
-        raise ValueError(
-            f"top_k must be between 0 and {limit} (at most {TOPK_MAX} and at most the "
-            f"vocabulary, {vocab}) (got {top_k})"
-        )
-    return int(top_k)
 
 
 def _check_flag(value: Any, name: str) -> bool:
@@ -280,7 +268,7 @@ def token_logprob_rank(
     into the batch axis and runs once.
     """
     batch, vocab = _check(logits, token_ids, method)
-    top_k = _check_top_k(top_k, vocab)
+    top_k = check_top_k(top_k, vocab)
     argmax = _check_flag(argmax, "argmax")
     entropy = _check_flag(entropy, "entropy")
     temperature = _temperature(temperature, batch)

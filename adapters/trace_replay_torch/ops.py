@@ -75,11 +75,9 @@ function once before capturing it.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from trace_replay_core import TOPK_MAX
+from trace_replay_core import check_top_k
 
 from . import registry
 from .logprob import _temperature, compute_logprob_rank  # the ops' kernels: never routed back to an op
@@ -335,23 +333,13 @@ def token_logprob_rank_op(
     Stream-ordered on the current stream, no host sync.
     """
     _check_tensors(logits=logits, token_ids=token_ids)
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
     if not isinstance(argmax, bool):
         raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool (got {type(entropy).__name__} {entropy!r})")
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [batch, vocab] (got shape {list(logits.shape)})")
-    top_k = int(top_k)
-    vocab = logits.shape[1]
-    # The core's check and message, made here once whichever op runs (a fake kernel would fail on a
-    # negative size). top_k > vocab is tested only for a top_k > 0: no guard on the vocabulary otherwise.
-    if top_k < 0 or top_k > TOPK_MAX or (top_k > 0 and top_k > vocab):
-        raise ValueError(
-            f"top_k must be between 0 and {min(TOPK_MAX, vocab)} (at most {TOPK_MAX} and at most the "
-            f"vocabulary, {vocab}) (got {top_k})"
-        )
+    top_k = check_top_k(top_k, logits.shape[1])  # here, once, whichever op runs (a fake kernel fails on -1)
     temp = _temperature(temperature, logits.shape[0], logits.device)
     ops, x = torch.ops.trace_replay, logits
     name = "token_logprob_rank" + ("_topk" if top_k else "") + ("_argmax" if argmax else "")
