@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trace_replay_core import BoundCache, bind_logprob_rank, logprob_rank_workspace_bytes
+from trace_replay_core import BoundCache, bind_logprob_rank, check_top_k, logprob_rank_workspace_bytes
 from trace_replay_core import token_logprob_rank as core_token_logprob_rank
 
 from .logprob_results import (
@@ -219,20 +219,18 @@ def compute_logprob_rank(
     device = logits.device
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"logits must be on a cpu or cuda device (got {device})")
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise TypeError(f"top_k must be an int (got {type(top_k).__name__} {top_k!r})")
+    batch, vocab = logits.shape
+    top_k = check_top_k(top_k, vocab)
     if not isinstance(argmax, bool):
         raise TypeError(f"argmax must be a bool (got {type(argmax).__name__} {argmax!r})")
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool (got {type(entropy).__name__} {entropy!r})")
-    top_k = int(top_k)
-    batch, vocab = logits.shape
     if out is None:
         outs = [
             torch.empty(batch, dtype=torch.float32, device=device),
             torch.empty(batch, dtype=torch.int64, device=device),
         ]
-        if top_k > 0 and 0 < top_k <= min(64, vocab):
+        if top_k:
             outs += [
                 torch.empty(batch, top_k, dtype=torch.float32, device=device),
                 torch.empty(batch, top_k, dtype=torch.int64, device=device),
@@ -262,7 +260,7 @@ def compute_logprob_rank(
         )
         return result
     stream = raw_stream(device.index)
-    nbytes = _workspace_bytes(batch, vocab, top_k) if 0 <= top_k <= min(64, vocab) else 0
+    nbytes = _workspace_bytes(batch, vocab, top_k)
     # Freed when this call returns: torch reuses it only for work queued after ours.
     workspace = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
     _bound((logits, token_ids, outs[0], outs[1], workspace, temp, *outs[2:]), top_k, stream)(stream=stream)
