@@ -197,12 +197,8 @@ def validated_logprob_call(
         ("out_entropy", env),
     ]
     inputs = [("logits", lv), ("token_ids", iv), ("temperature", tv)]
-    check_disjoint(outputs, inputs)
-    if bound:
-        check_not_copied(inputs)
+    _check_sets(outputs, inputs, bound, device, workspace, handle)
     if device == CPU:
-        if workspace is not None:
-            check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
         return ((lv, iv, tv, lpv, rkv, tlpv, tidv, top_k, amv, env), None, None, handle) if batch else None
     if lv.device_type != "cuda":
         raise ValueError(f"logits must be in host memory or on a CUDA device (got {lv.device})")
@@ -253,6 +249,17 @@ def validated_logprob_call(
     )
     views = (lv, iv, tv, lpv, rkv, tlpv, tidv, wsv, amv, env)
     return views, args, dtypes, handle
+
+
+def _check_sets(outputs, inputs, bound, device, workspace, handle) -> None:
+    """What the forward and the backward check of their arrays as sets: no output overlaps
+    another or an input; a bound call takes no copied input; on the CPU, a workspace given is
+    only checked (the numpy backend needs none)."""
+    check_disjoint(outputs, inputs)
+    if bound:
+        check_not_copied(inputs)
+    if device == CPU and workspace is not None:
+        check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
 
 
 # -- the backward call --------------------------------------------------------------------------
@@ -323,12 +330,8 @@ def validated_backward_call(
     inputs += [("argmax", amv), ("topk_ids", tidv), ("topk_logprobs", tlpv), ("grad_topk_logprobs", gtkv)]
     inputs += [("entropy", env), ("grad_entropy", gev)]
     outputs = [("out_grad_logits", gv), ("out_grad_temperature", gtv)]
-    check_disjoint(outputs, inputs)
-    if bound:
-        check_not_copied(inputs)
+    _check_sets(outputs, inputs, bound, device, workspace, handle)
     if device == CPU:
-        if workspace is not None:
-            check_workspace(as_view(workspace, name="workspace", stream=handle), device, 0)
         views = (lv, iv, amv, tv, lpv, glv, tidv, tlpv, gtkv, env, gev, gv, gtv)
         return (lambda _stream: logprob_backward_numpy(*views)) if batch else None, None, None, views
     if lv.device_type != "cuda":
